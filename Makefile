@@ -1,0 +1,47 @@
+# TierFS build. Every target installs what it needs (apt-get for system
+# packages, .venv for Python ones); nothing relies on the machine's state.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DATA   ?= ./.tierfs
+PYTEST_ARGS ?=
+
+.PHONY: install system proto proto-check lint test run bench soak clean down
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install-system.sh
+	bash scripts/install-system.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+system:
+	bash scripts/install-system.sh
+
+proto: install
+	$(BIN)/python scripts/gen_proto.py
+
+proto-check: install
+	$(BIN)/python scripts/gen_proto.py --check
+
+lint: install
+	$(BIN)/ruff check tierfs tests bench scripts
+	$(BIN)/mypy
+
+test: install lint proto-check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+run: install
+	$(BIN)/python -m tierfs.demo --data $(DATA)
+
+down: install
+	$(BIN)/tierfs down --data $(DATA)
+
+bench: install
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

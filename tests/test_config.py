@@ -1,0 +1,62 @@
+"""Config machinery: precedence, unit parsing, validation errors name the field."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tierfs.config import BaseConfig, field, load, parse_duration, parse_size
+from tierfs.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg(BaseConfig):
+    SECTION = "demo"
+    chunk_size: int = field(4 << 20, "chunk size in bytes", kind="size")
+    timeout: float = field(1.0, "timeout in seconds", kind="duration")
+    peers: list[str] = field([], "peer addresses")
+    name: str = field("x", "a name")
+    fsync: bool = field(True, "fsync writes")
+
+    def validate(self) -> None:
+        if self.chunk_size <= 0 or self.chunk_size & (self.chunk_size - 1):
+            raise ConfigError("must be a power of two", field="chunk_size")
+
+
+def test_units() -> None:
+    assert parse_size("4MiB") == 4 << 20
+    assert parse_size("1GB") == 10**9
+    assert parse_size(512) == 512
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration("2m") == 120.0
+    with pytest.raises(ValueError):
+        parse_size("4 apples")
+
+
+def test_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[demo]\nchunk_size = "1MiB"\nname = "file"\ntimeout = "2s"\n')
+    env = {"TIERFS_DEMO_NAME": "env", "TIERFS_DEMO_TIMEOUT": "3s"}
+    cfg = load(_Cfg, toml, env=env, overrides={"timeout": "250ms", "peers": None})
+    assert cfg.chunk_size == 1 << 20  # TOML beats default
+    assert cfg.name == "env"  # env beats TOML
+    assert cfg.timeout == 0.25  # flag beats env
+    assert cfg.peers == []  # None override = flag not given
+
+
+def test_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load(_Cfg, env={"TIERFS_DEMO_CHUNK_SIZE": "3"})
+    assert ei.value.field == "chunk_size" and "power of two" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load(_Cfg, env={"TIERFS_DEMO_FSYNC": "maybe"})
+    assert ei.value.field == "fsync"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[demo]\nchunk_sise = 4096\n")
+    with pytest.raises(ConfigError) as ei:
+        load(_Cfg, bad, env={})
+    assert ei.value.field == "chunk_sise"
+    with pytest.raises(ConfigError):
+        load(_Cfg, tmp_path / "missing.toml", env={})
+    with pytest.raises(ConfigError):
+        load(_Cfg, env={}, overrides={"nope": 1})

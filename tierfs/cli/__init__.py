@@ -1,0 +1,1 @@
+"""The tierfs admin CLI."""

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code (see scripts/gen_proto.py)."""

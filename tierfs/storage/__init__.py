@@ -1,0 +1,1 @@
+"""Storage daemon: chunk engine, I/O backends, data-plane server, repair and scrub."""

@@ -1,0 +1,62 @@
+"""The contract between the data-plane server and the chunk engine.
+
+A fragment is identified by (inode, chunk index, fragment index, version).
+The data-plane server receives payloads into buffers it gets from the store
+(``alloc``, so O_DIRECT backends can hand out aligned memory) and calls the
+store; the store never sees sockets, the server never sees files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class FragmentKey:
+    inode: int
+    chunk: int
+    fragment: int
+    version: int
+
+    def __post_init__(self) -> None:
+        for name in ("inode", "chunk", "fragment", "version"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or v >= 1 << 64:
+                raise ValueError(f"FragmentKey.{name} must be an unsigned 64-bit integer, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentInfo:
+    key: FragmentKey
+    size: int
+    crc32c: int
+
+
+class FragmentStore(Protocol):
+    """One target (a directory on one disk) as the data plane sees it."""
+
+    target_id: int
+
+    def alloc(self, size: int) -> memoryview:
+        """A writable buffer of exactly ``size`` bytes for an incoming payload
+        (pooled and aligned where the backend needs it)."""
+
+    def release(self, buf: memoryview) -> None:
+        """Return a buffer from ``alloc`` or ``read`` to the pool."""
+
+    async def write(self, key: FragmentKey, data: memoryview, crc32c: int) -> None:
+        """Durably store ``data`` (CRC32C already checked by the caller against
+        ``crc32c``): temp file, fsync, rename, dir fsync. Raises NoSpaceError,
+        InvalidArgumentError."""
+
+    async def read(self, key: FragmentKey, offset: int = 0, length: int = -1) -> memoryview:
+        """The bytes of ``key`` in [offset, offset+length) (``-1``: to the end),
+        verified against the stored CRC32C. Raises NotFoundError, CorruptError.
+        The caller releases the returned view with ``release``."""
+
+    async def delete(self, key: FragmentKey) -> bool:
+        """Remove ``key``; False if it was not there."""
+
+    async def stat(self, key: FragmentKey) -> FragmentInfo:
+        """Size and CRC32C of ``key``. Raises NotFoundError."""
