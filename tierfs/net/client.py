@@ -1,0 +1,340 @@
+"""The data-plane client: a pool of connections per peer, many requests in
+flight on each, answers matched by request id and accepted in any order.
+
+A READ answer's payload is received straight into the caller's buffer. A
+request that times out or is cancelled before its answer starts arriving is
+forgotten (its answer is drained into scratch space); one whose payload is
+already landing in the caller's buffer aborts the connection, because the
+caller is about to reuse that buffer. Errors: the server's TierFSError is
+re-raised as the same class; anything wrong with the connection becomes
+UnavailableError, a missed deadline TimeoutError_.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tierfs.errors import (
+    InvalidArgumentError,
+    ProtocolError,
+    TierFSError,
+    TimeoutError_,
+    UnavailableError,
+    error_from_code,
+)
+from tierfs.net.framing import FrameProtocol
+from tierfs.net.protocol import ALL, HEADER_SIZE, Flag, Header, Limits, Op, crc32c, encode_header
+from tierfs.net.transport import Transport, get_transport
+from tierfs.storage.api import FragmentInfo, FragmentKey
+
+__all__ = ["Address", "DataClient", "ReadItem", "WriteItem", "parse_address"]
+
+Address = str | tuple[str, int]
+#: (target, key, dest, offset)
+ReadItem = tuple[int, FragmentKey, memoryview, int]
+#: (target, key, data)
+WriteItem = tuple[int, FragmentKey, Any]
+
+_MAX_ERROR_PAYLOAD = 1 << 16
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def parse_address(addr: Address) -> tuple[str, int]:
+    if isinstance(addr, tuple):
+        return addr[0], int(addr[1])
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidArgumentError(f"bad data-plane address {addr!r} (want host:port)")
+    return host.strip("[]"), int(port)
+
+
+class _Pending:
+    __slots__ = ("abandoned", "dest", "fut", "op")
+
+    def __init__(self, fut: asyncio.Future[tuple[Header, memoryview | None]], op: int,
+                 dest: memoryview | None) -> None:
+        self.fut = fut
+        self.op = op
+        self.dest = dest
+        self.abandoned = False
+
+
+class _ClientConnection(FrameProtocol):
+    role = "client"
+
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(limits)
+        self.pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._lost: asyncio.Future[None] | None = None
+        self.reason = "connection closed"
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._lost = asyncio.get_running_loop().create_future()
+
+    def _on_violation(self, reason: str) -> None:
+        self.reason = f"protocol violation from server: {reason}"
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        reason = f"{self.reason}: {exc}" if exc else self.reason
+        for p in self.pending.values():
+            if not p.fut.done():
+                p.fut.set_exception(UnavailableError(f"data-plane connection to {self.peer} lost ({reason})"))
+        self.pending.clear()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+
+    def _on_header(self, hdr: Header) -> memoryview | None:
+        if not hdr.flags & Flag.RESPONSE:
+            raise ProtocolError(f"request frame (op {hdr.op}) sent to the client")
+        p = self.pending.get(hdr.request_id)
+        if p is None or p.op != hdr.op:
+            raise ProtocolError(f"answer to unknown request {hdr.request_id} (op {hdr.op})")
+        if hdr.status:
+            if hdr.payload_len > _MAX_ERROR_PAYLOAD:
+                raise ProtocolError(f"error message of {hdr.payload_len} bytes")
+            return memoryview(bytearray(hdr.payload_len))
+        if hdr.op != Op.READ:
+            raise ProtocolError(f"op {Op(hdr.op).name} answer carries {hdr.payload_len} bytes")
+        if p.abandoned:
+            return None
+        if p.dest is None:
+            return memoryview(bytearray(hdr.payload_len))
+        if hdr.payload_len > len(p.dest):
+            raise ProtocolError(f"read answer of {hdr.payload_len} bytes for a {len(p.dest)}-byte buffer")
+        return p.dest[: hdr.payload_len]
+
+    def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
+        if not hdr.flags & Flag.RESPONSE:
+            raise ProtocolError(f"request frame (op {hdr.op}) sent to the client")
+        p = self.pending.pop(hdr.request_id, None)
+        if p is None or p.op != hdr.op:
+            raise ProtocolError(f"answer to unknown request {hdr.request_id} (op {hdr.op})")
+        if not p.abandoned and not p.fut.done():
+            p.fut.set_result((hdr, payload))
+
+    async def call(self, op: Op, target: int, key: FragmentKey | None, *, timeout: float,
+                   offset: int = 0, length: int = 0, payload: memoryview | None = None,
+                   dest: memoryview | None = None, more: bool = False) -> tuple[Header, memoryview | None]:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise UnavailableError(f"data-plane connection to {self.peer} is closed ({self.reason})")
+        rid = next(self._ids)
+        fut: asyncio.Future[tuple[Header, memoryview | None]] = asyncio.get_running_loop().create_future()
+        p = _Pending(fut, op, dest)
+        head = bytearray(HEADER_SIZE)
+        n = 0 if payload is None else len(payload)
+        encode_header(head, op, rid, flags=Flag.MORE if more else 0, target=target, key=key,
+                      offset=offset, length=length, payload_len=n,
+                      payload_crc=crc32c(payload) if payload is not None and n else 0)
+        self.pending[rid] = p
+        if n:
+            self.transport.writelines([head, payload])
+        else:
+            self.transport.write(head)
+        try:
+            async with asyncio.timeout(timeout):
+                hdr, body = await fut
+        except TimeoutError:
+            self._abandon(rid, p)
+            raise TimeoutError_(f"data-plane {op.name} to {self.peer} timed out after {timeout:g}s") from None
+        except asyncio.CancelledError:
+            self._abandon(rid, p)
+            raise
+        if hdr.status:
+            raise error_from_code(hdr.status, bytes(body or b"").decode("utf-8", "replace"))
+        return hdr, body
+
+    def _abandon(self, rid: int, p: _Pending) -> None:
+        if self.closed:
+            return
+        p.abandoned = True
+        cur = self.receiving
+        payload_busy = cur is not None and cur.request_id == rid and self._payload is not None
+        # A write payload the transport still references, or a read answer
+        # landing in the caller's buffer, must not outlive this call.
+        if payload_busy or (p.op == Op.WRITE and self.transport.get_write_buffer_size()):
+            self.reason = "a request was abandoned mid-transfer"
+            self.abort()
+
+    async def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        if self._lost is not None:
+            await self._lost
+
+
+class _PeerPool:
+    def __init__(self, client: DataClient, host: str, port: int) -> None:
+        self.client = client
+        self.host = host
+        self.port = port
+        self.conns: list[_ClientConnection] = []
+        self.connecting = 0
+        self.transport = client._transport_for(host)
+
+    async def get(self) -> _ClientConnection:
+        live = [c for c in self.conns if not c.closed]
+        if len(live) != len(self.conns):
+            self.conns = live
+        best = min(live, key=lambda c: len(c.pending), default=None)
+        if best is not None and (not best.pending or len(live) + self.connecting >= self.client.connections_per_peer):
+            return best
+        if len(live) + self.connecting >= self.client.connections_per_peer and best is not None:
+            return best
+        self.connecting += 1
+        try:
+            conn = await self.transport.connect(
+                self.host, self.port, lambda: _ClientConnection(self.client.limits),
+                limits=self.client.limits, timeout=self.client.connect_timeout)
+        finally:
+            self.connecting -= 1
+        assert isinstance(conn, _ClientConnection)
+        self.conns.append(conn)
+        return conn
+
+    async def close(self) -> None:
+        conns, self.conns = self.conns, []
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+
+class DataClient:
+    """Talks to data-plane servers. Targets are routed to server addresses
+    with :meth:`set_route` (or ``routes=``); every method takes a target id."""
+
+    def __init__(
+        self,
+        *,
+        transport: str = "tcp",
+        connections_per_peer: int = 2,
+        request_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        limits: Limits | None = None,
+        routes: Mapping[int, Address] | None = None,
+    ) -> None:
+        if connections_per_peer < 1:
+            raise InvalidArgumentError("connections_per_peer must be at least 1")
+        self.transport_name = transport
+        self.connections_per_peer = connections_per_peer
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.limits = limits or Limits()
+        self.routes: dict[int, tuple[str, int]] = {}
+        self._pools: dict[tuple[str, int], _PeerPool] = {}
+        self._transports: dict[str, Transport] = {}
+        if transport != "auto":
+            self._transports[transport] = get_transport(transport)
+        for target, addr in (routes or {}).items():
+            self.set_route(target, addr)
+
+    def _transport_for(self, host: str) -> Transport:
+        name = self.transport_name
+        if name == "auto":
+            name = "shm" if host.startswith(_LOOPBACK) and get_transport("shm").available() else "tcp"
+        t = self._transports.get(name)
+        if t is None:
+            t = self._transports[name] = get_transport(name)
+        return t
+
+    def set_route(self, target: int, address: Address) -> None:
+        self.routes[target] = parse_address(address)
+
+    def _pool(self, target: int) -> _PeerPool:
+        addr = self.routes.get(target)
+        if addr is None:
+            raise UnavailableError(f"no data-plane address known for target {target}")
+        pool = self._pools.get(addr)
+        if pool is None:
+            pool = self._pools[addr] = _PeerPool(self, *addr)
+        return pool
+
+    async def _call(self, target: int, op: Op, key: FragmentKey | None, timeout: float | None = None,
+                    **kw: Any) -> tuple[Header, memoryview | None]:
+        t = self.request_timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(t):
+                conn = await self._pool(target).get()
+        except TimeoutError:
+            raise TimeoutError_(f"connecting for {op.name} on target {target} timed out") from None
+        return await conn.call(op, target, key, timeout=t, **kw)
+
+    # --- operations ------------------------------------------------------------
+
+    async def ping(self, target: int, *, timeout: float | None = None) -> None:
+        await self._call(target, Op.PING, None, timeout)
+
+    async def write(self, target: int, key: FragmentKey, data: Any, *, timeout: float | None = None) -> None:
+        """Store ``data`` (any buffer) as fragment ``key`` on ``target``."""
+        view = memoryview(data).cast("B")
+        if len(view) > self.limits.max_frame_bytes:
+            raise InvalidArgumentError(
+                f"fragment of {len(view)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
+        await self._call(target, Op.WRITE, key, timeout, payload=view)
+
+    async def read_into(self, target: int, key: FragmentKey, dest: Any, offset: int = 0, *,
+                        timeout: float | None = None) -> int:
+        """Read ``len(dest)`` bytes of ``key`` from ``offset`` straight into
+        ``dest``; returns how many arrived (fewer at the fragment's end)."""
+        view = memoryview(dest).cast("B")
+        if view.readonly:
+            raise InvalidArgumentError("read_into needs a writable buffer")
+        if len(view) > self.limits.max_frame_bytes:
+            raise InvalidArgumentError(
+                f"read of {len(view)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
+        if offset < 0:
+            raise InvalidArgumentError(f"negative offset {offset}")
+        hdr, _ = await self._call(target, Op.READ, key, timeout, offset=offset, length=len(view), dest=view)
+        return hdr.payload_len
+
+    async def read(self, target: int, key: FragmentKey, offset: int = 0, length: int = -1, *,
+                   timeout: float | None = None) -> bytes:
+        """The bytes of ``key`` in [offset, offset+length) (-1: to the end)."""
+        if offset < 0:
+            raise InvalidArgumentError(f"negative offset {offset}")
+        _, body = await self._call(target, Op.READ, key, timeout, offset=offset,
+                                   length=ALL if length < 0 else length)
+        return bytes(body) if body is not None else b""
+
+    async def delete(self, target: int, key: FragmentKey, *, timeout: float | None = None) -> bool:
+        hdr, _ = await self._call(target, Op.DELETE, key, timeout)
+        return bool(hdr.length)
+
+    async def stat(self, target: int, key: FragmentKey, *, timeout: float | None = None) -> FragmentInfo:
+        hdr, _ = await self._call(target, Op.STAT, key, timeout)
+        return FragmentInfo(key, hdr.length, hdr.payload_crc)
+
+    async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None) -> list[int | TierFSError]:
+        """Many ``read_into`` at once: the frames of one peer go out
+        back-to-back (MORE flag on all but the last), answers complete in any
+        order; results come back in item order, a failure in its own slot."""
+        coros = [self.read_into(t, k, d, o, timeout=timeout) for t, k, d, o in items]
+        return await _gather_slots(coros)
+
+    async def write_batch(self, items: Iterable[WriteItem], *, timeout: float | None = None) -> list[TierFSError | None]:
+        coros = [self.write(t, k, d, timeout=timeout) for t, k, d in items]
+        return await _gather_slots(coros)
+
+    async def close(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
+
+    async def __aenter__(self) -> DataClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _gather_slots(coros: Sequence[Any]) -> list[Any]:
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    out: list[Any] = []
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, TierFSError):
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+            raise r
+        out.append(r)
+    return out

@@ -1,0 +1,191 @@
+"""The data-plane wire format: one fixed 88-byte header, then the payload.
+
+Layout (little-endian, ``struct`` format :data:`HEADER_FORMAT`)::
+
+    off size field        meaning
+      0   4  magic        b"TFDP"
+      4   1  version      1
+      5   1  op           :class:`Op`
+      6   2  flags        :class:`Flag` bits (RESPONSE on every reply)
+      8   8  request_id   chosen by the client, echoed in the reply
+     16   4  target       target id the request is for
+     20   4  status       0 = OK, else an ErrorCode (reply only)
+     24   8  inode        \
+     32   8  chunk         | FragmentKey
+     40   8  fragment      |
+     48   8  fversion     /
+     56   8  offset       byte offset (READ)
+     64   8  length       READ: bytes wanted (ALL = to the end);
+                          DELETE reply: 1 existed / 0 not; STAT reply: size
+     72   8  payload_len  bytes following the header
+     80   4  payload_crc  CRC32C of the payload (STAT reply: fragment CRC32C)
+     84   4  header_crc   CRC32C of bytes 0..83
+
+Everything here is pure: encoding into a caller-owned buffer and decoding
+from one, with no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+
+from tierfs.errors import ConfigError, ProtocolError
+from tierfs.storage.api import FragmentKey
+
+__all__ = [
+    "ALL",
+    "HEADER_FORMAT",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "Flag",
+    "Header",
+    "Limits",
+    "Op",
+    "crc32c",
+    "decode_header",
+    "encode_header",
+]
+
+MAGIC = b"TFDP"
+VERSION = 1
+HEADER_FORMAT = "<4sBBHQIIQQQQQQQII"
+_STRUCT = struct.Struct(HEADER_FORMAT)
+HEADER_SIZE = _STRUCT.size
+_CRC_SPAN = HEADER_SIZE - 4
+_U64 = (1 << 64) - 1
+#: ``length`` value meaning "to the end of the fragment".
+ALL = _U64
+
+
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    return int(_crc32c.crc32c(data, value))
+
+
+class Op(enum.IntEnum):
+    PING = 1
+    WRITE = 2
+    READ = 3
+    DELETE = 4
+    STAT = 5
+
+
+class Flag(enum.IntFlag):
+    RESPONSE = 0x1
+    #: Set on every frame of a batch except the last (advisory: the server
+    #: may use it to defer flushing; completion is still per frame).
+    MORE = 0x2
+
+
+_KNOWN_FLAGS = int(Flag.RESPONSE | Flag.MORE)
+_OPS = frozenset(int(o) for o in Op)
+
+
+@dataclass(slots=True)
+class Header:
+    op: int
+    request_id: int
+    flags: int = 0
+    target: int = 0
+    status: int = 0
+    inode: int = 0
+    chunk: int = 0
+    fragment: int = 0
+    fversion: int = 0
+    offset: int = 0
+    length: int = 0
+    payload_len: int = 0
+    payload_crc: int = 0
+
+    @property
+    def key(self) -> FragmentKey:
+        return FragmentKey(self.inode, self.chunk, self.fragment, self.fversion)
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flags & Flag.RESPONSE)
+
+
+def encode_header(
+    buf: bytearray | memoryview,
+    op: int,
+    request_id: int,
+    *,
+    flags: int = 0,
+    target: int = 0,
+    status: int = 0,
+    key: FragmentKey | None = None,
+    offset: int = 0,
+    length: int = 0,
+    payload_len: int = 0,
+    payload_crc: int = 0,
+) -> None:
+    """Pack a header into ``buf[:HEADER_SIZE]`` (no allocation beyond the int
+    boxing ``struct`` does)."""
+    if key is None:
+        inode = chunk = fragment = fversion = 0
+    else:
+        inode, chunk, fragment, fversion = key.inode, key.chunk, key.fragment, key.version
+    try:
+        _STRUCT.pack_into(
+            buf, 0, MAGIC, VERSION, op, flags, request_id, target, status,
+            inode, chunk, fragment, fversion, offset, length, payload_len, payload_crc, 0,
+        )
+    except struct.error as exc:
+        raise ProtocolError(f"header field out of range: {exc}") from None
+    struct.pack_into("<I", buf, _CRC_SPAN, crc32c(memoryview(buf)[:_CRC_SPAN]))
+
+
+def decode_header(buf: bytes | bytearray | memoryview, max_payload: int) -> Header:
+    """Parse and validate one header. Raises ProtocolError with the reason."""
+    if len(buf) < HEADER_SIZE:
+        raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
+    (magic, version, op, flags, request_id, target, status, inode, chunk, fragment,
+     fversion, offset, length, payload_len, payload_crc, header_crc) = _STRUCT.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    got = crc32c(memoryview(buf)[:_CRC_SPAN])
+    if got != header_crc:
+        raise ProtocolError(f"header CRC mismatch: {got:#010x} != {header_crc:#010x}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}")
+    if op not in _OPS:
+        raise ProtocolError(f"unknown op {op}")
+    if flags & ~_KNOWN_FLAGS:
+        raise ProtocolError(f"unknown flags {flags:#x}")
+    if payload_len > max_payload:
+        raise ProtocolError(f"frame payload {payload_len} exceeds limit {max_payload}")
+    return Header(op, request_id, flags, target, status, inode, chunk, fragment, fversion,
+                  offset, length, payload_len, payload_crc)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-connection hard limits, enforced by both ends."""
+
+    #: Largest payload of one frame (a fragment, or an error message).
+    max_frame_bytes: int = 128 << 20
+    #: Payload bytes a server connection holds (received-not-stored plus
+    #: read-not-yet-sent) before it stops reading from the socket.
+    max_inflight_bytes: int = 512 << 20
+    #: Requests a server connection has started and not answered before it
+    #: stops reading from the socket.
+    max_inflight_requests: int = 256
+    #: Size of each direction's shared-memory ring (shm transport).
+    shm_ring_bytes: int = 16 << 20
+    #: Socket send/receive buffer size asked of the kernel (tcp).
+    socket_buffer_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "max_inflight_bytes", "max_inflight_requests",
+                     "shm_ring_bytes", "socket_buffer_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError("must be positive", field=name)
+        if self.max_inflight_bytes < self.max_frame_bytes:
+            raise ConfigError("must be at least max_frame_bytes", field="max_inflight_bytes")
+        if self.shm_ring_bytes < HEADER_SIZE * 2:
+            raise ConfigError(f"must be at least {HEADER_SIZE * 2}", field="shm_ring_bytes")

@@ -1,0 +1,397 @@
+"""Same-host transport: payload bytes move through shared memory.
+
+Connection setup: the client connects to the server's abstract unix socket
+``\\0tierfs-dp-<tcp port>``, creates two ``memfd`` rings (client->server and
+server->client, ``Limits.shm_ring_bytes`` each) and passes their descriptors
+with ``SCM_RIGHTS``. Nothing is left on any file system, and the rings vanish
+with the last process that maps them.
+
+Each ring is a byte stream: the sender copies the frames (header and payload)
+into the ring at its write position and rings a doorbell on the unix socket
+(``b"W" + u64 bytes written``); the receiver copies out of the ring straight
+into the buffer the frame protocol names (the caller's read buffer, the
+store's ``alloc`` buffer) and returns credit (``b"C" + u64 bytes consumed``).
+So the socket carries only 9-byte doorbells; payloads cost one copy into the
+ring and one out of it, no kernel socket copies. A sender whose ring is full
+keeps the rest of its buffers (by reference) until credit comes back, which
+is the transport's write buffer and its backpressure signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import mmap
+import os
+import socket
+import struct
+from typing import Any
+
+from tierfs.errors import UnavailableError
+from tierfs.net.framing import FrameProtocol, log
+from tierfs.net.protocol import Limits
+from tierfs.net.transport import Listener, ProtocolFactory, Transport
+
+__all__ = ["ShmListener", "ShmTransport", "socket_name"]
+
+_BELL = struct.Struct("<cQ")
+_HELLO = struct.Struct("<4sQ")
+_HELLO_MAGIC = b"TFSM"
+_MIN_RING = 1 << 16
+_MAX_RING = 1 << 32
+
+
+def socket_name(port: int) -> str:
+    """Abstract unix socket name of the data-plane server on TCP ``port``."""
+    return f"\0tierfs-dp-{port}"
+
+
+class _Bells(asyncio.Protocol):
+    """The doorbell channel of one shm connection."""
+
+    def __init__(self, owner: ShmStreamTransport) -> None:
+        self.owner = owner
+        self.buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.owner._bells = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        n = len(self.buf) - len(self.buf) % _BELL.size
+        if not n:
+            return
+        wrote = credit = 0
+        for kind, value in _BELL.iter_unpack(memoryview(self.buf)[:n]):
+            if kind == b"W":
+                wrote += value
+            elif kind == b"C":
+                credit += value
+            else:
+                self.owner._fail(f"bad doorbell {kind!r}")
+                return
+        del self.buf[:n]
+        if credit:
+            self.owner._on_credit(credit)
+        if wrote:
+            self.owner._on_written(wrote)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner._on_bells_lost(exc)
+
+
+class ShmStreamTransport(asyncio.Transport):
+    """An asyncio-transport look-alike over a pair of shared-memory rings."""
+
+    def __init__(self, tx: mmap.mmap | None, rx: mmap.mmap | None, protocol: FrameProtocol, peer: str,
+                 size: int = 0) -> None:
+        super().__init__()
+        self._loop = asyncio.get_running_loop()
+        self._tx_map, self._rx_map = tx, rx
+        self._tx = memoryview(tx) if tx is not None else memoryview(b"")
+        self._rx = memoryview(rx) if rx is not None else memoryview(b"")
+        self._size = len(tx) if tx is not None else size
+        self._protocol = protocol
+        self._peer = peer
+        self._bells: asyncio.Transport | None = None
+        # Sender: monotonic positions; ``_free`` is credit left in the peer's view.
+        self._wpos = 0
+        self._free = self._size
+        self._queue: collections.deque[memoryview] = collections.deque()
+        self._queued = 0
+        self._high = 64 * 1024
+        self._low = 16 * 1024
+        self._write_paused = False
+        # Receiver.
+        self._rpos = 0
+        self._avail = 0
+        self._reading_paused = False
+        self._drain_scheduled = False
+        self._closing = False
+        self._lost = False
+
+    # --- asyncio.Transport surface ---------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "tierfs_peer":
+            return self._peer
+        return default
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._bells is not None:
+            self._bells.close()
+
+    def abort(self) -> None:
+        self._closing = True
+        if self._bells is not None:
+            self._bells.abort()
+
+    def write(self, data: Any) -> None:
+        self.writelines([data])
+
+    def writelines(self, list_of_data: Any) -> None:
+        if self._closing:
+            return
+        for data in list_of_data:
+            view = memoryview(data).cast("B")
+            if len(view):
+                self._queue.append(view)
+                self._queued += len(view)
+        self._flush()
+
+    def get_write_buffer_size(self) -> int:
+        return self._queued
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._high = 64 * 1024 if high is None else high
+        self._low = self._high // 4 if low is None else low
+
+    def pause_reading(self) -> None:
+        self._reading_paused = True
+
+    def resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            self._schedule_drain()
+
+    def is_reading(self) -> bool:
+        return not self._reading_paused
+
+    # --- sending -----------------------------------------------------------------
+
+    def _flush(self) -> None:
+        moved = 0
+        size = self._size
+        while self._queue and self._free:
+            head = self._queue[0]
+            pos = self._wpos % size
+            n = min(len(head), self._free, size - pos)
+            self._copy_in(pos, head[:n])
+            self._wpos += n
+            self._free -= n
+            moved += n
+            if n == len(head):
+                self._queue.popleft()
+            else:
+                self._queue[0] = head[n:]
+        if moved:
+            self._queued -= moved
+            assert self._bells is not None
+            self._bells.write(_BELL.pack(b"W", moved))
+        if not self._write_paused and self._queued > self._high:
+            self._write_paused = True
+            self._protocol.pause_writing()
+        elif self._write_paused and self._queued <= self._low:
+            self._write_paused = False
+            self._protocol.resume_writing()
+
+    def _on_credit(self, n: int) -> None:
+        self._free += n
+        if self._free > self._size:
+            self._fail("peer returned more credit than it was given")
+            return
+        self._flush()
+
+    def _copy_in(self, pos: int, data: memoryview) -> None:
+        """Put ``data`` into the peer's ring at ``pos`` (shm: it is mapped here)."""
+        self._tx[pos:pos + len(data)] = data
+
+    def _copy_out(self, buf: memoryview, pos: int, n: int) -> None:
+        buf[:n] = self._rx[pos:pos + n]
+
+    # --- receiving ---------------------------------------------------------------
+
+    def _on_written(self, n: int) -> None:
+        self._avail += n
+        if self._avail > self._size:
+            self._fail("peer wrote more than the ring holds")
+            return
+        self._drain()
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        consumed = 0
+        size, proto = self._size, self._protocol
+        try:
+            while self._avail and not self._reading_paused and not self._lost:
+                buf = proto.get_buffer(-1)
+                pos = self._rpos % size
+                n = min(len(buf), self._avail, size - pos)
+                if n <= 0:
+                    raise RuntimeError("get_buffer returned an empty buffer")
+                self._copy_out(buf, pos, n)
+                del buf
+                self._rpos += n
+                self._avail -= n
+                consumed += n
+                proto.buffer_updated(n)
+        except Exception as exc:
+            self._fail(f"receive failed: {exc!r}")
+            return
+        finally:
+            if consumed and self._bells is not None and not self._bells.is_closing():
+                self._bells.write(_BELL.pack(b"C", consumed))
+
+    # --- teardown ----------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        log.warning("shm connection closed: %s", reason,
+                    extra={"event": "dataplane.shm_error", "peer": self._peer, "reason": reason})
+        self.abort()
+
+    def _on_bells_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._closing = True
+        self._queue.clear()
+        self._queued = 0
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        for view in (self._tx, self._rx):
+            with contextlib.suppress(BufferError):
+                view.release()
+        for m in (self._tx_map, self._rx_map):
+            if m is not None:
+                with contextlib.suppress(BufferError):
+                    m.close()
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+async def _attach(sock: socket.socket, tx: mmap.mmap, rx: mmap.mmap, protocol: FrameProtocol,
+                  peer: str) -> ShmStreamTransport:
+    loop = asyncio.get_running_loop()
+    transport = ShmStreamTransport(tx, rx, protocol, peer)
+    await loop.create_unix_connection(lambda: _Bells(transport), sock=sock)
+    protocol.connection_made(transport)
+    return transport
+
+
+class ShmListener(Listener):
+    def __init__(self, sock: socket.socket, port: int, factory: ProtocolFactory, limits: Limits) -> None:
+        self.sock = sock
+        self.address = socket_name(port)
+        self.factory = factory
+        self.limits = limits
+        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._handshakes: set[asyncio.Task[None]] = set()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self.sock)
+            task = loop.create_task(self._handshake(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        fds: list[int] = []
+        try:
+            conn.setblocking(False)
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        msg, fds, _, _ = socket.recv_fds(conn, _HELLO.size, 2)
+                        break
+                    except BlockingIOError:
+                        ready = loop.create_future()
+                        loop.add_reader(conn.fileno(), ready.set_result, None)
+                        try:
+                            await ready
+                        finally:
+                            loop.remove_reader(conn.fileno())
+            if len(msg) != _HELLO.size or len(fds) != 2:
+                raise ValueError("bad shm hello")
+            magic, size = _HELLO.unpack(msg)
+            if magic != _HELLO_MAGIC or not _MIN_RING <= size <= _MAX_RING:
+                raise ValueError(f"bad shm hello {magic!r} size {size}")
+            for fd in fds:
+                if os.fstat(fd).st_size != size:
+                    raise ValueError("shm ring has the wrong size")
+            # client->server is our rx, server->client our tx.
+            rx, tx = _map(fds[0], size), _map(fds[1], size)
+        except Exception as exc:
+            log.warning("shm handshake failed: %s", exc,
+                        extra={"event": "dataplane.shm_handshake_failed", "reason": str(exc)})
+            conn.close()
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        await _attach(conn, tx, rx, self.factory(), "shm-client")
+
+    async def close(self) -> None:
+        self._task.cancel()
+        for t in list(self._handshakes):
+            t.cancel()
+        await asyncio.gather(self._task, *self._handshakes, return_exceptions=True)
+        self.sock.close()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    @classmethod
+    def available(cls) -> bool:
+        return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+    async def connect(
+        self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits, timeout: float
+    ) -> FrameProtocol:
+        loop = asyncio.get_running_loop()
+        size = limits.shm_ring_bytes
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds: list[int] = []
+        try:
+            sock.setblocking(False)
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, socket_name(port))
+            for _ in range(2):
+                fd = os.memfd_create("tierfs-dp-ring", os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, size)
+            socket.send_fds(sock, [_HELLO.pack(_HELLO_MAGIC, size)], fds)
+            tx, rx = _map(fds[0], size), _map(fds[1], size)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            raise UnavailableError(
+                f"cannot connect to {host}:{port} over shm: {exc or 'timeout'}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        protocol = factory()
+        await _attach(sock, tx, rx, protocol, f"shm:{port}")
+        return protocol
+
+    async def listen(self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits) -> Listener:
+        if not port:
+            raise UnavailableError("the shm transport needs the server's TCP port")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(socket_name(port))
+            sock.listen(256)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        return ShmListener(sock, port, factory, limits)

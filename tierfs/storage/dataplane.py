@@ -1,0 +1,406 @@
+"""The data-plane server: serves FragmentStores (keyed by target id) over the
+framed protocol of :mod:`tierfs.net.protocol`, on every configured transport.
+
+Per connection: requests run concurrently and are answered out of order; a
+WRITE payload is received straight into ``store.alloc(n)`` and handed to the
+store only after its CRC32C checks out; a READ answer sends the store's buffer
+as is (``writelines([header, view])``) and gives it back to the store once the
+transport has flushed it. Limits on in-flight bytes and requests pause reading
+from the connection (backpressure, never an error). A protocol violation
+closes that connection with a logged reason and touches no store.
+
+Standalone (tests, benchmarks)::
+
+    python -m tierfs.storage.dataplane --memory-target 1 [--disk-target 2:/path] [--port 0]
+
+prints ``{"port": N}`` on stdout once listening, and runs until stdin closes
+or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tierfs.errors import (
+    InternalError,
+    InvalidArgumentError,
+    ProtocolError,
+    TierFSError,
+    UnavailableError,
+)
+from tierfs.net.framing import FrameProtocol, log
+from tierfs.net.protocol import ALL, HEADER_SIZE, Flag, Header, Limits, Op, crc32c, encode_header
+from tierfs.net.transport import Listener, get_transport
+from tierfs.storage.api import FragmentStore
+
+__all__ = ["DataPlaneServer", "start_dataplane"]
+
+_MAX_ERROR_MESSAGE = 4096
+_COUNTERS = (
+    "connections_total", "connections_active", "protocol_violations", "requests_total",
+    "requests_failed", "bytes_received", "bytes_sent", "reads", "writes", "deletes", "stats", "pings",
+)
+
+
+class _ServerConnection(FrameProtocol):
+    role = "server"
+
+    def __init__(self, server: DataPlaneServer) -> None:
+        super().__init__(server.limits)
+        self.server = server
+        self.counters = server.counters
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight_requests = 0
+        self._inflight_bytes = 0
+        self._paused = False
+        # Buffers (with their store) referenced by the transport's send queue.
+        self._unsent: collections.deque[tuple[FragmentStore, memoryview, int]] = collections.deque()
+        self._write_paused = False
+        # Which store owns the buffer of the frame being received (WRITE).
+        self._recv_store: FragmentStore | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        # high=0: the transport calls pause_writing whenever anything is left
+        # unsent and resume_writing once it is all out; that is our signal
+        # that read buffers can go back to the store.
+        transport.set_write_buffer_limits(high=0, low=0)
+        self.server._conns.add(self)
+        self.counters["connections_total"] += 1
+        self.counters["connections_active"] += 1
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._release_unsent()
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        self.server._conns.discard(self)
+        self.counters["connections_active"] -= 1
+        for task in self._tasks:
+            task.cancel()
+        self._release_unsent(force=True)
+
+    def _on_violation(self, reason: str) -> None:
+        self.counters["protocol_violations"] += 1
+
+    def _on_bad_payload(self, hdr: Header, payload: memoryview) -> None:
+        store, self._recv_store = self._recv_store, None
+        if store is not None:
+            store.release(payload)
+
+    # --- receive ---------------------------------------------------------------
+
+    def _on_header(self, hdr: Header) -> memoryview | None:
+        if hdr.flags & Flag.RESPONSE:
+            raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
+        if hdr.op != Op.WRITE:
+            raise ProtocolError(f"op {Op(hdr.op).name} carries no payload, got {hdr.payload_len} bytes")
+        store = self.server.stores.get(hdr.target)
+        if store is None:
+            self._recv_store = None
+            return None  # drained and answered with an error in _on_frame
+        self._recv_store = store
+        return store.alloc(hdr.payload_len)
+
+    def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
+        if hdr.flags & Flag.RESPONSE:
+            raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
+        if hdr.op != Op.WRITE and hdr.payload_len:
+            raise ProtocolError(f"op {hdr.op} carries no payload")
+        store = self._recv_store
+        self._recv_store = None
+        self.counters["requests_total"] += 1
+        self.counters["bytes_received"] += hdr.payload_len
+        reserve = hdr.payload_len
+        if hdr.op == Op.READ and hdr.length != ALL:
+            reserve += min(hdr.length, self.limits.max_frame_bytes)
+        self._inflight_requests += 1
+        self._inflight_bytes += reserve
+        task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if (not self._paused and (self._inflight_requests >= self.limits.max_inflight_requests
+                                  or self._inflight_bytes >= self.limits.max_inflight_bytes)):
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _done(self, reserve: int) -> None:
+        self._inflight_requests -= 1
+        self._inflight_bytes -= reserve
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        if (self._paused and not self.closed
+                and self._inflight_requests < self.limits.max_inflight_requests
+                and self._inflight_bytes < self.limits.max_inflight_bytes):
+            self._paused = False
+            self.transport.resume_reading()
+
+    # --- serve -----------------------------------------------------------------
+
+    async def _serve(self, hdr: Header, payload: memoryview | None, wstore: FragmentStore | None, reserve: int) -> None:
+        out: memoryview | None = None
+        ostore: FragmentStore | None = None
+        try:
+            store = self.server.stores.get(hdr.target)
+            if store is None:
+                raise UnavailableError(f"target {hdr.target} is not served here")
+            op = hdr.op
+            if op == Op.WRITE:
+                self.counters["writes"] += 1
+                data = payload if payload is not None else memoryview(b"")
+                await store.write(hdr.key, data, hdr.payload_crc)
+                self._reply(hdr)
+            elif op == Op.READ:
+                self.counters["reads"] += 1
+                if hdr.length != ALL and hdr.length > self.limits.max_frame_bytes:
+                    raise InvalidArgumentError(
+                        f"read of {hdr.length} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
+                out = await store.read(hdr.key, hdr.offset, -1 if hdr.length == ALL else hdr.length)
+                ostore = store
+                if len(out) > self.limits.max_frame_bytes:
+                    raise InvalidArgumentError(
+                        f"fragment range of {len(out)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
+                self._reply(hdr, payload=out, store=store)
+                out = None  # owned by the send queue now
+            elif op == Op.DELETE:
+                self.counters["deletes"] += 1
+                existed = await store.delete(hdr.key)
+                self._reply(hdr, length=1 if existed else 0)
+            elif op == Op.STAT:
+                self.counters["stats"] += 1
+                info = await store.stat(hdr.key)
+                self._reply(hdr, length=info.size, payload_crc=info.crc32c)
+            elif op == Op.PING:  # pragma: no branch
+                self.counters["pings"] += 1
+                self._reply(hdr)
+        except asyncio.CancelledError:
+            raise
+        except TierFSError as exc:
+            self.counters["requests_failed"] += 1
+            self._reply_error(hdr, exc)
+        except Exception as exc:
+            self.counters["requests_failed"] += 1
+            log.exception("dataplane request failed", extra={
+                "event": "dataplane.internal_error", "op": hdr.op, "target": hdr.target, "peer": self.peer})
+            self._reply_error(hdr, InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if out is not None and ostore is not None:
+                ostore.release(out)
+            if payload is not None and wstore is not None:
+                wstore.release(payload)
+            self._done(reserve)
+
+    def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: FragmentStore | None = None,
+               length: int = 0, payload_crc: int | None = None) -> None:
+        if self.closed:
+            if payload is not None and store is not None:
+                store.release(payload)
+            return
+        n = 0 if payload is None else len(payload)
+        if payload_crc is None:
+            payload_crc = crc32c(payload) if payload is not None and n else 0
+        head = bytearray(HEADER_SIZE)
+        encode_header(head, hdr.op, hdr.request_id, flags=Flag.RESPONSE, target=hdr.target,
+                      key=hdr.key, offset=hdr.offset, length=length, payload_len=n,
+                      payload_crc=payload_crc)
+        if payload is None or n == 0:
+            self.transport.write(head)
+            if payload is not None and store is not None:
+                store.release(payload)
+            return
+        self.counters["bytes_sent"] += n
+        self.transport.writelines([head, payload])
+        assert store is not None
+        if self.transport.get_write_buffer_size() == 0:
+            store.release(payload)
+        else:
+            self._unsent.append((store, payload, n))
+            self._inflight_bytes += n
+
+    def _reply_error(self, hdr: Header, exc: TierFSError) -> None:
+        if self.closed:
+            return
+        msg = exc.message.encode("utf-8", "replace")[:_MAX_ERROR_MESSAGE]
+        head = bytearray(HEADER_SIZE)
+        encode_header(head, hdr.op, hdr.request_id, flags=Flag.RESPONSE, target=hdr.target,
+                      status=int(exc.code), key=hdr.key, payload_len=len(msg), payload_crc=crc32c(msg))
+        self.transport.writelines([head, msg])
+
+    def _release_unsent(self, force: bool = False) -> None:
+        if not self._unsent:
+            return
+        if not force and self.transport is not None and self.transport.get_write_buffer_size():
+            return
+        freed = 0
+        while self._unsent:
+            store, view, n = self._unsent.popleft()
+            store.release(view)
+            freed += n
+        self._inflight_bytes -= freed
+        if not force:
+            self._maybe_resume()
+
+
+class DataPlaneServer:
+    """A running data-plane server. Build it with :func:`start_dataplane`."""
+
+    def __init__(self, stores: Mapping[int, FragmentStore], limits: Limits) -> None:
+        self.stores: dict[int, FragmentStore] = dict(stores)
+        self.limits = limits
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.host = ""
+        self.port = 0
+        self.listeners: dict[str, Listener] = {}
+        self._conns: set[_ServerConnection] = set()
+
+    def add_store(self, store: FragmentStore) -> None:
+        self.stores[store.target_id] = store
+
+    def remove_store(self, target_id: int) -> None:
+        self.stores.pop(target_id, None)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _protocol(self) -> _ServerConnection:
+        return _ServerConnection(self)
+
+    async def close(self) -> None:
+        for listener in self.listeners.values():
+            await listener.close()
+        self.listeners.clear()
+        conns = list(self._conns)
+        for conn in conns:
+            conn.abort()
+        tasks = [t for c in conns for t in c._tasks]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Let the transports deliver connection_lost before the loop goes.
+        await asyncio.sleep(0)
+
+    async def __aenter__(self) -> DataPlaneServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def start_dataplane(
+    stores: Mapping[int, FragmentStore],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    limits: Limits | None = None,
+    transports: Sequence[str] = ("tcp", "shm"),
+) -> DataPlaneServer:
+    """Start serving ``stores`` on ``host:port`` (TCP; 0 picks a port) and on
+    the other ``transports`` that are available here. Run it on uvloop."""
+    server = DataPlaneServer(stores, limits or Limits())
+    names = list(dict.fromkeys(["tcp", *transports]))
+    try:
+        for name in names:
+            transport = get_transport(name)
+            if not transport.available():
+                log.info("dataplane transport %s not available here", name,
+                         extra={"event": "dataplane.transport_unavailable", "transport": name})
+                continue
+            listener = await transport.listen(host, server.port or port, server._protocol, limits=server.limits)
+            server.listeners[name] = listener
+            if name == "tcp":
+                server.host = host
+                server.port = listener.port  # type: ignore[attr-defined]
+    except BaseException:
+        await server.close()
+        raise
+    log.info("dataplane listening on %s:%d (%s)", host, server.port, ", ".join(server.listeners),
+             extra={"event": "dataplane.listening", "port": server.port, "transports": list(server.listeners)})
+    return server
+
+
+async def _amain(argv: Sequence[str] | None = None) -> None:
+    import argparse
+    import json
+    import os
+    import signal
+    import sys
+
+    from tierfs.net.memstore import MemoryFragmentStore
+
+    ap = argparse.ArgumentParser(prog="python -m tierfs.storage.dataplane")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--memory-target", type=int, action="append", default=[])
+    ap.add_argument("--disk-target", action="append", default=[], help="ID:PATH (needs the chunk engine)")
+    ap.add_argument("--transports", default="tcp,shm")
+    ap.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
+    args = ap.parse_args(argv)
+    stores: dict[int, FragmentStore] = {t: MemoryFragmentStore(t) for t in args.memory_target}
+    closers: list[Any] = []
+    for spec in args.disk_target:
+        tid, _, path = spec.partition(":")
+        from tierfs.storage import engine  # type: ignore[attr-defined]
+
+        store = await _open_engine(engine, int(tid), path)
+        stores[int(tid)] = store
+        closers.append(store)
+    limits = Limits(max_frame_bytes=args.max_frame_bytes,
+                    max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
+    server = await start_dataplane(stores, args.host, args.port, limits=limits,
+                                   transports=args.transports.split(","))
+    print(json.dumps({"port": server.port, "transports": list(server.listeners)}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+
+    def _stop() -> None:
+        if not stop.done():
+            stop.set_result(None)
+
+    loop.add_signal_handler(signal.SIGTERM, _stop)
+    loop.add_signal_handler(signal.SIGINT, _stop)
+    # stdin closing (the parent went away) also stops us.
+    def _stdin() -> None:
+        if not os.read(sys.stdin.fileno(), 4096):
+            _stop()
+
+    loop.add_reader(sys.stdin.fileno(), _stdin)
+    await stop
+    loop.remove_reader(sys.stdin.fileno())
+    await server.close()
+    for c in closers:
+        close = getattr(c, "close", None)
+        if close is not None:
+            res = close()
+            if asyncio.iscoroutine(res):
+                await res
+
+
+async def _open_engine(engine: Any, target_id: int, path: str) -> FragmentStore:
+    """Open C's ChunkEngine, whichever of its constructors exists."""
+    cls = engine.ChunkEngine
+    opener = getattr(cls, "open", None)
+    if opener is not None:
+        res = opener(path, target_id=target_id)
+        return await res if asyncio.iscoroutine(res) else res  # type: ignore[no-any-return]
+    return cls(path, target_id=target_id)  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import uvloop
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_amain(argv))
+
+
+if __name__ == "__main__":
+    main()
