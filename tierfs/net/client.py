@@ -173,30 +173,49 @@ class _PeerPool:
         self.host = host
         self.port = port
         self.conns: list[_ClientConnection] = []
-        self.connecting = 0
+        self.connecting: set[asyncio.Task[_ClientConnection]] = set()
         self.transport = client._transport_for(host)
 
     async def get(self) -> _ClientConnection:
-        live = [c for c in self.conns if not c.closed]
-        if len(live) != len(self.conns):
-            self.conns = live
-        best = min(live, key=lambda c: len(c.pending), default=None)
-        if best is not None and (not best.pending or len(live) + self.connecting >= self.client.connections_per_peer):
-            return best
-        if len(live) + self.connecting >= self.client.connections_per_peer and best is not None:
-            return best
-        self.connecting += 1
-        try:
-            conn = await self.transport.connect(
-                self.host, self.port, lambda: _ClientConnection(self.client.limits),
-                limits=self.client.limits, timeout=self.client.connect_timeout)
-        finally:
-            self.connecting -= 1
+        """The least busy live connection; a new one while the pool is below
+        its size and every connection has work."""
+        limit = self.client.connections_per_peer
+        while True:
+            live = [c for c in self.conns if not c.closed]
+            if len(live) != len(self.conns):
+                self.conns = live
+            best = min(live, key=lambda c: len(c.pending), default=None)
+            room = len(live) + len(self.connecting) < limit
+            if best is not None and (not best.pending or not room):
+                return best
+            if room:
+                task = asyncio.get_running_loop().create_task(self._connect())
+                self.connecting.add(task)
+                task.add_done_callback(self._connected)
+                return await asyncio.shield(task)
+            # Full of connections still being opened: wait for one of them.
+            done, _ = await asyncio.wait(set(self.connecting), return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+
+    async def _connect(self) -> _ClientConnection:
+        conn = await self.transport.connect(
+            self.host, self.port, lambda: _ClientConnection(self.client.limits),
+            limits=self.client.limits, timeout=self.client.connect_timeout)
         assert isinstance(conn, _ClientConnection)
-        self.conns.append(conn)
         return conn
 
+    def _connected(self, task: asyncio.Task[_ClientConnection]) -> None:
+        self.connecting.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        self.conns.append(task.result())
+
     async def close(self) -> None:
+        for t in self.connecting:
+            t.cancel()
+        await asyncio.gather(*self.connecting, return_exceptions=True)
         conns, self.conns = self.conns, []
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 

@@ -1,0 +1,210 @@
+"""One conformance suite for every data-plane transport that runs here.
+
+Each test starts a real server (tcp + shm listeners) on 127.0.0.1:0 and a
+real client over the parametrized transport, in one uvloop loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+
+from tierfs.errors import (
+    CorruptError,
+    InternalError,
+    InvalidArgumentError,
+    NoSpaceError,
+    NotFoundError,
+    TimeoutError_,
+    UnavailableError,
+)
+from tierfs.net import DataClient, Limits, MemoryFragmentStore
+from tierfs.storage.api import FragmentKey, FragmentStore
+from tierfs.storage.dataplane import DataPlaneServer, start_dataplane
+
+from dataplane_helpers import FaultyStore, arun, wait_for
+
+SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, 64 << 20]
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """Distinct-everywhere bytes (a swapped or shifted block is detected)."""
+    words = (np.arange((n + 3) // 4, dtype=np.uint64) * 2654435761 + seed) % (1 << 32)
+    return words.astype(np.uint32).tobytes()[:n]
+
+
+@asynccontextmanager
+async def served(transport: str, *stores: FragmentStore, limits: Limits | None = None,
+                 **client_kw: object) -> AsyncIterator[tuple[DataPlaneServer, DataClient]]:
+    server = await start_dataplane({s.target_id: s for s in stores}, "127.0.0.1", 0,
+                                   limits=limits, transports=("tcp", transport))
+    client = DataClient(transport=transport, routes={s.target_id: server.address for s in stores},
+                        limits=limits, **client_kw)  # type: ignore[arg-type]
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest.mark.timeout(90)
+class TestTransportConformance:
+    def test_roundtrip_sizes(self, transport: str) -> None:
+        async def body() -> None:
+            store = MemoryFragmentStore(1)
+            async with served(transport, store) as (_, c):
+                for i, n in enumerate(SIZES):
+                    key = FragmentKey(7, i, 2, 1)
+                    data = pattern(n, i)
+                    await c.write(1, key, data)
+                    dest = bytearray(n + 10)  # room to spare: the answer says how much came
+                    got = await c.read_into(1, key, memoryview(dest))
+                    assert got == n
+                    assert dest[:n] == data and dest[n:] == bytes(10)
+                    info = await c.stat(1, key)
+                    assert info.size == n
+                    assert bytes(store.data[key][0]) == data
+                assert await c.read(1, FragmentKey(7, 3, 2, 1)) == pattern(4096, 3)
+
+        arun(body())
+
+    def test_ranges(self, transport: str) -> None:
+        async def body() -> None:
+            store = MemoryFragmentStore(1)
+            async with served(transport, store) as (_, c):
+                key = FragmentKey(1, 0, 0, 1)
+                data = pattern(100_000, 9)
+                await c.write(1, key, data)
+                for off, ln in [(0, 1), (1, 4095), (4096, 4097), (99_999, 1), (50_000, 50_000), (12345, 0)]:
+                    assert await c.read(1, key, off, ln) == data[off:off + ln]
+                    dest = bytearray(ln)
+                    assert await c.read_into(1, key, dest, off) == ln
+                    assert dest == data[off:off + ln]
+                # Past the end: a short read, then nothing.
+                dest = bytearray(1000)
+                assert await c.read_into(1, key, dest, 99_500) == 500
+                assert dest[:500] == data[99_500:]
+                assert await c.read(1, key, 100_000) == b""
+                assert await c.read(1, key, 30) == data[30:]
+                with pytest.raises(InvalidArgumentError):
+                    await c.read(1, key, 100_001)
+                with pytest.raises(InvalidArgumentError):
+                    await c.read_into(1, key, bytes(10))  # read-only destination
+
+        arun(body())
+
+    def test_batches(self, transport: str) -> None:
+        async def body() -> None:
+            stores = [MemoryFragmentStore(1), MemoryFragmentStore(2)]
+            async with served(transport, *stores) as (_, c):
+                items = [(1 + i % 2, FragmentKey(3, i, i % 6, 1), pattern(4096 * (i % 5) + i, i))
+                         for i in range(40)]
+                assert await c.write_batch(items) == [None] * 40
+                dests = [bytearray(len(d)) for _, _, d in items]
+                reads = [(t, k, memoryview(d), 0) for (t, k, _), d in zip(items, dests, strict=True)]
+                reads.insert(5, (1, FragmentKey(99, 0, 0, 0), memoryview(bytearray(8)), 0))
+                res = await c.read_batch(reads)
+                assert isinstance(res[5], NotFoundError)
+                del res[5]
+                assert res == [len(d) for _, _, d in items]
+                assert all(dest == d for dest, (_, _, d) in zip(dests, items, strict=True))
+
+        arun(body())
+
+    def test_many_in_flight(self, transport: str) -> None:
+        async def body() -> None:
+            store = MemoryFragmentStore(1)
+            async with served(transport, store, connections_per_peer=3) as (server, c):
+                blobs = {FragmentKey(5, i, 0, 1): os.urandom(1 + (i * 7919) % 300_000) for i in range(300)}
+                await asyncio.gather(*(c.write(1, k, v) for k, v in blobs.items()))
+                dests = {k: bytearray(len(v)) for k, v in blobs.items()}
+                got = await asyncio.gather(*(c.read_into(1, k, dests[k]) for k in blobs))
+                assert got == [len(v) for v in blobs.values()]
+                assert all(dests[k] == v for k, v in blobs.items())
+                assert 1 <= server.counters["connections_total"] <= 3
+
+        arun(body())
+
+    def test_store_errors_come_back_typed(self, transport: str) -> None:
+        async def body() -> None:
+            store = FaultyStore(1, capacity=10_000)
+            async with served(transport, store) as (server, c):
+                missing = FragmentKey(1, 1, 1, 1)
+                with pytest.raises(NotFoundError, match="not found"):
+                    await c.read(1, missing)
+                with pytest.raises(FileNotFoundError):
+                    await c.stat(1, missing)
+                assert await c.delete(1, missing) is False
+                with pytest.raises(NoSpaceError):
+                    await c.write(1, missing, bytes(20_000))
+                key = FragmentKey(1, 2, 3, 4)
+                await c.write(1, key, b"x" * 100)
+                store.corrupt(key, 10)
+                with pytest.raises(CorruptError):
+                    await c.read(1, key)
+                store.boom = RuntimeError("disk on fire")
+                with pytest.raises(InternalError, match="disk on fire"):
+                    await c.stat(1, key)
+                store.boom = None
+                with pytest.raises(UnavailableError, match="target 42"):
+                    await c.ping(42)
+                c.set_route(42, server.address)
+                with pytest.raises(UnavailableError, match="not served"):
+                    await c.write(42, key, b"abc")
+                assert await c.delete(1, key) is True
+                # The connection survived every error above.
+                assert server.counters["connections_total"] == 1
+                assert server.counters["protocol_violations"] == 0
+
+        arun(body())
+
+    def test_timeout_then_late_answer_is_dropped(self, transport: str) -> None:
+        async def body() -> None:
+            store = FaultyStore(1)
+            async with served(transport, store, request_timeout=0.3) as (server, c):
+                key = FragmentKey(2, 0, 0, 1)
+                await c.write(1, key, b"a" * 5000)
+                store.gate = asyncio.Event()
+                dest = bytearray(5000)
+                with pytest.raises(TimeoutError_):
+                    await c.read_into(1, key, dest)
+                store.gate.set()
+                store.gate = None
+                await wait_for(lambda: server.counters["reads"] == 1 and store.active == 0)
+                # The late answer went nowhere near the abandoned buffer...
+                assert await c.read(1, key, 0, 10, timeout=10) == b"a" * 10
+                assert dest == bytes(5000)
+                # ...and the connection is still the first one.
+                assert server.counters["connections_total"] == 1
+
+        arun(body())
+
+    def test_connect_failure_is_unavailable(self, transport: str) -> None:
+        async def body() -> None:
+            server = await start_dataplane({}, "127.0.0.1", 0, transports=("tcp", transport))
+            addr = server.address
+            await server.close()
+            async with DataClient(transport=transport, routes={1: addr}, connect_timeout=5) as c:
+                with pytest.raises(UnavailableError):
+                    await c.ping(1)
+
+        arun(body())
+
+    def test_server_close_fails_inflight_with_unavailable(self, transport: str) -> None:
+        async def body() -> None:
+            store = FaultyStore(1)
+            server = await start_dataplane({1: store}, "127.0.0.1", 0, transports=("tcp", transport))
+            async with DataClient(transport=transport, routes={1: server.address}) as c:
+                await c.write(1, FragmentKey(1, 1, 1, 1), b"z")
+                store.gate = asyncio.Event()
+                pending = asyncio.ensure_future(c.stat(1, FragmentKey(1, 1, 1, 1)))
+                await wait_for(lambda: store.active == 1)
+                await server.close()
+                with pytest.raises(UnavailableError):
+                    await pending
+
+        arun(body())
