@@ -1,0 +1,335 @@
+"""MetaClient: the async client of the metadata service.
+
+It talks to whichever meta replica it believes leads, follows a
+NotLeaderError's leader hint at once, and retries unavailable replicas and
+timeouts with exponential backoff until the per-call ``deadline`` runs out,
+then raises ``UnavailableError("cluster unreachable: tried A, B, C")``. Every
+failure surfaces as a TierFSError (via :func:`tierfs.errors.from_grpc`),
+never as a raw gRPC error.
+
+Retry safety: every mutating call carries this client's id and a fresh
+request id (gRPC metadata); a retry of the same call reuses them, and the
+state machine answers a request id it has already applied with the first
+result. So a create retried after a leader change returns the file it made,
+not AlreadyExistsError; an unlink retried does not fail with NotFoundError.
+The memory is bounded (the last 128 requests of a client, forgotten after 15
+idle minutes), far beyond one call's retry window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from tierfs.errors import (
+    InvalidArgumentError,
+    NotLeaderError,
+    TimeoutError_,
+    UnavailableError,
+    from_grpc,
+)
+from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import meta_pb2_grpc
+
+__all__ = ["MetaClient", "Where"]
+
+#: An existing object: absolute path, inode id, or (parent inode, name).
+Where = str | int | tuple[int, str]
+_R = TypeVar("_R", bound=Message)
+
+
+def _loc(where: Where) -> pb.Loc:
+    if isinstance(where, str):
+        return pb.Loc(path=where)
+    if isinstance(where, tuple):
+        return pb.Loc(parent=where[0], name=where[1])
+    if isinstance(where, int) and not isinstance(where, bool):
+        return pb.Loc(inode=where)
+    raise InvalidArgumentError(f"expected a path, an inode id or (parent, name), got {where!r}")
+
+
+def _layout(layout: pb.Layout | None, chunk_size: int, redundancy: str, stripe_width: int) -> pb.Layout | None:
+    if layout is not None:
+        return layout
+    if chunk_size or redundancy or stripe_width:
+        return pb.Layout(chunk_size=chunk_size, redundancy=redundancy, stripe_width=stripe_width)
+    return None
+
+
+class MetaClient:
+    """Async client for the meta service. ``addrs``: gRPC addresses of the
+    meta replicas (host:port). ``deadline``: seconds one call may spend in
+    total, retries included; ``attempt_timeout``: seconds one attempt may
+    take before the next replica is tried."""
+
+    def __init__(
+        self,
+        addrs: Sequence[str],
+        *,
+        deadline: float = 10.0,
+        attempt_timeout: float = 3.0,
+        client_id: str | None = None,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 1.0,
+    ) -> None:
+        if not addrs:
+            raise InvalidArgumentError("MetaClient needs at least one meta address")
+        self.addrs: list[str] = list(dict.fromkeys(addrs))
+        self.deadline = deadline
+        self.attempt_timeout = attempt_timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self._backoff = (backoff_initial, backoff_max)
+        self._leader = self.addrs[0]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, Any] = {}
+        self._req = itertools.count(1)
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    async def close(self) -> None:
+        self._closed = True
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for ch in channels.values():
+            await ch.close(None)
+
+    async def __aenter__(self) -> MetaClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    @property
+    def leader(self) -> str:
+        """The replica the next call goes to first."""
+        return self._leader
+
+    def _stub(self, addr: str) -> Any:
+        if self._closed:
+            raise UnavailableError("MetaClient is closed")
+        stub = self._stubs.get(addr)
+        if stub is None:
+            ch = grpc.aio.insecure_channel(addr, options=[("grpc.enable_retries", 0)])
+            self._channels[addr] = ch
+            stub = self._stubs[addr] = meta_pb2_grpc.MetaServiceStub(ch)
+        return stub
+
+    # ---- the retry loop -------------------------------------------------------
+
+    async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
+                    addr: str | None = None) -> _R:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.deadline
+        md: tuple[tuple[str, str], ...] = ()
+        if mutating:
+            md = ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(next(self._req))))
+        target = addr or self._leader
+        tried: list[str] = []
+        last = ""
+        delay = self._backoff[0]
+        hops = 0
+        while True:
+            remaining = end - loop.time()
+            if remaining <= 0:
+                raise UnavailableError(f"cluster unreachable: tried {', '.join(tried) or target}"
+                                       + (f" (last error: {last})" if last else ""))
+            if target not in tried:
+                tried.append(target)
+            try:
+                reply = await getattr(self._stub(target), method)(
+                    req, timeout=min(remaining, self.attempt_timeout), metadata=md)
+                if addr is None:
+                    self._leader = target
+                return reply  # type: ignore[no-any-return]
+            except grpc.RpcError as exc:
+                err = from_grpc(exc)
+            if isinstance(err, NotLeaderError) and addr is None:
+                last = str(err)
+                if err.leader and err.leader != target and hops < 2 * len(self.addrs) + 2:
+                    # Follow the hint at once; bounded so two replicas that
+                    # disagree during an election cannot ping-pong us forever.
+                    hops += 1
+                    if err.leader not in self.addrs:
+                        self.addrs.append(err.leader)
+                    target = self._leader = err.leader
+                    continue
+                target = self._next(target)
+            elif isinstance(err, (UnavailableError, TimeoutError_)):
+                last = str(err)
+                if addr is None:
+                    target = self._next(target)
+            else:
+                raise err
+            await asyncio.sleep(min(delay, max(0.0, end - loop.time())) * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self._backoff[1])
+            hops = 0
+
+    def _next(self, addr: str) -> str:
+        i = self.addrs.index(addr) if addr in self.addrs else -1
+        return self.addrs[(i + 1) % len(self.addrs)]
+
+    # ---- namespace --------------------------------------------------------------
+
+    async def mkdir(self, where: str | tuple[int, str], mode: int = 0o755, uid: int = 0, gid: int = 0) -> pb.FileInfo:
+        return await self._call("Mkdir", pb.MkdirRequest(loc=_loc(where), mode=mode, uid=uid, gid=gid),
+                                pb.FileInfo, mutating=True)
+
+    async def create(self, where: str | tuple[int, str], mode: int = 0o644, uid: int = 0, gid: int = 0, *,
+                     layout: pb.Layout | None = None, chunk_size: int = 0, redundancy: str = "",
+                     stripe_width: int = 0, map_version: int = 0) -> pb.FileInfo:
+        """Create an empty regular file (AlreadyExistsError if the name is
+        taken). Layout fields left unset are inherited from the directory."""
+        req = pb.CreateRequest(loc=_loc(where), mode=mode, uid=uid, gid=gid, map_version=map_version)
+        lay = _layout(layout, chunk_size, redundancy, stripe_width)
+        if lay is not None:
+            req.layout.CopyFrom(lay)
+            req.has_layout = True
+        return await self._call("Create", req, pb.FileInfo, mutating=True)
+
+    async def lookup(self, parent: int, name: str) -> pb.FileInfo:
+        return await self._call("Lookup", pb.LookupRequest(parent=parent, name=name), pb.FileInfo)
+
+    async def stat(self, where: Where) -> pb.FileInfo:
+        return await self._call("Stat", pb.StatRequest(loc=_loc(where)), pb.FileInfo)
+
+    async def readdir(self, where: Where, cursor: str = "", limit: int = 0) -> pb.ReaddirReply:
+        """One page of entries sorted by name; pass ``reply.next_cursor`` on."""
+        return await self._call("Readdir", pb.ReaddirRequest(loc=_loc(where), cursor=cursor, limit=limit),
+                                pb.ReaddirReply)
+
+    async def iterdir(self, where: Where, page: int = 1000) -> AsyncIterator[pb.DirEntry]:
+        """Every entry of a directory, fetched a page at a time."""
+        cursor = ""
+        while True:
+            reply = await self.readdir(where, cursor, page)
+            for e in reply.entries:
+                yield e
+            if not reply.next_cursor:
+                return
+            cursor = reply.next_cursor
+
+    async def rename(self, src: str | tuple[int, str], dst: str | tuple[int, str]) -> None:
+        await self._call("Rename", pb.RenameRequest(src=_loc(src), dst=_loc(dst)), pb.Empty, mutating=True)
+
+    async def unlink(self, where: str | tuple[int, str]) -> None:
+        await self._call("Unlink", pb.UnlinkRequest(loc=_loc(where)), pb.Empty, mutating=True)
+
+    async def rmdir(self, where: str | tuple[int, str]) -> None:
+        await self._call("Rmdir", pb.RmdirRequest(loc=_loc(where)), pb.Empty, mutating=True)
+
+    async def symlink(self, where: str | tuple[int, str], target: str, uid: int = 0, gid: int = 0) -> pb.FileInfo:
+        return await self._call("Symlink", pb.SymlinkRequest(loc=_loc(where), target=target, uid=uid, gid=gid),
+                                pb.FileInfo, mutating=True)
+
+    async def readlink(self, where: Where) -> str:
+        return (await self._call("Readlink", pb.ReadlinkRequest(loc=_loc(where)), pb.ReadlinkReply)).target
+
+    async def setattr(self, where: Where, *, mode: int | None = None, uid: int | None = None,
+                      gid: int | None = None, mtime_ns: int | None = None) -> pb.FileInfo:
+        req = pb.SetAttrRequest(loc=_loc(where))
+        if mode is not None:
+            req.set_mode, req.mode = True, mode
+        if uid is not None:
+            req.set_uid, req.uid = True, uid
+        if gid is not None:
+            req.set_gid, req.gid = True, gid
+        if mtime_ns is not None:
+            req.set_mtime, req.mtime_ns = True, mtime_ns
+        return await self._call("SetAttr", req, pb.FileInfo, mutating=True)
+
+    async def truncate(self, where: Where, size: int) -> pb.FileInfo:
+        return await self._call("Truncate", pb.TruncateRequest(loc=_loc(where), size=size), pb.FileInfo,
+                                mutating=True)
+
+    async def set_layout(self, where: Where, layout: pb.Layout | None = None, *, chunk_size: int = 0,
+                         redundancy: str = "", stripe_width: int = 0) -> pb.Layout:
+        """Set a directory's layout policy (unset fields inherit); returns
+        the directory's effective layout."""
+        lay = _layout(layout, chunk_size, redundancy, stripe_width) or pb.Layout()
+        reply = await self._call("SetLayout", pb.SetLayoutRequest(loc=_loc(where), layout=lay), pb.LayoutReply,
+                                 mutating=True)
+        return reply.layout
+
+    async def get_layout(self, where: Where) -> pb.Layout:
+        return (await self._call("GetLayout", pb.GetLayoutRequest(loc=_loc(where)), pb.LayoutReply)).layout
+
+    # ---- write sessions ---------------------------------------------------------
+
+    async def open_write(self, where: Where, *, owner: str = "", lease_ms: int = 0,
+                         map_version: int = 0) -> pb.OpenWriteReply:
+        return await self._call("OpenWrite", pb.OpenWriteRequest(loc=_loc(where), owner=owner, lease_ms=lease_ms,
+                                                                 map_version=map_version),
+                                pb.OpenWriteReply, mutating=True)
+
+    async def renew_lease(self, session_id: int, chunks: Iterable[int] = (), lease_ms: int = 0) -> int:
+        """Extend the lease; returns the new expiry (ns since the epoch)."""
+        reply = await self._call("RenewLease", pb.RenewLeaseRequest(session_id=session_id, chunks=list(chunks),
+                                                                    lease_ms=lease_ms),
+                                 pb.RenewLeaseReply, mutating=True)
+        return reply.lease_expiry_ns
+
+    async def commit_write(self, session_id: int, size: int, chunks: Iterable[int]) -> pb.FileInfo:
+        return await self._call("CommitWrite", pb.CommitWriteRequest(session_id=session_id, size=size,
+                                                                     chunks=list(chunks)),
+                                pb.FileInfo, mutating=True)
+
+    async def abort_write(self, session_id: int, chunks: Iterable[int] = ()) -> None:
+        await self._call("AbortWrite", pb.AbortWriteRequest(session_id=session_id, chunks=list(chunks)),
+                         pb.Empty, mutating=True)
+
+    # ---- cluster map --------------------------------------------------------------
+
+    async def register_node(self, node_uuid: str, hostname: str, data_addr: str,
+                            targets: Sequence[tuple[str, int]] | Sequence[pb.TargetSpec],
+                            control_addr: str = "") -> pb.RegisterNodeReply:
+        specs = [t if isinstance(t, pb.TargetSpec) else pb.TargetSpec(path=t[0], capacity=t[1]) for t in targets]
+        req = pb.RegisterNodeRequest(node_uuid=node_uuid, hostname=hostname, data_addr=data_addr,
+                                     control_addr=control_addr, targets=specs)
+        return await self._call("RegisterNode", req, pb.RegisterNodeReply, mutating=True)
+
+    async def heartbeat(self, node_id: int, targets: Sequence[pb.TargetReport]) -> pb.HeartbeatReply:
+        return await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, targets=list(targets)),
+                                pb.HeartbeatReply, mutating=True)
+
+    async def get_cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
+        return await self._call("GetClusterMap", pb.GetClusterMapRequest(known_version=known_version),
+                                pb.ClusterMap)
+
+    # ---- garbage collection ---------------------------------------------------------
+
+    async def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:
+        reply = await self._call("ListGC", pb.ListGCRequest(target_ids=list(target_ids), after_id=after_id,
+                                                            limit=limit), pb.ListGCReply)
+        return list(reply.items)
+
+    async def ack_gc(self, acks: Iterable[tuple[int, int]]) -> int:
+        """Acknowledge deleted fragments: ``(gc item id, target id)`` pairs."""
+        req = pb.AckGCRequest(acks=[pb.GCAck(id=i, target_id=t) for i, t in acks])
+        return (await self._call("AckGC", req, pb.AckGCReply, mutating=True)).acked
+
+    # ---- replicas -------------------------------------------------------------------
+
+    async def status(self, addr: str | None = None) -> pb.GetStatusReply:
+        """The status of ``addr`` (or of whichever replica answers)."""
+        return await self._call("GetStatus", pb.Empty(), pb.GetStatusReply, addr=addr)
+
+    async def digest(self, addr: str | None = None) -> pb.DigestReply:
+        return await self._call("Digest", pb.Empty(), pb.DigestReply, addr=addr)
+
+    async def add_member(self, raft_addr: str, grpc_addr: str) -> None:
+        await self._call("AddMetaMember", pb.MetaMemberRequest(raft_addr=raft_addr, grpc_addr=grpc_addr),
+                         pb.Empty, mutating=True)
+
+    async def remove_member(self, raft_addr: str, grpc_addr: str) -> None:
+        await self._call("RemoveMetaMember", pb.MetaMemberRequest(raft_addr=raft_addr, grpc_addr=grpc_addr),
+                         pb.Empty, mutating=True)

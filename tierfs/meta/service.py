@@ -1,0 +1,287 @@
+"""The MetaService gRPC servicer (grpc.aio) on top of any Replicator.
+
+Mutations: the request is validated here first (bad input costs no log
+entry), wrapped in a :class:`tierfs.v1.MetaOp` stamped with this replica's
+wall clock and the caller's client/request ids, and submitted to the
+replicator; the :class:`tierfs.v1.MetaResult` that comes back is turned into
+the reply or re-raised as its TierFSError. Reads wait for the replicator's
+read barrier and then read the local state machine (linearizable; a follower
+answers NotLeaderError with the leader's address).
+
+While this replica leads, a background task submits a Tick op every
+``tick_interval`` seconds: it expires storage nodes that missed heartbeats for
+``heartbeat_timeout`` and write sessions whose lease ran out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from tierfs.errors import (
+    InternalError,
+    TierFSError,
+    UnsupportedError,
+    error_from_code,
+    grpc_errors,
+)
+from tierfs.meta.interfaces import Replicator
+from tierfs.meta.ops import validate_op
+from tierfs.meta.state import MetaStateMachine
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import meta_pb2_grpc
+
+__all__ = ["CLIENT_ID_KEY", "REQUEST_ID_KEY", "MetaServicer", "add_meta_service"]
+
+log = logging.getLogger("tierfs.meta.service")
+
+CLIENT_ID_KEY = "tierfs-client-id"
+REQUEST_ID_KEY = "tierfs-request-id"
+
+_R = TypeVar("_R", bound=Message)
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+def _ids(context: Ctx) -> tuple[str, int]:
+    client, req = "", 0
+    for item in context.invocation_metadata() or ():
+        k, v = item[0], item[1]
+        if k == CLIENT_ID_KEY:
+            client = str(v)
+        elif k == REQUEST_ID_KEY:
+            with contextlib.suppress(ValueError):
+                req = int(v)
+    return client, req
+
+
+class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
+    def __init__(
+        self,
+        replicator: Replicator,
+        *,
+        heartbeat_timeout: float = 10.0,
+        lease_duration: float = 30.0,
+        tick_interval: float = 1.0,
+        submit_timeout: float = 5.0,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._r = replicator
+        self.heartbeat_timeout = heartbeat_timeout
+        self.lease_duration = lease_duration
+        self.tick_interval = tick_interval
+        self.submit_timeout = submit_timeout
+        self._clock = clock
+        self._ticker: asyncio.Task[None] | None = None
+
+    # ---- plumbing -----------------------------------------------------------
+
+    @property
+    def state(self) -> MetaStateMachine:
+        sm = self._r.state_machine
+        if not isinstance(sm, MetaStateMachine):
+            raise InternalError(f"replicator holds {type(sm).__name__}, not MetaStateMachine")
+        return sm
+
+    def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
+        op = pb.MetaOp(now_ns=self._clock(), client_id=client, request_id=request_id,
+                       lease_ms=int(self.lease_duration * 1000))
+        getattr(op, kind).CopyFrom(req)
+        return op
+
+    async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
+        """Validate, replicate and apply ``op``; its reply or its error."""
+        validate_op(op)
+        raw = await self._r.submit(op.SerializeToString(deterministic=True), self.submit_timeout)
+        res = pb.MetaResult.FromString(raw)
+        if res.error.code:
+            raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
+        return reply_cls.FromString(res.reply)
+
+    async def _mutate(self, context: Ctx, kind: str, req: Message, reply_cls: type[_R]) -> _R:
+        client, rid = _ids(context)
+        return await self.submit(self._op(kind, req, client, rid), reply_cls)
+
+    async def _read(self) -> MetaStateMachine:
+        await self._r.read_barrier(self.submit_timeout)
+        return self.state
+
+    # ---- the periodic tick --------------------------------------------------
+
+    def _leading(self) -> bool:
+        return self._r.status().role in ("leader", "standalone")
+
+    async def tick(self) -> None:
+        """Submit one Tick op (expire heartbeats and leases) with this
+        replica's clock. Only meaningful on the leader."""
+        op = self._op("tick", pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000)))
+        await self.submit(op, pb.Empty)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval)
+            if not self._leading():
+                continue
+            try:
+                await self.tick()
+            except TierFSError as err:  # lost leadership mid-tick, timeouts: next tick retries
+                log.debug("tick failed: %s", err)
+
+    async def start(self) -> None:
+        """Start the periodic tick task (idempotent)."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="meta-tick")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+
+    # ---- namespace ------------------------------------------------------------
+
+    @grpc_errors
+    async def Mkdir(self, request: pb.MkdirRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "mkdir", request, pb.FileInfo)
+
+    @grpc_errors
+    async def Create(self, request: pb.CreateRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "create", request, pb.FileInfo)
+
+    @grpc_errors
+    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.FileInfo:
+        return (await self._read()).lookup(request.parent, request.name)
+
+    @grpc_errors
+    async def Stat(self, request: pb.StatRequest, context: Ctx) -> pb.FileInfo:
+        return (await self._read()).stat(request.loc)
+
+    @grpc_errors
+    async def Readdir(self, request: pb.ReaddirRequest, context: Ctx) -> pb.ReaddirReply:
+        return (await self._read()).readdir(request.loc, request.cursor, request.limit)
+
+    @grpc_errors
+    async def Rename(self, request: pb.RenameRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "rename", request, pb.Empty)
+
+    @grpc_errors
+    async def Unlink(self, request: pb.UnlinkRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "unlink", request, pb.Empty)
+
+    @grpc_errors
+    async def Rmdir(self, request: pb.RmdirRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "rmdir", request, pb.Empty)
+
+    @grpc_errors
+    async def Symlink(self, request: pb.SymlinkRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "symlink", request, pb.FileInfo)
+
+    @grpc_errors
+    async def Readlink(self, request: pb.ReadlinkRequest, context: Ctx) -> pb.ReadlinkReply:
+        return pb.ReadlinkReply(target=(await self._read()).readlink(request.loc))
+
+    @grpc_errors
+    async def SetAttr(self, request: pb.SetAttrRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "setattr", request, pb.FileInfo)
+
+    @grpc_errors
+    async def Truncate(self, request: pb.TruncateRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "truncate", request, pb.FileInfo)
+
+    @grpc_errors
+    async def SetLayout(self, request: pb.SetLayoutRequest, context: Ctx) -> pb.LayoutReply:
+        return await self._mutate(context, "set_layout", request, pb.LayoutReply)
+
+    @grpc_errors
+    async def GetLayout(self, request: pb.GetLayoutRequest, context: Ctx) -> pb.LayoutReply:
+        return pb.LayoutReply(layout=(await self._read()).get_layout(request.loc))
+
+    # ---- write sessions ---------------------------------------------------------
+
+    @grpc_errors
+    async def OpenWrite(self, request: pb.OpenWriteRequest, context: Ctx) -> pb.OpenWriteReply:
+        return await self._mutate(context, "open_write", request, pb.OpenWriteReply)
+
+    @grpc_errors
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context: Ctx) -> pb.RenewLeaseReply:
+        return await self._mutate(context, "renew_lease", request, pb.RenewLeaseReply)
+
+    @grpc_errors
+    async def CommitWrite(self, request: pb.CommitWriteRequest, context: Ctx) -> pb.FileInfo:
+        return await self._mutate(context, "commit_write", request, pb.FileInfo)
+
+    @grpc_errors
+    async def AbortWrite(self, request: pb.AbortWriteRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "abort_write", request, pb.Empty)
+
+    # ---- cluster map --------------------------------------------------------------
+
+    @grpc_errors
+    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Ctx) -> pb.RegisterNodeReply:
+        return await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
+
+    @grpc_errors
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatReply:
+        return await self._mutate(context, "heartbeat", request, pb.HeartbeatReply)
+
+    @grpc_errors
+    async def GetClusterMap(self, request: pb.GetClusterMapRequest, context: Ctx) -> pb.ClusterMap:
+        return (await self._read()).cluster_map(request.known_version)
+
+    # ---- garbage collection ---------------------------------------------------------
+
+    @grpc_errors
+    async def ListGC(self, request: pb.ListGCRequest, context: Ctx) -> pb.ListGCReply:
+        items = (await self._read()).list_gc(request.target_ids, request.after_id, request.limit)
+        return pb.ListGCReply(items=items)
+
+    @grpc_errors
+    async def AckGC(self, request: pb.AckGCRequest, context: Ctx) -> pb.AckGCReply:
+        return await self._mutate(context, "ack_gc", request, pb.AckGCReply)
+
+    # ---- replica status and membership (local, no leader needed) ----------------
+
+    @grpc_errors
+    async def GetStatus(self, request: pb.Empty, context: Ctx) -> pb.GetStatusReply:
+        st = self._r.status()
+        return pb.GetStatusReply(id=st.id, role=st.role, leader=st.leader, term=st.term,
+                                 commit_index=st.commit_index, applied_index=st.applied_index,
+                                 members=st.members)
+
+    @grpc_errors
+    async def Digest(self, request: pb.Empty, context: Ctx) -> pb.DigestReply:
+        sm = self.state
+        return pb.DigestReply(digest=sm.digest(), applied_index=self._r.status().applied_index,
+                              ops_applied=sm.ops_applied)
+
+    async def _membership(self, name: str, request: pb.MetaMemberRequest) -> pb.Empty:
+        fn = getattr(self._r, name, None)
+        if fn is None:
+            raise UnsupportedError(f"this meta replica ({type(self._r).__name__}) cannot change membership")
+        await fn(request.raft_addr, request.grpc_addr, timeout=self.submit_timeout)
+        return pb.Empty()
+
+    @grpc_errors
+    async def AddMetaMember(self, request: pb.MetaMemberRequest, context: Ctx) -> pb.Empty:
+        return await self._membership("add_member", request)
+
+    @grpc_errors
+    async def RemoveMetaMember(self, request: pb.MetaMemberRequest, context: Ctx) -> pb.Empty:
+        return await self._membership("remove_member", request)
+
+
+def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
+    """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
+    lease_duration, tick_interval, submit_timeout, clock) and register it on
+    ``server``. Call ``await servicer.start()`` once the server runs, to
+    start the periodic tick, and ``await servicer.stop()`` before shutdown."""
+    servicer = MetaServicer(replicator, **opts)
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,909 @@
+"""The metadata state machine: namespace, layouts, cluster map, placement
+groups, write sessions and the GC queue.
+
+One :class:`MetaStateMachine` lives in every meta replica. Raft hands it
+committed ops (serialized :class:`tierfs.v1.MetaOp`) in log order;
+:meth:`MetaStateMachine.apply` is deterministic and never raises: an op that
+fails leaves the state as it was and records the error in its
+:class:`tierfs.v1.MetaResult`, so every replica agrees on the outcome. Time
+comes from the op (``now_ns``, stamped by the leader) and never from the
+local clock; the state keeps the largest time seen so a new leader with a
+slower clock cannot move it backwards.
+
+Reads (:meth:`stat`, :meth:`readdir`, :meth:`cluster_map`, ...) run against
+the local state and raise TierFSError directly; the service runs them after
+the replicator's read barrier.
+
+Snapshots are canonical JSON (sorted keys, no floats), so ``digest()`` (sha256
+of the snapshot) is equal on replicas holding equal state, and a restored
+replica digests equal to the one it was taken from.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+
+from tierfs.errors import (
+    AlreadyExistsError,
+    BusyError,
+    DirectoryNotEmptyError,
+    InsufficientTargetsError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidRenameError,
+    IsADirectoryError_,
+    NotADirectoryError_,
+    NotFoundError,
+    ProtocolError,
+    SessionExpiredError,
+    StaleVersionError,
+    TierFSError,
+)
+from tierfs.meta.ops import (
+    DEFAULT_LAYOUT,
+    LayoutSpec,
+    check_loc,
+    layout_from_pb,
+    split_path,
+    validate_op,
+)
+from tierfs.meta.placement import distinct_nodes, plan_groups
+from tierfs.proto.v1 import common_pb2
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = ["ROOT_INODE", "MetaStateMachine", "chunk_runs"]
+
+ROOT_INODE = 1
+FILE = pb.INODE_TYPE_FILE
+DIR = pb.INODE_TYPE_DIRECTORY
+SYMLINK = pb.INODE_TYPE_SYMLINK
+ONLINE = pb.TARGET_STATE_ONLINE
+OFFLINE = pb.TARGET_STATE_OFFLINE
+NODE_ONLINE = pb.NODE_STATE_ONLINE
+NODE_OFFLINE = pb.NODE_STATE_OFFLINE
+
+DEFAULT_LEASE_MS = 30_000
+MAX_LEASE_MS = 600_000
+#: Files spread over at most this many placement groups unless the layout
+#: asks for more: enough for full-bandwidth reads of a large file on a
+#: mid-size cluster, few enough to keep a small file's stat reply small.
+AUTO_STRIPE_MAX = 16
+DEFAULT_READDIR_LIMIT = 1000
+MAX_READDIR_LIMIT = 10_000
+#: Per client, the results of this many most recent requests are kept for
+#: retry deduplication; a client idle for REQUEST_TTL_NS is forgotten.
+REQUESTS_PER_CLIENT = 128
+REQUEST_TTL_NS = 15 * 60 * 10**9
+SNAPSHOT_FORMAT = 1
+NS_PER_MS = 1_000_000
+
+
+@dataclass(slots=True)
+class Inode:
+    id: int
+    type: int
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+    ctime: int
+    nlink: int = 1
+    size: int = 0
+    data_version: int = 0
+    parent: int = 0
+    entries: dict[str, int] = field(default_factory=dict)
+    # Directories: explicit (possibly partial) policy or None; files: the
+    # fully resolved layout chosen at create time.
+    layout: LayoutSpec | None = None
+    groups: list[int] = field(default_factory=list)
+    chunks: dict[int, int] = field(default_factory=dict)
+    target: str = ""
+    session: int = 0
+
+
+@dataclass(slots=True)
+class Node:
+    id: int
+    uuid: str
+    hostname: str
+    data_addr: str
+    control_addr: str
+    state: int
+    last_hb: int
+    targets: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Target:
+    id: int
+    node: int
+    path: str
+    capacity: int
+    used: int = 0
+    reported: int = ONLINE  # what the storage daemon says about its disk
+    present: bool = True  # offered in the node's latest registration
+
+
+@dataclass(slots=True)
+class Session:
+    id: int
+    inode: int
+    owner: str
+    expiry: int
+    version: int
+    chunks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class GCEntry:
+    id: int
+    inode: int
+    chunk: int
+    version: int
+    group: int
+    pending: dict[int, int] = field(default_factory=dict)  # target id -> fragment index
+
+
+def chunk_runs(chunks: dict[int, int]) -> list[pb.ChunkRun]:
+    """Compress {chunk index: version} into runs of consecutive indexes."""
+    out: list[pb.ChunkRun] = []
+    for idx in sorted(chunks):
+        v = chunks[idx]
+        if out and out[-1].first + out[-1].count == idx and out[-1].version == v:
+            out[-1].count += 1
+        else:
+            out.append(pb.ChunkRun(first=idx, count=1, version=v))
+    return out
+
+
+def _result(reply: Message | None = None, err: TierFSError | None = None) -> bytes:
+    res = pb.MetaResult()
+    if err is not None:
+        res.error.code = err.code  # type: ignore[assignment]
+        res.error.message = err.message
+    else:
+        res.error.code = common_pb2.ERROR_CODE_OK
+        if reply is not None:
+            res.reply = reply.SerializeToString(deterministic=True)
+    return res.SerializeToString(deterministic=True)
+
+
+class MetaStateMachine:
+    """Implements :class:`tierfs.meta.interfaces.StateMachine`."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    def _reset(self) -> None:
+        self.clock = 0
+        self.ops_applied = 0
+        self.next_inode = ROOT_INODE + 1
+        self.next_node = 1
+        self.next_target = 1
+        self.next_group = 1
+        self.next_session = 1
+        self.next_gc = 1
+        self.map_version = 1
+        self.inodes: dict[int, Inode] = {
+            ROOT_INODE: Inode(id=ROOT_INODE, type=DIR, mode=0o755, uid=0, gid=0, mtime=0, ctime=0,
+                              nlink=2, parent=ROOT_INODE, layout=DEFAULT_LAYOUT),
+        }
+        self.nodes: dict[int, Node] = {}
+        self.targets: dict[int, Target] = {}
+        self.groups: dict[int, list[int]] = {}
+        self.widths: set[int] = {DEFAULT_LAYOUT.width}
+        self.sessions: dict[int, Session] = {}
+        self.gc: dict[int, GCEntry] = {}
+        # client id -> (last seen ns, {request id: serialized result})
+        self.requests: dict[str, tuple[int, dict[int, bytes]]] = {}
+
+    # ---- StateMachine protocol ---------------------------------------------
+
+    def apply(self, op: bytes) -> bytes:
+        self.ops_applied += 1
+        try:
+            msg = pb.MetaOp.FromString(op)
+        except (DecodeError, ValueError) as exc:
+            return _result(err=ProtocolError(f"undecodable meta op: {exc}"))
+        self.clock = max(self.clock, msg.now_ns)
+        dedup = bool(msg.client_id and msg.request_id)
+        if dedup:
+            seen = self.requests.get(msg.client_id)
+            if seen is not None and msg.request_id in seen[1]:
+                return seen[1][msg.request_id]
+        try:
+            validate_op(msg)
+            kind = msg.WhichOneof("body")
+            reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
+            out = _result(reply)
+        except TierFSError as err:
+            out = _result(err=err)
+        except Exception as exc:  # a bug: still a deterministic outcome everywhere
+            out = _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
+        if dedup:
+            self._remember(msg.client_id, msg.request_id, out)
+        return out
+
+    def snapshot(self) -> bytes:
+        return json.dumps(self._to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    def restore(self, data: bytes) -> None:
+        doc = json.loads(data)
+        if doc.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"unknown meta snapshot format {doc.get('format')!r}")
+        self._reset()
+        self._from_json(doc)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.snapshot()).hexdigest()
+
+    # ---- helpers used by ops and reads -------------------------------------
+
+    def _remember(self, client: str, req: int, out: bytes) -> None:
+        _, seen = self.requests.get(client, (0, {}))
+        seen[req] = out
+        if len(seen) > REQUESTS_PER_CLIENT:
+            for old in sorted(seen)[: len(seen) - REQUESTS_PER_CLIENT]:
+                del seen[old]
+        self.requests[client] = (self.clock, seen)
+
+    def _inode(self, ino: int) -> Inode:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise NotFoundError(f"no inode {ino}")
+        return node
+
+    def _resolve(self, path: str) -> Inode:
+        cur = self.inodes[ROOT_INODE]
+        walked = ""
+        for name in split_path(path):
+            if cur.type != DIR:
+                raise NotADirectoryError_(f"{walked or '/'} is not a directory")
+            child = cur.entries.get(name)
+            walked += "/" + name
+            if child is None:
+                raise NotFoundError(f"{walked}: no such file or directory")
+            cur = self.inodes[child]
+        return cur
+
+    def _dir(self, ino: Inode, what: str) -> Inode:
+        if ino.type != DIR:
+            raise NotADirectoryError_(f"{what} is not a directory")
+        return ino
+
+    def _get(self, loc: pb.Loc) -> Inode:
+        """The object a location names (path, parent+name or inode)."""
+        if loc.path:
+            return self._resolve(loc.path)
+        if loc.inode:
+            return self._inode(loc.inode)
+        parent = self._dir(self._inode(loc.parent), f"inode {loc.parent}")
+        child = parent.entries.get(loc.name)
+        if child is None:
+            raise NotFoundError(f"{loc.name!r} not found in directory inode {loc.parent}")
+        return self.inodes[child]
+
+    def _entry(self, loc: pb.Loc) -> tuple[Inode, str]:
+        """The directory and name a location names (entry ops)."""
+        if loc.path:
+            parts = split_path(loc.path)
+            parent = self._resolve("/" + "/".join(parts[:-1]))
+            return self._dir(parent, "/" + "/".join(parts[:-1])), parts[-1]
+        return self._dir(self._inode(loc.parent), f"inode {loc.parent}"), loc.name
+
+    @staticmethod
+    def _where(loc: pb.Loc) -> str:
+        if loc.path:
+            return loc.path
+        if loc.inode:
+            return f"inode {loc.inode}"
+        return f"{loc.name!r} in inode {loc.parent}"
+
+    def _effective_layout(self, d: Inode) -> LayoutSpec:
+        chain: list[LayoutSpec] = []
+        cur = d
+        while True:
+            if cur.layout is not None:
+                chain.append(cur.layout)
+            if cur.id == ROOT_INODE:
+                break
+            cur = self.inodes[cur.parent]
+        spec = LayoutSpec()
+        for lay in chain:
+            spec = spec.merged_over(lay)
+        return spec.merged_over(DEFAULT_LAYOUT)
+
+    def _attr(self, n: Inode) -> pb.Attr:
+        return pb.Attr(inode=n.id, type=n.type, mode=n.mode, uid=n.uid, gid=n.gid,  # type: ignore[arg-type]
+                       size=n.size, mtime_ns=n.mtime, ctime_ns=n.ctime, nlink=n.nlink,
+                       data_version=n.data_version, parent=n.parent)
+
+    def _info(self, n: Inode) -> pb.FileInfo:
+        info = pb.FileInfo(attr=self._attr(n))
+        if n.type == FILE:
+            assert n.layout is not None
+            info.layout.CopyFrom(n.layout.to_pb(n.groups))
+            info.chunks.extend(chunk_runs(n.chunks))
+            info.writing = n.session != 0
+        elif n.type == DIR:
+            info.layout.CopyFrom(self._effective_layout(n).to_pb())
+        else:
+            info.symlink_target = n.target
+        return info
+
+    def _new_inode(self, kind: int, mode: int, uid: int, gid: int) -> Inode:
+        ino = Inode(id=self.next_inode, type=kind, mode=mode, uid=uid, gid=gid,
+                    mtime=self.clock, ctime=self.clock)
+        self.next_inode += 1
+        self.inodes[ino.id] = ino
+        return ino
+
+    def _touch(self, d: Inode) -> None:
+        d.mtime = d.ctime = self.clock
+
+    def _gc_chunk(self, f: Inode, chunk: int, version: int) -> None:
+        if not f.groups:
+            return
+        gid = f.groups[chunk % len(f.groups)]
+        members = self.groups.get(gid, [])
+        self.gc[self.next_gc] = GCEntry(id=self.next_gc, inode=f.id, chunk=chunk, version=version,
+                                        group=gid, pending={t: j for j, t in enumerate(members)})
+        self.next_gc += 1
+
+    def _drop_session(self, s: Session, f: Inode | None, *, keep: Iterable[int] = ()) -> None:
+        """End ``s``; its written-but-not-kept chunks go to GC."""
+        self.sessions.pop(s.id, None)
+        if f is not None:
+            f.session = 0
+            kept = set(keep)
+            for c in sorted(s.chunks - kept):
+                if f.chunks.get(c) != s.version:
+                    self._gc_chunk(f, c, s.version)
+
+    def _live_session(self, f: Inode) -> Session | None:
+        """The file's session if its lease has not run out; an expired one is
+        dropped here (deterministic: the clock comes from the op)."""
+        if not f.session:
+            return None
+        s = self.sessions.get(f.session)
+        if s is None:
+            f.session = 0
+            return None
+        if s.expiry < self.clock:
+            self._drop_session(s, f)
+            return None
+        return s
+
+    def _release_inode(self, n: Inode) -> None:
+        """Last link gone: forget the inode, queue its chunks for GC."""
+        if n.type == FILE:
+            if n.session and n.session in self.sessions:
+                self._drop_session(self.sessions[n.session], n)
+            for c in sorted(n.chunks):
+                self._gc_chunk(n, c, n.chunks[c])
+        del self.inodes[n.id]
+
+    # ---- namespace ops ------------------------------------------------------
+
+    def _op_mkdir(self, op: pb.MetaOp, r: pb.MkdirRequest) -> Message:
+        parent, name = self._entry(r.loc)
+        if name in parent.entries:
+            raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
+        d = self._new_inode(DIR, r.mode or 0o755, r.uid, r.gid)
+        d.nlink, d.parent = 2, parent.id
+        parent.entries[name] = d.id
+        parent.nlink += 1
+        self._touch(parent)
+        return self._info(d)
+
+    def _op_create(self, op: pb.MetaOp, r: pb.CreateRequest) -> Message:
+        parent, name = self._entry(r.loc)
+        if name in parent.entries:
+            raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
+        if r.map_version and r.map_version != self.map_version:
+            raise StaleVersionError(f"cluster map version {r.map_version} is stale; current is {self.map_version}")
+        base = self._effective_layout(parent)
+        spec = layout_from_pb(r.layout).merged_over(base) if r.has_layout else base
+        pending = self._plan_width(spec.width)
+        groups = self._choose_groups(spec, self.next_inode, pending)
+        self._commit_width(spec.width, pending)
+        f = self._new_inode(FILE, r.mode or 0o644, r.uid, r.gid)
+        f.layout, f.groups = replace(spec, stripe_width=len(groups)), groups
+        parent.entries[name] = f.id
+        self._touch(parent)
+        return self._info(f)
+
+    def _op_symlink(self, op: pb.MetaOp, r: pb.SymlinkRequest) -> Message:
+        parent, name = self._entry(r.loc)
+        if name in parent.entries:
+            raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
+        s = self._new_inode(SYMLINK, 0o777, r.uid, r.gid)
+        s.target, s.size = r.target, len(r.target.encode())
+        parent.entries[name] = s.id
+        self._touch(parent)
+        return self._info(s)
+
+    def _op_unlink(self, op: pb.MetaOp, r: pb.UnlinkRequest) -> Message:
+        parent, name = self._entry(r.loc)
+        ino = parent.entries.get(name)
+        if ino is None:
+            raise NotFoundError(f"{self._where(r.loc)}: no such file or directory")
+        n = self.inodes[ino]
+        if n.type == DIR:
+            raise IsADirectoryError_(f"{self._where(r.loc)} is a directory (use rmdir)")
+        del parent.entries[name]
+        self._touch(parent)
+        n.nlink -= 1
+        if n.nlink <= 0:
+            self._release_inode(n)
+        return pb.Empty()
+
+    def _op_rmdir(self, op: pb.MetaOp, r: pb.RmdirRequest) -> Message:
+        parent, name = self._entry(r.loc)
+        ino = parent.entries.get(name)
+        if ino is None:
+            raise NotFoundError(f"{self._where(r.loc)}: no such file or directory")
+        d = self.inodes[ino]
+        if d.type != DIR:
+            raise NotADirectoryError_(f"{self._where(r.loc)} is not a directory")
+        if d.entries:
+            raise DirectoryNotEmptyError(f"{self._where(r.loc)} is not empty")
+        del parent.entries[name]
+        parent.nlink -= 1
+        self._touch(parent)
+        del self.inodes[d.id]
+        return pb.Empty()
+
+    def _op_rename(self, op: pb.MetaOp, r: pb.RenameRequest) -> Message:
+        sp, sname = self._entry(r.src)
+        dp, dname = self._entry(r.dst)
+        sino = sp.entries.get(sname)
+        if sino is None:
+            raise NotFoundError(f"{self._where(r.src)}: no such file or directory")
+        src = self.inodes[sino]
+        dino = dp.entries.get(dname)
+        if dino == sino:
+            return pb.Empty()  # same entry (or same inode): POSIX says do nothing
+        if src.type == DIR:
+            # dp must not be src nor lie under it.
+            cur = dp
+            while True:
+                if cur.id == src.id:
+                    raise InvalidRenameError(
+                        f"cannot move directory {self._where(r.src)} into its own subtree {self._where(r.dst)}")
+                if cur.id == ROOT_INODE:
+                    break
+                cur = self.inodes[cur.parent]
+        victim: Inode | None = None
+        if dino is not None:
+            victim = self.inodes[dino]
+            if src.type == DIR and victim.type != DIR:
+                raise NotADirectoryError_(f"cannot replace non-directory {self._where(r.dst)} with a directory")
+            if src.type != DIR and victim.type == DIR:
+                raise IsADirectoryError_(f"cannot replace directory {self._where(r.dst)} with a non-directory")
+            if victim.type == DIR and victim.entries:
+                raise DirectoryNotEmptyError(f"{self._where(r.dst)} is not empty")
+        # All checks passed: mutate.
+        if victim is not None:
+            del dp.entries[dname]
+            if victim.type == DIR:
+                dp.nlink -= 1
+                del self.inodes[victim.id]
+            else:
+                victim.nlink -= 1
+                if victim.nlink <= 0:
+                    self._release_inode(victim)
+        del sp.entries[sname]
+        dp.entries[dname] = src.id
+        if src.type == DIR and sp.id != dp.id:
+            sp.nlink -= 1
+            dp.nlink += 1
+            src.parent = dp.id
+        src.ctime = self.clock
+        self._touch(sp)
+        self._touch(dp)
+        return pb.Empty()
+
+    def _op_setattr(self, op: pb.MetaOp, r: pb.SetAttrRequest) -> Message:
+        n = self._get(r.loc)
+        if r.set_mode:
+            n.mode = r.mode
+        if r.set_uid:
+            n.uid = r.uid
+        if r.set_gid:
+            n.gid = r.gid
+        if r.set_mtime:
+            n.mtime = r.mtime_ns
+        n.ctime = self.clock
+        return self._info(n)
+
+    def _op_truncate(self, op: pb.MetaOp, r: pb.TruncateRequest) -> Message:
+        f = self._get(r.loc)
+        if f.type == DIR:
+            raise IsADirectoryError_(f"{self._where(r.loc)} is a directory")
+        if f.type != FILE:
+            raise InvalidArgumentError(f"{self._where(r.loc)} is not a regular file")
+        s = self._live_session(f)
+        if s is not None:
+            raise BusyError(f"{self._where(r.loc)} is being written (session {s.id}, owner {s.owner!r})")
+        self._set_size(f, r.size)
+        f.mtime = f.ctime = self.clock
+        return self._info(f)
+
+    def _set_size(self, f: Inode, size: int) -> None:
+        assert f.layout is not None
+        keep = -(-size // f.layout.chunk_size)
+        for c in sorted(f.chunks):
+            if c >= keep:
+                self._gc_chunk(f, c, f.chunks.pop(c))
+        f.size = size
+
+    def _op_set_layout(self, op: pb.MetaOp, r: pb.SetLayoutRequest) -> Message:
+        d = self._dir(self._get(r.loc), self._where(r.loc))
+        spec = layout_from_pb(r.layout)
+        parent_eff = self._effective_layout(self.inodes[d.parent]) if d.id != ROOT_INODE else DEFAULT_LAYOUT
+        eff = spec.merged_over(parent_eff)
+        d.layout = spec if d.id != ROOT_INODE else eff
+        d.ctime = self.clock
+        self._commit_width(eff.width, self._plan_width(eff.width))
+        return pb.LayoutReply(layout=self._effective_layout(d).to_pb())
+
+    # ---- placement ----------------------------------------------------------
+
+    def _target_state(self, t: Target) -> int:
+        if not t.present or self.nodes[t.node].state != NODE_ONLINE:
+            return OFFLINE
+        return t.reported
+
+    def _eligible(self) -> dict[int, int]:
+        return {t.id: t.node for t in self.targets.values() if self._target_state(t) == ONLINE}
+
+    def _plan_width(self, width: int) -> list[list[int]]:
+        """New groups a width would get now (nothing is changed)."""
+        eligible = self._eligible()
+        existing = [self.groups[g] for g in sorted(self.groups) if len(self.groups[g]) == width]
+        return plan_groups(eligible, existing, width, len(eligible) - len(existing))
+
+    def _commit_width(self, width: int, new: list[list[int]]) -> None:
+        self.widths.add(width)
+        for grp in new:
+            self.groups[self.next_group] = grp
+            self.next_group += 1
+        if new:
+            self.map_version += 1
+
+    def _top_up(self) -> None:
+        for w in sorted(self.widths):
+            self._commit_width(w, self._plan_width(w))
+
+    def _choose_groups(self, spec: LayoutSpec, ino: int, pending: list[list[int]]) -> list[int]:
+        w = spec.width
+        healthy = [g for g in sorted(self.groups) if len(self.groups[g]) == w
+                   and all(self._target_state(self.targets[t]) == ONLINE for t in self.groups[g])]
+        healthy += list(range(self.next_group, self.next_group + len(pending)))
+        red = spec.redundancy()
+        if not healthy:
+            nodes = distinct_nodes(self._eligible())
+            raise InsufficientTargetsError(
+                f"layout {red} needs {w} online targets on distinct storage nodes, but only {nodes} "
+                f"node(s) have an online target: start or register more storage nodes, or use a "
+                f"narrower redundancy for this directory")
+        sw = spec.stripe_width or min(len(healthy), AUTO_STRIPE_MAX)
+        if sw > len(healthy):
+            raise InsufficientTargetsError(
+                f"layout {red} with stripe_width {sw} needs {sw} healthy placement groups of width {w}; "
+                f"the cluster has {len(healthy)}: lower stripe_width or add storage nodes")
+        start = ino % len(healthy)
+        return [healthy[(start + i) % len(healthy)] for i in range(sw)]
+
+    # ---- write sessions ------------------------------------------------------
+
+    def _lease_ns(self, op: pb.MetaOp, asked: int) -> int:
+        ms = min(asked or op.lease_ms or DEFAULT_LEASE_MS, MAX_LEASE_MS)
+        return ms * NS_PER_MS
+
+    def _session(self, sid: int) -> tuple[Session, Inode]:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise SessionExpiredError(f"write session {sid} is unknown, expired or already ended")
+        if s.expiry < self.clock:
+            raise SessionExpiredError(f"write session {sid} expired (lease ran out)")
+        return s, self.inodes[s.inode]
+
+    def _op_open_write(self, op: pb.MetaOp, r: pb.OpenWriteRequest) -> Message:
+        f = self._get(r.loc)
+        if f.type == DIR:
+            raise IsADirectoryError_(f"{self._where(r.loc)} is a directory")
+        if f.type != FILE:
+            raise InvalidArgumentError(f"{self._where(r.loc)} is not a regular file")
+        if r.map_version and r.map_version != self.map_version:
+            raise StaleVersionError(f"cluster map version {r.map_version} is stale; current is {self.map_version}")
+        if f.session:
+            s = self.sessions.get(f.session)
+            if s is not None and s.expiry >= self.clock:
+                raise BusyError(f"{self._where(r.loc)} is being written by {s.owner!r} (session {s.id})")
+        self._live_session(f)  # drops an expired session (its chunks go to GC)
+        f.data_version += 1
+        s = Session(id=self.next_session, inode=f.id, owner=r.owner,
+                    expiry=self.clock + self._lease_ns(op, r.lease_ms), version=f.data_version)
+        self.next_session += 1
+        self.sessions[s.id] = s
+        f.session = s.id
+        return pb.OpenWriteReply(session_id=s.id, lease_expiry_ns=s.expiry, data_version=s.version,
+                                 file=self._info(f))
+
+    def _op_renew_lease(self, op: pb.MetaOp, r: pb.RenewLeaseRequest) -> Message:
+        s, f = self._session(r.session_id)
+        self._check_chunks(f, r.chunks, None)
+        s.chunks.update(r.chunks)
+        s.expiry = self.clock + self._lease_ns(op, r.lease_ms)
+        return pb.RenewLeaseReply(lease_expiry_ns=s.expiry)
+
+    @staticmethod
+    def _check_chunks(f: Inode, chunks: Iterable[int], size: int | None) -> None:
+        assert f.layout is not None
+        limit = -(-size // f.layout.chunk_size) if size is not None else -(-(1 << 60) // f.layout.chunk_size)
+        for c in chunks:
+            if c >= limit:
+                raise InvalidArgumentError(
+                    f"chunk {c} lies beyond the file size {size} (chunk size {f.layout.chunk_size})")
+
+    def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
+        s, f = self._session(r.session_id)
+        self._check_chunks(f, r.chunks, r.size)
+        written = set(r.chunks)
+        for c in sorted(written):
+            old = f.chunks.get(c)
+            if old is not None and old != s.version:
+                self._gc_chunk(f, c, old)
+            f.chunks[c] = s.version
+        self._set_size(f, r.size)
+        f.mtime = f.ctime = self.clock
+        self._drop_session(s, f, keep=written)
+        return self._info(f)
+
+    def _op_abort_write(self, op: pb.MetaOp, r: pb.AbortWriteRequest) -> Message:
+        s = self.sessions.get(r.session_id)
+        if s is None:
+            raise SessionExpiredError(f"write session {r.session_id} is unknown, expired or already ended")
+        f = self.inodes[s.inode]
+        self._check_chunks(f, r.chunks, None)
+        s.chunks.update(r.chunks)
+        self._drop_session(s, f)
+        return pb.Empty()
+
+    # ---- cluster map ---------------------------------------------------------
+
+    def _op_register_node(self, op: pb.MetaOp, r: pb.RegisterNodeRequest) -> Message:
+        node = next((n for n in self.nodes.values() if n.uuid == r.node_uuid), None)
+        changed = False
+        if node is None:
+            node = Node(id=self.next_node, uuid=r.node_uuid, hostname=r.hostname, data_addr=r.data_addr,
+                        control_addr=r.control_addr, state=NODE_ONLINE, last_hb=self.clock)
+            self.next_node += 1
+            self.nodes[node.id] = node
+            changed = True
+        before = {t: self._target_state(self.targets[t]) for t in node.targets}
+        if (node.hostname, node.data_addr, node.control_addr, node.state) != (
+                r.hostname, r.data_addr, r.control_addr, NODE_ONLINE):
+            changed = True
+        node.hostname, node.data_addr, node.control_addr = r.hostname, r.data_addr, r.control_addr
+        node.state, node.last_hb = NODE_ONLINE, self.clock
+        by_path = {self.targets[t].path: self.targets[t] for t in node.targets}
+        reply = pb.RegisterNodeReply(node_id=node.id)
+        offered = set()
+        for spec in r.targets:
+            t = by_path.get(spec.path)
+            if t is None:
+                t = Target(id=self.next_target, node=node.id, path=spec.path, capacity=spec.capacity)
+                self.next_target += 1
+                self.targets[t.id] = t
+                node.targets.append(t.id)
+                changed = True
+            t.capacity, t.present, t.reported = spec.capacity, True, ONLINE
+            offered.add(t.id)
+            reply.targets.append(pb.RegisteredTarget(path=spec.path, target_id=t.id))
+        for tid in node.targets:
+            if tid not in offered:
+                self.targets[tid].present = False
+        if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
+            changed = True
+        if changed:
+            self.map_version += 1
+            self._top_up()
+        reply.map_version = self.map_version
+        return reply
+
+    def _op_heartbeat(self, op: pb.MetaOp, r: pb.HeartbeatRequest) -> Message:
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            raise NotFoundError(f"unknown storage node {r.node_id}: register it first")
+        for rep in r.targets:
+            if rep.target_id not in node.targets:
+                raise InvalidArgumentError(f"target {rep.target_id} does not belong to node {node.id}")
+        before = {t: self._target_state(self.targets[t]) for t in node.targets}
+        node.state, node.last_hb = NODE_ONLINE, self.clock
+        for rep in r.targets:
+            t = self.targets[rep.target_id]
+            t.used, t.capacity = rep.used, rep.capacity
+            t.reported = rep.state or ONLINE
+        if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
+            self.map_version += 1
+            self._top_up()
+        return pb.HeartbeatReply(map_version=self.map_version, state=node.state)  # type: ignore[arg-type]
+
+    def _op_ack_gc(self, op: pb.MetaOp, r: pb.AckGCRequest) -> Message:
+        acked = 0
+        for a in r.acks:
+            item = self.gc.get(a.id)
+            if item is not None and a.target_id in item.pending:
+                del item.pending[a.target_id]
+                acked += 1
+                if not item.pending:
+                    del self.gc[a.id]
+        return pb.AckGCReply(acked=acked)
+
+    def _op_tick(self, op: pb.MetaOp, r: pb.TickRequest) -> Message:
+        if r.heartbeat_timeout_ms:
+            limit = self.clock - r.heartbeat_timeout_ms * NS_PER_MS
+            expired = [n for _, n in sorted(self.nodes.items()) if n.state == NODE_ONLINE and n.last_hb < limit]
+            for n in expired:
+                n.state = NODE_OFFLINE
+            if expired:
+                self.map_version += 1
+        for sid in sorted(self.sessions):
+            s = self.sessions[sid]
+            if s.expiry < self.clock:
+                self._drop_session(s, self.inodes.get(s.inode))
+        for client in sorted(self.requests):
+            if self.requests[client][0] < self.clock - REQUEST_TTL_NS:
+                del self.requests[client]
+        return pb.Empty()
+
+    # ---- reads (after the replicator's read barrier) ------------------------
+
+    def stat(self, loc: pb.Loc) -> pb.FileInfo:
+        _check_read_loc(loc, "stat")
+        return self._info(self._get(loc))
+
+    def lookup(self, parent: int, name: str) -> pb.FileInfo:
+        _check_read_loc(pb.Loc(parent=parent, name=name), "lookup")
+        return self.stat(pb.Loc(parent=parent, name=name))
+
+    def readdir(self, loc: pb.Loc, cursor: str = "", limit: int = 0) -> pb.ReaddirReply:
+        _check_read_loc(loc, "readdir")
+        d = self._dir(self._get(loc), self._where(loc))
+        limit = min(limit or DEFAULT_READDIR_LIMIT, MAX_READDIR_LIMIT)
+        names = sorted(n for n in d.entries if n > cursor)
+        page = names[:limit]
+        reply = pb.ReaddirReply(next_cursor=page[-1] if len(names) > limit else "")
+        for name in page:
+            reply.entries.append(pb.DirEntry(name=name, attr=self._attr(self.inodes[d.entries[name]])))
+        return reply
+
+    def readlink(self, loc: pb.Loc) -> str:
+        _check_read_loc(loc, "readlink")
+        n = self._get(loc)
+        if n.type != SYMLINK:
+            raise InvalidArgumentError(f"{self._where(loc)} is not a symbolic link")
+        return n.target
+
+    def get_layout(self, loc: pb.Loc) -> pb.Layout:
+        _check_read_loc(loc, "get_layout")
+        n = self._get(loc)
+        if n.type == FILE:
+            assert n.layout is not None
+            return n.layout.to_pb(n.groups)
+        if n.type == DIR:
+            return self._effective_layout(n).to_pb()
+        raise InvalidArgumentError(f"{self._where(loc)} is a symbolic link and has no layout")
+
+    def cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
+        if known_version and known_version == self.map_version:
+            return pb.ClusterMap(version=self.map_version, unchanged=True)
+        out = pb.ClusterMap(version=self.map_version)
+        for nid in sorted(self.nodes):
+            n = self.nodes[nid]
+            out.nodes.append(pb.ClusterNode(
+                node_id=n.id, node_uuid=n.uuid, hostname=n.hostname, data_addr=n.data_addr,
+                control_addr=n.control_addr, state=n.state, last_heartbeat_ns=n.last_hb,  # type: ignore[arg-type]
+                target_ids=n.targets))
+        for tid in sorted(self.targets):
+            t = self.targets[tid]
+            out.targets.append(pb.ClusterTarget(target_id=t.id, node_id=t.node, path=t.path, capacity=t.capacity,
+                                                used=t.used, state=self._target_state(t)))  # type: ignore[arg-type]
+        for gid in sorted(self.groups):
+            out.groups.append(pb.PlacementGroup(group_id=gid, width=len(self.groups[gid]),
+                                                target_ids=self.groups[gid]))
+        return out
+
+    def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:
+        want = set(target_ids)
+        limit = min(limit or 1000, 10_000)
+        out: list[pb.GCItem] = []
+        for gid in sorted(i for i in self.gc if i > after_id):
+            item = self.gc[gid]
+            for tid in sorted(item.pending):
+                if tid in want or not want:
+                    out.append(pb.GCItem(id=item.id, inode=item.inode, chunk=item.chunk, version=item.version,
+                                         group_id=item.group, target_id=tid, fragment=item.pending[tid]))
+            if len(out) >= limit:
+                break
+        return out
+
+    # ---- snapshot encoding --------------------------------------------------
+
+    def _to_json(self) -> dict[str, Any]:
+        def lay(x: LayoutSpec | None) -> list[int] | None:
+            return None if x is None else [x.chunk_size, x.kind, x.k, x.m, x.stripe_width]
+
+        inodes = []
+        for i in sorted(self.inodes):
+            n = self.inodes[i]
+            inodes.append({
+                "id": n.id, "type": n.type, "mode": n.mode, "uid": n.uid, "gid": n.gid, "mtime": n.mtime,
+                "ctime": n.ctime, "nlink": n.nlink, "size": n.size, "dv": n.data_version, "parent": n.parent,
+                "entries": dict(sorted(n.entries.items())), "layout": lay(n.layout), "groups": n.groups,
+                "chunks": [[r.first, r.count, r.version] for r in chunk_runs(n.chunks)],
+                "target": n.target, "session": n.session,
+            })
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "counters": [self.clock, self.ops_applied, self.next_inode, self.next_node, self.next_target,
+                         self.next_group, self.next_session, self.next_gc, self.map_version],
+            "inodes": inodes,
+            "nodes": [[n.id, n.uuid, n.hostname, n.data_addr, n.control_addr, n.state, n.last_hb, n.targets]
+                      for _, n in sorted(self.nodes.items())],
+            "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present]
+                        for _, t in sorted(self.targets.items())],
+            "groups": [[g, self.groups[g]] for g in sorted(self.groups)],
+            "widths": sorted(self.widths),
+            "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted(s.chunks)]
+                         for _, s in sorted(self.sessions.items())],
+            "gc": [[e.id, e.inode, e.chunk, e.version, e.group, sorted([t, f] for t, f in e.pending.items())]
+                   for _, e in sorted(self.gc.items())],
+            "requests": [[c, self.requests[c][0],
+                          [[r, base64.b64encode(v).decode()] for r, v in sorted(self.requests[c][1].items())]]
+                         for c in sorted(self.requests)],
+        }
+
+    def _from_json(self, doc: dict[str, Any]) -> None:
+        def lay(x: list[int] | None) -> LayoutSpec | None:
+            return None if x is None else LayoutSpec(*x)
+
+        (self.clock, self.ops_applied, self.next_inode, self.next_node, self.next_target,
+         self.next_group, self.next_session, self.next_gc, self.map_version) = doc["counters"]
+        self.inodes = {}
+        for d in doc["inodes"]:
+            chunks = {first + i: v for first, count, v in d["chunks"] for i in range(count)}
+            self.inodes[d["id"]] = Inode(
+                id=d["id"], type=d["type"], mode=d["mode"], uid=d["uid"], gid=d["gid"], mtime=d["mtime"],
+                ctime=d["ctime"], nlink=d["nlink"], size=d["size"], data_version=d["dv"], parent=d["parent"],
+                entries=dict(d["entries"]), layout=lay(d["layout"]), groups=list(d["groups"]), chunks=chunks,
+                target=d["target"], session=d["session"])
+        self.nodes = {n[0]: Node(id=n[0], uuid=n[1], hostname=n[2], data_addr=n[3], control_addr=n[4],
+                                 state=n[5], last_hb=n[6], targets=list(n[7])) for n in doc["nodes"]}
+        self.targets = {t[0]: Target(id=t[0], node=t[1], path=t[2], capacity=t[3], used=t[4], reported=t[5],
+                                     present=t[6]) for t in doc["targets"]}
+        self.groups = {g: list(m) for g, m in doc["groups"]}
+        self.widths = set(doc["widths"])
+        self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
+                                       chunks=set(s[5])) for s in doc["sessions"]}
+        self.gc = {e[0]: GCEntry(id=e[0], inode=e[1], chunk=e[2], version=e[3], group=e[4],
+                                 pending={t: f for t, f in e[5]}) for e in doc["gc"]}
+        self.requests = {c: (seen, {r: base64.b64decode(v) for r, v in items})
+                         for c, seen, items in doc["requests"]}
+
+
+def _check_read_loc(loc: pb.Loc, what: str) -> None:
+    # Reads use the same location rules as ops on existing objects.
+    check_loc(loc, entry=False, what=what)
