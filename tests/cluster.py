@@ -1,0 +1,344 @@
+"""A real ``tierfs-meta`` cluster for tests: processes on loopback.
+
+``MetaCluster(tmp_path, n=3)`` starts ``n`` replicas (``python -m
+tierfs.meta.daemon``) on free loopback ports, each with its own data dir
+under ``tmp_path``; ``start/stop/kill/restart(i)`` act on replica ``i``
+(``kill`` is SIGKILL); ``leader()``/``wait_leader()`` find the leader;
+``addresses`` are the gRPC addresses; ``digests()`` asks every live replica
+for its state digest through the ``tierfs.meta.RaftAdmin`` JSON service.
+
+If ``TIERFS_TEST_META=host:port,...`` is set, :func:`meta_cluster_from_env`
+returns a cluster bound to that deployment instead: nothing is started, and
+anything that needs to stop or kill a replica skips the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from tierfs.errors import NotLeaderError, TierFSError, UnavailableError, error_from_code
+
+__all__ = ["MetaCluster", "Replica", "free_ports", "meta_cluster_from_env", "wait_for"]
+
+REPO = Path(__file__).resolve().parent.parent
+ADMIN = "/tierfs.meta.RaftAdmin/"
+T = TypeVar("T")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback TCP ports (bound then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(cond: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            v = cond()
+            if v:
+                return v
+        except (TierFSError, grpc.RpcError, OSError) as exc:
+            last_exc = exc
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what} (last error: {last_exc!r})")
+        time.sleep(interval)
+
+
+def admin_call(addr: str, method: str, req: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """One call to a replica's RaftAdmin JSON service; TierFSError on error."""
+    with grpc.insecure_channel(addr) as ch:
+        fn = ch.unary_unary(ADMIN + method)
+        try:
+            raw = fn(json.dumps(req or {}).encode(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"{addr}: {exc.code()}") from None
+    reply: dict[str, Any] = json.loads(raw)
+    err = reply.get("error")
+    if err:
+        raise error_from_code(int(err["code"]), str(err["message"]), leader=str(err.get("leader", "")))
+    return reply
+
+
+@dataclass
+class Replica:
+    index: int
+    raft_addr: str
+    grpc_addr: str
+    data_dir: Path
+    peers: list[str]
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    _log_file: Any = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class MetaCluster:
+    """Real meta replicas on loopback (see the module docstring)."""
+
+    def __init__(
+        self,
+        tmp_path: Path | None,
+        n: int = 3,
+        *,
+        state_machine: str = "kv",
+        extra_args: Sequence[str] = (),
+        external: Sequence[str] = (),
+        data_root: Path | None = None,
+        start: bool = True,
+    ) -> None:
+        self.state_machine = state_machine
+        self.extra_args = list(extra_args)
+        self.external = list(external)
+        self.replicas: list[Replica] = []
+        self.failover_times: list[float] = []
+        if self.external:
+            return
+        assert tmp_path is not None
+        self.root = Path(tmp_path)
+        self.data_root = data_root or self.root
+        ports = free_ports(2 * n)
+        rafts = [f"127.0.0.1:{p}" for p in ports[:n]]
+        grpcs = [f"127.0.0.1:{p}" for p in ports[n:]]
+        for i in range(n):
+            peers = [f"{rafts[j]}={grpcs[j]}" for j in range(n) if j != i]
+            self.replicas.append(Replica(i, rafts[i], grpcs[i], self.data_root / f"meta{i}", peers))
+        if start:
+            for i in range(n):
+                self.start(i)
+
+    # --- processes ---------------------------------------------------------------
+
+    @property
+    def can_kill(self) -> bool:
+        return not self.external
+
+    def _need_local(self) -> None:
+        if self.external:
+            pytest.skip("needs local replica processes (TIERFS_TEST_META points at a deployment)")
+
+    @property
+    def addresses(self) -> list[str]:
+        """gRPC addresses of every replica (live or not)."""
+        if self.external:
+            return list(self.external)
+        return [r.grpc_addr for r in self.replicas]
+
+    def live(self) -> list[int]:
+        if self.external:
+            return list(range(len(self.external)))
+        return [r.index for r in self.replicas if r.alive]
+
+    def command(self, r: Replica) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "tierfs.meta.daemon",
+            "--raft-addr", r.raft_addr, "--grpc-addr", r.grpc_addr,
+            "--data-dir", str(r.data_dir), "--node-id", f"meta{r.index}",
+            "--state-machine", self.state_machine, "--log-format", "text",
+        ]
+        for p in r.peers:
+            cmd += ["--peer", p]
+        return cmd + self.extra_args + r.extra_args
+
+    def start(self, i: int, timeout: float = 30.0) -> None:
+        """Start replica ``i`` and wait until its gRPC server answers."""
+        self._need_local()
+        r = self.replicas[i]
+        assert not r.alive, f"replica {i} already running"
+        r.data_dir.mkdir(parents=True, exist_ok=True)
+        r.log_path = self.root / f"meta{i}.log"
+        r._log_file = open(r.log_path, "ab")  # noqa: SIM115 - closed in _reap
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.pop("TIERFS_TEST_META", None)
+        r.proc = subprocess.Popen(
+            self.command(r), stdout=subprocess.DEVNULL, stderr=r._log_file, env=env, cwd=str(REPO),
+        )
+        wait_for(lambda: self._answers(r), timeout, f"replica {i} to start (log {r.log_path})")
+
+    def _answers(self, r: Replica) -> bool:
+        if r.proc is not None and r.proc.poll() is not None:
+            raise AssertionError(f"replica {r.index} exited with {r.proc.returncode}; log:\n{self.log(r.index)}")
+        admin_call(r.grpc_addr, "Status", timeout=1.0)
+        return True
+
+    def _reap(self, r: Replica, timeout: float) -> None:
+        if r.proc is not None:
+            try:
+                r.proc.wait(timeout)
+            finally:
+                r.proc = None
+        if r._log_file is not None:
+            r._log_file.close()
+            r._log_file = None
+
+    def stop(self, i: int, timeout: float = 20.0) -> None:
+        """Clean stop (SIGTERM), waiting for exit."""
+        self._need_local()
+        r = self.replicas[i]
+        if r.alive:
+            assert r.proc is not None
+            r.proc.send_signal(signal.SIGTERM)
+        self._reap(r, timeout)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL replica ``i`` (no flush, no goodbye)."""
+        self._need_local()
+        r = self.replicas[i]
+        if r.alive:
+            assert r.proc is not None
+            r.proc.kill()
+        self._reap(r, 10.0)
+
+    def restart(self, i: int, *, hard: bool = False) -> None:
+        (self.kill if hard else self.stop)(i)
+        self.start(i)
+
+    def add_replica(self) -> int:
+        """Start a new replica that knows the current members (not yet added:
+        call :meth:`add_member` on the leader next). Returns its index."""
+        self._need_local()
+        i = len(self.replicas)
+        raft_port, grpc_port = free_ports(2)
+        peers = [f"{r.raft_addr}={r.grpc_addr}" for r in self.replicas if r.alive]
+        r = Replica(i, f"127.0.0.1:{raft_port}", f"127.0.0.1:{grpc_port}", self.data_root / f"meta{i}", peers)
+        self.replicas.append(r)
+        self.start(i)
+        return i
+
+    def log(self, i: int) -> str:
+        r = self.replicas[i]
+        return r.log_path.read_text(errors="replace") if r.log_path and r.log_path.exists() else ""
+
+    def close(self) -> None:
+        if self.external:
+            return
+        for r in self.replicas:
+            if r.alive:
+                assert r.proc is not None
+                r.proc.kill()
+            self._reap(r, 10.0)
+
+    def __enter__(self) -> MetaCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- queries -------------------------------------------------------------------
+
+    def admin(self, i: int, method: str, req: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+        return admin_call(self.addresses[i], method, req, timeout)
+
+    def status(self, i: int) -> dict[str, Any]:
+        return self.admin(i, "Status", timeout=2.0)
+
+    def leader(self) -> int | None:
+        """Index of the replica that says it leads (None if none does)."""
+        for i in self.live():
+            try:
+                if self.status(i)["role"] == "leader":
+                    return i
+            except TierFSError:
+                continue
+        return None
+
+    def wait_leader(self, timeout: float = 20.0) -> int:
+        return wait_for(lambda: _plus1(self.leader()), timeout, "a leader") - 1
+
+    def digests(self) -> dict[int, tuple[str, int]]:
+        """replica -> (state digest, applied index), for every live replica."""
+        out = {}
+        for i in self.live():
+            d = self.admin(i, "Digest", timeout=5.0)
+            out[i] = (str(d["digest"]), int(d["applied_index"]))
+        return out
+
+    def wait_converged(self, timeout: float = 30.0, members: Sequence[int] | None = None) -> str:
+        """Wait until every live replica (or ``members``) reports the same
+        digest at the same applied index; returns the digest."""
+
+        def check() -> str | None:
+            ds = self.digests()
+            if members is not None:
+                ds = {i: ds[i] for i in members if i in ds}
+                if len(ds) != len(members):
+                    return None
+            if len(set(ds.values())) == 1:
+                return next(iter(ds.values()))[0]
+            return None
+
+        return wait_for(check, timeout, "replica digests to converge", interval=0.2)
+
+    # --- kv helpers (state_machine="kv") ---------------------------------------------
+
+    def put(self, key: str, value: str, timeout: float = 15.0) -> float:
+        """Put through whichever replica leads, following NotLeader answers;
+        returns how long it took (retries through a failover included)."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        target: int | None = None
+        while True:
+            i = target if target is not None else (self.leader() if self.leader() is not None else 0)
+            target = None
+            try:
+                self.admin(i, "Put", {"k": key, "v": value}, timeout=max(0.5, deadline - time.monotonic()))
+                return time.monotonic() - t0
+            except NotLeaderError as err:
+                if err.leader in self.addresses:
+                    target = self.addresses.index(err.leader)
+            except (UnavailableError, TierFSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"put {key} not acknowledged within {timeout}s")
+            time.sleep(0.02)
+
+    def get(self, key: str, i: int | None = None) -> str | None:
+        idx = self.wait_leader() if i is None else i
+        v = self.admin(idx, "Get", {"k": key}).get("value")
+        return None if v is None else str(v)
+
+    def get_many(self, keys: Sequence[str], i: int | None = None) -> dict[str, str | None]:
+        idx = self.wait_leader() if i is None else i
+        vals: dict[str, str | None] = self.admin(idx, "Get", {"keys": list(keys)}, timeout=15.0)["values"]
+        return vals
+
+
+def _plus1(v: int | None) -> int | None:
+    return None if v is None else v + 1
+
+
+def meta_cluster_from_env() -> MetaCluster | None:
+    """A cluster bound to ``TIERFS_TEST_META`` (comma-separated gRPC
+    addresses of a running deployment), or None when unset."""
+    spec = os.environ.get("TIERFS_TEST_META", "").strip()
+    if not spec:
+        return None
+    return MetaCluster(None, external=[a.strip() for a in spec.split(",") if a.strip()])

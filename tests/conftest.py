@@ -1,0 +1,49 @@
+"""Shared fixtures. Small and composable: each role's fixtures live in their
+own library module (``tests/cluster.py`` for meta) and are exposed here."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.cluster import MetaCluster, meta_cluster_from_env  # noqa: E402
+
+
+@pytest.fixture
+def meta_cluster(tmp_path: Path) -> Iterator[MetaCluster]:
+    """Three real ``tierfs-meta`` replicas (toy kv state machine unless the
+    test is parametrized otherwise), or the deployment in TIERFS_TEST_META."""
+    ext = meta_cluster_from_env()
+    if ext is not None:
+        yield ext
+        return
+    with MetaCluster(tmp_path, n=3) as cluster:
+        cluster.wait_leader()
+        yield cluster
+
+
+@pytest.fixture
+def meta_cluster_factory(tmp_path: Path) -> Iterator[type[MetaCluster]]:
+    """Build clusters with custom options: ``meta_cluster_factory(n=5, ...)``;
+    every cluster built is torn down after the test."""
+    made: list[MetaCluster] = []
+
+    def make(n: int = 3, **kw: object) -> MetaCluster:
+        ext = meta_cluster_from_env()
+        if ext is not None:
+            made.append(ext)
+            return ext
+        c = MetaCluster(tmp_path / f"c{len(made)}", n=n, **kw)  # type: ignore[arg-type]
+        made.append(c)
+        return c
+
+    yield make  # type: ignore[misc]
+    for c in made:
+        c.close()

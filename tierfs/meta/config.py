@@ -1,0 +1,109 @@
+"""Configuration of a ``tierfs-meta`` replica (TOML table ``[meta]``,
+environment ``TIERFS_META_<FIELD>``, flags of :mod:`tierfs.meta.daemon`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import ClassVar
+
+from tierfs.config import BaseConfig, field
+from tierfs.errors import ConfigError
+
+__all__ = ["MetaConfig", "parse_peer", "split_addr"]
+
+
+def split_addr(addr: str, name: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); ConfigError naming ``name`` otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"not a host:port address: {addr!r}", field=name)
+    return host, int(port)
+
+
+def parse_peer(spec: str) -> tuple[str, str]:
+    """``"RAFT"`` or ``"RAFT=GRPC"`` -> (raft address, gRPC address or "")."""
+    raft, _, grpc_addr = spec.partition("=")
+    split_addr(raft.strip(), "peers")
+    if grpc_addr:
+        split_addr(grpc_addr.strip(), "peers")
+    return raft.strip(), grpc_addr.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaConfig(BaseConfig):
+    SECTION: ClassVar[str] = "meta"
+
+    node_id: str = field("", "Name of this replica in logs and metrics (default: its raft address).")
+    raft_addr: str = field("127.0.0.1:7100", "host:port this replica's Raft transport binds and is known by.")
+    grpc_addr: str = field("127.0.0.1:7000", "host:port of this replica's gRPC server (port 0 picks a free port).")
+    peers: list[str] = field(
+        [],
+        "The other members at first start, each RAFT_ADDR or RAFT_ADDR=GRPC_ADDR. A replica being "
+        "added at runtime lists the current members. The gRPC half seeds the raft->gRPC map "
+        "(replicated afterwards) used in NotLeader answers.",
+    )
+    data_dir: Path = field(Path("tierfs-meta-data"), "Directory for the Raft journal and snapshots.")
+    state_machine: str = field("meta", "'meta' (the namespace) or 'kv' (a toy key-value store for tests and benchmarks).")
+
+    heartbeat_interval: float = field(0.05, "Leader's AppendEntries period.", kind="duration")
+    election_timeout_min: float = field(0.4, "Lower bound of the randomized election timeout.", kind="duration")
+    election_timeout_max: float = field(0.8, "Upper bound of the randomized election timeout.", kind="duration")
+    connection_timeout: float = field(1.0, "A Raft connection silent this long is dropped (>= election_timeout_max).", kind="duration")
+    connection_retry: float = field(0.5, "Delay between reconnection attempts to a peer.", kind="duration")
+    leader_step_down: float = field(1.5, "A leader without a majority's answers this long steps down.", kind="duration")
+
+    snapshot_min_entries: int = field(10000, "Take a snapshot (and compact the journal) once it holds this many entries.")
+    snapshot_min_interval: float = field(600.0, "... or this long after the previous snapshot.", kind="duration")
+    fsync: bool = field(True, "fdatasync the journal before acknowledging (turn off only for throwaway tests).")
+
+    submit_timeout: float = field(5.0, "How long a mutation may wait for its commit.", kind="duration")
+    heartbeat_timeout: float = field(10.0, "A storage node missing heartbeats this long goes offline.", kind="duration")
+    lease_duration: float = field(30.0, "Write-session lease.", kind="duration")
+    tick_interval: float = field(1.0, "Period of the leader's housekeeping tick op.", kind="duration")
+
+    metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
+    log_level: str = field("info", "debug | info | warning | error")
+    log_format: str = field("json", "json (one object per line) | text")
+
+    def validate(self) -> None:
+        split_addr(self.raft_addr, "raft_addr")
+        split_addr(self.grpc_addr, "grpc_addr")
+        if self.metrics_addr:
+            split_addr(self.metrics_addr, "metrics_addr")
+        seen = set()
+        for spec in self.peers:
+            raft, _ = parse_peer(spec)
+            if raft == self.raft_addr:
+                raise ConfigError("a replica must not list itself", field="peers")
+            if raft in seen:
+                raise ConfigError(f"duplicate peer {raft}", field="peers")
+            seen.add(raft)
+        if self.state_machine not in ("meta", "kv"):
+            raise ConfigError("must be 'meta' or 'kv'", field="state_machine")
+        if self.heartbeat_interval <= 0:
+            raise ConfigError("must be > 0", field="heartbeat_interval")
+        if self.election_timeout_min <= 3 * self.heartbeat_interval:
+            raise ConfigError("must exceed 3 x heartbeat_interval", field="election_timeout_min")
+        if self.election_timeout_max <= self.election_timeout_min:
+            raise ConfigError("must exceed election_timeout_min", field="election_timeout_max")
+        if self.connection_timeout < self.election_timeout_max:
+            raise ConfigError("must be >= election_timeout_max", field="connection_timeout")
+        if self.connection_retry < 0:
+            raise ConfigError("must be >= 0", field="connection_retry")
+        if self.leader_step_down <= self.heartbeat_interval:
+            raise ConfigError("must exceed heartbeat_interval", field="leader_step_down")
+        if self.snapshot_min_entries < 2:
+            raise ConfigError("must be >= 2", field="snapshot_min_entries")
+        if self.snapshot_min_interval <= 0:
+            raise ConfigError("must be > 0", field="snapshot_min_interval")
+        if self.submit_timeout <= 0:
+            raise ConfigError("must be > 0", field="submit_timeout")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError("must be debug, info, warning or error", field="log_level")
+        if self.log_format not in ("json", "text"):
+            raise ConfigError("must be json or text", field="log_format")
+
+    def peer_map(self) -> dict[str, str]:
+        """raft address -> gRPC address ("" where not configured)."""
+        return dict(parse_peer(s) for s in self.peers)

@@ -1,0 +1,594 @@
+"""Raft replication of a :class:`~tierfs.meta.interfaces.StateMachine` with pysyncobj.
+
+:class:`RaftReplicator` is the production :class:`~tierfs.meta.interfaces.Replicator`.
+It owns one pysyncobj ``SyncObj`` (its own tick thread, its own TCP transport)
+and bridges it to asyncio:
+
+* ``submit(op)`` hands the op to pysyncobj's command queue (non-blocking) and
+  awaits a future that the tick thread resolves after the entry is committed.
+* The state machine is applied **on the event loop thread**, not on the tick
+  thread: the tick thread posts each committed op to the loop in log order.
+  So the gRPC service reads the state without locks and never sees an op
+  half-applied. Snapshot and restore also run on the loop (the tick thread
+  waits for them), which makes a snapshot exactly the state at its index.
+* ``read_barrier()`` commits a no-op through the log and waits until it is
+  applied here (log-based linearizable reads, no clock assumptions);
+  concurrent readers share one no-op.
+* The journal is :class:`tierfs.meta.journal.DurableJournal`; it is synced
+  before every outgoing Raft message and at the end of every tick (see
+  docs/raft.md for why that is enough).
+* A replicated raft->gRPC address map lets a follower answer
+  :class:`~tierfs.errors.NotLeaderError` with the leader's gRPC address; each
+  new leader registers itself, :meth:`RaftReplicator.add_member` registers
+  the new member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pysyncobj.syncobj as _syncobj_mod
+from prometheus_client import Counter, Gauge, Histogram
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.node import TCPNode
+from pysyncobj.transport import TCPTransport
+
+from tierfs.errors import (
+    BusyError,
+    InternalError,
+    InvalidArgumentError,
+    NotLeaderError,
+    TierFSError,
+    TimeoutError_,
+    UnavailableError,
+)
+from tierfs.meta.interfaces import ReplicaStatus, StateMachine
+from tierfs.meta.journal import (
+    DurableJournal,
+    SnapshotFile,
+    fsync_dir,
+    read_snapshot,
+    write_snapshot,
+)
+
+__all__ = ["RaftReplicator", "RaftTimings"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SNAPSHOT_FILE = "snapshot.bin"
+
+COMMIT_LATENCY = Histogram(
+    "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+OPS = Counter("tierfs_meta_ops_total", "Ops submitted to Raft, by outcome", ["outcome"])
+READ_BARRIERS = Counter("tierfs_meta_read_barriers_total", "No-op commits made for linearizable reads")
+JOURNAL_SYNCS = Gauge("tierfs_meta_journal_syncs", "fdatasync calls of the Raft journal")
+RAFT_TERM = Gauge("tierfs_meta_raft_term", "Current Raft term")
+IS_LEADER = Gauge("tierfs_meta_is_leader", "1 on the leader")
+SNAPSHOTS = Counter("tierfs_meta_snapshots_total", "Snapshots written")
+
+_RAFT_ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+
+# --- the one hook into pysyncobj's journal creation --------------------------
+# SyncObj builds its log with ``createJournal(conf.journalFile)``. We pass a
+# ready DurableJournal as ``journalFile`` and let anything else through.
+_orig_create_journal = _syncobj_mod.createJournal
+
+
+def _create_journal(journal_file: Any) -> Any:
+    if isinstance(journal_file, DurableJournal):
+        return journal_file
+    return _orig_create_journal(journal_file)
+
+
+_syncobj_mod.createJournal = _create_journal
+
+
+class _SyncingTransport(TCPTransport):  # type: ignore[misc]
+    """TCP transport that makes the journal durable before any message
+    leaves: an AppendEntries ack, a vote or a vote request then never
+    vouches for something a crash could still take back."""
+
+    def send(self, node: Any, message: Any) -> bool:
+        journal = getattr(self._syncObj, "tfs_journal", None)
+        if journal is not None:
+            journal.sync()
+        return bool(super().send(node, message))
+
+    def _onMessageReceived(self, node: Any, message: Any) -> None:
+        fix = getattr(self._syncObj, "tfs_on_message", None)
+        if fix is None:
+            super()._onMessageReceived(node, message)
+        else:
+            fix(node, message, super()._onMessageReceived)
+
+
+class _Pending:
+    """Result slot of one committed op, filled on the loop thread."""
+
+    __slots__ = ("exc", "result")
+
+    def __init__(self) -> None:
+        self.result: bytes = b""
+        self.exc: BaseException | None = None
+
+
+class _Node(SyncObj):  # type: ignore[misc]
+    """The SyncObj; its replicated methods run on the tick thread."""
+
+    def __init__(self, owner: RaftReplicator, self_addr: str, others: list[str], conf: SyncObjConf,
+                 journal: DurableJournal) -> None:
+        self.tfs_owner = owner
+        self.tfs_journal = journal
+        self.tfs_on_message: Callable[..., None] | None = owner._on_message
+        super().__init__(self_addr, others, conf, transportClass=_SyncingTransport)
+
+    @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def tfs_apply(self, op: bytes) -> _Pending:
+        return self.tfs_owner._apply_committed(op, self.raftLastApplied + 1)
+
+    @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def tfs_barrier(self) -> None:
+        return None
+
+    @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def tfs_register(self, raft_addr: str, grpc_addr: str) -> None:
+        self.tfs_owner._addr_map[raft_addr] = grpc_addr
+
+
+class RaftTimings:
+    """pysyncobj timing knobs, tuned for metadata (see docs/raft.md)."""
+
+    def __init__(
+        self,
+        heartbeat: float = 0.05,
+        election_min: float = 0.4,
+        election_max: float = 0.8,
+        connection_timeout: float = 1.0,
+        connection_retry: float = 0.5,
+        step_down: float = 1.5,
+    ) -> None:
+        self.heartbeat = heartbeat
+        self.election_min = election_min
+        self.election_max = election_max
+        self.connection_timeout = connection_timeout
+        self.connection_retry = connection_retry
+        self.step_down = step_down
+
+
+def make_conf(timings: RaftTimings, **extra: Any) -> SyncObjConf:
+    """The SyncObjConf every TierFS Raft node uses (also used by the bench)."""
+    return SyncObjConf(
+        appendEntriesUseBatch=False,  # ~0.6 ms per commit instead of ~100 ms
+        appendEntriesPeriod=timings.heartbeat,
+        raftMinTimeout=timings.election_min,
+        raftMaxTimeout=timings.election_max,
+        connectionTimeout=timings.connection_timeout,
+        connectionRetryTime=timings.connection_retry,
+        leaderFallbackTimeout=timings.step_down,
+        autoTickPeriod=min(0.05, timings.heartbeat),
+        commandsWaitLeader=False,
+        dynamicMembershipChange=True,
+        **extra,
+    )
+
+
+class RaftReplicator:
+    """Replicates ``sm`` over a pysyncobj cluster. Create it inside a running
+    event loop; call :meth:`start` then use it; :meth:`stop` at the end."""
+
+    def __init__(
+        self,
+        sm: StateMachine,
+        *,
+        raft_addr: str,
+        grpc_addr: str,
+        peers: dict[str, str],
+        data_dir: str | os.PathLike[str],
+        timings: RaftTimings | None = None,
+        snapshot_min_entries: int = 10000,
+        snapshot_min_interval: float = 600.0,
+        fsync: bool = True,
+        node_id: str = "",
+        exit_on_fatal: bool = False,
+    ) -> None:
+        self._sm = sm
+        self._raft_addr = raft_addr
+        self._grpc_addr = grpc_addr
+        self._peers = dict(peers)
+        self._dir = Path(data_dir)
+        self._timings = timings or RaftTimings()
+        self._snap_entries = snapshot_min_entries
+        self._snap_interval = snapshot_min_interval
+        self._fsync = fsync
+        self.node_id = node_id or raft_addr
+        self._exit_on_fatal = exit_on_fatal
+        # raft -> gRPC: configured seeds, then whatever the log registered.
+        self._addr_map: dict[str, str] = {r: g for r, g in self._peers.items() if g}
+        self._addr_map[raft_addr] = grpc_addr
+        self._node: _Node | None = None
+        self._journal: DurableJournal | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._raft_state = 0
+        self._applied_ops = 0
+        self._barrier_waiters: asyncio.Future[None] | None = None
+        self._barrier_running = False
+        self._bg_tasks: set[asyncio.Task[None]] = set()
+        self.snapshots_written = 0
+        self.fatal: str = ""
+
+    # --- lifecycle -----------------------------------------------------------
+
+    @property
+    def state_machine(self) -> StateMachine:
+        return self._sm
+
+    @property
+    def raft_addr(self) -> str:
+        return self._raft_addr
+
+    @property
+    def grpc_addr(self) -> str:
+        return self._grpc_addr
+
+    @grpc_addr.setter
+    def grpc_addr(self, value: str) -> None:
+        """Set once the gRPC server has bound (port 0)."""
+        self._grpc_addr = value
+        self._addr_map[self._raft_addr] = value
+
+    @property
+    def journal(self) -> DurableJournal:
+        assert self._journal is not None
+        return self._journal
+
+    async def start(self) -> None:
+        """Open the journal, bind the Raft port and start the tick thread."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._dir.mkdir(parents=True, exist_ok=True)
+        snap_path = self._dir / SNAPSHOT_FILE
+        anchor = None
+        if snap_path.exists():
+            anchor = read_snapshot(snap_path).anchor
+        self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+        self._journal.on_fatal = self._on_journal_error
+        conf = make_conf(
+            self._timings,
+            journalFile=self._journal,
+            fullDumpFile=str(snap_path),
+            serializer=self._serialize,
+            deserializer=self._deserialize,
+            logCompactionMinEntries=self._snap_entries,
+            logCompactionMinTime=self._snap_interval,
+            onStateChanged=self._on_state_changed,
+            maxBindRetries=0,
+        )
+        others = [r for r in self._peers if r != self._raft_addr]
+        self._node = _Node(self, self._raft_addr, others, conf, self._journal)
+        self._node.addOnTickCallback(self._journal.sync)
+        log.info("raft replica %s started (raft %s, grpc %s, peers %s)", self.node_id,
+                 self._raft_addr, self._grpc_addr, ", ".join(others) or "none")
+
+    async def stop(self) -> None:
+        """Stop the tick thread and close the journal (everything synced)."""
+        node, self._node = self._node, None
+        if node is None:
+            return
+        node.destroy()
+        # The tick thread may be waiting for the loop (snapshot): keep the loop
+        # running while joining it.
+        await asyncio.get_running_loop().run_in_executor(None, _join_tick_thread, node)
+        if self._journal is not None:
+            self._journal.close()
+        if self._barrier_waiters is not None and not self._barrier_waiters.done():
+            self._barrier_waiters.set_exception(UnavailableError("replica stopped"))
+        log.info("raft replica %s stopped", self.node_id)
+
+    # --- Replicator API ------------------------------------------------------
+
+    async def submit(self, op: bytes, timeout: float) -> bytes:
+        node = self._require_leader()
+        t0 = time.perf_counter()
+        try:
+            pending = await self._call(lambda cb: node.tfs_apply(op, callback=cb), timeout)
+        except TierFSError as err:
+            OPS.labels(type(err).__name__).inc()
+            raise
+        COMMIT_LATENCY.observe(time.perf_counter() - t0)
+        OPS.labels("ok").inc()
+        assert isinstance(pending, _Pending)
+        if pending.exc is not None:
+            raise InternalError(f"state machine failed to apply: {pending.exc!r}")
+        return pending.result
+
+    async def read_barrier(self, timeout: float) -> None:
+        self._require_leader()
+        loop = asyncio.get_running_loop()
+        # Join the next barrier: it is started only after every waiter queued
+        # for it arrived, so it is committed after each of their calls began.
+        if self._barrier_waiters is None:
+            self._barrier_waiters = loop.create_future()
+        fut = self._barrier_waiters
+        self._kick_barrier()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise TimeoutError_(f"read barrier not committed within {timeout:.1f}s") from None
+
+    def _kick_barrier(self) -> None:
+        if self._barrier_running or self._barrier_waiters is None:
+            return
+        fut, self._barrier_waiters = self._barrier_waiters, None
+        self._barrier_running = True
+        node = self._node
+
+        async def run() -> None:
+            try:
+                if node is None or not node._isLeader():
+                    raise NotLeaderError(leader=self._leader_grpc())
+                await self._call(lambda cb: node.tfs_barrier(callback=cb), 30.0)
+                READ_BARRIERS.inc()
+                if not fut.done():
+                    fut.set_result(None)
+            except BaseException as exc:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else UnavailableError(str(exc)))
+                    fut.exception()  # waiters may all have timed out: mark retrieved
+            finally:
+                self._barrier_running = False
+                self._kick_barrier()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._bg_tasks.add(task)
+        task.add_done_callback(self._bg_tasks.discard)
+
+    def status(self) -> ReplicaStatus:
+        node = self._node
+        if node is None:
+            return ReplicaStatus(id=self.node_id, role="stopped", leader="")
+        role = _RAFT_ROLES.get(self._raft_state, "follower")
+        if node._isLeader():
+            role = "leader"
+        members = [self._raft_addr, *sorted(n.id for n in node.otherNodes)]
+        return ReplicaStatus(
+            id=self.node_id,
+            role=role,
+            leader=self._leader_grpc(),
+            term=node.raftCurrentTerm,
+            commit_index=node.raftCommitIndex,
+            applied_index=node.raftLastApplied,
+            members=[self._addr_map.get(m, m) for m in members],
+        )
+
+    def raft_members(self) -> list[str]:
+        node = self._node
+        if node is None:
+            return []
+        return [self._raft_addr, *sorted(n.id for n in node.otherNodes)]
+
+    def addr_map(self) -> dict[str, str]:
+        return dict(self._addr_map)
+
+    def is_ready(self) -> bool:
+        """True once this replica has caught up with the leader at least once."""
+        return self._node is not None and bool(self._node.isReady())
+
+    async def add_member(self, raft_addr: str, grpc_addr: str, timeout: float) -> None:
+        """Add a replica (started with the current members as its peers). It
+        catches up by log replay or snapshot install."""
+        node = self._require_leader()
+        if raft_addr == self._raft_addr or any(n.id == raft_addr for n in node.otherNodes):
+            raise InvalidArgumentError(f"{raft_addr} is already a member")
+        deadline = time.monotonic() + timeout
+        if grpc_addr:
+            await self._call(lambda cb: node.tfs_register(raft_addr, grpc_addr, callback=cb), timeout)
+        await self._membership(lambda cb: node.addNodeToCluster(raft_addr, callback=cb), deadline)
+        log.info("added meta replica %s (grpc %s)", raft_addr, grpc_addr)
+
+    async def remove_member(self, raft_addr: str, grpc_addr: str, timeout: float) -> None:
+        """Remove a replica. Removing the leader itself first hands leadership
+        to the most caught-up follower and answers NotLeaderError (retry there)."""
+        node = self._require_leader()
+        if raft_addr == self._raft_addr:
+            await self.transfer_leadership(timeout)
+            raise NotLeaderError(leader=self._leader_grpc())
+        if not any(n.id == raft_addr for n in node.otherNodes):
+            raise InvalidArgumentError(f"{raft_addr} is not a member")
+        deadline = time.monotonic() + timeout
+        await self._membership(lambda cb: node.removeNodeFromCluster(raft_addr, callback=cb), deadline)
+        log.info("removed meta replica %s", raft_addr)
+
+    async def transfer_leadership(self, timeout: float) -> None:
+        node = self._require_leader()
+        deadline = time.monotonic() + timeout
+        while node._isLeader():
+            # pysyncobj only reports "request sent" (or denied while the target
+            # catches up): poll until someone else leads.
+            node.transferLeadership()
+            await asyncio.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise TimeoutError_("leadership transfer did not complete")
+
+    def force_snapshot(self) -> None:
+        """Take a snapshot (and compact the journal) on the next tick."""
+        if self._node is not None:
+            self._node.forceLogCompaction()
+
+    # --- internals: the asyncio <-> tick-thread bridge ------------------------
+
+    def _require_leader(self) -> _Node:
+        node = self._node
+        if node is None:
+            raise UnavailableError("meta replica is not running")
+        if self.fatal:
+            raise UnavailableError(f"meta replica failed: {self.fatal}")
+        if not node._isLeader():
+            raise NotLeaderError(leader=self._leader_grpc())
+        return node
+
+    def _leader_grpc(self) -> str:
+        node = self._node
+        leader = node._getLeader() if node is not None else None
+        if leader is None:
+            return ""
+        return self._addr_map.get(leader.id, "")
+
+    async def _call(self, start: Callable[[Callable[[Any, int], None]], None], timeout: float) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def resolve(res: Any, err: int) -> None:
+            if fut.done():
+                return
+            if err == FAIL_REASON.SUCCESS:
+                fut.set_result(res)
+            else:
+                fut.set_exception(self._fail_error(err))
+
+        def callback(res: Any, err: int) -> None:  # tick thread
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
+                loop.call_soon_threadsafe(resolve, res, err)
+
+        start(callback)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError_(f"not committed within {timeout:.1f}s (outcome unknown)") from None
+
+    def _fail_error(self, err: int) -> TierFSError:
+        if err in (FAIL_REASON.NOT_LEADER, FAIL_REASON.LEADER_CHANGED, FAIL_REASON.DISCARDED,
+                   FAIL_REASON.MISSING_LEADER):
+            return NotLeaderError(leader=self._leader_grpc())
+        if err == FAIL_REASON.QUEUE_FULL:
+            return BusyError("raft command queue full")
+        if err == FAIL_REASON.REQUEST_DENIED:
+            return BusyError("request denied (a membership change is in progress)")
+        return UnavailableError(f"raft outcome unknown (reason {err}); retry")
+
+    async def _membership(self, start: Callable[[Callable[[Any, int], None]], None], deadline: float) -> None:
+        while True:
+            try:
+                await self._call(start, max(0.1, deadline - time.monotonic()))
+                return
+            except BusyError:
+                # Denied until this term's no-op and the previous change apply.
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the event loop thread and wait (from the tick thread)."""
+        loop = self._loop
+        assert loop is not None
+        if threading.get_ident() == self._loop_thread:
+            return fn()
+        cf: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                cf.set_result(fn())
+            except BaseException as exc:
+                cf.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return cf.result(timeout=120)
+
+    def _apply_committed(self, op: bytes, index: int) -> _Pending:
+        """Tick thread: queue a committed op for the loop thread, in log order."""
+        pending = _Pending()
+
+        def run() -> None:
+            try:
+                pending.result = self._sm.apply(op)
+            except Exception as exc:  # the SM contract says never; keep replicas alike
+                log.exception("state machine raised applying index %d", index)
+                pending.exc = exc
+            self._applied_ops += 1
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(run)
+        return pending
+
+    def _on_journal_error(self, exc: BaseException) -> None:
+        # After a failed fsync the page cache can no longer be trusted
+        # (fsyncgate): stop serving; the process restarts from disk.
+        self.fatal = f"journal write failed: {exc!r}"
+        if self._exit_on_fatal:
+            log.critical("raft %s: %s; exiting", self.node_id, self.fatal)
+            os._exit(70)
+
+    def _on_state_changed(self, old: int, new: int) -> None:  # tick thread
+        self._raft_state = new
+        node = self._node
+        IS_LEADER.set(1 if new == 2 else 0)
+        if node is not None:
+            RAFT_TERM.set(node.raftCurrentTerm)
+        log.info("raft %s: %s -> %s (term %s)", self.node_id, _RAFT_ROLES.get(old), _RAFT_ROLES.get(new),
+                 node.raftCurrentTerm if node is not None else "?")
+        if new == 2 and node is not None and self._addr_map.get(self._raft_addr) != self._grpc_addr:
+            # Tell the followers where clients should go.
+            node.tfs_register(self._raft_addr, self._grpc_addr)
+
+    def _on_message(self, node: Any, message: Any, deliver: Callable[[Any, Any], None]) -> None:
+        """Tick thread: every incoming Raft message passes here (see docs/raft.md)."""
+        deliver(node, message)
+        journal = self._journal
+        if journal is not None:
+            JOURNAL_SYNCS.set(journal.syncs)
+
+    # --- snapshots (tick thread) -------------------------------------------------
+
+    def _serialize(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
+        last, prev, cluster = data
+        state = self._on_loop(self._sm.snapshot)
+        snap = SnapshotFile(
+            last=tuple(last), prev=tuple(prev),  # type: ignore[arg-type]
+            members=sorted(n.id for n in cluster), addr_map=dict(self._addr_map), state=state,
+        )
+        size = write_snapshot(tmp_path, snap, fsync=self._fsync)
+        self.snapshots_written += 1
+        SNAPSHOTS.inc()
+        log.info("raft %s: snapshot at index %d (%d bytes)", self.node_id, last[1], size)
+
+    def _deserialize(self, path: str) -> tuple[Any, Any, list[TCPNode]]:
+        try:
+            if self._fsync:
+                # An installed snapshot arrives via a plain write+rename: make it
+                # durable before the journal is cleared on its account.
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(Path(path).parent)
+            snap = read_snapshot(path)
+            self._on_loop(lambda: self._sm.restore(snap.state))
+        except Exception as exc:
+            self.fatal = f"cannot load snapshot {path}: {exc!r}"
+            log.critical("raft %s: %s", self.node_id, self.fatal)
+            if self._exit_on_fatal:
+                os._exit(70)
+            raise
+        self._addr_map.update(snap.addr_map)
+        self._addr_map[self._raft_addr] = self._grpc_addr
+        log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
+        return snap.last, snap.prev, [TCPNode(m) for m in snap.members]
+
+
+def _join_tick_thread(node: SyncObj) -> None:
+    thread = getattr(node, "_SyncObj__thread", None)
+    if thread is not None:
+        thread.join(timeout=30)
