@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -90,14 +91,15 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(*args: str, timeout: float = 30.0) -> Iterator[ServerProcess]:
+def server_process(*args: str, log: Path, timeout: float = 30.0) -> Iterator[ServerProcess]:
     """A data-plane server (``python -m tierfs.storage.dataplane``) in its own
-    process; stops when its stdin closes."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tierfs.storage.dataplane", *args],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process, its stderr in ``log``; stops when its stdin closes."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierfs.storage.dataplane", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         assert proc.stdout is not None
         sel = selectors.DefaultSelector()
@@ -109,8 +111,8 @@ def server_process(*args: str, timeout: float = 30.0) -> Iterator[ServerProcess]
             sel.close()
         line = proc.stdout.readline()
         if not line:
-            err = proc.stderr.read() if proc.stderr else b""
-            raise AssertionError(f"data-plane server failed to start: {err.decode(errors='replace')}")
+            proc.wait(timeout=15)
+            raise AssertionError(f"data-plane server failed to start: {log.read_text(errors='replace')}")
         yield ServerProcess(proc, int(json.loads(line)["port"]))
     finally:
         if proc.stdin is not None:
@@ -121,6 +123,5 @@ def server_process(*args: str, timeout: float = 30.0) -> Iterator[ServerProcess]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
-        for f in (proc.stdout, proc.stderr):
-            if f is not None:
-                f.close()
+        if proc.stdout is not None:
+            proc.stdout.close()

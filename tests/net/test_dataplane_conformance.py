@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
+from dataplane_helpers import FaultyStore, arun, wait_for
 
 from tierfs.errors import (
     CorruptError,
@@ -25,8 +26,6 @@ from tierfs.errors import (
 from tierfs.net import DataClient, Limits, MemoryFragmentStore
 from tierfs.storage.api import FragmentKey, FragmentStore
 from tierfs.storage.dataplane import DataPlaneServer, start_dataplane
-
-from dataplane_helpers import FaultyStore, arun, wait_for
 
 SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, 64 << 20]
 
