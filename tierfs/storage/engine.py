@@ -1,0 +1,775 @@
+"""The chunk engine: one storage target (a directory on one disk) as a FragmentStore.
+
+On-disk layout (format 1; see docs/storage.md)::
+
+    <target>/target.json                      {"format": 1, "target_id": N}
+    <target>/tmp/<random>.tmp                 writes in progress (wiped at start)
+    <target>/frags/<inode & 0xff:02x>/<inode:016x>/<chunk:x>.<fragment:x>.<version:x>
+
+A fragment file is a header region followed by the payload, both padded to
+4096 bytes so that the whole file moves with O_DIRECT::
+
+    [0, hdr_len)      header: magic "TFSFRAG1", format, hdr_len, key, size,
+                      CRC32C of the payload, block size (64 KiB), block count,
+                      one *prefix* CRC32C per block (the CRC of payload[0:end
+                      of that block]), then a CRC32C of the header itself;
+                      zero padded to a multiple of 4096.
+    [hdr_len, ...)    payload, zero padded to a multiple of 4096.
+
+Prefix CRCs make every check one pass: a full read chains CRC32C over the
+payload and compares with the last entry (which is the fragment's CRC); a
+ranged read covering blocks b0..b1 seeds CRC32C with entry b0-1 and must
+arrive at entry b1, so it reads and checks at most 64 KiB beyond what was
+asked at each end. A mismatch raises CorruptError and bumps ``corrupt``;
+bad bytes are never returned.
+
+Durability: a write goes to a fresh file in ``tmp/`` (O_DIRECT), is
+fdatasync'ed, renamed into place, and the destination directory (and the
+fan-out directory when the inode directory is new) is fsync'ed before the
+call returns. Directory fsyncs of concurrent writes into the same directory
+are coalesced. A crash leaves either the complete old state or the complete
+new fragment; leftovers in ``tmp/`` are deleted on start. Rewriting an
+existing key replaces it atomically (repair of a corrupt copy, idempotent
+retries); new contents should use a new version, and old versions are
+deleted by the caller (meta GC).
+
+The in-memory index maps key -> on-disk length and is rebuilt at start from a
+directory scan (no file is read); a fragment's size and CRC are learned from
+its header on first access and cached. Every read verifies against the
+header of the very file it opened, so a concurrent replace can never make a
+reader mix two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import secrets
+import struct
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c as _crc32c
+
+from tierfs.buffers import ALIGN, BufferPool, round_up
+from tierfs.errors import (
+    ConfigError,
+    CorruptError,
+    InternalError,
+    InvalidArgumentError,
+    NoSpaceError,
+    NotFoundError,
+    TierFSError,
+    UnavailableError,
+)
+from tierfs.storage.api import FragmentInfo, FragmentKey
+from tierfs.storage.io.base import IOBackend
+
+__all__ = [
+    "BLOCK_SIZE",
+    "FORMAT_VERSION",
+    "ChunkEngine",
+    "TargetState",
+    "TargetStats",
+    "crc32c",
+    "fragment_path",
+    "header_length",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TFSFRAG1"
+FORMAT_VERSION = 1
+BLOCK_SIZE = 64 << 10
+# magic, format, flags, hdr_len, inode, chunk, fragment, version, size, crc, block, nblocks
+_FIXED = struct.Struct("<8sHHIQQQQQIII")
+_U32 = struct.Struct("<I")
+# CRC work above this size runs in a worker thread (the C code drops the GIL)
+_CRC_THREAD_MIN = 1 << 20
+# below this much free space the target reports READ_ONLY (still serves reads)
+_FULL_BELOW = 1 << 20
+
+
+def crc32c(data: memoryview | bytes, value: int = 0) -> int:
+    """CRC32C (Castagnoli), chainable: crc32c(b, crc32c(a)) == crc32c(a + b)."""
+    return int(_crc32c.crc32c(data, value, 1))
+
+
+def _nblocks(size: int) -> int:
+    return (size + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+def header_length(size: int) -> int:
+    """Bytes of the (padded) header region of a ``size``-byte fragment."""
+    return round_up(_FIXED.size + 4 * _nblocks(size) + 4)
+
+
+def fragment_path(root: Path, key: FragmentKey) -> Path:
+    return root / "frags" / f"{key.inode & 0xFF:02x}" / f"{key.inode:016x}" / f"{key.chunk:x}.{key.fragment:x}.{key.version:x}"
+
+
+def _prefix_crcs(data: memoryview) -> list[int]:
+    out: list[int] = []
+    c = 0
+    for off in range(0, data.nbytes, BLOCK_SIZE):
+        c = crc32c(data[off : off + BLOCK_SIZE], c)
+        out.append(c)
+    return out
+
+
+class TargetState:
+    """Target states as meta understands them (``TargetState`` in meta.proto)."""
+
+    ONLINE = "online"
+    READ_ONLY = "read_only"  # full: serves reads, refuses writes
+    FAILED = "failed"  # its directory is unusable
+
+
+@dataclass(frozen=True, slots=True)
+class TargetStats:
+    target_id: int
+    path: str
+    capacity: int  # bytes of the file system (minus the reserve)
+    used: int  # bytes of fragment files on this target
+    free: int  # bytes still writable before the reserve is reached
+    fragments: int
+    state: str
+    counters: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Header:
+    key: FragmentKey
+    size: int
+    crc: int
+    hdr_len: int
+    prefix: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Entry:
+    file_len: int
+    size: int = -1  # -1: not learned yet (after a restart, before first access)
+    crc: int = 0
+
+
+def _parse_header(buf: memoryview, key: FragmentKey, path: Path) -> _Header:
+    if buf.nbytes < _FIXED.size:
+        raise CorruptError(f"{path}: truncated header ({buf.nbytes} bytes)")
+    magic, fmt, _flags, hdr_len, ino, chunk, frag, ver, size, crc, block, nblocks = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC or fmt != FORMAT_VERSION:
+        raise CorruptError(f"{path}: not a format-{FORMAT_VERSION} fragment (magic {magic!r}, format {fmt})")
+    if block != BLOCK_SIZE or nblocks != _nblocks(size) or hdr_len != header_length(size):
+        raise CorruptError(f"{path}: inconsistent header (size {size}, blocks {nblocks}x{block}, hdr {hdr_len})")
+    end = _FIXED.size + 4 * nblocks
+    if buf.nbytes < end + 4:
+        raise CorruptError(f"{path}: truncated header table")
+    (stored,) = _U32.unpack_from(buf, end)
+    if crc32c(buf[:end]) != stored:
+        raise CorruptError(f"{path}: header checksum mismatch")
+    if FragmentKey(ino, chunk, frag, ver) != key:
+        raise CorruptError(f"{path}: holds fragment {(ino, chunk, frag, ver)}, expected {key}")
+    prefix = struct.unpack_from(f"<{nblocks}I", buf, _FIXED.size)
+    if nblocks and prefix[-1] != crc:
+        raise CorruptError(f"{path}: header CRC table does not end in the fragment CRC")
+    return _Header(key, size, crc, hdr_len, prefix)
+
+
+class _DirSyncer:
+    """Coalesces fsyncs of one directory: a caller is covered by the first
+    fsync that *starts* after it asked, and all callers waiting at that moment
+    share it."""
+
+    def __init__(self, backend: IOBackend) -> None:
+        self._backend = backend
+        self._next: dict[str, asyncio.Future[None]] = {}
+        self._running: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def sync(self, path: str) -> None:
+        fut = self._next.get(path)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._next[path] = fut
+            if path not in self._running:
+                self._start(path)
+        await asyncio.shield(fut)
+
+    def _start(self, path: str) -> None:
+        fut = self._next.pop(path)
+        self._running.add(path)
+        task = asyncio.get_running_loop().create_task(self._run(path, fut))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, path: str, fut: asyncio.Future[None]) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                await self._backend.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+        else:
+            if not fut.done():
+                fut.set_result(None)
+        finally:
+            self._running.discard(path)
+            if path in self._next:
+                self._start(path)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: every waiter got it through shield
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class _KeyLocks:
+    def __init__(self) -> None:
+        self._locks: dict[FragmentKey, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: FragmentKey) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+class ChunkEngine:
+    """One target's fragments on local disk; implements ``FragmentStore``.
+
+    Build with ``ChunkEngine(...)`` then ``await engine.open()`` (creates the
+    layout, wipes ``tmp/``, scans the index); ``await engine.close()`` at the
+    end. All coroutine methods run on one event loop.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        target_id: int,
+        backend: IOBackend,
+        pool: BufferPool,
+        *,
+        reserved_bytes: int = 0,
+        max_fragment_size: int = 256 << 20,
+    ) -> None:
+        self.root = Path(root)
+        self.target_id = target_id
+        self.backend = backend
+        self.pool = pool
+        self.reserved_bytes = reserved_bytes
+        self.max_fragment_size = max_fragment_size
+        self._index: dict[FragmentKey, _Entry] = {}
+        self._used = 0
+        self._locks = _KeyLocks()
+        self._dirsync = _DirSyncer(backend)
+        self._known_dirs: set[str] = set()
+        self._failed: str | None = None
+        self._full = False
+        self._opened = False
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "writes",
+                "reads",
+                "deletes",
+                "bytes_written",
+                "bytes_read",
+                "corrupt",
+                "rejected_crc",
+                "no_space",
+                "io_errors",
+                "temp_cleaned",
+            ),
+            0,
+        )
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self._open_sync)
+        self._opened = True
+
+    def _open_sync(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        meta = self.root / "target.json"
+        if meta.exists():
+            try:
+                info = json.loads(meta.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{meta}: unreadable ({exc})", field="targets") from None
+            if info.get("format") != FORMAT_VERSION:
+                raise ConfigError(f"{meta}: unsupported format {info.get('format')!r}", field="targets")
+            stored = int(info.get("target_id", 0))
+            if self.target_id == 0:
+                self.target_id = stored
+            elif stored not in (0, self.target_id):
+                raise ConfigError(
+                    f"{self.root} belongs to target {stored}, not {self.target_id}", field="targets"
+                )
+        self._persist_identity()
+        for sub in ("tmp", "frags"):
+            (self.root / sub).mkdir(exist_ok=True)
+        for name in os.listdir(self.root / "tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / "tmp" / name)
+                self.counters["temp_cleaned"] += 1
+        self._fsync_dir_sync(self.root / "tmp")
+        self._fsync_dir_sync(self.root)
+        self._scan()
+
+    def _persist_identity(self) -> None:
+        meta = self.root / "target.json"
+        body = json.dumps({"format": FORMAT_VERSION, "target_id": self.target_id}, sort_keys=True)
+        if meta.exists() and meta.read_text() == body:
+            return
+        tmp = self.root / "target.json.tmp"
+        with open(tmp, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, meta)
+        self._fsync_dir_sync(self.root)
+
+    def set_target_id(self, target_id: int) -> None:
+        """Adopt the id meta assigned and persist it in ``target.json``."""
+        if target_id != self.target_id:
+            self.target_id = target_id
+            self._persist_identity()
+
+    @staticmethod
+    def _fsync_dir_sync(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _scan(self) -> None:
+        index: dict[FragmentKey, _Entry] = {}
+        used = 0
+        frags = self.root / "frags"
+        for fan in os.scandir(frags):
+            if not fan.is_dir():
+                continue
+            for ino_dir in os.scandir(fan.path):
+                try:
+                    inode = int(ino_dir.name, 16)
+                except ValueError:
+                    log.warning("target %s: ignoring stray %s", self.target_id, ino_dir.path)
+                    continue
+                if not ino_dir.is_dir():
+                    continue
+                self._known_dirs.add(ino_dir.path)
+                for f in os.scandir(ino_dir.path):
+                    try:
+                        chunk, frag, ver = (int(p, 16) for p in f.name.split("."))
+                        key = FragmentKey(inode, chunk, frag, ver)
+                    except ValueError:
+                        log.warning("target %s: ignoring stray %s", self.target_id, f.path)
+                        continue
+                    size = f.stat().st_size
+                    index[key] = _Entry(size)
+                    used += size
+        self._index = index
+        self._used = used
+
+    async def close(self) -> None:
+        await self._dirsync.drain()
+        self._opened = False
+
+    # -- FragmentStore --------------------------------------------------------------
+
+    def alloc(self, size: int) -> memoryview:
+        return self.pool.get(size)
+
+    def release(self, buf: memoryview) -> None:
+        self.pool.put(buf)
+
+    async def write(self, key: FragmentKey, data: memoryview, crc32c: int) -> None:
+        self._check_usable()
+        size = data.nbytes
+        if size > self.max_fragment_size:
+            raise InvalidArgumentError(f"fragment of {size} bytes exceeds the limit of {self.max_fragment_size}")
+        prefix = await self._crc_chain(data)
+        actual = prefix[-1] if prefix else 0
+        if actual != crc32c:
+            self.counters["rejected_crc"] += 1
+            raise CorruptError(f"payload CRC32C {actual:08x} does not match the sender's {crc32c:08x}; not stored")
+        hdr_len = header_length(size)
+        padded = round_up(size)
+        file_len = hdr_len + padded
+        self._check_space(file_len)
+
+        hdr = self.pool.get(hdr_len)
+        body = self.pool.extent(data, padded) if size else None
+        copied = body is None and size > 0
+        if copied:
+            body = self.pool.get(padded)
+            body[:size] = data
+        try:
+            self._fill_header(hdr, key, size, actual, prefix)
+            if body is not None and padded > size:
+                body[size:padded] = bytes(padded - size)
+            tmp = self.root / "tmp" / f"{secrets.token_hex(8)}.tmp"
+            await self._write_temp(tmp, hdr, body)
+        finally:
+            self.pool.put(hdr)
+            if copied and body is not None:
+                self.pool.put(body)
+        try:
+            async with self._locks.hold(key):
+                await self._install(tmp, key, _Entry(file_len, size, actual))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self.counters["writes"] += 1
+        self.counters["bytes_written"] += size
+
+    async def read(self, key: FragmentKey, offset: int = 0, length: int = -1) -> memoryview:
+        self._check_readable()
+        if offset < 0 or length < -1:
+            raise InvalidArgumentError(f"bad range offset={offset} length={length}")
+        entry = self._index.get(key)
+        if entry is None:
+            raise NotFoundError(f"fragment {key} not on target {self.target_id}")
+        path = fragment_path(self.root, key)
+        try:
+            fd = await self.backend.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
+        except OSError as exc:
+            raise self._io_error("open", path, exc) from exc
+        try:
+            if offset == 0 and (length == -1 or (entry.size >= 0 and length >= entry.size)):
+                view = await self._read_whole(fd, path, key, entry)
+            else:
+                view = await self._read_range(fd, path, key, entry, offset, length)
+        finally:
+            await self.backend.close(fd)
+        self.counters["reads"] += 1
+        self.counters["bytes_read"] += view.nbytes
+        return view
+
+    async def delete(self, key: FragmentKey) -> bool:
+        self._check_readable()
+        path = fragment_path(self.root, key)
+        async with self._locks.hold(key):
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.file_len
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise self._io_error("unlink", path, exc) from exc
+            await self._dirsync.sync(str(path.parent))
+        self.counters["deletes"] += 1
+        return True
+
+    async def stat(self, key: FragmentKey) -> FragmentInfo:
+        self._check_readable()
+        entry = self._index.get(key)
+        if entry is None:
+            raise NotFoundError(f"fragment {key} not on target {self.target_id}")
+        if entry.size < 0:
+            path = fragment_path(self.root, key)
+            try:
+                fd = await self.backend.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
+            try:
+                await self._read_header(fd, path, key, entry)
+            finally:
+                await self.backend.close(fd)
+        return FragmentInfo(key, entry.size, entry.crc)
+
+    # -- beyond the protocol ---------------------------------------------------------
+
+    async def verify(self, key: FragmentKey) -> FragmentInfo:
+        """Read and check the whole fragment (header and payload); for scrub."""
+        view = await self.read(key)
+        try:
+            info = await self.stat(key)
+        finally:
+            self.release(view)
+        return info
+
+    def keys(self, inode: int | None = None) -> Iterator[FragmentKey]:
+        """The fragments on this target (a snapshot), optionally of one inode."""
+        for k in list(self._index):
+            if inode is None or k.inode == inode:
+                yield k
+
+    def __contains__(self, key: FragmentKey) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def state(self) -> str:
+        if self._failed is not None:
+            return TargetState.FAILED
+        try:
+            free = self._free_bytes()
+        except OSError as exc:
+            self._fail(f"statvfs failed: {exc}")
+            return TargetState.FAILED
+        self._full = free < _FULL_BELOW
+        return TargetState.READ_ONLY if self._full else TargetState.ONLINE
+
+    def stats(self) -> TargetStats:
+        state = self.state()
+        try:
+            st = os.statvfs(self.root)
+            capacity = max(0, st.f_blocks * st.f_frsize - self.reserved_bytes)
+            free = max(0, st.f_bavail * st.f_frsize - self.reserved_bytes)
+        except OSError:
+            capacity = free = 0
+        return TargetStats(
+            target_id=self.target_id,
+            path=str(self.root),
+            capacity=capacity,
+            used=self._used,
+            free=free,
+            fragments=len(self._index),
+            state=state,
+            counters=dict(self.counters),
+        )
+
+    # -- write internals -----------------------------------------------------------
+
+    async def _crc_chain(self, data: memoryview) -> list[int]:
+        if data.nbytes >= _CRC_THREAD_MIN:
+            return await asyncio.to_thread(_prefix_crcs, data)
+        return _prefix_crcs(data)
+
+    @staticmethod
+    def _fill_header(hdr: memoryview, key: FragmentKey, size: int, crc: int, prefix: list[int]) -> None:
+        n = len(prefix)
+        hdr_len = hdr.nbytes
+        _FIXED.pack_into(
+            hdr, 0, MAGIC, FORMAT_VERSION, 0, hdr_len, key.inode, key.chunk, key.fragment, key.version,
+            size, crc, BLOCK_SIZE, n,
+        )
+        struct.pack_into(f"<{n}I", hdr, _FIXED.size, *prefix)
+        end = _FIXED.size + 4 * n
+        _U32.pack_into(hdr, end, crc32c(hdr[:end]))
+        hdr[end + 4 :] = bytes(hdr_len - end - 4)
+
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return int(st.f_bavail * st.f_frsize) - self.reserved_bytes
+
+    def _check_space(self, need: int) -> None:
+        try:
+            free = self._free_bytes()
+        except OSError as exc:
+            raise self._io_error("statvfs", self.root, exc) from exc
+        # headroom for the directory blocks a new fragment may need
+        if free < need + 2 * ALIGN:
+            self._full = True
+            self.counters["no_space"] += 1
+            raise NoSpaceError(
+                f"target {self.target_id} is full: {max(free, 0)} bytes free (after a reserve of "
+                f"{self.reserved_bytes}), fragment needs {need}"
+            )
+
+    async def _write_temp(self, tmp: Path, hdr: memoryview, body: memoryview | None) -> None:
+        try:
+            fd = await self.backend.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise self._io_error("create", tmp, exc) from exc
+        ok = False
+        try:
+            ops = [self.backend.write_at(fd, hdr, 0)]
+            if body is not None:
+                ops.append(self.backend.write_at(fd, body, hdr.nbytes))
+            results = await asyncio.gather(*ops, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            await self.backend.fsync(fd, datasync=True)
+            ok = True
+        except OSError as exc:
+            raise self._io_error("write", tmp, exc) from exc
+        finally:
+            await self.backend.close(fd)
+            if not ok:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    async def _install(self, tmp: Path, key: FragmentKey, entry: _Entry) -> None:
+        path = fragment_path(self.root, key)
+        ino_dir = str(path.parent)
+        for _attempt in range(3):
+            new_dir = ino_dir not in self._known_dirs
+            try:
+                if new_dir:
+                    os.makedirs(ino_dir, exist_ok=True)
+                os.rename(tmp, path)
+            except FileNotFoundError:
+                self._known_dirs.discard(ino_dir)  # removed under us: recreate
+                if not tmp.exists():
+                    raise
+                continue
+            except OSError as exc:
+                raise self._io_error("rename", path, exc) from exc
+            break
+        else:
+            raise InternalError(f"could not install {path}")
+        syncs = [self._dirsync.sync(ino_dir)]
+        if new_dir:
+            syncs.append(self._dirsync.sync(str(path.parent.parent)))
+            syncs.append(self._dirsync.sync(str(path.parent.parent.parent)))
+        try:
+            await asyncio.gather(*syncs)
+        except OSError as exc:
+            raise self._io_error("fsync", ino_dir, exc) from exc
+        self._known_dirs.add(ino_dir)
+        old = self._index.get(key)
+        if old is not None:
+            self._used -= old.file_len
+        self._index[key] = entry
+        self._used += entry.file_len
+
+    # -- read internals --------------------------------------------------------------
+
+    async def _read_header(self, fd: int, path: Path, key: FragmentKey, entry: _Entry) -> _Header:
+        hdr_len = header_length(entry.size) if entry.size >= 0 else ALIGN
+        buf = self.pool.get(hdr_len)
+        try:
+            n = await self._pread(fd, buf, 0, path)
+            if n >= _FIXED.size and entry.size < 0:
+                want = _FIXED.unpack_from(buf, 0)[3]
+                if isinstance(want, int) and ALIGN < want <= 1 << 24 and want % ALIGN == 0:
+                    self.pool.put(buf)
+                    buf = self.pool.get(want)
+                    n = await self._pread(fd, buf, 0, path)
+            hdr = self._parse(buf[:n], key, path)
+        finally:
+            self.pool.put(buf)
+        entry.size, entry.crc = hdr.size, hdr.crc
+        return hdr
+
+    async def _read_whole(self, fd: int, path: Path, key: FragmentKey, entry: _Entry) -> memoryview:
+        want = entry.file_len
+        for _attempt in range(2):
+            buf = self.pool.get(max(want, ALIGN))
+            try:
+                n = await self._pread(fd, buf, 0, path)
+                hdr = self._parse(buf[:n], key, path)
+                end = hdr.hdr_len + hdr.size
+                if end > n:
+                    real = os.fstat(fd).st_size
+                    if real > want and _attempt == 0:
+                        want = real  # replaced by a larger fragment since the scan
+                        self.pool.put(buf)
+                        continue
+                    raise self._corrupt(f"{path}: {n} bytes on disk, header promises {end}")
+                payload = buf[hdr.hdr_len : end]
+                got = await self._crc_chain_value(payload, 0)
+                if got != hdr.crc:
+                    raise self._corrupt(f"{path}: payload CRC32C {got:08x} != stored {hdr.crc:08x}")
+            except BaseException:
+                self.pool.put(buf)
+                raise
+            entry.size, entry.crc = hdr.size, hdr.crc
+            return payload
+        raise InternalError("unreachable")  # pragma: no cover
+
+    async def _read_range(
+        self, fd: int, path: Path, key: FragmentKey, entry: _Entry, offset: int, length: int
+    ) -> memoryview:
+        hdr = await self._read_header(fd, path, key, entry)
+        size = hdr.size
+        if offset > size:
+            raise InvalidArgumentError(f"offset {offset} is beyond the end of {key} ({size} bytes)")
+        end = size if length == -1 else min(size, offset + length)
+        if end <= offset:
+            return self.pool.get(0)
+        b0, b1 = offset // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
+        lo = b0 * BLOCK_SIZE
+        hi = min((b1 + 1) * BLOCK_SIZE, size)
+        buf = self.pool.get(round_up(hi - lo))
+        try:
+            n = await self._pread(fd, buf, hdr.hdr_len + lo, path)
+            if n < hi - lo:
+                raise self._corrupt(f"{path}: short payload ({n} of {hi - lo} bytes at {lo})")
+            seed = hdr.prefix[b0 - 1] if b0 else 0
+            got = await self._crc_chain_value(buf[: hi - lo], seed)
+            if got != hdr.prefix[b1]:
+                raise self._corrupt(f"{path}: CRC32C mismatch in blocks {b0}..{b1}")
+        except BaseException:
+            self.pool.put(buf)
+            raise
+        return buf[offset - lo : end - lo]
+
+    async def _crc_chain_value(self, data: memoryview, seed: int) -> int:
+        if data.nbytes >= _CRC_THREAD_MIN:
+            return await asyncio.to_thread(crc32c, data, seed)
+        return crc32c(data, seed)
+
+    async def _pread(self, fd: int, buf: memoryview, offset: int, path: Path) -> int:
+        try:
+            return await self.backend.read_at(fd, buf, offset)
+        except OSError as exc:
+            raise self._io_error("read", path, exc) from exc
+
+    def _parse(self, buf: memoryview, key: FragmentKey, path: Path) -> _Header:
+        try:
+            return _parse_header(buf, key, path)
+        except CorruptError:
+            self.counters["corrupt"] += 1
+            raise
+
+    def _corrupt(self, msg: str) -> CorruptError:
+        self.counters["corrupt"] += 1
+        log.error("target %s: %s", self.target_id, msg)
+        return CorruptError(msg)
+
+    # -- health ------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if not self._opened:
+            raise UnavailableError(f"target {self.target_id} is not open")
+        if self._failed is not None:
+            raise UnavailableError(f"target {self.target_id} failed: {self._failed}")
+
+    def _check_readable(self) -> None:
+        self._check_usable()
+
+    def _fail(self, why: str) -> None:
+        if self._failed is None:
+            log.error("target %s marked failed: %s", self.target_id, why)
+            self._failed = why
+
+    def _io_error(self, op: str, path: Path | str, exc: OSError) -> TierFSError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._full = True
+            self.counters["no_space"] += 1
+            return NoSpaceError(f"target {self.target_id} is full ({op} {path}: {exc.strerror})")
+        self.counters["io_errors"] += 1
+        if exc.errno in (errno.EIO, errno.EROFS, errno.ENODEV, errno.ENXIO):
+            self._fail(f"{op} {path}: {exc}")
+            return UnavailableError(f"target {self.target_id} failed: {op} {path}: {exc.strerror}")
+        return InternalError(f"target {self.target_id}: {op} {path}: {exc}")
