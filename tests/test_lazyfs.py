@@ -381,3 +381,198 @@ def test_random_ops_match_a_real_directory(lazy: LazyFS, tmp_path: Path) -> None
     assert tree(mnt) == tree(ref)
     lazy.unmount()
     assert tree(lazy.backing) == tree(ref)
+
+
+@pytest.mark.timeout(30)
+def test_directory_rename_moves_its_durable_contents(lazy: LazyFS) -> None:
+    mnt, disk = lazy.mountpoint, lazy.backing
+    (mnt / "old" / "sub").mkdir(parents=True)
+    write(mnt / "old" / "sub" / "f", b"f", sync=True)
+    for d in ("old/sub", "old", "."):
+        fsync_dir(mnt / d)
+    os.rename(mnt / "old", mnt / "new")
+    write(mnt / "new" / "g", b"g", sync=True)  # g's name is never made durable
+    lazy.power_loss()
+    assert tree(disk) == {"old": None, "old/sub": None, "old/sub/f": b"f"}
+
+    lazy.mount()
+    os.rename(mnt / "old", mnt / "new")
+    fsync_dir(mnt)
+    lazy.power_loss()
+    assert tree(disk) == {"new": None, "new/sub": None, "new/sub/f": b"f"}
+
+    # A directory moved under its own former child, with only the child's
+    # entries fsynced: "new" gets a durable name inside "sub" and so loses its
+    # name in the root; nothing is reachable (strict, never invents data).
+    lazy.mount()
+    os.rename(mnt / "new" / "sub", mnt / "sub")
+    os.rename(mnt / "new", mnt / "sub" / "new")
+    fsync_dir(mnt / "sub")
+    assert tree(mnt) == {"sub": None, "sub/f": b"f", "sub/new": None}
+    lazy.power_loss()
+    assert tree(disk) == {}
+
+
+class Model:
+    """The durability rules restated independently of the server.
+
+    Inodes are numbers; each directory has visible and durable entries, each
+    file visible and durable contents.  fsync(file) copies contents; fsync(dir)
+    copies entries, and an inode that gets a durable name loses any other one.
+    """
+
+    def __init__(self) -> None:
+        self.next = 1
+        self.dirs: dict[int, dict[str, int]] = {0: {}}
+        self.data: dict[int, bytes] = {}
+        self.d_dirs: dict[int, dict[str, int]] = {0: {}}
+        self.d_data: dict[int, bytes] = {}
+
+    def new(self, is_dir: bool) -> int:
+        ino, self.next = self.next, self.next + 1
+        if is_dir:
+            self.dirs[ino] = {}
+        else:
+            self.data[ino] = b""
+        return ino
+
+    def lookup(self, path: str) -> tuple[int, str, int | None]:
+        parts = path.split("/")
+        d = 0
+        for part in parts[:-1]:
+            d = self.dirs[d][part]
+        return d, parts[-1], self.dirs[d].get(parts[-1])
+
+    def fsync_dir(self, d: int) -> None:
+        for name, ino in self.dirs[d].items():
+            for dd, ents in self.d_dirs.items():
+                for nn, ii in list(ents.items()):
+                    if ii == ino and (dd, nn) != (d, name):
+                        del ents[nn]
+        self.d_dirs[d] = dict(self.dirs[d])
+
+    def durable_tree(self) -> dict[str, bytes | None]:
+        out: dict[str, bytes | None] = {}
+
+        def walk(d: int, prefix: str) -> None:
+            for name, ino in self.d_dirs.get(d, {}).items():
+                if ino in self.dirs or ino in self.d_dirs:
+                    out[prefix + name] = None
+                    walk(ino, prefix + name + "/")
+                else:
+                    out[prefix + name] = self.d_data.get(ino, b"")
+
+        walk(0, "")
+        return out
+
+    def rebooted(self) -> Model:
+        """Power loss: a model whose whole (visible) state is this durable tree."""
+        t = self.durable_tree()
+        fresh = Model()
+        for path in sorted(t):
+            d, name, _ = fresh.lookup(path)
+            content = t[path]
+            ino = fresh.new(content is None)
+            if content is not None:
+                fresh.data[ino] = fresh.d_data[ino] = content
+            fresh.dirs[d][name] = ino
+        for d in fresh.dirs:
+            fresh.d_dirs[d] = dict(fresh.dirs[d])
+        return fresh
+
+
+@pytest.mark.timeout(45)
+def test_random_ops_lose_exactly_what_the_model_says(lazy: LazyFS) -> None:
+    """Random writes, truncates, renames, unlinks, mkdirs and fsyncs, then power
+    loss: the backing dir must equal the durable state of an independent model."""
+    mnt, disk = lazy.mountpoint, lazy.backing
+    rng = random.Random(99)
+    model = Model()
+    dirs = ["", "a/", "b/", "a/s/"]
+    files = [d + f for d in dirs for f in ("f", "g")]
+    for _cycle in range(4):
+        for _ in range(120):
+            op = rng.randrange(8)
+            path = rng.choice(files)
+            try:
+                d, name, ino = model.lookup(path)
+            except KeyError:
+                continue  # parent dir missing
+            if op == 0:  # write at an offset, maybe creating the file
+                off = rng.randrange(0, 100_000)
+                data = rng.randbytes(rng.randrange(1, 80_000))
+                if ino is None:
+                    ino = model.new(False)
+                    model.dirs[d][name] = ino
+                old = model.data[ino]
+                old = old + bytes(max(0, off - len(old)))
+                model.data[ino] = old[:off] + data + old[off + len(data) :]
+                write(mnt / path, data, offset=off)
+            elif op == 1 and ino is not None:
+                size = rng.randrange(0, 120_000)
+                model.data[ino] = model.data[ino][:size].ljust(size, b"\0")
+                os.truncate(mnt / path, size)
+            elif op == 2 and ino is not None:
+                model.d_data[ino] = model.data[ino]
+                fd = os.open(mnt / path, os.O_RDONLY)
+                os.fdatasync(fd)
+                os.close(fd)
+            elif op == 3 and ino is not None:  # rename, maybe across dirs, maybe replacing
+                try:
+                    d2, name2, _ = model.lookup(rng.choice(files))
+                except KeyError:
+                    continue
+                del model.dirs[d][name]
+                model.dirs[d2][name2] = ino
+                os.rename(mnt / path, mnt / (dirs_path(model, d2) + name2))
+            elif op == 4 and ino is not None:
+                del model.dirs[d][name]
+                os.unlink(mnt / path)
+            elif op == 5:  # fsync the file's directory
+                model.fsync_dir(d)
+                fsync_dir(mnt / path.rpartition("/")[0])
+            elif op == 6:  # mkdir / rmdir a directory
+                dpath = rng.choice(dirs[1:]).rstrip("/")
+                try:
+                    pd, dname, dino = model.lookup(dpath)
+                except KeyError:
+                    continue
+                if dino is None:
+                    model.dirs[pd][dname] = model.new(True)
+                    os.mkdir(mnt / dpath)
+                elif not model.dirs[dino]:
+                    del model.dirs[pd][dname]
+                    os.rmdir(mnt / dpath)
+            elif op == 7:
+                assert tree(mnt) == visible_tree(model)
+        assert tree(mnt) == visible_tree(model)
+        lazy.power_loss()
+        model = model.rebooted()
+        assert tree(disk) == visible_tree(model)
+        lazy.mount()
+
+
+def dirs_path(model: Model, d: int) -> str:
+    """The visible path prefix ("a/s/") of directory inode d."""
+    if d == 0:
+        return ""
+    for parent, ents in model.dirs.items():
+        for name, ino in ents.items():
+            if ino == d:
+                return dirs_path(model, parent) + name + "/"
+    raise KeyError(d)
+
+
+def visible_tree(model: Model) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+
+    def walk(d: int, prefix: str) -> None:
+        for name, ino in model.dirs[d].items():
+            if ino in model.dirs:
+                out[prefix + name] = None
+                walk(ino, prefix + name + "/")
+            else:
+                out[prefix + name] = model.data[ino]
+
+    walk(0, "")
+    return out

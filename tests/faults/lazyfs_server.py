@@ -428,6 +428,17 @@ class LazyOps(pyfuse3.Operations):
             self._to_store(n, keep_name=False)
 
     def _attach(self, d: Node, name: bytes, child: Node) -> None:
+        if child.is_dir and child.durable:
+            up: Node | None = d
+            while up is not None and up is not child:
+                up = up.d_parent
+            if up is child:
+                # child's durable subtree still holds d (d was moved out of it
+                # and that move is not durable yet): a real fs commits both
+                # renames together; here d is detached first so the tree
+                # stays a tree.  Everything involved is unreachable until its
+                # new parents are fsynced anyway.
+                self._to_store(d, keep_name=False)
         dst = os.path.join(self.home(d), name)
         if not child.durable:
             tmp = os.path.join(self.store, self._store_name(child))
