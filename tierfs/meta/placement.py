@@ -2,10 +2,11 @@
 
 A placement group is an ordered list of ``width`` targets on distinct nodes
 (the node is the failure domain). Groups are generated per width in use, one
-group per eligible target, greedily: each slot takes the eligible target with
-the fewest group memberships so far, then the fewest co-memberships with the
-targets already in the group (so a failed target's rebuild reads spread over
-many peers), then the lowest id (determinism). Existing groups are never
+group per eligible target, greedily: each slot goes to the node whose targets
+still lack the most slots to reach an even share (most constrained first),
+and within it to its least-used target; ties go to the target with the fewest
+co-memberships with the group so far (so a failed target's rebuild reads
+spread over many peers), then to the lowest id (determinism). Existing groups are never
 rewritten here, so data already placed stays where it is; new targets are
 favoured by later groups because their usage starts at zero.
 
@@ -35,28 +36,56 @@ def plan_groups(targets: dict[int, int], existing: list[list[int]], width: int, 
         return []
     usage: Counter[int] = Counter()
     pair: Counter[tuple[int, int]] = Counter()
+    pos: Counter[tuple[int, int]] = Counter()
     for grp in existing:
         _count(grp, usage, pair)
-    order = sorted(targets)
-    first = len(existing)
+        for j, t in enumerate(grp):
+            pos[(t, j)] += 1
+    by_node: dict[int, list[int]] = {}
+    for t in sorted(targets):
+        by_node.setdefault(targets[t], []).append(t)
+    # Every target should end with the same share of slots; a node's demand
+    # is what its targets still lack. Filling each group from the nodes with
+    # the largest remaining demand (most constrained first) is what keeps
+    # nodes with many targets from running out of groups to appear in.
+    total = sum(usage[t] for t in targets) + want * width
+    share = total // len(targets)
+    demand = {n: sum(share - usage[t] for t in ts) for n, ts in by_node.items()}
     out: list[list[int]] = []
-    for g in range(want):
+    for _ in range(want):
         chosen: list[int] = []
-        nodes: set[int] = set()
+        used: set[int] = set()
+
         for _slot in range(width):
-            best = min(
-                (t for t in order if targets[t] not in nodes),
-                key=lambda t: (usage[t], sum(pair[(min(t, c), max(t, c))] for c in chosen), t),
-            )
-            chosen.append(best)
-            nodes.add(targets[best])
-        # Rotate so that each target also takes its turn in the data
-        # positions (fragment 0..K-1 are the ones read without decoding).
-        r = (first + g) % width
-        chosen = chosen[r:] + chosen[:r]
-        _count(chosen, usage, pair)
-        out.append(chosen)
+            best_t, best_key = 0, (0, 0, 0)
+            for n in sorted(by_node):
+                if n in used:
+                    continue
+                t = min(by_node[n], key=lambda t: (usage[t], _affinity(pair, chosen, t), t))
+                key = (-demand[n], _affinity(pair, chosen, t), n)
+                if not best_t or key < best_key:
+                    best_t, best_key = t, key
+            chosen.append(best_t)
+            used.add(targets[best_t])
+            demand[targets[best_t]] -= 1
+            usage[best_t] += 1
+        # Order the members so that each target takes its turn at every
+        # position: fragments 0..K-1 are the ones read without decoding, so
+        # a target always placed first would serve more reads than its share.
+        ordered: list[int] = []
+        for j in range(width):
+            t = min((t for t in chosen if t not in ordered), key=lambda t: (pos[(t, j)], t))
+            ordered.append(t)
+            pos[(t, j)] += 1
+        for t in ordered:
+            usage[t] -= 1  # _count adds them back with the pairs
+        _count(ordered, usage, pair)
+        out.append(ordered)
     return out
+
+
+def _affinity(pair: Counter[tuple[int, int]], chosen: list[int], t: int) -> int:
+    return sum(pair[(min(t, c), max(t, c))] for c in chosen)
 
 
 def _count(grp: list[int], usage: Counter[int], pair: Counter[tuple[int, int]]) -> None:

@@ -179,13 +179,15 @@ class MetaStateMachine:
     """Implements :class:`tierfs.meta.interfaces.StateMachine`."""
 
     def __init__(self) -> None:
+        #: apply() calls on this instance (local diagnostics; not replicated
+        #: state, so not in snapshots or the digest).
+        self.ops_applied = 0
         self._reset()
 
     # ---- lifecycle ----------------------------------------------------------
 
     def _reset(self) -> None:
         self.clock = 0
-        self.ops_applied = 0
         self.next_inode = ROOT_INODE + 1
         self.next_node = 1
         self.next_target = 1
@@ -214,6 +216,8 @@ class MetaStateMachine:
             msg = pb.MetaOp.FromString(op)
         except (DecodeError, ValueError) as exc:
             return _result(err=ProtocolError(f"undecodable meta op: {exc}"))
+        # A failed op must leave the state exactly as it was, clock included.
+        clock_before = self.clock
         self.clock = max(self.clock, msg.now_ns)
         dedup = bool(msg.client_id and msg.request_id)
         if dedup:
@@ -226,6 +230,7 @@ class MetaStateMachine:
             reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
             out = _result(reply)
         except TierFSError as err:
+            self.clock = clock_before
             out = _result(err=err)
         except Exception as exc:  # a bug: still a deterministic outcome everywhere
             out = _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
@@ -858,7 +863,7 @@ class MetaStateMachine:
             })
         return {
             "format": SNAPSHOT_FORMAT,
-            "counters": [self.clock, self.ops_applied, self.next_inode, self.next_node, self.next_target,
+            "counters": [self.clock, self.next_inode, self.next_node, self.next_target,
                          self.next_group, self.next_session, self.next_gc, self.map_version],
             "inodes": inodes,
             "nodes": [[n.id, n.uuid, n.hostname, n.data_addr, n.control_addr, n.state, n.last_hb, n.targets]
@@ -880,7 +885,7 @@ class MetaStateMachine:
         def lay(x: list[int] | None) -> LayoutSpec | None:
             return None if x is None else LayoutSpec(*x)
 
-        (self.clock, self.ops_applied, self.next_inode, self.next_node, self.next_target,
+        (self.clock, self.next_inode, self.next_node, self.next_target,
          self.next_group, self.next_session, self.next_gc, self.map_version) = doc["counters"]
         self.inodes = {}
         for d in doc["inodes"]:
