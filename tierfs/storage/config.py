@@ -1,0 +1,99 @@
+"""Configuration of a ``tierfs-storage`` daemon (TOML table ``[storage]``,
+environment ``TIERFS_STORAGE_<FIELD>``, flags of :mod:`tierfs.storage.daemon`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import ClassVar
+
+from tierfs.config import BaseConfig, field
+from tierfs.errors import ConfigError
+
+__all__ = ["StorageConfig"]
+
+_IO_BACKENDS = ("auto", "uring", "posix")
+_TRANSPORTS = ("tcp", "shm", "rdma")
+
+
+def _split_addr(addr: str, name: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"not a host:port address: {addr!r}", field=name)
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig(BaseConfig):
+    SECTION: ClassVar[str] = "storage"
+
+    data_dir: Path = field(
+        Path("tierfs-storage-data"),
+        "Directory for this node's identity (node.uuid); also holds the default target.",
+    )
+    targets: list[str] = field(
+        [],
+        "Target directories, one per disk (default: <data_dir>/target0). Each keeps its fragments "
+        "and its target.json identity.",
+    )
+    meta_addrs: list[str] = field([], "gRPC addresses (host:port) of the meta replicas; empty runs without meta.")
+    host: str = field("127.0.0.1", "Address the data plane listens on.")
+    port: int = field(0, "Data-plane TCP port (0 picks a free one).")
+    advertise_host: str = field("", "Host other nodes use to reach this one (default: host).")
+    transports: list[str] = field(["tcp", "shm"], "Data-plane transports to offer: tcp, shm, rdma.")
+
+    heartbeat_interval: float = field(1.0, "Period of heartbeats (capacity, used, state per target) to meta.", kind="duration")
+    gc_interval: float = field(2.0, "Period of polling meta's GC queue for fragments to delete.", kind="duration")
+    gc_batch: int = field(1000, "GC items fetched per poll.")
+
+    io_backend: str = field("auto", "Disk I/O: auto (io_uring if the kernel allows, else posix) | uring | posix.")
+    queue_depth: int = field(64, "io_uring submission queue depth (operations in the kernel at once).")
+    io_threads: int = field(8, "Worker threads of the posix backend.")
+    buffer_pool_bytes: int = field(1 << 30, "Idle aligned buffers kept for reuse (bytes).", kind="size")
+
+    max_fragment_size: int = field(256 << 20, "Largest fragment a target accepts.", kind="size")
+    reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
+
+    max_frame_bytes: int = field(128 << 20, "Largest data-plane frame payload.", kind="size")
+    max_inflight_bytes: int = field(512 << 20, "Payload bytes one data-plane connection may hold in flight.", kind="size")
+    max_inflight_requests: int = field(256, "Requests one data-plane connection may have in flight.")
+    shm_ring_bytes: int = field(16 << 20, "Size of each direction's shared-memory ring (shm transport).", kind="size")
+
+    log_level: str = field("info", "debug | info | warning | error")
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("must be in 0..65535", field="port")
+        for a in self.meta_addrs:
+            _split_addr(a, "meta_addrs")
+        if self.io_backend not in _IO_BACKENDS:
+            raise ConfigError(f"must be one of {', '.join(_IO_BACKENDS)}", field="io_backend")
+        for t in self.transports:
+            if t not in _TRANSPORTS:
+                raise ConfigError(f"unknown transport {t!r} (one of {', '.join(_TRANSPORTS)})", field="transports")
+        if not 1 <= self.queue_depth <= 4096:
+            raise ConfigError("must be in 1..4096", field="queue_depth")
+        if self.io_threads < 1:
+            raise ConfigError("must be >= 1", field="io_threads")
+        if self.heartbeat_interval <= 0:
+            raise ConfigError("must be positive", field="heartbeat_interval")
+        if self.gc_interval <= 0:
+            raise ConfigError("must be positive", field="gc_interval")
+        if self.gc_batch < 1:
+            raise ConfigError("must be >= 1", field="gc_batch")
+        if self.buffer_pool_bytes < 0:
+            raise ConfigError("must be >= 0", field="buffer_pool_bytes")
+        if self.reserved_bytes < 0:
+            raise ConfigError("must be >= 0", field="reserved_bytes")
+        if not 0 < self.max_fragment_size <= self.max_frame_bytes:
+            raise ConfigError("must be positive and at most max_frame_bytes", field="max_fragment_size")
+        if self.max_inflight_bytes < self.max_frame_bytes:
+            raise ConfigError("must be at least max_frame_bytes", field="max_inflight_bytes")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError("must be debug, info, warning or error", field="log_level")
+        dirs = [str(Path(t).resolve()) for t in self.target_dirs()]
+        if len(set(dirs)) != len(dirs):
+            raise ConfigError("a directory is listed twice", field="targets")
+
+    def target_dirs(self) -> list[Path]:
+        return [Path(t) for t in self.targets] or [Path(self.data_dir) / "target0"]
