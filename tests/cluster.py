@@ -306,7 +306,7 @@ class MetaCluster:
         deadline = t0 + timeout
         target: int | None = None
         while True:
-            i = target if target is not None else (self.leader() if self.leader() is not None else 0)
+            i = target if target is not None else (self.leader() or 0)
             target = None
             try:
                 self.admin(i, "Put", {"k": key, "v": value}, timeout=max(0.5, deadline - time.monotonic()))

@@ -99,6 +99,7 @@ def _admin_handlers(rep: RaftReplicator, cfg: MetaConfig) -> dict[str, _Handler]
             "raft_addr": rep.raft_addr, "grpc_addr": rep.grpc_addr, "ready": rep.is_ready(),
             "log_len": len(j), "journal_syncs": j.syncs, "snapshots": rep.snapshots_written,
             "fatal": rep.fatal, "pid": os.getpid(),
+            "truncation": dict(rep.truncation_stats),
         }
 
     async def digest(req: dict[str, Any]) -> dict[str, Any]:

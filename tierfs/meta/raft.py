@@ -26,6 +26,7 @@ and bridges it to asyncio:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -111,7 +112,7 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
         if fix is None:
             super()._onMessageReceived(node, message)
         else:
-            fix(node, message, super()._onMessageReceived)
+            fix(node, message, super()._onMessageReceived, self)
 
 
 class _Pending:
@@ -226,6 +227,10 @@ class RaftReplicator:
         self._barrier_waiters: asyncio.Future[None] | None = None
         self._barrier_running = False
         self._bg_tasks: set[asyncio.Task[None]] = set()
+        #: see _check_append; TIERFS_RAFT_STOCK_TRUNCATION=1 turns the fix off
+        #: (only to demonstrate the problem in tests)
+        self._fix_truncation = os.environ.get("TIERFS_RAFT_STOCK_TRUNCATION", "") != "1"
+        self.truncation_stats: collections.Counter[str] = collections.Counter()
         self.snapshots_written = 0
         self.fatal: str = ""
 
@@ -542,12 +547,80 @@ class RaftReplicator:
             # Tell the followers where clients should go.
             node.tfs_register(self._raft_addr, self._grpc_addr)
 
-    def _on_message(self, node: Any, message: Any, deliver: Callable[[Any, Any], None]) -> None:
-        """Tick thread: every incoming Raft message passes here (see docs/raft.md)."""
-        deliver(node, message)
+    def _on_message(self, src: Any, message: Any, deliver: Callable[[Any, Any], None], transport: Any) -> None:
+        """Tick thread: every incoming Raft message passes here.
+
+        Works around pysyncobj truncating its log on *every* AppendEntries
+        whose prevLogIdx is below its last entry, conflict or not (the
+        "truncating already-applied log entries" warning; docs/raft.md)."""
+        node = self._node
+        ack: int | None = None
+        mtype = message.get("type") if isinstance(message, dict) else None
+        if node is not None and mtype == "append_entries" and "prevLogIdx" in message \
+                and "transmission" not in message and message["term"] >= node.raftCurrentTerm:
+            message, ack = self._check_append(message, node.raftLastApplied)
+        if node is not None and mtype == "next_node_idx" and self._fix_truncation \
+                and message.get("success") and not message.get("reset") and node._isLeader():
+            # A late ack for an older AppendEntries must not pull nextIndex back
+            # below what was already sent (that makes the leader resend entries
+            # the follower holds, and pysyncobj then truncates them).
+            next_index = getattr(node, "_SyncObj__raftNextIndex", None)
+            before = next_index.get(src) if next_index is not None else None
+            deliver(src, message)
+            if next_index is not None and before is not None and next_index.get(src, before) < before:
+                next_index[src] = before
+                self.truncation_stats["next_index_kept"] += 1
+        else:
+            deliver(src, message)
+        if ack is not None:
+            transport.send(src, {"type": "next_node_idx", "next_node_idx": ack, "reset": False, "success": True})
         journal = self._journal
         if journal is not None:
             JOURNAL_SYNCS.set(journal.syncs)
+
+    def _check_append(self, msg: dict[str, Any], last_applied: int) -> tuple[dict[str, Any], int | None]:
+        """Classify an AppendEntries that would make pysyncobj truncate, and
+        rewrite it so that only a real conflict truncates (Raft fig. 2, step 3)."""
+        j = self._journal
+        assert j is not None
+        if not len(j):
+            return msg, None
+        p = msg["prevLogIdx"]
+        first, n = j[0][1], j[-1][1]
+        if p is None or n <= p or p < first or j[p - first][2] != msg["prevLogTerm"]:
+            return msg, None  # no truncation here (or pysyncobj rejects / resets)
+        entries = msg.get("entries", [])
+        for e in entries:
+            idx, term = e[1], e[2]
+            if idx > n:
+                break
+            if j[idx - first][2] != term:
+                self.truncation_stats["conflict"] += 1
+                if idx <= last_applied:
+                    log.critical("raft %s: leader conflicts with applied entry %d", self.node_id, idx)
+                return msg, None  # a real conflict: Raft truncates from there
+        m = entries[-1][1] if entries else p
+        needless = p + 1 <= last_applied
+        if needless:
+            self.truncation_stats["stale_resend_applied"] += 1
+        else:
+            self.truncation_stats["stale_resend"] += 1
+        if not self._fix_truncation:
+            return msg, None
+        if m >= n:
+            new = [e for e in entries if e[1] > n]
+            return {**msg, "prevLogIdx": n, "prevLogTerm": j[n - first][2], "entries": new}, None
+        if j[n - first][2] == msg["term"]:
+            # Our last entry came from this very leader: by log matching our
+            # whole log equals its prefix.
+            return {**msg, "prevLogIdx": n, "prevLogTerm": msg["term"], "entries": []}, None
+        # A tail from an older term that this message does not cover: keep it
+        # (unverified, so do not vouch for it) - deliver as a heartbeat with
+        # the commit index clamped to what was verified, and ack up to m.
+        hb = {k: v for k, v in msg.items() if k not in ("prevLogIdx", "prevLogTerm", "entries")}
+        hb["commit_index"] = min(msg["commit_index"], m)
+        self.truncation_stats["kept_old_tail"] += 1
+        return hb, m + 1
 
     # --- snapshots (tick thread) -------------------------------------------------
 
