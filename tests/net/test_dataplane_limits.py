@@ -176,7 +176,7 @@ def test_client_side_limits() -> None:
                     await c.write(1, KEY, bytes((1 << 20) + 1))
                 with pytest.raises(InvalidArgumentError, match="frame limit"):
                     await c.read_into(1, KEY, bytearray((1 << 20) + 1))
-                store.data[KEY] = (memoryview(bytearray(2 << 20)), crc32c(bytes(2 << 20)))
+                store.put(KEY, bytes(2 << 20))
                 # The server answers with a frame over the client's limit: the
                 # client drops that connection and says why.
                 with pytest.raises(UnavailableError, match="exceeds limit"):

@@ -17,9 +17,10 @@ from tierfs.storage.api import FragmentKey
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_roundtrip_across_processes(transport: str, tmp_path: Path) -> None:
-    with server_process("--memory-target", "3", log=tmp_path / "server.log") as srv:
+@pytest.mark.parametrize(("transport", "store"), [("tcp", "memory"), ("shm", "memory"), ("tcp", "disk")])
+def test_roundtrip_across_processes(transport: str, store: str, tmp_path: Path) -> None:
+    target = ["--memory-target", "3"] if store == "memory" else ["--disk-target", f"3:{tmp_path / 't'}"]
+    with server_process(*target, log=tmp_path / "server.log") as srv:
         async def body() -> None:
             async with DataClient(transport=transport, routes={3: srv.address}) as c:
                 blobs = {FragmentKey(9, i, 0, 1): os.urandom((i + 1) * 70_001) for i in range(20)}

@@ -1,13 +1,19 @@
 """An in-memory FragmentStore: for tests, benchmarks of the network path, and
 as the reference behaviour of the FragmentStore contract.
 
-``write`` keeps the buffer it was given (it came from ``alloc``), so the data
-plane's receive path is measured without a store-side copy; ``read`` returns
-a view of the stored bytes, never a copy.
+Payload buffers come from a :class:`~tierfs.buffers.BufferPool` and ``write``
+adopts the buffer it was given when it came from ``alloc`` (no store-side
+copy); ``read`` returns a read-only view of the stored bytes, never a copy.
+A replaced or deleted fragment's buffer goes back to the pool only once the
+last view handed out by ``read`` has been released, so a read answer still in
+a send queue never sees its bytes reused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from tierfs.buffers import BufferPool
 from tierfs.errors import CorruptError, InvalidArgumentError, NoSpaceError, NotFoundError
 from tierfs.net.protocol import crc32c
 from tierfs.storage.api import FragmentInfo, FragmentKey
@@ -15,66 +21,116 @@ from tierfs.storage.api import FragmentInfo, FragmentKey
 __all__ = ["MemoryFragmentStore"]
 
 
+@dataclass(eq=False, slots=True)
+class _Blob:
+    buf: memoryview
+    crc: int
+    pooled: bool
+    readers: int = 0
+    dead: bool = False
+    views: list[memoryview] = field(default_factory=list)
+
+
 class MemoryFragmentStore:
-    def __init__(self, target_id: int, capacity: int = 1 << 40, *, verify: bool = True) -> None:
+    def __init__(self, target_id: int, capacity: int = 1 << 40, *, verify: bool = True,
+                 pool: BufferPool | None = None) -> None:
         self.target_id = target_id
         self.capacity = capacity
         #: Check CRC32C on write and read like a disk store would (benchmarks
         #: of the pure network path turn it off).
         self.verify = verify
+        self.pool = pool if pool is not None else BufferPool(256 << 20)
         self.used = 0
-        self.data: dict[FragmentKey, tuple[memoryview, int]] = {}
+        self._blobs: dict[FragmentKey, _Blob] = {}
+        # alloc'd buffers not (yet) adopted by write: id -> view
+        self._loose: dict[int, memoryview] = {}
+        # views handed out by read: id -> blob
+        self._lent: dict[int, _Blob] = {}
+
+    @property
+    def data(self) -> dict[FragmentKey, tuple[memoryview, int]]:
+        """Stored fragments as (bytes view, crc) (tests inspect this)."""
+        return {k: (b.buf, b.crc) for k, b in self._blobs.items()}
 
     def alloc(self, size: int) -> memoryview:
-        return memoryview(bytearray(size))
+        view = self.pool.get(size)
+        self._loose[id(view)] = view
+        return view
 
     def release(self, buf: memoryview) -> None:
-        # Stored buffers stay referenced by ``data``; everything else is
-        # garbage collected with its last reference.
-        return None
+        view = self._loose.pop(id(buf), None)
+        if view is not None:
+            self.pool.put(view)
+            return
+        blob = self._lent.pop(id(buf), None)
+        if blob is not None:
+            blob.readers -= 1
+            self._maybe_free(blob)
+
+    def _maybe_free(self, blob: _Blob) -> None:
+        if blob.dead and blob.readers == 0 and blob.pooled:
+            blob.pooled = False
+            self.pool.put(blob.buf)
+
+    def _drop(self, key: FragmentKey) -> int:
+        blob = self._blobs.pop(key, None)
+        if blob is None:
+            return -1
+        size = len(blob.buf)
+        self.used -= size
+        blob.dead = True
+        self._maybe_free(blob)
+        return size
+
+    def put(self, key: FragmentKey, data: bytes | bytearray | memoryview, crc: int | None = None) -> None:
+        """Store ``data`` directly (tests seed fragments, even with a wrong CRC)."""
+        view = self.pool.get(len(data))
+        view[:] = data
+        self._drop(key)
+        self._blobs[key] = _Blob(view, crc32c(data) if crc is None else crc, True)
+        self.used += len(data)
 
     async def write(self, key: FragmentKey, data: memoryview, crc32c_: int) -> None:
         if self.verify and crc32c(data) != crc32c_:
             raise InvalidArgumentError(f"CRC32C mismatch for {key}")
-        old = self.data.get(key)
-        grow = len(data) - (len(old[0]) if old else 0)
-        if self.used + grow > self.capacity:
+        old = self._blobs.get(key)
+        if self.used + len(data) - (len(old.buf) if old else 0) > self.capacity:
             raise NoSpaceError(f"target {self.target_id} is full ({self.used}/{self.capacity} bytes)")
-        # The view may be a store.alloc buffer the server releases after this
-        # returns; owning it is fine because release() is a no-op here. A
-        # caller-owned view (tests) is copied so later changes do not leak in.
-        self.data[key] = (data if isinstance(data.obj, bytearray) and len(data.obj) == len(data)
-                          else memoryview(bytearray(data)), crc32c_)
-        self.used += grow
+        adopted = self._loose.pop(id(data), None)
+        if adopted is None:  # a caller-owned buffer: copy it
+            adopted = self.pool.get(len(data))
+            adopted[:] = data
+        self._drop(key)
+        self._blobs[key] = _Blob(adopted, crc32c_, True)
+        self.used += len(data)
 
     async def read(self, key: FragmentKey, offset: int = 0, length: int = -1) -> memoryview:
-        entry = self.data.get(key)
-        if entry is None:
+        blob = self._blobs.get(key)
+        if blob is None:
             raise NotFoundError(f"fragment {key} not found on target {self.target_id}")
-        buf, crc = entry
-        if offset < 0 or offset > len(buf):
-            raise InvalidArgumentError(f"offset {offset} outside fragment of {len(buf)} bytes")
-        end = len(buf) if length < 0 else min(len(buf), offset + length)
-        if self.verify and crc32c(buf) != crc:
+        size = len(blob.buf)
+        if offset < 0 or offset > size:
+            raise InvalidArgumentError(f"offset {offset} outside fragment of {size} bytes")
+        end = size if length < 0 else min(size, offset + length)
+        if self.verify and crc32c(blob.buf) != blob.crc:
             raise CorruptError(f"fragment {key} failed its CRC32C check")
-        return buf[offset:end].toreadonly()
+        view = blob.buf[offset:end].toreadonly()
+        blob.readers += 1
+        self._lent[id(view)] = blob
+        return view
 
     async def delete(self, key: FragmentKey) -> bool:
-        entry = self.data.pop(key, None)
-        if entry is None:
-            return False
-        self.used -= len(entry[0])
-        return True
+        return self._drop(key) >= 0
 
     async def stat(self, key: FragmentKey) -> FragmentInfo:
-        entry = self.data.get(key)
-        if entry is None:
+        blob = self._blobs.get(key)
+        if blob is None:
             raise NotFoundError(f"fragment {key} not found on target {self.target_id}")
-        return FragmentInfo(key, len(entry[0]), entry[1])
+        return FragmentInfo(key, len(blob.buf), blob.crc)
 
     def corrupt(self, key: FragmentKey, index: int = 0) -> None:
-        """Flip a byte of a stored fragment (tests: CorruptError path)."""
-        buf, crc = self.data[key]
-        copy = bytearray(buf)
-        copy[index] ^= 0xFF
-        self.data[key] = (memoryview(copy), crc)
+        """Flip a byte of a stored fragment (tests: the CorruptError path)."""
+        self._blobs[key].buf[index] ^= 0xFF
+
+    def close(self) -> None:
+        self.pool.close()

@@ -343,17 +343,27 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--memory-target", type=int, action="append", default=[])
     ap.add_argument("--disk-target", action="append", default=[], help="ID:PATH (needs the chunk engine)")
     ap.add_argument("--transports", default="tcp,shm")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="memory targets skip their own CRC re-checks (network benchmarks)")
     ap.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
     args = ap.parse_args(argv)
-    stores: dict[int, FragmentStore] = {t: MemoryFragmentStore(t) for t in args.memory_target}
+    stores: dict[int, FragmentStore] = {
+        t: MemoryFragmentStore(t, verify=not args.no_verify) for t in args.memory_target}
     closers: list[Any] = []
-    for spec in args.disk_target:
-        tid, _, path = spec.partition(":")
-        from tierfs.storage import engine  # type: ignore[attr-defined]
+    if args.disk_target:
+        from tierfs.buffers import BufferPool
+        from tierfs.storage.engine import ChunkEngine
+        from tierfs.storage.io import open_backend
 
-        store = await _open_engine(engine, int(tid), path)
-        stores[int(tid)] = store
-        closers.append(store)
+        pool = BufferPool()
+        backend = open_backend("auto", pool)
+        for spec in args.disk_target:
+            tid, _, path = spec.partition(":")
+            engine = ChunkEngine(path, int(tid), backend, pool)
+            await engine.open()
+            stores[int(tid)] = engine
+            closers.append(engine.close)
+        closers.append(backend.aclose)
     limits = Limits(max_frame_bytes=args.max_frame_bytes,
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
@@ -377,22 +387,8 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     await stop
     loop.remove_reader(sys.stdin.fileno())
     await server.close()
-    for c in closers:
-        close = getattr(c, "close", None)
-        if close is not None:
-            res = close()
-            if asyncio.iscoroutine(res):
-                await res
-
-
-async def _open_engine(engine: Any, target_id: int, path: str) -> FragmentStore:
-    """Open C's ChunkEngine, whichever of its constructors exists."""
-    cls = engine.ChunkEngine
-    opener = getattr(cls, "open", None)
-    if opener is not None:
-        res = opener(path, target_id=target_id)
-        return await res if asyncio.iscoroutine(res) else res  # type: ignore[no-any-return]
-    return cls(path, target_id=target_id)  # type: ignore[no-any-return]
+    for close in closers:
+        await close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
