@@ -231,9 +231,12 @@ class MetaStateMachine:
             out = _result(reply)
         except TierFSError as err:
             self.clock = clock_before
-            out = _result(err=err)
+            return _result(err=err)
         except Exception as exc:  # a bug: still a deterministic outcome everywhere
-            out = _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
+            return _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
+        # Only successes are remembered: a retry of a failed request is simply
+        # tried again (it cannot have taken effect), and a refused op leaves
+        # no trace in the state at all.
         if dedup:
             self._remember(msg.client_id, msg.request_id, out)
         return out
