@@ -207,7 +207,7 @@ GRPC_CASES: list[tuple[str, Any, type[TierFSError]]] = [
 @pytest.mark.timeout(60)
 def test_grpc_rejects_before_submitting() -> None:
     async def main() -> None:
-        async with meta_server() as (mc, svc, _addr):
+        async with meta_server() as (mc, _svc, _addr):
             await register_async(mc)
             await mc.mkdir("/d")
             await mc.create("/d/f")
