@@ -7,11 +7,14 @@ import asyncio
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.cluster import MetaCluster, admin_call, meta_cluster_from_env
-from tierfs.errors import NotLeaderError
+from tierfs.errors import NotLeaderError, from_grpc
 from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import meta_pb2_grpc
 
 
 def _cluster(tmp_path: Path) -> MetaCluster:
@@ -27,7 +30,7 @@ async def _create_stream(mc: MetaClient, prefix: str, acked: list[str], stop: as
     while not stop.is_set():
         path = f"/{prefix}{i}"
         t0 = time.monotonic()
-        await mc.create(path)
+        await mc.mkdir(path)  # a namespace create that needs no storage targets
         lat.append((t0, time.monotonic()))
         acked.append(path)
         i += 1
@@ -39,9 +42,14 @@ def test_sigkill_leader_mid_stream_loses_nothing_and_fails_over_fast(tmp_path: P
         leader = c.wait_leader()
         follower = (leader + 1) % 3
         # A follower refuses mutations and names the leader's gRPC address.
-        with pytest.raises(NotLeaderError) as ei:
-            admin_call(c.addresses[follower], "Put", {"k": "x"})
-        assert ei.value.leader == c.addresses[leader]
+        with grpc.insecure_channel(c.addresses[follower]) as ch:
+            stub = meta_pb2_grpc.MetaServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.Mkdir(pb.MkdirRequest(loc=pb.Loc(path="/x"), mode=0o755), timeout=5)
+        err = from_grpc(ei.value)
+        assert isinstance(err, NotLeaderError)
+        assert err.leader == c.addresses[leader]
+        assert admin_call(c.addresses[follower], "Status")["leader"] == c.addresses[leader]
 
         async def scenario() -> tuple[list[str], float, float]:
             acked: list[str] = []
@@ -69,6 +77,7 @@ def test_sigkill_leader_mid_stream_loses_nothing_and_fails_over_fast(tmp_path: P
                 return acked, first_ok - t_kill, worst
 
         acked, failover, worst = asyncio.run(scenario())
+        assert len(acked) >= 200
         print(f"failover: first new create ok {failover:.3f}s after SIGKILL; worst in-flight create {worst:.3f}s")
         assert failover < 5.0
         c.start(leader)
@@ -84,7 +93,7 @@ def test_sigkill_all_replicas_then_restart(tmp_path: Path) -> None:
             acked: list[str] = []
             async with MetaClient(c.addresses, deadline=20.0) as mc:
                 for i in range(150):
-                    await mc.create(f"/f{i}")
+                    await mc.mkdir(f"/f{i}")
                     acked.append(f"/f{i}")
             return acked
 
@@ -102,6 +111,6 @@ def test_sigkill_all_replicas_then_restart(tmp_path: Path) -> None:
             async with MetaClient(c.addresses, deadline=20.0) as mc:
                 for p in acked:
                     await mc.stat(p)
-                await mc.create("/after-restart")
+                await mc.mkdir("/after-restart")
 
         asyncio.run(check())
