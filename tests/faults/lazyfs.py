@@ -115,6 +115,10 @@ class LazyFS:
         still using the mount get ENOTCONN afterwards.
         """
         proc = self._require()
+        try:
+            errors = self.stats().get("internal_errors", 0)
+        except (LazyFSError, OSError):
+            errors = 0  # wedged or dead server: cut anyway
         with contextlib.suppress(OSError):
             self._send("powerloss")
         try:
@@ -125,6 +129,8 @@ class LazyFS:
         # Orphans (inodes fsynced but never linked) are unreachable after a
         # crash; remove them the way fsck would.
         shutil.rmtree(self.backing / _STORE, ignore_errors=True)
+        if errors:
+            raise LazyFSError(f"lazyfs hit {errors} internal error(s): see its log on stderr")
 
     def unmount(self, timeout: float = 10.0) -> None:
         """Clean shutdown: persist everything, then unmount.
@@ -134,6 +140,7 @@ class LazyFS:
         """
         proc = self._require()
         try:
+            errors = self.stats().get("internal_errors", 0)
             self._request("sync", timeout)
             if not _fusermount(self.mountpoint, lazy=False):
                 # Busy (a process still has files open): persist again, stop
@@ -148,9 +155,12 @@ class LazyFS:
         finally:
             self._kill()
         shutil.rmtree(self.backing / _STORE, ignore_errors=True)
+        if errors:
+            raise LazyFSError(f"lazyfs hit {errors} internal error(s): see its log on stderr")
 
     def stats(self) -> dict[str, int]:
-        """Pending (unsynced) state: dirty_files, dirty_dirs, dirty_bytes."""
+        """Pending (unsynced) state: dirty_files, dirty_dirs, dirty_bytes; and
+        internal_errors (simulator bugs answered with EIO; unmount() raises)."""
         reply = self._request("stats", 10.0)
         out: dict[str, int] = json.loads(reply)
         return out

@@ -76,7 +76,10 @@ def _op(fn: F) -> F:
             log.warning("lazyfs: %s failed: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception:
+            # A bug in the simulator, not a fault of the code under test:
+            # counted so that LazyFS.unmount() can fail the test loudly.
             log.exception("lazyfs: %s failed", fn.__name__)
+            args[0].internal_errors += 1
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return cast(F, wrapper)
@@ -164,6 +167,7 @@ class LazyOps(pyfuse3.Operations):
         self.dir_handles: dict[int, tuple[Node, list[tuple[bytes, Node]]]] = {}
         self.file_handles: dict[int, Node] = {}
         self.next_fh = 1
+        self.internal_errors = 0
 
     # ---------------------------------------------------------------- helpers
 
@@ -518,7 +522,12 @@ class LazyOps(pyfuse3.Operations):
             elif n.dirty or n.meta_dirty or not n.durable:
                 files += 1
                 nbytes += len(n.pages) * PAGE
-        return {"dirty_files": files, "dirty_dirs": dirs, "dirty_bytes": nbytes}
+        return {
+            "dirty_files": files,
+            "dirty_dirs": dirs,
+            "dirty_bytes": nbytes,
+            "internal_errors": self.internal_errors,
+        }
 
     # --------------------------------------------------------- FUSE handlers
 
