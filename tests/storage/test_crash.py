@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.storage.crash_writer import payload
 from tierfs.buffers import BufferPool
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.engine import ChunkEngine
 from tierfs.storage.io import IOBackend
-
-sys.path.insert(0, str(Path(__file__).parent))
-from crash_writer import payload
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 REPO = Path(__file__).resolve().parents[2]

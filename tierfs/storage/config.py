@@ -51,7 +51,7 @@ class StorageConfig(BaseConfig):
     io_threads: int = field(8, "Worker threads of the posix backend.")
     buffer_pool_bytes: int = field(1 << 30, "Idle aligned buffers kept for reuse (bytes).", kind="size")
 
-    max_fragment_size: int = field(256 << 20, "Largest fragment a target accepts.", kind="size")
+    max_fragment_size: int = field(64 << 20, "Largest fragment a target accepts.", kind="size")
     reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
 
     max_frame_bytes: int = field(128 << 20, "Largest data-plane frame payload.", kind="size")

@@ -1,0 +1,200 @@
+"""The ``tierfs-storage`` process: serves its targets over the data plane,
+keeps its identity across restarts, registers and heartbeats with a real meta
+replica, and deletes what meta's GC queue lists."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import MetaCluster
+from tierfs.errors import NotFoundError
+from tierfs.storage.api import FragmentKey
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Daemon:
+    def __init__(self, tmp: Path, args: list[str]) -> None:
+        self.tmp, self.args = tmp, args
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready: dict[str, Any] = {}
+        self._log: Any = None
+
+    def start(self, timeout: float = 30.0) -> dict[str, Any]:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self._log = open(self.tmp / "storage.log", "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tierfs.storage.daemon", *self.args],
+            stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, cwd=str(REPO),
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = self.proc.stdout.readline()  # the daemon prints one line when ready, or exits
+        assert time.monotonic() < deadline and line, f"no ready line: {(self.tmp / 'storage.log').read_text()[-3000:]}"
+        self.ready = json.loads(line)
+        assert self.ready["event"] == "ready"
+        return self.ready
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=30)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        self._log.close()
+        self.proc = None
+        return rc
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
+    made: list[Daemon] = []
+    yield made
+    for d in made:
+        d.close()
+
+
+async def _client_round_trip(addr: str, target: int, key: FragmentKey, data: bytes) -> None:
+    from tierfs.net import DataClient
+
+    c = DataClient(transport="tcp", routes={target: addr})
+    try:
+        await c.write(target, key, data)
+        assert await c.read(target, key) == data
+        assert await c.read(target, key, offset=3, length=5) == data[3:8]
+        info = await c.stat(target, key)
+        assert info.size == len(data)
+    finally:
+        await c.close()
+
+
+async def _client_read(addr: str, target: int, key: FragmentKey) -> bytes:
+    from tierfs.net import DataClient
+
+    c = DataClient(transport="tcp", routes={target: addr})
+    try:
+        return await c.read(target, key)
+    finally:
+        await c.close()
+
+
+@pytest.mark.timeout(90)
+def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: list[Daemon]) -> None:
+    args = ["--no-meta", "--data-dir", str(tmp_path / "node"), "--target", str(tmp_path / "t1"),
+            "--target", str(tmp_path / "t2"), "--target-id", "11", "--target-id", "12",
+            "--reserved-bytes", "0", "--transport", "tcp"]
+    d = Daemon(tmp_path, args)
+    daemons.append(d)
+    ready = d.start()
+    assert ready["targets"] == {str(tmp_path / "t1"): 11, str(tmp_path / "t2"): 12}
+    uuid1 = ready["node_uuid"]
+    blobs = {(11, FragmentKey(1, 0, 0, 1)): os.urandom(100_000), (12, FragmentKey(1, 0, 1, 1)): os.urandom(4097)}
+    for (tid, key), data in blobs.items():
+        asyncio.run(_client_round_trip(ready["data_addr"], tid, key, data))
+    assert d.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    # restarted (same data dir, ids now from target.json): same identity, same data
+    d2 = Daemon(tmp_path, [a for a in args if a not in ("--target-id", "11", "12")])
+    daemons.append(d2)
+    ready = d2.start()
+    assert ready["node_uuid"] == uuid1
+    assert ready["targets"] == {str(tmp_path / "t1"): 11, str(tmp_path / "t2"): 12}
+    for (tid, key), data in blobs.items():
+        assert asyncio.run(_client_read(ready["data_addr"], tid, key)) == data
+    assert d2.stop() == 0  # SIGTERM: clean exit
+
+
+@pytest.mark.timeout(30)
+def test_bad_configuration_is_refused(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run(
+        [sys.executable, "-m", "tierfs.storage.daemon", "--no-meta", "--data-dir", str(tmp_path), "--io-backend", "posix",
+         "--queue-depth", "0"],
+        capture_output=True, text=True, env=env, timeout=30,
+    )
+    assert res.returncode == 2 and "queue_depth" in res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "tierfs.storage.daemon", "--no-meta", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=30,
+    )
+    assert res.returncode == 2 and "target" in res.stderr
+    assert not list((tmp_path / "target0" / "frags").iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list[Daemon]) -> None:
+    from tierfs.meta.client import MetaClient
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    with MetaCluster(tmp_path, n=1, state_machine="meta") as meta:
+        meta.wait_leader()
+        addr = meta.addresses[0]
+        args = ["--data-dir", str(tmp_path / "node"), "--meta", addr, "--reserved-bytes", "0",
+                "--heartbeat-interval", "0.2", "--gc-interval", "0.2", "--transport", "tcp"]
+        d = Daemon(tmp_path, args)
+        daemons.append(d)
+        ready = d.start()
+        assert ready["node_id"] > 0
+        (tid,) = ready["targets"].values()
+        assert tid > 0
+
+        async def scenario() -> None:
+            async with MetaClient([addr]) as mc:
+                cmap = await mc.get_cluster_map()
+                node = next(n for n in cmap.nodes if n.node_uuid == ready["node_uuid"])
+                assert node.state == pb.NODE_STATE_ONLINE and node.data_addr == ready["data_addr"]
+                assert list(node.target_ids) == [tid]
+
+                f = await mc.create("/gc-me", redundancy="replica:1", chunk_size=1 << 20)
+                sess = await mc.open_write("/gc-me")
+                key = FragmentKey(f.attr.inode, 0, 0, sess.data_version)
+                payload = os.urandom(200_000)
+                await _client_round_trip(ready["data_addr"], tid, key, payload)
+                await mc.commit_write(sess.session_id, len(payload), [0])
+
+                async def used() -> int:
+                    cm = await mc.get_cluster_map()
+                    return next(t.used for t in cm.targets if t.target_id == tid)
+
+                deadline = time.monotonic() + 20
+                while await used() < len(payload):  # the heartbeat carries the new usage
+                    assert time.monotonic() < deadline, "heartbeat never reported the fragment"
+                    await asyncio.sleep(0.1)
+
+                await mc.unlink("/gc-me")
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        await _client_read(ready["data_addr"], tid, key)
+                    except NotFoundError:
+                        break
+                    assert time.monotonic() < deadline, "GC never deleted the fragment"
+                    await asyncio.sleep(0.1)
+                while await mc.list_gc([tid]):  # acked: the queue drains
+                    assert time.monotonic() < deadline, "GC items never acknowledged"
+                    await asyncio.sleep(0.1)
+
+        asyncio.run(scenario())
+        # the node keeps its id across a restart
+        assert d.stop() == 0
+        d2 = Daemon(tmp_path, args)
+        daemons.append(d2)
+        again = d2.start()
+        assert (again["node_id"], again["targets"]) == (ready["node_id"], ready["targets"])
+        assert d2.stop() == 0

@@ -1,0 +1,363 @@
+"""``tierfs-storage``: one storage node (one chunk engine per target directory).
+
+Startup: load the node identity (``<data_dir>/node.uuid``, created once and
+kept across restarts), open every target (wiping half-written temp files and
+scanning its index), start the data-plane server, then register the node and
+its targets with meta (retried until meta answers; targets whose id is
+already known from their ``target.json`` are served meanwhile). Afterwards
+two loops run: heartbeats with capacity/used/state per target, and garbage
+collection (``ListGC`` -> delete the fragment version -> ``AckGC``; deleting a
+fragment that is already gone counts as done).
+
+The first line on stdout is ``{"event": "ready", ...}`` with the data-plane
+address, node uuid/id and the target ids. SIGTERM or SIGINT stop it cleanly:
+the listener closes, in-flight requests end, engines and the I/O backend are
+shut down.
+
+Without meta (``--no-meta`` or no ``meta_addrs``) the node serves its
+targets under the ids from their ``target.json``, or from ``--target-id``
+(one per target, in order) the first time.
+
+Example::
+
+    tierfs-storage --data-dir /var/lib/tierfs/node1 --target /mnt/nvme0/tierfs \\
+        --target /mnt/nvme1/tierfs --meta 10.0.0.1:7000 --meta 10.0.0.2:7000 \\
+        --host 0.0.0.0 --advertise-host 10.0.0.11 --port 7200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierfs.buffers import BufferPool
+from tierfs.config import load
+from tierfs.errors import ConfigError, TierFSError
+from tierfs.storage.api import FragmentKey
+from tierfs.storage.config import StorageConfig
+from tierfs.storage.engine import ChunkEngine, TargetState
+from tierfs.storage.io import IOBackend, open_backend
+
+__all__ = ["StorageNode", "build_parser", "load_node_uuid", "main", "serve"]
+
+log = logging.getLogger("tierfs.storage")
+
+
+def load_node_uuid(data_dir: Path) -> str:
+    """This node's persistent identity, created (durably) on first start."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "node.uuid"
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        text = ""
+    if text:
+        try:
+            return str(uuid.UUID(text))
+        except ValueError:
+            raise ConfigError(f"{path} does not hold a UUID: {text[:60]!r}", field="data_dir") from None
+    node = str(uuid.uuid4())
+    tmp = data_dir / "node.uuid.tmp"
+    with open(tmp, "w") as f:
+        f.write(node + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return node
+
+
+def _state_code(state: str) -> Any:
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    return {
+        TargetState.ONLINE: pb.TARGET_STATE_ONLINE,
+        TargetState.READ_ONLY: pb.TARGET_STATE_READ_ONLY,
+        TargetState.FAILED: pb.TARGET_STATE_FAILED,
+    }[state]
+
+
+class StorageNode:
+    """A running storage node; ``await node.start()``, ``await node.stop()``."""
+
+    def __init__(self, cfg: StorageConfig, *, use_meta: bool = True, target_ids: Sequence[int] = ()) -> None:
+        self.cfg = cfg
+        self.use_meta = use_meta and bool(cfg.meta_addrs)
+        self.node_uuid = load_node_uuid(Path(cfg.data_dir))
+        self.node_id = 0
+        self.pool = BufferPool(cfg.buffer_pool_bytes)
+        self.backend: IOBackend | None = None
+        self.engines: list[ChunkEngine] = []
+        self._target_ids = list(target_ids)
+        self.server: Any = None
+        self.meta: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registered = asyncio.Event()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors"), 0
+        )
+
+    @property
+    def data_addr(self) -> str:
+        host = self.cfg.advertise_host or self.cfg.host
+        return f"{host}:{self.server.port if self.server else self.cfg.port}"
+
+    async def start(self) -> None:
+        from tierfs.net import Limits
+        from tierfs.storage.dataplane import start_dataplane
+
+        cfg = self.cfg
+        self.backend = open_backend(cfg.io_backend, self.pool, queue_depth=cfg.queue_depth, threads=cfg.io_threads)
+        log.info("disk I/O backend: %s", self.backend.name)
+        dirs = cfg.target_dirs()
+        if self._target_ids and len(self._target_ids) != len(dirs):
+            raise ConfigError(f"{len(self._target_ids)} target ids for {len(dirs)} targets", field="target_ids")
+        for i, d in enumerate(dirs):
+            tid = self._target_ids[i] if self._target_ids else 0
+            eng = ChunkEngine(
+                d, tid, self.backend, self.pool,
+                reserved_bytes=cfg.reserved_bytes, max_fragment_size=cfg.max_fragment_size,
+            )
+            await eng.open()
+            self.engines.append(eng)
+            log.info("target %s at %s: %d fragments", eng.target_id, d, len(eng))
+        limits = Limits(
+            max_frame_bytes=cfg.max_frame_bytes, max_inflight_bytes=cfg.max_inflight_bytes,
+            max_inflight_requests=cfg.max_inflight_requests, shm_ring_bytes=cfg.shm_ring_bytes,
+        )
+        known = {e.target_id: e for e in self.engines if e.target_id}
+        self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports)
+        if self.use_meta:
+            from tierfs.meta.client import MetaClient
+
+            self.meta = MetaClient(list(cfg.meta_addrs))
+            self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
+        else:
+            missing = [str(e.root) for e in self.engines if not e.target_id]
+            if missing:
+                raise ConfigError(
+                    f"without meta every target needs an id (--target-id); none for {', '.join(missing)}",
+                    field="target_ids",
+                )
+            self.registered.set()
+
+    def ready_doc(self) -> dict[str, Any]:
+        return {
+            "event": "ready", "pid": os.getpid(), "node_uuid": self.node_uuid, "node_id": self.node_id,
+            "data_addr": self.data_addr, "port": self.server.port,
+            "backend": self.backend.name if self.backend else "",
+            "targets": {str(e.root): e.target_id for e in self.engines},
+            "meta": self.use_meta,
+        }
+
+    # -- meta -----------------------------------------------------------------
+
+    async def _meta_main(self) -> None:
+        await self._register()
+        self.registered.set()
+        await asyncio.gather(self._heartbeat_loop(), self._gc_loop())
+
+    async def _register(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                specs = [(str(e.root.resolve()), e.stats().capacity) for e in self.engines]
+                reply = await self.meta.register_node(self.node_uuid, socket.gethostname(), self.data_addr, specs)
+                break
+            except TierFSError as err:
+                log.warning("registering with meta failed (%s); retrying in %.1fs", err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.node_id = int(reply.node_id)
+        by_path = {str(e.root.resolve()): e for e in self.engines}
+        for t in reply.targets:
+            eng = by_path.get(t.path)
+            if eng is None:
+                log.warning("meta returned unknown target path %s", t.path)
+                continue
+            if eng.target_id and eng.target_id != t.target_id:
+                self.server.remove_store(eng.target_id)
+            eng.set_target_id(int(t.target_id))
+            self.server.add_store(eng)
+        log.info("registered with meta as node %d: targets %s", self.node_id,
+                 {str(e.root): e.target_id for e in self.engines})
+
+    def reports(self) -> list[Any]:
+        from tierfs.proto.v1 import meta_pb2 as pb
+
+        out = []
+        for e in self.engines:
+            st = e.stats()
+            out.append(pb.TargetReport(target_id=st.target_id, used=st.used, capacity=st.capacity,
+                                       state=_state_code(st.state)))
+        return out
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.meta.heartbeat(self.node_id, self.reports())
+                self.counters["heartbeats"] += 1
+            except TierFSError as err:
+                self.counters["heartbeat_errors"] += 1
+                log.warning("heartbeat failed: %s", err)
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _gc_loop(self) -> None:
+        while True:
+            try:
+                await self.gc_once()
+            except TierFSError as err:
+                self.counters["gc_errors"] += 1
+                log.warning("gc round failed: %s", err)
+            await asyncio.sleep(self.cfg.gc_interval)
+
+    async def gc_once(self) -> int:
+        """Delete every fragment meta's GC queue lists for our targets; ack them."""
+        engines = {e.target_id: e for e in self.engines if e.target_id}
+        after = 0
+        done = 0
+        while True:
+            items = await self.meta.list_gc(list(engines), after_id=after, limit=self.cfg.gc_batch)
+            if not items:
+                return done
+            acks: list[tuple[int, int]] = []
+            for it in items:
+                after = max(after, int(it.id))
+                eng = engines.get(int(it.target_id))
+                if eng is None:
+                    continue
+                key = FragmentKey(int(it.inode), int(it.chunk), int(it.fragment), int(it.version))
+                try:
+                    if await eng.delete(key):
+                        self.counters["gc_deleted"] += 1
+                except TierFSError as err:
+                    log.warning("gc delete of %s on target %d failed: %s", key, eng.target_id, err)
+                    continue
+                acks.append((int(it.id), eng.target_id))
+            if acks:
+                done += await self.meta.ack_gc(acks)
+                self.counters["gc_acked"] += len(acks)
+            if len(items) < self.cfg.gc_batch:
+                return done
+
+    # -- shutdown ---------------------------------------------------------------
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.server is not None:
+            await self.server.close()
+        for e in self.engines:
+            await e.close()
+        if self.backend is not None:
+            await self.backend.aclose()
+        if self.meta is not None:
+            await self.meta.close()
+        self.pool.close()
+
+
+# --- process --------------------------------------------------------------------------
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+async def serve(
+    cfg: StorageConfig, *, use_meta: bool = True, target_ids: Sequence[int] = (), stop: asyncio.Event | None = None
+) -> None:
+    """Run a storage node until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    node = StorageNode(cfg, use_meta=use_meta, target_ids=target_ids)
+    try:
+        await node.start()
+        if node.use_meta:
+            waiter = asyncio.ensure_future(node.registered.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            stopper.cancel()
+        if not stop.is_set():
+            print(json.dumps(node.ready_doc()), flush=True)
+            log.info("tierfs-storage ready: %s", node.ready_doc())
+            await stop.wait()
+    finally:
+        t0 = time.monotonic()
+        await node.stop()
+        log.info("tierfs-storage stopped in %.2fs", time.monotonic() - t0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierfs-storage", description="Run one TierFS storage node.")
+    p.add_argument("--config", help="TOML file with a [storage] table")
+    p.add_argument("--data-dir")
+    p.add_argument("--target", action="append", dest="targets", metavar="DIR", help="target directory (repeat)")
+    p.add_argument("--meta", action="append", dest="meta_addrs", metavar="HOST:PORT", help="meta replica (repeat)")
+    p.add_argument("--no-meta", action="store_true", help="serve without registering with meta")
+    p.add_argument("--target-id", action="append", type=int, dest="target_ids", default=[],
+                   help="id of each --target without meta (repeat, in order)")
+    p.add_argument("--host")
+    p.add_argument("--port")
+    p.add_argument("--advertise-host")
+    p.add_argument("--transport", action="append", dest="transports", choices=["tcp", "shm", "rdma"])
+    p.add_argument("--io-backend", choices=["auto", "uring", "posix"])
+    for name in ("queue-depth", "io-threads", "buffer-pool-bytes", "heartbeat-interval", "gc-interval",
+                 "gc-batch", "max-fragment-size", "reserved-bytes", "max-frame-bytes",
+                 "max-inflight-bytes", "max-inflight-requests", "shm-ring-bytes"):
+        p.add_argument(f"--{name}")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    skip = {"config", "no_meta", "target_ids"}
+    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    try:
+        cfg: StorageConfig = load(StorageConfig, args.config, overrides=overrides)
+    except TierFSError as err:
+        print(f"tierfs-storage: {err}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg.log_level)
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg, use_meta=not args.no_meta, target_ids=args.target_ids))
+    except ConfigError as err:
+        print(f"tierfs-storage: {err}", file=sys.stderr)
+        return 2
+    except (OSError, TierFSError) as exc:
+        log.critical("tierfs-storage: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
