@@ -325,9 +325,12 @@ class MetaCluster:
         v = self.admin(idx, "Get", {"k": key}).get("value")
         return None if v is None else str(v)
 
-    def get_many(self, keys: Sequence[str], i: int | None = None) -> dict[str, str | None]:
+    def get_many(self, keys: Sequence[str], i: int | None = None, *, stale: bool = False) -> dict[str, str | None]:
+        """Linearizable read on the leader, or with ``stale`` this replica's
+        local state (any replica)."""
         idx = self.wait_leader() if i is None else i
-        vals: dict[str, str | None] = self.admin(idx, "Get", {"keys": list(keys)}, timeout=15.0)["values"]
+        req = {"keys": list(keys), "stale": stale}
+        vals: dict[str, str | None] = self.admin(idx, "Get", req, timeout=15.0)["values"]
         return vals
 
 
