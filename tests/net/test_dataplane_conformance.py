@@ -106,11 +106,34 @@ class TestTransportConformance:
                 dests = [bytearray(len(d)) for _, _, d in items]
                 reads = [(t, k, memoryview(d), 0) for (t, k, _), d in zip(items, dests, strict=True)]
                 reads.insert(5, (1, FragmentKey(99, 0, 0, 0), memoryview(bytearray(8)), 0))
+                reads.insert(7, (77, FragmentKey(1, 0, 0, 0), memoryview(bytearray(8)), 0))  # no route
+                reads.insert(9, (1, FragmentKey(1, 0, 0, 0), memoryview(b"ro"), 0))  # read-only
                 res = await c.read_batch(reads)
                 assert isinstance(res[5], NotFoundError)
-                del res[5]
+                assert isinstance(res[7], UnavailableError)
+                assert isinstance(res[9], InvalidArgumentError)
+                del res[9], res[7], res[5]
                 assert res == [len(d) for _, _, d in items]
                 assert all(dest == d for dest, (_, _, d) in zip(dests, items, strict=True))
+
+        arun(body())
+
+    def test_batch_timeout_fills_every_slot(self, transport: str) -> None:
+        async def body() -> None:
+            store = FaultyStore(1)
+            async with served(transport, store, request_timeout=0.3) as (server, c):
+                keys = [FragmentKey(4, i, 0, 1) for i in range(5)]
+                assert await c.write_batch([(1, k, b"q" * 3000) for k in keys]) == [None] * 5
+                store.gate = asyncio.Event()
+                dests = [bytearray(3000) for _ in keys]
+                res = await c.read_batch([(1, k, memoryview(d), 0) for k, d in zip(keys, dests, strict=True)])
+                assert all(isinstance(r, TimeoutError_) for r in res)
+                store.gate.set()
+                store.gate = None
+                await wait_for(lambda: server.counters["reads"] == 5 and store.active == 0)
+                assert dests == [bytearray(3000)] * 5  # late answers were dropped
+                assert await c.read_batch([(1, k, memoryview(d), 0) for k, d in zip(keys, dests, strict=True)]) == [3000] * 5
+                assert dests == [b"q" * 3000] * 5
 
         arun(body())
 

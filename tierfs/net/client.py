@@ -39,6 +39,7 @@ ReadItem = tuple[int, FragmentKey, memoryview, int]
 WriteItem = tuple[int, FragmentKey, Any]
 
 _MAX_ERROR_PAYLOAD = 1 << 16
+_UNSET: Any = object()
 _LOOPBACK = ("127.", "localhost", "::1")
 
 
@@ -49,6 +50,15 @@ def parse_address(addr: Address) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise InvalidArgumentError(f"bad data-plane address {addr!r} (want host:port)")
     return host.strip("[]"), int(port)
+
+
+class _Req:
+    __slots__ = ("dest", "key", "length", "offset", "op", "payload", "target")
+
+    def __init__(self, op: Op, target: int, key: FragmentKey, *, offset: int = 0, length: int = 0,
+                 payload: memoryview | None = None, dest: memoryview | None = None) -> None:
+        self.op, self.target, self.key = op, target, key
+        self.offset, self.length, self.payload, self.dest = offset, length, payload, dest
 
 
 class _Pending:
@@ -147,6 +157,57 @@ class _ClientConnection(FrameProtocol):
         if hdr.status:
             raise error_from_code(hdr.status, bytes(body or b"").decode("utf-8", "replace"))
         return hdr, body
+
+    async def call_many(self, reqs: Sequence[_Req], timeout: float) -> list[Header | TierFSError]:
+        """Send ``reqs`` with one ``writelines`` (MORE on all but the last)
+        and wait for every answer; each slot holds its Header or its error."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise UnavailableError(f"data-plane connection to {self.peer} is closed ({self.reason})")
+        loop = asyncio.get_running_loop()
+        n = len(reqs)
+        heads = memoryview(bytearray(HEADER_SIZE * n))
+        out: list[memoryview] = []
+        sent: list[tuple[int, _Pending]] = []
+        for i, r in enumerate(reqs):
+            rid = next(self._ids)
+            head = heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
+            size = 0 if r.payload is None else len(r.payload)
+            encode_header(head, r.op, rid, flags=Flag.MORE if i < n - 1 else 0, target=r.target,
+                          key=r.key, offset=r.offset, length=r.length, payload_len=size,
+                          payload_crc=crc32c(r.payload) if r.payload is not None and size else 0)
+            p = _Pending(loop.create_future(), r.op, r.dest)
+            self.pending[rid] = p
+            sent.append((rid, p))
+            out.append(head)
+            if r.payload is not None and size:
+                out.append(r.payload)
+        self.transport.writelines(out)
+        futs = [p.fut for _, p in sent]
+        try:
+            await asyncio.wait(futs, timeout=timeout)
+        except asyncio.CancelledError:
+            for rid, p in sent:
+                if not p.fut.done():
+                    self._abandon(rid, p)
+            raise
+        results: list[Header | TierFSError] = []
+        for rid, p in sent:
+            if not p.fut.done():
+                self._abandon(rid, p)
+                p.fut.cancel()
+                results.append(TimeoutError_(
+                    f"data-plane {Op(p.op).name} to {self.peer} timed out after {timeout:g}s"))
+                continue
+            exc = p.fut.exception()
+            if exc is not None:
+                results.append(exc if isinstance(exc, TierFSError) else UnavailableError(str(exc)))
+                continue
+            hdr, body = p.fut.result()
+            if hdr.status:
+                results.append(error_from_code(hdr.status, bytes(body or b"").decode("utf-8", "replace")))
+            else:
+                results.append(hdr)
+        return results
 
     def _abandon(self, rid: int, p: _Pending) -> None:
         if self.closed:
@@ -326,15 +387,62 @@ class DataClient:
         return FragmentInfo(key, hdr.length, hdr.payload_crc)
 
     async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None) -> list[int | TierFSError]:
-        """Many ``read_into`` at once: the frames of one peer go out
-        back-to-back (MORE flag on all but the last), answers complete in any
-        order; results come back in item order, a failure in its own slot."""
-        coros = [self.read_into(t, k, d, o, timeout=timeout) for t, k, d, o in items]
-        return await _gather_slots(coros)
+        """Many ``read_into`` at once. The requests for one server go out as
+        back-to-back frames in a single ``writelines`` (MORE flag on all but
+        the last); answers land in their buffers in any order. Results come
+        back in item order: bytes read, or the error in its own slot."""
+        reqs: list[_Req | TierFSError] = []
+        for target, key, dest, offset in items:
+            view = memoryview(dest).cast("B")
+            if view.readonly or offset < 0 or len(view) > self.limits.max_frame_bytes:
+                reqs.append(InvalidArgumentError(
+                    f"bad read_batch item for {key}: writable buffer of at most "
+                    f"{self.limits.max_frame_bytes} bytes and offset >= 0 needed"))
+                continue
+            reqs.append(_Req(Op.READ, target, key, offset=offset, length=len(view), dest=view))
+        res = await self._batch(reqs, timeout)
+        return [r.payload_len if isinstance(r, Header) else r for r in res]
 
     async def write_batch(self, items: Iterable[WriteItem], *, timeout: float | None = None) -> list[TierFSError | None]:
-        coros = [self.write(t, k, d, timeout=timeout) for t, k, d in items]
-        return await _gather_slots(coros)
+        """Many ``write`` at once, sent like :meth:`read_batch`; results in
+        item order, None for success."""
+        reqs: list[_Req | TierFSError] = []
+        for target, key, data in items:
+            view = memoryview(data).cast("B")
+            if len(view) > self.limits.max_frame_bytes:
+                reqs.append(InvalidArgumentError(
+                    f"fragment of {len(view)} bytes exceeds the frame limit {self.limits.max_frame_bytes}"))
+                continue
+            reqs.append(_Req(Op.WRITE, target, key, payload=view))
+        res = await self._batch(reqs, timeout)
+        return [None if isinstance(r, Header) else r for r in res]
+
+    async def _batch(self, reqs: list[_Req | TierFSError], timeout: float | None) -> list[Header | TierFSError]:
+        t = self.request_timeout if timeout is None else timeout
+        out: list[Header | TierFSError] = [r if isinstance(r, TierFSError) else _UNSET for r in reqs]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, r in enumerate(reqs):
+            if isinstance(r, _Req):
+                addr = self.routes.get(r.target)
+                if addr is None:
+                    out[i] = UnavailableError(f"no data-plane address known for target {r.target}")
+                else:
+                    groups.setdefault(addr, []).append(i)
+
+        async def one(addr: tuple[str, int], idx: list[int]) -> None:
+            try:
+                async with asyncio.timeout(t):
+                    conn = await self._pool(reqs[idx[0]].target).get()  # type: ignore[union-attr]
+                got = await conn.call_many([reqs[i] for i in idx], t)  # type: ignore[misc]
+            except TimeoutError:
+                got = [TimeoutError_(f"connecting to {addr[0]}:{addr[1]} timed out")] * len(idx)
+            except TierFSError as exc:
+                got = [exc] * len(idx)
+            for i, r in zip(idx, got, strict=True):
+                out[i] = r
+
+        await asyncio.gather(*(one(a, idx) for a, idx in groups.items()))
+        return out
 
     async def close(self) -> None:
         pools, self._pools = list(self._pools.values()), {}
@@ -345,15 +453,3 @@ class DataClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-async def _gather_slots(coros: Sequence[Any]) -> list[Any]:
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    out: list[Any] = []
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, TierFSError):
-            if isinstance(r, asyncio.CancelledError):
-                raise r
-            raise r
-        out.append(r)
-    return out
