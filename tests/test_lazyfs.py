@@ -195,6 +195,45 @@ def test_unlink_rmdir_and_mkdir_are_pending_until_dir_fsync(lazy: LazyFS) -> Non
 
 
 @pytest.mark.timeout(30)
+def test_type_changes_and_modes(lazy: LazyFS) -> None:
+    mnt, disk = lazy.mountpoint, lazy.backing
+    write(mnt / "x", b"file", sync=True)
+    (mnt / "y").mkdir()
+    (mnt / "m").mkdir(mode=0o755)
+    write(mnt / "m" / "f", b"", sync=True)
+    for d in ("m", "."):
+        fsync_dir(mnt / d)
+    lazy.unmount()
+    lazy.mount()
+    os.unlink(mnt / "x")
+    (mnt / "x").mkdir()  # a file becomes a directory
+    os.rmdir(mnt / "y")
+    write(mnt / "y", b"now a file", sync=True)
+    os.chmod(mnt / "m", 0o700)  # a directory never listed since the mount
+    os.chmod(mnt / "m" / "f", 0o600)
+    lazy.power_loss()
+    assert tree(disk) == {"x": b"file", "y": None, "m": None, "m/f": b""}
+    assert (disk / "m").stat().st_mode & 0o777 == 0o755
+
+    lazy.mount()
+    os.unlink(mnt / "x")
+    (mnt / "x").mkdir()
+    os.rmdir(mnt / "y")
+    write(mnt / "y", b"now a file", sync=True)
+    os.chmod(mnt / "m", 0o700)
+    os.chmod(mnt / "m" / "f", 0o600)
+    fd = os.open(mnt / "m" / "f", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    fsync_dir(mnt / "m")
+    fsync_dir(mnt)
+    lazy.power_loss()
+    assert tree(disk) == {"x": None, "y": b"now a file", "m": None, "m/f": b""}
+    assert (disk / "m").stat().st_mode & 0o777 == 0o700
+    assert (disk / "m" / "f").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(30)
 def test_truncate_is_pending_until_fsync(lazy: LazyFS) -> None:
     mnt, disk = lazy.mountpoint, lazy.backing
     original = os.urandom(200_000)

@@ -461,20 +461,29 @@ class LazyOps(pyfuse3.Operations):
 
     def sync_dir(self, d: Node) -> None:
         """fsyncdir: make this directory's visible entries its durable entries."""
-        if d.entries is None:
-            return  # never loaded: nothing about it changed
+        if d.entries is not None:  # else never loaded: its entries did not change
+            self._sync_entries(d, d.entries)
+        if d.meta_dirty:
+            path = self.home(d)
+            os.chmod(path, stat.S_IMODE(d.mode))
+            os.chown(path, d.uid, d.gid)
+            d.meta_dirty = False
+
+    def _sync_entries(self, d: Node, entries: dict[bytes, Node]) -> None:
         if not d.durable:
             self._attach_orphan_dir(d)
-        entries = d.entries
         for name, child in list(entries.items()):
             old = d.d_entries.get(name)
             if old is child:
                 continue
             if old is not None:
                 if old.is_dir or self._alive(old):
-                    self._to_store(old, keep_name=not old.is_dir)
+                    # Same-type replace keeps the name present throughout.
+                    self._to_store(old, keep_name=not old.is_dir and not child.is_dir)
+                elif child.is_dir:
+                    self._destroy(old)  # a file becomes a dir: unlink + mkdir anyway
                 else:
-                    self._drop_home(old)  # the rename below replaces it
+                    self._drop_home(old)  # the rename below replaces it atomically
             self._attach(d, name, child)
         for name, child in list(d.d_entries.items()):
             if entries.get(name) is child:
@@ -483,11 +492,6 @@ class LazyOps(pyfuse3.Operations):
                 self._to_store(child, keep_name=False)
             else:
                 self._destroy(child)
-        if d.meta_dirty and d is not self.root:
-            path = self.home(d)
-            os.chmod(path, stat.S_IMODE(d.mode))
-            os.chown(path, d.uid, d.gid)
-            d.meta_dirty = False
 
     def _attach_orphan_dir(self, d: Node) -> None:
         os.mkdir(os.path.join(self.store, self._store_name(d)), stat.S_IMODE(d.mode))
