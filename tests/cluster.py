@@ -172,7 +172,7 @@ class MetaCluster:
         self._need_local()
         r = self.replicas[i]
         assert not r.alive, f"replica {i} already running"
-        r.data_dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         r.log_path = self.root / f"meta{i}.log"
         r._log_file = open(r.log_path, "ab")  # noqa: SIM115 - closed in _reap
         env = dict(os.environ)

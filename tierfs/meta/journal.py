@@ -122,6 +122,9 @@ class DurableJournal(Journal):  # type: ignore[misc]
         """
         self._dir = Path(directory)
         self._dir.mkdir(parents=True, exist_ok=True)
+        if fsync:
+            # The directory's own name must be durable too (it may be new).
+            fsync_dir(self._dir.parent)
         self._path = self._dir / self.FILE
         self._fsync = fsync
         self._lock = threading.Lock()
