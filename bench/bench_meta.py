@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,6 +143,24 @@ def _raw_cluster(mode: str, seconds: float, tmp: Path) -> dict[str, float]:
 # --- the real service -----------------------------------------------------------------------
 
 
+async def _creator(mc: Any, name: str, seconds: float, lat: list[float]) -> None:
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        await mc.mkdir(f"/bench/{name}-{i}")
+        lat.append(time.perf_counter() - t0)
+        i += 1
+
+
+async def _statter(mc: Any, seconds: float, lat: list[float]) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        await mc.stat("/bench")
+        lat.append(time.perf_counter() - t0)
+
+
 async def _drive(addrs: list[str], seconds: float) -> dict[str, float]:
     from tierfs.meta import MetaClient
 
@@ -152,34 +169,14 @@ async def _drive(addrs: list[str], seconds: float) -> dict[str, float]:
         await mc.mkdir("/bench")
         for conc in (1, 16):
             lat: list[float] = []
-            counter = [0]
-
-            async def creator(w: int) -> None:
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    i = counter[0]
-                    counter[0] += 1
-                    t0 = time.perf_counter()
-                    await mc.mkdir(f"/bench/c{conc}-{w}-{i}")
-                    lat.append(time.perf_counter() - t0)
-
             t0 = time.perf_counter()
-            await asyncio.gather(*(creator(w) for w in range(conc)))
+            await asyncio.gather(*(_creator(mc, f"c{conc}-{w}", seconds, lat) for w in range(conc)))
             out[f"create_{conc}"] = len(lat) / (time.perf_counter() - t0)
             out[f"create_{conc}_p50"] = _pct(lat, 0.5)
             out[f"create_{conc}_p99"] = _pct(lat, 0.99)
-
             slat: list[float] = []
-
-            async def statter() -> None:
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    t0 = time.perf_counter()
-                    await mc.stat("/bench")
-                    slat.append(time.perf_counter() - t0)
-
             t0 = time.perf_counter()
-            await asyncio.gather(*(statter() for _ in range(conc)))
+            await asyncio.gather(*(_statter(mc, seconds, slat) for _ in range(conc)))
             out[f"stat_{conc}"] = len(slat) / (time.perf_counter() - t0)
             out[f"stat_{conc}_p50"] = _pct(slat, 0.5)
     return out
