@@ -225,7 +225,7 @@ class TestTransportConformance:
                 store.gate = asyncio.Event()
                 pending = asyncio.ensure_future(c.stat(1, FragmentKey(1, 1, 1, 1)))
                 await wait_for(lambda: store.active == 1)
-                await server.close()
+                await server.close(grace=0.2)
                 with pytest.raises(UnavailableError):
                     await pending
 

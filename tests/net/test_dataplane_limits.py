@@ -106,6 +106,7 @@ def test_truncated_frame_then_hangup() -> None:
                 await writer.wait_closed()
             await wait_for(lambda: server.counters["connections_active"] == 0)
             assert store.data == {}
+            assert store._loose == {}  # the cut-off payload buffer went back
             assert server.counters["requests_total"] == 0
         finally:
             await server.close()

@@ -157,10 +157,10 @@ async def _attach(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ep
     transport = _RdmaStreamTransport(ep, protocol, peer)
     bells = _Bells(transport)
     sock_transport: Any = writer.transport
+    protocol.connection_made(transport)
     # Take the control socket over from the stream helpers for doorbells.
     sock_transport.set_protocol(bells)
     bells.connection_made(sock_transport)
-    protocol.connection_made(transport)
 
 
 class _RdmaListener(Listener):

@@ -281,8 +281,14 @@ async def _attach(sock: socket.socket, tx: mmap.mmap, rx: mmap.mmap, protocol: F
                   peer: str) -> ShmStreamTransport:
     loop = asyncio.get_running_loop()
     transport = ShmStreamTransport(tx, rx, protocol, peer)
-    await loop.create_unix_connection(lambda: _Bells(transport), sock=sock)
+    # The protocol must be ready before the first doorbell can arrive.
     protocol.connection_made(transport)
+    try:
+        await loop.create_unix_connection(lambda: _Bells(transport), sock=sock)
+    except BaseException as exc:
+        sock.close()
+        transport._on_bells_lost(exc if isinstance(exc, Exception) else None)
+        raise
     return transport
 
 

@@ -53,7 +53,6 @@ class _ServerConnection(FrameProtocol):
         super().__init__(server.limits)
         self.server = server
         self.counters = server.counters
-        self._tasks: set[asyncio.Task[None]] = set()
         self._inflight_requests = 0
         self._inflight_bytes = 0
         self._paused = False
@@ -79,12 +78,18 @@ class _ServerConnection(FrameProtocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._release_unsent()
+        self._maybe_resume()
 
     def _on_lost(self, exc: Exception | None) -> None:
         self.server._conns.discard(self)
         self.counters["connections_active"] -= 1
-        for task in self._tasks:
-            task.cancel()
+        # A write payload cut off mid-way goes back to its store. Requests
+        # already handed to a store run to completion (a store operation is
+        # not safe to interrupt half-way); their answers are dropped.
+        if self._payload is not None and self._recv_store is not None:
+            self._recv_store.release(self._payload)
+        self._payload = None
+        self._recv_store = None
         self._release_unsent(force=True)
 
     def _on_violation(self, reason: str) -> None:
@@ -124,12 +129,18 @@ class _ServerConnection(FrameProtocol):
         self._inflight_requests += 1
         self._inflight_bytes += reserve
         task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if (not self._paused and (self._inflight_requests >= self.limits.max_inflight_requests
-                                  or self._inflight_bytes >= self.limits.max_inflight_bytes)):
+        self.server._tasks.add(task)
+        task.add_done_callback(self.server._tasks.discard)
+        if not self._paused and self._over_limit():
             self._paused = True
             self.transport.pause_reading()
+
+    def _over_limit(self) -> bool:
+        # Answers the peer is not reading count too, or a client that never
+        # reads could make us queue headers without bound.
+        return (self._inflight_requests >= self.limits.max_inflight_requests
+                or self._inflight_bytes >= self.limits.max_inflight_bytes
+                or self.transport.get_write_buffer_size() >= self.limits.max_inflight_bytes)
 
     def _done(self, reserve: int) -> None:
         self._inflight_requests -= 1
@@ -137,9 +148,7 @@ class _ServerConnection(FrameProtocol):
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
-        if (self._paused and not self.closed
-                and self._inflight_requests < self.limits.max_inflight_requests
-                and self._inflight_bytes < self.limits.max_inflight_bytes):
+        if self._paused and not self.closed and not self._over_limit():
             self._paused = False
             self.transport.resume_reading()
 
@@ -260,6 +269,7 @@ class DataPlaneServer:
         self.port = 0
         self.listeners: dict[str, Listener] = {}
         self._conns: set[_ServerConnection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def add_store(self, store: FragmentStore) -> None:
         self.stores[store.target_id] = store
@@ -274,17 +284,20 @@ class DataPlaneServer:
     def _protocol(self) -> _ServerConnection:
         return _ServerConnection(self)
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 5.0) -> None:
+        """Stop listening, drop every connection, and give store operations
+        already started ``grace`` seconds to finish before cancelling them."""
         for listener in self.listeners.values():
             await listener.close()
         self.listeners.clear()
         conns = list(self._conns)
         for conn in conns:
             conn.abort()
-        tasks = [t for c in conns for t in c._tasks]
-        for t in tasks:
-            t.cancel()
+        tasks = list(self._tasks)
         if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace)
+            for t in late:
+                t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         # Let the transports deliver connection_lost before the loop goes.
         await asyncio.sleep(0)
