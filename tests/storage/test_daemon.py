@@ -98,7 +98,7 @@ async def _client_read(addr: str, target: int, key: FragmentKey) -> bytes:
 def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: list[Daemon]) -> None:
     args = ["--no-meta", "--data-dir", str(tmp_path / "node"), "--target", str(tmp_path / "t1"),
             "--target", str(tmp_path / "t2"), "--target-id", "11", "--target-id", "12",
-            "--reserved-bytes", "0", "--transport", "tcp"]
+            "--reserved-bytes", "0", "--transport", "tcp", "--metrics-addr", "127.0.0.1:0"]
     d = Daemon(tmp_path, args)
     daemons.append(d)
     ready = d.start()
@@ -107,6 +107,12 @@ def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: li
     blobs = {(11, FragmentKey(1, 0, 0, 1)): os.urandom(100_000), (12, FragmentKey(1, 0, 1, 1)): os.urandom(4097)}
     for (tid, key), data in blobs.items():
         asyncio.run(_client_round_trip(ready["data_addr"], tid, key, data))
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{ready['metrics']}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'tierfs_target_fragments{target="11"} 1.0' in text
+    assert 'tierfs_target_events_total{event="writes",target="12"} 1.0' in text
     assert d.stop(signal.SIGKILL) == -signal.SIGKILL
 
     # restarted (same data dir, ids now from target.json): same identity, same data

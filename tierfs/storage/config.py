@@ -59,6 +59,7 @@ class StorageConfig(BaseConfig):
     max_inflight_requests: int = field(256, "Requests one data-plane connection may have in flight.")
     shm_ring_bytes: int = field(16 << 20, "Size of each direction's shared-memory ring (shm transport).", kind="size")
 
+    metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables; port 0 picks one).")
     log_level: str = field("info", "debug | info | warning | error")
 
     def validate(self) -> None:
@@ -89,6 +90,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be positive and at most max_frame_bytes", field="max_fragment_size")
         if self.max_inflight_bytes < self.max_frame_bytes:
             raise ConfigError("must be at least max_frame_bytes", field="max_inflight_bytes")
+        if self.metrics_addr:
+            _split_addr(self.metrics_addr, "metrics_addr")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("must be debug, info, warning or error", field="log_level")
         dirs = [str(Path(t).resolve()) for t in self.target_dirs()]

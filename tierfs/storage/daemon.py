@@ -38,7 +38,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,52 @@ def _state_code(state: str) -> Any:
     }[state]
 
 
+class _Collector:
+    """Prometheus view of a node: per-target stats and counters, node and
+    data-plane counters, buffer-pool usage (read at scrape time)."""
+
+    def __init__(self, node: StorageNode) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        node = self.node
+        lbl = ["target"]
+        cap = GaugeMetricFamily("tierfs_target_capacity_bytes", "Target file-system capacity minus reserve", labels=lbl)
+        used = GaugeMetricFamily("tierfs_target_used_bytes", "Bytes of fragment files", labels=lbl)
+        free = GaugeMetricFamily("tierfs_target_free_bytes", "Writable bytes left", labels=lbl)
+        frags = GaugeMetricFamily("tierfs_target_fragments", "Fragments stored", labels=lbl)
+        up = GaugeMetricFamily("tierfs_target_state", "1 for the target's current state", labels=["target", "state"])
+        ops = CounterMetricFamily("tierfs_target_events", "Engine counters", labels=["target", "event"])
+        for e in list(node.engines):
+            st = e.stats()
+            t = str(st.target_id)
+            cap.add_metric([t], st.capacity)
+            used.add_metric([t], st.used)
+            free.add_metric([t], st.free)
+            frags.add_metric([t], st.fragments)
+            for s in (TargetState.ONLINE, TargetState.READ_ONLY, TargetState.FAILED):
+                up.add_metric([t, s], 1.0 if st.state == s else 0.0)
+            for k, v in st.counters.items():
+                ops.add_metric([t, k], v)
+        yield from (cap, used, free, frags, up, ops)
+        nc = CounterMetricFamily("tierfs_storage_node_events", "Node counters (heartbeats, GC)", labels=["event"])
+        for k, v in node.counters.items():
+            nc.add_metric([k], v)
+        yield nc
+        if node.server is not None:
+            dp = GaugeMetricFamily("tierfs_dataplane", "Data-plane server counters", labels=["counter"])
+            for k, v in dict(node.server.counters).items():
+                dp.add_metric([k], v)
+            yield dp
+        ps = node.pool.stats()
+        pool = GaugeMetricFamily("tierfs_buffer_pool_bytes", "Aligned buffer pool", labels=["kind"])
+        pool.add_metric(["idle"], ps.idle_bytes)
+        pool.add_metric(["in_use"], ps.in_use_bytes)
+        yield pool
+
+
 class StorageNode:
     """A running storage node; ``await node.start()``, ``await node.stop()``."""
 
@@ -107,6 +153,8 @@ class StorageNode:
         self._target_ids = list(target_ids)
         self.server: Any = None
         self.meta: Any = None
+        self.metrics_addr = ""
+        self._metrics: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self.registered = asyncio.Event()
         self.counters: dict[str, int] = dict.fromkeys(
@@ -143,6 +191,8 @@ class StorageNode:
         )
         known = {e.target_id: e for e in self.engines if e.target_id}
         self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports)
+        if cfg.metrics_addr:
+            self._start_metrics(cfg.metrics_addr)
         if self.use_meta:
             from tierfs.meta.client import MetaClient
 
@@ -157,13 +207,23 @@ class StorageNode:
                 )
             self.registered.set()
 
+    def _start_metrics(self, addr: str) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        host, _, port = addr.rpartition(":")
+        registry = CollectorRegistry()
+        registry.register(_Collector(self))  # type: ignore[arg-type]
+        server, _thread = start_http_server(int(port), addr=host, registry=registry)
+        self._metrics = server
+        self.metrics_addr = f"{host}:{server.server_port}"
+
     def ready_doc(self) -> dict[str, Any]:
         return {
             "event": "ready", "pid": os.getpid(), "node_uuid": self.node_uuid, "node_id": self.node_id,
             "data_addr": self.data_addr, "port": self.server.port,
             "backend": self.backend.name if self.backend else "",
             "targets": {str(e.root): e.target_id for e in self.engines},
-            "meta": self.use_meta,
+            "meta": self.use_meta, "metrics": self.metrics_addr,
         }
 
     # -- meta -----------------------------------------------------------------
@@ -272,6 +332,9 @@ class StorageNode:
             await self.backend.aclose()
         if self.meta is not None:
             await self.meta.close()
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
         self.pool.close()
 
 
@@ -332,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "gc-batch", "max-fragment-size", "reserved-bytes", "max-frame-bytes",
                  "max-inflight-bytes", "max-inflight-requests", "shm-ring-bytes"):
         p.add_argument(f"--{name}")
+    p.add_argument("--metrics-addr", help="host:port for Prometheus metrics ('' = off)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
