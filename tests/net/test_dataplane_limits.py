@@ -190,3 +190,39 @@ def test_client_side_limits() -> None:
             await server.close()
 
     arun(body())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer", ["garbage", "wrong id", "silence", "hangup"])
+def test_client_survives_a_bad_server(answer: str) -> None:
+    """A peer that is not a good data-plane server: the client raises
+    UnavailableError or TimeoutError_, never a raw socket error."""
+
+    async def body() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readexactly(HEADER_SIZE)
+            if answer == "garbage":
+                writer.write(b"\x00" * 200)
+            elif answer == "wrong id":
+                buf = bytearray(HEADER_SIZE)
+                encode_header(buf, head[5], 999, flags=Flag.RESPONSE)
+                writer.write(bytes(buf))
+            elif answer == "hangup":
+                writer.close()
+                return
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await reader.read()
+            writer.close()
+
+        fake = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = fake.sockets[0].getsockname()[1]
+        try:
+            async with DataClient(routes={1: f"127.0.0.1:{port}"}, request_timeout=0.5) as c:
+                expected = TimeoutError_ if answer == "silence" else UnavailableError
+                with pytest.raises(expected):
+                    await c.stat(1, KEY)
+        finally:
+            fake.close()
+            await fake.wait_closed()
+
+    arun(body())
