@@ -1,0 +1,373 @@
+"""A whole TierFS cluster on one machine, under one directory.
+
+:class:`LocalCluster` owns the processes (``tierfs-meta`` replicas and
+``tierfs-storage`` daemons), their ports and their files::
+
+    DIR/cluster.toml        addresses, ports and pids (rewritten on each start)
+    DIR/meta-<i>/           a meta replica's journal and snapshots
+    DIR/storage-<i>/        a storage node's identity; targets in t<j>/
+    DIR/logs/<name>.log     stderr (structured logs); <name>.out: stdout
+
+Ports are chosen once, on the first start, and reused afterwards, so a
+cluster stopped and started again on the same directory keeps its identity
+and its data. Daemons run in their own sessions and outlive the process that
+started them; :meth:`stop` ends them (SIGTERM, then SIGKILL after a grace
+period). It is the engine behind ``make run`` and the basis for ``tierfs up``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierfs.errors import ConfigError, TierFSError, UnavailableError
+
+__all__ = ["LocalCluster", "ProcInfo"]
+
+STATE_FILE = "cluster.toml"
+
+
+@dataclass
+class ProcInfo:
+    """One daemon of the local cluster."""
+
+    name: str  # "meta-0", "storage-3"
+    kind: str  # "meta" | "storage"
+    argv: list[str]
+    addr: str  # gRPC address (meta) or data-plane address (storage)
+    pid: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs a TierFS daemon (not a zombie, not a reused pid)."""
+    if pid <= 0:
+        return False
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X") and b"tierfs" in cmd
+
+
+def _toml_str(v: str) -> str:
+    return json.dumps(v)  # a JSON string is a valid TOML basic string
+
+
+class LocalCluster:
+    """Start, stop and inspect a local cluster rooted at ``data_dir``."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        n_meta: int = 3,
+        n_storage: int = 6,
+        targets_per_node: int = 1,
+        host: str = "127.0.0.1",
+        python: str = sys.executable,
+        extra_meta_args: Sequence[str] = (),
+        extra_storage_args: Sequence[str] = (),
+    ) -> None:
+        self.dir = Path(data_dir).resolve()
+        self.python = python
+        self.host = host
+        self._extra_meta = list(extra_meta_args)
+        self._extra_storage = list(extra_storage_args)
+        state = self._load_state()
+        if state is not None:
+            self.procs = state
+        else:
+            if n_meta < 1 or n_meta % 2 == 0:
+                raise ConfigError("must be an odd number >= 1 (Raft majority)", field="meta")
+            if n_storage < 1:
+                raise ConfigError("must be >= 1", field="storage")
+            if targets_per_node < 1:
+                raise ConfigError("must be >= 1", field="targets_per_node")
+            self.procs = self._plan(n_meta, n_storage, targets_per_node)
+
+    # --- layout -------------------------------------------------------------
+
+    @property
+    def meta_addrs(self) -> list[str]:
+        return [p.addr for p in self.procs if p.kind == "meta"]
+
+    def proc(self, name: str) -> ProcInfo:
+        for p in self.procs:
+            if p.name == name:
+                return p
+        raise KeyError(f"no process {name!r} in {self.dir}")
+
+    def _plan(self, n_meta: int, n_storage: int, tpn: int) -> list[ProcInfo]:
+        ports = _free_ports(2 * n_meta + n_storage)
+        h = self.host
+        raft = [f"{h}:{ports[i]}" for i in range(n_meta)]
+        grpc = [f"{h}:{ports[n_meta + i]}" for i in range(n_meta)]
+        procs: list[ProcInfo] = []
+        for i in range(n_meta):
+            peers = [f"--peer={raft[j]}={grpc[j]}" for j in range(n_meta) if j != i]
+            argv = [
+                "-m", "tierfs.meta.daemon", f"--node-id=meta-{i}", f"--raft-addr={raft[i]}",
+                f"--grpc-addr={grpc[i]}", f"--data-dir={self.dir / f'meta-{i}'}", *peers,
+            ]
+            procs.append(ProcInfo(f"meta-{i}", "meta", argv, grpc[i], extra={"raft": raft[i]}))
+        meta_flags = [f"--meta={a}" for a in grpc]
+        for i in range(n_storage):
+            port = ports[2 * n_meta + i]
+            node_dir = self.dir / f"storage-{i}"
+            targets = [f"--target={node_dir / f't{j}'}" for j in range(tpn)]
+            argv = [
+                "-m", "tierfs.storage.daemon", f"--data-dir={node_dir}", *targets, *meta_flags,
+                f"--host={h}", f"--port={port}",
+            ]
+            procs.append(ProcInfo(f"storage-{i}", "storage", argv, f"{h}:{port}"))
+        return procs
+
+    def _load_state(self) -> list[ProcInfo] | None:
+        path = self.dir / STATE_FILE
+        if not path.exists():
+            return None
+        try:
+            doc = tomllib.loads(path.read_text())
+            return [
+                ProcInfo(p["name"], p["kind"], list(p["argv"]), p["addr"], int(p.get("pid", 0)),
+                         dict(p.get("extra", {})))
+                for p in doc["process"]
+            ]
+        except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path} is damaged ({exc}); remove it to re-plan the cluster",
+                              field="cluster.toml") from None
+
+    def _save_state(self) -> None:
+        lines = [
+            "# Written by TierFS (tierfs.local). Addresses and pids of this local cluster.",
+            "[cluster]",
+            f"meta = [{', '.join(_toml_str(a) for a in self.meta_addrs)}]",
+            f"data_dir = {_toml_str(str(self.dir))}",
+            "",
+        ]
+        for p in self.procs:
+            lines += [
+                "[[process]]",
+                f"name = {_toml_str(p.name)}",
+                f"kind = {_toml_str(p.kind)}",
+                f"addr = {_toml_str(p.addr)}",
+                f"pid = {p.pid}",
+                f"argv = [{', '.join(_toml_str(a) for a in p.argv)}]",
+                "extra = { " + ", ".join(f"{k} = {_toml_str(v)}" for k, v in p.extra.items()) + " }",
+                "",
+            ]
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        tmp.write_text("\n".join(lines))
+        os.replace(tmp, self.dir / STATE_FILE)
+
+    # --- processes ------------------------------------------------------------
+
+    def running(self) -> dict[str, bool]:
+        return {p.name: _alive(p.pid) for p in self.procs}
+
+    def _spawn(self, p: ProcInfo) -> int:
+        logs = self.dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        extra = self._extra_meta if p.kind == "meta" else self._extra_storage
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, str(logs / f"{p.name}.out"), flags, 0o644),
+            (os.POSIX_SPAWN_OPEN, 2, str(logs / f"{p.name}.log"), flags, 0o644),
+        ]
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # posix_spawn leaves no Popen object behind: the daemons outlive us.
+        return os.posix_spawn(self.python, [self.python, *p.argv, *extra], env,
+                              file_actions=actions, setsid=True)
+
+    def _wait_ready(self, p: ProcInfo, offset: int, deadline: float) -> None:
+        out = self.dir / "logs" / f"{p.name}.out"
+        while True:
+            with contextlib.suppress(FileNotFoundError), out.open("rb") as f:
+                f.seek(offset)
+                for line in f:
+                    with contextlib.suppress(ValueError):
+                        if isinstance(json.loads(line), dict):
+                            return
+            if not _alive(p.pid):
+                raise UnavailableError(f"{p.name} exited during start-up; see {self.dir / 'logs' / (p.name + '.log')}:\n"
+                                       + self._tail(p.name))
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"{p.name} did not become ready in time; see {self.dir / 'logs' / (p.name + '.log')}:\n"
+                                       + self._tail(p.name))
+            time.sleep(0.05)
+
+    def _tail(self, name: str, n: int = 15) -> str:
+        try:
+            lines = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join("    " + ln for ln in lines[-n:])
+
+    def start(self, timeout: float = 60.0, names: Sequence[str] | None = None) -> list[str]:
+        """Start every daemon that is not running (meta first: storage nodes
+        register with meta before they report ready). Returns the names started."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        started: list[str] = []
+        for kind in ("meta", "storage"):
+            batch: list[tuple[ProcInfo, int]] = []
+            for p in self.procs:
+                if p.kind != kind or (names is not None and p.name not in names) or _alive(p.pid):
+                    continue
+                out = self.dir / "logs" / f"{p.name}.out"
+                offset = out.stat().st_size if out.exists() else 0
+                p.pid = self._spawn(p)
+                batch.append((p, offset))
+                started.append(p.name)
+            self._save_state()
+            for p, offset in batch:
+                self._wait_ready(p, offset, deadline)
+        return started
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to one daemon (SIGKILL by default); returns its pid."""
+        p = self.proc(name)
+        if not _alive(p.pid):
+            raise UnavailableError(f"{name} is not running")
+        os.kill(p.pid, sig)
+        if sig == signal.SIGKILL:
+            self._wait_gone([p], time.monotonic() + 10)
+        return p.pid
+
+    def _wait_gone(self, procs: Sequence[ProcInfo], deadline: float) -> list[ProcInfo]:
+        left = [p for p in procs if _alive(p.pid)]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [p for p in left if _alive(p.pid)]
+        return left
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every daemon (storage first), SIGKILL what is left after ``timeout``."""
+        for kind in ("storage", "meta"):
+            procs = [p for p in self.procs if p.kind == kind and _alive(p.pid)]
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+            for p in self._wait_gone(procs, time.monotonic() + timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            self._wait_gone(procs, time.monotonic() + 5)
+        for p in self.procs:
+            p.pid = 0
+        if self.dir.exists():
+            self._save_state()
+
+    # --- health -------------------------------------------------------------
+
+    async def health(self, deadline: float = 5.0) -> dict[str, Any]:
+        """Roles of the meta replicas and states from the cluster map."""
+        from tierfs.meta import MetaClient
+        from tierfs.proto.v1 import meta_pb2 as pb
+
+        alive = self.running()
+        out: dict[str, Any] = {"meta": [], "storage": [], "groups": 0, "map_version": 0}
+        async with MetaClient(self.meta_addrs, deadline=deadline) as mc:
+            for p in self.procs:
+                if p.kind != "meta":
+                    continue
+                role = "down"
+                if alive[p.name]:
+                    try:
+                        role = (await mc.status(addr=p.addr)).role
+                    except TierFSError:
+                        role = "unreachable"
+                out["meta"].append({"name": p.name, "addr": p.addr, "role": role, "pid": p.pid})
+            cmap = await mc.get_cluster_map()
+        by_addr = {n.data_addr: n for n in cmap.nodes}
+        for p in self.procs:
+            if p.kind != "storage":
+                continue
+            node = by_addr.get(p.addr)
+            state = pb.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower() if node else "unregistered"
+            out["storage"].append({"name": p.name, "addr": p.addr, "pid": p.pid, "state": state,
+                                   "node_id": node.node_id if node else 0,
+                                   "targets": list(node.target_ids) if node else []})
+        out["groups"] = len(cmap.groups)
+        out["map_version"] = cmap.version
+        return out
+
+    async def wait_healthy(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until one meta replica leads and every storage node is online."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | str = "no answer yet"
+        while time.monotonic() < deadline:
+            try:
+                h = await self.health(deadline=max(1.0, min(5.0, deadline - time.monotonic())))
+                if any(m["role"] == "leader" for m in h["meta"]) and all(
+                    s["state"] == "online" for s in h["storage"]
+                ):
+                    return h
+                last = h
+            except TierFSError as exc:
+                last = str(exc)
+            await asyncio.sleep(0.2)
+        raise UnavailableError(f"cluster in {self.dir} not healthy after {timeout:.0f}s: {last}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tierfs.local up|down|status --data DIR`` (``tierfs up`` will wrap this)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tierfs.local", description="Run a local TierFS cluster.")
+    ap.add_argument("action", choices=["up", "down", "status"])
+    ap.add_argument("--data", default="./.tierfs")
+    ap.add_argument("--meta", type=int, default=3)
+    ap.add_argument("--storage", type=int, default=6)
+    ap.add_argument("--targets-per-node", type=int, default=1)
+    ns = ap.parse_args(argv)
+    try:
+        cl = LocalCluster(ns.data, n_meta=ns.meta, n_storage=ns.storage, targets_per_node=ns.targets_per_node)
+        if ns.action == "up":
+            cl.start()
+            asyncio.run(cl.wait_healthy())
+            print(f"export TIERFS_META={','.join(cl.meta_addrs)}")
+        elif ns.action == "down":
+            cl.stop()
+            print(f"stopped the cluster in {cl.dir}")
+        else:
+            print(json.dumps(asyncio.run(cl.health()), indent=2))
+    except TierFSError as exc:
+        print(f"tierfs: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
