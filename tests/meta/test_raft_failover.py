@@ -98,14 +98,15 @@ def test_sigkill_all_replicas_then_restart(tmp_path: Path) -> None:
             return acked
 
         acked = asyncio.run(write())
-        before = c.wait_converged(30)
+        c.wait_converged(30)
         for i in range(3):
             c.kill(i)
         for i in range(3):
             c.start(i)
         c.wait_leader()
-        after = c.wait_converged(30)
-        assert after == before
+        # identical state on all three (the leader's periodic tick op keeps
+        # changing the meta state, so compare replicas, not before/after)
+        c.wait_converged(30)
 
         async def check() -> None:
             async with MetaClient(c.addresses, deadline=20.0) as mc:
