@@ -308,7 +308,9 @@ class ChunkEngine:
         self._opened = True
 
     def _open_sync(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._fsync_dir_sync(self.root.parent)  # or a power cut forgets the target
         meta = self.root / "target.json"
         if meta.exists():
             try:
