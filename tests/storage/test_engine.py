@@ -267,3 +267,24 @@ def test_concurrent_writers(make_backend: Callable[..., IOBackend], pool: Buffer
         assert st.state == TargetState.ONLINE and st.fragments == 65 and st.capacity > 0
 
     _run(make_backend, pool, tmp_path, body)
+
+
+@pytest.mark.timeout(30)
+def test_typed_and_foreign_buffers(make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path) -> None:
+    import array
+
+    async def body(eng: ChunkEngine) -> None:
+        arr = array.array("I", range(5000))  # a typed (format "I") buffer
+        raw = arr.tobytes()
+        await eng.write(FragmentKey(8, 0, 0, 1), memoryview(arr), crc32c(raw))
+        assert await _get(eng, FragmentKey(8, 0, 0, 1)) == raw
+        ba = bytearray(b"unaligned source" * 999)
+        await eng.write(FragmentKey(8, 1, 0, 1), memoryview(ba)[3:], crc32c(bytes(ba[3:])))
+        assert await _get(eng, FragmentKey(8, 1, 0, 1)) == bytes(ba[3:])
+        eng.max_fragment_size = 1 << 20
+        with pytest.raises(InvalidArgumentError):
+            await eng.write(FragmentKey(8, 2, 0, 1), memoryview(bytes((1 << 20) + 1)), 0)
+        with pytest.raises(ValueError):
+            eng.release(memoryview(bytearray(10)))  # not a pool buffer
+
+    _run(make_backend, pool, tmp_path, body)

@@ -44,7 +44,7 @@ from typing import Any
 
 from tierfs.buffers import BufferPool
 from tierfs.config import load
-from tierfs.errors import ConfigError, TierFSError
+from tierfs.errors import ConfigError, NotFoundError, TierFSError
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState
@@ -273,6 +273,11 @@ class StorageNode:
             try:
                 await self.meta.heartbeat(self.node_id, self.reports())
                 self.counters["heartbeats"] += 1
+            except NotFoundError as err:
+                # meta does not know this node id (state restored from an
+                # older snapshot, or the node was removed): register again
+                log.warning("meta does not know node %d (%s); registering again", self.node_id, err)
+                await self._register()
             except TierFSError as err:
                 self.counters["heartbeat_errors"] += 1
                 log.warning("heartbeat failed: %s", err)

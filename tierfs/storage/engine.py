@@ -407,6 +407,12 @@ class ChunkEngine:
 
     async def write(self, key: FragmentKey, data: memoryview, crc32c: int) -> None:
         self._check_usable()
+        if not isinstance(data, memoryview):
+            data = memoryview(data)
+        if data.format != "B" or data.ndim != 1:
+            if not data.c_contiguous:
+                raise InvalidArgumentError("fragment payload must be a contiguous buffer")
+            data = data.cast("B")
         size = data.nbytes
         if size > self.max_fragment_size:
             raise InvalidArgumentError(f"fragment of {size} bytes exceeds the limit of {self.max_fragment_size}")

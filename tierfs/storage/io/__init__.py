@@ -36,7 +36,10 @@ def open_backend(kind: str, pool: BufferPool, *, queue_depth: int = 64, threads:
     if kind in ("auto", "uring"):
         reason = _uring_unavailable()
         if reason is None:
-            return UringBackend(pool, queue_depth=queue_depth)
+            try:
+                return UringBackend(pool, queue_depth=queue_depth)
+            except OSError as exc:  # e.g. a deeper ring than the probe's hits RLIMIT_MEMLOCK
+                reason = f"ring of depth {queue_depth}: {exc}"
         if kind == "uring":
             raise ConfigError(f"io_uring unavailable: {reason}", field="io_backend")
         log.warning("io_uring unavailable (%s); using the posix backend", reason)
