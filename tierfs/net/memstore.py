@@ -119,6 +119,15 @@ class MemoryFragmentStore:
         self._lent[id(view)] = blob
         return view
 
+    async def read_with_crc(self, key: FragmentKey, offset: int = 0, length: int = -1) -> tuple[memoryview, int | None]:
+        """``read`` plus the CRC32C of the returned bytes when it is the
+        stored one (a whole-fragment read), else None. The data plane uses
+        this optional extension to skip recomputing it."""
+        view = await self.read(key, offset, length)
+        blob = self._blobs.get(key)
+        whole = blob is not None and offset == 0 and len(view) == len(blob.buf)
+        return view, (blob.crc if whole and blob is not None else None)
+
     async def delete(self, key: FragmentKey) -> bool:
         return self._drop(key) >= 0
 

@@ -172,12 +172,21 @@ class _ServerConnection(FrameProtocol):
                 if hdr.length != ALL and hdr.length > self.limits.max_frame_bytes:
                     raise InvalidArgumentError(
                         f"read of {hdr.length} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
-                out = await store.read(hdr.key, hdr.offset, -1 if hdr.length == ALL else hdr.length)
+                length = -1 if hdr.length == ALL else hdr.length
+                # Optional store extension: a store that verified the whole
+                # fragment against its stored CRC32C hands that CRC over, and
+                # the answer needs no second pass over the bytes.
+                read_with_crc = getattr(store, "read_with_crc", None)
+                crc: int | None = None
+                if read_with_crc is not None:
+                    out, crc = await read_with_crc(hdr.key, hdr.offset, length)
+                else:
+                    out = await store.read(hdr.key, hdr.offset, length)
                 ostore = store
                 if len(out) > self.limits.max_frame_bytes:
                     raise InvalidArgumentError(
                         f"fragment range of {len(out)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
-                self._reply(hdr, payload=out, store=store)
+                self._reply(hdr, payload=out, store=store, payload_crc=crc)
                 out = None  # owned by the send queue now
             elif op == Op.DELETE:
                 self.counters["deletes"] += 1
