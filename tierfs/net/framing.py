@@ -44,6 +44,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._cur: Header | None = None
         self._payload: memoryview | None = None
         self._payload_fill = 0
+        self._crc = 0
         self._discard_left = 0
         self._scratch: memoryview | None = None
 
@@ -104,6 +105,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     return
                 self._payload = dest
                 self._payload_fill = 0
+                self._crc = 0
             return
         if self._payload is None:
             self._discard_left -= nbytes
@@ -114,13 +116,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 except ProtocolError as exc:
                     self.violation(str(exc))
             return
-        self._payload_fill += nbytes
         payload = self._payload
+        # CRC each piece as it lands, while it is still in cache.
+        self._crc = crc32c(payload[self._payload_fill:self._payload_fill + nbytes], self._crc)
+        self._payload_fill += nbytes
         if self._payload_fill < len(payload):
             return
         self._cur = None
         self._payload = None
-        got = crc32c(payload)
+        got = self._crc
         if got != cur.payload_crc:
             self._on_bad_payload(cur, payload)
             self.violation(f"payload CRC mismatch on request {cur.request_id}: {got:#010x} != {cur.payload_crc:#010x}")
