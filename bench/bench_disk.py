@@ -172,7 +172,8 @@ def run(quick: bool) -> dict[str, Any]:
     from tierfs.storage.io import probe_uring
 
     kinds = ["posix"] + (["uring"] if probe_uring() is None else [])
-    per_case = (128 << 20) if quick else (1 << 30)
+    per_case = (128 << 20) if quick else (512 << 20)
+    repeats = 1 if quick else 3
     rows: list[dict[str, Any]] = []
     base = Path(tempfile.mkdtemp(prefix="tierfs-bench-disk-", dir=os.environ.get("TIERFS_BENCH_DIR")))
     try:
@@ -183,10 +184,19 @@ def run(quick: bool) -> dict[str, Any]:
         for size in SIZES:
             for depth in DEPTHS:
                 count = max(depth * 2, per_case // size)
-                rw, rr, rdw = _raw(base, size, depth, count)
                 label = f"{size >> 20}MiB x{depth}"
+                # best of `repeats`, raw and engine runs interleaved, so that
+                # a noisy neighbour hurts both sides alike
+                raw_runs: list[tuple[float, float, float]] = []
+                eng_runs: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+                for _ in range(repeats):
+                    raw_runs.append(_raw(base, size, depth, count))
+                    for kind in kinds:
+                        eng_runs[kind].append(uvloop.run(_engine(base, kind, size, depth, count)))
+                rw, rr, rdw = (max(r[i] for r in raw_runs) for i in range(3))
                 for kind in kinds:
-                    ew, er = uvloop.run(_engine(base, kind, size, depth, count))
+                    ew = max(r[0] for r in eng_runs[kind])
+                    er = max(r[1] for r in eng_runs[kind])
                     rows.append({"case": f"{kind} write {label}", "value": ew, "unit": "GB/s", "baseline": rw,
                                  "baseline_name": "raw O_DIRECT pwrite", "ratio": ew / rw if rw else None})
                     rows.append({"case": f"{kind} write {label} vs durable raw", "value": ew, "unit": "GB/s",
@@ -200,7 +210,7 @@ def run(quick: bool) -> dict[str, Any]:
         "name": "disk",
         "rows": rows,
         "notes": (
-            f"{per_case >> 20} MiB per case on {base.parent}; backends: {', '.join(kinds)}. Engine writes are "
+            f"{per_case >> 20} MiB per case, best of {repeats}, on {base.parent}; backends: {', '.join(kinds)}. Engine writes are "
             "durable (fdatasync + rename + dir fsync per fragment) and CRC32C-checked; raw pwrite is not durable."
         ),
     }
