@@ -97,15 +97,49 @@ _syncobj_mod.createJournal = _create_journal
 
 
 class _SyncingTransport(TCPTransport):  # type: ignore[misc]
-    """TCP transport that makes the journal durable before any message
-    leaves: an AppendEntries ack, a vote or a vote request then never
-    vouches for something a crash could still take back."""
+    """TCP transport that enforces the journal's durability rule
+    (docs/raft.md, "Durability"):
+
+    * AppendEntries acks (``next_node_idx``) are held back and sent at the
+      end of the tick, right after one ``fdatasync`` of everything received
+      in that tick (follower group commit);
+    * the leader's own AppendEntries go out at once: the leader may persist
+      in parallel with replication, it only must not *count itself* before
+      its copy is durable - the journal is synced at the end of every tick
+      and after every incoming message that appended on the leader, and the
+      commit index is computed at the start of the next tick;
+    * anything else (vote requests and grants, forwarded commands) is sent
+      only after a sync, so a term or vote is never announced before it is
+      durable.
+    """
+
+    def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:
+        self._tfs_deferred: list[tuple[Any, Any]] = []
+        super().__init__(syncObj, selfNode, otherNodes)
+        syncObj.addOnTickCallback(self._tfs_flush)
+
+    def _tfs_journal(self) -> DurableJournal | None:
+        return getattr(self._syncObj, "tfs_journal", None)
 
     def send(self, node: Any, message: Any) -> bool:
-        journal = getattr(self._syncObj, "tfs_journal", None)
+        journal = self._tfs_journal()
+        if journal is not None:
+            mtype = message.get("type") if isinstance(message, dict) else None
+            if mtype == "next_node_idx":
+                self._tfs_deferred.append((node, message))
+                return True
+            if mtype != "append_entries":
+                journal.sync()
+        return bool(super().send(node, message))
+
+    def _tfs_flush(self) -> None:
+        """Tick callback: one fdatasync, then the acks it made true."""
+        journal = self._tfs_journal()
         if journal is not None:
             journal.sync()
-        return bool(super().send(node, message))
+        deferred, self._tfs_deferred = self._tfs_deferred, []
+        for node, message in deferred:
+            super().send(node, message)
 
     def _onMessageReceived(self, node: Any, message: Any) -> None:
         fix = getattr(self._syncObj, "tfs_on_message", None)
@@ -113,6 +147,11 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
             super()._onMessageReceived(node, message)
         else:
             fix(node, message, super()._onMessageReceived, self)
+        journal = self._tfs_journal()
+        if journal is not None and journal.dirty and self._syncObj._isLeader():
+            # e.g. the no-op appended on winning an election, inside poll():
+            # durable before the next tick's commit computation counts it.
+            journal.sync()
 
 
 class _Pending:
@@ -283,7 +322,6 @@ class RaftReplicator:
         )
         others = [r for r in self._peers if r != self._raft_addr]
         self._node = _Node(self, self._raft_addr, others, conf, self._journal)
-        self._node.addOnTickCallback(self._journal.sync)
         log.info("raft replica %s started (raft %s, grpc %s, peers %s)", self.node_id,
                  self._raft_addr, self._grpc_addr, ", ".join(others) or "none")
 
