@@ -16,6 +16,7 @@ from tierfs.errors import (
     NotFoundError,
     StaleVersionError,
 )
+from tierfs.meta import MetaStateMachine
 from tierfs.meta.placement import plan_groups
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -172,3 +173,70 @@ def test_placement_property(counts: list[int], data: st.DataObject) -> None:
         share = Counter(t for g in groups for t in g)
         assert len(share) == len(targets) and max(share.values()) - min(share.values()) <= 1
     assert plan_groups(targets, [], width, len(targets)) == groups  # deterministic
+
+
+def test_long_down_target_is_replaced_and_rebuilt() -> None:
+    d = Driver()
+    regs = d.register(7, 2)
+    f = d.create("/f", stripe_width=14)
+    d.write("/f", 14 * (4 << 20), list(range(14)))
+    down = {t.target_id for t in regs[1].targets}  # node 2 stops heartbeating
+
+    def beat_and_tick(seconds: float) -> None:
+        d.advance(seconds)
+        for r in regs:
+            if r.node_id != 2:
+                d.do("heartbeat", pb.HeartbeatRequest(node_id=r.node_id))
+        d.do("tick", pb.TickRequest(heartbeat_timeout_ms=5000, replace_after_ms=60_000))
+
+    beat_and_tick(10)
+    cmap = d.sm.cluster_map()
+    assert {t.target_id for t in cmap.targets if t.state == pb.TARGET_STATE_OFFLINE} == down
+    assert any(down & set(g.target_ids) for g in cmap.groups)  # offline, not yet replaced
+    v = cmap.version
+    beat_and_tick(61)
+    cmap = d.sm.cluster_map()
+    assert cmap.version > v
+    nodes = node_of(cmap)
+    replaced = [g for g in cmap.groups if g.rebuilding]
+    assert replaced and not any(down & set(g.target_ids) for g in cmap.groups)
+    for g in cmap.groups:
+        assert len({nodes[t] for t in g.target_ids}) == 6
+    for g in replaced:
+        assert len(g.rebuilding) == 1 and g.rebuilding[0] in g.target_ids
+    # the repair worker learns which chunks to rebuild, then declares it done
+    g = replaced[0]
+    chunks = d.sm.list_group_chunks(g.group_id).chunks
+    slots = [i for i, gid in enumerate(f.layout.groups) if gid == g.group_id]
+    assert sorted(c.chunk for c in chunks) == sorted(c for c in range(14) if c % 14 in slots)
+    assert all(c.inode == f.attr.inode and c.version == 1 for c in chunks)
+    snap_digest = d.sm.digest()
+    restored = MetaStateMachine()
+    restored.restore(d.sm.snapshot())
+    assert restored.digest() == snap_digest
+    d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=g.group_id, target_id=g.rebuilding[0]))
+    assert not next(x for x in d.sm.cluster_map().groups if x.group_id == g.group_id).rebuilding
+    with pytest.raises(InvalidArgumentError, match="not being rebuilt"):
+        d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=g.group_id, target_id=g.rebuilding[0]))
+    with pytest.raises(NotFoundError):
+        d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=999, target_id=1))
+    with pytest.raises(NotFoundError):
+        d.sm.list_group_chunks(999)
+    # node 2 returning does not take its old place back (its data is stale)
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=2))
+    assert not any(down & set(x.target_ids) for x in d.sm.cluster_map().groups)
+
+
+def test_no_spare_node_means_no_replacement() -> None:
+    d = Driver()
+    regs = d.register(6, 2)
+    before = {g.group_id: list(g.target_ids) for g in d.sm.cluster_map().groups}
+    d.advance(100)
+    for r in regs[1:]:
+        d.do("heartbeat", pb.HeartbeatRequest(node_id=r.node_id))
+    d.do("tick", pb.TickRequest(heartbeat_timeout_ms=5000, replace_after_ms=1000))
+    d.advance(100)
+    d.do("tick", pb.TickRequest(heartbeat_timeout_ms=5000, replace_after_ms=1000))
+    after = d.sm.cluster_map()
+    assert {g.group_id: list(g.target_ids) for g in after.groups} == before
+    assert all(not g.rebuilding for g in after.groups)

@@ -16,6 +16,7 @@ from meta_helpers import SEC, Clock, meta_server, register_async, run
 from tierfs.errors import (
     BusyError,
     DirectoryNotEmptyError,
+    InvalidArgumentError,
     NotFoundError,
     NotLeaderError,
     TimeoutError_,
@@ -127,6 +128,10 @@ def test_end_to_end_namespace_and_sessions() -> None:
             assert {(i.chunk, i.version) for i in gc} == {(2, s.data_version)} and len(gc) == 6
             assert await mc.ack_gc([(i.id, i.target_id) for i in gc]) == 6
             assert await mc.list_gc([]) == []
+            gch = await mc.list_group_chunks(f.layout.groups[2])
+            assert [(c.chunk, c.version) for c in gch.chunks] == [(2, s2.data_version)] and gch.next_inode == 0
+            with pytest.raises(InvalidArgumentError):
+                await mc.finish_rebuild(f.layout.groups[0], 1)
             s3 = await mc.open_write("/ckpt/rank0")
             await mc.abort_write(s3.session_id, [5])
             await mc.truncate("/ckpt/rank0", MiB)

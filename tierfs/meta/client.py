@@ -305,6 +305,19 @@ class MetaClient:
         return await self._call("GetClusterMap", pb.GetClusterMapRequest(known_version=known_version),
                                 pb.ClusterMap)
 
+    async def list_group_chunks(self, group_id: int, after_inode: int = 0,
+                                limit: int = 0) -> pb.ListGroupChunksReply:
+        """Committed chunks stored in a placement group (for the repair
+        worker); page with ``reply.next_inode`` (0 = last page)."""
+        return await self._call("ListGroupChunks", pb.ListGroupChunksRequest(
+            group_id=group_id, after_inode=after_inode, limit=limit), pb.ListGroupChunksReply)
+
+    async def finish_rebuild(self, group_id: int, target_id: int) -> None:
+        """Declare ``target_id`` rebuilt in ``group_id`` (clears it from the
+        group's ``rebuilding`` list)."""
+        await self._call("FinishRebuild", pb.FinishRebuildRequest(group_id=group_id, target_id=target_id),
+                         pb.Empty, mutating=True)
+
     # ---- garbage collection ---------------------------------------------------------
 
     async def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:

@@ -286,6 +286,9 @@ def validate_op(op: pb.MetaOp) -> None:
             _short(p, "register_node: target path")
         if len(set(paths)) != len(paths):
             raise InvalidArgumentError("register_node: duplicate target path")
+    elif kind == "finish_rebuild":
+        if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
+            raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")
     elif kind == "heartbeat":
         if not op.heartbeat.node_id:
             raise InvalidArgumentError("heartbeat: node_id is 0")

@@ -10,7 +10,9 @@ answers NotLeaderError with the leader's address).
 
 While this replica leads, a background task submits a Tick op every
 ``tick_interval`` seconds: it expires storage nodes that missed heartbeats for
-``heartbeat_timeout`` and write sessions whose lease ran out.
+``heartbeat_timeout`` and write sessions whose lease ran out, and (if
+``replace_after`` > 0) swaps targets down for that long out of their
+placement groups.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         lease_duration: float = 30.0,
         tick_interval: float = 1.0,
         submit_timeout: float = 5.0,
+        replace_after: float = 0.0,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._r = replicator
@@ -77,6 +80,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.lease_duration = lease_duration
         self.tick_interval = tick_interval
         self.submit_timeout = submit_timeout
+        self.replace_after = replace_after
         self._clock = clock
         self._ticker: asyncio.Task[None] | None = None
 
@@ -120,7 +124,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def tick(self) -> None:
         """Submit one Tick op (expire heartbeats and leases) with this
         replica's clock. Only meaningful on the leader."""
-        op = self._op("tick", pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000)))
+        op = self._op("tick", pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
+                                             replace_after_ms=int(self.replace_after * 1000)))
         await self.submit(op, pb.Empty)
 
     async def _tick_loop(self) -> None:
@@ -235,6 +240,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def GetClusterMap(self, request: pb.GetClusterMapRequest, context: Ctx) -> pb.ClusterMap:
         return (await self._read()).cluster_map(request.known_version)
 
+    @grpc_errors
+    async def ListGroupChunks(self, request: pb.ListGroupChunksRequest, context: Ctx) -> pb.ListGroupChunksReply:
+        return (await self._read()).list_group_chunks(request.group_id, request.after_inode, request.limit)
+
+    @grpc_errors
+    async def FinishRebuild(self, request: pb.FinishRebuildRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "finish_rebuild", request, pb.Empty)
+
     # ---- garbage collection ---------------------------------------------------------
 
     @grpc_errors
@@ -279,7 +292,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
-    lease_duration, tick_interval, submit_timeout, clock) and register it on
+    lease_duration, tick_interval, submit_timeout, replace_after, clock) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

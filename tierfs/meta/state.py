@@ -129,6 +129,7 @@ class Target:
     used: int = 0
     reported: int = ONLINE  # what the storage daemon says about its disk
     present: bool = True  # offered in the node's latest registration
+    down_since: int = 0  # clock when it stopped being usable; 0 while usable
 
 
 @dataclass(slots=True)
@@ -202,6 +203,8 @@ class MetaStateMachine:
         self.nodes: dict[int, Node] = {}
         self.targets: dict[int, Target] = {}
         self.groups: dict[int, list[int]] = {}
+        # group id -> members that replaced a failed target, not rebuilt yet
+        self.rebuilding: dict[int, set[int]] = {}
         self.widths: set[int] = {DEFAULT_LAYOUT.width}
         self.sessions: dict[int, Session] = {}
         self.gc: dict[int, GCEntry] = {}
@@ -728,6 +731,7 @@ class MetaStateMachine:
         if changed:
             self.map_version += 1
             self._top_up()
+        self._refresh_down()
         reply.map_version = self.map_version
         return reply
 
@@ -747,7 +751,61 @@ class MetaStateMachine:
         if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
             self.map_version += 1
             self._top_up()
+        self._refresh_down()
         return pb.HeartbeatReply(map_version=self.map_version, state=node.state)  # type: ignore[arg-type]
+
+    def _refresh_down(self) -> None:
+        for tid in sorted(self.targets):
+            t = self.targets[tid]
+            if self._target_state(t) in (ONLINE, pb.TARGET_STATE_READ_ONLY):
+                t.down_since = 0
+            elif not t.down_since:
+                t.down_since = self.clock
+
+    def _replace_down_targets(self, after_ns: int) -> None:
+        """Swap every target down for ``after_ns`` or longer out of its
+        groups, each time for the least-used online target on a node the
+        group does not use yet. The newcomer is marked rebuilding."""
+        eligible = self._eligible()
+        usage: dict[int, int] = {}
+        for members in self.groups.values():
+            for m in members:
+                usage[m] = usage.get(m, 0) + 1
+        changed = False
+        for tid in sorted(self.targets):
+            t = self.targets[tid]
+            if not t.down_since or self.clock - t.down_since < after_ns:
+                continue
+            for gid in sorted(self.groups):
+                members = self.groups[gid]
+                if tid not in members:
+                    continue
+                used_nodes = {self.targets[m].node for m in members if m != tid}
+                cands = [c for c in sorted(eligible) if eligible[c] not in used_nodes and c not in members]
+                if not cands:
+                    continue  # nowhere to go: the group stays degraded
+                new = min(cands, key=lambda c: (usage.get(c, 0), c))
+                members[members.index(tid)] = new
+                usage[new] = usage.get(new, 0) + 1
+                usage[tid] -= 1
+                rb = self.rebuilding.setdefault(gid, set())
+                rb.discard(tid)
+                rb.add(new)
+                changed = True
+        if changed:
+            self.map_version += 1
+
+    def _op_finish_rebuild(self, op: pb.MetaOp, r: pb.FinishRebuildRequest) -> Message:
+        if r.group_id not in self.groups:
+            raise NotFoundError(f"no placement group {r.group_id}")
+        rb = self.rebuilding.get(r.group_id, set())
+        if r.target_id not in rb:
+            raise InvalidArgumentError(f"target {r.target_id} is not being rebuilt in group {r.group_id}")
+        rb.discard(r.target_id)
+        if not rb:
+            del self.rebuilding[r.group_id]
+        self.map_version += 1
+        return pb.Empty()
 
     def _op_ack_gc(self, op: pb.MetaOp, r: pb.AckGCRequest) -> Message:
         acked = 0
@@ -768,6 +826,9 @@ class MetaStateMachine:
                 n.state = NODE_OFFLINE
             if expired:
                 self.map_version += 1
+        self._refresh_down()
+        if r.replace_after_ms:
+            self._replace_down_targets(r.replace_after_ms * NS_PER_MS)
         for sid in sorted(self.sessions):
             s = self.sessions[sid]
             if s.expiry < self.clock:
@@ -831,8 +892,30 @@ class MetaStateMachine:
                                                 used=t.used, state=self._target_state(t)))  # type: ignore[arg-type]
         for gid in sorted(self.groups):
             out.groups.append(pb.PlacementGroup(group_id=gid, width=len(self.groups[gid]),
-                                                target_ids=self.groups[gid]))
+                                                target_ids=self.groups[gid],
+                                                rebuilding=sorted(self.rebuilding.get(gid, ()))))
         return out
+
+    def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0) -> pb.ListGroupChunksReply:
+        """Committed chunks stored in ``group_id`` (what a rebuild must
+        restore), file by file in inode order."""
+        if group_id not in self.groups:
+            raise NotFoundError(f"no placement group {group_id}")
+        limit = limit or 10_000
+        reply = pb.ListGroupChunksReply()
+        for ino in sorted(i for i in self.inodes if i > after_inode):
+            f = self.inodes[ino]
+            if f.type != FILE or group_id not in f.groups:
+                continue
+            n = len(f.groups)
+            slots = {k for k, g in enumerate(f.groups) if g == group_id}
+            for c in sorted(f.chunks):
+                if c % n in slots:
+                    reply.chunks.append(pb.GroupChunk(inode=ino, chunk=c, version=f.chunks[c]))
+            if len(reply.chunks) >= limit:
+                reply.next_inode = ino
+                break
+        return reply
 
     def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:
         want = set(target_ids)
@@ -871,9 +954,10 @@ class MetaStateMachine:
             "inodes": inodes,
             "nodes": [[n.id, n.uuid, n.hostname, n.data_addr, n.control_addr, n.state, n.last_hb, n.targets]
                       for _, n in sorted(self.nodes.items())],
-            "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present]
+            "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present, t.down_since]
                         for _, t in sorted(self.targets.items())],
             "groups": [[g, self.groups[g]] for g in sorted(self.groups)],
+            "rebuilding": [[g, sorted(self.rebuilding[g])] for g in sorted(self.rebuilding)],
             "widths": sorted(self.widths),
             "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted(s.chunks)]
                          for _, s in sorted(self.sessions.items())],
@@ -901,8 +985,9 @@ class MetaStateMachine:
         self.nodes = {n[0]: Node(id=n[0], uuid=n[1], hostname=n[2], data_addr=n[3], control_addr=n[4],
                                  state=n[5], last_hb=n[6], targets=list(n[7])) for n in doc["nodes"]}
         self.targets = {t[0]: Target(id=t[0], node=t[1], path=t[2], capacity=t[3], used=t[4], reported=t[5],
-                                     present=t[6]) for t in doc["targets"]}
+                                     present=t[6], down_since=t[7]) for t in doc["targets"]}
         self.groups = {g: list(m) for g, m in doc["groups"]}
+        self.rebuilding = {g: set(m) for g, m in doc["rebuilding"]}
         self.widths = set(doc["widths"])
         self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
                                        chunks=set(s[5])) for s in doc["sessions"]}

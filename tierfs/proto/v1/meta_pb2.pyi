@@ -1204,11 +1204,19 @@ class PlacementGroup(_message.Message):
     GROUP_ID_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
     TARGET_IDS_FIELD_NUMBER: _builtins.int
+    REBUILDING_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     width: _builtins.int
     @_builtins.property
     def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Fragment j of a chunk in this group lives on target_ids[j]."""
+
+    @_builtins.property
+    def rebuilding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Members that replaced a failed target and do not hold every fragment
+        yet: readers decode around them, writers write to them, and the repair
+        worker calls FinishRebuild once it has rebuilt the group's chunks there.
+        """
 
     def __init__(
         self,
@@ -1216,10 +1224,11 @@ class PlacementGroup(_message.Message):
         group_id: _builtins.int = ...,
         width: _builtins.int = ...,
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
+        rebuilding: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "rebuilding", b"rebuilding", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1278,6 +1287,104 @@ class ClusterMap(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterMap: _TypeAlias = ClusterMap  # noqa: Y015
+
+@_typing.final
+class FinishRebuildRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    TARGET_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.int
+    target_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.int = ...,
+        target_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "target_id", b"target_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishRebuildRequest: _TypeAlias = FinishRebuildRequest  # noqa: Y015
+
+@_typing.final
+class ListGroupChunksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    AFTER_INODE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.int
+    after_inode: _builtins.int
+    """paging: files with inode > after_inode"""
+    limit: _builtins.int
+    """0 = 10000 chunks (whole files: may exceed it)"""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.int = ...,
+        after_inode: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_inode", b"after_inode", "group_id", b"group_id", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListGroupChunksRequest: _TypeAlias = ListGroupChunksRequest  # noqa: Y015
+
+@_typing.final
+class GroupChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INODE_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    inode: _builtins.int
+    chunk: _builtins.int
+    version: _builtins.int
+    def __init__(
+        self,
+        *,
+        inode: _builtins.int = ...,
+        chunk: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "inode", b"inode", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupChunk: _TypeAlias = GroupChunk  # noqa: Y015
+
+@_typing.final
+class ListGroupChunksReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    NEXT_INODE_FIELD_NUMBER: _builtins.int
+    next_inode: _builtins.int
+    """Pass as after_inode for the next page; 0 when this was the last page."""
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupChunk]: ...
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___GroupChunk] | None = ...,
+        next_inode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "next_inode", b"next_inode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListGroupChunksReply: _TypeAlias = ListGroupChunksReply  # noqa: Y015
 
 @_typing.final
 class GCItem(_message.Message):
@@ -1526,15 +1633,21 @@ class TickRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    REPLACE_AFTER_MS_FIELD_NUMBER: _builtins.int
     heartbeat_timeout_ms: _builtins.int
+    replace_after_ms: _builtins.int
+    """Replace a target in its groups once it has been down (offline or failed)
+    this long; 0 = never.
+    """
     def __init__(
         self,
         *,
         heartbeat_timeout_ms: _builtins.int = ...,
+        replace_after_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "replace_after_ms", b"replace_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1565,6 +1678,7 @@ class MetaOp(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     ACK_GC_FIELD_NUMBER: _builtins.int
     TICK_FIELD_NUMBER: _builtins.int
+    FINISH_REBUILD_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's wall clock when the op was issued"""
     client_id: _builtins.str
@@ -1606,6 +1720,8 @@ class MetaOp(_message.Message):
     def ack_gc(self) -> Global___AckGCRequest: ...
     @_builtins.property
     def tick(self) -> Global___TickRequest: ...
+    @_builtins.property
+    def finish_rebuild(self) -> Global___FinishRebuildRequest: ...
     def __init__(
         self,
         *,
@@ -1630,12 +1746,13 @@ class MetaOp(_message.Message):
         heartbeat: Global___HeartbeatRequest | None = ...,
         ack_gc: Global___AckGCRequest | None = ...,
         tick: Global___TickRequest | None = ...,
+        finish_rebuild: Global___FinishRebuildRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "heartbeat", b"heartbeat", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

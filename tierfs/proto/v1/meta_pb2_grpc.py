@@ -139,6 +139,16 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.GetClusterMapRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.ClusterMap.FromString,
                 _registered_method=True)
+        self.ListGroupChunks = channel.unary_unary(
+                '/tierfs.v1.MetaService/ListGroupChunks',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.ListGroupChunksRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ListGroupChunksReply.FromString,
+                _registered_method=True)
+        self.FinishRebuild = channel.unary_unary(
+                '/tierfs.v1.MetaService/FinishRebuild',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
         self.ListGC = channel.unary_unary(
                 '/tierfs.v1.MetaService/ListGC',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.ListGCRequest.SerializeToString,
@@ -300,6 +310,19 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListGroupChunks(self, request, context):
+        """Repair: the committed chunks stored in a group, and the end of a rebuild.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishRebuild(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListGC(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -444,6 +467,16 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.GetClusterMap,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.GetClusterMapRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.ClusterMap.SerializeToString,
+            ),
+            'ListGroupChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGroupChunks,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.ListGroupChunksRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ListGroupChunksReply.SerializeToString,
+            ),
+            'FinishRebuild': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishRebuild,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
             ),
             'ListGC': grpc.unary_unary_rpc_method_handler(
                     servicer.ListGC,
@@ -1043,6 +1076,60 @@ class MetaService:
             '/tierfs.v1.MetaService/GetClusterMap',
             tierfs_dot_v1_dot_meta__pb2.GetClusterMapRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.ClusterMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGroupChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/ListGroupChunks',
+            tierfs_dot_v1_dot_meta__pb2.ListGroupChunksRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ListGroupChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishRebuild(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/FinishRebuild',
+            tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

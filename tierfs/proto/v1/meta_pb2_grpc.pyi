@@ -61,6 +61,9 @@ class MetaServiceStub:
     RegisterNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RegisterNodeRequest, _meta_pb2.RegisterNodeReply]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_meta_pb2.HeartbeatRequest, _meta_pb2.HeartbeatReply]
     GetClusterMap: _grpc.UnaryUnaryMultiCallable[_meta_pb2.GetClusterMapRequest, _meta_pb2.ClusterMap]
+    ListGroupChunks: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGroupChunksRequest, _meta_pb2.ListGroupChunksReply]
+    """Repair: the committed chunks stored in a group, and the end of a rebuild."""
+    FinishRebuild: _grpc.UnaryUnaryMultiCallable[_meta_pb2.FinishRebuildRequest, _meta_pb2.Empty]
     ListGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]
     AckGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
@@ -93,6 +96,9 @@ class MetaServiceAsyncStub(MetaServiceStub):
     RegisterNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.RegisterNodeRequest, _meta_pb2.RegisterNodeReply]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_meta_pb2.HeartbeatRequest, _meta_pb2.HeartbeatReply]  # type: ignore[assignment]
     GetClusterMap: _aio.UnaryUnaryMultiCallable[_meta_pb2.GetClusterMapRequest, _meta_pb2.ClusterMap]  # type: ignore[assignment]
+    ListGroupChunks: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGroupChunksRequest, _meta_pb2.ListGroupChunksReply]  # type: ignore[assignment]
+    """Repair: the committed chunks stored in a group, and the end of a rebuild."""
+    FinishRebuild: _aio.UnaryUnaryMultiCallable[_meta_pb2.FinishRebuildRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     ListGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]  # type: ignore[assignment]
     AckGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
@@ -248,6 +254,21 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.GetClusterMapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.ClusterMap, _abc.Awaitable[_meta_pb2.ClusterMap]]: ...
+
+    @_abc_1.abstractmethod
+    def ListGroupChunks(
+        self,
+        request: _meta_pb2.ListGroupChunksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ListGroupChunksReply, _abc.Awaitable[_meta_pb2.ListGroupChunksReply]]:
+        """Repair: the committed chunks stored in a group, and the end of a rebuild."""
+
+    @_abc_1.abstractmethod
+    def FinishRebuild(
+        self,
+        request: _meta_pb2.FinishRebuildRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
 
     @_abc_1.abstractmethod
     def ListGC(
