@@ -90,6 +90,7 @@ BLOCK_SIZE = 64 << 10
 _FIXED = struct.Struct("<8sHHIQQQQQIII")
 _U32 = struct.Struct("<I")
 # CRC work above this size runs in a worker thread (the C code drops the GIL)
+# when other operations are in flight
 _CRC_THREAD_MIN = 1 << 20
 # below this much free space the target reports READ_ONLY (still serves reads)
 _FULL_BELOW = 1 << 20
@@ -158,7 +159,7 @@ class _Entry:
     crc: int = 0
 
 
-def _parse_header(buf: memoryview, key: FragmentKey, path: Path) -> _Header:
+def _parse_header(buf: memoryview, key: FragmentKey, path: Path | str) -> _Header:
     if buf.nbytes < _FIXED.size:
         raise CorruptError(f"{path}: truncated header ({buf.nbytes} bytes)")
     magic, fmt, _flags, hdr_len, ino, chunk, frag, ver, size, crc, block, nblocks = _FIXED.unpack_from(buf, 0)
@@ -272,6 +273,7 @@ class ChunkEngine:
         max_fragment_size: int = 256 << 20,
     ) -> None:
         self.root = Path(root)
+        self._root_str = str(self.root)
         self.target_id = target_id
         self.backend = backend
         self.pool = pool
@@ -284,6 +286,7 @@ class ChunkEngine:
         self._known_dirs: set[str] = set()
         self._failed: str | None = None
         self._full = False
+        self._busy = 0  # reads + writes in progress
         self._opened = False
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -399,6 +402,12 @@ class ChunkEngine:
 
     # -- FragmentStore --------------------------------------------------------------
 
+    def _fpath(self, key: FragmentKey) -> str:
+        return (
+            f"{self._root_str}/frags/{key.inode & 0xFF:02x}/{key.inode:016x}/"
+            f"{key.chunk:x}.{key.fragment:x}.{key.version:x}"
+        )
+
     def alloc(self, size: int) -> memoryview:
         return self.pool.get(size)
 
@@ -406,6 +415,13 @@ class ChunkEngine:
         self.pool.put(buf)
 
     async def write(self, key: FragmentKey, data: memoryview, crc32c: int) -> None:
+        self._busy += 1
+        try:
+            await self._write(key, data, crc32c)
+        finally:
+            self._busy -= 1
+
+    async def _write(self, key: FragmentKey, data: memoryview, crc32c: int) -> None:
         self._check_usable()
         if not isinstance(data, memoryview):
             data = memoryview(data)
@@ -453,13 +469,20 @@ class ChunkEngine:
         self.counters["bytes_written"] += size
 
     async def read(self, key: FragmentKey, offset: int = 0, length: int = -1) -> memoryview:
+        self._busy += 1
+        try:
+            return await self._read(key, offset, length)
+        finally:
+            self._busy -= 1
+
+    async def _read(self, key: FragmentKey, offset: int, length: int) -> memoryview:
         self._check_readable()
         if offset < 0 or length < -1:
             raise InvalidArgumentError(f"bad range offset={offset} length={length}")
         entry = self._index.get(key)
         if entry is None:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}")
-        path = fragment_path(self.root, key)
+        path = self._fpath(key)
         try:
             fd = await self.backend.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -500,7 +523,7 @@ class ChunkEngine:
         if entry is None:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}")
         if entry.size < 0:
-            path = fragment_path(self.root, key)
+            path = self._fpath(key)
             try:
                 fd = await self.backend.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -566,8 +589,13 @@ class ChunkEngine:
 
     # -- write internals -----------------------------------------------------------
 
+    def _offload(self, nbytes: int) -> bool:
+        # A worker thread lets CRC work use another core while the loop keeps
+        # other I/O going; alone, the hop costs more than it saves.
+        return nbytes >= _CRC_THREAD_MIN and self._busy > 1
+
     async def _crc_chain(self, data: memoryview) -> list[int]:
-        if data.nbytes >= _CRC_THREAD_MIN:
+        if self._offload(data.nbytes):
             return await asyncio.to_thread(_prefix_crcs, data)
         return _prefix_crcs(data)
 
@@ -662,7 +690,7 @@ class ChunkEngine:
 
     # -- read internals --------------------------------------------------------------
 
-    async def _read_header(self, fd: int, path: Path, key: FragmentKey, entry: _Entry) -> _Header:
+    async def _read_header(self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry) -> _Header:
         hdr_len = header_length(entry.size) if entry.size >= 0 else ALIGN
         buf = self.pool.get(hdr_len)
         try:
@@ -679,7 +707,7 @@ class ChunkEngine:
         entry.size, entry.crc = hdr.size, hdr.crc
         return hdr
 
-    async def _read_whole(self, fd: int, path: Path, key: FragmentKey, entry: _Entry) -> memoryview:
+    async def _read_whole(self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry) -> memoryview:
         want = entry.file_len
         for _attempt in range(2):
             buf = self.pool.get(max(want, ALIGN))
@@ -706,7 +734,7 @@ class ChunkEngine:
         raise InternalError("unreachable")  # pragma: no cover
 
     async def _read_range(
-        self, fd: int, path: Path, key: FragmentKey, entry: _Entry, offset: int, length: int
+        self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry, offset: int, length: int
     ) -> memoryview:
         hdr = await self._read_header(fd, path, key, entry)
         size = hdr.size
@@ -733,17 +761,17 @@ class ChunkEngine:
         return buf[offset - lo : end - lo]
 
     async def _crc_chain_value(self, data: memoryview, seed: int) -> int:
-        if data.nbytes >= _CRC_THREAD_MIN:
+        if self._offload(data.nbytes):
             return await asyncio.to_thread(crc32c, data, seed)
         return crc32c(data, seed)
 
-    async def _pread(self, fd: int, buf: memoryview, offset: int, path: Path) -> int:
+    async def _pread(self, fd: int, buf: memoryview, offset: int, path: Path | str) -> int:
         try:
             return await self.backend.read_at(fd, buf, offset)
         except OSError as exc:
             raise self._io_error("read", path, exc) from exc
 
-    def _parse(self, buf: memoryview, key: FragmentKey, path: Path) -> _Header:
+    def _parse(self, buf: memoryview, key: FragmentKey, path: Path | str) -> _Header:
         try:
             return _parse_header(buf, key, path)
         except CorruptError:
