@@ -59,6 +59,10 @@ class _ServerConnection(FrameProtocol):
         # Buffers (with their store) referenced by the transport's send queue.
         self._unsent: collections.deque[tuple[FragmentStore, memoryview, int]] = collections.deque()
         self._write_paused = False
+        # Answer pieces queued for the next flush, and the read buffers among them.
+        self._out: list[bytes | bytearray | memoryview] = []
+        self._lent: list[tuple[FragmentStore, memoryview, int]] = []
+        self._flush_scheduled = False
         # Which store owns the buffer of the frame being received (WRITE).
         self._recv_store: FragmentStore | None = None
 
@@ -90,6 +94,9 @@ class _ServerConnection(FrameProtocol):
             self._recv_store.release(self._payload)
         self._payload = None
         self._recv_store = None
+        self._unsent.extend(self._lent)
+        self._lent.clear()
+        self._out.clear()
         self._release_unsent(force=True)
 
     def _on_violation(self, reason: str) -> None:
@@ -230,18 +237,33 @@ class _ServerConnection(FrameProtocol):
                       key=hdr.key, offset=hdr.offset, length=length, payload_len=n,
                       payload_crc=payload_crc)
         if payload is None or n == 0:
-            self.transport.write(head)
             if payload is not None and store is not None:
                 store.release(payload)
+            self._send(head)
             return
-        self.counters["bytes_sent"] += n
-        self.transport.writelines([head, payload])
         assert store is not None
-        if self.transport.get_write_buffer_size() == 0:
-            store.release(payload)
-        else:
-            self._unsent.append((store, payload, n))
-            self._inflight_bytes += n
+        self.counters["bytes_sent"] += n
+        self._inflight_bytes += n
+        self._lent.append((store, payload, n))
+        self._send(head, payload)
+
+    def _send(self, *bufs: bytes | bytearray | memoryview) -> None:
+        """Queue answer pieces; everything queued in one loop iteration goes
+        out in one ``writelines`` (one writev), so answers that complete
+        together (a batch, many small requests) share a syscall."""
+        self._out.extend(bufs)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        lent, self._lent = self._lent, []
+        self._unsent.extend(lent)
+        if not self.closed and out:
+            self.transport.writelines(out)
+        self._release_unsent(force=self.closed)
 
     def _reply_error(self, hdr: Header, exc: TierFSError) -> None:
         if self.closed:
@@ -250,7 +272,7 @@ class _ServerConnection(FrameProtocol):
         head = bytearray(HEADER_SIZE)
         encode_header(head, hdr.op, hdr.request_id, flags=Flag.RESPONSE, target=hdr.target,
                       status=int(exc.code), key=hdr.key, payload_len=len(msg), payload_crc=crc32c(msg))
-        self.transport.writelines([head, msg])
+        self._send(head, msg)
 
     def _release_unsent(self, force: bool = False) -> None:
         if not self._unsent:
