@@ -226,3 +226,26 @@ def test_client_survives_a_bad_server(answer: str) -> None:
             await fake.wait_closed()
 
     arun(body())
+
+
+@pytest.mark.timeout(30)
+def test_optional_transport_that_cannot_bind_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        first = await start_dataplane({1: MemoryFragmentStore(1)}, transports=("tcp", "shm"))
+        try:
+            # A second server cannot take the first one's shm name: bind the
+            # same TCP port number on another loopback address.
+            second = await start_dataplane({1: MemoryFragmentStore(1)}, "127.0.0.2", first.port,
+                                           transports=("tcp", "shm"))
+            try:
+                assert list(second.listeners) == ["tcp"]
+                async with DataClient(routes={1: second.address}) as c:
+                    await c.ping(1)
+            finally:
+                await second.close()
+        finally:
+            await first.close()
+
+    with caplog.at_level(logging.WARNING, logger="tierfs.net"):
+        arun(body())
+    assert any(getattr(r, "event", "") == "dataplane.transport_failed" for r in caplog.records)

@@ -359,7 +359,18 @@ async def start_dataplane(
                 log.info("dataplane transport %s not available here", name,
                          extra={"event": "dataplane.transport_unavailable", "transport": name})
                 continue
-            listener = await transport.listen(host, server.port or port, server._protocol, limits=server.limits)
+            try:
+                listener = await transport.listen(host, server.port or port, server._protocol,
+                                                  limits=server.limits)
+            except (OSError, TierFSError) as exc:
+                if name == "tcp":
+                    raise
+                # An optional transport that cannot bind must not keep the
+                # daemon from serving over tcp.
+                log.warning("dataplane transport %s not started: %s", name, exc,
+                            extra={"event": "dataplane.transport_failed", "transport": name,
+                                   "reason": str(exc)})
+                continue
             server.listeners[name] = listener
             if name == "tcp":
                 server.host = host
