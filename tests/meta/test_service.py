@@ -267,3 +267,20 @@ def test_leader_tick_expires_heartbeats_and_leases() -> None:
             assert hb.state == pb.NODE_STATE_ONLINE
             await svc.stop()
     run(main())
+
+
+def test_idle_leader_writes_no_ticks() -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with meta_server(clock=clock, heartbeat_timeout=5.0) as (mc, svc, _addr):
+            regs = await register_async(mc, nodes=1)
+            idx = (await mc.status()).commit_index
+            assert not await svc.tick()  # nothing to expire: no log entry
+            assert (await mc.status()).commit_index == idx
+            clock.now += 6 * SEC
+            assert await svc.tick()
+            assert (await mc.get_cluster_map()).nodes[0].state == pb.NODE_STATE_OFFLINE
+            assert not await svc.tick()
+            assert await svc.tick(force=True)
+            await mc.heartbeat(regs[0].node_id, [])
+    run(main())

@@ -121,12 +121,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def _leading(self) -> bool:
         return self._r.status().role in ("leader", "standalone")
 
-    async def tick(self) -> None:
-        """Submit one Tick op (expire heartbeats and leases) with this
-        replica's clock. Only meaningful on the leader."""
-        op = self._op("tick", pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
-                                             replace_after_ms=int(self.replace_after * 1000)))
+    async def tick(self, force: bool = False) -> bool:
+        """Submit one Tick op (expire heartbeats, leases, replace long-down
+        targets) with this replica's clock, unless the local state says it
+        would change nothing (``force`` submits anyway). Only meaningful on
+        the leader, whose state is current. Returns whether it submitted."""
+        req = pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
+                             replace_after_ms=int(self.replace_after * 1000))
+        op = self._op("tick", req)
+        if not force and not self.state.tick_due(op.now_ns, req.heartbeat_timeout_ms, req.replace_after_ms):
+            return False
         await self.submit(op, pb.Empty)
+        return True
 
     async def _tick_loop(self) -> None:
         while True:

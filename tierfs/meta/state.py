@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import heapq
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -840,6 +841,26 @@ class MetaStateMachine:
 
     # ---- reads (after the replicator's read barrier) ------------------------
 
+    def tick_due(self, now_ns: int, heartbeat_timeout_ms: int, replace_after_ms: int = 0) -> bool:
+        """Whether a Tick op at ``now_ns`` would change anything beyond the
+        clock: the leader skips the log entry otherwise (an idle cluster
+        writes nothing and its digest stays still)."""
+        now = max(self.clock, now_ns)
+        if heartbeat_timeout_ms:
+            limit = now - heartbeat_timeout_ms * NS_PER_MS
+            if any(n.state == NODE_ONLINE and n.last_hb < limit for n in self.nodes.values()):
+                return True
+        if any(s.expiry < now for s in self.sessions.values()):
+            return True
+        if any(seen < now - REQUEST_TTL_NS for seen, _ in self.requests.values()):
+            return True
+        if replace_after_ms:
+            after = replace_after_ms * NS_PER_MS
+            down = {t.id for t in self.targets.values() if t.down_since and now - t.down_since >= after}
+            if down and any(down.intersection(g) for g in self.groups.values()):
+                return True
+        return False
+
     def stat(self, loc: pb.Loc) -> pb.FileInfo:
         _check_read_loc(loc, "stat")
         return self._info(self._get(loc))
@@ -852,7 +873,9 @@ class MetaStateMachine:
         _check_read_loc(loc, "readdir")
         d = self._dir(self._get(loc), self._where(loc))
         limit = min(limit or DEFAULT_READDIR_LIMIT, MAX_READDIR_LIMIT)
-        names = sorted(n for n in d.entries if n > cursor)
+        # One more than the page tells whether another page follows, without
+        # sorting the whole directory for every page.
+        names = heapq.nsmallest(limit + 1, (n for n in d.entries if n > cursor))
         page = names[:limit]
         reply = pb.ReaddirReply(next_cursor=page[-1] if len(names) > limit else "")
         for name in page:
