@@ -1,0 +1,120 @@
+"""``tierfs-meta`` as a process: config precedence and validation, the ready
+line, Prometheus metrics, clean SIGTERM; and the follower-side guard against
+needless log truncation, on a real journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import REPO, admin_call, free_ports, wait_for
+from tierfs.config import load
+from tierfs.errors import ConfigError
+from tierfs.meta.config import MetaConfig
+from tierfs.meta.daemon import KVStateMachine
+from tierfs.meta.journal import DurableJournal
+from tierfs.meta.raft import RaftReplicator
+
+
+def test_config_precedence_and_validation(tmp_path: Path) -> None:
+    toml = tmp_path / "meta.toml"
+    toml.write_text('[meta]\nraft_addr = "127.0.0.1:7101"\nelection_timeout_min = "300ms"\n'
+                    'peers = ["127.0.0.1:7102=127.0.0.1:7002", "127.0.0.1:7103"]\n')
+    env = {"TIERFS_META_ELECTION_TIMEOUT_MIN": "350ms", "TIERFS_META_SNAPSHOT_MIN_ENTRIES": "500"}
+    cfg = load(MetaConfig, toml, env=env, overrides={"snapshot_min_entries": "700", "grpc_addr": None})
+    assert cfg.raft_addr == "127.0.0.1:7101"
+    assert cfg.election_timeout_min == pytest.approx(0.35)  # env beats TOML
+    assert cfg.snapshot_min_entries == 700  # flag beats env
+    assert cfg.peer_map() == {"127.0.0.1:7102": "127.0.0.1:7002", "127.0.0.1:7103": ""}
+    bad = [
+        ({"election_timeout_min": "0.1"}, "election_timeout_min"),  # <= 3 x heartbeat
+        ({"election_timeout_max": "0.2"}, "election_timeout_max"),
+        ({"connection_timeout": "0.5"}, "connection_timeout"),
+        ({"peers": "127.0.0.1:7100"}, "peers"),  # itself
+        ({"raft_addr": "nohost"}, "raft_addr"),
+        ({"state_machine": "sql"}, "state_machine"),
+        ({"snapshot_min_entries": "1"}, "snapshot_min_entries"),
+    ]
+    for overrides, fld in bad:
+        with pytest.raises(ConfigError) as ei:
+            load(MetaConfig, None, env={}, overrides=overrides)
+        assert ei.value.field == fld, (overrides, ei.value)
+
+
+@pytest.mark.timeout(60)
+def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
+    raft, grpc_port, metrics = free_ports(3)
+    env = dict(os.environ, PYTHONPATH=str(REPO), TIERFS_META_SNAPSHOT_MIN_ENTRIES="1000")
+    cmd = [sys.executable, "-m", "tierfs.meta.daemon", "--raft-addr", f"127.0.0.1:{raft}",
+           "--grpc-addr", f"127.0.0.1:{grpc_port}", "--data-dir", str(tmp_path / "d"),
+           "--state-machine", "kv", "--metrics-addr", f"127.0.0.1:{metrics}"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO) as p:
+        try:
+            assert p.stdout is not None
+            ready = json.loads(p.stdout.readline())
+            assert ready["event"] == "ready" and ready["grpc"] == f"127.0.0.1:{grpc_port}"
+            assert ready["metrics"] == f"127.0.0.1:{metrics}"
+            wait_for(lambda: admin_call(ready["grpc"], "Status")["role"] == "leader", 20, "single-node leader")
+            for i in range(5):
+                admin_call(ready["grpc"], "Put", {"k": f"k{i}", "v": "v"})
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            assert 'tierfs_meta_ops_total{outcome="ok"} 5.0' in text
+            assert "tierfs_meta_commit_seconds_count 5.0" in text
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(20) == 0
+            assert p.stderr is not None
+            log_lines = [json.loads(x) for x in p.stderr.read().decode().splitlines() if x.startswith("{")]
+            assert any("stopped" in x["msg"] for x in log_lines)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    # the state survived the clean stop
+    j = DurableJournal(tmp_path / "d")
+    assert sum(1 for e in j if b"k4" in e[0]) == 1
+    j.close()
+
+
+def test_bad_config_exits_2(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "tierfs.meta.daemon", "--election-timeout-min", "0.01"],
+                         capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO,
+                         timeout=60, check=False)
+    assert res.returncode == 2
+    assert b"election_timeout_min" in res.stderr
+
+
+def test_stale_resend_is_not_truncated(tmp_path: Path) -> None:
+    """A resend of entries the follower holds (same terms) must not make
+    pysyncobj truncate: the message is rewritten; a real conflict is not."""
+    rep = RaftReplicator(KVStateMachine(), raft_addr="127.0.0.1:1", grpc_addr="127.0.0.1:2",
+                         peers={}, data_dir=tmp_path)
+    j = DurableJournal(tmp_path)
+    for i in range(1, 11):
+        j.add(b"c%d" % i, i, 1 if i <= 5 else 2)
+    rep._journal = j
+    msg = {"type": "append_entries", "term": 2, "commit_index": 10, "prevLogIdx": 6, "prevLogTerm": 2,
+           "entries": [(b"c7", 7, 2), (b"c8", 8, 2)]}
+    # our last entry (10) has the leader's term: heartbeat at our end, nothing dropped
+    out, ack = rep._check_append(msg, last_applied=9)
+    assert (out["prevLogIdx"], out["prevLogTerm"], out["entries"], ack) == (10, 2, [], None)
+    # the message covers and extends our log: only the new tail is passed on
+    longer = {**msg, "entries": [(b"c%d" % i, i, 2) for i in range(7, 13)]}
+    out, ack = rep._check_append(longer, last_applied=9)
+    assert out["prevLogIdx"] == 10 and [e[1] for e in out["entries"]] == [11, 12]
+    # an older-term tail not covered: heartbeat with a clamped commit, ack what was verified
+    old = {**msg, "term": 3, "commit_index": 10}
+    out, ack = rep._check_append(old, last_applied=9)
+    assert "prevLogIdx" not in out and out["commit_index"] == 8 and ack == 9
+    # a real conflict (entry 8 with another term) goes to pysyncobj unchanged
+    conflict = {**msg, "term": 3, "entries": [(b"c7", 7, 2), (b"x8", 8, 3)]}
+    out, ack = rep._check_append(conflict, last_applied=6)
+    assert out is conflict and ack is None
+    assert rep.truncation_stats["conflict"] == 1
+    j.close()

@@ -1,0 +1,78 @@
+"""Linearizable reads: followers refuse them, and a deposed leader that does
+not know it yet (SIGSTOPped while the others elected a new one) never
+answers with stale state."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import MetaCluster, admin_call, meta_cluster_from_env, wait_for
+from tierfs.errors import NotLeaderError, TierFSError
+
+
+@pytest.mark.timeout(120)
+def test_follower_refuses_linearizable_read_but_serves_stale(meta_cluster: MetaCluster) -> None:
+    c = meta_cluster
+    c.put("a", "1")
+    leader = c.wait_leader()
+    follower = next(i for i in c.live() if i != leader)
+    with pytest.raises(NotLeaderError) as ei:
+        c.admin(follower, "Get", {"k": "a"})
+    assert ei.value.leader == c.addresses[leader]
+    wait_for(lambda: c.admin(follower, "Get", {"k": "a", "stale": True})["value"] == "1", 10, "replication")
+
+
+@pytest.mark.timeout(120)
+def test_deposed_leader_never_serves_a_stale_read(tmp_path: Path) -> None:
+    if meta_cluster_from_env() is not None:
+        pytest.skip("stops replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3) as c:
+        c.put("x", "old")
+        old = c.wait_leader()
+        proc = c.replicas[old].proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            new = wait_for(lambda: next((i for i in c.live() if i != old and
+                                         c.status(i)["role"] == "leader"), None) or None, 20, "new leader")
+            c.admin(new, "Put", {"k": "x", "v": "new"})
+            # Ask the frozen old leader; it sees the request only once resumed,
+            # while it still believes it leads.
+            answer: list[object] = []
+
+            def ask() -> None:
+                try:
+                    answer.append(admin_call(c.addresses[old], "Get", {"k": "x"}, timeout=15)["value"])
+                except TierFSError as err:
+                    answer.append(err)
+
+            t = threading.Thread(target=ask)
+            t.start()
+            # (if it times out the request is still queued client-side: same outcome)
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda: _has_conn(c, old), 5, "request to reach the frozen replica", interval=0.05)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        t.join(30)
+        assert answer, "no answer"
+        got = answer[0]
+        # Either it finds out it is no longer leader, or it answers the new value: never "old".
+        assert got == "new" or isinstance(got, TierFSError), got
+        if isinstance(got, TierFSError):
+            print(f"deposed leader answered {type(got).__name__}: {got}")
+        c.wait_converged(30)
+        assert c.get("x") == "new"
+
+
+def _has_conn(c: MetaCluster, i: int) -> bool:
+    # Established TCP connections to the replica's gRPC port (from /proc).
+    port = int(c.addresses[i].rsplit(":", 1)[1])
+    with open("/proc/net/tcp") as f:
+        lines = f.readlines()[1:]
+    hexport = f"{port:04X}"
+    return any(line.split()[1].endswith(":" + hexport) and line.split()[3] == "01" for line in lines)
