@@ -164,6 +164,12 @@ class StorageNode:
     @property
     def data_addr(self) -> str:
         host = self.cfg.advertise_host or self.cfg.host
+        if host in ("0.0.0.0", "::", ""):
+            # a wildcard bind is not an address others can dial
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
         return f"{host}:{self.server.port if self.server else self.cfg.port}"
 
     async def start(self) -> None:

@@ -513,7 +513,10 @@ class ChunkEngine:
                 return False
             except OSError as exc:
                 raise self._io_error("unlink", path, exc) from exc
-            await self._dirsync.sync(str(path.parent))
+            try:
+                await self._dirsync.sync(str(path.parent))
+            except OSError as exc:
+                raise self._io_error("fsync", path.parent, exc) from exc
         self.counters["deletes"] += 1
         return True
 
