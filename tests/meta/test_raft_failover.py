@@ -115,3 +115,23 @@ def test_sigkill_all_replicas_then_restart(tmp_path: Path) -> None:
                 await mc.mkdir("/after-restart")
 
         asyncio.run(check())
+
+
+@pytest.mark.timeout(120)
+def test_five_replicas_survive_two_sigkills(tmp_path: Path) -> None:
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=5) as c:
+        leader = c.wait_leader()
+        for i in range(50):
+            c.put(f"k{i}", "a")
+        follower = (leader + 1) % 5
+        c.kill(leader)
+        c.kill(follower)
+        took = c.put("after", "two-failures")
+        print(f"5 replicas, leader + 1 killed: next put acknowledged after {took:.2f}s")
+        assert c.get_many([f"k{i}" for i in range(50)]) == {f"k{i}": "a" for i in range(50)}
+        c.start(leader)
+        c.start(follower)
+        c.wait_converged(30)
+        assert c.get("after") == "two-failures"
