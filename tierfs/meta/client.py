@@ -127,7 +127,7 @@ class MetaClient:
     # ---- the retry loop -------------------------------------------------------
 
     async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
-                    addr: str | None = None) -> _R:
+                    addr: str | None = None, attempt_timeout: float | None = None) -> _R:
         loop = asyncio.get_running_loop()
         end = loop.time() + self.deadline
         md: tuple[tuple[str, str], ...] = ()
@@ -147,7 +147,7 @@ class MetaClient:
                 tried.append(target)
             try:
                 reply = await getattr(self._stub(target), method)(
-                    req, timeout=min(remaining, self.attempt_timeout), metadata=md)
+                    req, timeout=min(remaining, attempt_timeout or self.attempt_timeout), metadata=md)
                 if addr is None:
                     self._leader = target
                 return reply  # type: ignore[no-any-return]
@@ -339,10 +339,13 @@ class MetaClient:
     async def digest(self, addr: str | None = None) -> pb.DigestReply:
         return await self._call("Digest", pb.Empty(), pb.DigestReply, addr=addr)
 
+    # Membership changes are not deduplicated by the state machine, so one
+    # attempt may use the whole deadline rather than be cut short and resent.
+
     async def add_member(self, raft_addr: str, grpc_addr: str) -> None:
         await self._call("AddMetaMember", pb.MetaMemberRequest(raft_addr=raft_addr, grpc_addr=grpc_addr),
-                         pb.Empty, mutating=True)
+                         pb.Empty, mutating=True, attempt_timeout=self.deadline)
 
     async def remove_member(self, raft_addr: str, grpc_addr: str) -> None:
         await self._call("RemoveMetaMember", pb.MetaMemberRequest(raft_addr=raft_addr, grpc_addr=grpc_addr),
-                         pb.Empty, mutating=True)
+                         pb.Empty, mutating=True, attempt_timeout=self.deadline)
