@@ -249,3 +249,51 @@ def test_optional_transport_that_cannot_bind_is_skipped(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="tierfs.net"):
         arun(body())
     assert any(getattr(r, "event", "") == "dataplane.transport_failed" for r in caplog.records)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("lie", ["bad hello", "ring overrun", "bad doorbell", "garbage frame"])
+def test_shm_peer_that_lies_is_dropped(lie: str) -> None:
+    """A local process that speaks the shm handshake wrongly, claims more
+    bytes than the ring holds, or puts garbage in the ring: only its own
+    connection goes."""
+    import os
+    import socket
+
+    from tierfs.net.shm import _BELL, _HELLO, socket_name
+
+    async def body() -> None:
+        store = MemoryFragmentStore(1)
+        server = await start_dataplane({1: store}, transports=("tcp", "shm"))
+        loop = asyncio.get_running_loop()
+        size = 1 << 16
+        fds = [os.memfd_create("lie"), os.memfd_create("lie")]
+        for fd in fds:
+            os.ftruncate(fd, size)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, socket_name(server.port))
+            magic = b"XXXX" if lie == "bad hello" else b"TFSM"
+            socket.send_fds(sock, [_HELLO.pack(magic, size)], fds)
+            if lie == "ring overrun":
+                await loop.sock_sendall(sock, _BELL.pack(b"W", size + 1))
+            elif lie == "bad doorbell":
+                await loop.sock_sendall(sock, _BELL.pack(b"Z", 1))
+            elif lie == "garbage frame":
+                with open(fds[0], "r+b", closefd=False) as f:
+                    f.write(b"\xff" * HEADER_SIZE)
+                await loop.sock_sendall(sock, _BELL.pack(b"W", HEADER_SIZE))
+            async with asyncio.timeout(10):
+                while await loop.sock_recv(sock, 4096):
+                    pass  # credit may come back first; then the hangup
+            async with DataClient(transport="shm", routes={1: server.address}) as c:
+                await c.write(1, KEY, b"fine")
+                assert await c.read(1, KEY) == b"fine"
+        finally:
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+            await server.close()
+
+    arun(body())

@@ -334,12 +334,15 @@ class DataClient:
     async def _call(self, target: int, op: Op, key: FragmentKey | None, timeout: float | None = None,
                     **kw: Any) -> tuple[Header, memoryview | None]:
         t = self.request_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
         try:
-            async with asyncio.timeout(t):
+            async with asyncio.timeout_at(deadline):
                 conn = await self._pool(target).get()
         except TimeoutError:
             raise TimeoutError_(f"connecting for {op.name} on target {target} timed out") from None
-        return await conn.call(op, target, key, timeout=t, **kw)
+        # One deadline covers getting a connection and the request itself.
+        return await conn.call(op, target, key, timeout=max(0.0, deadline - loop.time()), **kw)
 
     # --- operations ------------------------------------------------------------
 
@@ -429,11 +432,15 @@ class DataClient:
                 else:
                     groups.setdefault(addr, []).append(i)
 
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
+
         async def one(addr: tuple[str, int], idx: list[int]) -> None:
             try:
-                async with asyncio.timeout(t):
+                async with asyncio.timeout_at(deadline):
                     conn = await self._pool(reqs[idx[0]].target).get()  # type: ignore[union-attr]
-                got = await conn.call_many([reqs[i] for i in idx], t)  # type: ignore[misc]
+                got = await conn.call_many([reqs[i] for i in idx],  # type: ignore[misc]
+                                           max(0.0, deadline - loop.time()))
             except TimeoutError:
                 got = [TimeoutError_(f"connecting to {addr[0]}:{addr[1]} timed out")] * len(idx)
             except TierFSError as exc:
