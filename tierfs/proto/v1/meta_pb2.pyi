@@ -345,6 +345,7 @@ class MkdirRequest(_message.Message):
     UID_FIELD_NUMBER: _builtins.int
     GID_FIELD_NUMBER: _builtins.int
     mode: _builtins.int
+    """permission bits; 0 = 0755"""
     uid: _builtins.int
     gid: _builtins.int
     @_builtins.property
@@ -377,6 +378,7 @@ class CreateRequest(_message.Message):
     HAS_LAYOUT_FIELD_NUMBER: _builtins.int
     MAP_VERSION_FIELD_NUMBER: _builtins.int
     mode: _builtins.int
+    """permission bits; 0 = 0644"""
     uid: _builtins.int
     gid: _builtins.int
     has_layout: _builtins.bool
