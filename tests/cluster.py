@@ -113,7 +113,10 @@ class MetaCluster:
         external: Sequence[str] = (),
         data_root: Path | None = None,
         start: bool = True,
+        peer_grpc: bool = True,
     ) -> None:
+        """``peer_grpc=False`` gives replicas only their peers' raft
+        addresses: the leader's gRPC address then comes from the log."""
         self.state_machine = state_machine
         self.extra_args = list(extra_args)
         self.external = list(external)
@@ -128,7 +131,7 @@ class MetaCluster:
         rafts = [f"127.0.0.1:{p}" for p in ports[:n]]
         grpcs = [f"127.0.0.1:{p}" for p in ports[n:]]
         for i in range(n):
-            peers = [f"{rafts[j]}={grpcs[j]}" for j in range(n) if j != i]
+            peers = [f"{rafts[j]}={grpcs[j]}" if peer_grpc else rafts[j] for j in range(n) if j != i]
             self.replicas.append(Replica(i, rafts[i], grpcs[i], self.data_root / f"meta{i}", peers))
         if start:
             for i in range(n):

@@ -76,3 +76,22 @@ def _has_conn(c: MetaCluster, i: int) -> bool:
         lines = f.readlines()[1:]
     hexport = f"{port:04X}"
     return any(line.split()[1].endswith(":" + hexport) and line.split()[3] == "01" for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_leader_grpc_address_is_replicated_when_not_configured(tmp_path: Path) -> None:
+    if meta_cluster_from_env() is not None:
+        pytest.skip("starts its own replicas")
+    with MetaCluster(tmp_path, n=3, peer_grpc=False) as c:
+        leader = c.wait_leader()
+        followers = [i for i in range(3) if i != leader]
+        for f in followers:
+            wait_for(lambda f=f: c.status(f)["leader"] == c.addresses[leader], 20, "leader address on follower")
+        with pytest.raises(NotLeaderError) as ei:
+            c.admin(followers[0], "Put", {"k": "a"})
+        assert ei.value.leader == c.addresses[leader]
+        # ... and survives a new election (the new leader registers itself)
+        c.kill(leader)
+        new = c.wait_leader()
+        other = next(i for i in followers if i != new)
+        wait_for(lambda: c.status(other)["leader"] == c.addresses[new], 20, "new leader address")

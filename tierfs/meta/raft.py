@@ -184,6 +184,7 @@ class _Node(SyncObj):  # type: ignore[misc]
 
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
     def tfs_register(self, raft_addr: str, grpc_addr: str) -> None:
+        self.tfs_owner._registered[raft_addr] = grpc_addr
         self.tfs_owner._addr_map[raft_addr] = grpc_addr
 
 
@@ -257,6 +258,8 @@ class RaftReplicator:
         # raft -> gRPC: configured seeds, then whatever the log registered.
         self._addr_map: dict[str, str] = {r: g for r, g in self._peers.items() if g}
         self._addr_map[raft_addr] = grpc_addr
+        #: the replicated part of the map (from the log and snapshots)
+        self._registered: dict[str, str] = {}
         self._node: _Node | None = None
         self._journal: DurableJournal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -581,7 +584,7 @@ class RaftReplicator:
             RAFT_TERM.set(node.raftCurrentTerm)
         log.info("raft %s: %s -> %s (term %s)", self.node_id, _RAFT_ROLES.get(old), _RAFT_ROLES.get(new),
                  node.raftCurrentTerm if node is not None else "?")
-        if new == 2 and node is not None and self._addr_map.get(self._raft_addr) != self._grpc_addr:
+        if new == 2 and node is not None and self._registered.get(self._raft_addr) != self._grpc_addr:
             # Tell the followers where clients should go.
             node.tfs_register(self._raft_addr, self._grpc_addr)
 
@@ -667,7 +670,7 @@ class RaftReplicator:
         state = self._on_loop(self._sm.snapshot)
         snap = SnapshotFile(
             last=tuple(last), prev=tuple(prev),  # type: ignore[arg-type]
-            members=sorted(n.id for n in cluster), addr_map=dict(self._addr_map), state=state,
+            members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=state,
         )
         size = write_snapshot(tmp_path, snap, fsync=self._fsync)
         self.snapshots_written += 1
@@ -693,6 +696,7 @@ class RaftReplicator:
             if self._exit_on_fatal:
                 os._exit(70)
             raise
+        self._registered = dict(snap.addr_map)
         self._addr_map.update(snap.addr_map)
         self._addr_map[self._raft_addr] = self._grpc_addr
         log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
