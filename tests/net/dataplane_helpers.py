@@ -12,7 +12,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -125,3 +125,22 @@ def server_process(*args: str, log: Path, timeout: float = 30.0) -> Iterator[Ser
             proc.wait(timeout=15)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@contextlib.asynccontextmanager
+async def disk_store(root: Path, target_id: int) -> AsyncIterator[Any]:
+    """The chunk engine on ``root`` (posix backend), as the daemon builds it."""
+    from tierfs.buffers import BufferPool
+    from tierfs.storage.engine import ChunkEngine
+    from tierfs.storage.io import open_backend
+
+    pool = BufferPool(256 << 20)
+    backend = open_backend("posix", pool)
+    engine = ChunkEngine(root, target_id, backend, pool)
+    await engine.open()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+        await backend.aclose()
+        pool.close()

@@ -9,10 +9,11 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
-from dataplane_helpers import FaultyStore, arun, wait_for
+from dataplane_helpers import FaultyStore, arun, disk_store, wait_for
 
 from tierfs.errors import (
     CorruptError,
@@ -261,5 +262,31 @@ def test_timeouts_mid_payload_never_touch_the_buffer_afterwards(transport: str) 
                 assert bytes(dest) == snapshot
             assert "timeout" in outcomes
             assert await c.read(1, big, timeout=10) == data
+
+    arun(body())
+
+
+@pytest.mark.timeout(90)
+def test_chunk_engine_behind_the_data_plane(transport: str, tmp_path: Path) -> None:
+    """The same round trips with the real on-disk engine as the store."""
+
+    async def body() -> None:
+        async with disk_store(tmp_path / "t1", 1) as engine, served(transport, engine) as (_, c):
+            for i, n in enumerate(SIZES[:-1]):
+                key = FragmentKey(8, i, 0, 1)
+                data = pattern(n, i)
+                await c.write(1, key, data)
+                dest = bytearray(n)
+                assert await c.read_into(1, key, dest) == n and dest == data
+                assert (await c.stat(1, key)).size == n
+            key = FragmentKey(8, 5, 0, 1)
+            data = pattern(1 << 20, 5)
+            for off, ln in [(0, 1), (4095, 4097), (65536 * 3 + 17, 70_000), ((1 << 20) - 1, 1)]:
+                assert await c.read(1, key, off, ln) == data[off:off + ln]
+            with pytest.raises(NotFoundError):
+                await c.read(1, FragmentKey(8, 99, 0, 1))
+            assert await c.delete(1, key) is True
+            with pytest.raises(NotFoundError):
+                await c.stat(1, key)
 
     arun(body())
