@@ -1,0 +1,580 @@
+"""``AsyncClient``: the client SDK's engine (namespace calls, the striped
+read path and the chunk upload path). ``tierfs.client.sync.Client`` wraps it.
+
+Reads compute chunk -> placement group -> targets locally (``Router``), then
+fetch the byte ranges they need of the K data fragments of many chunks at
+once, straight into the caller's buffer (the code is systematic and the
+fragment format positional, see ``codec``). A fragment that fails (error,
+timeout, CRC mismatch) or sits on a target known to be down makes that chunk
+fetch K whole fragments, parity included, and decode. Writes encode each
+chunk into K+M fragments and store them on the group's targets in parallel;
+the file's new size and chunk versions become visible only when the writer
+closes (``commit_write``), after every fragment is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import functools
+import stat as _stat
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from tierfs.buffers import BufferPool
+from tierfs.client.codec import Codec, codec_for
+from tierfs.client.config import ClientConfig
+from tierfs.client.fanout import first_error, ordered
+from tierfs.client.routing import Router
+from tierfs.config import load
+from tierfs.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptError,
+    InsufficientTargetsError,
+    InvalidArgumentError,
+    IsADirectoryError_,
+    NotADirectoryError_,
+    NotFoundError,
+    StaleVersionError,
+    TierFSError,
+    TimeoutError_,
+    UnavailableError,
+)
+from tierfs.meta.client import MetaClient
+from tierfs.net import DataClient
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.storage.api import FragmentKey
+
+__all__ = ["AsyncClient", "FileStat"]
+
+_TYPES = {pb.INODE_TYPE_FILE: "file", pb.INODE_TYPE_DIRECTORY: "directory", pb.INODE_TYPE_SYMLINK: "symlink"}
+_MODE_BITS = {pb.INODE_TYPE_FILE: _stat.S_IFREG, pb.INODE_TYPE_DIRECTORY: _stat.S_IFDIR,
+              pb.INODE_TYPE_SYMLINK: _stat.S_IFLNK}
+#: A fragment failing with one of these will fail again: do not retry it.
+_PERMANENT = (NotFoundError, CorruptError, InvalidArgumentError, StaleVersionError)
+
+
+@dataclass(frozen=True, slots=True)
+class FileStat:
+    """What ``stat``/``ls(detail=True)`` return."""
+
+    path: str
+    inode: int
+    type: str  # "file" | "directory" | "symlink"
+    size: int
+    mode: int  # st_mode (type bits included)
+    uid: int
+    gid: int
+    mtime: float  # seconds since the epoch
+    ctime: float
+    nlink: int
+    redundancy: str  # "ec:4+2", "replica:3"
+    chunk_size: int
+    writing: bool  # a write session is open
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "directory"
+
+    @property
+    def is_file(self) -> bool:
+        return self.type == "file"
+
+
+def _to_stat(path: str, attr: pb.Attr, layout: pb.Layout | None, writing: bool = False) -> FileStat:
+    red = layout.redundancy if layout is not None else ""
+    cs = layout.chunk_size if layout is not None else 0
+    return FileStat(path=path, inode=attr.inode, type=_TYPES.get(attr.type, "unknown"), size=attr.size,
+                    mode=_MODE_BITS.get(attr.type, 0) | (attr.mode & 0o7777), uid=attr.uid, gid=attr.gid,
+                    mtime=attr.mtime_ns / 1e9, ctime=attr.ctime_ns / 1e9, nlink=attr.nlink,
+                    redundancy=red, chunk_size=cs, writing=writing)
+
+
+def _join(parent: str, name: str) -> str:
+    return parent.rstrip("/") + "/" + name
+
+
+def _norm(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
+    return path
+
+
+class ChunkVersions:
+    """Committed chunk versions of a file (from ``FileInfo.chunks`` runs)."""
+
+    __slots__ = ("_count", "_first", "_version")
+
+    def __init__(self, runs: Sequence[pb.ChunkRun]) -> None:
+        rs = sorted(runs, key=lambda r: r.first)
+        self._first = [r.first for r in rs]
+        self._count = [r.count for r in rs]
+        self._version = [r.version for r in rs]
+
+    def get(self, idx: int) -> int | None:
+        i = bisect.bisect_right(self._first, idx) - 1
+        if i >= 0 and idx < self._first[i] + self._count[i]:
+            return self._version[i]
+        return None
+
+
+@dataclass(slots=True)
+class FileView:
+    """What a read needs to know about one file (a snapshot)."""
+
+    path: str
+    inode: int
+    size: int
+    chunk_size: int
+    codec: Codec
+    groups: tuple[int, ...]
+    version: Callable[[int], int | None]
+
+    @classmethod
+    def of(cls, path: str, info: pb.FileInfo) -> FileView:
+        if info.attr.type == pb.INODE_TYPE_DIRECTORY:
+            raise IsADirectoryError_(f"{path} is a directory")
+        if info.attr.type != pb.INODE_TYPE_FILE:
+            raise InvalidArgumentError(f"{path} is not a regular file")
+        lay = info.layout
+        return cls(path, info.attr.inode, info.attr.size, lay.chunk_size, codec_for(lay), tuple(lay.groups),
+                   ChunkVersions(info.chunks).get)
+
+
+def _zero(view: memoryview) -> None:
+    if len(view):
+        view[:] = bytes(len(view))
+
+
+def _as_bytes_view(buffer: Any) -> memoryview:
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise InvalidArgumentError("buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class AsyncClient:
+    """The TierFS client (async). ``meta``: meta replica addresses (a list or
+    a comma-separated string; default from ``TIERFS_META``); other options
+    as in :class:`ClientConfig` (``config=`` or keyword overrides)."""
+
+    def __init__(self, meta: Sequence[str] | str | None = None, *, config: ClientConfig | None = None,
+                 **options: Any) -> None:
+        meta_list: list[str] | None = None
+        if meta is not None:
+            meta_list = [a.strip() for a in meta.split(",") if a.strip()] if isinstance(meta, str) else list(meta)
+        if config is None:
+            config = load(ClientConfig, overrides={**options, **({"meta": meta_list} if meta_list else {})})
+        elif meta_list is not None or options:
+            config = config.replace(**options, **({"meta": meta_list} if meta_list is not None else {}))
+        if not config.meta:
+            raise ConfigError("no meta address: pass meta=[...] or set TIERFS_META=host:port,...", field="meta")
+        self.config = config
+        self.pool = BufferPool(config.buffer_pool_bytes)
+        self._meta: MetaClient | None = None
+        self._data: DataClient | None = None
+        self._router: Router | None = None
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    def _parts(self) -> tuple[MetaClient, DataClient, Router]:
+        if self._closed:
+            raise UnavailableError("the client is closed")
+        if self._meta is None or self._data is None or self._router is None:
+            c = self.config
+            self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
+                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+            self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
+                                    request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
+            self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
+                                  failed_ttl=c.failed_target_ttl)
+        return self._meta, self._data, self._router
+
+    @property
+    def meta(self) -> MetaClient:
+        return self._parts()[0]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        meta, data = self._meta, self._data
+        self._meta = self._data = self._router = None
+        if data is not None:
+            await data.close()
+        if meta is not None:
+            await meta.close()
+        self.pool.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    # ---- namespace ------------------------------------------------------------
+
+    async def stat(self, path: str) -> FileStat:
+        info = await self.meta.stat(_norm(path))
+        return _to_stat(path, info.attr, info.layout, info.writing)
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.meta.stat(_norm(path))
+        except NotFoundError:
+            return False
+        return True
+
+    async def ls(self, path: str = "/", *, detail: bool = False) -> list[Any]:
+        """Names in a directory (sorted), or FileStat entries with ``detail``."""
+        meta = self.meta
+        out: list[Any] = []
+        async for e in meta.iterdir(_norm(path)):
+            out.append(_to_stat(_join(path, e.name), e.attr, None) if detail else e.name)
+        out.sort(key=lambda x: x.path if detail else x)
+        return out
+
+    async def walk(self, path: str) -> AsyncIterator[tuple[str, list[str], list[str]]]:
+        """Like ``os.walk`` (top-down)."""
+        dirs: list[str] = []
+        files: list[str] = []
+        async for e in self.meta.iterdir(_norm(path)):
+            (dirs if e.attr.type == pb.INODE_TYPE_DIRECTORY else files).append(e.name)
+        yield path, sorted(dirs), sorted(files)
+        for d in sorted(dirs):
+            async for x in self.walk(_join(path, d)):
+                yield x
+
+    async def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, mode: int = 0o755) -> None:
+        path = _norm(path)
+        if not parents:
+            try:
+                await self.meta.mkdir(path, mode=mode)
+            except AlreadyExistsError:
+                if not exist_ok or not (await self.stat(path)).is_dir:
+                    raise
+            return
+        cur = ""
+        parts = [p for p in path.split("/") if p]
+        for i, name in enumerate(parts):
+            cur += "/" + name
+            try:
+                await self.meta.mkdir(cur, mode=mode)
+            except AlreadyExistsError:
+                st = await self.stat(cur)
+                if not st.is_dir:
+                    raise NotADirectoryError_(f"{cur} exists and is not a directory") from None
+                if i == len(parts) - 1 and not exist_ok:
+                    raise
+
+    async def rm(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, a symlink, or a directory (its contents too with
+        ``recursive``; an empty one without)."""
+        path = _norm(path)
+        st = await self.meta.stat(path)
+        if st.attr.type != pb.INODE_TYPE_DIRECTORY:
+            await self.meta.unlink(path)
+            return
+        if recursive:
+            names = [(e.name, e.attr.type) async for e in self.meta.iterdir(path)]
+            for name, typ in names:
+                child = _join(path, name)
+                if typ == pb.INODE_TYPE_DIRECTORY:
+                    await self.rm(child, recursive=True)
+                else:
+                    await self.meta.unlink(child)
+        await self.meta.rmdir(path)
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self.meta.rename(_norm(src), _norm(dst))
+
+    async def truncate(self, path: str, size: int) -> None:
+        await self.meta.truncate(_norm(path), size)
+
+    async def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "",
+                         stripe_width: int = 0) -> pb.Layout:
+        """Layout for new files under directory ``path`` (inherited)."""
+        return await self.meta.set_layout(_norm(path), chunk_size=chunk_size, redundancy=redundancy,
+                                          stripe_width=stripe_width)
+
+    # ---- whole-file helpers --------------------------------------------------------
+
+    async def read_into(self, path: str, buffer: Any, offset: int = 0) -> int:
+        """Fill ``buffer`` (bytearray, mmap, numpy array: anything writable
+        and C-contiguous) with the file's bytes from ``offset``, straight from
+        the network; returns the bytes read (short at EOF)."""
+        dest = _as_bytes_view(buffer)
+        if dest.readonly:
+            raise InvalidArgumentError("read_into needs a writable buffer")
+        if offset < 0:
+            raise InvalidArgumentError(f"negative offset {offset}")
+        view = FileView.of(path, await self.meta.stat(_norm(path)))
+        return await self._read_range(view, offset, dest)
+
+    async def read_bytes(self, path: str) -> bytes:
+        view = FileView.of(path, await self.meta.stat(_norm(path)))
+        buf = bytearray(view.size)
+        n = await self._read_range(view, 0, memoryview(buf))
+        return bytes(buf[:n]) if n < len(buf) else bytes(buf)
+
+    async def write_bytes(self, path: str, data: Any) -> int:
+        f = await self.open(path, "wb")
+        async with f:
+            n: int = await f.write(data)
+        return n
+
+    async def open(self, path: str, mode: str = "rb") -> Any:
+        """An :class:`~tierfs.client.file.AsyncFile` (modes r, w, a, x, with
+        optional ``+``; always binary)."""
+        from tierfs.client.file import AsyncFile
+
+        return await AsyncFile.open(self, _norm(path), mode)
+
+    # ---- the read path ----------------------------------------------------------
+
+    async def _read_range(self, view: FileView, offset: int, dest: memoryview) -> int:
+        """Read ``[offset, offset+len(dest))`` of ``view`` into ``dest``
+        (clipped at EOF); returns the bytes read."""
+        end = min(offset + len(dest), view.size)
+        if end <= offset:
+            return 0
+        cs = view.chunk_size
+        jobs: list[Callable[[], Awaitable[None]]] = []
+        for idx in range(offset // cs, (end - 1) // cs + 1):
+            cstart = idx * cs
+            a = max(offset, cstart) - cstart
+            b = min(end, cstart + cs) - cstart
+            d = dest[cstart + a - offset: cstart + b - offset]
+            ver = view.version(idx)
+            if ver is None:
+                _zero(d)  # a hole: never written
+                continue
+            jobs.append(functools.partial(self._read_chunk, view, idx, ver, a, b, d))
+        err = first_error(await ordered(jobs, self.config.read_concurrency))
+        if err is not None:
+            raise err
+        return end - offset
+
+    async def _read_chunk(self, view: FileView, idx: int, ver: int, a: int, b: int, dest: memoryview) -> None:
+        _, _, router = self._parts()
+        if not view.groups:
+            raise StaleVersionError(f"{view.path} has no placement groups")
+        gid = view.groups[idx % len(view.groups)]
+        for attempt in (0, 1):
+            targets = await router.targets(gid)
+            if len(targets) != view.codec.width:
+                raise StaleVersionError(f"group {gid} has {len(targets)} targets; {view.codec!r} needs "
+                                        f"{view.codec.width}")
+            try:
+                if view.codec.replicated:
+                    await self._read_replica(view, idx, ver, targets, a, b, dest)
+                else:
+                    await self._read_ec(view, idx, ver, targets, a, b, dest)
+                return
+            except InsufficientTargetsError:
+                # The group may have moved (a target replaced): retry once on a newer map.
+                if attempt == 0 and await router.refresh():
+                    continue
+                raise
+
+    def _note(self, target: int, exc: TierFSError) -> None:
+        if isinstance(exc, UnavailableError | TimeoutError_):
+            self._parts()[2].mark_failed(target)
+
+    async def _beyond_end(self, target: int, key: FragmentKey, offset: int) -> bool:
+        """Whether a ranged read was refused only because the (trimmed)
+        fragment ends before ``offset``: those bytes are zeros."""
+        try:
+            info = await self._parts()[1].stat(target, key, timeout=self.config.request_timeout)
+        except TierFSError:
+            return False
+        return info.size <= offset
+
+    async def _read_ec(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
+                       dest: memoryview) -> None:
+        _, data, router = self._parts()
+        codec = view.codec
+        f = codec.frag_size(view.chunk_size)
+        pieces: list[tuple[int, int, memoryview]] = []
+        for j in range(codec.k):
+            lo, hi = max(a, j * f), min(b, (j + 1) * f)
+            if lo < hi:
+                pieces.append((j, lo - j * f, dest[lo - a: hi - a]))
+        bad: dict[int, TierFSError] = {}
+        down = [j for j, _, _ in pieces if not router.usable(targets[j])]
+        if down:
+            for j in down:
+                bad[j] = UnavailableError(f"target {targets[j]} is offline or failed just now")
+        else:
+            keys = [FragmentKey(view.inode, idx, j, ver) for j, _, _ in pieces]
+            res = await data.read_batch([(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)],
+                                        timeout=self.config.request_timeout)
+            for (j, o, d), k, r in zip(pieces, keys, res, strict=True):
+                if isinstance(r, int):
+                    if r < len(d):
+                        _zero(d[r:])
+                elif isinstance(r, InvalidArgumentError) and o > 0 and await self._beyond_end(targets[j], k, o):
+                    _zero(d)
+                else:
+                    bad[j] = r
+                    self._note(targets[j], r)
+            if not bad:
+                return
+        await self._decode_into(view, idx, ver, targets, a, b, dest, bad)
+
+    async def _decode_into(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
+                           dest: memoryview, bad: dict[int, TierFSError]) -> None:
+        """Fetch whole fragments from any K targets (data first, then parity)
+        and rebuild ``dest`` (chunk bytes ``[a, b)``) from them."""
+        _, data, router = self._parts()
+        codec, cfg = view.codec, self.config
+        k, f = codec.k, codec.frag_size(view.chunk_size)
+        errors: dict[int, TierFSError] = dict(bad)
+        perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)}
+        order = sorted(range(codec.width), key=lambda j: (j in bad, not router.usable(targets[j]), j))
+        have: dict[int, memoryview] = {}
+        bufs: list[memoryview] = []
+        tried: set[int] = set()
+        rounds, delay = 1, cfg.backoff_initial
+        try:
+            while len(have) < k:
+                need = k - len(have)
+                cands = [j for j in order if j not in have and j not in perm and j not in tried]
+                if len(cands) < need:
+                    left = [j for j in order if j not in have and j not in perm]
+                    if rounds >= cfg.retries or len(left) < need:
+                        detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
+                                           for j, e in sorted(errors.items()) if j not in have)
+                        raise InsufficientTargetsError(
+                            f"{view.path}: chunk {idx} (inode {view.inode}, version {ver}) is unreadable: "
+                            f"{len(have)} of the {k} fragments needed arrived ({codec!r}); {detail}")
+                    rounds += 1
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, cfg.backoff_max)
+                    tried = set()
+                    continue
+                pick = cands[:need]
+                tried.update(pick)
+                items = []
+                for j in pick:
+                    buf = self.pool.get(f)
+                    bufs.append(buf)
+                    items.append((targets[j], FragmentKey(view.inode, idx, j, ver), buf, 0))
+                res = await data.read_batch(items, timeout=cfg.request_timeout)
+                for j, (_, _, buf, _), r in zip(pick, items, res, strict=True):
+                    if isinstance(r, int):
+                        have[j] = buf[:r]
+                        router.mark_ok(targets[j])
+                    else:
+                        errors[j] = r
+                        self._note(targets[j], r)
+                        if isinstance(r, _PERMANENT):
+                            perm.add(j)
+            if all(j in have for j in range(k)):
+                for j in range(k):
+                    lo, hi = max(a, j * f), min(b, (j + 1) * f)
+                    if lo < hi:
+                        src = have[j][lo - j * f: hi - j * f]
+                        dest[lo - a: lo - a + len(src)] = src
+                        _zero(dest[lo - a + len(src): hi - a])
+                return
+            p = max(len(have[j]) for j in have if j >= k)
+            if any(len(v) > p for v in have.values()):
+                raise CorruptError(f"{view.path}: chunk {idx}: fragments longer than the parity ({p} bytes)")
+            plain = codec.decode(have, p)
+            for j in range(k):
+                lo, hi = max(a, j * f), min(b, (j + 1) * f)
+                if lo >= hi:
+                    continue
+                o = lo - j * f
+                n = max(0, min(hi - lo, p - o))
+                dest[lo - a: lo - a + n] = memoryview(plain)[j * p + o: j * p + o + n]
+                _zero(dest[lo - a + n: hi - a])
+        finally:
+            for buf in bufs:
+                self.pool.put(buf)
+
+    async def _read_replica(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
+                            dest: memoryview) -> None:
+        _, data, router = self._parts()
+        cfg = self.config
+        w = len(targets)
+        # Spread reads over the copies; targets known to be down go last.
+        order = sorted(range(w), key=lambda j: (not router.usable(targets[j]), (j - idx) % w))
+        errors: dict[int, TierFSError] = {}
+        perm: set[int] = set()
+        delay = cfg.backoff_initial
+        for rnd in range(cfg.retries):
+            for j in order:
+                if j in perm:
+                    continue
+                key = FragmentKey(view.inode, idx, j, ver)
+                try:
+                    n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout)
+                except InvalidArgumentError as exc:
+                    if a > 0 and await self._beyond_end(targets[j], key, a):
+                        _zero(dest)
+                        return
+                    errors[j] = exc
+                    perm.add(j)
+                    continue
+                except TierFSError as exc:
+                    errors[j] = exc
+                    self._note(targets[j], exc)
+                    if isinstance(exc, _PERMANENT):
+                        perm.add(j)
+                    continue
+                if n < len(dest):
+                    _zero(dest[n:])
+                router.mark_ok(targets[j])
+                return
+            if len(perm) == w or rnd == cfg.retries - 1:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max)
+        detail = "; ".join(f"copy {j} on target {targets[j]}: {type(e).__name__}: {e}" for j, e in sorted(errors.items()))
+        raise InsufficientTargetsError(f"{view.path}: chunk {idx} (inode {view.inode}, version {ver}) is "
+                                       f"unreadable: no copy of {w} answered; {detail}")
+
+    # ---- the write path ---------------------------------------------------------
+
+    async def _write_chunk(self, view: FileView, idx: int, version: int, frags: Sequence[Any]) -> None:
+        """Store the K+M fragments of chunk ``idx`` (tagged ``version``) on its
+        group, all in parallel; every fragment must be durable."""
+        _, data, router = self._parts()
+        cfg = self.config
+        gid = view.groups[idx % len(view.groups)]
+        targets = await router.targets(gid)
+        if len(targets) != len(frags):
+            raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {len(frags)}")
+        pending = list(range(len(frags)))
+        errors: dict[int, TierFSError] = {}
+        delay = cfg.backoff_initial
+        for attempt in range(cfg.retries):
+            res = await data.write_batch(
+                [(targets[j], FragmentKey(view.inode, idx, j, version), frags[j]) for j in pending],
+                timeout=cfg.request_timeout)
+            failed = []
+            for j, r in zip(pending, res, strict=True):
+                if r is None:
+                    continue
+                errors[j] = r
+                self._note(targets[j], r)
+                if not isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
+                    raise type(r)(f"{view.path}: chunk {idx}: fragment {j} on target {targets[j]}: {r}")
+                failed.append(j)
+            if not failed:
+                return
+            pending = failed
+            if attempt < cfg.retries - 1:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cfg.backoff_max)
+        detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(errors[j]).__name__}: {errors[j]}"
+                           for j in pending)
+        raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid} "
+                               f"after {cfg.retries} attempts: {detail}")

@@ -1,0 +1,58 @@
+"""Configuration of the client SDK (TOML top level or ``[client]``-less file,
+environment ``TIERFS_<FIELD>``: ``TIERFS_META=host:port,host:port`` names the
+meta replicas)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from tierfs.config import BaseConfig, field
+from tierfs.errors import ConfigError
+
+__all__ = ["ClientConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig(BaseConfig):
+    SECTION: ClassVar[str] = ""
+
+    meta: list[str] = field([], "gRPC addresses (host:port) of the meta replicas; any subset will do.")
+    transport: str = field("tcp", "Data-plane transport: tcp, shm (same host), rdma, or auto (shm on loopback).")
+    connections_per_peer: int = field(2, "Data-plane connections per storage node.")
+    request_timeout: float = field(10.0, "Deadline of one data-plane request (one attempt).", kind="duration")
+    connect_timeout: float = field(3.0, "Deadline of one data-plane connection attempt.", kind="duration")
+    meta_deadline: float = field(
+        20.0, "Total time a metadata call may spend, retries and leader fail-over included.", kind="duration")
+    meta_attempt_timeout: float = field(3.0, "Deadline of one metadata RPC attempt.", kind="duration")
+    retries: int = field(3, "Attempts per fragment before it counts as lost (the read then decodes around it).")
+    backoff_initial: float = field(0.05, "First retry delay; doubles per attempt.", kind="duration")
+    backoff_max: float = field(1.0, "Largest retry delay.", kind="duration")
+    read_concurrency: int = field(16, "Chunks one read keeps in flight.")
+    write_concurrency: int = field(8, "Chunks one writer keeps in flight (encoded, being sent).")
+    lease_ms: int = field(30_000, "Write-session lease asked of meta; renewed every third of it.")
+    failed_target_ttl: float = field(
+        5.0, "A target that just failed is skipped (reads go straight to parity) for this long.", kind="duration")
+    map_refresh_interval: float = field(
+        0.5, "Least time between two cluster-map refreshes caused by errors.", kind="duration")
+    buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
+
+    def validate(self) -> None:
+        for addr in self.meta:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"not a host:port address: {addr!r}", field="meta")
+        if self.transport not in ("tcp", "shm", "rdma", "auto"):
+            raise ConfigError(f"unknown transport {self.transport!r} (tcp, shm, rdma, auto)", field="transport")
+        for name in ("connections_per_peer", "retries", "read_concurrency", "write_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", field=name)
+        for name in ("request_timeout", "connect_timeout", "meta_deadline", "meta_attempt_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError("must be > 0", field=name)
+        if self.backoff_initial < 0 or self.backoff_max < self.backoff_initial:
+            raise ConfigError("must be >= 0 and <= backoff_max", field="backoff_initial")
+        if self.lease_ms < 1000:
+            raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
+        if self.failed_target_ttl < 0 or self.map_refresh_interval < 0 or self.buffer_pool_bytes < 0:
+            raise ConfigError("must be >= 0", field="failed_target_ttl")

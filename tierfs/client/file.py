@@ -1,0 +1,430 @@
+"""``AsyncFile``: an open TierFS file (reader, writer, or both).
+
+A writer holds a write session (``open_write``) whose lease a background
+task renews, telling meta which chunks it has stored so far (so they are
+garbage-collected if the writer dies). Writes land in one staging chunk (a
+pool buffer); a full chunk, or a chunk left behind by a seek, is encoded and
+sent while the caller goes on writing, at most ``write_concurrency`` chunks
+at once. A write that covers a whole chunk is encoded straight from the
+caller's memory. A partial write over existing data reads the chunk first
+(read-modify-write). ``close`` waits until every fragment is durable and
+then commits the size and the chunk versions (``commit_write``): only then
+do readers see the new contents. Any failure aborts the session (nothing of
+it becomes visible) and the error surfaces at the next call or at close.
+
+``flush`` makes the data written so far durable on the storage targets but
+does not publish it (the session stays open); a file is published at close.
+Readers of a file opened read-only keep one chunk cached for small reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from tierfs.client.client import ChunkVersions, FileView, _as_bytes_view
+from tierfs.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    SessionExpiredError,
+    TierFSError,
+)
+from tierfs.proto.v1 import meta_pb2 as pb
+
+if TYPE_CHECKING:
+    from tierfs.client.client import AsyncClient
+
+__all__ = ["AsyncFile"]
+
+
+def _parse_mode(mode: str) -> tuple[str, bool]:
+    """``"r+b"`` -> ("r", True). Text mode is refused."""
+    if "t" in mode:
+        raise InvalidArgumentError(f"text mode {mode!r} is not supported: TierFS files are binary")
+    base = mode.replace("b", "")
+    plus = "+" in base
+    base = base.replace("+", "")
+    if base not in ("r", "w", "a", "x") or len(mode) != len(set(mode)):
+        raise InvalidArgumentError(f"invalid mode {mode!r} (r, w, a, x, with optional + and b)")
+    return base, plus
+
+
+class _Staging:
+    """The chunk being written: ``buf[:fill]`` is its content."""
+
+    __slots__ = ("buf", "fill", "idx")
+
+    def __init__(self, idx: int, buf: memoryview, fill: int) -> None:
+        self.idx, self.buf, self.fill = idx, buf, fill
+
+
+class AsyncFile:
+    """Use :meth:`AsyncClient.open` to get one."""
+
+    def __init__(self, client: AsyncClient, path: str, mode: str, info: pb.FileInfo, *,
+                 readable: bool, writable: bool, append: bool, session: pb.OpenWriteReply | None) -> None:
+        self._client = client
+        self.path = path
+        self.mode = mode
+        self._readable = readable
+        self._writable = writable
+        self._append = append
+        self._info = info
+        self._view = FileView.of(path, info)
+        self.size = info.attr.size
+        self.pos = self.size if append else 0
+        self.closed = False
+        self._session = session
+        self._committed = ChunkVersions(info.chunks)
+        self._written: dict[int, int] = {}
+        self._unreported: list[int] = []
+        self._staging: _Staging | None = None
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._error: TierFSError | None = None
+        self._slots = asyncio.Semaphore(client.config.write_concurrency)
+        self._renewer: asyncio.Task[None] | None = None
+        self._cache: tuple[int, memoryview, int] | None = None  # (chunk, buffer, valid bytes)
+        if session is not None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+
+    @classmethod
+    async def open(cls, client: AsyncClient, path: str, mode: str) -> AsyncFile:
+        base, plus = _parse_mode(mode)
+        meta = client.meta
+        if base == "r" and not plus:
+            info = await meta.stat(path)
+            FileView.of(path, info)  # a directory or symlink is refused here
+            return cls(client, path, mode, info, readable=True, writable=False, append=False, session=None)
+        if base == "x":
+            await meta.create(path)
+        elif base in ("w", "a"):
+            try:
+                await meta.create(path)
+            except AlreadyExistsError:
+                if base == "w":
+                    info = await meta.stat(path)
+                    FileView.of(path, info)
+                    if info.attr.size or len(info.chunks):
+                        await meta.truncate(path, 0)  # O_TRUNC: old contents go to GC
+        cfg = client.config
+        reply = await meta.open_write(path, owner=f"tierfs-client pid {os.getpid()}", lease_ms=cfg.lease_ms)
+        try:
+            return cls(client, path, mode, reply.file, readable=plus, writable=True, append=base == "a",
+                       session=reply)
+        except BaseException:
+            with contextlib.suppress(TierFSError):
+                await meta.abort_write(reply.session_id)
+            raise
+
+    # ---- properties -----------------------------------------------------------
+
+    def readable(self) -> bool:
+        return self._readable
+
+    def writable(self) -> bool:
+        return self._writable
+
+    def seekable(self) -> bool:
+        return True
+
+    @property
+    def inode(self) -> int:
+        return self._view.inode
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._check_open()
+        if whence == os.SEEK_SET:
+            pos = offset
+        elif whence == os.SEEK_CUR:
+            pos = self.pos + offset
+        elif whence == os.SEEK_END:
+            pos = self.size + offset
+        else:
+            raise InvalidArgumentError(f"bad whence {whence}")
+        if pos < 0:
+            raise InvalidArgumentError(f"negative seek position {pos}")
+        self.pos = pos
+        return pos
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+
+    # ---- reading ----------------------------------------------------------------
+
+    def _current_view(self) -> FileView:
+        v = self._view
+        if not self._writable:
+            return v
+        written, committed = self._written, self._committed
+
+        def version(idx: int) -> int | None:
+            got = written.get(idx)
+            return got if got is not None else committed.get(idx)
+
+        return FileView(v.path, v.inode, self.size, v.chunk_size, v.codec, v.groups, version)
+
+    async def readinto(self, buffer: Any) -> int:
+        self._check_open()
+        if not self._readable:
+            raise InvalidArgumentError(f"{self.path} is not open for reading (mode {self.mode!r})")
+        dest = _as_bytes_view(buffer)
+        if self._writable:
+            await self.flush()
+        n = await self._read_at(self.pos, dest)
+        self.pos += n
+        return n
+
+    async def read(self, size: int = -1) -> bytes:
+        self._check_open()
+        if size is None or size < 0:
+            size = max(0, self.size - self.pos)
+        size = max(0, min(size, self.size - self.pos))
+        buf = bytearray(size)
+        n = await self.readinto(buf)
+        return bytes(buf) if n == size else bytes(buf[:n])
+
+    async def _read_at(self, offset: int, dest: memoryview) -> int:
+        view = self._current_view()
+        cs = view.chunk_size
+        if self._writable or len(dest) >= cs // 2:
+            return await self._client._read_range(view, offset, dest)
+        # Small reads go through a one-chunk cache (sequential readers of
+        # small records would otherwise pay a round trip each).
+        end = min(offset + len(dest), view.size)
+        done = 0
+        while offset + done < end:
+            idx, off = divmod(offset + done, cs)
+            buf, valid = await self._cached(view, idx)
+            n = min(end - offset - done, valid - off)
+            if n <= 0:
+                break
+            dest[done: done + n] = buf[off: off + n]
+            done += n
+        return done
+
+    async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int]:
+        if self._cache is not None and self._cache[0] == idx:
+            return self._cache[1], self._cache[2]
+        cs = view.chunk_size
+        pool = self._client.pool
+        if self._cache is not None:
+            buf = self._cache[1]
+            self._cache = None
+        else:
+            buf = pool.get(cs)
+        try:
+            valid = await self._client._read_range(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
+        except BaseException:
+            pool.put(buf)
+            raise
+        self._cache = (idx, buf, valid)
+        return buf, valid
+
+    # ---- writing ----------------------------------------------------------------
+
+    async def write(self, data: Any) -> int:
+        self._check_open()
+        if not self._writable:
+            raise InvalidArgumentError(f"{self.path} is not open for writing (mode {self.mode!r})")
+        if self._error is not None:
+            raise self._error
+        view = _as_bytes_view(data)
+        if self._append:
+            self.pos = self.size
+        cs = self._view.chunk_size
+        codec = self._view.codec
+        total, done = len(view), 0
+        while done < total:
+            idx, off = divmod(self.pos, cs)
+            n = min(cs - off, total - done)
+            piece = view[done: done + n]
+            if self._staging is not None and self._staging.idx != idx:
+                await self._stage_out()
+            if (self._staging is None and n == cs and not codec.replicated
+                    and codec.encode_size(cs) == cs):
+                # A whole chunk: encode from the caller's memory (the encoder
+                # copies it), no staging copy.
+                await self._wait_chunk(idx)
+                await self._submit(idx, codec.encode(piece, cs, cs), None)
+            else:
+                if self._staging is None:
+                    self._staging = await self._load(idx)
+                st = self._staging
+                if off > st.fill:
+                    st.buf[st.fill: off] = bytes(off - st.fill)
+                st.buf[off: off + n] = piece
+                st.fill = max(st.fill, off + n)
+                if st.fill == cs:
+                    await self._stage_out()
+            done += n
+            self.pos += n
+            if self.pos > self.size:
+                self.size = self.pos
+        return total
+
+    async def _wait_chunk(self, idx: int) -> None:
+        t = self._inflight.get(idx)
+        if t is not None:
+            await asyncio.wait([t])
+
+    async def _load(self, idx: int) -> _Staging:
+        """A staging buffer for chunk ``idx`` holding its current contents."""
+        cs = self._view.chunk_size
+        pool = self._client.pool
+        buf = pool.get(self._view.codec.encode_size(cs))
+        fill = 0
+        start = idx * cs
+        try:
+            exists = idx in self._written or self._committed.get(idx) is not None
+            if exists and start < self.size:
+                await self._wait_chunk(idx)
+                fill = await self._client._read_range(self._current_view(), start,
+                                                      buf[: min(cs, self.size - start)])
+        except BaseException:
+            pool.put(buf)
+            raise
+        return _Staging(idx, buf, fill)
+
+    async def _stage_out(self) -> None:
+        st, self._staging = self._staging, None
+        if st is None:
+            return
+        if st.fill == 0:
+            self._client.pool.put(st.buf)
+            return
+        st.buf[st.fill:] = bytes(len(st.buf) - st.fill)
+        await self._wait_chunk(st.idx)
+        await self._submit(st.idx, None, st)
+
+    async def _submit(self, idx: int, frags: list[memoryview] | None, st: _Staging | None) -> None:
+        await self._slots.acquire()
+        if self._error is not None:
+            self._slots.release()
+            if st is not None:
+                self._client.pool.put(st.buf)
+            raise self._error
+        task = asyncio.get_running_loop().create_task(self._upload(idx, frags, st))
+        self._inflight[idx] = task
+
+    async def _upload(self, idx: int, frags: list[memoryview] | None, st: _Staging | None) -> None:
+        client = self._client
+        view = self._view
+        assert self._session is not None
+        try:
+            if frags is None:
+                assert st is not None
+                frags = view.codec.encode(st.buf, st.fill, view.chunk_size)
+                if not view.codec.replicated:  # EC fragments no longer reference the buffer
+                    client.pool.put(st.buf)
+                    st = None
+            await client._write_chunk(view, idx, self._session.data_version, frags)
+            self._written[idx] = self._session.data_version
+            self._unreported.append(idx)
+        except TierFSError as exc:
+            if self._error is None:
+                self._error = exc
+        finally:
+            if st is not None:
+                client.pool.put(st.buf)
+            self._slots.release()
+            if self._inflight.get(idx) is asyncio.current_task():
+                del self._inflight[idx]
+
+    async def flush(self) -> None:
+        """Make everything written so far durable on the storage targets."""
+        self._check_open()
+        if not self._writable:
+            return
+        if self._staging is not None:
+            await self._stage_out()
+        if self._inflight:
+            await asyncio.wait(list(self._inflight.values()))
+        if self._error is not None:
+            raise self._error
+
+    async def _renew_loop(self) -> None:
+        assert self._session is not None
+        cfg = self._client.config
+        meta = self._client.meta
+        while True:
+            await asyncio.sleep(cfg.lease_ms / 3000)
+            chunks, self._unreported = self._unreported, []
+            try:
+                await meta.renew_lease(self._session.session_id, chunks=chunks, lease_ms=cfg.lease_ms)
+            except SessionExpiredError as exc:
+                self._error = self._error or exc
+                return
+            except TierFSError:
+                self._unreported = chunks + self._unreported  # meta unreachable for now: try again later
+
+    # ---- closing ----------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Publish the file (writers) and release everything."""
+        if self.closed:
+            return
+        if not self._writable:
+            self._finish()
+            return
+        try:
+            await self.flush()
+            await self._stop_renewer()
+            assert self._session is not None
+            info = await self._client.meta.commit_write(self._session.session_id, self.size, sorted(self._written))
+            self.size = info.attr.size
+        except BaseException:
+            await self.abort()
+            raise
+        self._finish()
+
+    async def abort(self) -> None:
+        """Drop what this writer wrote (nothing of it becomes visible)."""
+        if self.closed:
+            return
+        self._finish()
+        if self._inflight:
+            for t in self._inflight.values():
+                t.cancel()
+            await asyncio.wait(list(self._inflight.values()))
+        await self._stop_renewer()
+        if self._session is not None:
+            with contextlib.suppress(TierFSError):
+                await self._client.meta.abort_write(self._session.session_id, chunks=sorted(self._written))
+
+    def _finish(self) -> None:
+        self.closed = True
+        pool = self._client.pool
+        if self._cache is not None:
+            pool.put(self._cache[1])
+            self._cache = None
+        if self._staging is not None:
+            pool.put(self._staging.buf)
+            self._staging = None
+
+    async def _stop_renewer(self) -> None:
+        t, self._renewer = self._renewer, None
+        if t is not None:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TierFSError):
+                await t
+
+    async def __aenter__(self) -> AsyncFile:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if e is not None and self._writable:
+            await self.abort()
+        else:
+            await self.close()
+
+    def __repr__(self) -> str:
+        return f"<tierfs AsyncFile {self.path!r} mode={self.mode!r} pos={self.pos} size={self.size}>"
+

@@ -1,0 +1,100 @@
+"""The client's routing cache: the cluster map (groups -> targets -> node
+addresses and states) fetched from meta, refreshed when it turns out stale.
+
+Chunk ``i`` of a file lives in group ``layout.groups[i % len]``; fragment
+``j`` on that group's ``target_ids[j]``: computed here, no metadata call per
+chunk. A refresh happens on a miss (unknown group or target), after errors
+that may mean the map moved (a fragment not found, a target unreachable),
+and is rate-limited by ``min_interval`` unless forced by a miss. Targets
+that failed a request recently are remembered for ``failed_ttl`` seconds so
+that later chunks go straight to parity instead of waiting for the same
+timeout again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tierfs.errors import StaleVersionError
+from tierfs.meta.client import MetaClient
+from tierfs.net import DataClient
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = ["Router"]
+
+_READABLE = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
+
+
+class Router:
+    def __init__(self, meta: MetaClient, data: DataClient, *, min_interval: float = 0.5,
+                 failed_ttl: float = 5.0) -> None:
+        self.meta = meta
+        self.data = data
+        self.min_interval = min_interval
+        self.failed_ttl = failed_ttl
+        self.version = 0
+        self.groups: dict[int, tuple[int, ...]] = {}
+        self.state: dict[int, int] = {}
+        self._failed: dict[int, float] = {}
+        self._lock = asyncio.Lock()
+        self._last = -1e9
+
+    async def refresh(self, *, force: bool = False) -> bool:
+        """Fetch the map if it may have changed; True if the version moved."""
+        before = self.version
+        async with self._lock:
+            if self.version != before:
+                return True  # someone refreshed while we waited
+            now = time.monotonic()
+            if not force and self.version and now - self._last < self.min_interval:
+                return False
+            self._last = now
+            cmap = await self.meta.get_cluster_map(known_version=self.version)
+            if cmap.unchanged:
+                return False
+            self._apply(cmap)
+            return self.version != before
+
+    def _apply(self, cmap: pb.ClusterMap) -> None:
+        addr = {n.node_id: n.data_addr for n in cmap.nodes}
+        node_state = {n.node_id: n.state for n in cmap.nodes}
+        state: dict[int, int] = {}
+        for t in cmap.targets:
+            a = addr.get(t.node_id)
+            if a:
+                self.data.set_route(t.target_id, a)
+            online = node_state.get(t.node_id) == pb.NODE_STATE_ONLINE
+            state[t.target_id] = t.state if online else pb.TARGET_STATE_OFFLINE
+        self.state = state
+        self.groups = {g.group_id: tuple(g.target_ids) for g in cmap.groups}
+        self.version = cmap.version
+
+    async def targets(self, group_id: int) -> tuple[int, ...]:
+        """The ordered targets of a placement group (refreshing on a miss)."""
+        got = self.groups.get(group_id)
+        if got is None:
+            await self.refresh(force=True)
+            got = self.groups.get(group_id)
+            if got is None:
+                raise StaleVersionError(f"placement group {group_id} is not in cluster map version {self.version}")
+        return got
+
+    def usable(self, target: int) -> bool:
+        """Worth asking now: readable in the map and not failed just now."""
+        if self.state.get(target) not in _READABLE:
+            return False
+        until = self._failed.get(target)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            del self._failed[target]
+            return True
+        return False
+
+    def mark_failed(self, target: int) -> None:
+        if self.failed_ttl > 0:
+            self._failed[target] = time.monotonic() + self.failed_ttl
+
+    def mark_ok(self, target: int) -> None:
+        self._failed.pop(target, None)
