@@ -18,21 +18,25 @@ from tests.cluster import MetaCluster, meta_cluster_from_env  # noqa: E402
 
 @pytest.fixture
 def meta_cluster(tmp_path: Path) -> Iterator[MetaCluster]:
-    """Three real ``tierfs-meta`` replicas (toy kv state machine unless the
-    test is parametrized otherwise), or the deployment in TIERFS_TEST_META."""
+    """Three real ``tierfs-meta`` replicas serving the real namespace
+    (``MetaService``; use ``cluster.addresses`` with ``MetaClient``), or the
+    deployment in TIERFS_TEST_META. Tests that kill or restart replicas get
+    skipped against a deployment (``cluster.can_kill``)."""
     ext = meta_cluster_from_env()
     if ext is not None:
         yield ext
         return
-    with MetaCluster(tmp_path, n=3) as cluster:
+    with MetaCluster(tmp_path / "meta", n=3, state_machine="meta") as cluster:
         cluster.wait_leader()
         yield cluster
 
 
 @pytest.fixture
 def meta_cluster_factory(tmp_path: Path) -> Iterator[type[MetaCluster]]:
-    """Build clusters with custom options: ``meta_cluster_factory(n=5, ...)``;
-    every cluster built is torn down after the test."""
+    """Build clusters with custom options: ``meta_cluster_factory(n=5,
+    state_machine="kv", extra_args=[...])`` (MetaCluster's keywords; the
+    default state machine is the toy kv one); every cluster built is torn
+    down after the test."""
     made: list[MetaCluster] = []
 
     def make(n: int = 3, **kw: object) -> MetaCluster:

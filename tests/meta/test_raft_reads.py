@@ -4,27 +4,40 @@ answers with stale state."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.cluster import MetaCluster, admin_call, meta_cluster_from_env, wait_for
-from tierfs.errors import NotLeaderError, TierFSError
+from tierfs.errors import NotLeaderError, TierFSError, from_grpc
+from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import meta_pb2_grpc
 
 
 @pytest.mark.timeout(120)
-def test_follower_refuses_linearizable_read_but_serves_stale(meta_cluster: MetaCluster) -> None:
+def test_follower_refuses_linearizable_read(meta_cluster: MetaCluster) -> None:
+    """Runs against TIERFS_TEST_META too (nothing is killed)."""
     c = meta_cluster
-    c.put("a", "1")
+
+    async def make() -> None:
+        async with MetaClient(c.addresses, deadline=20.0) as mc:
+            await mc.mkdir("/read-me")
+
+    asyncio.run(make())
     leader = c.wait_leader()
     follower = next(i for i in c.live() if i != leader)
-    with pytest.raises(NotLeaderError) as ei:
-        c.admin(follower, "Get", {"k": "a"})
-    assert ei.value.leader == c.addresses[leader]
-    wait_for(lambda: c.admin(follower, "Get", {"k": "a", "stale": True})["value"] == "1", 10, "replication")
+    with grpc.insecure_channel(c.addresses[follower]) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Stat(pb.StatRequest(loc=pb.Loc(path="/read-me")), timeout=5)
+    err = from_grpc(ei.value)
+    assert isinstance(err, NotLeaderError) and err.leader == c.addresses[leader]
 
 
 @pytest.mark.timeout(120)
