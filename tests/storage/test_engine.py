@@ -288,3 +288,21 @@ def test_typed_and_foreign_buffers(make_backend: Callable[..., IOBackend], pool:
             eng.release(memoryview(bytearray(10)))  # not a pool buffer
 
     _run(make_backend, pool, tmp_path, body)
+
+
+@pytest.mark.timeout(30)
+def test_read_with_crc(make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path) -> None:
+    data = _data(200_000, 11)
+    key = FragmentKey(12, 0, 0, 1)
+
+    async def body(eng: ChunkEngine) -> None:
+        await _put(eng, key, data)
+        for off, ln, whole in [(0, -1, True), (0, len(data), True), (0, 10**9, True), (1, -1, False), (0, 100, False)]:
+            view, crc = await eng.read_with_crc(key, off, ln)
+            try:
+                assert bytes(view) == (data[off:] if ln == -1 else data[off : off + ln])
+                assert crc == (crc32c(data) if whole else None), (off, ln)
+            finally:
+                eng.release(view)
+
+    _run(make_backend, pool, tmp_path, body)

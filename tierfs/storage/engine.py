@@ -469,13 +469,20 @@ class ChunkEngine:
         self.counters["bytes_written"] += size
 
     async def read(self, key: FragmentKey, offset: int = 0, length: int = -1) -> memoryview:
+        view, _ = await self.read_with_crc(key, offset, length)
+        return view
+
+    async def read_with_crc(self, key: FragmentKey, offset: int = 0, length: int = -1) -> tuple[memoryview, int | None]:
+        """``read`` plus the verified CRC32C of the returned bytes when they are
+        the whole fragment (None for a part): the data plane then needs no
+        second pass over the payload."""
         self._busy += 1
         try:
             return await self._read(key, offset, length)
         finally:
             self._busy -= 1
 
-    async def _read(self, key: FragmentKey, offset: int, length: int) -> memoryview:
+    async def _read(self, key: FragmentKey, offset: int, length: int) -> tuple[memoryview, int | None]:
         self._check_readable()
         if offset < 0 or length < -1:
             raise InvalidArgumentError(f"bad range offset={offset} length={length}")
@@ -489,16 +496,20 @@ class ChunkEngine:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
         except OSError as exc:
             raise self._io_error("open", path, exc) from exc
+        crc: int | None = None
         try:
             if offset == 0 and (length == -1 or (entry.size >= 0 and length >= entry.size)):
-                view = await self._read_whole(fd, path, key, entry)
+                view, hdr = await self._read_whole(fd, path, key, entry)
+                crc = hdr.crc
             else:
-                view = await self._read_range(fd, path, key, entry, offset, length)
+                view, hdr = await self._read_range(fd, path, key, entry, offset, length)
+                if offset == 0 and view.nbytes == hdr.size:
+                    crc = hdr.crc
         finally:
             await self.backend.close(fd)
         self.counters["reads"] += 1
         self.counters["bytes_read"] += view.nbytes
-        return view
+        return view, crc
 
     async def delete(self, key: FragmentKey) -> bool:
         self._check_readable()
@@ -710,7 +721,9 @@ class ChunkEngine:
         entry.size, entry.crc = hdr.size, hdr.crc
         return hdr
 
-    async def _read_whole(self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry) -> memoryview:
+    async def _read_whole(
+        self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry
+    ) -> tuple[memoryview, _Header]:
         want = entry.file_len
         for _attempt in range(2):
             buf = self.pool.get(max(want, ALIGN))
@@ -733,19 +746,19 @@ class ChunkEngine:
                 self.pool.put(buf)
                 raise
             entry.size, entry.crc = hdr.size, hdr.crc
-            return payload
+            return payload, hdr
         raise InternalError("unreachable")  # pragma: no cover
 
     async def _read_range(
         self, fd: int, path: Path | str, key: FragmentKey, entry: _Entry, offset: int, length: int
-    ) -> memoryview:
+    ) -> tuple[memoryview, _Header]:
         hdr = await self._read_header(fd, path, key, entry)
         size = hdr.size
         if offset > size:
             raise InvalidArgumentError(f"offset {offset} is beyond the end of {key} ({size} bytes)")
         end = size if length == -1 else min(size, offset + length)
         if end <= offset:
-            return self.pool.get(0)
+            return self.pool.get(0), hdr
         b0, b1 = offset // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
         lo = b0 * BLOCK_SIZE
         hi = min((b1 + 1) * BLOCK_SIZE, size)
@@ -761,7 +774,7 @@ class ChunkEngine:
         except BaseException:
             self.pool.put(buf)
             raise
-        return buf[offset - lo : end - lo]
+        return buf[offset - lo : end - lo], hdr
 
     async def _crc_chain_value(self, data: memoryview, seed: int) -> int:
         if self._offload(data.nbytes):
