@@ -283,25 +283,22 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierfs-meta", description="Run one TierFS metadata replica.")
+    """One flag per MetaConfig field (help text from the field docs)."""
+    docs = MetaConfig.docs()
+    p = argparse.ArgumentParser(
+        prog="tierfs-meta", description="Run one TierFS metadata replica (see docs/raft.md).",
+        epilog="Precedence: flags > TIERFS_META_<FIELD> environment > --config TOML [meta] > defaults.",
+    )
     p.add_argument("--config", help="TOML file with a [meta] table")
-    p.add_argument("--node-id")
-    p.add_argument("--raft-addr")
-    p.add_argument("--grpc-addr")
-    p.add_argument("--peer", action="append", dest="peers", metavar="RAFT[=GRPC]",
-                   help="another member (repeat); RAFT=GRPC also gives its gRPC address")
-    p.add_argument("--data-dir")
-    p.add_argument("--state-machine", choices=["meta", "kv"])
-    p.add_argument("--metrics-addr")
-    p.add_argument("--log-level")
-    p.add_argument("--log-format", choices=["json", "text"])
-    p.add_argument("--fsync", dest="fsync", action="store_const", const="true")
+    p.add_argument("--peer", action="append", dest="peers", metavar="RAFT[=GRPC]", help=docs["peers"])
+    p.add_argument("--fsync", dest="fsync", action="store_const", const="true", help=docs["fsync"])
     p.add_argument("--no-fsync", dest="fsync", action="store_const", const="false")
-    for name in ("heartbeat-interval", "election-timeout-min", "election-timeout-max",
-                 "connection-timeout", "connection-retry", "leader-step-down",
-                 "snapshot-min-entries", "snapshot-min-interval", "submit-timeout",
-                 "heartbeat-timeout", "lease-duration", "tick-interval"):
-        p.add_argument(f"--{name}")
+    p.add_argument("--state-machine", choices=["meta", "kv"], help=docs["state_machine"])
+    p.add_argument("--log-format", choices=["json", "text"], help=docs["log_format"])
+    for name, doc in docs.items():
+        if name in ("peers", "fsync", "state_machine", "log_format"):
+            continue
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=doc.replace("%", "%%"))
     return p
 
 
