@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -215,6 +216,64 @@ class TestIOBackend:
                 assert await be.read_at(fd, small, 4096) == 4096
                 assert bytes(small) == _pattern(8 << 20, 1)[4096:8192]
                 pool.put(small)
+            finally:
+                await be.close(fd)
+                await be.aclose()
+
+        asyncio.run(main())
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("seed", [1, 2, 3])
+    def test_random_ops_match_a_model(
+        self, make_backend: object, pool: BufferPool, tmp_path: Path, direct: bool, seed: int
+    ) -> None:
+        """Random writes and reads (sizes and offsets around block edges, pool
+        and plain buffers, some concurrent) agree with a bytearray model."""
+        rng = random.Random(seed)
+
+        def pick() -> int:
+            return rng.choice([0, 1, 511, 4095, 4096, 4097, 8192, 12_000, 65_536, 70_001])
+
+        async def main() -> None:
+            be: IOBackend = make_backend(queue_depth=4)  # type: ignore[operator]
+            path = tmp_path / "f"
+            fd = await be.open(path, os.O_RDWR | os.O_CREAT, direct=direct)
+            model = bytearray()
+            try:
+                for _ in range(40):
+                    if rng.random() < 0.5:
+                        # a batch of non-overlapping concurrent writes
+                        base = rng.choice([0, 4096, len(model), max(0, len(model) - 100)])
+                        jobs = []
+                        for _k in range(rng.randint(1, 3)):
+                            n = pick() or 1
+                            data = rng.randbytes(n)
+                            if rng.random() < 0.5:
+                                src = pool.get(n)
+                                src[:] = data
+                            else:
+                                src = memoryview(bytearray(data))
+                            jobs.append((base, data, src))
+                            base += n + rng.choice([0, 0, 3, 4096])
+                        await asyncio.gather(*(be.write_at(fd, src, off) for off, _, src in jobs))
+                        for off, data, src in jobs:
+                            if len(model) < off:
+                                model.extend(bytes(off - len(model)))
+                            model[off : off + len(data)] = data
+                            if pool.owns(src):
+                                pool.put(src)
+                    else:
+                        off = rng.choice([0, 1, 4096, rng.randint(0, len(model) + 10)])
+                        n = pick()
+                        dst = pool.get(n) if rng.random() < 0.5 else memoryview(bytearray(n))
+                        got = await be.read_at(fd, dst, off)
+                        want = bytes(model[off : off + n])
+                        assert got == len(want) and bytes(dst[:got]) == want
+                        if pool.owns(dst):
+                            pool.put(dst)
+                assert os.fstat(fd).st_size == len(model)
+                with open(path, "rb") as f:
+                    assert f.read() == bytes(model)
             finally:
                 await be.close(fd)
                 await be.aclose()

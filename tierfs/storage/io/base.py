@@ -15,8 +15,10 @@ public contract that the conformance suite checks for every backend:
   are); anything else goes through an aligned bounce buffer, and an unaligned
   write becomes read-modify-write of the edge blocks plus an ``ftruncate``
   back to the logical end, so the file looks exactly as a buffered write
-  would leave it. Such edge writes are not atomic against concurrent writes
-  to the same 4 KiB block.
+  would leave it. Unaligned writes on one fd are serialized among
+  themselves, so concurrent writes to disjoint byte ranges never lose each
+  other's bytes even when they share a 4 KiB block (overlapping concurrent
+  writes have no defined order, as with pwrite).
 * Errors are ``OSError`` with the kernel's errno, identical across backends.
 * If the awaiting task is cancelled while the kernel owns the buffer, the
   cancellation is held back until the operation has finished, so the caller
@@ -45,6 +47,7 @@ class IOBackend(ABC):
     def __init__(self, pool: BufferPool) -> None:
         self.pool = pool
         self._direct_fds: set[int] = set()
+        self._edge_locks: dict[int, asyncio.Lock] = {}
 
     # -- primitives -------------------------------------------------------
 
@@ -83,6 +86,7 @@ class IOBackend(ABC):
 
     async def close(self, fd: int) -> None:
         self._direct_fds.discard(fd)
+        self._edge_locks.pop(fd, None)
         os.close(fd)
 
     async def fsync(self, fd: int, *, datasync: bool = False) -> None:
@@ -121,7 +125,7 @@ class IOBackend(ABC):
                 break  # a short O_DIRECT read ends inside the last block: EOF
         return done
 
-    async def _write_full(self, fd: int, buf: memoryview, offset: int) -> None:
+    async def _write_full(self, fd: int, buf: memoryview, offset: int, *, locked: bool = False) -> None:
         done = 0
         total = buf.nbytes
         while done < total:
@@ -131,7 +135,10 @@ class IOBackend(ABC):
             done += n
             if fd in self._direct_fds and done < total and done % ALIGN:
                 # the rest is no longer aligned: finish through a bounce buffer
-                await self._bounce_write(fd, buf[done:], offset + done)
+                if locked:
+                    await self._bounce_write_locked(fd, buf[done:], offset + done)
+                else:
+                    await self._bounce_write(fd, buf[done:], offset + done)
                 return
 
     async def _bounce_read(self, fd: int, buf: memoryview, offset: int) -> int:
@@ -148,6 +155,13 @@ class IOBackend(ABC):
             self.pool.put(tmp)
 
     async def _bounce_write(self, fd: int, buf: memoryview, offset: int) -> None:
+        lock = self._edge_locks.get(fd)
+        if lock is None:
+            lock = self._edge_locks[fd] = asyncio.Lock()
+        async with lock:
+            await self._bounce_write_locked(fd, buf, offset)
+
+    async def _bounce_write_locked(self, fd: int, buf: memoryview, offset: int) -> None:
         start = offset // ALIGN * ALIGN
         end = round_up(offset + buf.nbytes)
         old_size = os.fstat(fd).st_size
@@ -160,11 +174,13 @@ class IOBackend(ABC):
             if tail and (end - ALIGN >= start + ALIGN or not head):
                 await self._fill_block(fd, tmp[end - start - ALIGN :], end - ALIGN, old_size)
             tmp[head : head + buf.nbytes] = buf
-            await self._write_full(fd, tmp, start)
+            await self._write_full(fd, tmp, start, locked=True)
         finally:
             self.pool.put(tmp)
         new_size = max(old_size, offset + buf.nbytes)
-        if new_size < end:
+        # trim the padding back off, unless a concurrent write has already
+        # extended the file past it (then the padding is its gap of zeros)
+        if new_size < end and os.fstat(fd).st_size == end:
             os.ftruncate(fd, new_size)
 
     async def _fill_block(self, fd: int, block: memoryview, offset: int, size: int) -> None:
