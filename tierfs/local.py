@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierfs.errors import ConfigError, TierFSError, UnavailableError
+from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
 
-__all__ = ["LocalCluster", "ProcInfo"]
+__all__ = ["LocalCluster", "ProcInfo", "pid_alive"]
 
 STATE_FILE = "cluster.toml"
 
@@ -63,7 +63,7 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True if ``pid`` runs a TierFS daemon (not a zombie, not a reused pid)."""
     if pid <= 0:
         return False
@@ -104,6 +104,9 @@ class LocalCluster:
         self._extra_meta = list(extra_meta_args)
         self._extra_storage = list(extra_storage_args)
         state = self._load_state()
+        #: True when the directory already held a cluster (its plan is reused
+        #: and the counts passed here are ignored).
+        self.reused = state is not None
         if state is not None:
             self.procs = state
         else:
@@ -115,7 +118,23 @@ class LocalCluster:
                 raise ConfigError("must be >= 1", field="targets_per_node")
             self.procs = self._plan(n_meta, n_storage, targets_per_node)
 
+    @classmethod
+    def open(cls, data_dir: str | os.PathLike[str], **kw: Any) -> LocalCluster:
+        """The cluster already planned in ``data_dir`` (``NotFoundError`` if none)."""
+        path = Path(data_dir).resolve() / STATE_FILE
+        if not path.exists():
+            raise NotFoundError(f"no local cluster in {Path(data_dir).resolve()} (no {STATE_FILE}); "
+                                "start one with `tierfs up --data DIR`")
+        return cls(data_dir, **kw)
+
     # --- layout -------------------------------------------------------------
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{"meta": n, "storage": n, "targets_per_node": n}`` of the plan."""
+        storage = [p for p in self.procs if p.kind == "storage"]
+        tpn = sum(a.startswith("--target=") for a in storage[0].argv) if storage else 0
+        return {"meta": len(self.meta_addrs), "storage": len(storage), "targets_per_node": tpn}
 
     @property
     def meta_addrs(self) -> list[str]:
@@ -193,7 +212,7 @@ class LocalCluster:
     # --- processes ------------------------------------------------------------
 
     def running(self) -> dict[str, bool]:
-        return {p.name: _alive(p.pid) for p in self.procs}
+        return {p.name: pid_alive(p.pid) for p in self.procs}
 
     def _spawn(self, p: ProcInfo) -> int:
         logs = self.dir / "logs"
@@ -220,7 +239,7 @@ class LocalCluster:
                     with contextlib.suppress(ValueError):
                         if isinstance(json.loads(line), dict):
                             return
-            if not _alive(p.pid):
+            if not pid_alive(p.pid):
                 raise UnavailableError(f"{p.name} exited during start-up; see {self.dir / 'logs' / (p.name + '.log')}:\n"
                                        + self._tail(p.name))
             if time.monotonic() > deadline:
@@ -244,7 +263,7 @@ class LocalCluster:
         for kind in ("meta", "storage"):
             batch: list[tuple[ProcInfo, int]] = []
             for p in self.procs:
-                if p.kind != kind or (names is not None and p.name not in names) or _alive(p.pid):
+                if p.kind != kind or (names is not None and p.name not in names) or pid_alive(p.pid):
                     continue
                 out = self.dir / "logs" / f"{p.name}.out"
                 offset = out.stat().st_size if out.exists() else 0
@@ -259,7 +278,7 @@ class LocalCluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one daemon (SIGKILL by default); returns its pid."""
         p = self.proc(name)
-        if not _alive(p.pid):
+        if not pid_alive(p.pid):
             raise UnavailableError(f"{name} is not running")
         os.kill(p.pid, sig)
         if sig == signal.SIGKILL:
@@ -267,16 +286,20 @@ class LocalCluster:
         return p.pid
 
     def _wait_gone(self, procs: Sequence[ProcInfo], deadline: float) -> list[ProcInfo]:
-        left = [p for p in procs if _alive(p.pid)]
+        left = [p for p in procs if pid_alive(p.pid)]
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
-            left = [p for p in left if _alive(p.pid)]
+            left = [p for p in left if pid_alive(p.pid)]
         return left
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM every daemon (storage first), SIGKILL what is left after ``timeout``."""
+    def stop(self, timeout: float = 15.0, names: Sequence[str] | None = None) -> list[str]:
+        """SIGTERM every daemon (or those in ``names``; storage first), SIGKILL
+        what is left after ``timeout``. Returns the names that were running."""
+        stopped: list[str] = []
         for kind in ("storage", "meta"):
-            procs = [p for p in self.procs if p.kind == kind and _alive(p.pid)]
+            procs = [p for p in self.procs if p.kind == kind and pid_alive(p.pid)
+                     and (names is None or p.name in names)]
+            stopped += [p.name for p in procs]
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
@@ -285,9 +308,11 @@ class LocalCluster:
                     os.kill(p.pid, signal.SIGKILL)
             self._wait_gone(procs, time.monotonic() + 5)
         for p in self.procs:
-            p.pid = 0
+            if names is None or p.name in names:
+                p.pid = 0
         if self.dir.exists():
             self._save_state()
+        return stopped
 
     # --- health -------------------------------------------------------------
 

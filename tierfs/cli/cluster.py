@@ -1,0 +1,165 @@
+"""Cluster-wide commands: ``up`` and ``down`` (a local cluster under one
+directory, via :class:`tierfs.local.LocalCluster`) and ``status`` (any
+cluster: meta roles, storage nodes and targets, placement groups). Each
+returns plain data; :mod:`tierfs.cli.main` prints it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from tierfs.errors import TierFSError, UnavailableError
+from tierfs.local import LocalCluster, pid_alive
+
+__all__ = ["cluster_down", "cluster_status", "cluster_up"]
+
+
+def _state(enum_name: str, prefix: str) -> str:
+    return enum_name.removeprefix(prefix).lower()
+
+
+def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_per_node: int = 1,
+               timeout: float = 90.0) -> dict[str, Any]:
+    """Start (or reuse) the local cluster in ``data_dir`` and wait until it is
+    healthy. A directory that already holds a cluster keeps its plan (ports,
+    counts, data); daemons already running are left alone, so a second ``up``
+    is a no-op. If start-up fails, the daemons this call started are stopped
+    again."""
+    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage, targets_per_node=targets_per_node)
+    started = cl.start(timeout=timeout)
+    try:
+        asyncio.run(cl.wait_healthy(timeout))
+    except (TierFSError, KeyboardInterrupt):
+        if started:
+            cl.stop(names=started)
+        raise
+    meta = ",".join(cl.meta_addrs)
+    return {
+        "data_dir": str(cl.dir),
+        "meta": cl.meta_addrs,
+        "started": started,
+        "already_running": not started,
+        "reused": cl.reused,
+        "counts": cl.counts,
+        "export": f"export TIERFS_META={meta}",
+    }
+
+
+def cluster_down(data_dir: str, *, timeout: float = 15.0) -> dict[str, Any]:
+    """Stop every daemon of the local cluster in ``data_dir`` (SIGTERM, then
+    SIGKILL after ``timeout``). Its data stays; ``up`` starts it again."""
+    cl = LocalCluster.open(data_dir)
+    stopped = cl.stop(timeout=timeout)
+    return {"data_dir": str(cl.dir), "stopped": stopped}
+
+
+async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
+    from tierfs.meta import MetaClient
+
+    try:
+        async with MetaClient([addr], deadline=timeout, attempt_timeout=min(timeout, 1.0)) as mc:
+            st = await mc.status(addr=addr)
+    except TierFSError as exc:
+        return {"addr": addr, "id": None, "role": None, "state": "unreachable", "error": str(exc),
+                "leader": "", "members": [], "term": None}
+    return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
+            "members": list(st.members), "term": st.term, "commit_index": st.commit_index,
+            "applied_index": st.applied_index}
+
+
+async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
+                         timeout: float = 5.0) -> dict[str, Any]:
+    """Every daemon with its role and state, every target with its capacity
+    and use, every placement group healthy or degraded.
+
+    ``meta``: any subset of the meta replicas (the others are found through
+    the members list). ``data_dir``: a local cluster's directory, to report
+    pids (``None`` leaves them null). Raises ``UnavailableError`` when no
+    replica answers."""
+    from tierfs.meta import MetaClient
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    local = LocalCluster.open(data_dir) if data_dir else None
+    pids = {p.addr: p.pid for p in local.procs} if local else {}
+    addrs = list(dict.fromkeys([*meta, *(local.meta_addrs if local else [])]))
+    per_replica = min(timeout, 2.0)
+    replicas = list(await asyncio.gather(*(_replica_status(a, per_replica) for a in addrs)))
+    # Replicas the caller did not name but the cluster has (members are gRPC addresses).
+    extra = [m for r in replicas for m in r["members"] if m not in addrs]
+    extra = list(dict.fromkeys(extra))
+    if extra:
+        replicas += await asyncio.gather(*(_replica_status(a, per_replica) for a in extra))
+        addrs += extra
+    if all(r["state"] != "up" for r in replicas):
+        errors = "; ".join(f"{r['addr']}: {r['error']}" for r in replicas)
+        raise UnavailableError(f"cluster unreachable: tried {', '.join(addrs)} ({errors})")
+
+    async with MetaClient(addrs, deadline=timeout, attempt_timeout=min(timeout, 2.0)) as mc:
+        cmap = await mc.get_cluster_map()
+
+    leaders = {r["leader"] for r in replicas if r["state"] == "up" and r["leader"]}
+    meta_out = []
+    for r in replicas:
+        pid = pids.get(r["addr"]) if local else None
+        if local and pid is not None and r["state"] != "up" and not pid_alive(pid):
+            r["state"] = "down"
+        meta_out.append({
+            "id": r["id"], "addr": r["addr"], "role": r["role"], "state": r["state"],
+            "pid": pid or None, "term": r["term"], "applied_index": r.get("applied_index"),
+        })
+
+    meta_out.sort(key=lambda m: (m["id"] is None, m["id"] or "", m["addr"]))
+    targets: dict[int, dict[str, Any]] = {}
+    for t in cmap.targets:
+        targets[t.target_id] = {
+            "id": t.target_id, "node_id": t.node_id, "path": t.path,
+            "state": _state(pb.TargetState.Name(t.state), "TARGET_STATE_"),
+            "capacity": t.capacity, "used": t.used,
+        }
+    storage_out = []
+    seen_addrs = set()
+    for n in sorted(cmap.nodes, key=lambda n: n.node_id):
+        seen_addrs.add(n.data_addr)
+        pid = (pids.get(n.data_addr) or None) if local else None
+        state = _state(pb.NodeState.Name(n.state), "NODE_STATE_")
+        if local and n.data_addr in pids and not pid_alive(pids[n.data_addr]):
+            # Meta notices a dead node only after its heartbeat timeout; we know now.
+            state = "down"
+        storage_out.append({
+            "id": n.node_id, "addr": n.control_addr or n.data_addr, "data_addr": n.data_addr,
+            "hostname": n.hostname, "state": state, "pid": pid,
+            "targets": [targets[t] for t in n.target_ids if t in targets],
+        })
+    if local:
+        # Daemons of the local plan that never registered (e.g. killed during start-up).
+        for p in local.procs:
+            if p.kind == "storage" and p.addr not in seen_addrs:
+                storage_out.append({"id": None, "addr": p.addr, "data_addr": p.addr, "hostname": "",
+                                    "state": "unregistered", "pid": p.pid or None, "targets": []})
+
+    groups_out = []
+    for g in sorted(cmap.groups, key=lambda g: g.group_id):
+        members = [{"id": t, "state": targets[t]["state"] if t in targets else "unknown",
+                    "rebuilding": t in g.rebuilding} for t in g.target_ids]
+        bad = sum(m["state"] != "online" for m in members)
+        state = "degraded" if bad else ("rebuilding" if g.rebuilding else "healthy")
+        groups_out.append({"id": g.group_id, "width": g.width, "state": state, "targets": members})
+
+    healthy = (
+        len(leaders) == 1
+        and all(m["state"] == "up" for m in meta_out)
+        and all(s["state"] == "online" for s in storage_out)
+        and all(t["state"] == "online" for t in targets.values())
+        and all(g["state"] == "healthy" for g in groups_out)
+    )
+    return {
+        "healthy": healthy,
+        "leader": next(iter(leaders)) if len(leaders) == 1 else None,
+        "map_version": cmap.version,
+        "meta": meta_out,
+        "storage": storage_out,
+        "groups": groups_out,
+        "capacity": sum(t["capacity"] for t in targets.values()),
+        "used": sum(t["used"] for t in targets.values()),
+    }

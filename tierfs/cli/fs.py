@@ -1,0 +1,272 @@
+"""File commands of the CLI (put, get, cat, ls, stat, mkdir, rm, mv,
+set-layout) over :class:`tierfs.client.AsyncClient`. Each returns plain data
+(dicts and lists that ``--json`` prints as they are) and reports progress
+through an optional callback, so the CLI's front end and the tests call the
+same functions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import posixpath
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from tierfs.client import AsyncClient, FileStat
+from tierfs.errors import (
+    DirectoryNotEmptyError,
+    InvalidArgumentError,
+    IsADirectoryError_,
+    NotFoundError,
+    TierFSError,
+)
+
+__all__ = [
+    "LocalFileError",
+    "Progress",
+    "cat",
+    "get",
+    "ls",
+    "mkdir",
+    "mv",
+    "put",
+    "rm",
+    "set_layout",
+    "stat",
+]
+
+#: ``progress(done_bytes, total_bytes_or_None)``, called as bytes move.
+Progress = Callable[[int, int | None], None]
+
+#: Bytes moved per step of put/get: several chunks, so the client keeps
+#: every placement group busy, small enough to report progress often.
+BLOCK = 32 << 20
+
+
+class LocalFileError(Exception):
+    """A local file (the source of ``put``, the target of ``get``) failed;
+    the message names the file and the reason."""
+
+
+def _stat_dict(st: FileStat) -> dict[str, Any]:
+    d = dataclasses.asdict(st)
+    d["mode"] = oct(st.mode)
+    return d
+
+
+async def _is_dir(client: AsyncClient, path: str) -> bool:
+    try:
+        return (await client.stat(path)).is_dir
+    except NotFoundError:
+        return False
+
+
+def _local_error(what: str, path: str, exc: OSError) -> LocalFileError:
+    return LocalFileError(f"{what} {path}: {exc.strerror or exc}")
+
+
+async def put(client: AsyncClient, local: str, remote: str, *, progress: Progress | None = None,
+              stdin: IO[bytes] | None = None) -> dict[str, Any]:
+    """Copy local file ``local`` (``-``: standard input) to ``remote`` (a
+    directory, or a path ending in ``/``, receives the local file's name).
+    The data lands under a temporary name and is renamed over ``remote`` at
+    the end: readers see the old file or the whole new one, and a failed
+    put leaves nothing behind."""
+    if remote.endswith("/") or await _is_dir(client, remote):
+        if local == "-":
+            raise InvalidArgumentError(f"{remote} is a directory: name the file to write from standard input")
+        remote = posixpath.join(remote, os.path.basename(local))
+    remote = posixpath.normpath(remote)
+    parent, name = posixpath.split(remote)
+    tmp = posixpath.join(parent, f".{name}.put-{secrets.token_hex(4)}")
+    try:
+        src: IO[bytes] = (stdin or sys.stdin.buffer) if local == "-" else open(local, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise _local_error("cannot read local file", local, exc) from None
+    total = None if local == "-" else os.fstat(src.fileno()).st_size
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    done = 0
+    t0 = time.perf_counter()
+    try:
+        f = await client.open(tmp, "xb")
+        try:
+            if progress:
+                progress(0, total)
+            while True:
+                try:
+                    n = src.readinto(view)  # type: ignore[attr-defined]
+                except OSError as exc:
+                    raise _local_error("cannot read local file", local, exc) from None
+                if not n:
+                    break
+                await f.write(view[:n])  # the encoder copies: ``buf`` is free again on return
+                done += n
+                if progress:
+                    progress(done, total)
+            await f.close()
+        except BaseException:
+            with contextlib.suppress(TierFSError):
+                await f.abort()
+            raise
+        await client.rename(tmp, remote)
+    except BaseException:
+        with contextlib.suppress(TierFSError):
+            await client.rm(tmp)
+        raise
+    finally:
+        view.release()
+        if src is not (stdin or sys.stdin.buffer):
+            src.close()
+    dt = time.perf_counter() - t0
+    return {"local": local, "remote": remote, "bytes": done, "seconds": dt, "mb_per_s": done / dt / 1e6}
+
+
+async def _stream(client: AsyncClient, remote: str, sink: Callable[[memoryview], Any],
+                  progress: Progress | None) -> int:
+    """Read ``remote`` block by block; the next block is fetched while the
+    previous one is handed to ``sink`` (in a thread: local writes block)."""
+    st = await client.stat(remote)
+    if st.is_dir:
+        raise IsADirectoryError_(f"{remote}: is a directory")
+    f = await client.open(remote, "rb")
+    bufs = [bytearray(min(BLOCK, max(st.size, 1))) for _ in range(2)]
+    done = 0
+    pending: asyncio.Future[Any] | None = None
+    try:
+        if progress:
+            progress(0, st.size)
+        i = 0
+        while True:
+            view = memoryview(bufs[i % 2])
+            n = await f.readinto(view)
+            if pending is not None:
+                await pending
+                pending = None
+            if not n:
+                break
+            pending = asyncio.ensure_future(asyncio.to_thread(sink, view[:n]))
+            done += n
+            if progress:
+                progress(done, st.size)
+            i += 1
+        if pending is not None:
+            await pending
+    finally:
+        if pending is not None and not pending.done():
+            with contextlib.suppress(BaseException):
+                await pending
+        await f.close()
+    return done
+
+
+async def get(client: AsyncClient, remote: str, local: str, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Copy ``remote`` to local file ``local`` (a directory receives the
+    remote file's name). Written to ``local.part`` and renamed at the end, so
+    ``local`` is never a torn copy."""
+    if os.path.isdir(local):
+        local = os.path.join(local, posixpath.basename(remote.rstrip("/")))
+    part = f"{local}.part"
+    t0 = time.perf_counter()
+    try:
+        out = open(part, "wb")  # noqa: SIM115
+    except OSError as exc:
+        raise _local_error("cannot write local file", local, exc) from None
+    try:
+        with out:
+            def sink(v: memoryview) -> None:
+                try:
+                    out.write(v)
+                except OSError as exc:
+                    raise _local_error("cannot write local file", local, exc) from None
+
+            done = await _stream(client, remote, sink, progress)
+        os.replace(part, local)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+    dt = time.perf_counter() - t0
+    return {"remote": remote, "local": local, "bytes": done, "seconds": dt, "mb_per_s": done / dt / 1e6}
+
+
+async def cat(client: AsyncClient, remote: str, out: IO[bytes]) -> dict[str, Any]:
+    """Write ``remote``'s bytes to ``out`` (standard output in the CLI)."""
+    t0 = time.perf_counter()
+
+    def sink(v: memoryview) -> None:
+        out.write(v)
+        out.flush()
+
+    done = await _stream(client, remote, sink, None)
+    return {"remote": remote, "bytes": done, "seconds": time.perf_counter() - t0}
+
+
+async def ls(client: AsyncClient, path: str = "/") -> list[dict[str, Any]]:
+    """A directory's entries (sorted by name), or the one entry of a file."""
+    st = await client.stat(path)
+    if not st.is_dir:
+        return [_stat_dict(st)]
+    return [_stat_dict(e) for e in await client.ls(path, detail=True)]
+
+
+async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
+    """Attributes and layout of one file or directory."""
+    st = await client.stat(path)
+    info = await client.meta.stat(posixpath.normpath(path))
+    lay = info.layout
+    out = _stat_dict(st)
+    out["layout"] = {
+        "chunk_size": lay.chunk_size, "redundancy": lay.redundancy, "stripe_width": lay.stripe_width,
+        "data_shards": lay.data_shards, "parity_shards": lay.parity_shards, "groups": list(lay.groups),
+    }
+    out["chunks"] = sum(r.count for r in info.chunks)
+    out["data_version"] = info.attr.data_version
+    return out
+
+
+async def mkdir(client: AsyncClient, path: str, *, parents: bool = False) -> dict[str, Any]:
+    await client.mkdir(path, parents=parents, exist_ok=parents)
+    return {"path": path, "created": True}
+
+
+async def rm(client: AsyncClient, path: str, *, recursive: bool = False) -> dict[str, Any]:
+    """Remove a file or an empty directory (a whole tree with ``recursive``).
+    Fragments are freed in the background by garbage collection."""
+    try:
+        await client.rm(path, recursive=recursive)
+    except DirectoryNotEmptyError as exc:
+        raise DirectoryNotEmptyError(f"{exc} (rm -r removes it with its contents)") from None
+    return {"path": path, "removed": True}
+
+
+async def mv(client: AsyncClient, src: str, dst: str) -> dict[str, Any]:
+    """Rename ``src`` to ``dst`` (into ``dst`` if it is a directory, as mv(1))."""
+    if dst.endswith("/") or (await _is_dir(client, dst) and not await _same(client, src, dst)):
+        dst = posixpath.join(dst, posixpath.basename(src.rstrip("/")))
+    await client.rename(src, dst)
+    return {"src": src, "dst": dst}
+
+
+async def _same(client: AsyncClient, a: str, b: str) -> bool:
+    try:
+        return (await client.stat(a)).inode == (await client.stat(b)).inode
+    except NotFoundError:
+        return False
+
+
+async def set_layout(client: AsyncClient, path: str, *, redundancy: str = "", chunk_size: int = 0,
+                     stripe: int = 0) -> dict[str, Any]:
+    """Layout for files created under directory ``path`` from now on
+    (existing files keep theirs). Zero/empty fields are inherited."""
+    if not (await client.stat(path)).is_dir:
+        raise InvalidArgumentError(f"{path} is not a directory: set-layout applies to directories "
+                                   "(files take their directory's layout when created)")
+    lay = await client.set_layout(path, chunk_size=chunk_size, redundancy=redundancy, stripe_width=stripe)
+    return {"path": path, "chunk_size": lay.chunk_size, "redundancy": lay.redundancy,
+            "stripe_width": lay.stripe_width}

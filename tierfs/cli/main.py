@@ -1,0 +1,365 @@
+"""The ``tierfs`` command: argument parsing, output (tables and progress bars
+for people, ``--json`` for scripts) and exit codes, over the functions in
+:mod:`tierfs.cli.cluster` and :mod:`tierfs.cli.fs` that do the work.
+
+Exit codes: 0 success; 1 the operation failed (the message says why: no such
+file, cluster unreachable, ...); 2 bad usage; 3 ``status`` found the cluster
+degraded; 130 interrupted. Expected errors print one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import stat as _stat
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import IO, Any, TextIO, TypeVar
+
+from tierfs.cli.fs import LocalFileError
+from tierfs.cli.util import DEFAULT_DATA, human_rate, human_size, parse_size_arg, resolve_meta
+from tierfs.errors import TierFSError, UnavailableError
+
+__all__ = ["EXIT_DEGRADED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "render_status", "run"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DEGRADED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+T = TypeVar("T")
+
+
+# ---- the parser ------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors through ``_UsageError`` (so ``run``
+    returns 2 instead of the process exiting from inside a library call)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: {message}\n{self.format_usage().rstrip()}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # On sub-commands the defaults are SUPPRESS so that an option given before
+    # the command (``tierfs --json ls``) is not reset by the sub-parser.
+    d: Any = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    g = p.add_argument_group("cluster options")
+    g.add_argument("--meta", default=d(None), metavar="HOST:PORT,...",
+                   help="meta replica addresses (default: $TIERFS_META, else DATA/cluster.toml)")
+    g.add_argument("--data", default=d(None), metavar="DIR",
+                   help=f"local cluster directory (up/down; status pids; default {DEFAULT_DATA})")
+    g.add_argument("--json", action="store_true", default=d(False), help="print JSON for scripts")
+    g.add_argument("--timeout", type=float, default=d(20.0), metavar="SECONDS",
+                   help="give up on an unreachable cluster after this long (default 20)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="tierfs", description="TierFS admin and file tool.",
+                 epilog="Run `tierfs up` for a local cluster; `tierfs COMMAND -h` for a command's options.")
+    _common(ap, top=True)
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+
+    def cmd(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        _common(p, top=False)
+        return p
+
+    p = cmd("up", "start a local cluster in the background (or reuse a running one)")
+    p.add_argument("--meta-replicas", "-m", dest="n_meta", type=int, default=3, metavar="N",
+                   help="meta replicas (odd; default 3)")
+    p.add_argument("--storage", "-s", dest="n_storage", type=int, default=6, metavar="N",
+                   help="storage daemons (default 6: ec:4+2 on distinct nodes)")
+    p.add_argument("--targets-per-node", "-t", type=int, default=1, metavar="N", help="targets per daemon")
+    cmd("down", "stop the local cluster (its data stays)")
+    p = cmd("status", "daemons, targets and placement groups; exit 3 if degraded")
+    p = cmd("put", "copy a local file (- for stdin) into TierFS")
+    p.add_argument("local")
+    p.add_argument("remote")
+    p = cmd("get", "copy a TierFS file to a local file")
+    p.add_argument("remote")
+    p.add_argument("local")
+    p = cmd("cat", "write a TierFS file to standard output")
+    p.add_argument("remote")
+    p = cmd("ls", "list a directory")
+    p.add_argument("path", nargs="?", default="/")
+    p.add_argument("-l", dest="long", action="store_true", help="long format")
+    p = cmd("stat", "attributes and layout of a file or directory")
+    p.add_argument("path")
+    p = cmd("mkdir", "make a directory")
+    p.add_argument("path")
+    p.add_argument("-p", dest="parents", action="store_true", help="make parents; no error if it exists")
+    p = cmd("rm", "remove a file or an empty directory")
+    p.add_argument("path")
+    p.add_argument("-r", dest="recursive", action="store_true", help="remove a directory and its contents")
+    p = cmd("mv", "rename or move")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p = cmd("set-layout", "layout of new files under a directory")
+    p.add_argument("path")
+    p.add_argument("--redundancy", default="", help="ec:K+M or replica:N (e.g. ec:4+2)")
+    p.add_argument("--chunk-size", type=parse_size_arg, default=0, help="power of two, e.g. 4MiB")
+    p.add_argument("--stripe", type=int, default=0, metavar="N", help="placement groups a file spreads over")
+    return ap
+
+
+# ---- output ------------------------------------------------------------------------
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def render_status(st: dict[str, Any]) -> str:
+    """The ``tierfs status`` tables."""
+    out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
+           f"{human_size(st['used'])} used of {human_size(st['capacity'])})", ""]
+    out.append(_table([[m["id"], m["addr"], m["role"], m["state"], m["pid"]] for m in st["meta"]],
+                      ["META", "ADDRESS", "ROLE", "STATE", "PID"]))
+    out.append("")
+    rows = []
+    for s in st["storage"]:
+        ts = s["targets"] or [None]
+        for i, t in enumerate(ts):
+            head = [s["id"], s["data_addr"], s["state"], s["pid"]] if i == 0 else ["", "", "", ""]
+            tail = ([t["id"], t["state"], human_size(t["used"]), human_size(t["capacity"]), t["path"]]
+                    if t else [None] * 5)
+            rows.append(head + tail)
+    out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", "PID", "TARGET", "TSTATE", "USED", "CAPACITY", "PATH"]))
+    out.append("")
+    by_state: dict[str, list[int]] = {}
+    for g in st["groups"]:
+        by_state.setdefault(g["state"], []).append(g["id"])
+    out.append("groups: " + ("; ".join(f"{len(ids)} {s}" + ("" if s == "healthy" else f" {ids}")
+                                       for s, ids in sorted(by_state.items())) or "none"))
+    return "\n".join(out)
+
+
+def _ls_long(entries: list[dict[str, Any]]) -> str:
+    rows = []
+    for e in entries:
+        mtime = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M")
+        rows.append([_stat.filemode(int(e["mode"], 8)), e["size"], mtime, e["redundancy"] or "",
+                     e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")])
+    return _table(rows, ["MODE", "SIZE", "MODIFIED", "LAYOUT", "NAME"]) if rows else ""
+
+
+def _stat_text(s: dict[str, Any]) -> str:
+    lay = s["layout"]
+    lines = [
+        f"  path: {s['path']}", f"  type: {s['type']}", f"  inode: {s['inode']}",
+        f"  size: {s['size']} ({human_size(s['size'])})", f"  mode: {_stat.filemode(int(s['mode'], 8))}",
+        f"  uid/gid: {s['uid']}/{s['gid']}",
+        f"  modified: {datetime.datetime.fromtimestamp(s['mtime']).isoformat(sep=' ', timespec='seconds')}",
+        f"  layout: {lay['redundancy']}, chunk {human_size(lay['chunk_size'])}, stripe {lay['stripe_width']}"
+        + (f", groups {lay['groups']}" if lay["groups"] else ""),
+    ]
+    if s["type"] == "file":
+        lines.append(f"  chunks: {s['chunks']}" + ("  (a writer has it open)" if s["writing"] else ""))
+    return "\n".join(lines)
+
+
+class _Bar:
+    """A rich progress bar with throughput on stderr (only on a terminal)."""
+
+    def __init__(self, label: str, stream: TextIO) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                           TransferSpeedColumn(), TimeRemainingColumn(),
+                           console=Console(file=stream), transient=True)
+        self._task = self._p.add_task(label, total=None)
+
+    def __enter__(self) -> _Bar:
+        self._p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._p.stop()
+
+    def __call__(self, done: int, total: int | None) -> None:
+        self._p.update(self._task, completed=done, total=total)
+
+
+# ---- running ---------------------------------------------------------------------
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def _client_call(ns: argparse.Namespace, env: Any, fn: Callable[..., Coroutine[Any, Any, T]],
+                 *args: Any, **kw: Any) -> T:
+    from tierfs.client import AsyncClient
+
+    meta = resolve_meta(ns.meta, ns.data, env)
+
+    async def go() -> T:
+        async with AsyncClient(meta, meta_deadline=ns.timeout,
+                               meta_attempt_timeout=min(3.0, ns.timeout)) as client:
+            return await fn(client, *args, **kw)
+
+    return _run_async(go())
+
+
+def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bool) -> int:
+    from tierfs.cli import cluster, fs
+
+    def emit(data: Any, text: str | None) -> None:
+        if ns.json:
+            out.write(json.dumps(data, indent=2, default=str) + "\n")
+        elif text:
+            out.write(text + "\n")
+
+    c = ns.cmd
+    if c == "up":
+        data_dir = ns.data or DEFAULT_DATA
+        if not ns.json:
+            err.write(f"starting the local cluster in {os.path.abspath(data_dir)} ...\n")
+            err.flush()
+        t0 = time.perf_counter()
+        r = cluster.cluster_up(data_dir, n_meta=ns.n_meta, n_storage=ns.n_storage,
+                               targets_per_node=ns.targets_per_node, timeout=max(ns.timeout, 60.0))
+        if not ns.json:
+            k = r["counts"]
+            shape = f"{k['meta']} meta, {k['storage']} storage x {k['targets_per_node']} target(s)"
+            if r["already_running"]:
+                err.write(f"already running ({shape}); nothing to do\n")
+            else:
+                err.write(f"started {len(r['started'])} daemons ({shape}) in {time.perf_counter() - t0:.1f} s; "
+                          f"healthy. Stop with: tierfs down --data {data_dir}\n")
+        emit(r, r["export"])
+        return EXIT_OK
+    if c == "down":
+        data_dir = ns.data or DEFAULT_DATA
+        r = cluster.cluster_down(data_dir)
+        emit(r, f"stopped {len(r['stopped'])} daemons in {r['data_dir']} (data kept)" if r["stopped"]
+             else f"nothing was running in {r['data_dir']}")
+        return EXIT_OK
+    if c == "status":
+        meta = resolve_meta(ns.meta, ns.data, env)
+        local = ns.data or (DEFAULT_DATA if not ns.meta and not env.get("TIERFS_META")
+                            and os.path.exists(os.path.join(DEFAULT_DATA, "cluster.toml")) else None)
+        st = _run_async(cluster.cluster_status(meta, data_dir=local, timeout=min(ns.timeout, 10.0)))
+        emit(st, render_status(st))
+        return EXIT_OK if st["healthy"] else EXIT_DEGRADED
+    if c in ("put", "get"):
+        show = tty and not ns.json
+        label = os.path.basename(ns.local if c == "put" else ns.remote.rstrip("/")) or ns.remote
+        bar = _Bar(f"{c} {label}", err) if show else None
+        fn = fs.put if c == "put" else fs.get
+        a, b = (ns.local, ns.remote) if c == "put" else (ns.remote, ns.local)
+        if bar is not None:
+            with bar:
+                r = _client_call(ns, env, fn, a, b, progress=bar)
+        else:
+            r = _client_call(ns, env, fn, a, b)
+        src, dst = (r["local"], r["remote"]) if c == "put" else (r["remote"], r["local"])
+        emit(r, f"{src} -> {dst}: {human_size(r['bytes'])} in {r['seconds']:.2f} s "
+                f"({human_rate(r['bytes'], r['seconds'])})")
+        return EXIT_OK
+    if c == "cat":
+        stream: IO[bytes] = out.buffer if hasattr(out, "buffer") else sys.stdout.buffer
+        _client_call(ns, env, fs.cat, ns.remote, stream)
+        return EXIT_OK
+    if c == "ls":
+        entries = _client_call(ns, env, fs.ls, ns.path)
+        text = _ls_long(entries) if ns.long else "\n".join(
+            e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "") for e in entries)
+        emit(entries, text)
+        return EXIT_OK
+    if c == "stat":
+        s = _client_call(ns, env, fs.stat, ns.path)
+        emit(s, _stat_text(s))
+        return EXIT_OK
+    if c == "mkdir":
+        emit(_client_call(ns, env, fs.mkdir, ns.path, parents=ns.parents), None)
+        return EXIT_OK
+    if c == "rm":
+        emit(_client_call(ns, env, fs.rm, ns.path, recursive=ns.recursive), None)
+        return EXIT_OK
+    if c == "mv":
+        emit(_client_call(ns, env, fs.mv, ns.src, ns.dst), None)
+        return EXIT_OK
+    if c == "set-layout":
+        if not (ns.redundancy or ns.chunk_size or ns.stripe):
+            raise _UsageError("tierfs set-layout: give at least one of --redundancy, --chunk-size, --stripe")
+        r = _client_call(ns, env, fs.set_layout, ns.path, redundancy=ns.redundancy,
+                         chunk_size=ns.chunk_size, stripe=ns.stripe)
+        emit(r, f"{r['path']}: new files get {r['redundancy']}, chunk {human_size(r['chunk_size'])}, "
+                f"stripe {r['stripe_width'] or 'all groups'}")
+        return EXIT_OK
+    raise _UsageError(build_parser().format_usage().rstrip())
+
+
+def _hint(exc: TierFSError) -> str:
+    if isinstance(exc, UnavailableError) and "unreachable" in str(exc):
+        return ("\n  is the cluster running? `tierfs up` starts a local one; "
+                "check --meta / TIERFS_META and `tierfs status`")
+    return ""
+
+
+def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
+        env: dict[str, str] | None = None, tty: bool | None = None) -> int:
+    """Run one ``tierfs`` command in-process; returns its exit code.
+    ``stdout``/``stderr``/``env`` default to the process's; ``tty`` (progress
+    bars) defaults to whether stderr is a terminal."""
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    env = dict(os.environ) if env is None else env
+    want_json = "--json" in (argv if argv is not None else sys.argv[1:])
+    try:
+        ns = build_parser().parse_args(argv)
+        if ns.cmd is None:
+            err.write(build_parser().format_help())
+            return EXIT_USAGE
+        return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
+    except _UsageError as exc:
+        err.write(f"{exc}\n")
+        return EXIT_USAGE
+    except TierFSError as exc:
+        if want_json:
+            out.write(json.dumps({"error": {"code": exc.code_name, "message": str(exc)}}) + "\n")
+        err.write(f"tierfs: {exc}{_hint(exc)}\n")
+        return EXIT_FAILED
+    except LocalFileError as exc:
+        if want_json:
+            out.write(json.dumps({"error": {"code": "LOCAL_FILE", "message": str(exc)}}) + "\n")
+        err.write(f"tierfs: {exc}\n")
+        return EXIT_FAILED
+    except SystemExit as exc:  # -h / --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        err.write("tierfs: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `tierfs cat f | head`: the reader left; not an error worth a message.
+        with_devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(with_devnull, sys.stdout.fileno())
+        os.close(with_devnull)
+        return EXIT_OK
+    except OSError as exc:
+        err.write(f"tierfs: {exc}\n")
+        return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``tierfs`` console script."""
+    return run(argv)

@@ -1,0 +1,78 @@
+"""Small helpers shared by the CLI's commands: where the meta replicas are,
+human-readable sizes and rates."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from tierfs.config import parse_size
+from tierfs.errors import ConfigError
+
+__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta"]
+
+#: Where ``tierfs up`` and ``make run`` keep a local cluster by default.
+DEFAULT_DATA = "./.tierfs"
+
+
+def _split(addrs: str) -> list[str]:
+    return [a.strip() for a in addrs.split(",") if a.strip()]
+
+
+def _check(addrs: list[str], source: str) -> list[str]:
+    for a in addrs:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"not a HOST:PORT address: {a!r} (from {source})", field="meta")
+    return addrs
+
+
+def resolve_meta(flag: str | None, data_dir: str | None, env: Mapping[str, str] | None = None) -> list[str]:
+    """Meta replica addresses, from the first of: ``--meta``, ``TIERFS_META``,
+    ``--data DIR`` (its ``cluster.toml``), ``./.tierfs/cluster.toml``."""
+    import tomllib
+
+    env = os.environ if env is None else env
+    if flag:
+        return _check(_split(flag), "--meta")
+    if env.get("TIERFS_META", "").strip():
+        return _check(_split(env["TIERFS_META"]), "TIERFS_META")
+    candidates = [Path(data_dir)] if data_dir else [Path(DEFAULT_DATA)]
+    for d in candidates:
+        path = d / "cluster.toml"
+        if path.exists():
+            try:
+                addrs = list(tomllib.loads(path.read_text())["cluster"]["meta"])
+            except (tomllib.TOMLDecodeError, KeyError, TypeError, OSError) as exc:
+                raise ConfigError(f"{path} is damaged ({exc})", field="meta") from None
+            return _check([str(a) for a in addrs], str(path))
+        if data_dir:
+            raise ConfigError(f"no local cluster in {d.resolve()} (no cluster.toml); "
+                              "start one with `tierfs up --data DIR`", field="meta")
+    raise ConfigError("no meta address: pass --meta HOST:PORT,... or set TIERFS_META "
+                      "(`tierfs up` prints the line to export)", field="meta")
+
+
+def parse_size_arg(value: str) -> int:
+    """``"4MiB"`` -> 4194304 (argparse type)."""
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        import argparse
+
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def human_size(n: float) -> str:
+    """1536 -> "1.5 KiB" (binary units, as the layout options use)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_rate(nbytes: int, seconds: float) -> str:
+    """Throughput in decimal MB/s (what disks and NICs are sold in)."""
+    return f"{nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s"
