@@ -126,6 +126,37 @@ def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: li
     assert d2.stop() == 0  # SIGTERM: clean exit
 
 
+@pytest.mark.timeout(60)
+def test_scrubber_quarantines_a_rotten_fragment(tmp_path: Path, daemons: list[Daemon]) -> None:
+    from tierfs.storage.engine import fragment_path, header_length
+
+    args = ["--no-meta", "--data-dir", str(tmp_path / "node"), "--target", str(tmp_path / "t"),
+            "--target-id", "21", "--reserved-bytes", "0", "--transport", "tcp",
+            "--scrub-rate", "1GiB", "--scrub-interval", "0.2"]
+    d = Daemon(tmp_path, args)
+    daemons.append(d)
+    ready = d.start()
+    rotten, sound = FragmentKey(5, 0, 0, 1), FragmentKey(5, 1, 0, 1)
+    data = os.urandom(80_000)
+    for key in (rotten, sound):
+        asyncio.run(_client_round_trip(ready["data_addr"], 21, key, data))
+    path = fragment_path(tmp_path / "t", rotten)
+    with open(path, "r+b") as f:  # bit rot on disk, behind the daemon's back
+        f.seek(header_length(len(data)) + 1234)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    deadline = time.monotonic() + 30
+    while path.exists():
+        assert time.monotonic() < deadline, "the scrubber never found the rotten fragment"
+        time.sleep(0.05)
+    with pytest.raises(NotFoundError):
+        asyncio.run(_client_read(ready["data_addr"], 21, rotten))
+    assert asyncio.run(_client_read(ready["data_addr"], 21, sound)) == data
+    assert len(list((tmp_path / "t" / "quarantine").iterdir())) == 1
+    assert d.stop() == 0
+
+
 @pytest.mark.timeout(30)
 def test_bad_configuration_is_refused(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -306,3 +306,38 @@ def test_read_with_crc(make_backend: Callable[..., IOBackend], pool: BufferPool,
                 eng.release(view)
 
     _run(make_backend, pool, tmp_path, body)
+
+
+@pytest.mark.timeout(30)
+def test_scrub_quarantines_what_reads_found_corrupt(
+    make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path
+) -> None:
+    bad, good = FragmentKey(13, 0, 0, 1), FragmentKey(13, 0, 1, 1)
+    data = _data(150_000, 13)
+
+    async def first(eng: ChunkEngine) -> None:
+        await _put(eng, bad, data)
+        await _put(eng, good, data)
+        _flip(fragment_path(tmp_path, bad), header_length(len(data)) + 100_000)
+        with pytest.raises(CorruptError):
+            await eng.read(bad, 99_000, 10)
+        assert eng.suspects() == [bad]
+        used = eng.stats().used
+        assert await eng.scrub_one(good) == len(data)  # intact: left alone
+        assert await eng.scrub_one(bad) > 0
+        assert eng.suspects() == [] and bad not in eng and eng.counters["quarantined"] == 1
+        assert eng.stats().used == used - os.path.getsize(next((tmp_path / "quarantine").iterdir()))
+        with pytest.raises(NotFoundError):
+            await eng.read(bad)  # reads as missing: degraded reads and repair take over
+        assert await _get(eng, good) == data
+        # repair writes it back under the same key
+        await _put(eng, bad, data)
+        assert await _get(eng, bad) == data
+
+    _run(make_backend, pool, tmp_path, first)
+
+    async def second(eng: ChunkEngine) -> None:  # the quarantined copy is never served again
+        assert sorted(eng.keys()) == [bad, good]
+        assert await _get(eng, bad) == data
+
+    _run(make_backend, pool, tmp_path, second)

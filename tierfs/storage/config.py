@@ -46,6 +46,11 @@ class StorageConfig(BaseConfig):
     gc_interval: float = field(2.0, "Period of polling meta's GC queue for fragments to delete.", kind="duration")
     gc_batch: int = field(1000, "GC items fetched per poll.")
 
+    scrub_rate: int = field(
+        32 << 20, "Bytes per second the background scrubber re-reads and verifies (0 turns it off).", kind="size"
+    )
+    scrub_interval: float = field(3600.0, "Pause between two full scrub passes.", kind="duration")
+
     io_backend: str = field("auto", "Disk I/O: auto (io_uring if the kernel allows, else posix) | uring | posix.")
     queue_depth: int = field(64, "io_uring submission queue depth (operations in the kernel at once).")
     io_threads: int = field(8, "Worker threads of the posix backend.")
@@ -82,6 +87,10 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be positive", field="gc_interval")
         if self.gc_batch < 1:
             raise ConfigError("must be >= 1", field="gc_batch")
+        if self.scrub_rate < 0:
+            raise ConfigError("must be >= 0", field="scrub_rate")
+        if self.scrub_interval <= 0:
+            raise ConfigError("must be positive", field="scrub_interval")
         if self.buffer_pool_bytes < 0:
             raise ConfigError("must be >= 0", field="buffer_pool_bytes")
         if self.reserved_bytes < 0:

@@ -158,7 +158,8 @@ class StorageNode:
         self._tasks: list[asyncio.Task[None]] = []
         self.registered = asyncio.Event()
         self.counters: dict[str, int] = dict.fromkeys(
-            ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors"), 0
+            ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
+             "scrub_bytes"), 0
         )
 
     @property
@@ -199,6 +200,8 @@ class StorageNode:
         self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports)
         if cfg.metrics_addr:
             self._start_metrics(cfg.metrics_addr)
+        if cfg.scrub_rate > 0:
+            self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))
         if self.use_meta:
             from tierfs.meta.client import MetaClient
 
@@ -327,6 +330,44 @@ class StorageNode:
             if len(items) < self.cfg.gc_batch:
                 return done
 
+    # -- scrub --------------------------------------------------------------------
+
+    async def _scrub_loop(self) -> None:
+        """Re-read every fragment at ``scrub_rate`` bytes/s, suspects (fragments
+        a read found corrupt) first; corrupt ones are quarantined so that they
+        read as missing and get rebuilt."""
+        while True:
+            for eng in list(self.engines):
+                try:
+                    await self._scrub_target(eng)
+                except TierFSError as err:
+                    log.warning("scrub of target %s stopped: %s", eng.target_id, err)
+            self.counters["scrub_passes"] += 1
+            await self._wait_or_suspect(self.cfg.scrub_interval)
+
+    async def _scrub_target(self, eng: ChunkEngine) -> None:
+        for key in eng.keys(inode=None):
+            for suspect in eng.suspects():
+                await self._scrub_key(eng, suspect)
+            await self._scrub_key(eng, key)
+
+    async def _scrub_key(self, eng: ChunkEngine, key: FragmentKey) -> None:
+        n = await eng.scrub_one(key)
+        self.counters["scrub_bytes"] += n
+        await asyncio.sleep(n / self.cfg.scrub_rate)
+
+    async def _wait_or_suspect(self, seconds: float) -> None:
+        """Sleep between passes, but deal with new suspects within a second."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for eng in list(self.engines):
+                for key in eng.suspects():
+                    try:
+                        await self._scrub_key(eng, key)
+                    except TierFSError as err:
+                        log.warning("scrub of %s failed: %s", key, err)
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
     # -- shutdown ---------------------------------------------------------------
 
     async def stop(self) -> None:
@@ -403,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", action="append", dest="transports", choices=["tcp", "shm", "rdma"])
     p.add_argument("--io-backend", choices=["auto", "uring", "posix"])
     for name in ("queue-depth", "io-threads", "buffer-pool-bytes", "heartbeat-interval", "gc-interval",
+                 "scrub-rate", "scrub-interval",
                  "gc-batch", "max-fragment-size", "reserved-bytes", "max-frame-bytes",
                  "max-inflight-bytes", "max-inflight-requests", "shm-ring-bytes"):
         p.add_argument(f"--{name}")

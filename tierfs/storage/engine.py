@@ -4,6 +4,7 @@ On-disk layout (format 1; see docs/storage.md)::
 
     <target>/target.json                      {"format": 1, "target_id": N}
     <target>/tmp/<random>.tmp                 writes in progress (wiped at start)
+    <target>/quarantine/<key>.<ns>            corrupt fragments moved aside by the scrubber
     <target>/frags/<inode & 0xff:02x>/<inode:016x>/<chunk:x>.<fragment:x>.<version:x>
 
 A fragment file is a header region followed by the payload, both padded to
@@ -50,6 +51,7 @@ import logging
 import os
 import secrets
 import struct
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +289,7 @@ class ChunkEngine:
         self._failed: str | None = None
         self._full = False
         self._busy = 0  # reads + writes in progress
+        self._suspects: set[FragmentKey] = set()
         self._opened = False
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -300,6 +303,8 @@ class ChunkEngine:
                 "no_space",
                 "io_errors",
                 "temp_cleaned",
+                "scrubbed",
+                "quarantined",
             ),
             0,
         )
@@ -330,7 +335,7 @@ class ChunkEngine:
                     f"{self.root} belongs to target {stored}, not {self.target_id}", field="targets"
                 )
         self._persist_identity()
-        for sub in ("tmp", "frags"):
+        for sub in ("tmp", "frags", "quarantine"):
             (self.root / sub).mkdir(exist_ok=True)
         for name in os.listdir(self.root / "tmp"):
             with contextlib.suppress(FileNotFoundError):
@@ -505,6 +510,9 @@ class ChunkEngine:
                 view, hdr = await self._read_range(fd, path, key, entry, offset, length)
                 if offset == 0 and view.nbytes == hdr.size:
                     crc = hdr.crc
+        except CorruptError:
+            self._suspects.add(key)  # the scrubber re-checks it and quarantines it
+            raise
         finally:
             await self.backend.close(fd)
         self.counters["reads"] += 1
@@ -544,6 +552,9 @@ class ChunkEngine:
                 raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
             try:
                 await self._read_header(fd, path, key, entry)
+            except CorruptError:
+                self._suspects.add(key)
+                raise
             finally:
                 await self.backend.close(fd)
         return FragmentInfo(key, entry.size, entry.crc)
@@ -558,6 +569,56 @@ class ChunkEngine:
         finally:
             self.release(view)
         return info
+
+    def suspects(self) -> list[FragmentKey]:
+        """Fragments a read found corrupt since they were last scrubbed."""
+        return sorted(self._suspects)
+
+    async def scrub_one(self, key: FragmentKey) -> int:
+        """Verify ``key`` completely; a corrupt fragment is quarantined (moved
+        out of ``frags/``), so it reads as missing and repair rebuilds it.
+        Returns the bytes checked."""
+        entry = self._index.get(key)
+        try:
+            info = await self.verify(key)
+        except NotFoundError:
+            self._suspects.discard(key)
+            return 0
+        except CorruptError as err:
+            await self.quarantine(key, str(err))
+            return entry.file_len if entry is not None else 0
+        self._suspects.discard(key)
+        self.counters["scrubbed"] += 1
+        return info.size
+
+    async def quarantine(self, key: FragmentKey, reason: str) -> bool:
+        """Move ``key``'s file to ``quarantine/`` (kept for inspection, never
+        served) and forget it; False if it was not there."""
+        self._check_usable()
+        path = fragment_path(self.root, key)
+        dest = self.root / "quarantine" / f"{key.inode:016x}.{key.chunk:x}.{key.fragment:x}.{key.version:x}.{time.time_ns()}"
+        async with self._locks.hold(key):
+            self._suspects.discard(key)
+            try:
+                os.rename(path, dest)
+            except FileNotFoundError:
+                self._drop(key)
+                return False
+            except OSError as exc:
+                raise self._io_error("quarantine", path, exc) from exc
+            self._drop(key)
+            try:
+                await asyncio.gather(self._dirsync.sync(str(path.parent)), self._dirsync.sync(str(dest.parent)))
+            except OSError as exc:
+                raise self._io_error("fsync", path.parent, exc) from exc
+        self.counters["quarantined"] += 1
+        log.error("target %s: quarantined %s: %s", self.target_id, key, reason)
+        return True
+
+    def _drop(self, key: FragmentKey) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.file_len
 
     def keys(self, inode: int | None = None) -> Iterator[FragmentKey]:
         """The fragments on this target (a snapshot), optionally of one inode."""
