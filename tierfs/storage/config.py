@@ -54,7 +54,7 @@ class StorageConfig(BaseConfig):
     io_backend: str = field("auto", "Disk I/O: auto (io_uring if the kernel allows, else posix) | uring | posix.")
     queue_depth: int = field(64, "io_uring submission queue depth (operations in the kernel at once).")
     io_threads: int = field(8, "Worker threads of the posix backend.")
-    buffer_pool_bytes: int = field(1 << 30, "Idle aligned buffers kept for reuse (bytes).", kind="size")
+    buffer_pool_bytes: int = field(256 << 20, "Idle aligned buffers kept for reuse (bytes).", kind="size")
 
     max_fragment_size: int = field(64 << 20, "Largest fragment a target accepts.", kind="size")
     reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
