@@ -1,0 +1,50 @@
+"""StorageConfig: defaults, TOML/env/flag precedence, errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierfs.config import load
+from tierfs.errors import ConfigError
+from tierfs.storage.config import StorageConfig
+
+
+def test_defaults_and_target_dirs(tmp_path: Path) -> None:
+    cfg = load(StorageConfig, env={}, overrides={"data_dir": str(tmp_path)})
+    assert cfg.target_dirs() == [tmp_path / "target0"]
+    assert cfg.io_backend == "auto" and cfg.max_fragment_size <= cfg.max_frame_bytes
+
+
+def test_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "s.toml"
+    toml.write_text('[storage]\ntargets = ["/a", "/b"]\nqueue_depth = 8\nheartbeat_interval = "2s"\n'
+                    'reserved_bytes = "1GiB"\n')
+    env = {"TIERFS_STORAGE_QUEUE_DEPTH": "16", "TIERFS_STORAGE_META_ADDRS": "h1:1,h2:2"}
+    cfg = load(StorageConfig, toml, env=env, overrides={"heartbeat_interval": "250ms", "port": None})
+    assert cfg.target_dirs() == [Path("/a"), Path("/b")]
+    assert cfg.queue_depth == 16  # env beats TOML
+    assert cfg.heartbeat_interval == 0.25  # flag beats TOML
+    assert cfg.meta_addrs == ["h1:1", "h2:2"] and cfg.reserved_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"io_backend": "spdk"}, "io_backend"),
+        ({"queue_depth": 0}, "queue_depth"),
+        ({"port": 70000}, "port"),
+        ({"meta_addrs": ["nohost"]}, "meta_addrs"),
+        ({"transports": ["carrier-pigeon"]}, "transports"),
+        ({"max_fragment_size": "1GiB"}, "max_fragment_size"),
+        ({"targets": ["/x", "/x/"]}, "targets"),
+        ({"scrub_rate": -1}, "scrub_rate"),
+        ({"metrics_addr": "localhost"}, "metrics_addr"),
+        ({"reserved_bytes": "lots"}, "reserved_bytes"),
+    ],
+)
+def test_bad_values_name_the_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load(StorageConfig, env={}, overrides=overrides)
+    assert ei.value.field == field
