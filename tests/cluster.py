@@ -324,17 +324,24 @@ class MetaCluster:
             time.sleep(0.02)
 
     def get(self, key: str, i: int | None = None) -> str | None:
-        idx = self.wait_leader() if i is None else i
-        v = self.admin(idx, "Get", {"k": key}).get("value")
+        v = self.get_many([key], i)[key]
         return None if v is None else str(v)
 
-    def get_many(self, keys: Sequence[str], i: int | None = None, *, stale: bool = False) -> dict[str, str | None]:
-        """Linearizable read on the leader, or with ``stale`` this replica's
-        local state (any replica)."""
-        idx = self.wait_leader() if i is None else i
+    def get_many(self, keys: Sequence[str], i: int | None = None, *, stale: bool = False,
+                 timeout: float = 20.0) -> dict[str, str | None]:
+        """Linearizable read on the leader (retried across leader changes),
+        or from replica ``i``; ``stale`` reads that replica's local state."""
         req = {"keys": list(keys), "stale": stale}
-        vals: dict[str, str | None] = self.admin(idx, "Get", req, timeout=15.0)["values"]
-        return vals
+        deadline = time.monotonic() + timeout
+        while True:
+            idx = self.wait_leader(max(1.0, deadline - time.monotonic())) if i is None else i
+            try:
+                vals: dict[str, str | None] = self.admin(idx, "Get", req, timeout=15.0)["values"]
+                return vals
+            except (NotLeaderError, UnavailableError):
+                if i is not None or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
 
 
 def _plus1(v: int | None) -> int | None:

@@ -51,9 +51,9 @@ def test_deposed_leader_never_serves_a_stale_read(tmp_path: Path) -> None:
         assert proc is not None
         proc.send_signal(signal.SIGSTOP)
         try:
-            new = wait_for(lambda: next((i for i in c.live() if i != old and
-                                         c.status(i)["role"] == "leader"), None) or None, 20, "new leader")
-            c.admin(new, "Put", {"k": "x", "v": "new"})
+            wait_for(lambda: any(c.status(i)["role"] == "leader" for i in c.live() if i != old),
+                     20, "a new leader")
+            wait_for(lambda: _put_avoiding(c, old, "x", "new"), 30, "put on the new leader")
             # Ask the frozen old leader; it sees the request only once resumed,
             # while it still believes it leads.
             answer: list[object] = []
@@ -80,6 +80,18 @@ def test_deposed_leader_never_serves_a_stale_read(tmp_path: Path) -> None:
             print(f"deposed leader answered {type(got).__name__}: {got}")
         c.wait_converged(30)
         assert c.get("x") == "new"
+
+
+def _put_avoiding(c: MetaCluster, frozen: int, key: str, value: str) -> bool:
+    for i in c.live():
+        if i == frozen:
+            continue
+        try:
+            c.admin(i, "Put", {"k": key, "v": value})
+            return True
+        except TierFSError:
+            continue
+    return False
 
 
 def _has_conn(c: MetaCluster, i: int) -> bool:
