@@ -5,6 +5,7 @@ The public surface is re-exported here; everything else is private to its
 package.
 """
 
+from tierfs.client import AsyncClient, Client
 from tierfs.errors import (
     ConfigError,
     CorruptError,
@@ -19,6 +20,8 @@ from tierfs.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
+    "Client",
     "ConfigError",
     "CorruptError",
     "ErrorCode",

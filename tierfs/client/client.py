@@ -198,6 +198,21 @@ class AsyncClient:
     def meta(self) -> MetaClient:
         return self._parts()[0]
 
+    async def _drop_meta_channels(self) -> None:
+        """Close the gRPC channels (a fresh MetaClient opens new ones on the
+        next call). gRPC cannot survive ``fork`` with live channels; see
+        ``sync``."""
+        old = self._meta
+        if old is None or self._router is None:
+            return
+        c = self.config
+        self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
+                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+        # A new client id too: its request ids start again at 1 and must not
+        # match the old ones in meta's retry de-duplication.
+        self._router.meta = self._meta
+        await old.close()
+
     async def close(self) -> None:
         if self._closed:
             return

@@ -352,12 +352,11 @@ class AsyncFile:
     async def _renew_loop(self) -> None:
         assert self._session is not None
         cfg = self._client.config
-        meta = self._client.meta
         while True:
             await asyncio.sleep(cfg.lease_ms / 3000)
             chunks, self._unreported = self._unreported, []
             try:
-                await meta.renew_lease(self._session.session_id, chunks=chunks, lease_ms=cfg.lease_ms)
+                await self._client.meta.renew_lease(self._session.session_id, chunks=chunks, lease_ms=cfg.lease_ms)
             except SessionExpiredError as exc:
                 self._error = self._error or exc
                 return

@@ -31,12 +31,17 @@ T = TypeVar("T")
 _LIVE: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
+def _before_fork() -> None:
+    for c in list(_LIVE):
+        c._quiesce_grpc()
+
+
 def _after_fork_in_child() -> None:
     for c in list(_LIVE):
         c._forget()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 class Client:
@@ -54,6 +59,19 @@ class Client:
         _LIVE.add(self)
 
     # ---- the loop thread --------------------------------------------------------
+
+    def _quiesce_grpc(self) -> None:
+        """Before ``fork``: close this client's gRPC channels. gRPC is not
+        fork-safe while channels are live (the child hangs in its first
+        call); closed, both processes open new ones on their next call."""
+        loop, ac = self._loop, self._aclient
+        if loop is None or ac is None or threading.current_thread() is self._thread or not loop.is_running():
+            return
+        fut = asyncio.run_coroutine_threadsafe(ac._drop_meta_channels(), loop)
+        try:
+            fut.result(timeout=5.0)
+        except Exception:  # never fail the caller's fork
+            fut.cancel()
 
     def _forget(self) -> None:
         self._loop = None

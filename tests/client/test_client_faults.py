@@ -1,0 +1,106 @@
+"""Real faults under the client: storage daemons SIGKILLed under reads (the
+chunks decode around them, until too few are left: then a clear error, never
+wrong data), and the meta leader SIGKILLed in the middle of a large write."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.client.util import digest, random_bytes, start_cluster
+from tierfs.client import Client
+from tierfs.errors import InsufficientTargetsError, TierFSError, UnavailableError
+from tierfs.local import LocalCluster
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cl = start_cluster(tmp_path / "cl")
+    yield cl
+    cl.stop()
+
+
+def _check_all(client: Client, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        assert digest(client.read_bytes(path)) == digest(data), path
+        if len(data) > 3 * MiB:
+            with client.open(path, "rb") as f:
+                f.seek(MiB + 3)
+                assert f.read(2 * MiB) == data[MiB + 3: 3 * MiB + 3]
+
+
+@pytest.mark.timeout(180)
+def test_reads_survive_two_dead_storage_daemons_and_fail_cleanly_at_three(own_cluster: LocalCluster) -> None:
+    cl = own_cluster
+    files: dict[str, bytes] = {}
+    with Client(cl.meta_addrs, request_timeout=3.0, connect_timeout=1.0) as client:
+        client.mkdir("/small")
+        client.set_layout("/small", chunk_size=MiB)
+        for i, n in enumerate([1, 1000, MiB - 1, 3 * MiB + 7, 11 * MiB + 5]):
+            files[f"/small/f{i}"] = random_bytes(n, seed=i)
+        files["/default.bin"] = random_bytes(40 * MiB + 3, seed=99)  # 4 MiB chunks
+        for path, data in files.items():
+            client.write_bytes(path, data)
+        _check_all(client, files)
+
+        cl.kill("storage-0")
+        t0 = time.monotonic()
+        _check_all(client, files)
+        assert time.monotonic() - t0 < 60
+
+        cl.kill("storage-3")
+        _check_all(client, files)
+
+        cl.kill("storage-5")  # three of six fragments gone: ec:4+2 cannot read any chunk
+        for path in ("/small/f3", "/default.bin"):
+            with pytest.raises((InsufficientTargetsError, UnavailableError)) as ei:
+                client.read_bytes(path)
+            assert "chunk" in str(ei.value)
+        with client.open("/small/f4", "rb") as f, pytest.raises((InsufficientTargetsError, UnavailableError)):
+            f.read(10)
+
+
+def _leader(cl: LocalCluster) -> str:
+    h = asyncio.run(cl.health())
+    return next(m["name"] for m in h["meta"] if m["role"] == "leader")
+
+
+@pytest.mark.timeout(180)
+def test_meta_leader_killed_during_large_write(own_cluster: LocalCluster) -> None:
+    cl = own_cluster
+    old = random_bytes(8 * MiB, seed=5)
+    new = random_bytes(64 * MiB + 11, seed=6)
+    with Client(cl.meta_addrs, request_timeout=5.0, lease_ms=6000) as client:
+        client.write_bytes("/ckpt.bin", old)
+        killed = ""
+        outcome: str
+        try:
+            with client.open("/ckpt.bin", "r+b") as f:
+                view = memoryview(new)
+                step = 4 * MiB + 1
+                for pos in range(0, len(new), step):
+                    f.write(view[pos: pos + step])
+                    if not killed and pos >= 16 * MiB:
+                        killed = _leader(cl)
+                        cl.kill(killed)
+                        # Longer than the lease: the writer must keep renewing through the fail-over.
+                        time.sleep(7.0)
+            outcome = "committed"
+        except TierFSError as exc:
+            outcome = f"failed: {type(exc).__name__}: {exc}"
+        assert killed
+        got = client.read_bytes("/ckpt.bin")
+        if outcome == "committed":
+            assert digest(got) == digest(new)
+        else:  # a clear error, and the file is still the old one, whole
+            assert digest(got) == digest(old), outcome
+        # The cluster keeps working for the next writer.
+        client.write_bytes("/after.bin", b"after")
+        assert client.read_bytes("/after.bin") == b"after"
+    assert outcome == "committed", outcome

@@ -1,0 +1,147 @@
+"""Client SDK pieces that need no cluster: the codec, the ordered fan-out,
+the config, mode parsing and chunk-version lookup."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+
+import pytest
+
+from tierfs.client import ClientConfig, Codec
+from tierfs.client.client import ChunkVersions
+from tierfs.client.fanout import ordered
+from tierfs.client.file import _parse_mode
+from tierfs.config import load
+from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError
+from tierfs.proto.v1 import meta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+CS = 1 << 16
+
+
+def _chunk_bytes(codec: Codec, frags: dict[int, memoryview | bytes], p: int) -> bytes:
+    """Reassemble the chunk from decoded segments (the positional format)."""
+    f = codec.frag_size(CS)
+    plain = codec.decode({j: memoryview(v) for j, v in frags.items()}, p)
+    out = bytearray(codec.k * f)
+    for j in range(codec.k):
+        out[j * f: j * f + p] = plain[j * p: (j + 1) * p]
+    return bytes(out[:CS])
+
+
+@pytest.mark.parametrize(("k", "m"), [(4, 2), (8, 2), (3, 2)])
+@pytest.mark.parametrize("length", [1, 100, CS // 4 - 1, CS // 4, CS // 4 + 1, CS - 1, CS])
+def test_codec_decodes_from_any_k_fragments(k: int, m: int, length: int) -> None:
+    codec = Codec("ec", k, m)
+    data = os.urandom(length)
+    buf = bytearray(codec.encode_size(CS))
+    buf[:length] = data
+    frags = codec.encode(memoryview(buf), length, CS)
+    f = codec.frag_size(CS)
+    p = min(f, length)
+    assert len(frags) == k + m
+    # Positional and trimmed: data fragment j holds chunk bytes [j*F, j*F+len).
+    for j in range(k):
+        assert bytes(frags[j]) == data[j * f: j * f + p][: max(0, min(p, length - j * f))]
+    assert all(len(frags[j]) == p for j in range(k, k + m))
+    expect = data + bytes(CS - length)
+    combos = list(itertools.combinations(range(k + m), k))
+    for keep in combos[:: max(1, len(combos) // 12)]:
+        assert _chunk_bytes(codec, {j: frags[j] for j in keep}, p) == expect
+
+
+def test_codec_replica_and_errors() -> None:
+    rep = Codec("replica", 1, 2)
+    assert rep.width == 3 and rep.replicated and repr(rep) == "replica:3"
+    buf = memoryview(bytearray(b"hello" + bytes(CS - 5)))
+    assert [bytes(f) for f in rep.encode(buf, 5, CS)] == [b"hello"] * 3
+    ec = Codec("ec", 4, 2)
+    with pytest.raises(InvalidArgumentError):
+        ec.encode(memoryview(bytearray(CS)), 0, CS)
+    with pytest.raises(InvalidArgumentError):
+        ec.decode({0: memoryview(b"x")}, 1)
+    with pytest.raises(InvalidArgumentError):
+        Codec("raid", 4, 2)
+
+
+def test_ordered_fanout_keeps_order_and_limit() -> None:
+    running = 0
+    peak = 0
+
+    async def job(i: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.001 * ((i * 7) % 5))
+        running -= 1
+        if i % 4 == 3:
+            raise NotFoundError(f"slot {i}")
+        return i
+
+    async def main() -> list[int | Exception]:
+        return list(await ordered([lambda i=i: job(i) for i in range(20)], 3))  # type: ignore[misc]
+
+    res = asyncio.run(main())
+    assert peak <= 3
+    for i, r in enumerate(res):
+        if i % 4 == 3:
+            assert isinstance(r, NotFoundError) and str(r) == f"slot {i}"
+        else:
+            assert r == i
+
+
+def test_ordered_fanout_propagates_bugs() -> None:
+    async def bad() -> int:
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError):
+        asyncio.run(ordered([bad, bad], 2))
+
+
+def test_config_env_and_validation() -> None:
+    cfg = load(ClientConfig, env={"TIERFS_META": "127.0.0.1:1, 127.0.0.1:2", "TIERFS_READ_CONCURRENCY": "4",
+                                  "TIERFS_REQUEST_TIMEOUT": "250ms"})
+    assert cfg.meta == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert cfg.read_concurrency == 4 and cfg.request_timeout == 0.25
+    with pytest.raises(ConfigError) as ei:
+        load(ClientConfig, env={"TIERFS_META": "nohost"})
+    assert ei.value.field == "meta"
+    with pytest.raises(ConfigError):
+        ClientConfig(read_concurrency=0)
+    with pytest.raises(ConfigError):
+        ClientConfig(transport="carrier-pigeon")
+
+
+def test_client_needs_meta_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierfs.client import AsyncClient
+
+    monkeypatch.delenv("TIERFS_META", raising=False)
+    with pytest.raises(ConfigError):
+        AsyncClient()
+    monkeypatch.setenv("TIERFS_META", "127.0.0.1:9")
+    c = AsyncClient()
+    assert c.config.meta == ["127.0.0.1:9"]
+    asyncio.run(c.close())
+    c2 = AsyncClient("127.0.0.1:7,127.0.0.1:8", read_concurrency=2)
+    assert c2.config.meta == ["127.0.0.1:7", "127.0.0.1:8"] and c2.config.read_concurrency == 2
+    asyncio.run(c2.close())
+
+
+def test_mode_parsing() -> None:
+    assert _parse_mode("rb") == ("r", False)
+    assert _parse_mode("r+b") == ("r", True)
+    assert _parse_mode("wb") == ("w", False)
+    assert _parse_mode("ab+") == ("a", True)
+    assert _parse_mode("x") == ("x", False)
+    for bad in ("rt", "q", "rr", "rw", ""):
+        with pytest.raises(InvalidArgumentError):
+            _parse_mode(bad)
+
+
+def test_chunk_versions_lookup() -> None:
+    runs = [pb.ChunkRun(first=10, count=5, version=3), pb.ChunkRun(first=0, count=2, version=1)]
+    cv = ChunkVersions(runs)
+    assert [cv.get(i) for i in (0, 1, 2, 9, 10, 14, 15)] == [1, 1, None, None, 3, 3, None]

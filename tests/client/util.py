@@ -1,0 +1,34 @@
+"""Helpers for the client SDK tests: real local clusters (3 meta replicas
+and N storage daemons as processes on loopback, ``tierfs.local``)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from tierfs.local import LocalCluster
+
+__all__ = ["digest", "random_bytes", "start_cluster"]
+
+
+def start_cluster(path: Path, n_storage: int = 6) -> LocalCluster:
+    cl = LocalCluster(path, n_storage=n_storage)
+    try:
+        cl.start(timeout=90)
+        asyncio.run(cl.wait_healthy(90))
+    except BaseException:
+        cl.stop()
+        raise
+    return cl
+
+
+def digest(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    """Deterministic pseudo-random bytes (fast for large n)."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
