@@ -326,3 +326,29 @@ def test_open_backend_selection() -> None:
             open_backend("spdk", pool)
     finally:
         pool.close()
+
+
+def test_auto_falls_back_to_posix_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the kernel refuses io_uring (old kernel, seccomp, sysctl), "auto"
+    serves with posix and says why; "uring" refuses to start."""
+    import tierfs.storage.io as io_mod
+    from tierfs.errors import ConfigError
+
+    monkeypatch.setattr(io_mod, "_uring_unavailable", lambda: "io_uring setup failed: [Errno 1] EPERM")
+    pool = BufferPool(1 << 20)
+
+    async def main() -> None:
+        be = open_backend("auto", pool)
+        assert isinstance(be, PosixBackend)
+        await be.aclose()
+
+    try:
+        with caplog.at_level("WARNING", logger="tierfs.storage.io"):
+            asyncio.run(main())
+        assert "io_uring unavailable (io_uring setup failed" in caplog.text
+        with pytest.raises(ConfigError, match="EPERM"):
+            open_backend("uring", pool)
+    finally:
+        pool.close()

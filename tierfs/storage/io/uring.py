@@ -26,7 +26,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import liburing as L
+try:
+    import liburing as L
+except ImportError as _exc:  # not Linux, or the wheel does not load here
+    L = None
+    _IMPORT_ERROR = f"liburing unavailable: {_exc}"
 
 from tierfs.buffers import ALIGN, BufferPool
 from tierfs.storage.io.base import IOBackend
@@ -57,14 +61,27 @@ _PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
 _PyBuffer_Release.restype = None
 
 
-def _iovec(buf: memoryview) -> tuple[Any, int]:
-    """An Iovec over ``buf`` plus the number of buffer exports it leaks.
+def _calibrate() -> bool:
+    """Whether ``Iovec`` leaks a buffer export per memoryview (it does in
+    liburing 2026.3.30: the export and a reference are never given back,
+    which would pin every buffer forever). Checked once, on a scratch view,
+    after the Iovec is gone, so a fixed release turns compensation off."""
+    scratch = bytearray(16)
+    view = memoryview(scratch)
+    before = sys.getrefcount(view)
+    iov = L.Iovec([view])
+    del iov
+    leaked = sys.getrefcount(view) - before
+    _unleak(view, leaked)
+    view.release()  # raises if the calibration left an export behind
+    return leaked > 0
 
-    liburing 2026.3.30 takes a buffer export (and a reference) on every
-    memoryview put into an Iovec and never gives it back, which would pin
-    every buffer forever. The leak is measured rather than assumed, so a fixed
-    release of the library makes the compensation a no-op.
-    """
+
+def _iovec(buf: memoryview) -> tuple[Any, int]:
+    """An Iovec over ``buf`` plus the number of exports to give back after the
+    kernel is done with it (see ``_calibrate``)."""
+    if not _LEAKS:
+        return L.Iovec([buf]), 0
     before = sys.getrefcount(buf)
     iov = L.Iovec([buf])
     return iov, max(0, sys.getrefcount(buf) - before)
@@ -78,9 +95,14 @@ def _unleak(buf: memoryview, leaked: int) -> None:
         _PyBuffer_Release(ctypes.byref(pb))
 
 
+_LEAKS = _calibrate() if L is not None else False
+
+
 def probe_uring() -> str | None:
     """None if io_uring works here (ring setup, READV/WRITEV/FSYNC on an
     O_DIRECT file round trip); otherwise the reason it does not."""
+    if L is None:
+        return _IMPORT_ERROR
     try:
         ring = L.Ring()
         L.io_uring_queue_init(4, ring)
@@ -136,6 +158,8 @@ class UringBackend(IOBackend):
         super().__init__(pool)
         if queue_depth < 1:
             raise ValueError("queue_depth must be >= 1")
+        if L is None:
+            raise OSError(38, _IMPORT_ERROR)  # ENOSYS
         self.queue_depth = queue_depth
         self._ring = L.Ring()
         L.io_uring_queue_init(queue_depth, self._ring)
