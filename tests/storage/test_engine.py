@@ -341,3 +341,24 @@ def test_scrub_quarantines_what_reads_found_corrupt(
         assert await _get(eng, bad) == data
 
     _run(make_backend, pool, tmp_path, second)
+
+
+@pytest.mark.timeout(60)
+def test_multi_page_header_after_restart(
+    make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path
+) -> None:
+    size = (64 << 20) + 3  # 1025 blocks: the header needs two pages
+    data = _data(size, 17)
+    key = FragmentKey(14, 0, 0, 1)
+    assert header_length(size) == 8192
+
+    async def first(eng: ChunkEngine) -> None:
+        await _put(eng, key, data)
+
+    async def second(eng: ChunkEngine) -> None:  # nothing known but the file length
+        assert await _get(eng, key, size - 70_000, 100) == data[size - 70_000 : size - 69_900]
+        assert (await eng.stat(key)).size == size
+        assert await _get(eng, key) == data
+
+    _run(make_backend, pool, tmp_path, first)
+    _run(make_backend, pool, tmp_path, second)

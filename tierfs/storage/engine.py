@@ -770,9 +770,11 @@ class ChunkEngine:
         buf = self.pool.get(hdr_len)
         try:
             n = await self._pread(fd, buf, 0, path)
-            if n >= _FIXED.size and entry.size < 0:
+            if n >= _FIXED.size:
+                # the header says how long it is (a guess from a stale size, or
+                # none after a restart, may be short); the parse checks it
                 want = _FIXED.unpack_from(buf, 0)[3]
-                if isinstance(want, int) and ALIGN < want <= 1 << 24 and want % ALIGN == 0:
+                if isinstance(want, int) and hdr_len < want <= 1 << 24 and want % ALIGN == 0:
                     self.pool.put(buf)
                     buf = self.pool.get(want)
                     n = await self._pread(fd, buf, 0, path)
