@@ -12,7 +12,7 @@ Ports are chosen once, on the first start, and reused afterwards, so a
 cluster stopped and started again on the same directory keeps its identity
 and its data. Daemons run in their own sessions and outlive the process that
 started them; :meth:`stop` ends them (SIGTERM, then SIGKILL after a grace
-period). It is the engine behind ``make run`` and the basis for ``tierfs up``.
+period). It is the engine behind ``make run`` and ``tierfs up``/``down``.
 """
 
 from __future__ import annotations
@@ -367,31 +367,10 @@ class LocalCluster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tierfs.local up|down|status --data DIR`` (``tierfs up`` will wrap this)."""
-    import argparse
+    """``python -m tierfs.local up|down|status --data DIR``: the same as ``tierfs up|down|status``."""
+    from tierfs.cli.main import run
 
-    ap = argparse.ArgumentParser(prog="python -m tierfs.local", description="Run a local TierFS cluster.")
-    ap.add_argument("action", choices=["up", "down", "status"])
-    ap.add_argument("--data", default="./.tierfs")
-    ap.add_argument("--meta", type=int, default=3)
-    ap.add_argument("--storage", type=int, default=6)
-    ap.add_argument("--targets-per-node", type=int, default=1)
-    ns = ap.parse_args(argv)
-    try:
-        cl = LocalCluster(ns.data, n_meta=ns.meta, n_storage=ns.storage, targets_per_node=ns.targets_per_node)
-        if ns.action == "up":
-            cl.start()
-            asyncio.run(cl.wait_healthy())
-            print(f"export TIERFS_META={','.join(cl.meta_addrs)}")
-        elif ns.action == "down":
-            cl.stop()
-            print(f"stopped the cluster in {cl.dir}")
-        else:
-            print(json.dumps(asyncio.run(cl.health()), indent=2))
-    except TierFSError as exc:
-        print(f"tierfs: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run(argv)
 
 
 if __name__ == "__main__":

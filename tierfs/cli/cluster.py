@@ -82,6 +82,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
 
     local = LocalCluster.open(data_dir) if data_dir else None
     pids = {p.addr: p.pid for p in local.procs} if local else {}
+    names = {p.addr: p.name for p in local.procs} if local else {}
     addrs = list(dict.fromkeys([*meta, *(local.meta_addrs if local else [])]))
     per_replica = min(timeout, 2.0)
     replicas = list(await asyncio.gather(*(_replica_status(a, per_replica) for a in addrs)))
@@ -128,14 +129,14 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             state = "down"
         storage_out.append({
             "id": n.node_id, "addr": n.control_addr or n.data_addr, "data_addr": n.data_addr,
-            "hostname": n.hostname, "state": state, "pid": pid,
+            "hostname": n.hostname, "name": names.get(n.data_addr), "state": state, "pid": pid,
             "targets": [targets[t] for t in n.target_ids if t in targets],
         })
     if local:
         # Daemons of the local plan that never registered (e.g. killed during start-up).
         for p in local.procs:
             if p.kind == "storage" and p.addr not in seen_addrs:
-                storage_out.append({"id": None, "addr": p.addr, "data_addr": p.addr, "hostname": "",
+                storage_out.append({"id": None, "addr": p.addr, "data_addr": p.addr, "hostname": "", "name": p.name,
                                     "state": "unregistered", "pid": p.pid or None, "targets": []})
 
     groups_out = []

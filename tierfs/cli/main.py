@@ -128,7 +128,8 @@ def render_status(st: dict[str, Any]) -> str:
     for s in st["storage"]:
         ts = s["targets"] or [None]
         for i, t in enumerate(ts):
-            head = [s["id"], s["data_addr"], s["state"], s["pid"]] if i == 0 else ["", "", "", ""]
+            node = s["id"] if not s.get("name") else f"{s['id'] or '-'} ({s['name']})"
+            head = [node, s["data_addr"], s["state"], s["pid"]] if i == 0 else ["", "", "", ""]
             tail = ([t["id"], t["state"], human_size(t["used"]), human_size(t["capacity"]), t["path"]]
                     if t else [None] * 5)
             rows.append(head + tail)

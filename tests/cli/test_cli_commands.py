@@ -1,0 +1,284 @@
+"""The ``tierfs`` CLI against a real local cluster (3 meta + 6 storage
+processes started by ``tierfs up``'s function): in-process calls of the
+command functions and of ``run`` (exit codes, messages, ``--json``), and a
+few real ``tierfs`` subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierfs.cli import cluster_down, cluster_status, cluster_up, fs, resolve_meta, run
+from tierfs.client import AsyncClient
+from tierfs.errors import ConfigError
+from tierfs.local import LocalCluster, pid_alive
+
+CLI = [sys.executable, "-m", "tierfs.cli"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TIERFS_META"}
+    env.update(extra)
+    return env
+
+
+def _cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env or _env())
+
+
+class Run:
+    """``run(argv)`` in-process, with captured output."""
+
+    def __init__(self, meta: str) -> None:
+        self.meta = meta
+
+    def __call__(self, *args: str, cluster: bool = True, tty: bool = False) -> tuple[int, str, str]:
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+        err = io.StringIO()
+        argv = [*args, "--meta", self.meta] if cluster else list(args)
+        rc = run(argv, stdout=out, stderr=err, env={}, tty=tty)
+        out.buffer.seek(0)
+        text = out.buffer.read().decode(errors="replace")
+        out.close()
+        return rc, text, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    data = tmp_path_factory.mktemp("cli") / "cluster"
+    try:
+        info = cluster_up(str(data), timeout=90)
+        yield info
+    finally:
+        if (data / "cluster.toml").exists():
+            cluster_down(str(data))
+
+
+@pytest.fixture
+def cli(cluster: dict[str, Any]) -> Run:
+    return Run(",".join(cluster["meta"]))
+
+
+# ---- up / status --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_up_twice_reuses_the_running_cluster(cluster: dict[str, Any]) -> None:
+    assert len(cluster["started"]) == 9 and cluster["counts"] == {"meta": 3, "storage": 6, "targets_per_node": 1}
+    pids = LocalCluster.open(cluster["data_dir"]).running()
+    r = _cli("up", "--data", cluster["data_dir"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == cluster["export"] == f"export TIERFS_META={','.join(cluster['meta'])}"
+    assert "already running" in r.stderr
+    again = LocalCluster.open(cluster["data_dir"])
+    assert again.running() == pids and all(pids.values())
+
+
+@pytest.mark.timeout(60)
+def test_status_json_has_every_daemon_target_and_group(cluster: dict[str, Any]) -> None:
+    r = _cli("status", "--json", "--data", cluster["data_dir"])
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    local = LocalCluster.open(cluster["data_dir"])
+    pid_of = {p.addr: p.pid for p in local.procs}
+    assert st["healthy"] is True
+    assert sorted(m["addr"] for m in st["meta"]) == sorted(cluster["meta"])
+    assert sorted(m["role"] for m in st["meta"]) == ["follower", "follower", "leader"]
+    for m in st["meta"]:
+        assert set(m) >= {"id", "addr", "role", "state", "pid"}
+        assert m["state"] == "up" and m["pid"] == pid_of[m["addr"]] and m["id"].startswith("meta-")
+    assert len(st["storage"]) == 6
+    for s in st["storage"]:
+        assert set(s) >= {"id", "addr", "data_addr", "state", "pid", "targets"}
+        assert s["state"] == "online" and s["pid"] == pid_of[s["data_addr"]]
+        assert len(s["targets"]) == 1
+        t = s["targets"][0]
+        assert set(t) >= {"id", "state", "capacity", "used"} and t["state"] == "online" and t["capacity"] > 0
+    assert st["groups"] and all(g["state"] == "healthy" and len(g["targets"]) == g["width"] for g in st["groups"])
+    # Without --data nobody knows the pids; the members list finds the other replicas.
+    st2 = asyncio.run(cluster_status([cluster["meta"][1]]))
+    assert len(st2["meta"]) == 3 and all(m["pid"] is None for m in st2["meta"])
+    assert all(s["pid"] is None for s in st2["storage"])
+
+
+# ---- file commands ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_put_get_cat_ls_stat_round_trip(cli: Run, tmp_path: Path) -> None:
+    src = tmp_path / "shard.bin"
+    payload = os.urandom(9 * (1 << 20) + 12345)  # not a multiple of the 4 MiB chunk
+    src.write_bytes(payload)
+    assert cli("mkdir", "-p", "/rt/a/b")[0] == 0
+    assert cli("mkdir", "-p", "/rt/a/b")[0] == 0  # -p: no error if it exists
+    rc, out, err = cli("put", str(src), "/rt/a/", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["remote"] == "/rt/a/shard.bin" and r["bytes"] == len(payload)
+    rc, out, _ = cli("ls", "/rt/a")
+    assert rc == 0 and out.split() == ["b/", "shard.bin"]  # no temporary name left behind
+    rc, out, _ = cli("ls", "-l", "/rt/a")
+    assert rc == 0 and str(len(payload)) in out and "-rw-r--r--" in out
+    rc, out, _ = cli("stat", "/rt/a/shard.bin", "--json")
+    st = json.loads(out)
+    assert st["size"] == len(payload) and st["type"] == "file" and st["chunks"] == 3
+    assert st["layout"]["redundancy"] == "ec:4+2" and st["layout"]["chunk_size"] == 4 << 20
+    dst = tmp_path / "back.bin"
+    rc, out, err = cli("get", "/rt/a/shard.bin", str(dst))
+    assert rc == 0, err
+    assert dst.read_bytes() == payload and "MB/s" in out
+    assert not (tmp_path / "back.bin.part").exists()
+    catted = subprocess.run([*CLI, "cat", "/rt/a/shard.bin", "--meta", cli.meta], capture_output=True,
+                            timeout=60, env=_env())
+    assert catted.returncode == 0 and catted.stdout == payload
+
+
+@pytest.mark.timeout(60)
+def test_put_replaces_atomically_and_reports_progress(cluster: dict[str, Any], tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"A" * 5_000_000)
+    b.write_bytes(b"B" * 7_000_001)
+    seen: list[tuple[int, int | None]] = []
+
+    async def go() -> bytes:
+        async with AsyncClient(cluster["meta"]) as c:
+            await c.mkdir("/atomic", exist_ok=True)
+            await fs.put(c, str(a), "/atomic/f")
+            await fs.put(c, str(b), "/atomic/f", progress=lambda d, t: seen.append((d, t)))
+            assert await c.ls("/atomic") == ["f"]
+            return await c.read_bytes("/atomic/f")
+
+    assert asyncio.run(go()) == b.read_bytes()
+    assert seen[0] == (0, 7_000_001) and seen[-1] == (7_000_001, 7_000_001)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+@pytest.mark.timeout(60)
+def test_mv_rm_and_set_layout(cli: Run, tmp_path: Path) -> None:
+    f = tmp_path / "x"
+    f.write_bytes(os.urandom(300_000))
+    assert cli("mkdir", "-p", "/ops/d1")[0] == 0
+    assert cli("mkdir", "/ops/d2")[0] == 0
+    assert cli("put", str(f), "/ops/d1/x")[0] == 0
+    assert cli("mv", "/ops/d1/x", "/ops/d2")[0] == 0  # into a directory, as mv(1)
+    assert cli("ls", "/ops/d2")[1].split() == ["x"] and cli("ls", "/ops/d1")[1].split() == []
+    rc, out, err = cli("set-layout", "/ops/d1", "--redundancy", "replica:3", "--chunk-size", "1MiB")
+    assert rc == 0 and "replica:3" in out, err
+    assert cli("put", str(f), "/ops/d1/r")[0] == 0
+    st = json.loads(cli("stat", "/ops/d1/r", "--json")[1])
+    assert st["layout"]["redundancy"] == "replica:3" and st["layout"]["chunk_size"] == 1 << 20
+    back = tmp_path / "r"
+    assert cli("get", "/ops/d1/r", str(back))[0] == 0 and back.read_bytes() == f.read_bytes()
+    rc, _, err = cli("rm", "/ops")
+    assert rc == 1 and "not empty" in err and "rm -r" in err
+    assert cli("rm", "/ops/d2/x")[0] == 0
+    assert cli("rm", "-r", "/ops")[0] == 0
+    rc, _, err = cli("ls", "/ops")
+    assert rc == 1 and "/ops" in err and "no such file" in err
+
+
+# ---- errors ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_expected_errors_are_one_line_and_exit_1(cli: Run, tmp_path: Path) -> None:
+    rc, out, err = cli("stat", "/ckpt/step-10")
+    assert rc == 1 and err.startswith("tierfs: ") and "no such file" in err and "/ckpt" in err
+    assert "Traceback" not in err
+    rc, out, err = cli("get", "/ckpt/step-10", str(tmp_path / "x"), "--json")
+    assert rc == 1 and json.loads(out)["error"]["code"] == "ERROR_CODE_NOT_FOUND"
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.part").exists()
+    rc, _, err = cli("put", str(tmp_path / "missing"), "/nope")
+    assert rc == 1 and "cannot read local file" in err and "missing" in err
+    assert cli("stat", "/nope")[0] == 1  # a failed put creates nothing
+    rc, _, err = cli("set-layout", "/", "--redundancy", "ec:4")
+    assert rc == 1 and "ec:K+M" in err and "Traceback" not in err
+    rc, _, err = cli("set-layout", "/", "--chunk-size", "3MiB")
+    assert rc == 1 and "power of two" in err
+    rc, _, err = cli("frobnicate")
+    assert rc == 2 and "invalid choice" in err
+    rc, _, err = cli("set-layout", "/")
+    assert rc == 2 and "--redundancy" in err
+    rc, _, err = cli("put", "-", "/", cluster=True)
+    assert rc == 1 and "standard input" in err
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_cluster_and_no_address(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        r = _cli("ls", "/", "--meta", f"127.0.0.1:{port}", "--timeout", "2", cwd=tmp_path)
+    assert r.returncode == 1
+    assert f"cluster unreachable: tried 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("status", "--meta", f"127.0.0.1:{port}", "--timeout", "2", cwd=tmp_path)
+    assert r.returncode == 1 and "cluster unreachable" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("ls", "/", cwd=tmp_path)  # no --meta, no TIERFS_META, no ./.tierfs here
+    assert r.returncode == 1 and "TIERFS_META" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("down", "--data", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert r.returncode == 1 and "no local cluster" in r.stderr
+
+
+def test_resolve_meta_precedence(tmp_path: Path) -> None:
+    (tmp_path / "cluster.toml").write_text('[cluster]\nmeta = ["127.0.0.1:3"]\n')
+    env = {"TIERFS_META": "127.0.0.1:2, 127.0.0.1:22"}
+    assert resolve_meta("127.0.0.1:1", str(tmp_path), env) == ["127.0.0.1:1"]
+    assert resolve_meta(None, str(tmp_path), env) == ["127.0.0.1:2", "127.0.0.1:22"]
+    assert resolve_meta(None, str(tmp_path), {}) == ["127.0.0.1:3"]
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        resolve_meta("localhost", None, {})
+    with pytest.raises(ConfigError, match="no local cluster"):
+        resolve_meta(None, str(tmp_path / "none"), {})
+
+
+# ---- degraded, down, up again -----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_status_degraded_then_down_then_up_keeps_data(cluster: dict[str, Any], cli: Run, tmp_path: Path) -> None:
+    data = cluster["data_dir"]
+    payload = os.urandom(6 << 20)
+    (tmp_path / "keep").write_bytes(payload)
+    assert cli("put", str(tmp_path / "keep"), "/keep.bin")[0] == 0
+    cl = LocalCluster.open(data)
+    victim = cl.proc("storage-3")
+    cl.kill("storage-3")
+    rc, out, _ = Run(cli.meta)("status", "--json", "--data", data, cluster=False)
+    assert rc == 3  # degraded
+    st = json.loads(out)
+    assert st["healthy"] is False
+    down = [s for s in st["storage"] if s["data_addr"] == victim.addr]
+    assert down and down[0]["state"] == "down"
+    # A degraded read still returns the right bytes.
+    back = tmp_path / "back"
+    assert cli("get", "/keep.bin", str(back))[0] == 0 and back.read_bytes() == payload
+    # `up` restarts what is missing and only that.
+    r = _cli("up", "--data", data)
+    assert r.returncode == 0, r.stderr
+    assert "started 1 daemons" in r.stderr
+    # `down` stops every daemon...
+    pids = [p.pid for p in LocalCluster.open(data).procs]
+    r = _cli("down", "--data", data)
+    assert r.returncode == 0 and "stopped 9 daemons" in r.stdout, r.stderr
+    assert not any(pid_alive(p) for p in pids)
+    assert not any(LocalCluster.open(data).running().values())
+    # ... and `up` brings the same cluster back with its data.
+    r = _cli("up", "--data", data, "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["reused"] is True and len(info["started"]) == 9 and info["meta"] == cluster["meta"]
+    back.unlink()
+    assert cli("get", "/keep.bin", str(back))[0] == 0 and back.read_bytes() == payload
