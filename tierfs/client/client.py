@@ -191,7 +191,7 @@ class AsyncClient:
             self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
                                     request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
-                                  failed_ttl=c.failed_target_ttl)
+                                  failed_ttl=c.failed_target_ttl, max_age=c.map_max_age)
         return self._meta, self._data, self._router
 
     @property
@@ -217,8 +217,10 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        meta, data = self._meta, self._data
+        meta, data, router = self._meta, self._data, self._router
         self._meta = self._data = self._router = None
+        if router is not None:
+            await router.close()
         if data is not None:
             await data.close()
         if meta is not None:

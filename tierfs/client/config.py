@@ -35,6 +35,9 @@ class ClientConfig(BaseConfig):
         5.0, "A target that just failed is skipped (reads go straight to parity) for this long.", kind="duration")
     map_refresh_interval: float = field(
         0.5, "Least time between two cluster-map refreshes caused by errors.", kind="duration")
+    map_max_age: float = field(
+        10.0, "A cluster map older than this is re-checked with meta before use (cheap when unchanged).",
+        kind="duration")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
 
     def validate(self) -> None:

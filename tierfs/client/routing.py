@@ -8,7 +8,9 @@ that may mean the map moved (a fragment not found, a target unreachable),
 and is rate-limited by ``min_interval`` unless forced by a miss. Targets
 that failed a request recently are remembered for ``failed_ttl`` seconds so
 that later chunks go straight to parity instead of waiting for the same
-timeout again.
+timeout again. A map older than ``max_age`` is re-checked on the next use
+(a cheap call when nothing changed), so targets that come back are used
+again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tierfs.errors import StaleVersionError
+from tierfs.errors import StaleVersionError, TierFSError
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -28,17 +30,19 @@ _READABLE = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
 
 class Router:
     def __init__(self, meta: MetaClient, data: DataClient, *, min_interval: float = 0.5,
-                 failed_ttl: float = 5.0) -> None:
+                 failed_ttl: float = 5.0, max_age: float = 10.0) -> None:
         self.meta = meta
         self.data = data
         self.min_interval = min_interval
         self.failed_ttl = failed_ttl
+        self.max_age = max_age
         self.version = 0
         self.groups: dict[int, tuple[int, ...]] = {}
         self.state: dict[int, int] = {}
         self._failed: dict[int, float] = {}
         self._lock = asyncio.Lock()
         self._last = -1e9
+        self._bg: asyncio.Task[None] | None = None
 
     async def refresh(self, *, force: bool = False) -> bool:
         """Fetch the map if it may have changed; True if the version moved."""
@@ -73,12 +77,29 @@ class Router:
     async def targets(self, group_id: int) -> tuple[int, ...]:
         """The ordered targets of a placement group (refreshing on a miss)."""
         got = self.groups.get(group_id)
+        if got is not None and time.monotonic() - self._last > self.max_age and self._bg is None:
+            # In the background: a read must not wait on meta while the map it has still routes.
+            self._bg = asyncio.get_running_loop().create_task(self._refresh_quietly())
         if got is None:
             await self.refresh(force=True)
             got = self.groups.get(group_id)
             if got is None:
                 raise StaleVersionError(f"placement group {group_id} is not in cluster map version {self.version}")
         return got
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except TierFSError:
+            pass  # meta unreachable for now; tried again after max_age
+        finally:
+            self._bg = None
+
+    async def close(self) -> None:
+        t, self._bg = self._bg, None
+        if t is not None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
 
     def usable(self, target: int) -> bool:
         """Worth asking now: readable in the map and not failed just now."""
