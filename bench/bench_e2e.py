@@ -51,7 +51,7 @@ def _source(size: int) -> tuple[np.ndarray[Any, Any], int]:
 
 
 async def _write(c: AsyncClient, path: str, block: np.ndarray[Any, Any], size: int) -> float:
-    view = memoryview(block)
+    view = block.data
     t0 = time.perf_counter()
     f = await c.open(path, "wb")
     async with f:
@@ -66,7 +66,7 @@ async def _read(c: AsyncClient, path: str, dest: memoryview, block: np.ndarray[A
     t0 = time.perf_counter()
     n = await c.read_into(path, dest)
     dt = time.perf_counter() - t0
-    b = memoryview(block)
+    b = block.data
     for off in range(0, n, len(b)):  # every byte checked, outside the timing
         k = min(len(b), n - off)
         if dest[off: off + k] != b[:k]:

@@ -68,7 +68,13 @@ def test_awkward_sizes_round_trip(client: Client, redundancy: str) -> None:
         f.seek(2 * MiB)
         floats = np.empty(1000, dtype=np.float32)  # any writable buffer type works
         assert f.readinto(floats) == 4000 and floats.tobytes() == big[2 * MiB: 2 * MiB + 4000]
-    # read_into at an offset, into an mmap-backed numpy array
+    # Sequential small records (the chunk cache and its read-ahead).
+    with client.open(f"{d}/f{SIZES[-1]}", "rb") as f:
+        parts = []
+        while rec := f.read(100_003):
+            parts.append(rec)
+    assert b"".join(parts) == big
+    # read_into at an offset, into a numpy array
     arr = np.zeros(3 * MiB, dtype=np.uint8)
     assert client.read_into(f"{d}/f{SIZES[-1]}", arr, offset=5 * MiB) == len(big) - 5 * MiB
     assert arr[: len(big) - 5 * MiB].tobytes() == big[5 * MiB:]

@@ -14,7 +14,9 @@ it becomes visible) and the error surfaces at the next call or at close.
 
 ``flush`` makes the data written so far durable on the storage targets but
 does not publish it (the session stays open); a file is published at close.
-Readers of a file opened read-only keep one chunk cached for small reads.
+Readers of a file opened read-only serve small reads from a one-chunk
+cache and read the next chunk ahead meanwhile (sequential readers of small
+records would otherwise pay a round trip per call).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class AsyncFile:
         self._slots = asyncio.Semaphore(client.config.write_concurrency)
         self._renewer: asyncio.Task[None] | None = None
         self._cache: tuple[int, memoryview, int] | None = None  # (chunk, buffer, valid bytes)
+        self._ahead: tuple[int, asyncio.Task[int], memoryview] | None = None  # read-ahead of the next chunk
         if session is not None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
 
@@ -210,22 +213,44 @@ class AsyncFile:
         return done
 
     async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int]:
+        """Chunk ``idx`` from the one-chunk cache; a miss loads it (or takes
+        the read-ahead of it) and starts reading the next chunk ahead."""
         if self._cache is not None and self._cache[0] == idx:
             return self._cache[1], self._cache[2]
-        cs = view.chunk_size
         pool = self._client.pool
         if self._cache is not None:
-            buf = self._cache[1]
+            pool.put(self._cache[1])
             self._cache = None
-        else:
-            buf = pool.get(cs)
-        try:
-            valid = await self._client._read_range(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
-        except BaseException:
-            pool.put(buf)
-            raise
-        self._cache = (idx, buf, valid)
-        return buf, valid
+        ahead, self._ahead = self._ahead, None
+        got: tuple[int, memoryview, int] | None = None
+        if ahead is not None:
+            a_idx, a_task, a_buf = ahead
+            if a_idx == idx:
+                try:
+                    got = (idx, a_buf, await a_task)
+                except TierFSError:
+                    pool.put(a_buf)  # read it again below: the error surfaces there if it persists
+            else:
+                a_task.cancel()
+                await asyncio.gather(a_task, return_exceptions=True)
+                pool.put(a_buf)
+        if got is None:
+            buf = pool.get(view.chunk_size)
+            try:
+                got = (idx, buf, await self._load_chunk(view, idx, buf))
+            except BaseException:
+                pool.put(buf)
+                raise
+        self._cache = got
+        if (idx + 1) * view.chunk_size < view.size:
+            nbuf = pool.get(view.chunk_size)
+            task = asyncio.get_running_loop().create_task(self._load_chunk(view, idx + 1, nbuf))
+            self._ahead = (idx + 1, task, nbuf)
+        return got[1], got[2]
+
+    async def _load_chunk(self, view: FileView, idx: int, buf: memoryview) -> int:
+        cs = view.chunk_size
+        return await self._client._read_range(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
 
     # ---- writing ----------------------------------------------------------------
 
@@ -370,6 +395,7 @@ class AsyncFile:
         if self.closed:
             return
         if not self._writable:
+            await self._drop_ahead()
             self._finish()
             return
         try:
@@ -396,6 +422,13 @@ class AsyncFile:
         if self._session is not None:
             with contextlib.suppress(TierFSError):
                 await self._client.meta.abort_write(self._session.session_id, chunks=sorted(self._written))
+
+    async def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].cancel()
+            await asyncio.gather(ahead[1], return_exceptions=True)
+            self._client.pool.put(ahead[2])
 
     def _finish(self) -> None:
         self.closed = True
