@@ -126,6 +126,64 @@ def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: li
     assert d2.stop() == 0  # SIGTERM: clean exit
 
 
+@pytest.mark.timeout(90)
+def test_sigkill_mid_write_over_the_network(tmp_path: Path, daemons: list[Daemon]) -> None:
+    """Clients stream fragments to a node that is SIGKILLed mid-stream:
+    every write the client saw acknowledged reads back after a restart."""
+    from tierfs.errors import TierFSError
+    from tierfs.net import DataClient
+
+    args = ["--no-meta", "--data-dir", str(tmp_path / "node"), "--target", str(tmp_path / "t"),
+            "--target-id", "31", "--reserved-bytes", "0", "--transport", "tcp"]
+    d = Daemon(tmp_path, args)
+    daemons.append(d)
+    ready = d.start()
+    assert d.proc is not None
+    pid = d.proc.pid
+
+    def blob(i: int) -> bytes:
+        return (i.to_bytes(4, "little") * 64_000)[: 50_000 + 37 * i]
+
+    acked: set[int] = set()
+
+    async def stream() -> None:
+        c = DataClient(transport="tcp", routes={31: ready["data_addr"]}, request_timeout=10)
+        counter = iter(range(1 << 20))
+
+        async def writer() -> None:
+            for i in counter:
+                try:
+                    await c.write(31, FragmentKey(i, 0, 0, 1), blob(i))
+                except TierFSError:
+                    return  # the node is gone
+                acked.add(i)
+                if len(acked) == 60:
+                    os.kill(pid, signal.SIGKILL)
+
+        try:
+            await asyncio.gather(*(writer() for _ in range(8)))
+        finally:
+            await c.close()
+
+    asyncio.run(stream())
+    assert d.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert len(acked) >= 60
+    d2 = Daemon(tmp_path, args)
+    daemons.append(d2)
+    ready = d2.start()
+
+    async def check() -> None:
+        c = DataClient(transport="tcp", routes={31: ready["data_addr"]})
+        try:
+            for i in sorted(acked):
+                assert await c.read(31, FragmentKey(i, 0, 0, 1)) == blob(i), i
+        finally:
+            await c.close()
+
+    asyncio.run(check())
+    assert d2.stop() == 0
+
+
 @pytest.mark.timeout(60)
 def test_scrubber_quarantines_a_rotten_fragment(tmp_path: Path, daemons: list[Daemon]) -> None:
     from tierfs.storage.engine import fragment_path, header_length
