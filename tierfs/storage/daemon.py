@@ -272,6 +272,8 @@ class StorageNode:
 
         out = []
         for e in self.engines:
+            if not e.target_id:
+                continue  # meta did not accept it: nothing to report against
             st = e.stats()
             out.append(pb.TargetReport(target_id=st.target_id, used=st.used, capacity=st.capacity,
                                        state=_state_code(st.state)))
