@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"\ndemo failed: {type(exc).__name__}: {exc}")
         rc = 1
     data = ns.data
+    hint = ("\n(From this directory the CLI also finds ./.tierfs/cluster.toml without the export.)"
+            if os.path.abspath(ns.data) == os.path.abspath("./.tierfs") else "")
     if ns.stop:
         cl.stop()
         _say(f"\nStopped the cluster; its data stays in {cl.dir} (the next run reuses it).")
@@ -248,7 +250,7 @@ The cluster keeps running. Use it:
     export TIERFS_META={','.join(cl.meta_addrs)}
     .venv/bin/tierfs ls -l /demo/checkpoint
     .venv/bin/tierfs put ./some-file /demo/      # and get, cat, stat, mkdir, rm, mv
-    .venv/bin/tierfs status
+    .venv/bin/tierfs status{hint}
 Stop it (data is kept; `make run` or `tierfs up --data {data}` starts it again):
     .venv/bin/tierfs down --data {data}""")
     return rc

@@ -149,7 +149,11 @@ def _ls_long(entries: list[dict[str, Any]]) -> str:
         mtime = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M")
         rows.append([_stat.filemode(int(e["mode"], 8)), e["size"], mtime, e["redundancy"] or "",
                      e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")])
-    return _table(rows, ["MODE", "SIZE", "MODIFIED", "LAYOUT", "NAME"]) if rows else ""
+    header = ["MODE", "SIZE", "MODIFIED", "LAYOUT", "NAME"]
+    if not any(r[3] for r in rows):  # directory listings carry no layouts; `stat` shows them
+        rows = [r[:3] + r[4:] for r in rows]
+        header = header[:3] + header[4:]
+    return _table(rows, header) if rows else ""
 
 
 def _stat_text(s: dict[str, Any]) -> str:
