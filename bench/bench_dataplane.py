@@ -2,12 +2,13 @@
 separate process, next to the raw limit measured in the same run.
 
 Cases: {tcp, shm} x {read, write} x {1 MiB, 4 MiB fragments} x {1, 16 in
-flight}, server serving an in-memory store without CRC re-checks (the
+flight}, and 4 KiB reads (KV-cache sized) x {1, 32 in flight}, server serving an in-memory store without CRC re-checks (the
 network-path number); plus a disk case through the chunk engine when
 ``tierfs.storage.engine`` exists. Baselines, each between two processes:
 
 * tcp: a plain uvloop socket stream of the same bytes (BufferedProtocol
   receiving into one reused buffer, sender writing one reused buffer);
+  for the 4 KiB reads, a bare uvloop request/answer loop;
 * shm: a raw shared-memory copy loop (copy into a memfd ring, copy out,
   credits over a pipe) with the same ring size as the shm transport.
 
@@ -126,6 +127,16 @@ async def _raw_tcp_server() -> None:
                 mode, total, chunk = struct.unpack("<QQQ", self.buf[:24])
                 if mode == 0:
                     self.task = loop.create_task(_stream(self.transport, self.src, total, chunk))
+                elif mode == 2:
+                    responder = _Responder(self.transport, chunk)
+                    self.transport.set_protocol(responder)
+                    rest = memoryview(bytes(self.buf[24:]))
+                    while len(rest):  # requests that came with the mode header
+                        dst = responder.get_buffer(-1)
+                        k = min(len(dst), len(rest))
+                        dst[:k] = rest[:k]
+                        responder.buffer_updated(k)
+                        rest = rest[k:]
                 else:
                     sink = _Sink(chunk)
                     sink.want = total - (len(self.buf) - 24)
@@ -161,6 +172,65 @@ async def _raw_tcp(port: int, mode: int, total: int, chunk: int) -> float:
     dt = time.perf_counter() - t0
     transport.close()
     return total / dt / 1e9
+
+
+# --- raw request/response baseline (small reads) ---------------------------------
+
+
+class _Responder(asyncio.BufferedProtocol):
+    """Child side: answers every 88-byte request with ``size`` bytes."""
+
+    def __init__(self, transport: Any, size: int) -> None:
+        self.transport = transport
+        self.buf = memoryview(bytearray(88))
+        self.fill = 0
+        self.reply = bytes(size)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf[self.fill:]
+
+    def buffer_updated(self, n: int) -> None:
+        self.fill += n
+        if self.fill == 88:
+            self.fill = 0
+            self.transport.write(self.reply)
+
+
+class _Asker(asyncio.BufferedProtocol):
+    def __init__(self, size: int) -> None:
+        self.buf = memoryview(bytearray(size))
+        self.fill = 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf[self.fill:]
+
+    def buffer_updated(self, n: int) -> None:
+        self.fill += n
+        if self.fill == len(self.buf):
+            self.fill = 0
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(None)
+
+
+async def _raw_pingpong(port: int, count: int, size: int) -> float:
+    """Requests per second of a bare uvloop request (88 B) / answer (size B) loop."""
+    loop = asyncio.get_running_loop()
+    asker = _Asker(size)
+    transport, _ = await loop.create_connection(lambda: asker, "127.0.0.1", port)
+    _tune(transport.get_extra_info("socket"))
+    transport.write(struct.pack("<QQQ", 2, count, size))
+    req = bytes(88)
+    t0 = 0.0
+    for i in range(count + 100):  # the first 100 warm up
+        if i == 100:
+            t0 = time.perf_counter()
+        asker.waiter = loop.create_future()
+        transport.write(req)
+        await asker.waiter
+    dt = time.perf_counter() - t0
+    transport.close()
+    return count / dt
 
 
 # --- raw shm baseline --------------------------------------------------------------
@@ -268,6 +338,25 @@ async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, 
         return (count // depth) * depth * size / dt / 1e9
 
 
+async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int) -> float:
+    """Small reads per second (KV-cache sized blobs)."""
+    async with DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"},
+                          connections_per_peer=1) as c:
+        keys = [FragmentKey(2, i, 0, 1) for i in range(depth)]
+        for k in keys:
+            await c.write(1, k, os.urandom(size))
+        bufs = [memoryview(bytearray(size)) for _ in range(depth)]
+
+        async def worker(i: int, rounds: int) -> None:
+            for _ in range(rounds):
+                await c.read_into(1, keys[i], bufs[i])
+
+        await asyncio.gather(*(worker(i, 100) for i in range(depth)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i, count // depth) for i in range(depth)))
+        return (count // depth) * depth / (time.perf_counter() - t0)
+
+
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -336,6 +425,18 @@ def run(quick: bool) -> dict[str, Any]:
                                 "baseline_name": "raw uvloop tcp stream" if transport == "tcp"
                                 else "raw shm ring copy loop",
                                 "ratio": round(v / base, 3)})
+            ops = 5000 if quick else 20000
+            for transport in ("tcp", "shm"):
+                for depth in (1, 32):
+                    base = v = 0.0
+                    for _ in range(reps):
+                        base = max(base, await _raw_pingpong(raw_port, ops // 4, 4096))
+                        v = max(v, await _dataplane_ops(dp_port, transport, 4096, depth, ops))
+                    rows.append({
+                        "case": f"{transport} read 4 KiB x{depth} in flight (memory store)",
+                        "value": round(v), "unit": "ops/s", "baseline": round(base),
+                        "baseline_name": "raw uvloop tcp request/response, 1 in flight",
+                        "ratio": round(v / base, 3)})
             if disk_srv is not None:
                 for op in ("write", "read"):
                     v, base = await pair("tcp", op, 4 * MiB, 16, disk_port, min(total, 512 * MiB))
@@ -366,5 +467,5 @@ if __name__ == "__main__":
     else:
         res = run("--quick" in sys.argv)
         for r in res["rows"]:
-            print(f"{r['case']:<60} {r['value']:7.3f} {r['unit']}  base {r['baseline']:7.3f}  {r['ratio']:.0%}")
+            print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}")
         print(res["notes"])
