@@ -32,13 +32,19 @@ class Daemon:
         self._log: Any = None
 
     def start(self, timeout: float = 30.0) -> dict[str, Any]:
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self._log = open(self.tmp / "storage.log", "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierfs.storage.daemon", *self.args],
             stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, cwd=str(REPO),
         )
-        assert self.proc.stdout is not None
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         line = self.proc.stdout.readline()  # the daemon prints one line when ready, or exits
         assert time.monotonic() < deadline and line, f"no ready line: {(self.tmp / 'storage.log').read_text()[-3000:]}"
@@ -293,3 +299,23 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
         again = d2.start()
         assert (again["node_id"], again["targets"]) == (ready["node_id"], ready["targets"])
         assert d2.stop() == 0
+
+
+@pytest.mark.timeout(90)
+def test_waits_for_meta_that_starts_late(tmp_path: Path, daemons: list[Daemon]) -> None:
+    with MetaCluster(tmp_path, n=1, state_machine="meta", start=False) as meta:
+        args = ["--data-dir", str(tmp_path / "node"), "--meta", meta.addresses[0], "--reserved-bytes", "0",
+                "--transport", "tcp"]
+        d = Daemon(tmp_path, args)
+        daemons.append(d)
+        d.spawn()  # meta is not there yet: the node keeps retrying registration
+        assert d.proc is not None
+        deadline = time.monotonic() + 30
+        while "registering with meta failed" not in (tmp_path / "storage.log").read_text():
+            assert d.proc.poll() is None, "the node gave up instead of retrying"
+            assert time.monotonic() < deadline, "no registration attempt logged"
+            time.sleep(0.05)
+        meta.start(0)
+        ready = d.wait_ready(timeout=60)
+        assert ready["node_id"] > 0 and all(t > 0 for t in ready["targets"].values())
+        assert d.stop() == 0
