@@ -17,7 +17,7 @@ Limits measured in the same run, as ratios:
 * raw O_DIRECT sequential read of a file of the same size on the same disk
   (``bench.bench_disk``), 4 MiB requests, 4 in flight.
 
-    python -m bench.bench_e2e [--quick] [--profile read|write]
+    python -m bench.bench_e2e [--quick] [--profile read|write|degraded]
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ async def _cases(cl: LocalCluster, size: int, profile: str | None) -> dict[str, 
             # Degraded: a storage daemon dies just before the read; the client
             # learns it from refused connections (meta notices later).
             cl.kill("storage-0")
+            if profile == "degraded":
+                prof.enable()
             out["read ec:4+2 degraded"] = await _read(c, "/bench-ec-4_2/big", dest, block)
+            prof.disable()
     finally:
         pool.put(dest)
         pool.close()

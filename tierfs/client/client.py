@@ -492,26 +492,20 @@ class AsyncClient:
                         self._note(targets[j], r)
                         if isinstance(r, _PERMANENT):
                             perm.add(j)
-            if all(j in have for j in range(k)):
-                for j in range(k):
-                    lo, hi = max(a, j * f), min(b, (j + 1) * f)
-                    if lo < hi:
-                        src = have[j][lo - j * f: hi - j * f]
-                        dest[lo - a: lo - a + len(src)] = src
-                        _zero(dest[lo - a + len(src): hi - a])
-                return
-            p = max(len(have[j]) for j in have if j >= k)
-            if any(len(v) > p for v in have.values()):
-                raise CorruptError(f"{view.path}: chunk {idx}: fragments longer than the parity ({p} bytes)")
-            plain = codec.decode(have, p)
+            rebuilt: dict[int, memoryview] = {}
+            lost = [j for j in range(k) if j not in have]
+            if lost:
+                p = max(len(have[j]) for j in have if j >= k)
+                if any(len(v) > p for v in have.values()):
+                    raise CorruptError(f"{view.path}: chunk {idx}: fragments longer than the parity ({p} bytes)")
+                rebuilt = codec.reconstruct(have, p, lost)
             for j in range(k):
                 lo, hi = max(a, j * f), min(b, (j + 1) * f)
                 if lo >= hi:
                     continue
-                o = lo - j * f
-                n = max(0, min(hi - lo, p - o))
-                dest[lo - a: lo - a + n] = memoryview(plain)[j * p + o: j * p + o + n]
-                _zero(dest[lo - a + n: hi - a])
+                src = (have[j] if j in have else rebuilt[j])[lo - j * f: hi - j * f]
+                dest[lo - a: lo - a + len(src)] = src
+                _zero(dest[lo - a + len(src): hi - a])
         finally:
             for buf in bufs:
                 self.pool.put(buf)
