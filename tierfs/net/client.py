@@ -26,7 +26,17 @@ from tierfs.errors import (
     error_from_code,
 )
 from tierfs.net.framing import FrameProtocol
-from tierfs.net.protocol import ALL, HEADER_SIZE, Flag, Header, Limits, Op, crc32c, encode_header
+from tierfs.net.protocol import (
+    ALL,
+    F_MORE,
+    F_RESPONSE,
+    HEADER_SIZE,
+    Header,
+    Limits,
+    Op,
+    crc32c,
+    encode_header,
+)
 from tierfs.net.transport import Transport, get_transport
 from tierfs.storage.api import FragmentInfo, FragmentKey
 
@@ -50,6 +60,15 @@ def parse_address(addr: Address) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise InvalidArgumentError(f"bad data-plane address {addr!r} (want host:port)")
     return host.strip("[]"), int(port)
+
+
+class _Expired(Exception):
+    """Internal: a request's timer fired before its answer came."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 class _Req:
@@ -99,7 +118,7 @@ class _ClientConnection(FrameProtocol):
             self._lost.set_result(None)
 
     def _on_header(self, hdr: Header) -> memoryview | None:
-        if not hdr.flags & Flag.RESPONSE:
+        if not hdr.flags & F_RESPONSE:
             raise ProtocolError(f"request frame (op {hdr.op}) sent to the client")
         p = self.pending.get(hdr.request_id)
         if p is None or p.op != hdr.op:
@@ -119,7 +138,7 @@ class _ClientConnection(FrameProtocol):
         return p.dest[: hdr.payload_len]
 
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
-        if not hdr.flags & Flag.RESPONSE:
+        if not hdr.flags & F_RESPONSE:
             raise ProtocolError(f"request frame (op {hdr.op}) sent to the client")
         p = self.pending.pop(hdr.request_id, None)
         if p is None or p.op != hdr.op:
@@ -137,7 +156,7 @@ class _ClientConnection(FrameProtocol):
         p = _Pending(fut, op, dest)
         head = bytearray(HEADER_SIZE)
         n = 0 if payload is None else len(payload)
-        encode_header(head, op, rid, flags=Flag.MORE if more else 0, target=target, key=key,
+        encode_header(head, op, rid, flags=F_MORE if more else 0, target=target, key=key,
                       offset=offset, length=length, payload_len=n,
                       payload_crc=crc32c(payload) if payload is not None and n else 0)
         self.pending[rid] = p
@@ -145,15 +164,18 @@ class _ClientConnection(FrameProtocol):
             self.transport.writelines([head, payload])
         else:
             self.transport.write(head)
+        # A bare timer handle: cheaper per request than asyncio.timeout().
+        timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
         try:
-            async with asyncio.timeout(timeout):
-                hdr, body = await fut
-        except TimeoutError:
+            hdr, body = await fut
+        except _Expired:
             self._abandon(rid, p)
             raise TimeoutError_(f"data-plane {op.name} to {self.peer} timed out after {timeout:g}s") from None
         except asyncio.CancelledError:
             self._abandon(rid, p)
             raise
+        finally:
+            timer.cancel()
         if hdr.status:
             raise error_from_code(hdr.status, bytes(body or b"").decode("utf-8", "replace"))
         return hdr, body
@@ -172,7 +194,7 @@ class _ClientConnection(FrameProtocol):
             rid = next(self._ids)
             head = heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
             size = 0 if r.payload is None else len(r.payload)
-            encode_header(head, r.op, rid, flags=Flag.MORE if i < n - 1 else 0, target=r.target,
+            encode_header(head, r.op, rid, flags=F_MORE if i < n - 1 else 0, target=r.target,
                           key=r.key, offset=r.offset, length=r.length, payload_len=size,
                           payload_crc=crc32c(r.payload) if r.payload is not None and size else 0)
             p = _Pending(loop.create_future(), r.op, r.dest)
@@ -236,6 +258,22 @@ class _PeerPool:
         self.conns: list[_ClientConnection] = []
         self.connecting: set[asyncio.Task[_ClientConnection]] = set()
         self.transport = client._transport_for(host)
+
+    def ready(self) -> _ClientConnection | None:
+        """A connection to use right now without opening one, if that is
+        what :meth:`get` would pick."""
+        best: _ClientConnection | None = None
+        live = 0
+        for c in self.conns:
+            if not c.closed:
+                live += 1
+                if best is None or len(c.pending) < len(best.pending):
+                    best = c
+        if best is None:
+            return None
+        if not best.pending or live + len(self.connecting) >= self.client.connections_per_peer:
+            return best
+        return None
 
     async def get(self) -> _ClientConnection:
         """The least busy live connection; a new one while the pool is below
@@ -334,11 +372,15 @@ class DataClient:
     async def _call(self, target: int, op: Op, key: FragmentKey | None, timeout: float | None = None,
                     **kw: Any) -> tuple[Header, memoryview | None]:
         t = self.request_timeout if timeout is None else timeout
+        pool = self._pool(target)
+        conn = pool.ready()
+        if conn is not None:
+            return await conn.call(op, target, key, timeout=t, **kw)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         try:
             async with asyncio.timeout_at(deadline):
-                conn = await self._pool(target).get()
+                conn = await pool.get()
         except TimeoutError:
             raise TimeoutError_(f"connecting for {op.name} on target {target} timed out") from None
         # One deadline covers getting a connection and the request itself.

@@ -38,6 +38,8 @@ from tierfs.storage.api import FragmentKey
 
 __all__ = [
     "ALL",
+    "F_MORE",
+    "F_RESPONSE",
     "HEADER_FORMAT",
     "HEADER_SIZE",
     "MAGIC",
@@ -81,7 +83,10 @@ class Flag(enum.IntFlag):
     MORE = 0x2
 
 
-_KNOWN_FLAGS = int(Flag.RESPONSE | Flag.MORE)
+# Plain ints for the hot path (IntFlag arithmetic costs microseconds).
+F_RESPONSE = int(Flag.RESPONSE)
+F_MORE = int(Flag.MORE)
+_KNOWN_FLAGS = F_RESPONSE | F_MORE
 _OPS = frozenset(int(o) for o in Op)
 
 
@@ -107,7 +112,7 @@ class Header:
 
     @property
     def is_response(self) -> bool:
-        return bool(self.flags & Flag.RESPONSE)
+        return bool(self.flags & F_RESPONSE)
 
 
 def encode_header(
@@ -118,7 +123,7 @@ def encode_header(
     flags: int = 0,
     target: int = 0,
     status: int = 0,
-    key: FragmentKey | None = None,
+    key: FragmentKey | tuple[int, int, int, int] | None = None,
     offset: int = 0,
     length: int = 0,
     payload_len: int = 0,
@@ -128,6 +133,8 @@ def encode_header(
     boxing ``struct`` does)."""
     if key is None:
         inode = chunk = fragment = fversion = 0
+    elif isinstance(key, tuple):
+        inode, chunk, fragment, fversion = key
     else:
         inode, chunk, fragment, fversion = key.inode, key.chunk, key.fragment, key.version
     try:

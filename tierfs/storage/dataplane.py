@@ -33,7 +33,16 @@ from tierfs.errors import (
     UnavailableError,
 )
 from tierfs.net.framing import FrameProtocol, log
-from tierfs.net.protocol import ALL, HEADER_SIZE, Flag, Header, Limits, Op, crc32c, encode_header
+from tierfs.net.protocol import (
+    ALL,
+    F_RESPONSE,
+    HEADER_SIZE,
+    Header,
+    Limits,
+    Op,
+    crc32c,
+    encode_header,
+)
 from tierfs.net.transport import Listener, get_transport
 from tierfs.storage.api import FragmentStore
 
@@ -110,7 +119,7 @@ class _ServerConnection(FrameProtocol):
     # --- receive ---------------------------------------------------------------
 
     def _on_header(self, hdr: Header) -> memoryview | None:
-        if hdr.flags & Flag.RESPONSE:
+        if hdr.flags & F_RESPONSE:
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
         if hdr.op != Op.WRITE:
             raise ProtocolError(f"op {Op(hdr.op).name} carries no payload, got {hdr.payload_len} bytes")
@@ -122,7 +131,7 @@ class _ServerConnection(FrameProtocol):
         return store.alloc(hdr.payload_len)
 
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
-        if hdr.flags & Flag.RESPONSE:
+        if hdr.flags & F_RESPONSE:
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
         if hdr.op != Op.WRITE and hdr.payload_len:
             raise ProtocolError(f"op {hdr.op} carries no payload")
@@ -233,8 +242,8 @@ class _ServerConnection(FrameProtocol):
         if payload_crc is None:
             payload_crc = crc32c(payload) if payload is not None and n else 0
         head = bytearray(HEADER_SIZE)
-        encode_header(head, hdr.op, hdr.request_id, flags=Flag.RESPONSE, target=hdr.target,
-                      key=hdr.key, offset=hdr.offset, length=length, payload_len=n,
+        encode_header(head, hdr.op, hdr.request_id, flags=F_RESPONSE, target=hdr.target,
+                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion), offset=hdr.offset, length=length, payload_len=n,
                       payload_crc=payload_crc)
         if payload is None or n == 0:
             if payload is not None and store is not None:
@@ -270,8 +279,8 @@ class _ServerConnection(FrameProtocol):
             return
         msg = exc.message.encode("utf-8", "replace")[:_MAX_ERROR_MESSAGE]
         head = bytearray(HEADER_SIZE)
-        encode_header(head, hdr.op, hdr.request_id, flags=Flag.RESPONSE, target=hdr.target,
-                      status=int(exc.code), key=hdr.key, payload_len=len(msg), payload_crc=crc32c(msg))
+        encode_header(head, hdr.op, hdr.request_id, flags=F_RESPONSE, target=hdr.target,
+                      status=int(exc.code), key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion), payload_len=len(msg), payload_crc=crc32c(msg))
         self._send(head, msg)
 
     def _release_unsent(self, force: bool = False) -> None:
