@@ -225,7 +225,7 @@ class ShmStreamTransport(asyncio.Transport):
         consumed = 0
         size, proto = self._size, self._protocol
         try:
-            while self._avail and not self._reading_paused and not self._lost:
+            while self._avail and not self._reading_paused and not self._closing:
                 buf = proto.get_buffer(-1)
                 pos = self._rpos % size
                 n = min(len(buf), self._avail, size - pos)
