@@ -362,3 +362,16 @@ def test_multi_page_header_after_restart(
 
     _run(make_backend, pool, tmp_path, first)
     _run(make_backend, pool, tmp_path, second)
+
+
+@pytest.mark.timeout(30)
+def test_one_engine_per_target_directory(
+    make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path
+) -> None:
+    async def body(eng: ChunkEngine) -> None:
+        other = ChunkEngine(tmp_path, 7, eng.backend, pool)
+        with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()}"):
+            await other.open()
+
+    _run(make_backend, pool, tmp_path, body)
+    _run(make_backend, pool, tmp_path, body)  # the first engine's close released it

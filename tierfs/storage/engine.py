@@ -3,6 +3,7 @@
 On-disk layout (format 1; see docs/storage.md)::
 
     <target>/target.json                      {"format": 1, "target_id": N}
+    <target>/LOCK                             flock'ed by the engine that has the target open
     <target>/tmp/<random>.tmp                 writes in progress (wiped at start)
     <target>/quarantine/<key>.<ns>            corrupt fragments moved aside by the scrubber
     <target>/frags/<inode & 0xff:02x>/<inode:016x>/<chunk:x>.<fragment:x>.<version:x>
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -291,6 +293,7 @@ class ChunkEngine:
         self._busy = 0  # reads + writes in progress
         self._suspects: set[FragmentKey] = set()
         self._opened = False
+        self._lock_fd: int | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "writes",
@@ -319,6 +322,30 @@ class ChunkEngine:
         if not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
             self._fsync_dir_sync(self.root.parent)  # or a power cut forgets the target
+        self._take_lock()
+        try:
+            self._open_locked()
+        except BaseException:
+            assert self._lock_fd is not None
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise
+
+    def _take_lock(self) -> None:
+        """One engine per target directory: a second daemon (or a second
+        --target naming the same disk) must not write into it too."""
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"{self.root} is in use by {holder}", field="targets") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _open_locked(self) -> None:
         meta = self.root / "target.json"
         if meta.exists():
             try:
@@ -404,6 +431,9 @@ class ChunkEngine:
     async def close(self) -> None:
         await self._dirsync.drain()
         self._opened = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     # -- FragmentStore --------------------------------------------------------------
 
