@@ -10,7 +10,10 @@ region; ``put(view)`` returns it. Fresh memory is slow to touch for the first
 time (~0.7 GiB/s here), so regions are pre-faulted (``MAP_POPULATE``) and
 reused: freed regions stay in per-class free lists while the idle total is
 under ``max_idle_bytes``; past that they are unmapped. Buffers above
-``max_pooled_size`` are never cached.
+``max_pooled_size`` are never cached. With ``max_total_bytes`` the pool
+never maps more than that in all (idle regions are dropped to make room);
+a ``get`` that cannot fit raises ``UnavailableError`` (an overload to retry,
+not a crash of the node).
 
 The pool is guarded by one lock, so an event loop and I/O threads may share
 it. ``put`` of a view the pool does not own, or a second ``put`` of the same
@@ -25,6 +28,8 @@ import ctypes
 import mmap
 import threading
 from dataclasses import dataclass
+
+from tierfs.errors import UnavailableError
 
 __all__ = ["ALIGN", "BufferPool", "PoolStats", "buffer_address", "is_aligned", "round_up"]
 
@@ -85,12 +90,16 @@ class BufferPool:
         self,
         max_idle_bytes: int = 1 << 30,
         *,
+        max_total_bytes: int | None = None,
         max_pooled_size: int = 256 << 20,
         populate: bool = True,
     ) -> None:
         if max_idle_bytes < 0:
             raise ValueError("max_idle_bytes must be >= 0")
+        if max_total_bytes is not None and max_total_bytes < ALIGN:
+            raise ValueError("max_total_bytes must be at least one page")
         self.max_idle_bytes = max_idle_bytes
+        self.max_total_bytes = max_total_bytes
         self.max_pooled_size = max_pooled_size
         self._flags = _MAP_FLAGS if populate else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         self._lock = threading.Lock()
@@ -114,6 +123,7 @@ class BufferPool:
             raise ValueError(f"buffer size must be >= 0, got {size}")
         cls = _size_class(size) if size <= self.max_pooled_size else round_up(max(size, 1))
         region: mmap.mmap | None = None
+        victims: list[mmap.mmap] = []
         with self._lock:
             if self._closed:
                 raise RuntimeError("BufferPool is closed")
@@ -122,20 +132,41 @@ class BufferPool:
                 region = free.pop()
                 self._idle_bytes -= cls
                 self._reuses += 1
-        if region is None:
-            region = mmap.mmap(-1, cls, flags=self._flags)
-            base = memoryview(region)
-            addr = buffer_address(base)
-            base.release()
-            assert addr is not None
-            with self._lock:
-                self._allocations += 1
-                self._live[id(region)] = (region, addr)
-                self._in_use_bytes += cls
-        else:
-            with self._lock:
                 self._live[id(region)] = (region, self._free_addr.pop(id(region)))
                 self._in_use_bytes += cls
+                return memoryview(region)[:size]
+            cap = self.max_total_bytes
+            if cap is not None:
+                # make room by dropping idle regions of other sizes first
+                for lst in self._free.values():
+                    while lst and self._in_use_bytes + self._idle_bytes + cls > cap:
+                        r = lst.pop()
+                        self._free_addr.pop(id(r), None)
+                        self._idle_bytes -= len(r)
+                        victims.append(r)
+                if self._in_use_bytes + cls > cap:
+                    in_use = self._in_use_bytes
+                    for r in victims:
+                        self._unmap(r)
+                    raise UnavailableError(
+                        f"buffer pool exhausted: {in_use} bytes in use, {cls} more asked, limit {cap}; retry later"
+                    )
+            self._in_use_bytes += cls  # reserved before mapping, so the cap holds under races
+            self._allocations += 1
+        for r in victims:
+            self._unmap(r)
+        try:
+            region = mmap.mmap(-1, cls, flags=self._flags)
+        except BaseException:
+            with self._lock:
+                self._in_use_bytes -= cls
+            raise
+        base = memoryview(region)
+        addr = buffer_address(base)
+        base.release()
+        assert addr is not None
+        with self._lock:
+            self._live[id(region)] = (region, addr)
         return memoryview(region)[:size]
 
     def put(self, view: memoryview) -> None:

@@ -95,3 +95,25 @@ def test_threads_share_a_pool() -> None:
         assert st.in_use_buffers == 0 and st.idle_bytes <= 8 << 20
     finally:
         pool.close()
+
+
+def test_total_bytes_are_bounded() -> None:
+    from tierfs.errors import UnavailableError
+
+    pool = BufferPool(max_idle_bytes=1 << 20, max_total_bytes=256 << 10)
+    try:
+        a = pool.get(128 << 10)
+        b = pool.get(64 << 10)
+        pool.put(b)  # idle now, but counts toward the total
+        c = pool.get(100 << 10)  # fits only once the idle 64 KiB region is dropped
+        assert pool.stats().idle_bytes == 0
+        with pytest.raises(UnavailableError, match="exhausted"):
+            pool.get(64 << 10)
+        st = pool.stats()
+        assert st.in_use_bytes + st.idle_bytes <= 256 << 10
+        pool.put(a)
+        d = pool.get(64 << 10)  # room again
+        for v in (c, d):
+            pool.put(v)
+    finally:
+        pool.close()

@@ -55,6 +55,10 @@ class StorageConfig(BaseConfig):
     queue_depth: int = field(64, "io_uring submission queue depth (operations in the kernel at once).")
     io_threads: int = field(8, "Worker threads of the posix backend.")
     buffer_pool_bytes: int = field(256 << 20, "Idle aligned buffers kept for reuse (bytes).", kind="size")
+    buffer_pool_max_bytes: int = field(
+        4 << 30, "Most buffer memory the node maps at once (in use + idle); past it requests get Unavailable.",
+        kind="size",
+    )
 
     max_fragment_size: int = field(64 << 20, "Largest fragment a target accepts.", kind="size")
     reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
@@ -93,6 +97,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be positive", field="scrub_interval")
         if self.buffer_pool_bytes < 0:
             raise ConfigError("must be >= 0", field="buffer_pool_bytes")
+        if self.buffer_pool_max_bytes < max(self.max_frame_bytes, self.buffer_pool_bytes):
+            raise ConfigError("must be at least max_frame_bytes and buffer_pool_bytes", field="buffer_pool_max_bytes")
         if self.reserved_bytes < 0:
             raise ConfigError("must be >= 0", field="reserved_bytes")
         if not 0 < self.max_fragment_size <= self.max_frame_bytes:

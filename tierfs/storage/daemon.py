@@ -147,7 +147,7 @@ class StorageNode:
         self.use_meta = use_meta and bool(cfg.meta_addrs)
         self.node_uuid = load_node_uuid(Path(cfg.data_dir))
         self.node_id = 0
-        self.pool = BufferPool(cfg.buffer_pool_bytes)
+        self.pool = BufferPool(cfg.buffer_pool_bytes, max_total_bytes=cfg.buffer_pool_max_bytes)
         self.backend: IOBackend | None = None
         self.engines: list[ChunkEngine] = []
         self._target_ids = list(target_ids)
@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-host")
     p.add_argument("--transport", action="append", dest="transports", choices=["tcp", "shm", "rdma"])
     p.add_argument("--io-backend", choices=["auto", "uring", "posix"])
-    for name in ("queue-depth", "io-threads", "buffer-pool-bytes", "heartbeat-interval", "gc-interval",
+    for name in ("queue-depth", "io-threads", "buffer-pool-bytes", "buffer-pool-max-bytes", "heartbeat-interval", "gc-interval",
                  "scrub-rate", "scrub-interval",
                  "gc-batch", "max-fragment-size", "reserved-bytes", "max-frame-bytes",
                  "max-inflight-bytes", "max-inflight-requests", "shm-ring-bytes"):
