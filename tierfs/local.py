@@ -76,7 +76,9 @@ def pid_alive(pid: int) -> bool:
             cmd = f.read()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    return state not in (b"Z", b"X") and b"tierfs" in cmd
+    # cmdline reads empty while the kernel is still exec'ing a just-spawned
+    # child: that is one of ours starting, not a foreign process.
+    return state not in (b"Z", b"X") and (not cmd or b"tierfs" in cmd)
 
 
 def _toml_str(v: str) -> str:

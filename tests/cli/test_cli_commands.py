@@ -232,6 +232,23 @@ def test_unreachable_cluster_and_no_address(tmp_path: Path) -> None:
     assert r.returncode == 1 and "no local cluster" in r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
+    data = tmp_path / "small"
+    rc, out, err = Run("")("up", "--data", str(data), "--meta", "2", cluster=False)
+    assert rc == 1 and "odd" in err and not (data / "cluster.toml").exists()
+    try:
+        rc, out, err = Run("")("up", "--data", str(data), "--meta", "1", "--storage", "1", "--json", cluster=False)
+        assert rc == 0, err
+        info = json.loads(out)
+        assert info["counts"] == {"meta": 1, "storage": 1, "targets_per_node": 1} and len(info["started"]) == 2
+        rc, out, err = Run("")("up", "--data", str(data), cluster=False)  # default counts: the plan wins
+        assert rc == 0 and "reused as planned" in err and "already running" in err
+    finally:
+        rc, out, err = Run("")("down", "--data", str(data), cluster=False)
+    assert rc == 0 and "stopped 2 daemons" in out, err
+
+
 def test_resolve_meta_precedence(tmp_path: Path) -> None:
     (tmp_path / "cluster.toml").write_text('[cluster]\nmeta = ["127.0.0.1:3"]\n')
     env = {"TIERFS_META": "127.0.0.1:2, 127.0.0.1:22"}

@@ -45,13 +45,14 @@ class _UsageError(Exception):
     pass
 
 
-def _common(p: argparse.ArgumentParser, *, top: bool) -> None:
+def _common(p: argparse.ArgumentParser, *, top: bool, meta: bool = True) -> None:
     # On sub-commands the defaults are SUPPRESS so that an option given before
     # the command (``tierfs --json ls``) is not reset by the sub-parser.
     d: Any = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
     g = p.add_argument_group("cluster options")
-    g.add_argument("--meta", default=d(None), metavar="HOST:PORT,...",
-                   help="meta replica addresses (default: $TIERFS_META, else DATA/cluster.toml)")
+    if meta:
+        g.add_argument("--meta", default=d(None), metavar="HOST:PORT,...",
+                       help="meta replica addresses (default: $TIERFS_META, else DATA/cluster.toml)")
     g.add_argument("--data", default=d(None), metavar="DIR",
                    help=f"local cluster directory (up/down; status pids; default {DEFAULT_DATA})")
     g.add_argument("--json", action="store_true", default=d(False), help="print JSON for scripts")
@@ -65,18 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ap, top=True)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
 
-    def cmd(name: str, help: str) -> argparse.ArgumentParser:
+    def cmd(name: str, help: str, meta: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        _common(p, top=False)
+        _common(p, top=False, meta=meta)
         return p
 
-    p = cmd("up", "start a local cluster in the background (or reuse a running one)")
-    p.add_argument("--meta-replicas", "-m", dest="n_meta", type=int, default=3, metavar="N",
+    # For `up`, --meta is the number of replicas to start (there are no addresses yet).
+    p = cmd("up", "start a local cluster in the background (or reuse a running one)", meta=False)
+    p.add_argument("--meta", "--meta-replicas", "-m", dest="n_meta", type=int, default=3, metavar="N",
                    help="meta replicas (odd; default 3)")
     p.add_argument("--storage", "-s", dest="n_storage", type=int, default=6, metavar="N",
                    help="storage daemons (default 6: ec:4+2 on distinct nodes)")
     p.add_argument("--targets-per-node", "-t", type=int, default=1, metavar="N", help="targets per daemon")
-    cmd("down", "stop the local cluster (its data stays)")
+    cmd("down", "stop the local cluster (its data stays)", meta=False)
     p = cmd("status", "daemons, targets and placement groups; exit 3 if degraded")
     p = cmd("put", "copy a local file (- for stdin) into TierFS")
     p.add_argument("local")
@@ -245,6 +247,10 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         if not ns.json:
             k = r["counts"]
             shape = f"{k['meta']} meta, {k['storage']} storage x {k['targets_per_node']} target(s)"
+            if r["reused"] and (k["meta"], k["storage"], k["targets_per_node"]) != (
+                    ns.n_meta, ns.n_storage, ns.targets_per_node):
+                err.write(f"note: {r['data_dir']} already holds a cluster ({shape}); it is reused as planned "
+                          "(remove the directory for a different shape)\n")
             if r["already_running"]:
                 err.write(f"already running ({shape}); nothing to do\n")
             else:
