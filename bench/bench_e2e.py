@@ -4,7 +4,8 @@ replicas, 6 storage daemons, each its own process, data on the local disk).
 
 Cases, for ``ec:4+2`` and ``replica:3`` (4 MiB chunks): sequential write of a
 2 GiB file (quick: 256 MiB) in 64 MiB ``write`` calls, including the commit;
-sequential ``read_into`` of the whole file into one pre-faulted buffer; and,
+sequential ``read_into`` of the whole file into one pre-faulted buffer (best
+of two: the machine is shared and noisy); and,
 for ``ec:4+2``, the same read right after one storage daemon is SIGKILLed
 (degraded: the chunks whose data fragments lived there are decoded from
 parity). Values are *file* bytes per second: an ``ec:4+2`` write moves 1.5x
@@ -15,7 +16,11 @@ Limits measured in the same run, as ratios:
 * raw uvloop TCP stream of the same total between two processes (the helper
   of ``bench.bench_dataplane``): send for writes, receive for reads;
 * raw O_DIRECT sequential read of a file of the same size on the same disk
-  (``bench.bench_disk``), 4 MiB requests, 4 in flight.
+  (``bench.bench_disk``), 4 MiB requests, 16 in flight;
+* for writes, also raw *durable* 1 MiB file writes on the same disk (new
+  file, O_DIRECT write, fdatasync, rename, directory fsync; 32 in flight):
+  what every storage target does per fragment, compared with the bytes the
+  cluster stores (1.5x or 3x the file).
 
     python -m bench.bench_e2e [--quick] [--profile read|write|degraded]
 """
@@ -101,14 +106,14 @@ async def _cases(cl: LocalCluster, size: int, profile: str | None) -> dict[str, 
                 prof.disable()
                 if profile == "read" and red == "ec:4+2":
                     prof.enable()
-                out[f"read {red}"] = await _read(c, f"{d}/big", dest, block)
+                out[f"read {red}"] = max([await _read(c, f"{d}/big", dest, block) for _ in range(2)])
                 prof.disable()
             # Degraded: a storage daemon dies just before the read; the client
             # learns it from refused connections (meta notices later).
             cl.kill("storage-0")
             if profile == "degraded":
                 prof.enable()
-            out["read ec:4+2 degraded"] = await _read(c, "/bench-ec-4_2/big", dest, block)
+            out["read ec:4+2 degraded"] = max([await _read(c, "/bench-ec-4_2/big", dest, block) for _ in range(2)])
             prof.disable()
     finally:
         pool.put(dest)
@@ -136,7 +141,9 @@ def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
             _stop(raw_srv)
         disk_dir = Path(tmp) / "raw-disk"
         disk_dir.mkdir()
-        _, disk_read, _ = _raw(disk_dir, 4 * MiB, 4, size // (4 * MiB))
+        _, disk_read, _ = _raw(disk_dir, 4 * MiB, 16, size // (4 * MiB))
+        # What a storage target must do per fragment: new file, O_DIRECT write, fdatasync, rename, dir fsync.
+        _, _, disk_durable = _raw(disk_dir, MiB, 32, min(size, 512 * MiB) // MiB)
         cl = LocalCluster(Path(tmp) / "cluster", n_storage=6)
         try:
             t0 = time.perf_counter()
@@ -152,7 +159,11 @@ def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
         _row("read ec:4+2", res["read ec:4+2"], tcp_recv, tcp_r),
         _row("read ec:4+2 vs disk", res["read ec:4+2"], disk_read, "raw O_DIRECT read"),
         _row("read ec:4+2, 1 of 6 daemons SIGKILLed", res["read ec:4+2 degraded"], tcp_recv, tcp_r),
+        _row("write ec:4+2, stored bytes (1.5x file) vs durable disk writes", 1.5 * res["write ec:4+2"],
+             disk_durable, "raw durable 1 MiB file writes, 32 in flight"),
         _row("write replica:3 (file bytes)", res["write replica:3"], tcp_send, tcp_w),
+        _row("write replica:3, stored bytes (3x file) vs durable disk writes", 3 * res["write replica:3"],
+             disk_durable, "raw durable 1 MiB file writes, 32 in flight"),
         _row("read replica:3", res["read replica:3"], tcp_recv, tcp_r),
         _row("read replica:3 vs disk", res["read replica:3"], disk_read, "raw O_DIRECT read"),
     ]

@@ -81,7 +81,8 @@ class AsyncFile:
         self.closed = False
         self._session = session
         self._committed = ChunkVersions(info.chunks)
-        self._written: dict[int, int] = {}
+        self._written: dict[int, int] = {}  # chunks stored in this session -> version
+        self._touched: set[int] = set()  # chunks sent (maybe partly stored): GC'd on abort
         self._unreported: list[int] = []
         self._staging: _Staging | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
@@ -337,6 +338,11 @@ class AsyncFile:
             raise self._error
         task = asyncio.get_running_loop().create_task(self._upload(idx, frags, st))
         self._inflight[idx] = task
+        if idx not in self._touched:
+            # Told to meta at the next renewal, before it is known to be
+            # stored: a writer that dies mid-chunk leaves nothing unaccounted.
+            self._touched.add(idx)
+            self._unreported.append(idx)
 
     async def _upload(self, idx: int, frags: list[memoryview] | None, st: _Staging | None) -> None:
         client = self._client
@@ -351,7 +357,6 @@ class AsyncFile:
                     st = None
             await client._write_chunk(view, idx, self._session.data_version, frags)
             self._written[idx] = self._session.data_version
-            self._unreported.append(idx)
         except TierFSError as exc:
             if self._error is None:
                 self._error = exc
@@ -421,7 +426,7 @@ class AsyncFile:
         await self._stop_renewer()
         if self._session is not None:
             with contextlib.suppress(TierFSError):
-                await self._client.meta.abort_write(self._session.session_id, chunks=sorted(self._written))
+                await self._client.meta.abort_write(self._session.session_id, chunks=sorted(self._touched))
 
     async def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
