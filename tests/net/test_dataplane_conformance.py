@@ -124,7 +124,7 @@ class TestTransportConformance:
             store = FaultyStore(1)
             async with served(transport, store, request_timeout=0.3) as (server, c):
                 keys = [FragmentKey(4, i, 0, 1) for i in range(5)]
-                assert await c.write_batch([(1, k, b"q" * 3000) for k in keys]) == [None] * 5
+                assert await c.write_batch([(1, k, b"q" * 3000) for k in keys], timeout=20) == [None] * 5
                 store.gate = asyncio.Event()
                 dests = [bytearray(3000) for _ in keys]
                 res = await c.read_batch([(1, k, memoryview(d), 0) for k, d in zip(keys, dests, strict=True)])
@@ -133,7 +133,9 @@ class TestTransportConformance:
                 store.gate = None
                 await wait_for(lambda: server.counters["reads"] == 5 and store.active == 0)
                 assert dests == [bytearray(3000)] * 5  # late answers were dropped
-                assert await c.read_batch([(1, k, memoryview(d), 0) for k, d in zip(keys, dests, strict=True)]) == [3000] * 5
+                res = await c.read_batch([(1, k, memoryview(d), 0) for k, d in zip(keys, dests, strict=True)],
+                                         timeout=20)
+                assert res == [3000] * 5
                 assert dests == [b"q" * 3000] * 5
 
         arun(body())
@@ -190,7 +192,7 @@ class TestTransportConformance:
             store = FaultyStore(1)
             async with served(transport, store, request_timeout=0.3) as (server, c):
                 key = FragmentKey(2, 0, 0, 1)
-                await c.write(1, key, b"a" * 5000)
+                await c.write(1, key, b"a" * 5000, timeout=20)
                 store.gate = asyncio.Event()
                 dest = bytearray(5000)
                 with pytest.raises(TimeoutError_):
