@@ -5,7 +5,8 @@ The public surface is re-exported here; everything else is private to its
 package.
 """
 
-from tierfs.client import AsyncClient, Client
+from typing import TYPE_CHECKING, Any
+
 from tierfs.errors import (
     ConfigError,
     CorruptError,
@@ -17,7 +18,20 @@ from tierfs.errors import (
     UnavailableError,
 )
 
+if TYPE_CHECKING:
+    from tierfs.client import AsyncClient, Client
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The client pulls in gRPC, pyeclib and uvloop: imported on first use so
+    # that daemons importing ``tierfs.errors`` do not pay for it.
+    if name in ("AsyncClient", "Client"):
+        import tierfs.client
+
+        return getattr(tierfs.client, name)
+    raise AttributeError(f"module 'tierfs' has no attribute {name!r}")
 
 __all__ = [
     "AsyncClient",
