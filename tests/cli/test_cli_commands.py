@@ -142,6 +142,12 @@ def test_put_get_cat_ls_stat_round_trip(cli: Run, tmp_path: Path) -> None:
     catted = subprocess.run([*CLI, "cat", "/rt/a/shard.bin", "--meta", cli.meta], capture_output=True,
                             timeout=60, env=_env())
     assert catted.returncode == 0 and catted.stdout == payload
+    piped = subprocess.run([*CLI, "put", "-", "/rt/stdin.bin", "--meta", cli.meta], input=payload[:3_000_001],
+                           capture_output=True, timeout=60, env=_env())
+    assert piped.returncode == 0, piped.stderr
+    got = subprocess.run([*CLI, "get", "/rt/stdin.bin", "-", "--meta", cli.meta], capture_output=True,
+                         timeout=60, env=_env())
+    assert got.returncode == 0 and got.stdout == payload[:3_000_001]
 
 
 @pytest.mark.timeout(60)
@@ -292,6 +298,8 @@ def test_status_degraded_then_down_then_up_keeps_data(cluster: dict[str, Any], c
     assert r.returncode == 0 and "stopped 9 daemons" in r.stdout, r.stderr
     assert not any(pid_alive(p) for p in pids)
     assert not any(LocalCluster.open(data).running().values())
+    r = _cli("status", "--data", data, "--timeout", "2")
+    assert r.returncode == 1 and "is not running" in r.stderr and "tierfs up --data" in r.stderr
     # ... and `up` brings the same cluster back with its data.
     r = _cli("up", "--data", data, "--json", timeout=120)
     assert r.returncode == 0, r.stderr

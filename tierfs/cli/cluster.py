@@ -93,6 +93,9 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         replicas += await asyncio.gather(*(_replica_status(a, per_replica) for a in extra))
         addrs += extra
     if all(r["state"] != "up" for r in replicas):
+        if local is not None and not any(local.running().values()):
+            raise UnavailableError(f"the local cluster in {local.dir} is not running; "
+                                   f"start it with `tierfs up --data {data_dir}`")
         errors = "; ".join(f"{r['addr']}: {r['error']}" for r in replicas)
         raise UnavailableError(f"cluster unreachable: tried {', '.join(addrs)} ({errors})")
 

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("put", "copy a local file (- for stdin) into TierFS")
     p.add_argument("local")
     p.add_argument("remote")
-    p = cmd("get", "copy a TierFS file to a local file")
+    p = cmd("get", "copy a TierFS file to a local file (- for stdout)")
     p.add_argument("remote")
     p.add_argument("local")
     p = cmd("cat", "write a TierFS file to standard output")
@@ -271,6 +271,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         st = _run_async(cluster.cluster_status(meta, data_dir=local, timeout=min(ns.timeout, 10.0)))
         emit(st, render_status(st))
         return EXIT_OK if st["healthy"] else EXIT_DEGRADED
+    if c == "get" and ns.local == "-":
+        c = "cat"  # `get REMOTE -`: to standard output
     if c in ("put", "get"):
         show = tty and not ns.json
         label = os.path.basename(ns.local if c == "put" else ns.remote.rstrip("/")) or ns.remote
