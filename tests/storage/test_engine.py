@@ -210,12 +210,23 @@ def test_versions_and_delete(make_backend: Callable[..., IOBackend], pool: Buffe
             await eng.stat(v1)
         assert not fragment_path(tmp_path, v1).exists()
         assert await _get(eng, v2) == b"new" * 2000
+        lone = FragmentKey(66, 0, 0, 1)
+        await _put(eng, lone, b"x")
+        assert await eng.delete(lone)
         # same key rewritten with different contents: the new one wins, whole
         await _put(eng, v2, b"newer" * 10)
         assert await _get(eng, v2) == b"newer" * 10
         assert len(eng) == 1
+        assert fragment_path(tmp_path, lone).parent.is_dir()  # empty inode dir stays while running
+
+    async def reopened(eng: ChunkEngine) -> None:
+        assert not fragment_path(tmp_path, FragmentKey(66, 0, 0, 1)).parent.exists()  # swept at start
+        assert await _get(eng, v2) == b"newer" * 10
+        await _put(eng, FragmentKey(66, 1, 0, 1), b"back")  # the directory comes back on demand
+        assert await _get(eng, FragmentKey(66, 1, 0, 1)) == b"back"
 
     _run(make_backend, pool, tmp_path, body)
+    _run(make_backend, pool, tmp_path, reopened)
 
 
 @pytest.mark.timeout(60)

@@ -414,8 +414,14 @@ class ChunkEngine:
                     continue
                 if not ino_dir.is_dir():
                     continue
+                entries = list(os.scandir(ino_dir.path))
+                if not entries:
+                    # left behind by deletes (GC); nothing can race us at start
+                    with contextlib.suppress(OSError):
+                        os.rmdir(ino_dir.path)
+                    continue
                 self._known_dirs.add(ino_dir.path)
-                for f in os.scandir(ino_dir.path):
+                for f in entries:
                     try:
                         chunk, frag, ver = (int(p, 16) for p in f.name.split("."))
                         key = FragmentKey(inode, chunk, frag, ver)
