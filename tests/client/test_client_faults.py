@@ -5,6 +5,8 @@ wrong data), and the meta leader SIGKILLed in the middle of a large write."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,3 +106,45 @@ def test_meta_leader_killed_during_large_write(own_cluster: LocalCluster) -> Non
         client.write_bytes("/after.bin", b"after")
         assert client.read_bytes("/after.bin") == b"after"
     assert outcome == "committed", outcome
+
+
+@pytest.mark.timeout(120)
+def test_storage_daemon_killed_mid_write_fails_cleanly(own_cluster: LocalCluster) -> None:
+    """Every fragment must be stored: with a group member dead the write
+    fails with a clear error after its retries, and the previous contents
+    stay whole and readable (decoded around the dead daemon)."""
+    cl = own_cluster
+    old = random_bytes(6 * MiB + 1, seed=21)
+    with Client(cl.meta_addrs, request_timeout=2.0, connect_timeout=1.0, retries=2) as client:
+        client.write_bytes("/w.bin", old)
+        new = random_bytes(32 * MiB, seed=22)
+        with pytest.raises(TierFSError) as ei, client.open("/w.bin", "r+b") as f:
+            f.write(new[: 8 * MiB])
+            f.flush()
+            cl.kill("storage-2")
+            f.write(new[8 * MiB:])
+        assert isinstance(ei.value, UnavailableError | TimeoutError), ei.value
+        assert "chunk" in str(ei.value)
+        assert digest(client.read_bytes("/w.bin")) == digest(old)
+        st = client.stat("/w.bin")
+        assert st.size == len(old) and not st.writing
+
+
+@pytest.mark.timeout(120)
+def test_stalled_storage_daemon_is_read_around(own_cluster: LocalCluster) -> None:
+    """A daemon that stops answering (SIGSTOP: connections stay open, nothing
+    comes back) costs one request timeout, then parity is used."""
+    cl = own_cluster
+    data = random_bytes(24 * MiB + 5, seed=31)
+    with Client(cl.meta_addrs, request_timeout=1.0, connect_timeout=1.0) as client:
+        client.write_bytes("/stall.bin", data)
+        assert digest(client.read_bytes("/stall.bin")) == digest(data)  # connections open
+        pid = cl.proc("storage-4").pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert digest(client.read_bytes("/stall.bin")) == digest(data)
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert elapsed < 20, elapsed  # one timeout, not one per chunk

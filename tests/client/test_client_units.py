@@ -150,3 +150,35 @@ def test_chunk_versions_lookup() -> None:
     runs = [pb.ChunkRun(first=10, count=5, version=3), pb.ChunkRun(first=0, count=2, version=1)]
     cv = ChunkVersions(runs)
     assert [cv.get(i) for i in (0, 1, 2, 9, 10, 14, 15)] == [1, 1, None, None, 3, 3, None]
+
+
+def test_router_skips_offline_and_recently_failed_targets() -> None:
+    from tierfs.client.routing import Router
+    from tierfs.meta.client import MetaClient
+    from tierfs.net import DataClient
+
+    async def main() -> None:
+        meta, data = MetaClient(["127.0.0.1:9"]), DataClient()
+        try:
+            r = Router(meta, data, failed_ttl=60.0)
+            r._apply(pb.ClusterMap(
+                version=7,
+                nodes=[pb.ClusterNode(node_id=1, data_addr="127.0.0.1:1001", state=pb.NODE_STATE_ONLINE),
+                       pb.ClusterNode(node_id=2, data_addr="127.0.0.1:1002", state=pb.NODE_STATE_OFFLINE)],
+                targets=[pb.ClusterTarget(target_id=10, node_id=1, state=pb.TARGET_STATE_ONLINE),
+                         pb.ClusterTarget(target_id=11, node_id=1, state=pb.TARGET_STATE_FAILED),
+                         pb.ClusterTarget(target_id=12, node_id=1, state=pb.TARGET_STATE_READ_ONLY),
+                         pb.ClusterTarget(target_id=20, node_id=2, state=pb.TARGET_STATE_ONLINE)],
+                groups=[pb.PlacementGroup(group_id=3, width=4, target_ids=[10, 11, 12, 20])]))
+            assert await r.targets(3) == (10, 11, 12, 20)
+            assert [r.usable(t) for t in (10, 11, 12, 20)] == [True, False, True, False]
+            assert data.routes[20] == ("127.0.0.1", 1002)
+            r.mark_failed(10)
+            assert not r.usable(10)
+            r.mark_ok(10)
+            assert r.usable(10)
+        finally:
+            await data.close()
+            await meta.close()
+
+    asyncio.run(main())
