@@ -132,6 +132,18 @@ def test_sparse_files_and_rewrites(client: Client) -> None:
         f.seek(0)  # appends go to the end regardless
         f.write(b"++")
     assert client.read_bytes(p) == expect + b"++"
+    # Rewriting a chunk whose upload may still be in flight keeps its bytes.
+    full = random_bytes(2 * MiB, seed=12)
+    with client.open("/sparse/rewrite.bin", "wb") as f:
+        f.write(full)  # two whole chunks, sent while we go on
+        f.seek(10)
+        f.write(b"patch")
+        f.seek(MiB + 3)
+        f.write(b"!")
+    want = bytearray(full)
+    want[10:15] = b"patch"
+    want[MiB + 3] = ord("!")
+    assert client.read_bytes("/sparse/rewrite.bin") == want
     # "wb" truncates: the old contents are gone, even where the new file has a hole.
     with client.open(p, "wb") as f:
         f.seek(2 * MiB)

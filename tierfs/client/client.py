@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import functools
 import stat as _stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -585,6 +586,15 @@ class AsyncClient:
             if attempt < cfg.retries - 1:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cfg.backoff_max)
+                # The group may have changed (a dead member replaced): positions
+                # whose target moved are (re)written to the new member.
+                with contextlib.suppress(TierFSError):
+                    await router.refresh()
+                fresh = await router.targets(gid)
+                if fresh != targets and len(fresh) == len(targets):
+                    moved = [j for j in range(len(fresh)) if fresh[j] != targets[j]]
+                    pending = sorted(set(pending) | set(moved))
+                    targets = fresh
         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(errors[j]).__name__}: {errors[j]}"
                            for j in pending)
         raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid} "

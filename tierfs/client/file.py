@@ -308,9 +308,9 @@ class AsyncFile:
         fill = 0
         start = idx * cs
         try:
+            await self._wait_chunk(idx)  # an upload in flight must land before we read it back
             exists = idx in self._written or self._committed.get(idx) is not None
             if exists and start < self.size:
-                await self._wait_chunk(idx)
                 fill = await self._client._read_range(self._current_view(), start,
                                                       buf[: min(cs, self.size - start)])
         except BaseException:
