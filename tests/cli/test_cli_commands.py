@@ -212,6 +212,8 @@ def test_expected_errors_are_one_line_and_exit_1(cli: Run, tmp_path: Path) -> No
     assert rc == 1 and "ec:K+M" in err and "Traceback" not in err
     rc, _, err = cli("set-layout", "/", "--chunk-size", "3MiB")
     assert rc == 1 and "power of two" in err
+    rc, _, err = cli("rm", "-r", "/")
+    assert rc == 1 and "root directory" in err
     rc, _, err = cli("frobnicate")
     assert rc == 2 and "invalid choice" in err
     rc, _, err = cli("set-layout", "/")

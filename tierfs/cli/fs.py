@@ -238,6 +238,8 @@ async def mkdir(client: AsyncClient, path: str, *, parents: bool = False) -> dic
 async def rm(client: AsyncClient, path: str, *, recursive: bool = False) -> dict[str, Any]:
     """Remove a file or an empty directory (a whole tree with ``recursive``).
     Fragments are freed in the background by garbage collection."""
+    if posixpath.normpath("/" + path.lstrip("/")) == "/":
+        raise InvalidArgumentError("refusing to remove the root directory")
     try:
         await client.rm(path, recursive=recursive)
     except DirectoryNotEmptyError as exc:
