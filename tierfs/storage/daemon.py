@@ -432,26 +432,30 @@ async def serve(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierfs-storage", description="Run one TierFS storage node.")
+    """Flags for every ``StorageConfig`` field (help text from the field docs)
+    plus ``--config``, ``--no-meta`` and ``--target-id``."""
+    docs = StorageConfig.docs()
+    p = argparse.ArgumentParser(
+        prog="tierfs-storage", description="Run one TierFS storage node.",
+        epilog="Every option is also TIERFS_STORAGE_<FIELD> in the environment and a key of the "
+               "[storage] table of --config; flags win over both.",
+    )
     p.add_argument("--config", help="TOML file with a [storage] table")
-    p.add_argument("--data-dir")
-    p.add_argument("--target", action="append", dest="targets", metavar="DIR", help="target directory (repeat)")
-    p.add_argument("--meta", action="append", dest="meta_addrs", metavar="HOST:PORT", help="meta replica (repeat)")
     p.add_argument("--no-meta", action="store_true", help="serve without registering with meta")
     p.add_argument("--target-id", action="append", type=int, dest="target_ids", default=[],
-                   help="id of each --target without meta (repeat, in order)")
-    p.add_argument("--host")
-    p.add_argument("--port")
-    p.add_argument("--advertise-host")
-    p.add_argument("--transport", action="append", dest="transports", choices=["tcp", "shm", "rdma"])
-    p.add_argument("--io-backend", choices=["auto", "uring", "posix"])
-    for name in ("queue-depth", "io-threads", "buffer-pool-bytes", "buffer-pool-max-bytes", "heartbeat-interval", "gc-interval",
-                 "scrub-rate", "scrub-interval",
-                 "gc-batch", "max-fragment-size", "reserved-bytes", "max-frame-bytes",
-                 "max-inflight-bytes", "max-inflight-requests", "shm-ring-bytes"):
-        p.add_argument(f"--{name}")
-    p.add_argument("--metrics-addr", help="host:port for Prometheus metrics ('' = off)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+                   help="without meta: the id of each --target, in order (remembered in target.json)")
+    repeated = {"targets": ("--target", "DIR"), "meta_addrs": ("--meta", "HOST:PORT"),
+                "transports": ("--transport", "NAME")}
+    choices = {"io_backend": ["auto", "uring", "posix"], "log_level": ["debug", "info", "warning", "error"],
+               "transports": ["tcp", "shm", "rdma"]}
+    for name, raw_doc in docs.items():
+        doc = raw_doc.replace("%", "%%")  # argparse formats help strings
+        if name in repeated:
+            flag, metavar = repeated[name]
+            p.add_argument(flag, action="append", dest=name, metavar=metavar, choices=choices.get(name),
+                           help=f"{doc} (repeat)")
+        else:
+            p.add_argument(f"--{name.replace('_', '-')}", dest=name, choices=choices.get(name), help=doc)
     return p
 
 
