@@ -70,7 +70,7 @@ def test_reads_survive_two_dead_storage_daemons_and_fail_cleanly_at_three(own_cl
 
 def _leader(cl: LocalCluster) -> str:
     h = asyncio.run(cl.health())
-    return next(m["name"] for m in h["meta"] if m["role"] == "leader")
+    return str(next(m["name"] for m in h["meta"] if m["role"] == "leader"))
 
 
 @pytest.mark.timeout(180)

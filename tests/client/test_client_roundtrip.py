@@ -85,7 +85,7 @@ def test_large_file_default_layout(client: Client) -> None:
     written in odd-sized pieces and read back by hash."""
     size = 256 * MiB
     data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
-    view = memoryview(data)
+    view = data.data
     with client.open("/large.bin", "wb") as f:
         pos = 0
         step = 3 * MiB + 4097

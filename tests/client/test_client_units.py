@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(60)
 CS = 1 << 16
 
 
-def _chunk_bytes(codec: Codec, frags: dict[int, memoryview | bytes], p: int) -> bytes:
+def _chunk_bytes(codec: Codec, frags: dict[int, memoryview], p: int) -> bytes:
     """Reassemble the chunk from decoded segments (the positional format)."""
     f = codec.frag_size(CS)
-    plain = codec.decode({j: memoryview(v) for j, v in frags.items()}, p)
+    plain = codec.decode(frags, p)
     out = bytearray(codec.k * f)
     for j in range(codec.k):
         out[j * f: j * f + p] = plain[j * p: (j + 1) * p]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,8 @@ def start_cluster(path: Path, n_storage: int = 6) -> LocalCluster:
     return cl
 
 
-def digest(data: bytes | bytearray | memoryview) -> str:
+def digest(data: Any) -> str:
+    """sha256 of any buffer (bytes, memoryview, numpy array)."""
     return hashlib.sha256(data).hexdigest()
 
 

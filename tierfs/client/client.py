@@ -22,7 +22,7 @@ import stat as _stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tierfs.buffers import BufferPool
 from tierfs.client.codec import Codec, codec_for
@@ -48,6 +48,9 @@ from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.storage.api import FragmentKey
+
+if TYPE_CHECKING:
+    from tierfs.client.file import AsyncFile
 
 __all__ = ["AsyncClient", "FileStat"]
 
@@ -248,6 +251,15 @@ class AsyncClient:
             return False
         return True
 
+    @overload
+    async def ls(self, path: str = ..., *, detail: Literal[False] = ...) -> list[str]: ...
+
+    @overload
+    async def ls(self, path: str = ..., *, detail: Literal[True]) -> list[FileStat]: ...
+
+    @overload
+    async def ls(self, path: str = ..., *, detail: bool) -> list[Any]: ...
+
     async def ls(self, path: str = "/", *, detail: bool = False) -> list[Any]:
         """Names in a directory (sorted), or FileStat entries with ``detail``."""
         meta = self.meta
@@ -346,7 +358,7 @@ class AsyncClient:
             n: int = await f.write(data)
         return n
 
-    async def open(self, path: str, mode: str = "rb") -> Any:
+    async def open(self, path: str, mode: str = "rb") -> AsyncFile:
         """An :class:`~tierfs.client.file.AsyncFile` (modes r, w, a, x, with
         optional ``+``; always binary)."""
         from tierfs.client.file import AsyncFile

@@ -16,13 +16,14 @@ import threading
 import weakref
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import uvloop
 
 from tierfs.client.client import AsyncClient, FileStat
 from tierfs.client.config import ClientConfig
 from tierfs.client.file import AsyncFile
+from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["Client", "File"]
 
@@ -146,6 +147,15 @@ class Client:
     def exists(self, path: str) -> bool:
         return self._run(self.aclient.exists(path))
 
+    @overload
+    def ls(self, path: str = ..., *, detail: Literal[False] = ...) -> list[str]: ...
+
+    @overload
+    def ls(self, path: str = ..., *, detail: Literal[True]) -> list[FileStat]: ...
+
+    @overload
+    def ls(self, path: str = ..., *, detail: bool) -> list[Any]: ...
+
     def ls(self, path: str = "/", *, detail: bool = False) -> list[Any]:
         return self._run(self.aclient.ls(path, detail=detail))
 
@@ -161,7 +171,8 @@ class Client:
     def truncate(self, path: str, size: int) -> None:
         self._run(self.aclient.truncate(path, size))
 
-    def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "", stripe_width: int = 0) -> Any:
+    def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "",
+                   stripe_width: int = 0) -> pb.Layout:
         return self._run(self.aclient.set_layout(path, chunk_size=chunk_size, redundancy=redundancy,
                                                  stripe_width=stripe_width))
 
