@@ -436,6 +436,7 @@ class AsyncClient:
             if lo < hi:
                 pieces.append((j, lo - j * f, dest[lo - a: hi - a]))
         bad: dict[int, TierFSError] = {}
+        whole: dict[int, int] = {}  # data fragments read whole into dest: bytes they had
         down = [j for j, _, _ in pieces if not router.usable(targets[j])]
         if down:
             for j in down:
@@ -448,6 +449,8 @@ class AsyncClient:
                 if isinstance(r, int):
                     if r < len(d):
                         _zero(d[r:])
+                    if o == 0 and len(d) == f:
+                        whole[j] = r
                 elif isinstance(r, InvalidArgumentError) and o > 0 and await self._beyond_end(targets[j], k, o):
                     _zero(d)
                 else:
@@ -455,19 +458,25 @@ class AsyncClient:
                     self._note(targets[j], r)
             if not bad:
                 return
-        await self._decode_into(view, idx, ver, targets, a, b, dest, bad)
+        await self._decode_into(view, idx, ver, targets, a, b, dest, bad, whole)
 
     async def _decode_into(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                           dest: memoryview, bad: dict[int, TierFSError]) -> None:
+                           dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int]) -> None:
         """Fetch whole fragments from any K targets (data first, then parity)
-        and rebuild ``dest`` (chunk bytes ``[a, b)``) from them."""
+        and rebuild ``dest`` (chunk bytes ``[a, b)``) from them. ``whole``:
+        data fragments already read whole into their place in ``dest``
+        (they count towards K without a second fetch). Data fragments whose
+        place lies wholly inside ``dest`` are fetched straight into it; the
+        rest (parity, partial ranges) into pool buffers."""
         _, data, router = self._parts()
         codec, cfg = view.codec, self.config
         k, f = codec.k, codec.frag_size(view.chunk_size)
         errors: dict[int, TierFSError] = dict(bad)
         perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)}
         order = sorted(range(codec.width), key=lambda j: (j in bad, not router.usable(targets[j]), j))
-        have: dict[int, memoryview] = {}
+        # A data fragment's place in dest, when the range covers all of it.
+        place = {j: dest[j * f - a: j * f - a + f] for j in range(k) if a <= j * f and (j + 1) * f <= b}
+        have: dict[int, memoryview] = {j: place[j][:n] for j, n in whole.items() if j in place}
         bufs: list[memoryview] = []
         tried: set[int] = set()
         rounds, delay = 1, cfg.backoff_initial
@@ -492,8 +501,10 @@ class AsyncClient:
                 tried.update(pick)
                 items = []
                 for j in pick:
-                    buf = self.pool.get(f)
-                    bufs.append(buf)
+                    buf = place.get(j)
+                    if buf is None:
+                        buf = self.pool.get(f)
+                        bufs.append(buf)
                     items.append((targets[j], FragmentKey(view.inode, idx, j, ver), buf, 0))
                 res = await data.read_batch(items, timeout=cfg.request_timeout)
                 for j, (_, _, buf, _), r in zip(pick, items, res, strict=True):
@@ -516,7 +527,11 @@ class AsyncClient:
                 lo, hi = max(a, j * f), min(b, (j + 1) * f)
                 if lo >= hi:
                     continue
-                src = (have[j] if j in have else rebuilt[j])[lo - j * f: hi - j * f]
+                got = have.get(j)
+                if got is not None and j in place:  # already in its place
+                    _zero(dest[lo - a + len(got): hi - a])
+                    continue
+                src = (got if got is not None else rebuilt[j])[lo - j * f: hi - j * f]
                 dest[lo - a: lo - a + len(src)] = src
                 _zero(dest[lo - a + len(src): hi - a])
         finally:
