@@ -300,3 +300,34 @@ def test_shm_peer_that_lies_is_dropped(lie: str) -> None:
             await server.close()
 
     arun(body())
+
+
+class _TightStore(MemoryFragmentStore):
+    """A store whose buffer pool refuses payloads over 64 KiB (as a
+    ChunkEngine does past its pool's ``max_total_bytes``)."""
+
+    def alloc(self, size: int) -> memoryview:
+        if size > 64 << 10:
+            raise UnavailableError(f"buffer pool exhausted: cannot hold {size} bytes")
+        return super().alloc(size)
+
+
+@pytest.mark.timeout(60)
+def test_store_refusing_a_buffer_answers_that_request_only() -> None:
+    async def body() -> None:
+        server = await start_dataplane({1: _TightStore(1)}, transports=("tcp",))
+        try:
+            async with DataClient(routes={1: server.address}, connections_per_peer=1) as c:
+                big = FragmentKey(3, 0, 0, 1)
+                with pytest.raises(UnavailableError, match="buffer pool exhausted"):
+                    await c.write(1, big, b"x" * (1 << 20))
+                # The payload was drained: the same connection keeps serving.
+                await c.write(1, KEY, ORIGINAL)
+                assert await c.read(1, KEY) == ORIGINAL
+                with pytest.raises(FileNotFoundError):
+                    await c.read(1, big)
+                assert server.counters["protocol_violations"] == 0
+        finally:
+            await server.close()
+
+    arun(body())

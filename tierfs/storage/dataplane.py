@@ -74,6 +74,9 @@ class _ServerConnection(FrameProtocol):
         self._flush_scheduled = False
         # Which store owns the buffer of the frame being received (WRITE).
         self._recv_store: FragmentStore | None = None
+        # Why the payload being received is drained instead of stored (a full
+        # buffer pool, say): answered as this error once the frame is complete.
+        self._recv_error: TierFSError | None = None
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -127,8 +130,16 @@ class _ServerConnection(FrameProtocol):
         if store is None:
             self._recv_store = None
             return None  # drained and answered with an error in _on_frame
+        try:
+            buf = store.alloc(hdr.payload_len)
+        except TierFSError as exc:
+            # Drain the payload and answer with the error; the connection and
+            # the other requests on it carry on.
+            self._recv_store = None
+            self._recv_error = exc
+            return None
         self._recv_store = store
-        return store.alloc(hdr.payload_len)
+        return buf
 
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
         if hdr.flags & F_RESPONSE:
@@ -137,6 +148,7 @@ class _ServerConnection(FrameProtocol):
             raise ProtocolError(f"op {hdr.op} carries no payload")
         store = self._recv_store
         self._recv_store = None
+        error, self._recv_error = self._recv_error, None
         self.counters["requests_total"] += 1
         self.counters["bytes_received"] += hdr.payload_len
         reserve = hdr.payload_len
@@ -144,7 +156,7 @@ class _ServerConnection(FrameProtocol):
             reserve += min(hdr.length, self.limits.max_frame_bytes)
         self._inflight_requests += 1
         self._inflight_bytes += reserve
-        task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve))
+        task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve, error))
         self.server._tasks.add(task)
         task.add_done_callback(self.server._tasks.discard)
         if not self._paused and self._over_limit():
@@ -170,10 +182,13 @@ class _ServerConnection(FrameProtocol):
 
     # --- serve -----------------------------------------------------------------
 
-    async def _serve(self, hdr: Header, payload: memoryview | None, wstore: FragmentStore | None, reserve: int) -> None:
+    async def _serve(self, hdr: Header, payload: memoryview | None, wstore: FragmentStore | None, reserve: int,
+                     error: TierFSError | None = None) -> None:
         out: memoryview | None = None
         ostore: FragmentStore | None = None
         try:
+            if error is not None:
+                raise error
             store = self.server.stores.get(hdr.target)
             if store is None:
                 raise UnavailableError(f"target {hdr.target} is not served here")
