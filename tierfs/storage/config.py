@@ -50,6 +50,14 @@ class StorageConfig(BaseConfig):
         32 << 20, "Bytes per second the background scrubber re-reads and verifies (0 turns it off).", kind="size"
     )
     scrub_interval: float = field(3600.0, "Pause between two full scrub passes.", kind="duration")
+    orphan_grace: float = field(
+        3600.0, "Scrub deletes an orphan fragment (no file needs it) only once its file is this old.", kind="duration"
+    )
+    rebuild_rate: int = field(
+        256 << 20, "Bytes per second the rebuild worker fetches from peers (0: unlimited).", kind="size"
+    )
+    rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild.", kind="duration")
+    control_port: int = field(0, "Port of the control gRPC service (scrub, repair status) on host (0 picks one).")
 
     io_backend: str = field("auto", "Disk I/O: auto (io_uring if the kernel allows, else posix) | uring | posix.")
     queue_depth: int = field(64, "io_uring submission queue depth (operations in the kernel at once).")
@@ -95,6 +103,14 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be >= 0", field="scrub_rate")
         if self.scrub_interval <= 0:
             raise ConfigError("must be positive", field="scrub_interval")
+        if self.orphan_grace < 0:
+            raise ConfigError("must be >= 0", field="orphan_grace")
+        if self.rebuild_rate < 0:
+            raise ConfigError("must be >= 0", field="rebuild_rate")
+        if self.rebuild_interval <= 0:
+            raise ConfigError("must be positive", field="rebuild_interval")
+        if not 0 <= self.control_port < 65536:
+            raise ConfigError("must be in 0..65535", field="control_port")
         if self.buffer_pool_bytes < 0:
             raise ConfigError("must be >= 0", field="buffer_pool_bytes")
         if self.buffer_pool_max_bytes < max(self.max_frame_bytes, self.buffer_pool_bytes):

@@ -45,6 +45,7 @@ from typing import Any
 from tierfs.buffers import BufferPool
 from tierfs.config import load
 from tierfs.errors import ConfigError, NotFoundError, TierFSError
+from tierfs.fsutil import fsync_dir, makedirs_durable
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState
@@ -57,7 +58,7 @@ log = logging.getLogger("tierfs.storage")
 
 def load_node_uuid(data_dir: Path) -> str:
     """This node's persistent identity, created (durably) on first start."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    makedirs_durable(data_dir)
     path = data_dir / "node.uuid"
     try:
         text = path.read_text().strip()
@@ -75,11 +76,7 @@ def load_node_uuid(data_dir: Path) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(data_dir)
     return node
 
 
@@ -132,6 +129,24 @@ class _Collector:
             for k, v in dict(node.server.counters).items():
                 dp.add_metric([k], v)
             yield dp
+        for prefix, src in (("tierfs_repair", node.repairer), ("tierfs_scrub", node.scrubber)):
+            if src is not None:
+                c = CounterMetricFamily(prefix, f"{prefix.split('_')[1].capitalize()} counters", labels=["event"])
+                for k, v in src.counters.items():
+                    c.add_metric([k], v)
+                yield c
+        if node.repairer is not None:
+            lbl2 = ["group", "target"]
+            done = GaugeMetricFamily("tierfs_rebuild_done_chunks", "Chunks present on a rebuilding target", labels=lbl2)
+            total = GaugeMetricFamily("tierfs_rebuild_total_chunks", "Committed chunks of a rebuilding group",
+                                      labels=lbl2)
+            active = GaugeMetricFamily("tierfs_rebuild_active", "1 while the group is being rebuilt here", labels=lbl2)
+            for p in node.repairer.status():
+                ls = [str(p.group_id), str(p.target_id)]
+                done.add_metric(ls, p.done)
+                total.add_metric(ls, p.total)
+                active.add_metric(ls, 0.0 if p.state == "finished" else 1.0)
+            yield from (done, total, active)
         ps = node.pool.stats()
         pool = GaugeMetricFamily("tierfs_buffer_pool_bytes", "Aligned buffer pool", labels=["kind"])
         pool.add_metric(["idle"], ps.idle_bytes)
@@ -157,6 +172,9 @@ class StorageNode:
         self._metrics: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self.registered = asyncio.Event()
+        self.repairer: Any = None
+        self.scrubber: Any = None
+        self.control: Any = None
         self.counters: dict[str, int] = dict.fromkeys(
             ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
              "scrub_bytes"), 0
@@ -200,13 +218,21 @@ class StorageNode:
         self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports)
         if cfg.metrics_addr:
             self._start_metrics(cfg.metrics_addr)
-        if cfg.scrub_rate > 0:
-            self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))
         if self.use_meta:
             from tierfs.meta.client import MetaClient
+            from tierfs.storage.control import start_control
+            from tierfs.storage.repair import Repairer
+            from tierfs.storage.scrub import Scrubber
 
             self.meta = MetaClient(list(cfg.meta_addrs))
+            # Repair and scrub need meta (layouts, groups) and the peers.
+            self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
+                                     poll_interval=cfg.rebuild_interval)
+            self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
+            self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer)
             self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
+        elif cfg.scrub_rate > 0:
+            self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))
         else:
             missing = [str(e.root) for e in self.engines if not e.target_id]
             if missing:
@@ -233,6 +259,7 @@ class StorageNode:
             "backend": self.backend.name if self.backend else "",
             "targets": {str(e.root): e.target_id for e in self.engines},
             "meta": self.use_meta, "metrics": self.metrics_addr,
+            "control": self.control.addr if self.control else "",
         }
 
     # -- meta -----------------------------------------------------------------
@@ -240,14 +267,18 @@ class StorageNode:
     async def _meta_main(self) -> None:
         await self._register()
         self.registered.set()
-        await asyncio.gather(self._heartbeat_loop(), self._gc_loop())
+        loops = [self._heartbeat_loop(), self._gc_loop(), self.repairer.run()]
+        if self.cfg.scrub_rate > 0:
+            loops.append(self.scrubber.run(self.cfg.scrub_rate, self.cfg.scrub_interval))
+        await asyncio.gather(*loops)
 
     async def _register(self) -> None:
         delay = 0.2
         while True:
             try:
                 specs = [(str(e.root.resolve()), e.stats().capacity) for e in self.engines]
-                reply = await self.meta.register_node(self.node_uuid, socket.gethostname(), self.data_addr, specs)
+                reply = await self.meta.register_node(self.node_uuid, socket.gethostname(), self.data_addr, specs,
+                                                      control_addr=self.control.addr if self.control else "")
                 break
             except TierFSError as err:
                 log.warning("registering with meta failed (%s); retrying in %.1fs", err, delay)
@@ -378,6 +409,10 @@ class StorageNode:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self.control is not None:
+            await self.control.close()
+        if self.repairer is not None:
+            await self.repairer.close()
         if self.server is not None:
             await self.server.close()
         for e in self.engines:

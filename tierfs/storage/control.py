@@ -1,0 +1,66 @@
+"""The storage daemon's control service (gRPC ``StorageControl``).
+
+Operators and the admin CLI reach a node here, at the ``control_addr`` it
+registers with meta: ``Scrub`` runs one scrub pass now and returns its
+report; ``RepairStatus`` tells how far this node's rebuilds have come. Bytes
+never travel here; that is the data plane's job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from tierfs.errors import grpc_errors
+from tierfs.proto.v1 import storage_control_pb2 as spb
+from tierfs.proto.v1 import storage_control_pb2_grpc as spb_grpc
+from tierfs.storage.repair import Repairer
+from tierfs.storage.scrub import Scrubber
+
+__all__ = ["ControlServer", "start_control"]
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+class _Servicer(spb_grpc.StorageControlServicer):
+    def __init__(self, scrubber: Scrubber, repairer: Repairer) -> None:
+        self.scrubber = scrubber
+        self.repairer = repairer
+
+    @grpc_errors
+    async def Scrub(self, request: spb.ScrubRequest, context: Ctx) -> spb.ScrubReport:
+        rep = await self.scrubber.scrub(rate=request.rate, repair=request.repair,
+                                        delete_orphans=request.delete_orphans)
+        return rep.to_pb()  # type: ignore[no-any-return]
+
+    @grpc_errors
+    async def RepairStatus(self, request: spb.RepairStatusRequest, context: Ctx) -> spb.RepairStatusReply:
+        r = self.repairer
+        return spb.RepairStatusReply(
+            node_id=self.scrubber.node_id,
+            rebuilds=[spb.GroupRebuild(group_id=p.group_id, target_id=p.target_id, done=p.done, total=p.total,
+                                       bytes=p.bytes, state=p.state, error=p.error) for p in r.status()],
+            fragments_rebuilt=r.counters["fragments_rebuilt"], bytes_rebuilt=r.counters["bytes_rebuilt"],
+            fragments_copied=r.counters["fragments_copied"])
+
+
+class ControlServer:
+    """A running control service; ``addr`` is where it listens."""
+
+    def __init__(self, server: grpc.aio.Server, addr: str) -> None:
+        self.server = server
+        self.addr = addr
+
+    async def close(self) -> None:
+        await self.server.stop(grace=1.0)
+
+
+async def start_control(host: str, port: int, scrubber: Scrubber, repairer: Repairer) -> ControlServer:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    spb_grpc.add_StorageControlServicer_to_server(_Servicer(scrubber, repairer), server)  # type: ignore[no-untyped-call]
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the control address {host}:{port}")
+    await server.start()
+    return ControlServer(server, f"{host}:{bound}")

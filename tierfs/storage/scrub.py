@@ -1,0 +1,299 @@
+"""The scrubber: verify every fragment of this node, repair, find orphans.
+
+One pass (:meth:`Scrubber.scrub`) over every target of the node:
+
+1. **verify**: re-read each fragment whole (header and payload CRC32C,
+   :meth:`ChunkEngine.verify`) at ``rate`` bytes/s. A corrupt one is moved to
+   ``quarantine/`` and, with ``repair``, rebuilt from the other fragments of
+   its chunk (:class:`tierfs.storage.repair.Repairer`); one whose file
+   vanished under the index counts as missing and is rebuilt the same way.
+2. **missing**: for every placement group a target of ours belongs to (and
+   is not being rebuilt: the rebuild worker owns those), every committed
+   chunk must have our fragment; the ones that do not (a file deleted by
+   hand, writes that happened while the target was away) are rebuilt.
+3. **orphans**: a fragment no file needs: its inode is gone, its (chunk,
+   version) is neither the committed one nor the version of an open write
+   session, or our target no longer holds that position of the chunk's
+   group (it was replaced while away) and that position is not being
+   rebuilt from us. Orphans whose file is older than ``orphan_grace`` are
+   deleted (younger ones may belong to a write that meta has not seen yet).
+
+The background loop runs a pass every ``scrub_interval`` at ``scrub_rate``
+and, in between, deals within a second with fragments a read found corrupt
+(the engine's *suspects*). ``tierfs scrub`` runs a pass on demand through the
+node's control service and prints the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierfs.errors import CorruptError, NotFoundError, TierFSError
+from tierfs.storage.api import FragmentKey
+from tierfs.storage.engine import ChunkEngine, fragment_path
+from tierfs.storage.repair import RateLimiter, Repairer, _File
+
+__all__ = ["ScrubIssue", "ScrubReport", "Scrubber"]
+
+log = logging.getLogger("tierfs.storage.scrub")
+
+MAX_ISSUES = 1000
+
+
+@dataclass
+class ScrubIssue:
+    target_id: int
+    key: FragmentKey
+    kind: str  # corrupt | missing | orphan
+    action: str  # repaired | deleted | kept | failed
+    detail: str = ""
+
+
+@dataclass
+class ScrubReport:
+    node_id: int = 0
+    fragments: int = 0
+    bytes: int = 0
+    corrupt: int = 0
+    missing: int = 0
+    repaired: int = 0
+    orphans: int = 0
+    orphans_deleted: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    issues: list[ScrubIssue] = field(default_factory=list)
+
+    def add(self, issue: ScrubIssue) -> None:
+        if len(self.issues) < MAX_ISSUES:
+            self.issues.append(issue)
+
+    def to_pb(self) -> Any:
+        from tierfs.proto.v1 import storage_control_pb2 as spb
+
+        return spb.ScrubReport(
+            node_id=self.node_id, fragments=self.fragments, bytes=self.bytes, corrupt=self.corrupt,
+            missing=self.missing, repaired=self.repaired, orphans=self.orphans,
+            orphans_deleted=self.orphans_deleted, errors=self.errors, seconds=self.seconds,
+            issues=[spb.ScrubIssue(target_id=i.target_id, inode=i.key.inode, chunk=i.key.chunk,
+                                   fragment=i.key.fragment, version=i.key.version, kind=i.kind,
+                                   action=i.action, detail=i.detail) for i in self.issues])
+
+
+class Scrubber:
+    """Scrub passes over the targets a :class:`Repairer` knows."""
+
+    def __init__(self, repairer: Repairer, *, orphan_grace: float = 3600.0, node_id: Any = None) -> None:
+        self.repairer = repairer
+        self.orphan_grace = orphan_grace
+        self._node_id = node_id
+        self._pass_lock = asyncio.Lock()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
+             "orphans_deleted", "errors"), 0)
+
+    @property
+    def node_id(self) -> int:
+        return int(self._node_id() if callable(self._node_id) else (self._node_id or 0))
+
+    async def scrub(self, *, rate: int = 0, repair: bool = True, delete_orphans: bool = True) -> ScrubReport:
+        """One full pass (see the module docstring); passes never overlap."""
+        async with self._pass_lock:
+            t0 = time.monotonic()
+            rep = ScrubReport(node_id=self.node_id)
+            r = self.repairer
+            await r.refresh_map()
+            limiter = RateLimiter(rate)
+            files: dict[int, _File | None] = {}
+            for tid, eng in sorted(r.engines.items()):
+                await self._verify_target(eng, rep, limiter, files, repair)
+                await self._missing(tid, eng, rep, files, repair)
+                await self._orphans(tid, eng, rep, files, delete_orphans)
+            rep.seconds = time.monotonic() - t0
+            for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
+                self.counters[k] += getattr(rep, k)
+            self.counters["verified"] += rep.fragments
+            self.counters["verified_bytes"] += rep.bytes
+            self.counters["passes"] += 1
+            if rep.corrupt or rep.missing or rep.orphans or rep.errors:
+                log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d orphans (%d deleted), "
+                            "%d errors", rep.fragments, rep.corrupt, rep.missing, rep.repaired, rep.orphans,
+                            rep.orphans_deleted, rep.errors)
+            return rep
+
+    # ---- the three steps ------------------------------------------------------------
+
+    def _members(self, key: FragmentKey, f: _File) -> tuple[int, list[int]] | None:
+        if not f.groups:
+            return None
+        gid = f.groups[key.chunk % len(f.groups)]
+        members = self.repairer.groups.get(gid)
+        return (gid, members) if members else None
+
+    async def _repair(self, tid: int, eng: ChunkEngine, key: FragmentKey, kind: str, rep: ScrubReport,
+                      files: dict[int, _File | None], repair: bool) -> None:
+        if not repair:
+            rep.add(ScrubIssue(tid, key, kind, "kept", "repair off"))
+            return
+        r = self.repairer
+        f = await r.file(key.inode, files)
+        if f is None or f.chunks.get(key.chunk) != key.version:
+            rep.add(ScrubIssue(tid, key, kind, "kept", "not a committed fragment: nothing to restore"))
+            return
+        where = self._members(key, f)
+        if where is None or where[1][key.fragment:key.fragment + 1] != [tid]:
+            rep.add(ScrubIssue(tid, key, kind, "kept", "target no longer holds this position"))
+            return
+        try:
+            await r.restore(eng, key, f, where[1])
+        except TierFSError as exc:
+            rep.errors += 1
+            rep.add(ScrubIssue(tid, key, kind, "failed", f"{type(exc).__name__}: {exc}"))
+            return
+        rep.repaired += 1
+        rep.add(ScrubIssue(tid, key, kind, "repaired"))
+
+    async def _check(self, tid: int, eng: ChunkEngine, key: FragmentKey, rep: ScrubReport,
+                     files: dict[int, _File | None], repair: bool) -> int:
+        """Verify one fragment; quarantine and repair it if bad. Returns the bytes read."""
+        try:
+            info = await eng.verify(key)
+        except NotFoundError:
+            if key not in eng:
+                return 0  # deleted meanwhile (GC): fine
+            # The index has it, the disk does not (deleted by hand, lost).
+            with contextlib.suppress(TierFSError):
+                await eng.quarantine(key, "fragment file missing")
+            rep.missing += 1
+            await self._repair(tid, eng, key, "missing", rep, files, repair)
+            return 0
+        except CorruptError as exc:
+            rep.corrupt += 1
+            await eng.quarantine(key, str(exc))
+            await self._repair(tid, eng, key, "corrupt", rep, files, repair)
+            return 0
+        rep.fragments += 1
+        rep.bytes += info.size
+        return info.size
+
+    async def _verify_target(self, eng: ChunkEngine, rep: ScrubReport, limiter: RateLimiter,
+                             files: dict[int, _File | None], repair: bool) -> None:
+        tid = eng.target_id
+        for key in list(eng.keys()):
+            try:
+                n = await self._check(tid, eng, key, rep, files, repair)
+            except TierFSError as exc:
+                rep.errors += 1
+                rep.add(ScrubIssue(tid, key, "corrupt", "failed", f"{type(exc).__name__}: {exc}"))
+                continue
+            await limiter.take(n)
+
+    async def _missing(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
+                       repair: bool) -> None:
+        r = self.repairer
+        for gid, members in sorted(r.groups.items()):
+            if tid not in members or tid in r.rebuilding.get(gid, ()):
+                continue
+            j = members.index(tid)
+            try:
+                chunks = await r.group_chunks(gid)
+            except TierFSError as exc:
+                rep.errors += 1
+                log.warning("scrub: listing group %d failed: %s", gid, exc)
+                continue
+            for inode, chunk, version in chunks:
+                key = FragmentKey(inode, chunk, j, version)
+                if key in eng:
+                    continue
+                f = await r.file(inode, files)
+                if f is None or f.chunks.get(chunk) != version:
+                    continue  # changed since the listing
+                rep.missing += 1
+                await self._repair(tid, eng, key, "missing", rep, files, repair)
+
+    def _is_orphan(self, tid: int, key: FragmentKey, f: _File | None) -> str:
+        if f is None:
+            return "no such file"
+        width = f.k + f.m
+        if key.fragment >= width:
+            return f"fragment index beyond the layout's {width}"
+        committed = f.chunks.get(key.chunk)
+        if committed != key.version and not (f.writing and key.version == f.data_version):
+            return f"version {key.version} is not the committed one ({committed}) nor an open write's"
+        where = self._members(key, f)
+        if where is None:
+            return "no placement group"
+        gid, members = where
+        if members[key.fragment] != tid:
+            rb = self.repairer.rebuilding.get(gid, set())
+            if members[key.fragment] in rb:
+                return ""  # may still be the source of that position's rebuild
+            return f"position {key.fragment} of group {gid} is now target {members[key.fragment]}"
+        return ""
+
+    async def _orphans(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
+                       delete: bool) -> None:
+        r = self.repairer
+        now = time.time()
+        for key in list(eng.keys()):
+            try:
+                f = await r.file(key.inode, files)
+            except TierFSError as exc:
+                rep.errors += 1
+                log.warning("scrub: stat of inode %d failed: %s", key.inode, exc)
+                continue
+            why = self._is_orphan(tid, key, f)
+            if not why:
+                continue
+            rep.orphans += 1
+            try:
+                age = now - os.stat(fragment_path(eng.root, key)).st_mtime
+            except FileNotFoundError:
+                continue
+            if not delete or age < self.orphan_grace:
+                rep.add(ScrubIssue(tid, key, "orphan", "kept", f"{why}; {age:.0f}s old"))
+                continue
+            try:
+                await eng.delete(key)
+            except TierFSError as exc:
+                rep.errors += 1
+                rep.add(ScrubIssue(tid, key, "orphan", "failed", str(exc)))
+                continue
+            rep.orphans_deleted += 1
+            rep.add(ScrubIssue(tid, key, "orphan", "deleted", why))
+
+    # ---- background ------------------------------------------------------------------
+
+    async def run(self, rate: int, interval: float, first_delay: float = 5.0) -> None:
+        """Background scrubbing: a pass every ``interval`` at ``rate`` bytes/s;
+        suspects (fragments a read found corrupt) are handled within a second."""
+        next_pass = time.monotonic() + first_delay
+        while True:
+            if time.monotonic() >= next_pass:
+                try:
+                    await self.scrub(rate=rate, repair=True, delete_orphans=True)
+                except TierFSError as exc:
+                    log.warning("scrub pass failed: %s", exc)
+                next_pass = time.monotonic() + interval
+            await self._suspects()
+            await asyncio.sleep(min(1.0, max(0.05, next_pass - time.monotonic())))
+
+    async def _suspects(self) -> None:
+        pending = [(tid, eng, key) for tid, eng in self.repairer.engines.items() for key in eng.suspects()]
+        if not pending:
+            return
+        rep = ScrubReport(node_id=self.node_id)
+        files: dict[int, _File | None] = {}
+        try:
+            await self.repairer.refresh_map()
+            for tid, eng, key in pending:
+                await self._check(tid, eng, key, rep, files, True)
+        except TierFSError as exc:
+            log.warning("scrub of suspects failed: %s", exc)
+        for k in ("corrupt", "missing", "repaired", "errors"):
+            self.counters[k] += getattr(rep, k)
