@@ -339,6 +339,11 @@ class MetaClient:
     async def digest(self, addr: str | None = None) -> pb.DigestReply:
         return await self._call("Digest", pb.Empty(), pb.DigestReply, addr=addr)
 
+    async def force_snapshot(self, addr: str | None = None) -> None:
+        """Ask ``addr`` (or whichever replica answers) to snapshot and compact
+        its journal on its next Raft tick; ``status().raft.snapshots`` counts them."""
+        await self._call("ForceSnapshot", pb.Empty(), pb.Empty, addr=addr)
+
     # Membership changes are not deduplicated by the state machine, so one
     # attempt may use the whole deadline rather than be cut short and resent.
 

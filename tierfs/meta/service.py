@@ -8,6 +8,11 @@ the reply or re-raised as its TierFSError. Reads wait for the replicator's
 read barrier and then read the local state machine (linearizable; a follower
 answers NotLeaderError with the leader's address).
 
+Every replica also answers, locally and without a leader, ``GetStatus``
+(with the Raft internals when the replicator is Raft), ``Digest`` and
+``ForceSnapshot``; the leader answers ``AddMetaMember``/``RemoveMetaMember``.
+These work whatever the state machine (also the toy ``kv`` one of the tests).
+
 While this replica leads, a background task submits a Tick op every
 ``tick_interval`` seconds: it expires storage nodes that missed heartbeats for
 ``heartbeat_timeout`` and write sessions whose lease ran out, and (if
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,7 +34,6 @@ import grpc
 from google.protobuf.message import Message
 
 from tierfs.errors import (
-    InternalError,
     TierFSError,
     UnsupportedError,
     error_from_code,
@@ -90,7 +95,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def state(self) -> MetaStateMachine:
         sm = self._r.state_machine
         if not isinstance(sm, MetaStateMachine):
-            raise InternalError(f"replicator holds {type(sm).__name__}, not MetaStateMachine")
+            # tierfs-meta --state-machine kv: only the replica RPCs work.
+            raise UnsupportedError(f"this replica runs {type(sm).__name__}, not the namespace "
+                                   "(state_machine = 'meta'); only status, digest, snapshot and "
+                                   "membership calls are served")
         return sm
 
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
@@ -101,6 +109,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
         """Validate, replicate and apply ``op``; its reply or its error."""
+        _ = self.state  # refuse before logging an op that another state machine cannot read
         validate_op(op)
         raw = await self._r.submit(op.SerializeToString(deterministic=True), self.submit_timeout)
         res = pb.MetaResult.FromString(raw)
@@ -270,21 +279,40 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @grpc_errors
     async def GetStatus(self, request: pb.Empty, context: Ctx) -> pb.GetStatusReply:
         st = self._r.status()
-        return pb.GetStatusReply(id=st.id, role=st.role, leader=st.leader, term=st.term,
-                                 commit_index=st.commit_index, applied_index=st.applied_index,
-                                 members=st.members)
+        reply = pb.GetStatusReply(id=st.id, role=st.role, leader=st.leader, term=st.term,
+                                  commit_index=st.commit_index, applied_index=st.applied_index,
+                                  members=st.members, pid=os.getpid())
+        details = getattr(self._r, "details", None)  # RaftReplicator only
+        if details is not None:
+            d = details()
+            reply.raft.CopyFrom(pb.RaftStatus(
+                raft_addr=d.raft_addr, grpc_addr=d.grpc_addr, raft_members=d.raft_members,
+                addr_map=d.addr_map, ready=d.ready, log_len=d.log_len, journal_syncs=d.journal_syncs,
+                snapshots=d.snapshots, fatal=d.fatal, truncation=d.truncation,
+            ))
+        return reply
 
     @grpc_errors
     async def Digest(self, request: pb.Empty, context: Ctx) -> pb.DigestReply:
-        sm = self.state
+        sm = self._r.state_machine
         return pb.DigestReply(digest=sm.digest(), applied_index=self._r.status().applied_index,
-                              ops_applied=sm.ops_applied)
+                              ops_applied=int(getattr(sm, "ops_applied", 0)))
+
+    @grpc_errors
+    async def ForceSnapshot(self, request: pb.Empty, context: Ctx) -> pb.Empty:
+        fn = getattr(self._r, "force_snapshot", None)
+        if fn is None:
+            raise UnsupportedError(f"this meta replica ({type(self._r).__name__}) takes no snapshots")
+        fn()
+        return pb.Empty()
 
     async def _membership(self, name: str, request: pb.MetaMemberRequest) -> pb.Empty:
         fn = getattr(self._r, name, None)
         if fn is None:
             raise UnsupportedError(f"this meta replica ({type(self._r).__name__}) cannot change membership")
-        await fn(request.raft_addr, request.grpc_addr, timeout=self.submit_timeout)
+        # A change waits for this term's no-op and any previous change to
+        # apply (BusyError retries inside): allow more than one commit's time.
+        await fn(request.raft_addr, request.grpc_addr, timeout=2 * self.submit_timeout)
         return pb.Empty()
 
     @grpc_errors

@@ -1550,14 +1550,25 @@ class GetStatusReply(_message.Message):
     COMMIT_INDEX_FIELD_NUMBER: _builtins.int
     APPLIED_INDEX_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RAFT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     role: _builtins.str
     leader: _builtins.str
+    """gRPC address of the leader, "" if unknown"""
     term: _builtins.int
     commit_index: _builtins.int
     applied_index: _builtins.int
+    pid: _builtins.int
+    """process id of the answering replica"""
     @_builtins.property
-    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """gRPC addresses"""
+
+    @_builtins.property
+    def raft(self) -> Global___RaftStatus:
+        """Set by Raft replicas (tierfs-meta); unset for a single-process replicator."""
+
     def __init__(
         self,
         *,
@@ -1568,14 +1579,118 @@ class GetStatusReply(_message.Message):
         commit_index: _builtins.int = ...,
         applied_index: _builtins.int = ...,
         members: _abc.Iterable[_builtins.str] | None = ...,
+        pid: _builtins.int = ...,
+        raft: Global___RaftStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raft", b"raft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "commit_index", b"commit_index", "id", b"id", "leader", b"leader", "members", b"members", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "commit_index", b"commit_index", "id", b"id", "leader", b"leader", "members", b"members", "pid", b"pid", "raft", b"raft", "role", b"role", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusReply: _TypeAlias = GetStatusReply  # noqa: Y015
+
+@_typing.final
+class RaftStatus(_message.Message):
+    """Raft internals of one replica, for operators, tests and benchmarks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class AddrMapEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class TruncationEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RAFT_ADDR_FIELD_NUMBER: _builtins.int
+    GRPC_ADDR_FIELD_NUMBER: _builtins.int
+    RAFT_MEMBERS_FIELD_NUMBER: _builtins.int
+    ADDR_MAP_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    LOG_LEN_FIELD_NUMBER: _builtins.int
+    JOURNAL_SYNCS_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    FATAL_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    raft_addr: _builtins.str
+    grpc_addr: _builtins.str
+    ready: _builtins.bool
+    """Caught up with the leader at least once since start."""
+    log_len: _builtins.int
+    """entries in the journal (after compaction)"""
+    journal_syncs: _builtins.int
+    """fdatasync calls of the journal"""
+    snapshots: _builtins.int
+    """snapshots written since start"""
+    fatal: _builtins.str
+    """Why this replica stopped serving (failed fsync, unreadable snapshot); "" if healthy."""
+    @_builtins.property
+    def raft_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """raft addresses, this replica first"""
+
+    @_builtins.property
+    def addr_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """raft address -> gRPC address"""
+
+    @_builtins.property
+    def truncation(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Counts of needless-truncation cases seen and fixed (docs/raft.md)."""
+
+    def __init__(
+        self,
+        *,
+        raft_addr: _builtins.str = ...,
+        grpc_addr: _builtins.str = ...,
+        raft_members: _abc.Iterable[_builtins.str] | None = ...,
+        addr_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        ready: _builtins.bool = ...,
+        log_len: _builtins.int = ...,
+        journal_syncs: _builtins.int = ...,
+        snapshots: _builtins.int = ...,
+        fatal: _builtins.str = ...,
+        truncation: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr_map", b"addr_map", "fatal", b"fatal", "grpc_addr", b"grpc_addr", "journal_syncs", b"journal_syncs", "log_len", b"log_len", "raft_addr", b"raft_addr", "raft_members", b"raft_members", "ready", b"ready", "snapshots", b"snapshots", "truncation", b"truncation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RaftStatus: _TypeAlias = RaftStatus  # noqa: Y015
 
 @_typing.final
 class DigestReply(_message.Message):

@@ -169,6 +169,11 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.DigestReply.FromString,
                 _registered_method=True)
+        self.ForceSnapshot = channel.unary_unary(
+                '/tierfs.v1.MetaService/ForceSnapshot',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
         self.AddMetaMember = channel.unary_unary(
                 '/tierfs.v1.MetaService/AddMetaMember',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.MetaMemberRequest.SerializeToString,
@@ -348,8 +353,18 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForceSnapshot(self, request, context):
+        """Schedule a snapshot (and journal compaction) on this replica's next Raft
+        tick; RaftStatus.snapshots counts the ones written. Local, no leader needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AddMetaMember(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """On the leader (others answer NOT_LEADER). Removing the leader itself
+        first hands leadership over, then answers NOT_LEADER naming the new one.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -497,6 +512,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Digest,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.DigestReply.SerializeToString,
+            ),
+            'ForceSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForceSnapshot,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
             ),
             'AddMetaMember': grpc.unary_unary_rpc_method_handler(
                     servicer.AddMetaMember,
@@ -1238,6 +1258,33 @@ class MetaService:
             '/tierfs.v1.MetaService/Digest',
             tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.DigestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForceSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/ForceSnapshot',
+            tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,7 +69,14 @@ class MetaServiceStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
     """Answered locally by any replica (no leader needed)."""
     Digest: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]
+    ForceSnapshot: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.Empty]
+    """Schedule a snapshot (and journal compaction) on this replica's next Raft
+    tick; RaftStatus.snapshots counts the ones written. Local, no leader needed.
+    """
     AddMetaMember: _grpc.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]
+    """On the leader (others answer NOT_LEADER). Removing the leader itself
+    first hands leadership over, then answers NOT_LEADER naming the new one.
+    """
     RemoveMetaMember: _grpc.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]
 
 @_typing.type_check_only
@@ -104,7 +111,14 @@ class MetaServiceAsyncStub(MetaServiceStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
     """Answered locally by any replica (no leader needed)."""
     Digest: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]  # type: ignore[assignment]
+    ForceSnapshot: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.Empty]  # type: ignore[assignment]
+    """Schedule a snapshot (and journal compaction) on this replica's next Raft
+    tick; RaftStatus.snapshots counts the ones written. Local, no leader needed.
+    """
     AddMetaMember: _aio.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    """On the leader (others answer NOT_LEADER). Removing the leader itself
+    first hands leadership over, then answers NOT_LEADER naming the new one.
+    """
     RemoveMetaMember: _aio.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]  # type: ignore[assignment]
 
 class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -300,11 +314,24 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_meta_pb2.DigestReply, _abc.Awaitable[_meta_pb2.DigestReply]]: ...
 
     @_abc_1.abstractmethod
+    def ForceSnapshot(
+        self,
+        request: _meta_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]:
+        """Schedule a snapshot (and journal compaction) on this replica's next Raft
+        tick; RaftStatus.snapshots counts the ones written. Local, no leader needed.
+        """
+
+    @_abc_1.abstractmethod
     def AddMetaMember(
         self,
         request: _meta_pb2.MetaMemberRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]:
+        """On the leader (others answer NOT_LEADER). Removing the leader itself
+        first hands leadership over, then answers NOT_LEADER naming the new one.
+        """
 
     @_abc_1.abstractmethod
     def RemoveMetaMember(
