@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,7 +62,7 @@ from tierfs.meta.journal import (
     write_snapshot,
 )
 
-__all__ = ["RaftReplicator", "RaftTimings"]
+__all__ = ["RaftDetails", "RaftReplicator", "RaftTimings"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -188,6 +189,22 @@ class _Node(SyncObj):  # type: ignore[misc]
         self.tfs_owner._addr_map[raft_addr] = grpc_addr
 
 
+@dataclass
+class RaftDetails:
+    """Raft internals of one replica (``GetStatusReply.raft`` on the wire)."""
+
+    raft_addr: str
+    grpc_addr: str
+    raft_members: list[str]
+    addr_map: dict[str, str]
+    ready: bool
+    log_len: int
+    journal_syncs: int
+    snapshots: int
+    fatal: str
+    truncation: dict[str, int]
+
+
 class RaftTimings:
     """pysyncobj timing knobs, tuned for metadata (see docs/raft.md)."""
 
@@ -306,6 +323,10 @@ class RaftReplicator:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._dir.mkdir(parents=True, exist_ok=True)
+        if self._fsync:
+            # The directory's own name must be durable too (it may be new):
+            # the journal and the snapshot live in it.
+            fsync_dir(self._dir.parent)
         snap_path = self._dir / SNAPSHOT_FILE
         anchor = None
         if snap_path.exists():
@@ -427,6 +448,16 @@ class RaftReplicator:
 
     def addr_map(self) -> dict[str, str]:
         return dict(self._addr_map)
+
+    def details(self) -> RaftDetails:
+        """What :meth:`status` leaves out: addresses, journal and snapshot counters."""
+        j = self._journal
+        return RaftDetails(
+            raft_addr=self._raft_addr, grpc_addr=self._grpc_addr, raft_members=self.raft_members(),
+            addr_map=self.addr_map(), ready=self.is_ready(), log_len=len(j) if j is not None else 0,
+            journal_syncs=j.syncs if j is not None else 0, snapshots=self.snapshots_written,
+            fatal=self.fatal, truncation=dict(self.truncation_stats),
+        )
 
     def is_ready(self) -> bool:
         """True once this replica has caught up with the leader at least once."""
