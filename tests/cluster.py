@@ -5,7 +5,10 @@ tierfs.meta.daemon``) on free loopback ports, each with its own data dir
 under ``tmp_path``; ``start/stop/kill/restart(i)`` act on replica ``i``
 (``kill`` is SIGKILL); ``leader()``/``wait_leader()`` find the leader;
 ``addresses`` are the gRPC addresses; ``digests()`` asks every live replica
-for its state digest through the ``tierfs.meta.RaftAdmin`` JSON service.
+for its state digest. Replica calls go through the generated stubs: status,
+digest, snapshot and membership through ``MetaService`` (every replica serves
+them), put/get on the toy ``kv`` state machine through ``KVDebug``
+(proto/tierfs/v1/kv_debug.proto).
 
 If ``TIERFS_TEST_META=host:port,...`` is set, :func:`meta_cluster_from_env`
 returns a cluster bound to that deployment instead: nothing is started, and
@@ -14,7 +17,6 @@ anything that needs to stop or kill a replica skips the test.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -29,12 +31,17 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from tierfs.errors import NotLeaderError, TierFSError, UnavailableError, error_from_code
+from tierfs.errors import NotLeaderError, TierFSError, TimeoutError_, UnavailableError, from_grpc
+from tierfs.proto.v1 import kv_debug_pb2 as kvpb
+from tierfs.proto.v1 import kv_debug_pb2_grpc, meta_pb2_grpc
+from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["MetaCluster", "Replica", "free_ports", "meta_cluster_from_env", "wait_for"]
+__all__ = [
+    "MetaCluster", "Replica", "free_ports", "kv_get", "kv_put", "meta_cluster_from_env", "replica_call",
+    "replica_status", "wait_for",
+]
 
 REPO = Path(__file__).resolve().parent.parent
-ADMIN = "/tierfs.meta.RaftAdmin/"
 T = TypeVar("T")
 
 
@@ -68,19 +75,33 @@ def wait_for(cond: Callable[[], T | None], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
-def admin_call(addr: str, method: str, req: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
-    """One call to a replica's RaftAdmin JSON service; TierFSError on error."""
+def replica_call(addr: str, call: Callable[[grpc.Channel], T]) -> T:
+    """Run ``call`` with a channel to one replica (no retries, no leader
+    following); a failed RPC raises its TierFSError."""
     with grpc.insecure_channel(addr) as ch:
-        fn = ch.unary_unary(ADMIN + method)
         try:
-            raw = fn(json.dumps(req or {}).encode(), timeout=timeout)
+            return call(ch)
         except grpc.RpcError as exc:
-            raise UnavailableError(f"{addr}: {exc.code()}") from None
-    reply: dict[str, Any] = json.loads(raw)
-    err = reply.get("error")
-    if err:
-        raise error_from_code(int(err["code"]), str(err["message"]), leader=str(err.get("leader", "")))
-    return reply
+            raise from_grpc(exc) from None
+
+
+def replica_status(addr: str, timeout: float = 5.0) -> pb.GetStatusReply:
+    """``MetaService.GetStatus`` of one replica (``.raft`` holds the Raft internals)."""
+    return replica_call(addr, lambda ch: meta_pb2_grpc.MetaServiceStub(ch).GetStatus(pb.Empty(), timeout=timeout))
+
+
+def kv_put(addr: str, key: str, value: str, timeout: float = 5.0) -> kvpb.KVPutReply:
+    """``KVDebug.Put`` on one replica (NotLeaderError on a follower)."""
+    req = kvpb.KVPutRequest(key=key, value=value)
+    return replica_call(addr, lambda ch: kv_debug_pb2_grpc.KVDebugStub(ch).Put(req, timeout=timeout))
+
+
+def kv_get(addr: str, keys: Sequence[str], *, stale: bool = False, timeout: float = 5.0) -> dict[str, str | None]:
+    """``KVDebug.Get`` on one replica: key -> value (None if absent).
+    Linearizable (leader only) unless ``stale``."""
+    req = kvpb.KVGetRequest(keys=list(keys), stale=stale)
+    reply = replica_call(addr, lambda ch: kv_debug_pb2_grpc.KVDebugStub(ch).Get(req, timeout=timeout))
+    return {v.key: (v.value if v.present else None) for v in reply.values}
 
 
 @dataclass
@@ -189,7 +210,7 @@ class MetaCluster:
     def _answers(self, r: Replica) -> bool:
         if r.proc is not None and r.proc.poll() is not None:
             raise AssertionError(f"replica {r.index} exited with {r.proc.returncode}; log:\n{self.log(r.index)}")
-        admin_call(r.grpc_addr, "Status", timeout=1.0)
+        replica_status(r.grpc_addr, timeout=1.0)
         return True
 
     def _reap(self, r: Replica, timeout: float) -> None:
@@ -257,17 +278,32 @@ class MetaCluster:
 
     # --- queries -------------------------------------------------------------------
 
-    def admin(self, i: int, method: str, req: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
-        return admin_call(self.addresses[i], method, req, timeout)
+    def status(self, i: int) -> pb.GetStatusReply:
+        return replica_status(self.addresses[i], timeout=2.0)
 
-    def status(self, i: int) -> dict[str, Any]:
-        return self.admin(i, "Status", timeout=2.0)
+    def meta_stub_call(self, i: int, call: Callable[[meta_pb2_grpc.MetaServiceStub], T]) -> T:
+        """Run ``call`` with a ``MetaService`` stub for replica ``i``."""
+        return replica_call(self.addresses[i], lambda ch: call(meta_pb2_grpc.MetaServiceStub(ch)))
+
+    def add_member(self, i: int, new: int, timeout: float = 20.0) -> None:
+        """Ask replica ``i`` (the leader) to add replica ``new`` (started by :meth:`add_replica`)."""
+        r = self.replicas[new]
+        req = pb.MetaMemberRequest(raft_addr=r.raft_addr, grpc_addr=r.grpc_addr)
+        self.meta_stub_call(i, lambda s: s.AddMetaMember(req, timeout=timeout))
+
+    def remove_member(self, i: int, gone: int, timeout: float = 20.0) -> None:
+        """Ask replica ``i`` (the leader) to remove replica ``gone``."""
+        req = pb.MetaMemberRequest(raft_addr=self.replicas[gone].raft_addr)
+        self.meta_stub_call(i, lambda s: s.RemoveMetaMember(req, timeout=timeout))
+
+    def force_snapshot(self, i: int) -> None:
+        self.meta_stub_call(i, lambda s: s.ForceSnapshot(pb.Empty(), timeout=5.0))
 
     def leader(self) -> int | None:
         """Index of the replica that says it leads (None if none does)."""
         for i in self.live():
             try:
-                if self.status(i)["role"] == "leader":
+                if self.status(i).role == "leader":
                     return i
             except TierFSError:
                 continue
@@ -280,8 +316,8 @@ class MetaCluster:
         """replica -> (state digest, applied index), for every live replica."""
         out = {}
         for i in self.live():
-            d = self.admin(i, "Digest", timeout=5.0)
-            out[i] = (str(d["digest"]), int(d["applied_index"]))
+            d = self.meta_stub_call(i, lambda s: s.Digest(pb.Empty(), timeout=5.0))
+            out[i] = (d.digest, d.applied_index)
         return out
 
     def wait_converged(self, timeout: float = 30.0, members: Sequence[int] | None = None) -> str:
@@ -312,7 +348,7 @@ class MetaCluster:
             i = target if target is not None else (self.leader() or 0)
             target = None
             try:
-                self.admin(i, "Put", {"k": key, "v": value}, timeout=max(0.5, deadline - time.monotonic()))
+                kv_put(self.addresses[i], key, value, timeout=max(0.5, deadline - time.monotonic()))
                 return time.monotonic() - t0
             except NotLeaderError as err:
                 if err.leader in self.addresses:
@@ -331,14 +367,12 @@ class MetaCluster:
                  timeout: float = 20.0) -> dict[str, str | None]:
         """Linearizable read on the leader (retried across leader changes),
         or from replica ``i``; ``stale`` reads that replica's local state."""
-        req = {"keys": list(keys), "stale": stale}
         deadline = time.monotonic() + timeout
         while True:
             idx = self.wait_leader(max(1.0, deadline - time.monotonic())) if i is None else i
             try:
-                vals: dict[str, str | None] = self.admin(idx, "Get", req, timeout=15.0)["values"]
-                return vals
-            except (NotLeaderError, UnavailableError):
+                return kv_get(self.addresses[idx], keys, stale=stale, timeout=15.0)
+            except (NotLeaderError, UnavailableError, TimeoutError_):
                 if i is not None or time.monotonic() > deadline:
                     raise
             time.sleep(0.05)

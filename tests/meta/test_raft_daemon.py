@@ -1,6 +1,7 @@
 """``tierfs-meta`` as a process: config precedence and validation, the ready
-line, Prometheus metrics, clean SIGTERM; and the follower-side guard against
-needless log truncation, on a real journal."""
+line, Prometheus metrics, clean SIGTERM, the replica RPCs (status, digest,
+snapshot, membership, KVDebug) on the wire; and the follower-side guard
+against needless log truncation, on a real journal."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import REPO, admin_call, free_ports, wait_for
+from tests.cluster import REPO, MetaCluster, free_ports, kv_get, kv_put, replica_status, wait_for
 from tierfs.config import load
-from tierfs.errors import ConfigError
+from tierfs.errors import ConfigError, InvalidArgumentError, UnsupportedError
 from tierfs.meta.config import MetaConfig
 from tierfs.meta.daemon import KVStateMachine
 from tierfs.meta.journal import DurableJournal
-from tierfs.meta.raft import RaftReplicator
+from tierfs.meta.raft import SNAPSHOT_FILE, RaftReplicator
+from tierfs.proto.v1 import meta_pb2 as pb
 
 
 def test_config_precedence_and_validation(tmp_path: Path) -> None:
@@ -61,9 +63,9 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
             ready = json.loads(p.stdout.readline())
             assert ready["event"] == "ready" and ready["grpc"] == f"127.0.0.1:{grpc_port}"
             assert ready["metrics"] == f"127.0.0.1:{metrics}"
-            wait_for(lambda: admin_call(ready["grpc"], "Status")["role"] == "leader", 20, "single-node leader")
+            wait_for(lambda: replica_status(ready["grpc"]).role == "leader", 20, "single-node leader")
             for i in range(5):
-                admin_call(ready["grpc"], "Put", {"k": f"k{i}", "v": "v"})
+                kv_put(ready["grpc"], f"k{i}", "v")
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
                 text = r.read().decode()
             assert 'tierfs_meta_ops_total{outcome="ok"} 5.0' in text
@@ -80,6 +82,39 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     j = DurableJournal(tmp_path / "d")
     assert sum(1 for e in j if b"k4" in e[0]) == 1
     j.close()
+
+
+@pytest.mark.timeout(60)
+def test_kv_replica_serves_typed_admin_rpcs(tmp_path: Path) -> None:
+    with MetaCluster(tmp_path, n=1, extra_args=["--snapshot-min-entries", "1000"]) as c:
+        c.wait_leader()
+        r = c.replicas[0]
+        st = c.status(0)
+        assert r.proc is not None and st.pid == r.proc.pid
+        assert (st.raft.raft_addr, st.raft.grpc_addr, st.raft.snapshots) == (r.raft_addr, r.grpc_addr, 0)
+        assert list(st.raft.raft_members) == [r.raft_addr] and st.raft.addr_map[r.raft_addr] == r.grpc_addr
+
+        first = kv_put(r.grpc_addr, "a", "1")
+        second = kv_put(r.grpc_addr, "a", "2")
+        assert (first.existed, second.existed, second.previous) == (False, True, "1")
+        assert second.applied_index > first.applied_index
+        assert kv_get(r.grpc_addr, ["a", "missing"]) == {"a": "2", "missing": None}
+        d = c.meta_stub_call(0, lambda s: s.Digest(pb.Empty(), timeout=5))
+        expect = KVStateMachine()
+        expect.data = {"a": "2"}
+        assert (d.ops_applied, d.digest) == (2, expect.digest())
+
+        # no namespace here: refused before anything reaches the log
+        with pytest.raises(UnsupportedError):
+            c.meta_stub_call(0, lambda s: s.Mkdir(pb.MkdirRequest(loc=pb.Loc(path="/x")), timeout=5))
+        with pytest.raises(InvalidArgumentError, match="already a member"):
+            c.meta_stub_call(0, lambda s: s.AddMetaMember(
+                pb.MetaMemberRequest(raft_addr=r.raft_addr, grpc_addr=r.grpc_addr), timeout=5))
+        assert c.meta_stub_call(0, lambda s: s.Digest(pb.Empty(), timeout=5)).ops_applied == 2
+
+        c.force_snapshot(0)
+        wait_for(lambda: c.status(0).raft.snapshots == 1, 20, "the forced snapshot")
+        assert (r.data_dir / SNAPSHOT_FILE).exists()
 
 
 def test_bad_config_exits_2(tmp_path: Path) -> None:

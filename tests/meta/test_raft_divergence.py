@@ -67,8 +67,7 @@ def test_heavy_writes_compaction_restarts_membership_converge(tmp_path: Path) ->
                 progress(80)
             # membership change under load
             new = c.add_replica()
-            r = c.replicas[new]
-            c.admin(c.wait_leader(), "AddMember", {"raft_addr": r.raft_addr, "grpc_addr": r.grpc_addr}, timeout=20)
+            c.add_member(c.wait_leader(), new, timeout=20)
             progress(150)
         finally:
             stop.set()

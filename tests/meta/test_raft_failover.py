@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.cluster import MetaCluster, admin_call, meta_cluster_from_env
+from tests.cluster import MetaCluster, meta_cluster_from_env, replica_status
 from tierfs.errors import NotLeaderError, from_grpc
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -49,7 +49,7 @@ def test_sigkill_leader_mid_stream_loses_nothing_and_fails_over_fast(tmp_path: P
         err = from_grpc(ei.value)
         assert isinstance(err, NotLeaderError)
         assert err.leader == c.addresses[leader]
-        assert admin_call(c.addresses[follower], "Status")["leader"] == c.addresses[leader]
+        assert replica_status(c.addresses[follower]).leader == c.addresses[leader]
 
         async def scenario() -> tuple[list[str], float, float]:
             acked: list[str] = []

@@ -18,16 +18,16 @@ def test_add_replica_catches_up_by_snapshot_then_remove_follower_and_leader(tmp_
         leader = c.wait_leader()
         for i in range(120):
             c.put(f"k{i}", f"v{i}")
-        wait_for(lambda: c.status(leader)["snapshots"] >= 1, 20, "leader snapshot")
+        wait_for(lambda: c.status(leader).raft.snapshots >= 1, 20, "leader snapshot")
 
         new = c.add_replica()  # started with the current members as peers
         r = c.replicas[new]
-        c.admin(c.wait_leader(), "AddMember", {"raft_addr": r.raft_addr, "grpc_addr": r.grpc_addr}, timeout=20)
+        c.add_member(c.wait_leader(), new, timeout=20)
         c.wait_converged(40, members=[0, 1, 2, new])
         # the journal was compacted past its start: it got the state as a snapshot
         assert "loaded snapshot" in c.log(new)
         st = c.status(c.wait_leader())
-        assert r.grpc_addr in st["members"] and len(st["members"]) == 4
+        assert r.grpc_addr in st.members and len(st.members) == 4
         for i in range(120, 160):
             c.put(f"k{i}", f"v{i}")
         c.wait_converged(30, members=[0, 1, 2, new])
@@ -36,9 +36,9 @@ def test_add_replica_catches_up_by_snapshot_then_remove_follower_and_leader(tmp_
         # remove a follower, stop it; the other three carry on
         leader = c.wait_leader()
         victim = next(i for i in (0, 1, 2) if i != leader)
-        c.admin(leader, "RemoveMember", {"raft_addr": c.replicas[victim].raft_addr}, timeout=20)
+        c.remove_member(leader, victim, timeout=20)
         c.kill(victim)
-        wait_for(lambda: len(c.status(c.wait_leader())["members"]) == 3, 20, "3 members")
+        wait_for(lambda: len(c.status(c.wait_leader()).members) == 3, 20, "3 members")
         for i in range(160, 200):
             c.put(f"k{i}", f"v{i}")
         rest = [i for i in (0, 1, 2, new) if i != victim]
@@ -47,13 +47,13 @@ def test_add_replica_catches_up_by_snapshot_then_remove_follower_and_leader(tmp_
         # removing the leader itself hands over leadership first
         leader = c.wait_leader()
         with pytest.raises(NotLeaderError) as ei:
-            c.admin(leader, "RemoveMember", {"raft_addr": c.replicas[leader].raft_addr}, timeout=20)
+            c.remove_member(leader, leader, timeout=20)
         assert ei.value.leader and ei.value.leader != c.addresses[leader]
         new_leader = c.addresses.index(ei.value.leader)
-        c.admin(new_leader, "RemoveMember", {"raft_addr": c.replicas[leader].raft_addr}, timeout=20)
+        c.remove_member(new_leader, leader, timeout=20)
         c.kill(leader)
         rest = [i for i in rest if i != leader]
-        wait_for(lambda: len(c.status(c.wait_leader())["members"]) == 2, 20, "2 members")
+        wait_for(lambda: len(c.status(c.wait_leader()).members) == 2, 20, "2 members")
         for i in range(200, 220):
             c.put(f"k{i}", f"v{i}")
         c.wait_converged(30, members=rest)

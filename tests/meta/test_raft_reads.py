@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.cluster import MetaCluster, admin_call, meta_cluster_from_env, wait_for
+from tests.cluster import MetaCluster, kv_get, kv_put, meta_cluster_from_env, wait_for
 from tierfs.errors import NotLeaderError, TierFSError, from_grpc
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -51,7 +51,7 @@ def test_deposed_leader_never_serves_a_stale_read(tmp_path: Path) -> None:
         assert proc is not None
         proc.send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: any(c.status(i)["role"] == "leader" for i in c.live() if i != old),
+            wait_for(lambda: any(c.status(i).role == "leader" for i in c.live() if i != old),
                      20, "a new leader")
             wait_for(lambda: _put_avoiding(c, old, "x", "new"), 30, "put on the new leader")
             # Ask the frozen old leader; it sees the request only once resumed,
@@ -60,7 +60,7 @@ def test_deposed_leader_never_serves_a_stale_read(tmp_path: Path) -> None:
 
             def ask() -> None:
                 try:
-                    answer.append(admin_call(c.addresses[old], "Get", {"k": "x"}, timeout=15)["value"])
+                    answer.append(kv_get(c.addresses[old], ["x"], timeout=15)["x"])
                 except TierFSError as err:
                     answer.append(err)
 
@@ -87,7 +87,7 @@ def _put_avoiding(c: MetaCluster, frozen: int, key: str, value: str) -> bool:
         if i == frozen:
             continue
         try:
-            c.admin(i, "Put", {"k": key, "v": value})
+            kv_put(c.addresses[i], key, value)
             return True
         except TierFSError:
             continue
@@ -111,12 +111,12 @@ def test_leader_grpc_address_is_replicated_when_not_configured(tmp_path: Path) -
         leader = c.wait_leader()
         followers = [i for i in range(3) if i != leader]
         for f in followers:
-            wait_for(lambda f=f: c.status(f)["leader"] == c.addresses[leader], 20, "leader address on follower")
+            wait_for(lambda f=f: c.status(f).leader == c.addresses[leader], 20, "leader address on follower")
         with pytest.raises(NotLeaderError) as ei:
-            c.admin(followers[0], "Put", {"k": "a"})
+            kv_put(c.addresses[followers[0]], "a", "")
         assert ei.value.leader == c.addresses[leader]
         # ... and survives a new election (the new leader registers itself)
         c.kill(leader)
         new = c.wait_leader()
         other = next(i for i in followers if i != new)
-        wait_for(lambda: c.status(other)["leader"] == c.addresses[new], 20, "new leader address")
+        wait_for(lambda: c.status(other).leader == c.addresses[new], 20, "new leader address")

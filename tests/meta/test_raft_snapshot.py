@@ -24,8 +24,8 @@ def test_restart_from_snapshot_plus_journal(tmp_path: Path) -> None:
             snap = wait_for(lambda r=r: (r.data_dir / SNAPSHOT_FILE).exists(), 20, "a snapshot")
             assert snap
         statuses = [c.status(i) for i in range(3)]
-        assert all(s["snapshots"] >= 1 for s in statuses), statuses
-        assert all(s["log_len"] <= 60 for s in statuses), statuses
+        assert all(s.raft.snapshots >= 1 for s in statuses), statuses
+        assert all(s.raft.log_len <= 60 for s in statuses), statuses
         before = c.wait_converged(30)
 
         for i in range(3):

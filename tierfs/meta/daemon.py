@@ -1,13 +1,15 @@
 """``tierfs-meta``: one replica of the metadata service.
 
 Starts the Raft replicator (:mod:`tierfs.meta.raft`) and a grpc.aio server
-carrying the metadata API (``MetaService`` from :mod:`tierfs.meta.service`)
-and a small JSON admin/debug service ``tierfs.meta.RaftAdmin`` (status,
-digest, snapshot, membership; plus put/get on the toy ``kv`` state machine
-used by the test cluster and the benchmark). Optionally serves Prometheus
-metrics. Logs are one JSON object per line on stderr; the first line on
-stdout is ``{"event": "ready", ...}`` with the bound addresses. SIGTERM or
-SIGINT stop it cleanly (journal synced, snapshot not required).
+carrying ``MetaService`` (:mod:`tierfs.meta.service`; its replica RPCs
+GetStatus, Digest, ForceSnapshot, AddMetaMember and RemoveMetaMember work
+whatever the state machine). With ``--state-machine kv`` the replica runs
+:class:`KVStateMachine`, a toy key-value state machine for the Raft tests and
+the benchmark, and also serves its test-only ``KVDebug`` service
+(proto/tierfs/v1/kv_debug.proto). Optionally serves Prometheus metrics. Logs
+are one JSON object per line on stderr; the first line on stdout is
+``{"event": "ready", ...}`` with the bound addresses. SIGTERM or SIGINT stop
+it cleanly (journal synced, snapshot not required).
 
 Example::
 
@@ -28,146 +30,93 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tierfs.config import load
-from tierfs.errors import InvalidArgumentError, TierFSError, error_from_code
+from tierfs.errors import ErrorCode, TierFSError, error_from_code, grpc_errors
 from tierfs.meta.config import MetaConfig, split_addr
-from tierfs.meta.interfaces import StateMachine
+from tierfs.meta.interfaces import Replicator, StateMachine
 from tierfs.meta.raft import RaftReplicator, RaftTimings
+from tierfs.meta.service import add_meta_service
+from tierfs.meta.state import MetaStateMachine
+from tierfs.proto.v1 import kv_debug_pb2 as kvpb
+from tierfs.proto.v1 import kv_debug_pb2_grpc
 
-__all__ = ["ADMIN_SERVICE", "KVStateMachine", "build_parser", "main", "serve"]
+__all__ = ["KVDebugServicer", "KVStateMachine", "build_parser", "main", "serve"]
 
 log = logging.getLogger("tierfs.meta")
 
-ADMIN_SERVICE = "tierfs.meta.RaftAdmin"
+Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 class KVStateMachine:
-    """A toy deterministic state machine: ops are JSON ``{"k":..,"v":..}``
-    (put) or ``{"k":..,"del":true}``. Used by the test cluster and the
-    benchmark to exercise Raft without the namespace."""
+    """A toy deterministic state machine: ops are serialized
+    :class:`tierfs.v1.KVOp` (put or delete one key), results
+    :class:`tierfs.v1.KVResult`. Used by the test cluster and the benchmark
+    to exercise Raft without the namespace. Snapshots are canonical JSON."""
 
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
-        self.ops = 0
+        self.ops_applied = 0
 
     def apply(self, op: bytes) -> bytes:
-        self.ops += 1
+        self.ops_applied += 1
         try:
-            req = json.loads(op)
-            key = str(req["k"])
-        except (ValueError, KeyError, TypeError) as exc:
-            return json.dumps({"error": f"bad op: {exc}"}).encode()
-        if req.get("del"):
-            existed = self.data.pop(key, None) is not None
-            return json.dumps({"deleted": existed}).encode()
-        prev = self.data.get(key)
-        self.data[key] = str(req.get("v", ""))
-        return json.dumps({"prev": prev}).encode()
+            req = kvpb.KVOp.FromString(op)
+        except DecodeError as exc:
+            # Part of the result, not raised: every replica records the same outcome.
+            res = kvpb.KVResult()
+            res.error.code = ErrorCode.ERROR_CODE_INVALID_ARGUMENT
+            res.error.message = f"bad kv op: {exc}"
+            return res.SerializeToString()
+        prev = self.data.pop(req.key, None) if req.delete else self.data.get(req.key)
+        if not req.delete:
+            self.data[req.key] = req.value
+        return kvpb.KVResult(existed=prev is not None, previous=prev or "").SerializeToString()
 
     def snapshot(self) -> bytes:
-        return json.dumps({"data": self.data, "ops": self.ops}, sort_keys=True).encode()
+        return json.dumps({"data": self.data, "ops": self.ops_applied}, sort_keys=True).encode()
 
     def restore(self, data: bytes) -> None:
         doc = json.loads(data)
         self.data = dict(doc["data"])
-        self.ops = int(doc["ops"])
+        self.ops_applied = int(doc["ops"])
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()
 
 
-# --- the JSON admin service ------------------------------------------------------
+class KVDebugServicer(kv_debug_pb2_grpc.KVDebugServicer):
+    """``KVDebug`` (tests and benchmark only) over a replicator of a :class:`KVStateMachine`."""
 
-_Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    def __init__(self, replicator: Replicator, submit_timeout: float) -> None:
+        if not isinstance(replicator.state_machine, KVStateMachine):
+            raise TypeError("KVDebug needs a replicator of a KVStateMachine")
+        self._r = replicator
+        self._sm: KVStateMachine = replicator.state_machine
+        self._timeout = submit_timeout
 
+    @grpc_errors
+    async def Put(self, request: kvpb.KVPutRequest, context: Ctx) -> kvpb.KVPutReply:
+        op = kvpb.KVOp(key=request.key, value=request.value)
+        res = kvpb.KVResult.FromString(await self._r.submit(op.SerializeToString(), self._timeout))
+        if res.error.code:
+            raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
+        return kvpb.KVPutReply(existed=res.existed, previous=res.previous,
+                               applied_index=self._r.status().applied_index)
 
-def _admin_handlers(rep: RaftReplicator, cfg: MetaConfig) -> dict[str, _Handler]:
-    sm = rep.state_machine
-
-    async def status(req: dict[str, Any]) -> dict[str, Any]:
-        st = rep.status()
-        j = rep.journal
-        return {
-            "id": st.id, "role": st.role, "leader": st.leader, "term": st.term,
-            "commit_index": st.commit_index, "applied_index": st.applied_index,
-            "members": st.members, "raft_members": rep.raft_members(), "addr_map": rep.addr_map(),
-            "raft_addr": rep.raft_addr, "grpc_addr": rep.grpc_addr, "ready": rep.is_ready(),
-            "log_len": len(j), "journal_syncs": j.syncs, "snapshots": rep.snapshots_written,
-            "fatal": rep.fatal, "pid": os.getpid(),
-            "truncation": dict(rep.truncation_stats),
-        }
-
-    async def digest(req: dict[str, Any]) -> dict[str, Any]:
-        return {"digest": sm.digest(), "applied_index": rep.status().applied_index}
-
-    async def snapshot(req: dict[str, Any]) -> dict[str, Any]:
-        rep.force_snapshot()
-        return {}
-
-    async def add_member(req: dict[str, Any]) -> dict[str, Any]:
-        await rep.add_member(str(req["raft_addr"]), str(req.get("grpc_addr", "")), cfg.submit_timeout * 2)
-        return {}
-
-    async def remove_member(req: dict[str, Any]) -> dict[str, Any]:
-        await rep.remove_member(str(req["raft_addr"]), str(req.get("grpc_addr", "")), cfg.submit_timeout * 2)
-        return {}
-
-    async def put(req: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(sm, KVStateMachine):
-            raise InvalidArgumentError("put is only available with state_machine = 'kv'")
-        op = json.dumps({"k": req["k"], "v": req.get("v", "")}).encode()
-        res = await rep.submit(op, cfg.submit_timeout)
-        return {"result": json.loads(res), "index": rep.status().applied_index}
-
-    async def get(req: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(sm, KVStateMachine):
-            raise InvalidArgumentError("get is only available with state_machine = 'kv'")
-        if not req.get("stale"):
-            await rep.read_barrier(cfg.submit_timeout)
-        keys = req.get("keys")
-        if keys is None:
-            return {"value": sm.data.get(str(req["k"]))}
-        return {"values": {k: sm.data.get(k) for k in keys}}
-
-    return {
-        "Status": status, "Digest": digest, "Snapshot": snapshot, "AddMember": add_member,
-        "RemoveMember": remove_member, "Put": put, "Get": get,
-    }
-
-
-def _admin_service(handlers: dict[str, _Handler]) -> grpc.GenericRpcHandler:  # type: ignore[type-arg,unused-ignore]
-    def wrap(fn: _Handler) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]:
-        async def call(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            try:
-                req = json.loads(request or b"{}")
-                return json.dumps(await fn(req)).encode()
-            except TierFSError as err:
-                leader = getattr(err, "leader", "")
-                return json.dumps({"error": {"code": int(err.code), "message": err.message,
-                                             "leader": leader}}).encode()
-            except (KeyError, ValueError, TypeError) as exc:
-                err2 = InvalidArgumentError(f"bad request: {exc!r}")
-                return json.dumps({"error": {"code": int(err2.code), "message": err2.message}}).encode()
-
-        return call
-
-    methods = {
-        name: grpc.unary_unary_rpc_method_handler(wrap(fn)) for name, fn in handlers.items()
-    }
-    return grpc.method_handlers_generic_handler(ADMIN_SERVICE, methods)
-
-
-def admin_error(reply: dict[str, Any]) -> TierFSError | None:
-    """The TierFSError carried by an admin reply, if any (client side)."""
-    err = reply.get("error")
-    if not err:
-        return None
-    return error_from_code(int(err["code"]), str(err["message"]), leader=str(err.get("leader", "")))
+    @grpc_errors
+    async def Get(self, request: kvpb.KVGetRequest, context: Ctx) -> kvpb.KVGetReply:
+        if not request.stale:
+            await self._r.read_barrier(self._timeout)
+        data = self._sm.data
+        return kvpb.KVGetReply(values=[
+            kvpb.KVValue(key=k, present=k in data, value=data.get(k, "")) for k in request.keys
+        ])
 
 
 # --- logging ---------------------------------------------------------------------------
@@ -205,10 +154,7 @@ def _setup_logging(cfg: MetaConfig, node: str) -> None:
 def _make_state_machine(cfg: MetaConfig) -> StateMachine:
     if cfg.state_machine == "kv":
         return KVStateMachine()
-    from tierfs.meta.state import MetaStateMachine  # type: ignore[import-not-found,unused-ignore]
-
-    sm: StateMachine = MetaStateMachine()
-    return sm
+    return MetaStateMachine()
 
 
 async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
@@ -237,15 +183,14 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         exit_on_fatal=True,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    svc: Any = None
-    if cfg.state_machine == "meta":
-        from tierfs.meta.service import add_meta_service  # type: ignore[import-not-found,unused-ignore]
-
-        svc = add_meta_service(
-            server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
-            tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout,
-        )
-    server.add_generic_rpc_handlers((_admin_service(_admin_handlers(rep, cfg)),))
+    svc = add_meta_service(
+        server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
+        tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout,
+    )
+    # The namespace's periodic tick only makes sense for the namespace.
+    ticking = cfg.state_machine == "meta"
+    if isinstance(sm, KVStateMachine):
+        kv_debug_pb2_grpc.add_KVDebugServicer_to_server(KVDebugServicer(rep, cfg.submit_timeout), server)
     host, _ = split_addr(cfg.grpc_addr, "grpc_addr")
     port = server.add_insecure_port(cfg.grpc_addr)
     if port == 0:
@@ -253,7 +198,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     rep.grpc_addr = f"{host}:{port}"
     await rep.start()
     await server.start()
-    if svc is not None:
+    if ticking:
         await svc.start()
     metrics = ""
     metrics_server: Any = None
@@ -272,8 +217,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     finally:
         log.info("tierfs-meta stopping")
         t0 = time.monotonic()
-        if svc is not None:
-            await svc.stop()
+        await svc.stop()
         await server.stop(1.0)
         await rep.stop()
         if metrics_server is not None:
