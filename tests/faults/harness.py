@@ -142,12 +142,14 @@ class Ledger:
     acked: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, bytes | None] = field(default_factory=dict)  # path -> content before the failed write
     deleted: set[str] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)  # of failed writes, in order
 
     def write(self, client: Client, path: str, data: bytes) -> bool:
         before = self.acked.get(path)
         try:
             client.write_bytes(path, data)
-        except TierFSError:
+        except TierFSError as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
             self.failed[path] = before
             self.acked.pop(path, None)
             return False

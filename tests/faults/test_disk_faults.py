@@ -1,0 +1,169 @@
+"""Disk faults under a running cluster: bit flips in stored fragments,
+fragments truncated or deleted behind the daemon's back, and a target on
+a small, really full file system (tmpfs).
+
+What they prove: the CRC32C on every fragment turns damage into an error
+the client decodes around, so reads return exact bytes while at most M
+fragments of a chunk are bad; a full target makes writes fail with a clear
+error, keeps serving reads, and takes writes again once space is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import FaultCluster, Ledger, MiB, fragment_files, random_bytes
+from tierfs.client import Client
+from tierfs.errors import TierFSError
+from tierfs.local import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def fc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
+    c = FaultCluster(tmp_path_factory.mktemp("disk"))
+    yield c
+    c.close()
+
+
+def _frags_of(cl: LocalCluster, client: Client, path: str) -> dict[tuple[int, int], list[Path]]:
+    """(chunk, fragment index) -> fragment files of ``path``, all nodes."""
+    ino = client.stat(path).inode
+    out: dict[tuple[int, int], list[Path]] = {}
+    for f in fragment_files(cl):
+        if f.parent.name == f"{ino:016x}":
+            chunk, frag, _ver = (int(x, 16) for x in f.name.split("."))
+            out.setdefault((chunk, frag), []).append(f)
+    return out
+
+
+def _flip(path: Path, rng: random.Random) -> None:
+    """Flip one bit of the payload region (past the 4 KiB-aligned header)."""
+    size = path.stat().st_size
+    pos = rng.randrange(4096, size) if size > 4096 else rng.randrange(size)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete", "bitflip_header"])
+def test_damaged_fragments_are_read_around(fc: FaultCluster, damage: str) -> None:
+    rng = random.Random(damage)
+    ledger = Ledger()
+    with fc.client(request_timeout=2.0) as client:
+        d = f"/disk-{damage}"
+        client.mkdir(d)
+        client.set_layout(d, chunk_size=MiB)
+        for i in range(3):
+            assert ledger.write(client, f"{d}/f{i}", random_bytes(5 * MiB + 1000 * i, seed=i))
+        damaged = 0
+        for path in sorted(ledger.acked):
+            frags = _frags_of(fc.cl, client, path)
+            assert frags, path
+            chunks = sorted({c for c, _ in frags})
+            for c in chunks:
+                # two of six fragments per chunk (M = 2): one data, one random other
+                for j in (rng.randrange(4), rng.choice([4, 5])):
+                    for f in frags.get((c, j), []):
+                        if damage == "bitflip":
+                            _flip(f, rng)
+                        elif damage == "bitflip_header":
+                            with open(f, "r+b") as fh:
+                                fh.seek(rng.randrange(8, 64))
+                                fh.write(b"\xff")
+                        elif damage == "truncate":
+                            os.truncate(f, rng.randrange(f.stat().st_size))
+                        else:
+                            f.unlink()
+                        damaged += 1
+        assert damaged >= 2 * 5 * 3
+        for _ in range(2):  # second pass: the client may have marked targets failed
+            ledger.verify(client)
+            for path, data in ledger.acked.items():
+                with client.open(path, "rb") as f:
+                    f.seek(MiB + 77)
+                    assert f.read(2 * MiB) == data[MiB + 77: 3 * MiB + 77], path
+        # The damage is on disk, not in the processes: every node stays up and online.
+        h = asyncio.run(fc.cl.wait_healthy(30))
+        assert all(s["state"] == "online" for s in h["storage"])
+        # And a third damaged fragment in a chunk is an error, never wrong bytes.
+        path = f"{d}/f0"
+        frags = _frags_of(fc.cl, client, path)
+        for j in range(6):
+            for f in frags.get((0, j), []):
+                if f.exists():
+                    f.unlink()
+        with pytest.raises(TierFSError):
+            client.read_bytes(path)
+        ledger.acked.pop(path)
+        ledger.verify(client)
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.mark.timeout(150)
+def test_full_disk_target(tmp_path: Path) -> None:
+    """storage-5's only target is a 40 MiB tmpfs: writes fail with an error
+    once it is full, reads keep working, and after deleting files (GC frees
+    the fragments) writes succeed again."""
+    if not _can_mount():
+        pytest.skip("needs root and mount(8) to create a small tmpfs target")
+    root = tmp_path / "cl"
+    mnt = root / "storage-5" / "t0"
+    mnt.mkdir(parents=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {res.stderr.strip()}")
+    try:
+        fc = FaultCluster(root, extra_storage_args=["--reserved-bytes=1MiB", "--gc-interval=0.5"])
+        try:
+            _full_disk(fc)
+        finally:
+            fc.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _full_disk(fc: FaultCluster) -> None:
+    ledger = Ledger()
+    with fc.client(request_timeout=3.0, retries=2) as client:
+        client.mkdir("/full")
+        client.set_layout("/full", chunk_size=MiB)
+        for i in range(60):  # 4 MiB files: 1 MiB per target each; the tmpfs holds < 40
+            if not ledger.write(client, f"/full/f{i}", random_bytes(4 * MiB, seed=i)):
+                ledger.write(client, "/full/probe", random_bytes(4 * MiB, seed=999))
+                break
+        assert ledger.errors, "the 40 MiB target never filled up"
+        print(f"\nfull after {len(ledger.acked)} files: {ledger.errors}")
+        # Either the write hits the full disk (NoSpace), or meta already has the
+        # target as full from its heartbeat and refuses the file up front.
+        assert all("NoSpace" in e or "InsufficientTargets" in e for e in ledger.errors), ledger.errors
+        ledger.verify(client)  # reads still served from the full target
+        # Free space: delete most files, wait for GC, then writes work again.
+        for path in sorted(ledger.acked)[:-3]:
+            assert ledger.rm(client, path)
+        deadline = time.monotonic() + 60
+        ok = False
+        while not ok and time.monotonic() < deadline:
+            ok = ledger.write(client, "/full/after", random_bytes(4 * MiB, seed=1234))
+            if not ok:
+                time.sleep(0.5)
+        assert ok, "writes did not recover after deleting files"
+        ledger.verify(client)
+    asyncio.run(fc.cl.wait_healthy(30))
