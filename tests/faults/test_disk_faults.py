@@ -91,9 +91,9 @@ def test_damaged_fragments_are_read_around(fc: FaultCluster, damage: str) -> Non
         for _ in range(2):  # second pass: the client may have marked targets failed
             ledger.verify(client)
             for path, data in ledger.acked.items():
-                with client.open(path, "rb") as f:
-                    f.seek(MiB + 77)
-                    assert f.read(2 * MiB) == data[MiB + 77: 3 * MiB + 77], path
+                with client.open(path, "rb") as fh:
+                    fh.seek(MiB + 77)
+                    assert fh.read(2 * MiB) == data[MiB + 77: 3 * MiB + 77], path
         # The damage is on disk, not in the processes: every node stays up and online.
         h = asyncio.run(fc.cl.wait_healthy(30))
         assert all(s["state"] == "online" for s in h["storage"])
