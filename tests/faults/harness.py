@@ -36,7 +36,9 @@ __all__ = [
     "Ledger",
     "digest",
     "fragment_files",
+    "node_states",
     "random_bytes",
+    "wait_addr_state",
     "wait_node_state",
 ]
 
@@ -60,9 +62,10 @@ class FaultCluster:
     """A :class:`LocalCluster` with ``proxied`` storage daemons behind proxies."""
 
     def __init__(self, path: Path, *, n_storage: int = 6, proxied: Sequence[str] = (),
-                 extra_meta_args: Sequence[str] = FAST_META, extra_storage_args: Sequence[str] = ()) -> None:
+                 extra_meta_args: Sequence[str] = FAST_META, extra_storage_args: Sequence[str] = (),
+                 host: str = "127.0.0.1") -> None:
         self.cl = LocalCluster(path, n_storage=n_storage, extra_meta_args=list(extra_meta_args),
-                               extra_storage_args=list(extra_storage_args))
+                               extra_storage_args=list(extra_storage_args), host=host)
         self.proxies: dict[str, FaultProxy] = {}
         try:
             for name in proxied:
@@ -105,6 +108,31 @@ class FaultCluster:
         finally:
             for px in self.proxies.values():
                 px.close()
+
+
+async def node_states(meta_addrs: Sequence[str]) -> dict[str, str]:
+    """data address -> "online" | "offline", from meta's cluster map."""
+    from tierfs.meta import MetaClient
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    async with MetaClient(list(meta_addrs), deadline=5.0) as mc:
+        cmap = await mc.get_cluster_map()
+    return {n.data_addr: pb.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower() for n in cmap.nodes}
+
+
+def wait_addr_state(meta_addrs: Sequence[str], addr: str, state: str, timeout: float = 30.0) -> float:
+    """Wait until meta shows the node at ``addr`` in ``state``; returns seconds waited."""
+    t0 = time.monotonic()
+    last = "?"
+    while time.monotonic() - t0 < timeout:
+        try:
+            last = asyncio.run(node_states(meta_addrs)).get(addr, "unregistered")
+            if last == state:
+                return time.monotonic() - t0
+        except TierFSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise AssertionError(f"node {addr} not {state} after {timeout:.0f}s (last: {last})")
 
 
 def wait_node_state(cl: LocalCluster, name: str, state: str, timeout: float = 30.0) -> None:
