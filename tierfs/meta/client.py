@@ -318,6 +318,19 @@ class MetaClient:
         await self._call("FinishRebuild", pb.FinishRebuildRequest(group_id=group_id, target_id=target_id),
                          pb.Empty, mutating=True)
 
+    async def remove_target(self, target_id: int) -> pb.ReplaceReply:
+        """Declare a target dead: replaced in every group at once, never used again."""
+        return await self._call("RemoveTarget", pb.RemoveTargetRequest(target_id=target_id), pb.ReplaceReply,
+                                mutating=True)
+
+    async def drain_node(self, node_id: int) -> pb.ReplaceReply:
+        """Move every fragment off a healthy node (its targets leave every group)."""
+        return await self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id), pb.ReplaceReply, mutating=True)
+
+    async def remove_node(self, node_id: int) -> None:
+        """Forget a node no group needs any more (BusyError otherwise)."""
+        await self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id), pb.Empty, mutating=True)
+
     # ---- garbage collection ---------------------------------------------------------
 
     async def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:

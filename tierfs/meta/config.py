@@ -61,6 +61,12 @@ class MetaConfig(BaseConfig):
     heartbeat_timeout: float = field(10.0, "A storage node missing heartbeats this long goes offline.", kind="duration")
     lease_duration: float = field(30.0, "Write-session lease.", kind="duration")
     tick_interval: float = field(1.0, "Period of the leader's housekeeping tick op.", kind="duration")
+    replace_after: float = field(
+        30.0,
+        "A target down (offline or failed) this long is replaced in its placement groups by a target on another "
+        "node, which rebuilds the lost fragments (0 = never; `tierfs target rm` replaces at once).",
+        kind="duration",
+    )
 
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
@@ -97,6 +103,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be >= 2", field="snapshot_min_entries")
         if self.snapshot_min_interval <= 0:
             raise ConfigError("must be > 0", field="snapshot_min_interval")
+        if self.replace_after < 0:
+            raise ConfigError("must be >= 0 (0 = never)", field="replace_after")
         if self.submit_timeout <= 0:
             raise ConfigError("must be > 0", field="submit_timeout")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -185,7 +185,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     svc = add_meta_service(
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
-        tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout,
+        tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
     )
     # The namespace's periodic tick only makes sense for the namespace.
     ticking = cfg.state_machine == "meta"

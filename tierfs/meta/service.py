@@ -263,6 +263,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def FinishRebuild(self, request: pb.FinishRebuildRequest, context: Ctx) -> pb.Empty:
         return await self._mutate(context, "finish_rebuild", request, pb.Empty)
 
+    @grpc_errors
+    async def RemoveTarget(self, request: pb.RemoveTargetRequest, context: Ctx) -> pb.ReplaceReply:
+        return await self._mutate(context, "remove_target", request, pb.ReplaceReply)
+
+    @grpc_errors
+    async def DrainNode(self, request: pb.DrainNodeRequest, context: Ctx) -> pb.ReplaceReply:
+        return await self._mutate(context, "drain_node", request, pb.ReplaceReply)
+
+    @grpc_errors
+    async def RemoveNode(self, request: pb.RemoveNodeRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "remove_node", request, pb.Empty)
+
     # ---- garbage collection ---------------------------------------------------------
 
     @grpc_errors

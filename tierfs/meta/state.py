@@ -119,6 +119,7 @@ class Node:
     state: int
     last_hb: int
     targets: list[int] = field(default_factory=list)
+    draining: bool = False  # `tierfs node drain`: its targets leave every group
 
 
 @dataclass(slots=True)
@@ -131,6 +132,7 @@ class Target:
     reported: int = ONLINE  # what the storage daemon says about its disk
     present: bool = True  # offered in the node's latest registration
     down_since: int = 0  # clock when it stopped being usable; 0 while usable
+    removed: bool = False  # declared dead (`tierfs target rm`): never used again
 
 
 @dataclass(slots=True)
@@ -206,6 +208,9 @@ class MetaStateMachine:
         self.groups: dict[int, list[int]] = {}
         # group id -> members that replaced a failed target, not rebuilt yet
         self.rebuilding: dict[int, set[int]] = {}
+        # group id -> {rebuilding member: the member it replaced, still
+        # readable (a drain) so the rebuild can copy instead of decode}
+        self.rebuild_sources: dict[int, dict[int, int]] = {}
         self.widths: set[int] = {DEFAULT_LAYOUT.width}
         self.sessions: dict[int, Session] = {}
         self.gc: dict[int, GCEntry] = {}
@@ -572,12 +577,15 @@ class MetaStateMachine:
     # ---- placement ----------------------------------------------------------
 
     def _target_state(self, t: Target) -> int:
+        if t.removed:
+            return pb.TARGET_STATE_FAILED
         if not t.present or self.nodes[t.node].state != NODE_ONLINE:
             return OFFLINE
         return t.reported
 
     def _eligible(self) -> dict[int, int]:
-        return {t.id: t.node for t in self.targets.values() if self._target_state(t) == ONLINE}
+        return {t.id: t.node for t in self.targets.values()
+                if self._target_state(t) == ONLINE and not self.nodes[t.node].draining}
 
     def _plan_width(self, width: int) -> list[list[int]]:
         """New groups a width would get now (nothing is changed)."""
@@ -764,19 +772,24 @@ class MetaStateMachine:
                 t.down_since = self.clock
 
     def _replace_down_targets(self, after_ns: int) -> None:
-        """Swap every target down for ``after_ns`` or longer out of its
-        groups, each time for the least-used online target on a node the
-        group does not use yet. The newcomer is marked rebuilding."""
+        """Swap every target down for ``after_ns`` or longer out of its groups."""
+        self._replace_targets([tid for tid in sorted(self.targets)
+                               if self.targets[tid].down_since and self.clock - self.targets[tid].down_since >= after_ns])
+
+    def _replace_targets(self, tids: Iterable[int], *, source: bool = False) -> list[int]:
+        """Swap each of ``tids`` out of its groups, each time for the
+        least-used online target on a node the group does not use yet. The
+        newcomer is marked rebuilding (with the old member as its copy
+        source when ``source``: a drain, the old member still serves).
+        Returns the groups left unchanged for want of a candidate."""
         eligible = self._eligible()
         usage: dict[int, int] = {}
         for members in self.groups.values():
             for m in members:
                 usage[m] = usage.get(m, 0) + 1
         changed = False
-        for tid in sorted(self.targets):
-            t = self.targets[tid]
-            if not t.down_since or self.clock - t.down_since < after_ns:
-                continue
+        stuck: list[int] = []
+        for tid in tids:
             for gid in sorted(self.groups):
                 members = self.groups[gid]
                 if tid not in members:
@@ -784,17 +797,28 @@ class MetaStateMachine:
                 used_nodes = {self.targets[m].node for m in members if m != tid}
                 cands = [c for c in sorted(eligible) if eligible[c] not in used_nodes and c not in members]
                 if not cands:
+                    stuck.append(gid)
                     continue  # nowhere to go: the group stays degraded
                 new = min(cands, key=lambda c: (usage.get(c, 0), c))
                 members[members.index(tid)] = new
                 usage[new] = usage.get(new, 0) + 1
                 usage[tid] -= 1
                 rb = self.rebuilding.setdefault(gid, set())
+                srcs = self.rebuild_sources.get(gid, {})
+                # A member replaced before its own rebuild finished: the new
+                # one inherits its source (the data never reached tid).
+                inherited = srcs.pop(tid, 0) if tid in rb else 0
                 rb.discard(tid)
                 rb.add(new)
+                src = inherited or (tid if source else 0)
+                if src:
+                    self.rebuild_sources.setdefault(gid, {})[new] = src
+                if gid in self.rebuild_sources and not self.rebuild_sources[gid]:
+                    del self.rebuild_sources[gid]
                 changed = True
         if changed:
             self.map_version += 1
+        return stuck
 
     def _op_finish_rebuild(self, op: pb.MetaOp, r: pb.FinishRebuildRequest) -> Message:
         if r.group_id not in self.groups:
@@ -805,8 +829,73 @@ class MetaStateMachine:
         rb.discard(r.target_id)
         if not rb:
             del self.rebuilding[r.group_id]
+        srcs = self.rebuild_sources.get(r.group_id)
+        if srcs is not None:
+            srcs.pop(r.target_id, None)
+            if not srcs:
+                del self.rebuild_sources[r.group_id]
         self.map_version += 1
         return pb.Empty()
+
+    def _op_remove_target(self, op: pb.MetaOp, r: pb.RemoveTargetRequest) -> Message:
+        """Declare a target dead: it is replaced in every group now (its
+        fragments are rebuilt from the survivors) and never used again.
+        GC items still waiting for it are dropped."""
+        t = self.targets.get(r.target_id)
+        if t is None:
+            raise NotFoundError(f"no target {r.target_id}")
+        if t.removed:
+            raise InvalidArgumentError(f"target {r.target_id} is already removed")
+        t.removed = True
+        self._refresh_down()
+        self.map_version += 1
+        stuck = self._replace_targets([t.id])
+        self._drop_gc_for({t.id})
+        return pb.ReplaceReply(groups_stuck=stuck)
+
+    def _op_drain_node(self, op: pb.MetaOp, r: pb.DrainNodeRequest) -> Message:
+        """Move every fragment off a node while it still serves: its targets
+        are replaced in every group by targets elsewhere, each new member
+        rebuilding by copy from the old one. (Again on a draining node:
+        retries the groups that found no replacement before.)"""
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            raise NotFoundError(f"no storage node {r.node_id}")
+        if not node.draining:
+            node.draining = True
+            self.map_version += 1
+        stuck = self._replace_targets(sorted(node.targets), source=True)
+        return pb.ReplaceReply(groups_stuck=stuck)
+
+    def _op_remove_node(self, op: pb.MetaOp, r: pb.RemoveNodeRequest) -> Message:
+        """Forget a node and its targets, once no group needs them: none is a
+        member of a group or the copy source of an unfinished rebuild."""
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            raise NotFoundError(f"no storage node {r.node_id}")
+        mine = set(node.targets)
+        held = sorted(g for g, members in self.groups.items() if mine.intersection(members))
+        if held:
+            raise BusyError(f"node {node.id} still holds fragments of groups {held[:10]}: drain it first "
+                            f"(`tierfs node drain {node.id}`) or remove its targets")
+        feeding = sorted(g for g, srcs in self.rebuild_sources.items() if mine.intersection(srcs.values()))
+        if feeding:
+            raise BusyError(f"node {node.id} is the copy source of unfinished rebuilds in groups {feeding[:10]}; "
+                            f"wait for them (`tierfs status`)")
+        for tid in node.targets:
+            del self.targets[tid]
+        del self.nodes[node.id]
+        self._drop_gc_for(mine)
+        self.map_version += 1
+        return pb.Empty()
+
+    def _drop_gc_for(self, tids: set[int]) -> None:
+        for gid in sorted(self.gc):
+            item = self.gc[gid]
+            for t in tids:
+                item.pending.pop(t, None)
+            if not item.pending:
+                del self.gc[gid]
 
     def _op_ack_gc(self, op: pb.MetaOp, r: pb.AckGCRequest) -> Message:
         acked = 0
@@ -908,15 +997,17 @@ class MetaStateMachine:
             out.nodes.append(pb.ClusterNode(
                 node_id=n.id, node_uuid=n.uuid, hostname=n.hostname, data_addr=n.data_addr,
                 control_addr=n.control_addr, state=n.state, last_heartbeat_ns=n.last_hb,  # type: ignore[arg-type]
-                target_ids=n.targets))
+                target_ids=n.targets, draining=n.draining))
         for tid in sorted(self.targets):
             t = self.targets[tid]
             out.targets.append(pb.ClusterTarget(target_id=t.id, node_id=t.node, path=t.path, capacity=t.capacity,
                                                 used=t.used, state=self._target_state(t)))  # type: ignore[arg-type]
         for gid in sorted(self.groups):
+            rb = sorted(self.rebuilding.get(gid, ()))
+            srcs = self.rebuild_sources.get(gid, {})
             out.groups.append(pb.PlacementGroup(group_id=gid, width=len(self.groups[gid]),
-                                                target_ids=self.groups[gid],
-                                                rebuilding=sorted(self.rebuilding.get(gid, ()))))
+                                                target_ids=self.groups[gid], rebuilding=rb,
+                                                rebuild_sources=[srcs.get(t, 0) for t in rb]))
         return out
 
     def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0) -> pb.ListGroupChunksReply:
@@ -981,6 +1072,10 @@ class MetaStateMachine:
                         for _, t in sorted(self.targets.items())],
             "groups": [[g, self.groups[g]] for g in sorted(self.groups)],
             "rebuilding": [[g, sorted(self.rebuilding[g])] for g in sorted(self.rebuilding)],
+            "rebuild_sources": [[g, sorted([n, o] for n, o in self.rebuild_sources[g].items())]
+                                for g in sorted(self.rebuild_sources)],
+            "draining": sorted(n for n in self.nodes if self.nodes[n].draining),
+            "removed_targets": sorted(t for t in self.targets if self.targets[t].removed),
             "widths": sorted(self.widths),
             "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted(s.chunks)]
                          for _, s in sorted(self.sessions.items())],
@@ -1011,6 +1106,12 @@ class MetaStateMachine:
                                      present=t[6], down_since=t[7]) for t in doc["targets"]}
         self.groups = {g: list(m) for g, m in doc["groups"]}
         self.rebuilding = {g: set(m) for g, m in doc["rebuilding"]}
+        # Keys added after format 1 was fixed: absent from older snapshots.
+        self.rebuild_sources = {g: {n: o for n, o in m} for g, m in doc.get("rebuild_sources", [])}
+        for n in doc.get("draining", []):
+            self.nodes[n].draining = True
+        for t in doc.get("removed_targets", []):
+            self.targets[t].removed = True
         self.widths = set(doc["widths"])
         self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
                                        chunks=set(s[5])) for s in doc["sessions"]}

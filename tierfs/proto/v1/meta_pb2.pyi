@@ -1136,6 +1136,7 @@ class ClusterNode(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_NS_FIELD_NUMBER: _builtins.int
     TARGET_IDS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     node_uuid: _builtins.str
     hostname: _builtins.str
@@ -1143,6 +1144,8 @@ class ClusterNode(_message.Message):
     control_addr: _builtins.str
     state: Global___NodeState.ValueType
     last_heartbeat_ns: _builtins.int
+    draining: _builtins.bool
+    """`tierfs node drain`: its targets are being moved out of every group."""
     @_builtins.property
     def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1156,10 +1159,11 @@ class ClusterNode(_message.Message):
         state: Global___NodeState.ValueType = ...,
         last_heartbeat_ns: _builtins.int = ...,
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "hostname", b"hostname", "last_heartbeat_ns", b"last_heartbeat_ns", "node_id", b"node_id", "node_uuid", b"node_uuid", "state", b"state", "target_ids", b"target_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "draining", b"draining", "hostname", b"hostname", "last_heartbeat_ns", b"last_heartbeat_ns", "node_id", b"node_id", "node_uuid", b"node_uuid", "state", b"state", "target_ids", b"target_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1207,6 +1211,7 @@ class PlacementGroup(_message.Message):
     WIDTH_FIELD_NUMBER: _builtins.int
     TARGET_IDS_FIELD_NUMBER: _builtins.int
     REBUILDING_FIELD_NUMBER: _builtins.int
+    REBUILD_SOURCES_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     width: _builtins.int
     @_builtins.property
@@ -1220,6 +1225,13 @@ class PlacementGroup(_message.Message):
         worker calls FinishRebuild once it has rebuilt the group's chunks there.
         """
 
+    @_builtins.property
+    def rebuild_sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Parallel to rebuilding: the member each one replaced when that one is
+        still readable (a drained node: copy, do not decode); 0 = rebuild from
+        the survivors.
+        """
+
     def __init__(
         self,
         *,
@@ -1227,10 +1239,11 @@ class PlacementGroup(_message.Message):
         width: _builtins.int = ...,
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
         rebuilding: _abc.Iterable[_builtins.int] | None = ...,
+        rebuild_sources: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "rebuilding", b"rebuilding", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "rebuild_sources", b"rebuild_sources", "rebuilding", b"rebuilding", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1311,6 +1324,97 @@ class FinishRebuildRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FinishRebuildRequest: _TypeAlias = FinishRebuildRequest  # noqa: Y015
+
+@_typing.final
+class RemoveTargetRequest(_message.Message):
+    """Declare a target dead: it is replaced in every group at once (its
+    fragments rebuilt from the survivors) and never used again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_ID_FIELD_NUMBER: _builtins.int
+    target_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        target_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_id", b"target_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveTargetRequest: _TypeAlias = RemoveTargetRequest  # noqa: Y015
+
+@_typing.final
+class DrainNodeRequest(_message.Message):
+    """Move every fragment off a healthy node: its targets are replaced in every
+    group, the new members copy from them. Repeat to retry stuck groups.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class ReplaceReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_STUCK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def groups_stuck(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Groups where no target on a node outside the group was free: unchanged."""
+
+    def __init__(
+        self,
+        *,
+        groups_stuck: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups_stuck", b"groups_stuck"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplaceReply: _TypeAlias = ReplaceReply  # noqa: Y015
+
+@_typing.final
+class RemoveNodeRequest(_message.Message):
+    """Forget a node and its targets; refused (BUSY) while a group still uses one
+    of them as a member or as the copy source of an unfinished rebuild.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveNodeRequest: _TypeAlias = RemoveNodeRequest  # noqa: Y015
 
 @_typing.final
 class ListGroupChunksRequest(_message.Message):
@@ -1796,6 +1900,9 @@ class MetaOp(_message.Message):
     ACK_GC_FIELD_NUMBER: _builtins.int
     TICK_FIELD_NUMBER: _builtins.int
     FINISH_REBUILD_FIELD_NUMBER: _builtins.int
+    REMOVE_TARGET_FIELD_NUMBER: _builtins.int
+    DRAIN_NODE_FIELD_NUMBER: _builtins.int
+    REMOVE_NODE_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's wall clock when the op was issued"""
     client_id: _builtins.str
@@ -1839,6 +1946,12 @@ class MetaOp(_message.Message):
     def tick(self) -> Global___TickRequest: ...
     @_builtins.property
     def finish_rebuild(self) -> Global___FinishRebuildRequest: ...
+    @_builtins.property
+    def remove_target(self) -> Global___RemoveTargetRequest: ...
+    @_builtins.property
+    def drain_node(self) -> Global___DrainNodeRequest: ...
+    @_builtins.property
+    def remove_node(self) -> Global___RemoveNodeRequest: ...
     def __init__(
         self,
         *,
@@ -1864,12 +1977,15 @@ class MetaOp(_message.Message):
         ack_gc: Global___AckGCRequest | None = ...,
         tick: Global___TickRequest | None = ...,
         finish_rebuild: Global___FinishRebuildRequest | None = ...,
+        remove_target: Global___RemoveTargetRequest | None = ...,
+        drain_node: Global___DrainNodeRequest | None = ...,
+        remove_node: Global___RemoveNodeRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

@@ -149,6 +149,21 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
                 _registered_method=True)
+        self.RemoveTarget = channel.unary_unary(
+                '/tierfs.v1.MetaService/RemoveTarget',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveTargetRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/tierfs.v1.MetaService/DrainNode',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
+                _registered_method=True)
+        self.RemoveNode = channel.unary_unary(
+                '/tierfs.v1.MetaService/RemoveNode',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
         self.ListGC = channel.unary_unary(
                 '/tierfs.v1.MetaService/ListGC',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.ListGCRequest.SerializeToString,
@@ -328,6 +343,25 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveTarget(self, request, context):
+        """Failure handling by operators (tierfs target rm, node drain, node rm).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListGC(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -491,6 +525,21 @@ def add_MetaServiceServicer_to_server(servicer, server):
             'FinishRebuild': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishRebuild,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'RemoveTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveTarget,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveTargetRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.SerializeToString,
+            ),
+            'RemoveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveNode,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
             ),
             'ListGC': grpc.unary_unary_rpc_method_handler(
@@ -1149,6 +1198,87 @@ class MetaService:
             target,
             '/tierfs.v1.MetaService/FinishRebuild',
             tierfs_dot_v1_dot_meta__pb2.FinishRebuildRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/RemoveTarget',
+            tierfs_dot_v1_dot_meta__pb2.RemoveTargetRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/DrainNode',
+            tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/RemoveNode',
+            tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
             options,
             channel_credentials,

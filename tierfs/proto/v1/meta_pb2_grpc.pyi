@@ -64,6 +64,10 @@ class MetaServiceStub:
     ListGroupChunks: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGroupChunksRequest, _meta_pb2.ListGroupChunksReply]
     """Repair: the committed chunks stored in a group, and the end of a rebuild."""
     FinishRebuild: _grpc.UnaryUnaryMultiCallable[_meta_pb2.FinishRebuildRequest, _meta_pb2.Empty]
+    RemoveTarget: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveTargetRequest, _meta_pb2.ReplaceReply]
+    """Failure handling by operators (tierfs target rm, node drain, node rm)."""
+    DrainNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]
+    RemoveNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]
     ListGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]
     AckGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
@@ -106,6 +110,10 @@ class MetaServiceAsyncStub(MetaServiceStub):
     ListGroupChunks: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGroupChunksRequest, _meta_pb2.ListGroupChunksReply]  # type: ignore[assignment]
     """Repair: the committed chunks stored in a group, and the end of a rebuild."""
     FinishRebuild: _aio.UnaryUnaryMultiCallable[_meta_pb2.FinishRebuildRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    RemoveTarget: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveTargetRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
+    """Failure handling by operators (tierfs target rm, node drain, node rm)."""
+    DrainNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
+    RemoveNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     ListGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]  # type: ignore[assignment]
     AckGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
@@ -281,6 +289,28 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
     def FinishRebuild(
         self,
         request: _meta_pb2.FinishRebuildRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveTarget(
+        self,
+        request: _meta_pb2.RemoveTargetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ReplaceReply, _abc.Awaitable[_meta_pb2.ReplaceReply]]:
+        """Failure handling by operators (tierfs target rm, node drain, node rm)."""
+
+    @_abc_1.abstractmethod
+    def DrainNode(
+        self,
+        request: _meta_pb2.DrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ReplaceReply, _abc.Awaitable[_meta_pb2.ReplaceReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveNode(
+        self,
+        request: _meta_pb2.RemoveNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
 
