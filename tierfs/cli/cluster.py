@@ -149,6 +149,13 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         bad = sum(m["state"] != "online" for m in members)
         state = "degraded" if bad else ("rebuilding" if g.rebuilding else "healthy")
         groups_out.append({"id": g.group_id, "width": g.width, "state": state, "targets": members})
+    if any(g.rebuilding for g in cmap.groups):
+        from tierfs.cli.repair import rebuild_progress
+
+        progress = await rebuild_progress(cmap, timeout=min(timeout, 2.0))
+        for out in groups_out:
+            if out["id"] in progress:
+                out["rebuild"] = progress[out["id"]]
 
     healthy = (
         len(leaders) == 1

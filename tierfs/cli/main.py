@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redundancy", default="", help="ec:K+M or replica:N (e.g. ec:4+2)")
     p.add_argument("--chunk-size", type=parse_size_arg, default=0, help="power of two, e.g. 4MiB")
     p.add_argument("--stripe", type=int, default=0, metavar="N", help="placement groups a file spreads over")
+    from tierfs.cli import repair
+
+    repair.add_commands(cmd)
     return ap
 
 
@@ -142,6 +145,11 @@ def render_status(st: dict[str, Any]) -> str:
         by_state.setdefault(g["state"], []).append(g["id"])
     out.append("groups: " + ("; ".join(f"{len(ids)} {s}" + ("" if s == "healthy" else f" {ids}")
                                        for s, ids in sorted(by_state.items())) or "none"))
+    for g in st["groups"]:
+        rb = g.get("rebuild")
+        if rb:
+            out.append(f"  group {g['id']}: rebuilding target(s) {rb['targets']}: {rb['done']}/{rb['total']} chunks, "
+                       f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else ""))
     return "\n".join(out)
 
 
@@ -319,6 +327,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         emit(r, f"{r['path']}: new files get {r['redundancy']}, chunk {human_size(r['chunk_size'])}, "
                 f"stripe {r['stripe_width'] or 'all groups'}")
         return EXIT_OK
+    if c in ("target", "node", "scrub"):
+        from tierfs.cli import repair
+
+        code = repair.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
     raise _UsageError(build_parser().format_usage().rstrip())
 
 

@@ -56,11 +56,14 @@ class ControlServer:
         await self.server.stop(grace=1.0)
 
 
-async def start_control(host: str, port: int, scrubber: Scrubber, repairer: Repairer) -> ControlServer:
+async def start_control(host: str, port: int, scrubber: Scrubber, repairer: Repairer, *,
+                        advertise_host: str = "") -> ControlServer:
+    """Serve StorageControl on ``host:port`` (0: a free port); the returned
+    address names ``advertise_host`` (default ``host``)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     spb_grpc.add_StorageControlServicer_to_server(_Servicer(scrubber, repairer), server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the control address {host}:{port}")
     await server.start()
-    return ControlServer(server, f"{host}:{bound}")
+    return ControlServer(server, f"{advertise_host or host}:{bound}")

@@ -229,7 +229,8 @@ class StorageNode:
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
                                      poll_interval=cfg.rebuild_interval)
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
-            self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer)
+            self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer,
+                                               advertise_host=self.data_addr.rpartition(":")[0])
             self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
         elif cfg.scrub_rate > 0:
             self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))

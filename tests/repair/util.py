@@ -1,0 +1,89 @@
+"""Helpers for the failure-handling tests: a real local cluster (one meta
+replica, N storage daemons; processes on loopback) tuned so that failure
+detection and replacement take seconds, plus waits on the cluster map and
+access to fragment files on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierfs.client import AsyncClient
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = ["META_FAST", "STORAGE_FAST", "digest", "fragments", "map_now", "random_bytes", "start", "wait_map",
+           "write_files"]
+
+#: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced.
+META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2")
+#: Fast heartbeats, GC and rebuild polls; no background scrub (tests scrub on
+#: demand); orphans deletable at once.
+STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--scrub-rate=0",
+                "--orphan-grace=0")
+KiB = 1024
+
+
+def start(path: Path, n_storage: int = 7, meta_args: tuple[str, ...] = META_FAST) -> LocalCluster:
+    cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args),
+                      extra_storage_args=list(STORAGE_FAST))
+    try:
+        cl.start(timeout=90)
+        asyncio.run(cl.wait_healthy(90))
+    except BaseException:
+        cl.stop()
+        raise
+    return cl
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def digest(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def write_files(client: AsyncClient, n: int = 4, size: int = 700 * KiB) -> dict[str, bytes]:
+    """``n`` files of ``size`` bytes in 128 KiB chunks under /d (several chunks
+    per file, so every file touches several groups)."""
+    await client.mkdir("/d", exist_ok=True)
+    await client.set_layout("/d", chunk_size=128 * KiB, redundancy="ec:4+2")
+    files = {f"/d/f{i}": random_bytes(size + i * 1000, i) for i in range(n)}
+    for path, data in files.items():
+        await client.write_bytes(path, data)
+    return files
+
+
+def fragments(cl: LocalCluster, node: str | None = None) -> list[Path]:
+    """Fragment files on disk (of one storage daemon, or all)."""
+    pattern = f"{node or 'storage-*'}/t*/frags/*/*/*"
+    return sorted(p for p in cl.dir.glob(pattern) if p.is_file())
+
+
+async def map_now(cl: LocalCluster) -> pb.ClusterMap:
+    async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+        return await mc.get_cluster_map()
+
+
+async def wait_map(cl: LocalCluster, cond: Callable[[pb.ClusterMap], bool], timeout: float, what: str,
+                   each: Callable[[pb.ClusterMap], None] | None = None) -> pb.ClusterMap:
+    """Poll the cluster map until ``cond`` holds (``each`` sees every map)."""
+    end = time.monotonic() + timeout
+    async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+        while True:
+            cmap = await mc.get_cluster_map()
+            if each is not None:
+                each(cmap)
+            if cond(cmap):
+                return cmap
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; map: {cmap}")
+            await asyncio.sleep(0.2)

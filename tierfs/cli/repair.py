@@ -1,0 +1,237 @@
+"""Failure-handling commands: ``tierfs target rm``, ``tierfs node drain``,
+``tierfs node rm``, ``tierfs scrub``, and the rebuild progress that
+``tierfs status`` shows. Each function returns plain data;
+:mod:`tierfs.cli.main` prints it (``--json`` or tables)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tierfs.errors import TierFSError, UnavailableError, from_grpc
+
+__all__ = [
+    "add_commands",
+    "drain_node",
+    "rebuild_progress",
+    "remove_node",
+    "remove_target",
+    "render_scrub",
+    "scrub_cluster",
+]
+
+
+async def remove_target(meta: Sequence[str], target_id: int, *, timeout: float = 20.0) -> dict[str, Any]:
+    """Declare a target dead: meta replaces it in every group at once and the
+    replacements rebuild its fragments from the survivors."""
+    from tierfs.meta import MetaClient
+
+    async with MetaClient(list(meta), deadline=timeout) as mc:
+        reply = await mc.remove_target(target_id)
+    return {"target": target_id, "groups_stuck": list(reply.groups_stuck)}
+
+
+async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, timeout: float = 20.0,
+                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Move every fragment off a healthy node (its targets are replaced in
+    every group, the new members copy from it). With ``wait``, return once
+    no group is still rebuilding from it (or raise UnavailableError after
+    ``timeout``)."""
+    from tierfs.meta import MetaClient
+
+    async with MetaClient(list(meta), deadline=min(timeout, 20.0)) as mc:
+        reply = await mc.drain_node(node_id)
+        out: dict[str, Any] = {"node": node_id, "groups_stuck": list(reply.groups_stuck), "done": False}
+        cmap = await mc.get_cluster_map()
+        mine = {t for n in cmap.nodes if n.node_id == node_id for t in n.target_ids}
+        end = time.monotonic() + timeout
+        while True:
+            held = [g.group_id for g in cmap.groups if mine.intersection(g.target_ids)]
+            feeding = [g.group_id for g in cmap.groups if mine.intersection(g.rebuild_sources)]
+            out.update(groups_held=held, groups_copying=feeding, done=not held and not feeding)
+            if out["done"] or not wait:
+                return out
+            if progress is not None:
+                progress(len(feeding))
+            if time.monotonic() > end:
+                raise UnavailableError(f"node {node_id} still feeds rebuilds of groups {feeding} and holds "
+                                       f"{held} after {timeout:.0f}s")
+            await asyncio.sleep(0.5)
+            cmap = await mc.get_cluster_map()
+
+
+async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0) -> dict[str, Any]:
+    """Forget a drained (or dead and replaced) node; refused while a group needs it."""
+    from tierfs.meta import MetaClient
+
+    async with MetaClient(list(meta), deadline=timeout) as mc:
+        await mc.remove_node(node_id)
+    return {"node": node_id, "removed": True}
+
+
+async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
+    import grpc
+
+    from tierfs.proto.v1 import storage_control_pb2_grpc as sg
+
+    async with grpc.aio.insecure_channel(addr) as ch:
+        try:
+            return await getattr(sg.StorageControlStub(ch), method)(req, timeout=timeout)  # type: ignore[no-untyped-call]
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc) from None
+
+
+async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = True, delete_orphans: bool = True,
+                        timeout: float = 600.0) -> dict[str, Any]:
+    """One scrub pass on every online storage node at once (verify CRC32C of
+    every fragment, rebuild corrupt and missing ones, delete orphans older
+    than each node's ``orphan_grace``). Nodes that cannot be reached are
+    listed with their error."""
+    from google.protobuf.json_format import MessageToDict
+
+    from tierfs.meta import MetaClient
+    from tierfs.proto.v1 import meta_pb2 as pb
+    from tierfs.proto.v1 import storage_control_pb2 as spb
+
+    async with MetaClient(list(meta), deadline=min(timeout, 20.0)) as mc:
+        cmap = await mc.get_cluster_map()
+    req = spb.ScrubRequest(rate=rate, repair=repair, delete_orphans=delete_orphans)
+    nodes = [n for n in cmap.nodes if n.state == pb.NODE_STATE_ONLINE]
+
+    async def one(n: Any) -> dict[str, Any]:
+        if not n.control_addr:
+            return {"node": n.node_id, "error": "the node registered no control address (an older daemon?)"}
+        try:
+            rep = await _control(n.control_addr, "Scrub", req, timeout)
+        except TierFSError as exc:
+            return {"node": n.node_id, "error": f"{type(exc).__name__}: {exc}"}
+        d = MessageToDict(rep, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        d["node"] = n.node_id
+        for k in ("fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
+            d[k] = int(d.get(k, 0))
+        for i in d.get("issues", []):
+            for k in ("target_id", "inode", "chunk", "version"):
+                i[k] = int(i.get(k, 0))
+        d.pop("node_id", None)
+        return d
+
+    t0 = time.perf_counter()
+    per_node = list(await asyncio.gather(*(one(n) for n in nodes)))
+    total = {k: sum(int(r.get(k, 0)) for r in per_node)
+             for k in ("fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors")}
+    total["unreachable"] = sum(1 for r in per_node if "error" in r)
+    offline = [n.node_id for n in cmap.nodes if n.state != pb.NODE_STATE_ONLINE]
+    return {"seconds": time.perf_counter() - t0, "total": total, "nodes": per_node, "offline_nodes": offline,
+            "clean": total["corrupt"] + total["missing"] + total["orphans"] + total["errors"]
+            + total["unreachable"] == 0}
+
+
+def render_scrub(r: dict[str, Any]) -> str:
+    from tierfs.cli.util import human_size
+
+    cols = ["fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"]
+    rows = [[n["node"], *(human_size(n[c]) if c == "bytes" else n[c] for c in cols)] if "error" not in n
+            else [n["node"], "unreachable: " + n["error"], *[""] * (len(cols) - 1)] for n in r["nodes"]]
+    t = r["total"]
+    rows.append(["total", *(human_size(t[c]) if c == "bytes" else t[c] for c in cols)])
+    header = ["NODE", "FRAGMENTS", "BYTES", "CORRUPT", "MISSING", "REPAIRED", "ORPHANS", "DELETED", "ERRORS"]
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    issues = [(n["node"], i) for n in r["nodes"] for i in n.get("issues", [])]
+    if issues:
+        lines.append("")
+        for node, i in issues[:50]:
+            lines.append(f"node {node} target {i['target_id']}: {i['kind']} inode {i['inode']} chunk {i['chunk']} "
+                         f"fragment {i.get('fragment', 0)} v{i['version']}: {i['action']}"
+                         + (f" ({i['detail']})" if i.get("detail") else ""))
+        if len(issues) > 50:
+            lines.append(f"... and {len(issues) - 50} more (--json lists them all)")
+    if r["offline_nodes"]:
+        lines.append(f"not scrubbed (offline): nodes {r['offline_nodes']}")
+    lines.append(f"scrub {'clean' if r['clean'] else 'found problems'} in {r['seconds']:.2f} s")
+    return "\n".join(lines)
+
+
+async def rebuild_progress(cmap: Any, timeout: float = 2.0) -> dict[int, dict[str, Any]]:
+    """Per rebuilding group, the progress its rebuilding members' nodes
+    report: ``{group: {"done": n, "total": n, "bytes": n, "targets": [...]}}``."""
+    from tierfs.proto.v1 import storage_control_pb2 as spb
+
+    want: dict[int, set[int]] = {g.group_id: set(g.rebuilding) for g in cmap.groups if g.rebuilding}
+    if not want:
+        return {}
+    owner = {t: n for n in cmap.nodes for t in n.target_ids}
+    nodes = {owner[t] for ts in want.values() for t in ts if t in owner}
+
+    async def one(n: Any) -> list[Any]:
+        if not n.control_addr:
+            return []
+        try:
+            return list((await _control(n.control_addr, "RepairStatus", spb.RepairStatusRequest(), timeout)).rebuilds)
+        except TierFSError:
+            return []
+
+    found = await asyncio.gather(*(one(n) for n in nodes))
+    out: dict[int, dict[str, Any]] = {g: {"done": 0, "total": 0, "bytes": 0, "targets": sorted(ts)}
+                                      for g, ts in want.items()}
+    for reb in found:
+        for p in reb:
+            if p.group_id in want and p.target_id in want[p.group_id] and p.state != "finished":
+                o = out[p.group_id]
+                o["done"] += p.done
+                o["total"] += p.total
+                o["bytes"] += p.bytes
+                if p.error:
+                    o["error"] = p.error
+    return out
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``target``, ``node`` and ``scrub`` on the ``tierfs`` parser
+    (``cmd(name, help)`` makes a sub-command parser)."""
+    from tierfs.cli.util import parse_size_arg
+
+    p = cmd("target", "storage targets: rm (declare dead, rebuild its fragments elsewhere)")
+    p.add_argument("action", choices=["rm"])
+    p.add_argument("id", type=int)
+    p = cmd("node", "storage nodes: drain (move all fragments off) or rm (forget a drained node)")
+    p.add_argument("action", choices=["drain", "rm"])
+    p.add_argument("id", type=int)
+    p.add_argument("--wait", action="store_true", help="drain: wait until every fragment has moved")
+    p = cmd("scrub", "verify every fragment on every node now, repair what is bad, delete orphans")
+    p.add_argument("--rate", type=parse_size_arg, default=0, help="bytes/s per node (default: unthrottled)")
+    p.add_argument("--no-repair", dest="repair", action="store_false", help="only report")
+    p.add_argument("--keep-orphans", dest="orphans", action="store_false", help="do not delete orphans")
+
+
+def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],
+            run: Callable[[Any], Any]) -> int | None:
+    """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
+    if ns.cmd == "target":
+        r = run(remove_target(meta, ns.id, timeout=ns.timeout))
+        emit(r, f"target {ns.id} removed; its groups are rebuilding elsewhere"
+             + (f" (no replacement for groups {r['groups_stuck']}: they stay degraded)" if r["groups_stuck"] else ""))
+        return 0
+    if ns.cmd == "node" and ns.action == "drain":
+        r = run(drain_node(meta, ns.id, wait=ns.wait, timeout=max(ns.timeout, 600.0) if ns.wait else ns.timeout))
+        state = "drained: `tierfs node rm` may remove it" if r["done"] else (
+            f"draining: {len(r['groups_copying'])} groups copying from it")
+        emit(r, f"node {ns.id} {state}"
+             + (f"; no replacement for groups {r['groups_stuck']}" if r["groups_stuck"] else ""))
+        return 0 if not r["groups_stuck"] else 1
+    if ns.cmd == "node" and ns.action == "rm":
+        emit(run(remove_node(meta, ns.id, timeout=ns.timeout)), f"node {ns.id} removed")
+        return 0
+    if ns.cmd == "scrub":
+        r = run(scrub_cluster(meta, rate=ns.rate, repair=ns.repair, delete_orphans=ns.orphans,
+                              timeout=max(ns.timeout, 600.0)))
+        emit(r, render_scrub(r))
+        return 0 if r["total"]["errors"] == 0 and r["total"]["unreachable"] == 0 else 1
+    return None
