@@ -173,13 +173,15 @@ class Ledger:
     errors: list[str] = field(default_factory=list)  # of failed writes, in order
 
     def write(self, client: Client, path: str, data: bytes) -> bool:
-        before = self.acked.get(path)
+        # After an earlier failed rewrite the file may still hold what it held before that.
+        before = self.acked.get(path, self.failed.get(path))
         try:
             client.write_bytes(path, data)
         except TierFSError as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
             self.failed[path] = before
             self.acked.pop(path, None)
+            self.deleted.discard(path)  # the create may have committed: an empty file
             return False
         self.acked[path] = data
         self.failed.pop(path, None)

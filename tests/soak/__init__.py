@@ -1,0 +1,1 @@
+"""Randomized fault soak (see docs/reliability.md)."""
