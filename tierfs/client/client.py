@@ -413,7 +413,11 @@ class AsyncClient:
                 raise
 
     def _note(self, target: int, exc: TierFSError) -> None:
-        if isinstance(exc, UnavailableError | TimeoutError_):
+        # A refused connection is cheap to try again; a target that let a
+        # request time out (stalled, overloaded) is avoided for longer.
+        if isinstance(exc, TimeoutError_):
+            self._parts()[2].mark_failed(target, factor=4.0)
+        elif isinstance(exc, UnavailableError):
             self._parts()[2].mark_failed(target)
 
     async def _beyond_end(self, target: int, key: FragmentKey, offset: int) -> bool:

@@ -32,7 +32,8 @@ class ClientConfig(BaseConfig):
     write_concurrency: int = field(8, "Chunks one writer keeps in flight (encoded, being sent).")
     lease_ms: int = field(30_000, "Write-session lease asked of meta; renewed every third of it.")
     failed_target_ttl: float = field(
-        5.0, "A target that just failed is skipped (reads go straight to parity) for this long.", kind="duration")
+        5.0, "A target that just failed is skipped (reads go straight to parity) for this long "
+        "(four times as long after a timeout).", kind="duration")
     map_refresh_interval: float = field(
         0.5, "Least time between two cluster-map refreshes caused by errors.", kind="duration")
     map_max_age: float = field(

@@ -113,9 +113,9 @@ class Router:
             return True
         return False
 
-    def mark_failed(self, target: int) -> None:
+    def mark_failed(self, target: int, *, factor: float = 1.0) -> None:
         if self.failed_ttl > 0:
-            self._failed[target] = time.monotonic() + self.failed_ttl
+            self._failed[target] = time.monotonic() + self.failed_ttl * factor
 
     def mark_ok(self, target: int) -> None:
         self._failed.pop(target, None)
