@@ -32,6 +32,8 @@ def test_follower_refuses_linearizable_read(meta_cluster: MetaCluster) -> None:
     asyncio.run(make())
     leader = c.wait_leader()
     follower = next(i for i in c.live() if i != leader)
+    # The mkdir needed only one follower: this one may not have heard from the leader yet.
+    wait_for(lambda: c.status(follower).leader == c.addresses[leader], 20, "the follower to know the leader")
     with grpc.insecure_channel(c.addresses[follower]) as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
         with pytest.raises(grpc.RpcError) as ei:
