@@ -165,7 +165,7 @@ async def rebuild_progress(cmap: Any, timeout: float = 2.0) -> dict[int, dict[st
     if not want:
         return {}
     owner = {t: n for n in cmap.nodes for t in n.target_ids}
-    nodes = {owner[t] for ts in want.values() for t in ts if t in owner}
+    nodes = list({owner[t].node_id: owner[t] for ts in want.values() for t in ts if t in owner}.values())
 
     async def one(n: Any) -> list[Any]:
         if not n.control_addr:

@@ -1,0 +1,207 @@
+"""Rebuild, target removal and drain on a real 7-node local cluster
+(ec:4+2: every group has one node to spare for a replacement).
+
+Strong check used throughout: once a group is whole again, every live node
+holds one fragment of each of its chunks, so killing any two more nodes
+(leaving exactly K = 4) must still read every file back byte for byte.
+That only holds if the rebuilt fragments really are on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.repair.util import digest, fragments, map_now, start, wait_map, write_files
+from tierfs.cli.cluster import cluster_status
+from tierfs.cli.main import render_status, run
+from tierfs.client import AsyncClient
+from tierfs.local import LocalCluster
+from tierfs.proto.v1 import meta_pb2 as pb
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    # A slow rebuild (1 MiB/s of fetched fragments, a few seconds here) so
+    # that reads and status are seen while it runs.
+    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=1MiB",))
+    try:
+        yield cl
+    finally:
+        cl.stop()
+
+
+def _cli(cl: LocalCluster, *args: str) -> tuple[int, Any, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = run([*args, "--json", "--meta", ",".join(cl.meta_addrs)], stdout=out, stderr=err)
+    return code, json.loads(out.getvalue()) if out.getvalue().strip() else None, err.getvalue()
+
+
+async def _write(cl: LocalCluster) -> dict[str, bytes]:
+    async with AsyncClient(cl.meta_addrs) as c:
+        return await write_files(c, n=4)
+
+
+async def _check(cl: LocalCluster, files: dict[str, bytes]) -> None:
+    async with AsyncClient(cl.meta_addrs) as c:
+        for path, data in files.items():
+            assert digest(await c.read_bytes(path)) == digest(data), path
+
+
+def _node_of(cmap: pb.ClusterMap, cl: LocalCluster, name: str) -> pb.ClusterNode:
+    addr = cl.proc(name).addr
+    return next(n for n in cmap.nodes if n.data_addr == addr)
+
+
+def _whole(targets: set[int]) -> Any:
+    """Map condition: no group uses ``targets`` and nothing is rebuilding."""
+    return lambda m: all(not targets.intersection(g.target_ids) and not g.rebuilding for g in m.groups)
+
+
+def _kill_two_and_read(cl: LocalCluster, skip: set[str], files: dict[str, bytes]) -> None:
+    others = [p.name for p in cl.procs if p.kind == "storage" and p.name not in skip][:2]
+    for name in others:
+        cl.kill(name)
+    asyncio.run(_check(cl, files))
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
+    files = asyncio.run(_write(cluster))
+    cmap = asyncio.run(map_now(cluster))
+    victim = "storage-3"
+    dead = set(_node_of(cmap, cluster, victim).target_ids)
+    assert any(dead.intersection(g.target_ids) for g in cmap.groups)
+    cluster.kill(victim)
+    asyncio.run(_check(cluster, files))  # degraded: decoded around the dead node
+
+    seen: dict[str, Any] = {"rebuilding": 0, "reads": 0}
+
+    async def watch() -> pb.ClusterMap:
+        async def reader() -> None:
+            while True:  # reads during the rebuild must stay correct
+                await _check(cluster, files)
+                seen["reads"] += 1
+                st = await cluster_status(cluster.meta_addrs)
+                for g in st["groups"]:
+                    if g.get("rebuild"):
+                        seen.setdefault("progress", []).append(g["rebuild"])
+                        seen["text"] = render_status(st)
+
+        task = asyncio.create_task(reader())
+        try:
+            def each(m: pb.ClusterMap) -> None:
+                if any(g.rebuilding for g in m.groups):
+                    seen["rebuilding"] += 1
+
+            return await wait_map(cluster, _whole(dead), 60, "the dead node's groups to be rebuilt", each)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    done = asyncio.run(watch())
+    assert seen["rebuilding"] > 0 and seen["reads"] > 0, seen
+    # `tierfs status` showed the rebuild's progress (chunks done of total).
+    assert seen.get("progress"), seen
+    assert all(0 <= p["done"] <= p["total"] for p in seen["progress"])
+    assert any(p["total"] > 0 for p in seen["progress"])
+    assert "rebuilding target(s)" in seen["text"] and " chunks, " in seen["text"]
+    assert done.version > cmap.version
+    asyncio.run(_check(cluster, files))
+    st = asyncio.run(cluster_status(cluster.meta_addrs, data_dir=str(cluster.dir)))
+    assert all(g["state"] == "healthy" for g in st["groups"]), st["groups"]
+    assert not st["healthy"]  # the dead node itself is still down
+    _kill_two_and_read(cluster, {victim}, files)
+
+
+@pytest.mark.timeout(90)
+def test_target_rm_rebuilds_elsewhere_and_scrub_drops_its_copies(cluster: LocalCluster) -> None:
+    files = asyncio.run(_write(cluster))
+    cmap = asyncio.run(map_now(cluster))
+    name = "storage-1"
+    tid = _node_of(cmap, cluster, name).target_ids[0]
+    before = fragments(cluster, name)
+    assert before
+    code, out, err = _cli(cluster, "target", "rm", str(tid))
+    assert code == 0, err
+    assert out == {"target": tid, "groups_stuck": []}
+    code, _, err = _cli(cluster, "target", "rm", str(tid))
+    assert code != 0 and "already removed" in err
+    code, _, err = _cli(cluster, "target", "rm", "9999")
+    assert code != 0 and "no target 9999" in err
+    asyncio.run(wait_map(cluster, _whole({tid}), 60, "the removed target's groups to be rebuilt"))
+    asyncio.run(_check(cluster, files))
+    # Its fragments are orphans now: the scrub deletes them (grace 0 here).
+    code, rep, err = _cli(cluster, "scrub")
+    assert code == 0, err
+    assert rep["total"]["orphans_deleted"] == len(before), rep["total"]
+    assert not fragments(cluster, name)
+    st = asyncio.run(cluster_status(cluster.meta_addrs))
+    assert next(t for s in st["storage"] for t in s["targets"] if t["id"] == tid)["state"] == "failed"
+    assert all(g["state"] == "healthy" for g in st["groups"])
+    _kill_two_and_read(cluster, {name}, files)
+
+
+@pytest.mark.timeout(120)
+def test_drain_then_rm_never_degrades(cluster: LocalCluster) -> None:
+    files = asyncio.run(_write(cluster))
+    cmap = asyncio.run(map_now(cluster))
+    name = "storage-5"
+    node = _node_of(cmap, cluster, name)
+    code, _, err = _cli(cluster, "node", "rm", str(node.node_id))
+    assert code != 0 and "drain it first" in err  # still holds fragments
+
+    states: set[str] = set()
+
+    async def drain() -> None:
+        async def sample() -> None:
+            while True:
+                st = await cluster_status(cluster.meta_addrs)
+                states.update(g["state"] for g in st["groups"])
+                await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(sample())
+        await asyncio.sleep(0.5)
+        try:
+            code, out, err = await asyncio.to_thread(_cli, cluster, "node", "drain", str(node.node_id), "--wait")
+            assert code == 0, err
+            assert out["done"] and out["groups_stuck"] == [], out
+            await _check(cluster, files)
+        finally:
+            task.cancel()
+            res = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(res[0], asyncio.CancelledError), res
+
+    asyncio.run(drain())
+    assert "degraded" not in states, states
+    assert "rebuilding" in states, states
+    # Every fragment was copied from the draining node, none decoded.
+    copied = rebuilt = 0
+
+    async def repair_counts() -> None:
+        nonlocal copied, rebuilt
+        from tierfs.cli.repair import _control
+        from tierfs.proto.v1 import storage_control_pb2 as spb
+
+        for n in (await map_now(cluster)).nodes:
+            r = await _control(n.control_addr, "RepairStatus", spb.RepairStatusRequest(), 5.0)
+            copied += r.fragments_copied
+            rebuilt += r.fragments_rebuilt
+
+    asyncio.run(repair_counts())
+    assert rebuilt > 0 and copied == rebuilt, (copied, rebuilt)
+    cluster.stop(names=[name])
+    code, _, err = _cli(cluster, "node", "rm", str(node.node_id))
+    assert code == 0, err
+    cmap = asyncio.run(map_now(cluster))
+    assert node.node_id not in {n.node_id for n in cmap.nodes}
+    assert not set(node.target_ids) & {t.target_id for t in cmap.targets}
+    st = asyncio.run(cluster_status(cluster.meta_addrs))
+    assert all(g["state"] == "healthy" for g in st["groups"])
+    asyncio.run(_check(cluster, files))
+    _kill_two_and_read(cluster, {name}, files)
