@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.repair.util import digest, fragments, map_now, start, wait_map, write_files
+from tests.repair.util import digest, fragments, map_now, random_bytes, start, wait_map, write_files
 from tierfs.cli.cluster import cluster_status
 from tierfs.cli.main import render_status, run
 from tierfs.client import AsyncClient
@@ -99,6 +99,13 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
                 if any(g.rebuilding for g in m.groups):
                     seen["rebuilding"] += 1
 
+            await wait_map(cluster, lambda m: not any(dead.intersection(g.target_ids) for g in m.groups), 30,
+                           "the dead node's targets to be replaced", each)
+            # Writes work again once the group has a live member in every
+            # position (the rebuilding one takes new fragments directly).
+            async with AsyncClient(cluster.meta_addrs) as c:
+                files["/d/during"] = random_bytes(300 * 1024, 99)
+                await c.write_bytes("/d/during", files["/d/during"])
             return await wait_map(cluster, _whole(dead), 60, "the dead node's groups to be rebuilt", each)
         finally:
             task.cancel()
@@ -116,6 +123,17 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
     st = asyncio.run(cluster_status(cluster.meta_addrs, data_dir=str(cluster.dir)))
     assert all(g["state"] == "healthy" for g in st["groups"]), st["groups"]
     assert not st["healthy"]  # the dead node itself is still down
+    # The node comes back with its old data: those fragments belong to
+    # positions other targets hold now, so the scrub deletes them as orphans.
+    stale = fragments(cluster, victim)
+    assert stale
+    cluster.start(names=[victim])
+    asyncio.run(cluster.wait_healthy(60))
+    code, rep, err = _cli(cluster, "scrub")
+    assert code == 0, err
+    assert rep["total"]["orphans_deleted"] == len(stale) and rep["total"]["missing"] == 0, rep["total"]
+    assert not fragments(cluster, victim)
+    asyncio.run(_check(cluster, files))
     _kill_two_and_read(cluster, {victim}, files)
 
 

@@ -113,7 +113,8 @@ class Scrubber:
             for tid, eng in sorted(r.engines.items()):
                 await self._verify_target(eng, rep, limiter, files, repair)
                 await self._missing(tid, eng, rep, files, repair)
-                await self._orphans(tid, eng, rep, files, delete_orphans)
+                # Fresh answers: a write may have begun since the steps above asked.
+                await self._orphans(tid, eng, rep, {}, delete_orphans)
             rep.seconds = time.monotonic() - t0
             for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
                 self.counters[k] += getattr(rep, k)
