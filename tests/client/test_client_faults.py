@@ -148,3 +148,42 @@ def test_stalled_storage_daemon_is_read_around(own_cluster: LocalCluster) -> Non
         finally:
             os.kill(pid, signal.SIGCONT)
         assert elapsed < 20, elapsed  # one timeout, not one per chunk
+
+
+@pytest.mark.timeout(150)
+def test_reads_follow_a_group_member_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead storage node is replaced in its groups (meta, after
+    ``replace_after``): the client refreshes its map, keeps reading the old
+    files exactly (the new member holds nothing yet: read around it), and
+    writes new files to the new member."""
+    monkeypatch.setenv("TIERFS_META_HEARTBEAT_TIMEOUT", "2s")
+    monkeypatch.setenv("TIERFS_META_REPLACE_AFTER", "1s")
+    cl = start_cluster(tmp_path / "cl", n_storage=7)
+    try:
+        with Client(cl.meta_addrs, request_timeout=3.0, connect_timeout=1.0, map_max_age=0.5) as client:
+            client.mkdir("/r")
+            client.set_layout("/r", chunk_size=MiB, redundancy="ec:4+2")
+            old = random_bytes(9 * MiB + 3, seed=41)
+            client.write_bytes("/r/old.bin", old)
+
+            async def group_members() -> dict[int, tuple[list[int], list[int]]]:
+                cmap = await client.aclient.meta.get_cluster_map()
+                return {g.group_id: (list(g.target_ids), list(g.rebuilding)) for g in cmap.groups}
+
+            before = client._run(group_members())
+            victim = "storage-1"
+            cl.kill(victim)
+            deadline = time.monotonic() + 60
+            while True:
+                now = client._run(group_members())
+                if any(now.get(g, ([], []))[0] != m for g, (m, _) in before.items()):
+                    break
+                assert time.monotonic() < deadline, "meta never replaced the dead node's targets"
+                time.sleep(0.2)
+            assert digest(client.read_bytes("/r/old.bin")) == digest(old)
+            new = random_bytes(5 * MiB + 1, seed=42)
+            client.write_bytes("/r/new.bin", new)
+            assert digest(client.read_bytes("/r/new.bin")) == digest(new)
+            assert digest(client.read_bytes("/r/old.bin")) == digest(old)
+    finally:
+        cl.stop()

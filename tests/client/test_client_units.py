@@ -177,6 +177,19 @@ def test_router_skips_offline_and_recently_failed_targets() -> None:
             assert not r.usable(10)
             r.mark_ok(10)
             assert r.usable(10)
+            assert r.read_targets(3, (10, 11, 12, 20)) == ((10, 11, 12, 20), frozenset())
+            # Members being rebuilt: read from the member they replaced when it
+            # is still readable, else decode around them; writes use the group.
+            r._apply(pb.ClusterMap(
+                version=8,
+                nodes=[pb.ClusterNode(node_id=1, data_addr="127.0.0.1:1001", state=pb.NODE_STATE_ONLINE)],
+                targets=[pb.ClusterTarget(target_id=t, node_id=1, state=pb.TARGET_STATE_ONLINE)
+                         for t in (10, 12, 13, 14, 15)],
+                groups=[pb.PlacementGroup(group_id=3, width=4, target_ids=[10, 13, 12, 14],
+                                          rebuilding=[13, 14], rebuild_sources=[15, 0])]))
+            targets = await r.targets(3)
+            assert targets == (10, 13, 12, 14)
+            assert r.read_targets(3, targets) == ((10, 15, 12, 14), frozenset({3}))
         finally:
             await data.close()
             await meta.close()

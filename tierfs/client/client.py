@@ -400,11 +400,12 @@ class AsyncClient:
             if len(targets) != view.codec.width:
                 raise StaleVersionError(f"group {gid} has {len(targets)} targets; {view.codec!r} needs "
                                         f"{view.codec.width}")
+            targets, rebuilding = router.read_targets(gid, targets)
             try:
                 if view.codec.replicated:
-                    await self._read_replica(view, idx, ver, targets, a, b, dest)
+                    await self._read_replica(view, idx, ver, targets, a, b, dest, rebuilding)
                 else:
-                    await self._read_ec(view, idx, ver, targets, a, b, dest)
+                    await self._read_ec(view, idx, ver, targets, a, b, dest, rebuilding)
                 return
             except InsufficientTargetsError:
                 # The group may have moved (a target replaced): retry once on a newer map.
@@ -430,7 +431,9 @@ class AsyncClient:
         return info.size <= offset
 
     async def _read_ec(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                       dest: memoryview) -> None:
+                       dest: memoryview, skip: frozenset[int] = frozenset()) -> None:
+        """Chunk bytes ``[a, b)`` into ``dest``; positions in ``skip`` (members
+        still being rebuilt) are never asked."""
         _, data, router = self._parts()
         codec = view.codec
         f = codec.frag_size(view.chunk_size)
@@ -441,10 +444,10 @@ class AsyncClient:
                 pieces.append((j, lo - j * f, dest[lo - a: hi - a]))
         bad: dict[int, TierFSError] = {}
         whole: dict[int, int] = {}  # data fragments read whole into dest: bytes they had
-        down = [j for j, _, _ in pieces if not router.usable(targets[j])]
+        down = [j for j, _, _ in pieces if j in skip or not router.usable(targets[j])]
         if down:
             for j in down:
-                bad[j] = UnavailableError(f"target {targets[j]} is offline or failed just now")
+                bad[j] = UnavailableError(f"target {targets[j]} is offline, failed just now or being rebuilt")
         else:
             keys = [FragmentKey(view.inode, idx, j, ver) for j, _, _ in pieces]
             res = await data.read_batch([(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)],
@@ -462,10 +465,11 @@ class AsyncClient:
                     self._note(targets[j], r)
             if not bad:
                 return
-        await self._decode_into(view, idx, ver, targets, a, b, dest, bad, whole)
+        await self._decode_into(view, idx, ver, targets, a, b, dest, bad, whole, skip)
 
     async def _decode_into(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                           dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int]) -> None:
+                           dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int],
+                           skip: frozenset[int] = frozenset()) -> None:
         """Fetch whole fragments from any K targets (data first, then parity)
         and rebuild ``dest`` (chunk bytes ``[a, b)``) from them. ``whole``:
         data fragments already read whole into their place in ``dest``
@@ -476,7 +480,9 @@ class AsyncClient:
         codec, cfg = view.codec, self.config
         k, f = codec.k, codec.frag_size(view.chunk_size)
         errors: dict[int, TierFSError] = dict(bad)
-        perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)}
+        perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)} | set(skip)
+        for j in skip:
+            errors.setdefault(j, UnavailableError(f"target {targets[j]} is being rebuilt"))
         order = sorted(range(codec.width), key=lambda j: (j in bad, not router.usable(targets[j]), j))
         # A data fragment's place in dest, when the range covers all of it.
         place = {j: dest[j * f - a: j * f - a + f] for j in range(k) if a <= j * f and (j + 1) * f <= b}
@@ -543,14 +549,15 @@ class AsyncClient:
                 self.pool.put(buf)
 
     async def _read_replica(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                            dest: memoryview) -> None:
+                            dest: memoryview, skip: frozenset[int] = frozenset()) -> None:
         _, data, router = self._parts()
         cfg = self.config
         w = len(targets)
         # Spread reads over the copies; targets known to be down go last.
         order = sorted(range(w), key=lambda j: (not router.usable(targets[j]), (j - idx) % w))
-        errors: dict[int, TierFSError] = {}
-        perm: set[int] = set()
+        errors: dict[int, TierFSError] = {j: UnavailableError(f"target {targets[j]} is being rebuilt")
+                                          for j in skip}
+        perm: set[int] = set(skip)
         delay = cfg.backoff_initial
         for rnd in range(cfg.retries):
             for j in order:

@@ -40,6 +40,9 @@ class Router:
         self.groups: dict[int, tuple[int, ...]] = {}
         self.state: dict[int, int] = {}
         self._failed: dict[int, float] = {}
+        # group id -> {member still being rebuilt: the member it replaced
+        # when that one is still readable, else 0}
+        self.rebuilding: dict[int, dict[int, int]] = {}
         self._lock = asyncio.Lock()
         self._last = -1e9
         self._bg: asyncio.Task[None] | None = None
@@ -72,6 +75,10 @@ class Router:
             state[t.target_id] = t.state if online else pb.TARGET_STATE_OFFLINE
         self.state = state
         self.groups = {g.group_id: tuple(g.target_ids) for g in cmap.groups}
+        self.rebuilding = {
+            g.group_id: {t: (g.rebuild_sources[i] if i < len(g.rebuild_sources) else 0)
+                         for i, t in enumerate(g.rebuilding)}
+            for g in cmap.groups if g.rebuilding}
         self.version = cmap.version
 
     async def targets(self, group_id: int) -> tuple[int, ...]:
@@ -86,6 +93,26 @@ class Router:
             if got is None:
                 raise StaleVersionError(f"placement group {group_id} is not in cluster map version {self.version}")
         return got
+
+    def read_targets(self, group_id: int, targets: tuple[int, ...]) -> tuple[tuple[int, ...], frozenset[int]]:
+        """Where to *read* each fragment of a group: a member still being
+        rebuilt does not hold every fragment yet, so its position is read
+        from the member it replaced when that one is still readable (a
+        drained node), else it is returned in the second set (decode around
+        it). Writes always go to ``targets``."""
+        rb = self.rebuilding.get(group_id)
+        if not rb:
+            return targets, frozenset()
+        out = list(targets)
+        missing: set[int] = set()
+        for j, t in enumerate(targets):
+            if t in rb:
+                src = rb[t]
+                if src and self.usable(src):
+                    out[j] = src
+                else:
+                    missing.add(j)
+        return tuple(out), frozenset(missing)
 
     async def _refresh_quietly(self) -> None:
         try:
