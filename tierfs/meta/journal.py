@@ -48,6 +48,7 @@ import crc32c
 from pysyncobj.journal import Journal
 
 from tierfs.errors import CorruptError
+from tierfs.fsutil import fsync_dir, makedirs_durable
 
 __all__ = [
     "DurableJournal",
@@ -71,15 +72,6 @@ _T_TRUNCATE = 2  # drop entries with index >= value
 _T_VOTE = 3  # term + votedFor
 _T_COMMIT = 4  # commit index
 _MAX_RECORD = 1 << 30
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the directory entries of ``path`` (creates, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _record(rtype: int, body: bytes) -> bytes:
@@ -121,10 +113,11 @@ class DurableJournal(Journal):  # type: ignore[misc]
         journal's tail (see docs/raft.md, "divergence").
         """
         self._dir = Path(directory)
-        self._dir.mkdir(parents=True, exist_ok=True)
         if fsync:
-            # The directory's own name must be durable too (it may be new).
-            fsync_dir(self._dir.parent)
+            # The directory's own name (and any new parent's) must be durable too.
+            makedirs_durable(self._dir)
+        else:
+            self._dir.mkdir(parents=True, exist_ok=True)
         self._path = self._dir / self.FILE
         self._fsync = fsync
         self._lock = threading.Lock()

@@ -53,6 +53,7 @@ from tierfs.errors import (
     TimeoutError_,
     UnavailableError,
 )
+from tierfs.fsutil import makedirs_durable
 from tierfs.meta.interfaces import ReplicaStatus, StateMachine
 from tierfs.meta.journal import (
     DurableJournal,
@@ -322,11 +323,12 @@ class RaftReplicator:
         """Open the journal, bind the Raft port and start the tick thread."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._dir.mkdir(parents=True, exist_ok=True)
         if self._fsync:
-            # The directory's own name must be durable too (it may be new):
-            # the journal and the snapshot live in it.
-            fsync_dir(self._dir.parent)
+            # The directory's own name (and any new parent's) must be durable
+            # too: the journal and the snapshot live in it.
+            makedirs_durable(self._dir)
+        else:
+            self._dir.mkdir(parents=True, exist_ok=True)
         snap_path = self._dir / SNAPSHOT_FILE
         anchor = None
         if snap_path.exists():

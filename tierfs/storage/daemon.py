@@ -232,8 +232,6 @@ class StorageNode:
             self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer,
                                                advertise_host=self.data_addr.rpartition(":")[0])
             self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
-        elif cfg.scrub_rate > 0:
-            self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))
         else:
             missing = [str(e.root) for e in self.engines if not e.target_id]
             if missing:
@@ -241,6 +239,8 @@ class StorageNode:
                     f"without meta every target needs an id (--target-id); none for {', '.join(missing)}",
                     field="target_ids",
                 )
+            if cfg.scrub_rate > 0:
+                self._tasks.append(asyncio.create_task(self._scrub_loop(), name="storage-scrub"))
             self.registered.set()
 
     def _start_metrics(self, addr: str) -> None:

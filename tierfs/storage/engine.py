@@ -71,6 +71,7 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
+from tierfs.fsutil import fsync_dir, makedirs_durable
 from tierfs.storage.api import FragmentInfo, FragmentKey
 from tierfs.storage.io.base import IOBackend
 
@@ -319,9 +320,7 @@ class ChunkEngine:
         self._opened = True
 
     def _open_sync(self) -> None:
-        if not self.root.is_dir():
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._fsync_dir_sync(self.root.parent)  # or a power cut forgets the target
+        makedirs_durable(self.root)  # or a power cut forgets a new target
         self._take_lock()
         try:
             self._open_locked()
@@ -391,13 +390,7 @@ class ChunkEngine:
             self.target_id = target_id
             self._persist_identity()
 
-    @staticmethod
-    def _fsync_dir_sync(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    _fsync_dir_sync = staticmethod(fsync_dir)
 
     def _scan(self) -> None:
         index: dict[FragmentKey, _Entry] = {}
