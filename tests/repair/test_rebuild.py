@@ -27,9 +27,9 @@ from tierfs.proto.v1 import meta_pb2 as pb
 
 @pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
-    # A slow rebuild (1 MiB/s of fetched fragments, a few seconds here) so
+    # A slow rebuild (512 KiB/s of fetched fragments per node, a few seconds here) so
     # that reads and status are seen while it runs.
-    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=1MiB",))
+    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=512KiB",))
     try:
         yield cl
     finally:
@@ -87,13 +87,17 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
             while True:  # reads during the rebuild must stay correct
                 await _check(cluster, files)
                 seen["reads"] += 1
+
+        async def status() -> None:
+            while True:
                 st = await cluster_status(cluster.meta_addrs)
                 for g in st["groups"]:
                     if g.get("rebuild"):
                         seen.setdefault("progress", []).append(g["rebuild"])
                         seen["text"] = render_status(st)
+                await asyncio.sleep(0.05)
 
-        task = asyncio.create_task(reader())
+        task = asyncio.gather(reader(), status())
         try:
             def each(m: pb.ClusterMap) -> None:
                 if any(g.rebuilding for g in m.groups):

@@ -121,6 +121,8 @@ class Repairer:
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout
         self.data = DataClient(transport="tcp", request_timeout=request_timeout)
+        # Fragments rebuilt at once, over all groups (each fetches K peers).
+        self._sem = asyncio.Semaphore(self.concurrency)
         self.cmap: Any = None
         self.groups: dict[int, list[int]] = {}
         self.rebuilding: dict[int, set[int]] = {}
@@ -299,7 +301,7 @@ class Repairer:
         files: dict[int, _File | None] = {}
         errors: list[str] = []
         restored = 0
-        sem = asyncio.Semaphore(self.concurrency)
+        sem = self._sem
         source = self.sources.get((group_id, target_id), 0)
 
         async def one(inode: int, chunk: int, version: int) -> None:
@@ -337,30 +339,36 @@ class Repairer:
         as rebuilding, and tell meta about those finished. Returns the
         number of groups finished."""
         await self.refresh_map()
-        ours = self.engines
-        finished = 0
-        for gid in sorted(self.rebuilding):
-            for tid in sorted(self.rebuilding[gid] & set(ours)):
-                prog = self.progress.get((gid, tid))
-                if prog is None or prog.state == "finished":
-                    prog = self.progress[(gid, tid)] = GroupProgress(gid, tid)
-                prog.state = "rebuilding"
-                _, errors = await self.fill(gid, tid, prog)
-                if errors:
-                    prog.state, prog.error = "waiting", f"{len(errors)} fragments failed, e.g. {errors[0]}"
-                    log.warning("rebuild of group %d on target %d: %s", gid, tid, prog.error)
-                    continue
-                try:
-                    await self.meta.finish_rebuild(gid, tid)
-                except TierFSError as exc:
-                    prog.state, prog.error = "waiting", f"finish_rebuild: {exc}"
-                    continue
-                prog.state, prog.error, prog.finished = "finished", "", time.monotonic()
-                self.counters["groups_finished"] += 1
-                finished += 1
-                log.info("rebuilt group %d on target %d: %d chunks, %d bytes in %.2fs", gid, tid, prog.total,
-                         prog.bytes, prog.finished - prog.started)
-        return finished
+        ours = set(self.engines)
+        jobs = [(gid, tid) for gid in sorted(self.rebuilding) for tid in sorted(self.rebuilding[gid] & ours)]
+        # All groups at once: the shared semaphore bounds the fragments in
+        # flight, and the work spreads over every group's peers.
+        done = await asyncio.gather(*(self._rebuild_group(gid, tid) for gid, tid in jobs))
+        return sum(done)
+
+    async def _rebuild_group(self, gid: int, tid: int) -> bool:
+        prog = self.progress.get((gid, tid))
+        if prog is None or prog.state == "finished":
+            prog = self.progress[(gid, tid)] = GroupProgress(gid, tid)
+        prog.state = "rebuilding"
+        try:
+            _, errors = await self.fill(gid, tid, prog)
+        except TierFSError as exc:
+            errors = [f"listing: {exc}"]
+        if errors:
+            prog.state, prog.error = "waiting", f"{len(errors)} fragments failed, e.g. {errors[0]}"
+            log.warning("rebuild of group %d on target %d: %s", gid, tid, prog.error)
+            return False
+        try:
+            await self.meta.finish_rebuild(gid, tid)
+        except TierFSError as exc:
+            prog.state, prog.error = "waiting", f"finish_rebuild: {exc}"
+            return False
+        prog.state, prog.error, prog.finished = "finished", "", time.monotonic()
+        self.counters["groups_finished"] += 1
+        log.info("rebuilt group %d on target %d: %d chunks, %d bytes in %.2fs", gid, tid, prog.total,
+                 prog.bytes, prog.finished - prog.started)
+        return True
 
     async def run(self) -> None:
         """The rebuild worker: poll the cluster map, rebuild, repeat."""
