@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import grpc
 import pytest
 
 from tierfs.errors import NotLeaderError, TierFSError, TimeoutError_, UnavailableError, from_grpc
+from tierfs.local import free_ports
 from tierfs.proto.v1 import kv_debug_pb2 as kvpb
 from tierfs.proto.v1 import kv_debug_pb2_grpc, meta_pb2_grpc
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -43,20 +43,6 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback TCP ports (bound then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_for(cond: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:

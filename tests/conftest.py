@@ -3,6 +3,7 @@ own library module (``tests/cluster.py`` for meta) and are exposed here."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,21 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.cluster import MetaCluster, meta_cluster_from_env  # noqa: E402
+from tests.faults import LazyFS  # noqa: E402
+from tests.faults.lazyfs import _mounted  # noqa: E402
+
+
+@pytest.fixture
+def lazy(tmp_path: Path) -> Iterator[LazyFS]:
+    """A LazyFS power-loss simulator mounted at ``tmp_path/"mnt"`` over
+    ``tmp_path/"disk"`` (see docs/testing.md); never left mounted."""
+    fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
+    try:
+        with fs:
+            yield fs
+    finally:
+        if _mounted(fs.mountpoint):  # never leave a mount behind for later tests
+            subprocess.run(["fusermount3", "-u", "-z", str(fs.mountpoint)], check=False)
 
 
 @pytest.fixture

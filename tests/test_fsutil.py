@@ -1,27 +1,13 @@
 """makedirs_durable: every level it creates survives a power cut (LazyFS)."""
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.faults import LazyFS
-from tests.faults.lazyfs import _mounted
 from tierfs.fsutil import makedirs_durable
 
 pytestmark = pytest.mark.skipif(not LazyFS.available(), reason="needs /dev/fuse and fusermount3")
-
-
-@pytest.fixture
-def lazy(tmp_path: Path) -> Iterator[LazyFS]:
-    fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
-    try:
-        with fs:
-            yield fs
-    finally:
-        if _mounted(fs.mountpoint):  # never leave a mount behind for later tests
-            subprocess.run(["fusermount3", "-u", "-z", str(fs.mountpoint)], check=False)
 
 
 @pytest.mark.timeout(60)

@@ -14,26 +14,13 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.faults import LazyFS
-from tests.faults.lazyfs import _mounted
 
 pytestmark = pytest.mark.skipif(not LazyFS.available(), reason="needs /dev/fuse and fusermount3")
-
-
-@pytest.fixture
-def lazy(tmp_path: Path) -> Iterator[LazyFS]:
-    fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
-    try:
-        with fs:
-            yield fs
-    finally:
-        if _mounted(fs.mountpoint):  # never leave a mount behind for later tests
-            subprocess.run(["fusermount3", "-u", "-z", str(fs.mountpoint)], check=False)
 
 
 def fsync_dir(path: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
 
-__all__ = ["LocalCluster", "ProcInfo", "pid_alive"]
+__all__ = ["LocalCluster", "ProcInfo", "free_ports", "pid_alive"]
 
 STATE_FILE = "cluster.toml"
 
@@ -50,7 +50,8 @@ class ProcInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback TCP ports (bound, then released)."""
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
@@ -149,7 +150,7 @@ class LocalCluster:
         raise KeyError(f"no process {name!r} in {self.dir}")
 
     def _plan(self, n_meta: int, n_storage: int, tpn: int) -> list[ProcInfo]:
-        ports = _free_ports(2 * n_meta + n_storage)
+        ports = free_ports(2 * n_meta + n_storage)
         h = self.host
         raft = [f"{h}:{ports[i]}" for i in range(n_meta)]
         grpc = [f"{h}:{ports[n_meta + i]}" for i in range(n_meta)]
