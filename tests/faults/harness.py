@@ -17,8 +17,9 @@ import contextlib
 import hashlib
 import os
 import signal
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,14 @@ class FaultCluster:
 
     def __init__(self, path: Path, *, n_storage: int = 6, proxied: Sequence[str] = (),
                  extra_meta_args: Sequence[str] = FAST_META, extra_storage_args: Sequence[str] = (),
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", python: str = sys.executable,
+                 plan_hook: Callable[[LocalCluster], None] | None = None) -> None:
         self.cl = LocalCluster(path, n_storage=n_storage, extra_meta_args=list(extra_meta_args),
-                               extra_storage_args=list(extra_storage_args), host=host)
+                               extra_storage_args=list(extra_storage_args), host=host, python=python)
         self.proxies: dict[str, FaultProxy] = {}
         try:
+            if plan_hook is not None:
+                plan_hook(self.cl)  # edit the plan (addresses, argv) before anything starts
             for name in proxied:
                 p = self.cl.proc(name)
                 host, _, port = p.addr.rpartition(":")

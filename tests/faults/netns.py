@@ -15,6 +15,9 @@ partitioned node can reach it only through the link we cut.
         nn.start_storage(dir / "storage-x", cl.meta_addrs)
         nn.partition(); ...; nn.heal()
 
+A LocalCluster daemon is moved into the namespace with
+:meth:`NetnsNode.python_wrapper` (used to partition a meta replica).
+
 ``partition()`` sets the namespace's end of the veth down: our end loses
 carrier, packets to the node are dropped (connections time out, nothing
 answers); the node's heartbeats to meta cannot leave. :meth:`close` kills
@@ -136,6 +139,19 @@ class NetnsNode:
                                    f"see {data_dir / 'netns-storage.log'}")
             time.sleep(0.05)
         raise TimeoutError(f"storage daemon in {self.ns} not ready after {timeout:.0f}s")
+
+    def python_wrapper(self, path: Path, match: str) -> Path:
+        """An executable to pass as ``LocalCluster(python=...)``: it runs the
+        daemon whose arguments contain ``match`` (e.g. ``--node-id=meta-0``)
+        inside this namespace, every other one as usual. The pid stays the
+        daemon's (``exec`` all the way), so LocalCluster can signal it."""
+        path.write_text(
+            "#!/bin/sh\n"
+            f'case " $* " in\n  *" {match} "*) exec ip netns exec {self.ns} {sys.executable} "$@" ;;\n'
+            f'  *) exec {sys.executable} "$@" ;;\nesac\n'
+        )
+        path.chmod(0o755)
+        return path
 
     @property
     def data_addr(self) -> str:
