@@ -7,12 +7,15 @@ the replacements with no manual step; once no group is rebuilding, every
 acknowledged file reads back exactly, and the cluster again survives two
 MORE node losses (so the rebuilt fragments are real, not decoded on the
 fly). A replacement node SIGKILLed in the middle of its rebuild, then
-restarted, resumes and finishes it.
+restarted, resumes and finishes it; one hung (SIGSTOP) for a second
+finishes it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -72,7 +75,7 @@ def _write_set(client: Client, ledger: Ledger) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("variant", ["plain", "kill_replacement"])
+@pytest.mark.parametrize("variant", ["plain", "kill_replacement", "stop_replacement"])
 def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant: str) -> None:
     ledger = Ledger()
     with fc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
@@ -103,7 +106,7 @@ def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant
         try:
             fc.cl.kill(dead)
             killed_replacement = ""
-            if variant == "kill_replacement":
+            if variant in ("kill_replacement", "stop_replacement"):
                 # The first group seen rebuilding: SIGKILL the node of its new member, then restart it.
                 deadline = time.monotonic() + 30
                 while not killed_replacement:
@@ -115,9 +118,14 @@ def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant
                             killed_replacement = next(p.name for p in fc.cl.procs if p.addr == n.data_addr)
                             break
                     time.sleep(0.05)
-                fc.cl.kill(killed_replacement)
-                time.sleep(0.5)  # let the kill be noticed mid-rebuild (a fault, not a synchronisation)
-                fc.cl.start(names=[killed_replacement], timeout=60)
+                if variant == "kill_replacement":
+                    fc.cl.kill(killed_replacement)
+                    time.sleep(0.5)  # the fault lasts a while (not a synchronisation)
+                    fc.cl.start(names=[killed_replacement], timeout=60)
+                else:  # hung for a second, under the heartbeat timeout
+                    fc.cl.kill(killed_replacement, signal.SIGSTOP)
+                    time.sleep(1.0)
+                    os.kill(fc.cl.proc(killed_replacement).pid, signal.SIGCONT)
             _, cmap, seen = _wait_rebuilt(fc, dead_addr, 120)
             secs = time.monotonic() - t_kill
         finally:
@@ -128,7 +136,7 @@ def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant
         assert not dead_targets.intersection(t for g in cmap.groups for t in g.target_ids)
         rebuilt_bytes = sum(len(d) for d in ledger.acked.values()) // 4  # ~one fragment in six per chunk, x1.5
         print(f"\n{variant}: rebuilt in {secs:.1f}s after the kill (seen in progress: {seen}; "
-              f"replacement killed: {killed_replacement or '-'}); {reads[0]} reads during it, none wrong; "
+              f"replacement hit: {killed_replacement or '-'}); {reads[0]} reads during it, none wrong; "
               f"~{rebuilt_bytes / MiB:.0f} MiB of fragments to rebuild")
         ledger.verify(client)
         # Full redundancy again: two more nodes may go and everything still reads.
