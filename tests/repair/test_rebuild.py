@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from tierfs.proto.v1 import meta_pb2 as pb
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     # A slow rebuild (512 KiB/s of fetched fragments per node, a few seconds here) so
     # that reads and status are seen while it runs.
-    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=512KiB",))
+    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=512KiB", "--metrics-addr=127.0.0.1:0"))
     try:
         yield cl
     finally:
@@ -56,6 +57,15 @@ async def _check(cl: LocalCluster, files: dict[str, bytes]) -> None:
 def _node_of(cmap: pb.ClusterMap, cl: LocalCluster, name: str) -> pb.ClusterNode:
     addr = cl.proc(name).addr
     return next(n for n in cmap.nodes if n.data_addr == addr)
+
+
+def _metric(cl: LocalCluster, name: str, series: str) -> float:
+    """One sample from a storage daemon's Prometheus endpoint (its address
+    is in the daemon's latest ready line)."""
+    ready = [json.loads(ln) for ln in (cl.dir / "logs" / f"{name}.out").read_text().splitlines() if ln.strip()]
+    with urllib.request.urlopen(f"http://{ready[-1]['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(series))
 
 
 def _whole(targets: set[int]) -> Any:
@@ -127,6 +137,10 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
     st = asyncio.run(cluster_status(cluster.meta_addrs, data_dir=str(cluster.dir)))
     assert all(g["state"] == "healthy" for g in st["groups"]), st["groups"]
     assert not st["healthy"]  # the dead node itself is still down
+    # Prometheus: the rebuilding nodes count what they rebuilt.
+    rebuilt = sum(_metric(cluster, p.name, 'tierfs_repair_total{event="fragments_rebuilt"}')
+                  for p in cluster.procs if p.kind == "storage" and p.name != victim)
+    assert rebuilt > 0
     # The node comes back with its old data: those fragments belong to
     # positions other targets hold now, so the scrub deletes them as orphans.
     stale = fragments(cluster, victim)

@@ -133,6 +133,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         storage_out.append({
             "id": n.node_id, "addr": n.control_addr or n.data_addr, "data_addr": n.data_addr,
             "hostname": n.hostname, "name": names.get(n.data_addr), "state": state, "pid": pid,
+            "draining": n.draining,
             "targets": [targets[t] for t in n.target_ids if t in targets],
         })
     if local:

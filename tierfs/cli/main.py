@@ -134,7 +134,8 @@ def render_status(st: dict[str, Any]) -> str:
         ts = s["targets"] or [None]
         for i, t in enumerate(ts):
             node = s["id"] if not s.get("name") else f"{s['id'] or '-'} ({s['name']})"
-            head = [node, s["data_addr"], s["state"], s["pid"]] if i == 0 else ["", "", "", ""]
+            state = s["state"] + (" (draining)" if s.get("draining") else "")
+            head = [node, s["data_addr"], state, s["pid"]] if i == 0 else ["", "", "", ""]
             tail = ([t["id"], t["state"], human_size(t["used"]), human_size(t["capacity"]), t["path"]]
                     if t else [None] * 5)
             rows.append(head + tail)
