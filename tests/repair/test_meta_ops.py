@@ -1,0 +1,114 @@
+"""The meta state machine's failure-handling ops, in process (no daemons):
+RemoveTarget, DrainNode with copy sources, RemoveNode's refusals, GC items
+dropped for removed targets, and that all of it survives a snapshot."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.meta.meta_helpers import Driver
+from tierfs.errors import BusyError, InvalidArgumentError, NotFoundError
+from tierfs.meta import MetaStateMachine
+from tierfs.proto.v1 import meta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _groups(d: Driver) -> dict[int, pb.PlacementGroup]:
+    return {g.group_id: g for g in d.sm.cluster_map().groups}
+
+
+def _same_after_restore(d: Driver) -> None:
+    other = MetaStateMachine()
+    other.restore(d.sm.snapshot())
+    assert other.digest() == d.sm.digest()
+    assert other.cluster_map() == d.sm.cluster_map()
+
+
+def test_remove_target_replaces_it_everywhere_and_drops_its_gc() -> None:
+    d = Driver()
+    regs = d.register(7, 1)
+    d.create("/f", stripe_width=7)
+    d.write("/f", 7 * (4 << 20), list(range(7)))
+    tid = regs[2].targets[0].target_id
+    v = d.sm.cluster_map().version
+    reply = d.do("remove_target", pb.RemoveTargetRequest(target_id=tid), pb.ReplaceReply)
+    assert list(reply.groups_stuck) == []
+    cmap = d.sm.cluster_map()
+    assert cmap.version > v
+    assert next(t for t in cmap.targets if t.target_id == tid).state == pb.TARGET_STATE_FAILED
+    assert not any(tid in g.target_ids for g in cmap.groups)
+    rebuilding = [g for g in cmap.groups if g.rebuilding]
+    assert rebuilding and all(list(g.rebuild_sources) == [0] for g in rebuilding)  # dead: decode
+    with pytest.raises(InvalidArgumentError, match="already removed"):
+        d.do("remove_target", pb.RemoveTargetRequest(target_id=tid), pb.ReplaceReply)
+    with pytest.raises(NotFoundError):
+        d.do("remove_target", pb.RemoveTargetRequest(target_id=999), pb.ReplaceReply)
+    # A file removed now owes GC only to live members; nothing waits on tid.
+    d.do("unlink", pb.UnlinkRequest(loc=pb.Loc(path="/f")))
+    assert d.sm.gc and not d.sm.list_gc([tid])
+    # The removed target's node heartbeating does not bring it back.
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=regs[2].node_id))
+    assert not any(tid in g.target_ids for g in d.sm.cluster_map().groups)
+    _same_after_restore(d)
+
+
+def test_drain_records_copy_sources_and_rm_waits_for_them() -> None:
+    d = Driver()
+    regs = d.register(7, 1)
+    node = regs[4].node_id
+    tid = regs[4].targets[0].target_id
+    held = [g for g in _groups(d).values() if tid in g.target_ids]
+    assert held
+    with pytest.raises(BusyError, match="drain it first"):
+        d.do("remove_node", pb.RemoveNodeRequest(node_id=node))
+    reply = d.do("drain_node", pb.DrainNodeRequest(node_id=node), pb.ReplaceReply)
+    assert list(reply.groups_stuck) == []
+    cmap = d.sm.cluster_map()
+    assert next(n for n in cmap.nodes if n.node_id == node).draining
+    groups = _groups(d)
+    for g in held:
+        now = groups[g.group_id]
+        assert tid not in now.target_ids
+        assert list(now.rebuild_sources) == [tid]  # copy from the draining target
+        new = now.rebuilding[0]
+        assert new == now.target_ids[list(g.target_ids).index(tid)]  # same position
+    _same_after_restore(d)
+    # Still the copy source of unfinished rebuilds: not removable yet.
+    with pytest.raises(BusyError, match="copy source"):
+        d.do("remove_node", pb.RemoveNodeRequest(node_id=node))
+    for g in held:
+        now = groups[g.group_id]
+        d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=g.group_id, target_id=now.rebuilding[0]))
+    assert not any(g.rebuild_sources for g in d.sm.cluster_map().groups)
+    d.do("remove_node", pb.RemoveNodeRequest(node_id=node))
+    cmap = d.sm.cluster_map()
+    assert node not in {n.node_id for n in cmap.nodes} and tid not in {t.target_id for t in cmap.targets}
+    with pytest.raises(NotFoundError):
+        d.do("remove_node", pb.RemoveNodeRequest(node_id=node))
+    _same_after_restore(d)
+
+
+def test_drain_without_spare_nodes_reports_stuck_groups() -> None:
+    d = Driver()
+    regs = d.register(6, 1)
+    reply = d.do("drain_node", pb.DrainNodeRequest(node_id=regs[0].node_id), pb.ReplaceReply)
+    assert sorted(reply.groups_stuck) == sorted(g.group_id for g in d.sm.cluster_map().groups
+                                                if regs[0].targets[0].target_id in g.target_ids)
+    assert not any(g.rebuilding for g in d.sm.cluster_map().groups)
+
+
+def test_replacing_a_rebuilding_member_keeps_its_copy_source() -> None:
+    # Drain node A (copy sources = A's target), then the new member dies
+    # before its copy finished and is removed: its successor must still
+    # copy from A's target, the only full copy of that position.
+    d = Driver()
+    regs = d.register(8, 1)
+    a = regs[0].targets[0].target_id
+    d.do("drain_node", pb.DrainNodeRequest(node_id=regs[0].node_id), pb.ReplaceReply)
+    g = next(g for g in d.sm.cluster_map().groups if g.rebuilding)
+    first = g.rebuilding[0]
+    d.do("remove_target", pb.RemoveTargetRequest(target_id=first), pb.ReplaceReply)
+    now = _groups(d)[g.group_id]
+    assert first not in now.target_ids
+    assert dict(zip(now.rebuilding, now.rebuild_sources, strict=True)).get(now.target_ids[list(g.target_ids).index(first)]) == a
