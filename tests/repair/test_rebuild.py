@@ -45,7 +45,13 @@ def _cli(cl: LocalCluster, *args: str) -> tuple[int, Any, str]:
 
 async def _write(cl: LocalCluster) -> dict[str, bytes]:
     async with AsyncClient(cl.meta_addrs) as c:
-        return await write_files(c, n=4)
+        files = await write_files(c, n=4)
+        # and one replicated file: its copies are rebuilt by copying a copy
+        await c.mkdir("/r")
+        await c.set_layout("/r", chunk_size=128 * 1024, redundancy="replica:3")
+        files["/r/copies"] = random_bytes(600 * 1024, 42)
+        await c.write_bytes("/r/copies", files["/r/copies"])
+        return files
 
 
 async def _check(cl: LocalCluster, files: dict[str, bytes]) -> None:
