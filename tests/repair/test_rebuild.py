@@ -118,6 +118,8 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
             def each(m: pb.ClusterMap) -> None:
                 if any(g.rebuilding for g in m.groups):
                     seen["rebuilding"] += 1
+                if any(t.target_id in dead and t.state == pb.TARGET_STATE_OFFLINE for t in m.targets):
+                    seen["offline"] = True  # failure detection: heartbeats missed
 
             await wait_map(cluster, lambda m: not any(dead.intersection(g.target_ids) for g in m.groups), 30,
                            "the dead node's targets to be replaced", each)
@@ -132,7 +134,7 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     done = asyncio.run(watch())
-    assert seen["rebuilding"] > 0 and seen["reads"] > 0, seen
+    assert seen["rebuilding"] > 0 and seen["reads"] > 0 and seen.get("offline"), seen
     # `tierfs status` showed the rebuild's progress (chunks done of total).
     assert seen.get("progress"), seen
     assert all(0 <= p["done"] <= p["total"] for p in seen["progress"])

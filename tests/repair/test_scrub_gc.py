@@ -134,3 +134,33 @@ def test_gc_reaches_a_node_that_was_down(cluster: LocalCluster) -> None:
     while fragments(cluster, victim):
         assert time.monotonic() < end, f"{victim} kept the removed file's fragments after it came back"
         time.sleep(0.2)
+
+
+@pytest.mark.timeout(90)
+def test_background_scrub_repairs_a_flipped_byte(tmp_path: Path) -> None:
+    cl = start(tmp_path / "bg", n_storage=6, storage_args=("--scrub-rate=64MiB", "--scrub-interval=1s"))
+    try:
+        async def write() -> dict[str, bytes]:
+            async with AsyncClient(cl.meta_addrs) as c:
+                return await write_files(c, n=1)
+
+        files = asyncio.run(write())
+        victim = fragments(cl)[7]
+        good = victim.read_bytes()
+        raw = bytearray(good)
+        raw[4096 + 200] ^= 0x01  # payload (the header is the first 4 KiB)
+        victim.write_bytes(bytes(raw))
+        end = time.monotonic() + 30
+        while not (victim.exists() and victim.read_bytes() == good):
+            assert time.monotonic() < end, "the background scrub did not repair the fragment"
+            time.sleep(0.2)
+        assert len(list(cl.dir.glob("storage-*/t*/quarantine/*"))) == 1
+
+        async def check() -> None:
+            async with AsyncClient(cl.meta_addrs) as c:
+                for path, data in files.items():
+                    assert digest(await c.read_bytes(path)) == digest(data)
+
+        asyncio.run(check())
+    finally:
+        cl.stop()
