@@ -112,3 +112,22 @@ def test_replacing_a_rebuilding_member_keeps_its_copy_source() -> None:
     now = _groups(d)[g.group_id]
     assert first not in now.target_ids
     assert dict(zip(now.rebuilding, now.rebuild_sources, strict=True)).get(now.target_ids[list(g.target_ids).index(first)]) == a
+
+
+def test_no_tick_entries_while_no_replacement_is_possible() -> None:
+    # 6 nodes, ec:4+2 groups use all of them: a dead node cannot be
+    # replaced, and the leader must not log a no-op tick every second for it.
+    d = Driver()
+    regs = d.register(6, 1)
+    d.advance(20)
+    for r in regs[1:]:
+        d.do("heartbeat", pb.HeartbeatRequest(node_id=r.node_id))
+    assert d.sm.tick_due(d.now, 5000, 1000)  # node 1 is due to go offline
+    d.do("tick", pb.TickRequest(heartbeat_timeout_ms=5000, replace_after_ms=1000))
+    d.advance(5)
+    for r in regs[1:]:
+        d.do("heartbeat", pb.HeartbeatRequest(node_id=r.node_id))
+    assert not d.sm.tick_due(d.now, 5000, 1000)
+    # A seventh node makes the replacement possible: now it is due.
+    d.register(1, 1, prefix="spare")
+    assert d.sm.tick_due(d.now, 5000, 1000)

@@ -946,8 +946,20 @@ class MetaStateMachine:
         if replace_after_ms:
             after = replace_after_ms * NS_PER_MS
             down = {t.id for t in self.targets.values() if t.down_since and now - t.down_since >= after}
-            if down and any(down.intersection(g) for g in self.groups.values()):
+            if down and self._replaceable(down):
                 return True
+        return False
+
+    def _replaceable(self, down: set[int]) -> bool:
+        """Whether some group holding one of ``down`` has a candidate to
+        replace it (a group with none would make every tick a no-op log
+        entry, forever)."""
+        eligible = self._eligible()
+        for members in self.groups.values():
+            for tid in down.intersection(members):
+                used = {self.targets[m].node for m in members if m != tid}
+                if any(n not in used and c not in members for c, n in eligible.items()):
+                    return True
         return False
 
     def stat(self, loc: pb.Loc) -> pb.FileInfo:

@@ -353,6 +353,11 @@ class Repairer:
         prog.state = "rebuilding"
         try:
             _, errors = await self.fill(gid, tid, prog)
+            if not errors:
+                # Once more: chunks committed while the first pass ran (a
+                # writer with an older map may have sent this position's
+                # fragment to the replaced member). Present ones cost nothing.
+                _, errors = await self.fill(gid, tid, prog)
         except TierFSError as exc:
             errors = [f"listing: {exc}"]
         if errors:
