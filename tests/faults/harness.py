@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,12 @@ MiB = 1 << 20
 FAST_META = ("--heartbeat-timeout=3",)
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def digest(data: Any) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -69,6 +76,7 @@ class FaultCluster:
         self.cl = LocalCluster(path, n_storage=n_storage, extra_meta_args=list(extra_meta_args),
                                extra_storage_args=list(extra_storage_args), host=host, python=python)
         self.proxies: dict[str, FaultProxy] = {}
+        self.control_proxies: dict[str, FaultProxy] = {}
         try:
             if plan_hook is not None:
                 plan_hook(self.cl)  # edit the plan (addresses, argv) before anything starts
@@ -78,6 +86,11 @@ class FaultCluster:
                 p.argv.append(f"--advertise-host={PROXY_HOST}")
                 p.addr = f"{PROXY_HOST}:{port}"  # what meta's map will say: health() matches on it
                 self.proxies[name] = FaultProxy((PROXY_HOST, int(port)), (host, int(port)))
+                # The control service (scrub, repair status) is advertised on the
+                # same host: a fixed port with a plain pass-through proxy.
+                cport = _free_port(host)
+                p.argv.append(f"--control-port={cport}")
+                self.control_proxies[name] = FaultProxy((PROXY_HOST, cport), (host, cport))
             self.cl.start(timeout=120)
             asyncio.run(self.cl.wait_healthy(120))
         except BaseException:
@@ -110,7 +123,7 @@ class FaultCluster:
                         os.kill(p.pid, signal.SIGCONT)
             self.cl.stop()
         finally:
-            for px in self.proxies.values():
+            for px in [*self.proxies.values(), *self.control_proxies.values()]:
                 px.close()
 
 

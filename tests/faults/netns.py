@@ -84,11 +84,17 @@ class NetnsNode:
 
     @classmethod
     def create(cls, subnet: int) -> NetnsNode:
-        """Build the namespace and veth; ``pytest.skip`` if not permitted."""
+        """Build the namespace and veth; ``pytest.skip`` if not permitted.
+        ``subnet`` is a preference: the first 10.200.<n>.0/24 from it that
+        no interface here uses is taken (parallel test runs do not clash)."""
         why = netns_unavailable()
         if why:
             pytest.skip(why)
-        nn = cls(subnet)
+        used = _ip("-4", "-o", "addr", "show").stdout
+        free = [n for n in [*range(subnet, 255), *range(1, subnet)] if f" 10.200.{n}." not in used]
+        if not free:
+            pytest.skip("no free 10.200.<n>.0/24 subnet")
+        nn = cls(free[0])
         try:
             nn._setup()
         except BaseException:

@@ -1,23 +1,27 @@
 """A randomized soak: client writes, reads and deletes mixed with random
 faults — SIGKILL and restart of a storage daemon, SIGSTOP and SIGCONT, a
 fragment corrupted on disk, drop/stall/reset/truncate on one node's data
-plane (through a TCP fault proxy) — on a real 3-meta, 6-storage cluster.
+plane (through a TCP fault proxy) — and now and then a ``tierfs scrub``
+that must repair the corruption, on a real 3-meta, 6-storage cluster.
 
 Invariant, checked on every read and again at the end: every acknowledged
 file reads back exactly; a failed write leaves no visible partial file; a
-deleted file is gone; with the faults cleared the cluster is healthy.
+deleted file is gone; with the faults cleared the cluster is healthy and,
+after a scrub, has no corrupt or missing fragment left.
 
 Deterministic choices from a fixed seed (``TIERFS_SOAK_SEED``, default 1);
 runs for ``TIERFS_SOAK_SECONDS`` (default 30; ``make soak`` runs 600).
 At most one transient fault (a node down or stopped, or a proxy fault) is
 active at a time and at most one fragment per chunk is corrupted, so every
-chunk keeps at least K=4 good fragments of 6: reads must succeed, and any
-read error is reported as a failure too.
+chunk keeps at least K=4 good fragments of 6 (a scrub resets the count):
+reads must succeed, and any read error is reported as a failure too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import random
 import signal
@@ -29,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import FaultCluster, Ledger, MiB, digest, fragment_files, random_bytes
+from tierfs.cli.main import run
 from tierfs.client import Client
 from tierfs.errors import TierFSError
 
@@ -127,6 +132,20 @@ class Soak:
         # Back to healthy before the next fault: one fault at a time.
         asyncio.run(self.fc.cl.wait_healthy(60))
 
+    def scrub(self) -> dict[str, int]:
+        """``tierfs scrub`` on a healthy cluster: every corrupt fragment is
+        rebuilt, so chunks may be damaged again afterwards."""
+        out = io.StringIO()
+        code = run(["scrub", "--json", "--meta", ",".join(self.fc.meta_addrs)], stdout=out, stderr=io.StringIO())
+        doc = json.loads(out.getvalue())
+        if code != 0 or doc["total"].get("errors", 0):
+            self.read_errors.append(f"scrub on a healthy cluster failed: {doc.get('total')}")
+            return {}
+        self.damaged.clear()
+        self.count("scrub")
+        self.counts["scrub_repaired"] = self.counts.get("scrub_repaired", 0) + int(doc["total"].get("repaired", 0))
+        return {k: int(v) for k, v in doc["total"].items() if isinstance(v, int | float)}
+
     def corrupt(self) -> None:
         """Flip a byte in one fragment of a chunk that has none damaged yet."""
         if not self.ledger.acked:
@@ -188,6 +207,8 @@ def test_randomized_soak(fc: FaultCluster) -> None:
                 fault_until = time.monotonic() + rng.uniform(0.5, 3.0)
             elif r < 0.12:
                 s.corrupt()
+            elif r < 0.13 and not s.fault:
+                s.scrub()
             elif r < 0.45:
                 s.write()
             elif r < 0.52:
@@ -197,6 +218,10 @@ def test_randomized_soak(fc: FaultCluster) -> None:
         if s.fault:
             s.end_fault()
         fc.restart_all()
+        # Full redundancy again: a scrub repairs what was corrupted, a second finds nothing.
+        s.scrub()
+        again = s.scrub()
+        assert again and again.get("corrupt", 1) == 0 and again.get("missing", 1) == 0, again
         checked = s.ledger.verify(client)
         print(f"\nsoak seed={SEED} {SECONDS:.0f}s: {dict(sorted(s.counts.items()))}; "
               f"{len(s.ledger.acked)} files ({checked} bytes) verified at the end; "
