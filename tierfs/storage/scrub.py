@@ -92,7 +92,6 @@ class Scrubber:
         self.repairer = repairer
         self.orphan_grace = orphan_grace
         self._node_id = node_id
-        self._pass_lock = asyncio.Lock()
         self.counters: dict[str, int] = dict.fromkeys(
             ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
              "orphans_deleted", "errors"), 0)
@@ -102,30 +101,32 @@ class Scrubber:
         return int(self._node_id() if callable(self._node_id) else (self._node_id or 0))
 
     async def scrub(self, *, rate: int = 0, repair: bool = True, delete_orphans: bool = True) -> ScrubReport:
-        """One full pass (see the module docstring); passes never overlap."""
-        async with self._pass_lock:
-            t0 = time.monotonic()
-            rep = ScrubReport(node_id=self.node_id)
-            r = self.repairer
-            await r.refresh_map()
-            limiter = RateLimiter(rate)
-            files: dict[int, _File | None] = {}
-            for tid, eng in sorted(r.engines.items()):
-                await self._verify_target(eng, rep, limiter, files, repair)
-                await self._missing(tid, eng, rep, files, repair)
-                # Fresh answers: a write may have begun since the steps above asked.
-                await self._orphans(tid, eng, rep, {}, delete_orphans)
-            rep.seconds = time.monotonic() - t0
-            for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
-                self.counters[k] += getattr(rep, k)
-            self.counters["verified"] += rep.fragments
-            self.counters["verified_bytes"] += rep.bytes
-            self.counters["passes"] += 1
-            if rep.corrupt or rep.missing or rep.orphans or rep.errors:
-                log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d orphans (%d deleted), "
-                            "%d errors", rep.fragments, rep.corrupt, rep.missing, rep.repaired, rep.orphans,
-                            rep.orphans_deleted, rep.errors)
-            return rep
+        """One full pass (see the module docstring). An on-demand pass may run
+        alongside a (slow, throttled) background one rather than wait hours
+        behind it: every step is idempotent (a fragment repaired or deleted
+        twice ends the same)."""
+        t0 = time.monotonic()
+        rep = ScrubReport(node_id=self.node_id)
+        r = self.repairer
+        await r.refresh_map()
+        limiter = RateLimiter(rate)
+        files: dict[int, _File | None] = {}
+        for tid, eng in sorted(r.engines.items()):
+            await self._verify_target(eng, rep, limiter, files, repair)
+            await self._missing(tid, eng, rep, files, repair)
+            # Fresh answers: a write may have begun since the steps above asked.
+            await self._orphans(tid, eng, rep, {}, delete_orphans)
+        rep.seconds = time.monotonic() - t0
+        for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
+            self.counters[k] += getattr(rep, k)
+        self.counters["verified"] += rep.fragments
+        self.counters["verified_bytes"] += rep.bytes
+        self.counters["passes"] += 1
+        if rep.corrupt or rep.missing or rep.orphans or rep.errors:
+            log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d orphans (%d deleted), "
+                        "%d errors", rep.fragments, rep.corrupt, rep.missing, rep.repaired, rep.orphans,
+                        rep.orphans_deleted, rep.errors)
+        return rep
 
     # ---- the three steps ------------------------------------------------------------
 
