@@ -11,6 +11,8 @@ from tierfs.storage.api import FragmentInfo, FragmentKey, FragmentStore
 from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState, TargetStats, crc32c
 from tierfs.storage.io import IOBackend, PosixBackend, UringBackend, open_backend, probe_uring
+from tierfs.storage.repair import RateLimiter, Repairer
+from tierfs.storage.scrub import Scrubber, ScrubReport
 
 __all__ = [
     "ChunkEngine",
@@ -19,6 +21,10 @@ __all__ = [
     "FragmentStore",
     "IOBackend",
     "PosixBackend",
+    "RateLimiter",
+    "Repairer",
+    "ScrubReport",
+    "Scrubber",
     "StorageConfig",
     "TargetState",
     "TargetStats",
