@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.errors import (
+    CorruptError,
     InsufficientTargetsError,
     InvalidArgumentError,
     NotFoundError,
@@ -270,7 +271,12 @@ class Repairer:
         if p == 0:
             payload = memoryview(b"")
         else:
-            payload = (await asyncio.to_thread(codec.reconstruct, views, p, [j]))[j]
+            try:
+                payload = (await asyncio.to_thread(codec.reconstruct, views, p, [j]))[j]
+            except TierFSError:
+                raise
+            except Exception as exc:  # pyeclib's own errors: bad input fragments
+                raise CorruptError(f"{key}: reconstruction failed: {type(exc).__name__}: {exc}") from exc
         t2 = time.perf_counter()
         n = p
         if j < f.k:
@@ -395,6 +401,8 @@ class Repairer:
                 await self.rebuild_once()
             except TierFSError as exc:
                 log.warning("rebuild round failed: %s", exc)
+            except Exception:  # a bug must not stop the worker (nor the node's other loops)
+                log.exception("rebuild round failed")
             await asyncio.sleep(self.poll_interval)
 
     def status(self) -> list[GroupProgress]:

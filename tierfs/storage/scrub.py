@@ -281,6 +281,8 @@ class Scrubber:
                     await self.scrub(rate=rate, repair=True, delete_orphans=True)
                 except TierFSError as exc:
                     log.warning("scrub pass failed: %s", exc)
+                except Exception:  # a bug must not stop the node's other loops
+                    log.exception("scrub pass failed")
                 next_pass = time.monotonic() + interval
             await self._suspects()
             await asyncio.sleep(min(1.0, max(0.05, next_pass - time.monotonic())))
@@ -297,5 +299,7 @@ class Scrubber:
                 await self._check(tid, eng, key, rep, files, True)
         except TierFSError as exc:
             log.warning("scrub of suspects failed: %s", exc)
+        except Exception:
+            log.exception("scrub of suspects failed")
         for k in ("corrupt", "missing", "repaired", "errors"):
             self.counters[k] += getattr(rep, k)
