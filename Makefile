@@ -43,5 +43,9 @@ down: install
 bench: install
 	$(BIN)/python -m bench.run
 
+# The randomized fault soak for 10 minutes (make test runs it for 30 s).
+soak: install
+	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} $(BIN)/python -m pytest tests/soak -q -s
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
