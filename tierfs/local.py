@@ -326,7 +326,7 @@ class LocalCluster:
 
         alive = self.running()
         out: dict[str, Any] = {"meta": [], "storage": [], "groups": 0, "map_version": 0}
-        async with MetaClient(self.meta_addrs, deadline=deadline) as mc:
+        async with MetaClient(self.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3)) as mc:
             for p in self.procs:
                 if p.kind != "meta":
                     continue
