@@ -2,24 +2,26 @@
 front of every meta replica; Raft between the replicas and the storage
 daemons' heartbeats are untouched.
 
-Routing: each replica still binds 127.0.0.1:G, but the peers know its gRPC
-address as 127.0.0.2:G (the ``--peer RAFT=GRPC`` flag), so the leader hints
-in NotLeader answers point at the proxies too; the client only knows the
-proxies.
+Routing: each replica still binds 127.0.0.1:G, but advertises 127.0.0.2:G
+(``--advertise-grpc-addr``, and the peers' ``--peer RAFT=GRPC``), so the
+leader hints in NotLeader answers point at the proxies too; the client only
+knows the proxies.
 
 What it proves: metadata calls ride through added latency and connection
-resets (retried on a new connection or another replica); with the gRPC
-paths to the leader and one follower stalled (the leader itself healthy) the
-client moves to the last replica after one attempt timeout per call and the
-write commits (a follower hands mutations to the leader over Raft); when the
-paths are back everything acknowledged reads back exactly.
+resets (retried on a new connection or another replica); with one
+follower's gRPC path stalled the client moves on after one attempt timeout
+and the write commits; with the leader's path stalled (the leader itself
+healthy) a write fails with UnavailableError after the meta deadline and
+leaves nothing behind, because followers answer NotLeader instead of
+forwarding; when the paths are back everything acknowledged reads back
+exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -30,28 +32,38 @@ from tierfs.local import LocalCluster
 META = ("meta-0", "meta-1", "meta-2")
 
 
-def _advertise_meta_via_proxy(cl: LocalCluster) -> None:
-    for m in META:
-        grpc = cl.proc(m).addr
-        proxied = f"{PROXY_HOST}:{grpc.rpartition(':')[2]}"
-        for p in cl.procs:
-            if p.kind == "meta":
-                p.argv = [a.replace(f"={grpc}", f"={proxied}") if a.startswith("--peer=") else a for a in p.argv]
+def _meta_behind_proxies(proxies: dict[str, FaultProxy]) -> Callable[[LocalCluster], None]:
+    """A plan hook: every replica advertises 127.0.0.2:G, and a pass-through
+    proxy listens there before anything starts (storage daemons follow the
+    leader hints while they register)."""
+
+    def hook(cl: LocalCluster) -> None:
+        for m in META:
+            grpc = cl.proc(m).addr
+            host, _, port = grpc.rpartition(":")
+            proxied = f"{PROXY_HOST}:{port}"
+            for p in cl.procs:
+                if p.kind == "meta":
+                    p.argv = [a.replace(f"={grpc}", f"={proxied}") if a.startswith("--peer=") else a
+                              for a in p.argv]
+            cl.proc(m).argv.append(f"--advertise-grpc-addr={proxied}")
+            proxies[m] = FaultProxy((PROXY_HOST, int(port)), (host, int(port)))
+
+    return hook
 
 
 @pytest.fixture(scope="module")
 def fc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultCluster, dict[str, FaultProxy]]]:
-    c = FaultCluster(tmp_path_factory.mktemp("metaproxy"), plan_hook=_advertise_meta_via_proxy)
     proxies: dict[str, FaultProxy] = {}
     try:
-        for m in META:
-            host, _, port = c.cl.proc(m).addr.rpartition(":")
-            proxies[m] = FaultProxy((PROXY_HOST, int(port)), (host, int(port)))
-        yield c, proxies
+        c = FaultCluster(tmp_path_factory.mktemp("metaproxy"), plan_hook=_meta_behind_proxies(proxies))
+        try:
+            yield c, proxies
+        finally:
+            c.close()
     finally:
         for px in proxies.values():
             px.close()
-        c.close()
 
 
 def _leader(fc: FaultCluster) -> str:
@@ -70,11 +82,8 @@ def test_meta_path_delay_reset_and_stalled_leader(fc: tuple[FaultCluster, dict[s
         client.mkdir("/mp")
         client.set_layout("/mp", chunk_size=MiB)
         assert ledger.write(client, "/mp/a", random_bytes(3 * MiB, seed=1))
-        if client.aclient.meta.leader not in addrs:
-            # Replicas register their own --grpc-addr in the replicated state and
-            # NotLeader hints carry it, so the client walked around the proxies.
-            pytest.skip(f"the client follows leader hints to {client.aclient.meta.leader}, past the proxies: "
-                        "tierfs-meta has no option to advertise a gRPC address other than the one it binds")
+        # Leader hints carry each replica's --advertise-grpc-addr: the proxies.
+        assert client.aclient.meta.leader in addrs, client.aclient.meta.leader
 
         # 1. latency on every meta path: slower, never wrong
         for px in proxies.values():
@@ -91,24 +100,32 @@ def test_meta_path_delay_reset_and_stalled_leader(fc: tuple[FaultCluster, dict[s
         assert ledger.write(client, "/mp/c", random_bytes(MiB, seed=3))
         ledger.verify(client)
 
-        # 3. the leader's gRPC path and one follower's stall (Raft is fine: the
-        #    leader stays leader): the client gives up on each after one attempt
-        #    timeout and lands on the last replica, which forwards the mutations
+        # 3a. one follower's gRPC path stalls: the client gives up on it after
+        #     one attempt timeout and the write commits through the others
         lead = _leader(c)
-        stalled = [lead, next(m for m in META if m != lead)]
-        for m in stalled:
-            proxies[m].set("stall")
+        follower = next(m for m in META if m != lead)
+        proxies[follower].set("stall")
         t0 = time.monotonic()
         ok = ledger.write(client, "/mp/d", random_bytes(2 * MiB, seed=4))
         took = time.monotonic() - t0
-        for m in stalled:
-            proxies[m].set("pass")
-        print(f"\nmeta paths +50 ms: write+verify {slow:.2f}s; {stalled} stalled (leader first): write "
+        proxies[follower].set("pass")
+        print(f"\nmeta paths +50 ms: write+verify {slow:.2f}s; {follower} stalled: write "
               f"{'committed' if ok else 'failed: ' + ledger.errors[-1][:160]} after {took:.1f}s; "
               f"proxy connections {[(m, p.stats.accepted) for m, p in proxies.items()]}")
         assert ok, ledger.errors[-1]
         assert took < 8.0 * 3, took  # within the meta deadline of each of its calls
         assert slow > 0.1, "the delayed proxies were not on the client's path"
+        # 3b. the leader's gRPC path stalls (Raft is fine: it stays leader).
+        #     Followers do not forward mutations, so the write fails with a
+        #     clear error once the meta deadline is spent, and leaves nothing.
+        proxies[lead].set("stall")
+        t0 = time.monotonic()
+        ok = ledger.write(client, "/mp/e", random_bytes(MiB, seed=6))
+        took = time.monotonic() - t0
+        proxies[lead].set("pass")
+        assert not ok and "UnavailableError" in ledger.errors[-1], ledger.errors[-1:]
+        assert took < 8.0 * 4, took
+        print(f"leader path stalled: write failed after {took:.1f}s: {ledger.errors[-1][:120]}")
         # 4. path back: the same path takes a write, everything exact, cluster healthy
         deadline = time.monotonic() + 30
         while not ledger.write(client, "/mp/d", random_bytes(2 * MiB, seed=5)):

@@ -37,6 +37,12 @@ class MetaConfig(BaseConfig):
     node_id: str = field("", "Name of this replica in logs and metrics (default: its raft address).")
     raft_addr: str = field("127.0.0.1:7100", "host:port this replica's Raft transport binds and is known by.")
     grpc_addr: str = field("127.0.0.1:7000", "host:port of this replica's gRPC server (port 0 picks a free port).")
+    advertise_grpc_addr: str = field(
+        "",
+        "host:port clients are told to use for this replica (leader hints in NotLeader answers); "
+        "default: the bound gRPC address. Set it when clients reach the replica through a proxy, "
+        "NAT or a different interface.",
+    )
     peers: list[str] = field(
         [],
         "The other members at first start, each RAFT_ADDR or RAFT_ADDR=GRPC_ADDR. A replica being "
@@ -75,6 +81,8 @@ class MetaConfig(BaseConfig):
     def validate(self) -> None:
         split_addr(self.raft_addr, "raft_addr")
         split_addr(self.grpc_addr, "grpc_addr")
+        if self.advertise_grpc_addr:
+            split_addr(self.advertise_grpc_addr, "advertise_grpc_addr")
         if self.metrics_addr:
             split_addr(self.metrics_addr, "metrics_addr")
         seen = set()

@@ -195,7 +195,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     port = server.add_insecure_port(cfg.grpc_addr)
     if port == 0:
         raise OSError(f"cannot bind gRPC address {cfg.grpc_addr}")
-    rep.grpc_addr = f"{host}:{port}"
+    rep.grpc_addr = cfg.advertise_grpc_addr or f"{host}:{port}"
     await rep.start()
     await server.start()
     if ticking:
