@@ -109,22 +109,31 @@ def test_meta_leader_killed_during_large_write(own_cluster: LocalCluster) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_storage_daemon_killed_mid_write_fails_cleanly(own_cluster: LocalCluster) -> None:
-    """Every fragment must be stored: with a group member dead the write
-    fails with a clear error after its retries, and the previous contents
-    stay whole and readable (decoded around the dead daemon)."""
+def test_storage_daemon_killed_mid_write(own_cluster: LocalCluster) -> None:
+    """A group member dies mid-write. By default the write is degraded: each
+    chunk needs K+1 fragments, so it commits and reads back exactly. With
+    ``min_write_fragments=K+M`` (every fragment) the write fails with a
+    clear error after its retries, and the previous contents stay whole and
+    readable (decoded around the dead daemon)."""
     cl = own_cluster
     old = random_bytes(6 * MiB + 1, seed=21)
+    new = random_bytes(32 * MiB, seed=22)
     with Client(cl.meta_addrs, request_timeout=2.0, connect_timeout=1.0, retries=2) as client:
         client.write_bytes("/w.bin", old)
-        new = random_bytes(32 * MiB, seed=22)
-        with pytest.raises(TierFSError) as ei, client.open("/w.bin", "r+b") as f:
+        client.write_bytes("/d.bin", old)
+        with client.open("/d.bin", "r+b") as f:
             f.write(new[: 8 * MiB])
             f.flush()
             cl.kill("storage-2")
             f.write(new[8 * MiB:])
+        assert digest(client.read_bytes("/d.bin")) == digest(new)
+        assert client.aclient.degraded_writes > 0
+    with Client(cl.meta_addrs, request_timeout=2.0, connect_timeout=1.0, retries=2,
+                min_write_fragments=6) as client:
+        with pytest.raises(TierFSError) as ei, client.open("/w.bin", "r+b") as f:
+            f.write(new)
         assert isinstance(ei.value, UnavailableError | TimeoutError), ei.value
-        assert "chunk" in str(ei.value)
+        assert "chunk" in str(ei.value) and "6 needed" in str(ei.value), ei.value
         assert digest(client.read_bytes("/w.bin")) == digest(old)
         st = client.stat("/w.bin")
         assert st.size == len(old) and not st.writing

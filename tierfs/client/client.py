@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import contextlib
 import functools
+import logging
 import stat as _stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -54,11 +56,42 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncClient", "FileStat"]
 
+log = logging.getLogger(__name__)
+
 _TYPES = {pb.INODE_TYPE_FILE: "file", pb.INODE_TYPE_DIRECTORY: "directory", pb.INODE_TYPE_SYMLINK: "symlink"}
 _MODE_BITS = {pb.INODE_TYPE_FILE: _stat.S_IFREG, pb.INODE_TYPE_DIRECTORY: _stat.S_IFDIR,
               pb.INODE_TYPE_SYMLINK: _stat.S_IFLNK}
 #: A fragment failing with one of these will fail again: do not retry it.
 _PERMANENT = (NotFoundError, CorruptError, InvalidArgumentError, StaleVersionError)
+
+
+class _Hedged(TierFSError):
+    """A fragment fetch cancelled because it lagged: read from parity. Not a
+    failure of the target (``_note`` ignores it); it is marked slow instead."""
+
+
+class _Latencies:
+    """Recent data-fragment fetch latencies (seconds, from the chunk's first
+    request to the answer) and the adaptive hedge delay they give: twice
+    their p95, so a healthy node on a busy client is never hedged but a node
+    lagging by more than its peers' spread is."""
+
+    __slots__ = ("_cached", "_n", "_xs")
+
+    def __init__(self, size: int = 256) -> None:
+        self._xs: collections.deque[float] = collections.deque(maxlen=size)
+        self._n = 0
+        self._cached = 0.05  # before any sample: a guess that is far below any timeout
+
+    def add(self, x: float) -> None:
+        self._xs.append(x)
+        self._n += 1
+        if self._n % 32 == 0:
+            xs = sorted(self._xs)
+            self._cached = 2 * xs[int(0.95 * (len(xs) - 1))]
+
+    def hedge_delay(self, lo: float, hi: float) -> float:
+        return min(max(self._cached, lo), max(lo, hi))
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +215,11 @@ class AsyncClient:
         self._data: DataClient | None = None
         self._router: Router | None = None
         self._closed = False
+        self._lat = _Latencies()
+        #: Fragment fetches cancelled by hedging so far (they lagged; parity was read instead).
+        self.hedged = 0
+        #: Chunk writes acknowledged with fewer than K+M fragments (the scrubber adds the rest).
+        self.degraded_writes = 0
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -396,11 +434,12 @@ class AsyncClient:
             raise StaleVersionError(f"{view.path} has no placement groups")
         gid = view.groups[idx % len(view.groups)]
         for attempt in (0, 1):
-            targets = await router.targets(gid)
-            if len(targets) != view.codec.width:
-                raise StaleVersionError(f"group {gid} has {len(targets)} targets; {view.codec!r} needs "
+            used = router.version
+            members = await router.targets(gid)
+            if len(members) != view.codec.width:
+                raise StaleVersionError(f"group {gid} has {len(members)} targets; {view.codec!r} needs "
                                         f"{view.codec.width}")
-            targets, rebuilding = router.read_targets(gid, targets)
+            targets, rebuilding = router.read_targets(gid, members)
             try:
                 if view.codec.replicated:
                     await self._read_replica(view, idx, ver, targets, a, b, dest, rebuilding)
@@ -408,9 +447,16 @@ class AsyncClient:
                     await self._read_ec(view, idx, ver, targets, a, b, dest, rebuilding)
                 return
             except InsufficientTargetsError:
-                # The group may have moved (a target replaced): retry once on a newer map.
-                if attempt == 0 and await router.refresh():
-                    continue
+                # The group may have moved (a target replaced): retry once on a
+                # newer map. Another chunk's refresh may have fetched it already
+                # (then ``refresh`` is rate-limited and says False): what counts
+                # is whether the map differs from the one this attempt used.
+                if attempt == 0:
+                    with contextlib.suppress(TierFSError):
+                        await router.refresh()
+                    if router.version != used or router.read_targets(gid, router.groups.get(gid, ())) != (
+                            targets, rebuilding):
+                        continue
                 raise
 
     def _note(self, target: int, exc: TierFSError) -> None:
@@ -450,8 +496,16 @@ class AsyncClient:
                 bad[j] = UnavailableError(f"target {targets[j]} is offline, failed just now or being rebuilt")
         else:
             keys = [FragmentKey(view.inode, idx, j, ver) for j, _, _ in pieces]
-            res = await data.read_batch([(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)],
-                                        timeout=self.config.request_timeout)
+            items = [(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)]
+            hedge = self._hedge_delay()
+            res: list[int | TierFSError]
+            if hedge is None or len(items) < 2:
+                res = await data.read_batch(items, timeout=self.config.request_timeout)
+            else:
+                res = await self._hedged_batch(items, hedge, codec.m)
+            for (j, _, _), r in zip(pieces, res, strict=True):
+                if isinstance(r, _Hedged):
+                    router.mark_slow(targets[j], self.config.slow_target_ttl)
             for (j, o, d), k, r in zip(pieces, keys, res, strict=True):
                 if isinstance(r, int):
                     if r < len(d):
@@ -466,6 +520,60 @@ class AsyncClient:
             if not bad:
                 return
         await self._decode_into(view, idx, ver, targets, a, b, dest, bad, whole, skip)
+
+    def _hedge_delay(self) -> float | None:
+        """How long the data fragments of a chunk may take before parity is
+        asked instead; None: hedging is off."""
+        cfg = self.config
+        if cfg.hedge_after < 0:
+            return None
+        if cfg.hedge_after > 0:
+            return cfg.hedge_after
+        return self._lat.hedge_delay(cfg.hedge_min, cfg.request_timeout / 4)
+
+    async def _hedged_batch(self, items: Sequence[tuple[int, FragmentKey, memoryview, int]], hedge: float,
+                            m: int) -> list[int | TierFSError]:
+        """``read_batch`` with one request per fragment; those still running
+        after ``hedge`` seconds, when at most ``m`` (parity can stand in) and
+        at least one other fragment already arrived (so the lag is the
+        node's, not this client's), are cancelled and come back as
+        :class:`_Hedged`. A cancelled request never writes its buffer again
+        (the data plane drops the connection if its payload was landing)."""
+        _, data, _ = self._parts()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timeout = self.config.request_timeout
+        lat = self._lat
+
+        async def one(item: tuple[int, FragmentKey, memoryview, int]) -> int | TierFSError:
+            r = (await data.read_batch([item], timeout=timeout))[0]
+            if isinstance(r, int):
+                lat.add(loop.time() - t0)
+            return r
+
+        tasks = [loop.create_task(one(it)) for it in items]
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=hedge)
+            if pending and (len(pending) > m or not done):
+                await asyncio.wait(pending)  # everyone is slow: nothing to gain from parity
+                pending = set()
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+                self.hedged += len(pending)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+        out: list[int | TierFSError] = []
+        for it, t in zip(items, tasks, strict=True):
+            if t.cancelled():
+                out.append(_Hedged(f"fragment {it[1]} on target {it[0]} lagged more than {hedge * 1e3:.0f} ms: "
+                                   "read from parity instead"))
+            else:
+                out.append(t.result())
+        return out
 
     async def _decode_into(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
                            dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int],
@@ -593,17 +701,45 @@ class AsyncClient:
 
     # ---- the write path ---------------------------------------------------------
 
+    def min_write_fragments(self, codec: Codec) -> int:
+        """Fragments of a chunk that must be durable before its write counts
+        (see ``ClientConfig.min_write_fragments``)."""
+        n = self.config.min_write_fragments
+        if n == 0:
+            n = max(1, codec.width - 1) if codec.replicated else codec.k + min(1, codec.m)
+        return max(codec.k, min(n, codec.width))
+
     async def _write_chunk(self, view: FileView, idx: int, version: int, frags: Sequence[Any]) -> None:
         """Store the K+M fragments of chunk ``idx`` (tagged ``version``) on its
-        group, all in parallel; every fragment must be durable."""
+        group, all in parallel. Degraded writes: the chunk counts as stored
+        once ``min_write_fragments`` of them are durable. A position whose
+        target the map shows offline is not tried (while the others can still
+        reach the minimum); one that fails is retried like any other and
+        then left missing: the storage scrubber's missing-fragment step
+        rebuilds it from the committed version. Fragments are keyed by
+        version, so an older fragment on a returning node is never read as
+        this one."""
         _, data, router = self._parts()
         cfg = self.config
         gid = view.groups[idx % len(view.groups)]
         targets = await router.targets(gid)
-        if len(targets) != len(frags):
-            raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {len(frags)}")
-        pending = list(range(len(frags)))
+        width = len(frags)
+        if len(targets) != width:
+            raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {width}")
+        need = self.min_write_fragments(view.codec)
         errors: dict[int, TierFSError] = {}
+        done: set[int] = set()
+
+        def plan(cands: Sequence[int]) -> list[int]:
+            up = [j for j in cands if not router.down(targets[j])]
+            if len(done) + len(up) < need:
+                return list(cands)  # the map may be stale: try them all rather than fail unasked
+            for j in cands:
+                if j not in up:
+                    errors.setdefault(j, UnavailableError(f"target {targets[j]} is offline in the cluster map"))
+            return up
+
+        pending = plan(range(width))
         delay = cfg.backoff_initial
         for attempt in range(cfg.retries):
             res = await data.write_batch(
@@ -612,28 +748,40 @@ class AsyncClient:
             failed = []
             for j, r in zip(pending, res, strict=True):
                 if r is None:
+                    done.add(j)
+                    errors.pop(j, None)
                     continue
                 errors[j] = r
                 self._note(targets[j], r)
                 if not isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
                     raise type(r)(f"{view.path}: chunk {idx}: fragment {j} on target {targets[j]}: {r}")
                 failed.append(j)
-            if not failed:
-                return
-            pending = failed
-            if attempt < cfg.retries - 1:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, cfg.backoff_max)
-                # The group may have changed (a dead member replaced): positions
-                # whose target moved are (re)written to the new member.
-                with contextlib.suppress(TierFSError):
-                    await router.refresh()
-                fresh = await router.targets(gid)
-                if fresh != targets and len(fresh) == len(targets):
-                    moved = [j for j in range(len(fresh)) if fresh[j] != targets[j]]
-                    pending = sorted(set(pending) | set(moved))
-                    targets = fresh
-        detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(errors[j]).__name__}: {errors[j]}"
-                           for j in pending)
-        raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid} "
-                               f"after {cfg.retries} attempts: {detail}")
+            if len(done) == width or (not failed and len(done) >= need):
+                break
+            if attempt == cfg.retries - 1:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max)
+            # The group may have changed (a dead member replaced): positions
+            # whose target moved are (re)written to the new member.
+            with contextlib.suppress(TierFSError):
+                await router.refresh()
+            fresh = await router.targets(gid)
+            again = set(failed) | {j for j in range(width) if j not in done and j not in errors}
+            if fresh != targets and len(fresh) == len(targets):
+                moved = {j for j in range(width) if fresh[j] != targets[j]}
+                done -= moved
+                again |= moved
+                targets = fresh
+            pending = plan(sorted(again))
+        if len(done) >= need:
+            if len(done) < width:
+                self.degraded_writes += 1
+                log.info("%s: chunk %d version %d stored degraded on group %s: %d of %d fragments (%s)",
+                         view.path, idx, version, gid, len(done), width,
+                         "; ".join(f"fragment {j} on target {targets[j]}: {errors[j]}" for j in sorted(errors)))
+            return
+        detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
+                           for j, e in sorted(errors.items()))
+        raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid}: {len(done)} of "
+                               f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")

@@ -39,6 +39,20 @@ class ClientConfig(BaseConfig):
     map_max_age: float = field(
         10.0, "A cluster map older than this is re-checked with meta before use (cheap when unchanged).",
         kind="duration")
+    hedge_after: float = field(
+        0.0, "Hedged reads: when a chunk's data-fragment fetches have not all arrived after this long, the "
+        "stragglers are cancelled and parity is fetched instead (decode from any K). 0: adaptive, twice the "
+        "p95 of recent fragment latencies, clamped to [hedge_min, request_timeout / 4]; < 0: never hedge.",
+        kind="duration")
+    hedge_min: float = field(
+        0.02, "Least adaptive hedge delay (a busy but healthy node must not trigger needless decodes).",
+        kind="duration")
+    slow_target_ttl: float = field(
+        2.0, "A target whose fetch was hedged is read around (parity first) for this long.", kind="duration")
+    min_write_fragments: int = field(
+        0, "Degraded writes: a chunk write succeeds once this many of its fragments are durable; the missing "
+        "ones are rebuilt by the storage scrubber. 0: K+1 for ec:K+M (one more failure survivable before "
+        "repair), N-1 for replica:N (at least 1); never fewer than K, never more than K+M.")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
 
     def validate(self) -> None:
@@ -58,5 +72,9 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 0 and <= backoff_max", field="backoff_initial")
         if self.lease_ms < 1000:
             raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
+        if self.hedge_min < 0 or self.slow_target_ttl < 0:
+            raise ConfigError("must be >= 0", field="hedge_min" if self.hedge_min < 0 else "slow_target_ttl")
+        if self.min_write_fragments < 0:
+            raise ConfigError("must be >= 0 (0: the default for the layout)", field="min_write_fragments")
         if self.failed_target_ttl < 0 or self.map_refresh_interval < 0 or self.buffer_pool_bytes < 0:
             raise ConfigError("must be >= 0", field="failed_target_ttl")

@@ -8,7 +8,8 @@ that may mean the map moved (a fragment not found, a target unreachable),
 and is rate-limited by ``min_interval`` unless forced by a miss. Targets
 that failed a request recently are remembered for ``failed_ttl`` seconds so
 that later chunks go straight to parity instead of waiting for the same
-timeout again. A map older than ``max_age`` is re-checked on the next use
+timeout again; a target whose fetch was hedged (it lagged) is remembered
+the same way (``mark_slow``). A map older than ``max_age`` is re-checked on the next use
 (a cheap call when nothing changed), so targets that come back are used
 again.
 """
@@ -143,6 +144,18 @@ class Router:
     def mark_failed(self, target: int, *, factor: float = 1.0) -> None:
         if self.failed_ttl > 0:
             self._failed[target] = time.monotonic() + self.failed_ttl * factor
+
+    def mark_slow(self, target: int, ttl: float) -> None:
+        """A fetch from ``target`` was hedged (it lagged the others): read
+        around it for ``ttl`` seconds (parity first), like a failed one."""
+        if ttl > 0:
+            until = time.monotonic() + ttl
+            if self._failed.get(target, 0.0) < until:
+                self._failed[target] = until
+
+    def down(self, target: int) -> bool:
+        """Offline (or failed) in the cluster map: a write skips it."""
+        return self.state.get(target) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED)
 
     def mark_ok(self, target: int) -> None:
         self._failed.pop(target, None)
