@@ -259,3 +259,46 @@ def test_corrupt_fragment_is_decoded_around(client: Client, cluster: LocalCluste
     with client.open("/corrupt/f", "rb") as f:  # ranged read touching the bad block
         f.seek(2 * MiB + 900)
         assert f.read(300) == data[2 * MiB + 900: 2 * MiB + 1200]
+
+
+def test_chunk_retries_on_a_map_another_chunk_refreshed(cluster: LocalCluster) -> None:
+    """A client whose cached map is stale reads a two-chunk file: chunk 0's
+    (stale) targets fail at once and its retry refreshes the map; chunk 1's
+    fail later, when a second refresh is rate-limited (``refresh`` says
+    False). Chunk 1 must still retry: the map differs from the one its
+    attempt used. (Regression: it raised InsufficientTargetsError.)"""
+    import asyncio
+    import socket
+
+    from tierfs.client import AsyncClient
+    from tierfs.client.client import FileView
+
+    data = random_bytes(2 * MiB, seed=77)
+
+    async def scenario() -> None:
+        async with AsyncClient(cluster.meta_addrs, request_timeout=0.3, connect_timeout=0.5, retries=2,
+                               map_refresh_interval=60.0) as ac:
+            await ac.mkdir("/stale")
+            await ac.set_layout("/stale", chunk_size=MiB, stripe_width=2)
+            await ac.write_bytes("/stale/f", data)
+            assert await ac.read_bytes("/stale/f") == data  # the map is cached now
+            view = FileView.of("/stale/f", await ac.meta.stat("/stale/f"))
+            g0, g1 = view.groups[0], view.groups[1]
+            assert g0 != g1
+            _, dc, router = ac._parts()
+            width = len(router.groups[g0])
+            with socket.socket() as black:  # accepts connections, never answers
+                black.bind(("127.0.0.1", 0))
+                black.listen(64)
+                fake_slow = tuple(range(9001, 9001 + width))
+                for t in fake_slow:
+                    dc.set_route(t, black.getsockname())
+                # Chunk 0: unroutable targets (fail at once); chunk 1: targets that time out.
+                router.groups[g0] = tuple(range(9101, 9101 + width))
+                router.groups[g1] = fake_slow
+                router.version -= 1  # stale: meta sends the whole map on the next refresh
+                router._last = -1e9  # ... which is due (the map is old), the one after is rate-limited
+                assert await ac.read_bytes("/stale/f") == data
+                await dc.close()  # the black-holed connections, before the socket goes
+
+    asyncio.run(scenario())
