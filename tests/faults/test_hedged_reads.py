@@ -1,0 +1,105 @@
+"""Hedged reads against a slow node, for real: one storage daemon of six sits
+behind the TCP fault proxy (tests/faults/proxy.py), delayed or stalled.
+
+What they prove: every read is byte-exact; the slow node's delay does not
+show up in read latency (the client cancels the lagging data-fragment
+fetch after the hedge delay, reads parity instead and then reads around
+the node for ``slow_target_ttl``); without hedging the same reads do wait
+for it (so the proxy really slows them). A stalled node costs a hedge
+delay, not a request timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.harness import FaultCluster, Ledger, MiB, digest, random_bytes
+from tests.faults.proxy import FaultProxy
+from tierfs.client import Client
+
+SLOW = "storage-4"
+DELAY = 0.2
+
+
+@pytest.fixture(scope="module")
+def fc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
+    c = FaultCluster(tmp_path_factory.mktemp("hedge"), proxied=[SLOW])
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def px(fc: FaultCluster) -> Iterator[FaultProxy]:
+    proxy = fc.proxies[SLOW]
+    proxy.set("pass")
+    yield proxy
+    proxy.set("pass")
+
+
+def _write(client: Client, ledger: Ledger, d: str, n: int) -> list[str]:
+    client.mkdir(d)
+    client.set_layout(d, chunk_size=MiB)
+    for i in range(n):
+        assert ledger.write(client, f"{d}/f{i}", random_bytes(2 * MiB + 1000 * i, seed=500 + i))
+    return sorted(ledger.acked)
+
+
+def _timed_reads(client: Client, ledger: Ledger, paths: list[str]) -> list[float]:
+    out = []
+    for p in paths:
+        t0 = time.monotonic()
+        got = client.read_bytes(p)
+        out.append(time.monotonic() - t0)
+        assert digest(got) == digest(ledger.acked[p]), p
+        # A ranged read across a chunk boundary (partial data fragments).
+        with client.open(p, "rb") as f:
+            f.seek(MiB - 7)
+            assert f.read(MiB // 2) == ledger.acked[p][MiB - 7: MiB - 7 + MiB // 2], p
+    return sorted(out)
+
+
+def _ms(xs: list[float]) -> tuple[float, float]:
+    return round(xs[len(xs) // 2] * 1e3, 1), round(xs[-1] * 1e3, 1)
+
+
+@pytest.mark.timeout(90)
+def test_delayed_node_is_hedged(fc: FaultCluster, px: FaultProxy) -> None:
+    ledger = Ledger()
+    with fc.client(request_timeout=2.0) as client:
+        paths = _write(client, ledger, "/hd", 10)
+        base = _timed_reads(client, ledger, paths)
+    px.set("delay", delay=DELAY)
+    with fc.client(request_timeout=2.0, hedge_after=-1) as client:  # hedging off: the "before"
+        unhedged = _timed_reads(client, ledger, paths[:4])
+    with fc.client(request_timeout=2.0) as client:
+        hedged = _timed_reads(client, ledger, paths)
+        n_hedged = client.aclient.hedged
+    px.set("pass")
+    print(f"\nread latency of 2 MiB files (2 chunks), ms (p50, max): pass {_ms(base)}, "
+          f"+{DELAY * 1e3:.0f} ms each way on one node: unhedged {_ms(unhedged)}, hedged {_ms(hedged)}; "
+          f"{n_hedged} fetches hedged")
+    assert unhedged[-1] >= DELAY, "the proxy did not delay the reads"  # the test can fail
+    assert n_hedged >= 1
+    assert hedged[-1] < DELAY, _ms(hedged)
+    assert hedged[len(hedged) // 2] < DELAY / 2, _ms(hedged)
+
+
+@pytest.mark.timeout(90)
+def test_stalled_node_costs_a_hedge_delay_not_a_timeout(fc: FaultCluster, px: FaultProxy) -> None:
+    ledger = Ledger()
+    timeout = 1.0
+    with fc.client(request_timeout=timeout) as client:
+        paths = _write(client, ledger, "/hs", 6)
+        px.set("stall")
+        t0 = time.monotonic()
+        stalled = _timed_reads(client, ledger, paths)
+        total = time.monotonic() - t0
+        px.set("pass")
+        print(f"\nstalled node: read latency ms (p50, max) {_ms(stalled)}, {len(paths)} files in {total:.2f} s")
+        assert stalled[-1] < timeout / 2, _ms(stalled)
+        ledger.verify(client)
+    asyncio.run(fc.cl.wait_healthy(30))
