@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,7 +108,8 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
 
 
 @pytest.mark.timeout(90)
-def test_gc_reaches_a_node_that_was_down(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_gc_reaches_a_node_that_was_down(cluster: LocalCluster, how: str) -> None:
     async def write() -> dict[str, bytes]:
         async with AsyncClient(cluster.meta_addrs) as c:
             return await write_files(c, n=1)
@@ -116,7 +118,10 @@ def test_gc_reaches_a_node_that_was_down(cluster: LocalCluster) -> None:
     victim = "storage-2"
     before = fragments(cluster, victim)
     assert before, "the file should have fragments on every node of a 6-node ec:4+2 cluster"
-    cluster.kill(victim)
+    if how == "sigkill":
+        cluster.kill(victim)
+    else:
+        cluster.kill(victim, signal.SIGSTOP)  # frozen: its sockets accept, nothing answers
 
     async def remove() -> None:
         async with AsyncClient(cluster.meta_addrs) as c:
@@ -129,7 +134,10 @@ def test_gc_reaches_a_node_that_was_down(cluster: LocalCluster) -> None:
         assert time.monotonic() < end, "live nodes did not garbage-collect the removed file"
         time.sleep(0.2)
     assert all(p.exists() for p in before)
-    cluster.start(names=[victim])
+    if how == "sigkill":
+        cluster.start(names=[victim])
+    else:
+        cluster.kill(victim, signal.SIGCONT)
     end = time.monotonic() + 30
     while fragments(cluster, victim):
         assert time.monotonic() < end, f"{victim} kept the removed file's fragments after it came back"
