@@ -13,14 +13,16 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.repair.util import digest, fragments, map_now, start, write_files
+from tests.repair.util import digest, fragments, map_now, random_bytes, start, wait_map, write_files
 from tierfs.cli.main import run
 from tierfs.client import AsyncClient
 from tierfs.local import LocalCluster
 from tierfs.net import DataClient
+from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.storage.api import FragmentKey
 
 
@@ -172,3 +174,52 @@ def test_background_scrub_repairs_a_flipped_byte(tmp_path: Path) -> None:
         asyncio.run(check())
     finally:
         cl.stop()
+
+
+@pytest.mark.timeout(90)
+def test_node_back_from_a_freeze_catches_up_on_degraded_writes(cluster: LocalCluster) -> None:
+    async def write(seed: int) -> dict[str, bytes]:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/d", exist_ok=True)
+            await c.set_layout("/d", chunk_size=128 * 1024, redundancy="ec:4+2")
+            files = {"/d/f": random_bytes(700 * 1024, seed)}
+            for path, data in files.items():
+                await c.write_bytes(path, data)
+            return files
+
+    # New files need a healthy group (meta will not place one on a degraded
+    # group), so the file exists before the freeze and is rewritten during it.
+    asyncio.run(write(1))
+    victim = "storage-2"
+    addr = cluster.proc(victim).addr
+    cluster.kill(victim, signal.SIGSTOP)
+    try:
+        def offline(m: Any) -> bool:
+            node = next(n for n in m.nodes if n.data_addr == addr)
+            return bool(node.state == pb.NODE_STATE_OFFLINE)
+
+        asyncio.run(wait_map(cluster, offline, 30, f"{victim} to be marked offline"))
+
+        files = asyncio.run(write(2))  # degraded: 5 of 6 fragments per chunk
+        new = [f for f in fragments(cluster) if f.name.endswith(".2")]  # version 2
+        assert new and not [f for f in new if f.is_relative_to(cluster.dir / victim)]
+    finally:
+        cluster.kill(victim, signal.SIGCONT)
+    # No scrub is asked for: the node notices it was away and rebuilds what
+    # it missed from the other fragments.
+    want = len(new) // 5
+    end = time.monotonic() + 30
+    while sorted(f.name for f in fragments(cluster, victim)) != sorted(
+            {f.name for f in new} ^ {f"{c:x}.{j:x}.2" for c in range(6) for j in range(6)}):
+        assert time.monotonic() < end, f"{victim} holds {[f.name for f in fragments(cluster, victim)]}"
+        time.sleep(0.2)
+    assert len(fragments(cluster)) == 6 * want
+    rep = _scrub(cluster)
+    assert rep["clean"], rep
+
+    async def check() -> None:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            for path, data in files.items():
+                assert digest(await c.read_bytes(path)) == digest(data)
+
+    asyncio.run(check())

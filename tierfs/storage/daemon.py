@@ -175,9 +175,10 @@ class StorageNode:
         self.repairer: Any = None
         self.scrubber: Any = None
         self.control: Any = None
+        self._catchup: asyncio.Task[Any] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
-             "scrub_bytes"), 0
+             "scrub_bytes", "catch_ups"), 0
         )
 
     @property
@@ -312,10 +313,19 @@ class StorageNode:
         return out
 
     async def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        missed = False
         while True:
             try:
                 await self.meta.heartbeat(self.node_id, self.reports())
                 self.counters["heartbeats"] += 1
+                now = time.monotonic()
+                if missed or now - last_ok > 3 * self.cfg.heartbeat_interval + 1.0:
+                    # Back after failed heartbeats or a freeze (SIGSTOP, a
+                    # stalled host): clients may have written chunks without
+                    # our fragments meanwhile (degraded writes): catch up.
+                    self._catch_up()
+                last_ok, missed = now, False
             except NotFoundError as err:
                 # meta does not know this node id (state restored from an
                 # older snapshot, or the node was removed): register again
@@ -323,8 +333,16 @@ class StorageNode:
                 await self._register()
             except TierFSError as err:
                 self.counters["heartbeat_errors"] += 1
+                missed = True
                 log.warning("heartbeat failed: %s", err)
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    def _catch_up(self) -> None:
+        if self.scrubber is None or (self._catchup is not None and not self._catchup.done()):
+            return
+        self.counters["catch_ups"] += 1
+        self._catchup = asyncio.create_task(self.scrubber.catch_up(), name="storage-catch-up")
+        self._tasks.append(self._catchup)
 
     async def _gc_loop(self) -> None:
         while True:

@@ -94,7 +94,7 @@ class Scrubber:
         self._node_id = node_id
         self.counters: dict[str, int] = dict.fromkeys(
             ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
-             "orphans_deleted", "errors"), 0)
+             "orphans_deleted", "errors", "catch_ups"), 0)
 
     @property
     def node_id(self) -> int:
@@ -126,6 +126,32 @@ class Scrubber:
             log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d orphans (%d deleted), "
                         "%d errors", rep.fragments, rep.corrupt, rep.missing, rep.repaired, rep.orphans,
                         rep.orphans_deleted, rep.errors)
+        return rep
+
+    async def catch_up(self) -> ScrubReport:
+        """Only the *missing* step, on every target: after this node was away
+        (failed heartbeats, a freeze), chunks written meanwhile may lack our
+        fragments (degraded writes); rebuild them now rather than at the next
+        full pass. Never raises (logged)."""
+        rep = ScrubReport(node_id=self.node_id)
+        t0 = time.monotonic()
+        try:
+            r = self.repairer
+            await r.refresh_map()
+            files: dict[int, _File | None] = {}
+            for tid, eng in sorted(r.engines.items()):
+                await self._missing(tid, eng, rep, files, True)
+        except TierFSError as exc:
+            log.warning("catch-up failed: %s", exc)
+        except Exception:
+            log.exception("catch-up failed")
+        rep.seconds = time.monotonic() - t0
+        for k in ("missing", "repaired", "errors"):
+            self.counters[k] += getattr(rep, k)
+        self.counters["catch_ups"] += 1
+        if rep.missing:
+            log.warning("catch-up: %d fragments missing, %d rebuilt, %d errors in %.2fs", rep.missing,
+                        rep.repaired, rep.errors, rep.seconds)
         return rep
 
     # ---- the three steps ------------------------------------------------------------
