@@ -123,8 +123,9 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
 
             await wait_map(cluster, lambda m: not any(dead.intersection(g.target_ids) for g in m.groups), 30,
                            "the dead node's targets to be replaced", each)
-            # Writes work again once the group has a live member in every
-            # position (the rebuilding one takes new fragments directly).
+            # A new file can be placed again once the groups are whole (meta
+            # places new files only on groups with every member online); the
+            # rebuilding member takes its fragments directly.
             async with AsyncClient(cluster.meta_addrs) as c:
                 files["/d/during"] = random_bytes(300 * 1024, 99)
                 await c.write_bytes("/d/during", files["/d/during"])
