@@ -73,7 +73,7 @@ def test_delayed_node_is_hedged(fc: FaultCluster, px: FaultProxy) -> None:
         paths = _write(client, ledger, "/hd", 10)
         base = _timed_reads(client, ledger, paths)
     px.set("delay", delay=DELAY)
-    with fc.client(request_timeout=2.0, hedge_after=-1) as client:  # hedging off: the "before"
+    with fc.client(request_timeout=2.0, hedged_reads=False) as client:  # hedging off: the "before"
         unhedged = _timed_reads(client, ledger, paths[:4])
     with fc.client(request_timeout=2.0) as client:
         hedged = _timed_reads(client, ledger, paths)

@@ -499,7 +499,7 @@ class AsyncClient:
             items = [(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)]
             hedge = self._hedge_delay()
             res: list[int | TierFSError]
-            if hedge is None or len(items) < 2:
+            if hedge is None:
                 res = await data.read_batch(items, timeout=self.config.request_timeout)
             else:
                 res = await self._hedged_batch(items, hedge, codec.m)
@@ -525,7 +525,7 @@ class AsyncClient:
         """How long the data fragments of a chunk may take before parity is
         asked instead; None: hedging is off."""
         cfg = self.config
-        if cfg.hedge_after < 0:
+        if not cfg.hedged_reads:
             return None
         if cfg.hedge_after > 0:
             return cfg.hedge_after
@@ -534,9 +534,9 @@ class AsyncClient:
     async def _hedged_batch(self, items: Sequence[tuple[int, FragmentKey, memoryview, int]], hedge: float,
                             m: int) -> list[int | TierFSError]:
         """``read_batch`` with one request per fragment; those still running
-        after ``hedge`` seconds, when at most ``m`` (parity can stand in) and
-        at least one other fragment already arrived (so the lag is the
-        node's, not this client's), are cancelled and come back as
+        after ``hedge`` seconds (and three times as long as the slowest
+        answer so far: a busy client slows every node alike), when at most
+        ``m`` (parity can stand in), are cancelled and come back as
         :class:`_Hedged`. A cancelled request never writes its buffer again
         (the data plane drops the connection if its payload was landing)."""
         _, data, _ = self._parts()
@@ -545,17 +545,27 @@ class AsyncClient:
         timeout = self.config.request_timeout
         lat = self._lat
 
+        last = 0.0  # when the latest answer so far came (since t0)
+
         async def one(item: tuple[int, FragmentKey, memoryview, int]) -> int | TierFSError:
+            nonlocal last
             r = (await data.read_batch([item], timeout=timeout))[0]
             if isinstance(r, int):
-                lat.add(loop.time() - t0)
+                last = loop.time() - t0
+                lat.add(last)
             return r
 
         tasks = [loop.create_task(one(it)) for it in items]
         try:
             done, pending = await asyncio.wait(tasks, timeout=hedge)
-            if pending and (len(pending) > m or not done):
-                await asyncio.wait(pending)  # everyone is slow: nothing to gain from parity
+            # A straggler lags its peers, not just the clock: when the others
+            # themselves took long (bandwidth shared by many chunks in flight),
+            # give it three times their time before reading parity instead.
+            while pending and len(pending) <= m and done and (wait := 3 * last - (loop.time() - t0)) > 0:
+                more, pending = await asyncio.wait(pending, timeout=wait)
+                done |= more
+            if pending and len(pending) > m:
+                await asyncio.wait(pending)  # parity cannot stand in for them all
                 pending = set()
             for t in pending:
                 t.cancel()

@@ -39,10 +39,12 @@ class ClientConfig(BaseConfig):
     map_max_age: float = field(
         10.0, "A cluster map older than this is re-checked with meta before use (cheap when unchanged).",
         kind="duration")
+    hedged_reads: bool = field(
+        True, "Hedged reads: when a chunk's data-fragment fetches have not all arrived after the hedge delay, "
+        "the stragglers are cancelled and parity is fetched instead (decode from any K).")
     hedge_after: float = field(
-        0.0, "Hedged reads: when a chunk's data-fragment fetches have not all arrived after this long, the "
-        "stragglers are cancelled and parity is fetched instead (decode from any K). 0: adaptive, twice the "
-        "p95 of recent fragment latencies, clamped to [hedge_min, request_timeout / 4]; < 0: never hedge.",
+        0.0, "Hedge delay. 0: adaptive, twice the p95 of recent fragment latencies, clamped to "
+        "[hedge_min, request_timeout / 4]; a straggler is also given three times its peers' time.",
         kind="duration")
     hedge_min: float = field(
         0.02, "Least adaptive hedge delay (a busy but healthy node must not trigger needless decodes).",
@@ -72,8 +74,9 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 0 and <= backoff_max", field="backoff_initial")
         if self.lease_ms < 1000:
             raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
-        if self.hedge_min < 0 or self.slow_target_ttl < 0:
-            raise ConfigError("must be >= 0", field="hedge_min" if self.hedge_min < 0 else "slow_target_ttl")
+        for name in ("hedge_after", "hedge_min", "slow_target_ttl"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", field=name)
         if self.min_write_fragments < 0:
             raise ConfigError("must be >= 0 (0: the default for the layout)", field="min_write_fragments")
         if self.failed_target_ttl < 0 or self.map_refresh_interval < 0 or self.buffer_pool_bytes < 0:

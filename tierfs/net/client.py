@@ -211,6 +211,7 @@ class _ClientConnection(FrameProtocol):
             for rid, p in sent:
                 if not p.fut.done():
                     self._abandon(rid, p)
+                    p.fut.cancel()  # else a later connection loss sets an exception nobody retrieves
             raise
         results: list[Header | TierFSError] = []
         for rid, p in sent:
