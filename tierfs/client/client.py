@@ -740,16 +740,21 @@ class AsyncClient:
         errors: dict[int, TierFSError] = {}
         done: set[int] = set()
 
-        def plan(cands: Sequence[int]) -> list[int]:
-            up = [j for j in cands if not router.down(targets[j])]
+        def plan(cands: Sequence[int], first: bool) -> list[int]:
+            # Skipped: targets the map shows down, and (on the first round)
+            # ones that failed a request just now: a hung node would otherwise
+            # cost every chunk `retries` request timeouts until meta notices.
+            up = [j for j in cands if not router.down(targets[j])
+                  and not (first and router.failed_recently(targets[j]))]
             if len(done) + len(up) < need:
                 return list(cands)  # the map may be stale: try them all rather than fail unasked
             for j in cands:
                 if j not in up:
-                    errors.setdefault(j, UnavailableError(f"target {targets[j]} is offline in the cluster map"))
+                    errors.setdefault(j, UnavailableError(
+                        f"target {targets[j]} is offline in the cluster map or failed just now"))
             return up
 
-        pending = plan(range(width))
+        pending = plan(range(width), True)
         delay = cfg.backoff_initial
         for attempt in range(cfg.retries):
             res = await data.write_batch(
@@ -783,7 +788,7 @@ class AsyncClient:
                 done -= moved
                 again |= moved
                 targets = fresh
-            pending = plan(sorted(again))
+            pending = plan(sorted(again), False)
         if len(done) >= need:
             if len(done) < width:
                 self.degraded_writes += 1

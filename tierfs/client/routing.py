@@ -41,6 +41,7 @@ class Router:
         self.groups: dict[int, tuple[int, ...]] = {}
         self.state: dict[int, int] = {}
         self._failed: dict[int, float] = {}
+        self._slow: dict[int, float] = {}
         # group id -> {member still being rebuilt: the member it replaced
         # when that one is still readable, else 0}
         self.rebuilding: dict[int, dict[int, int]] = {}
@@ -130,16 +131,25 @@ class Router:
             await asyncio.gather(t, return_exceptions=True)
 
     def usable(self, target: int) -> bool:
-        """Worth asking now: readable in the map and not failed just now."""
+        """Worth reading from now: readable in the map, not failed and not
+        found slow just now."""
         if self.state.get(target) not in _READABLE:
             return False
-        until = self._failed.get(target)
+        return not self.failed_recently(target) and not self._within(self._slow, target)
+
+    def failed_recently(self, target: int) -> bool:
+        """A request to it failed within ``failed_ttl`` (slowness aside)."""
+        return self._within(self._failed, target)
+
+    @staticmethod
+    def _within(table: dict[int, float], target: int) -> bool:
+        until = table.get(target)
         if until is None:
-            return True
+            return False
         if time.monotonic() >= until:
-            del self._failed[target]
-            return True
-        return False
+            del table[target]
+            return False
+        return True
 
     def mark_failed(self, target: int, *, factor: float = 1.0) -> None:
         if self.failed_ttl > 0:
@@ -147,11 +157,10 @@ class Router:
 
     def mark_slow(self, target: int, ttl: float) -> None:
         """A fetch from ``target`` was hedged (it lagged the others): read
-        around it for ``ttl`` seconds (parity first), like a failed one."""
+        around it for ``ttl`` seconds (parity first), like a failed one.
+        Writes still go to it."""
         if ttl > 0:
-            until = time.monotonic() + ttl
-            if self._failed.get(target, 0.0) < until:
-                self._failed[target] = until
+            self._slow[target] = time.monotonic() + ttl
 
     def down(self, target: int) -> bool:
         """Offline (or failed) in the cluster map: a write skips it."""
@@ -159,3 +168,4 @@ class Router:
 
     def mark_ok(self, target: int) -> None:
         self._failed.pop(target, None)
+        self._slow.pop(target, None)
