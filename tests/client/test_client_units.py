@@ -174,9 +174,16 @@ def test_router_skips_offline_and_recently_failed_targets() -> None:
             assert [r.usable(t) for t in (10, 11, 12, 20)] == [True, False, True, False]
             assert data.routes[20] == ("127.0.0.1", 1002)
             r.mark_failed(10)
-            assert not r.usable(10)
+            assert not r.usable(10) and r.failed_recently(10)
             r.mark_ok(10)
             assert r.usable(10)
+            # Slow (hedged): read around, but not "failed" (writes still go there).
+            r.mark_slow(10, 60.0)
+            assert not r.usable(10) and not r.failed_recently(10)
+            r.mark_ok(10)
+            assert r.usable(10)
+            # Down for writes: offline or failed in the map.
+            assert [r.down(t) for t in (10, 11, 12, 20)] == [False, True, False, True]
             assert r.read_targets(3, (10, 11, 12, 20)) == ((10, 11, 12, 20), frozenset())
             # Members being rebuilt: read from the member they replaced when it
             # is still readable, else decode around them; writes use the group.
@@ -195,3 +202,34 @@ def test_router_skips_offline_and_recently_failed_targets() -> None:
             await meta.close()
 
     asyncio.run(main())
+
+
+def test_min_write_fragments_and_hedge_config() -> None:
+    from tierfs.client import AsyncClient
+    from tierfs.client.client import _Latencies
+
+    def mw(red: tuple[str, int, int], n: int = 0) -> int:
+        return AsyncClient(["127.0.0.1:9"], min_write_fragments=n).min_write_fragments(Codec(*red))
+
+    # Defaults: K+1 for ec (one more loss survivable before repair), N-1 for replicas (at least 1).
+    assert mw(("ec", 4, 2)) == 5 and mw(("ec", 8, 3)) == 9 and mw(("ec", 4, 0)) == 4
+    assert mw(("replica", 1, 2)) == 2 and mw(("replica", 1, 1)) == 1 and mw(("replica", 1, 0)) == 1
+    # Explicit values are clamped to [K, K+M].
+    assert mw(("ec", 4, 2), 2) == 4 and mw(("ec", 4, 2), 6) == 6 and mw(("ec", 4, 2), 99) == 6
+    for bad in ({"min_write_fragments": -1}, {"hedge_min": -1.0}, {"slow_target_ttl": -1.0}):
+        with pytest.raises(ConfigError) as ei:
+            ClientConfig(**bad)  # type: ignore[arg-type]
+        assert ei.value.field == next(iter(bad))
+    assert load(ClientConfig, env={"TIERFS_HEDGED_READS": "false"}).hedged_reads is False
+    # The adaptive hedge delay: twice the p95 of recent latencies, clamped.
+    lat = _Latencies()
+    assert lat.hedge_delay(0.02, 0.5) == 0.05  # before any sample
+    for i in range(64):
+        lat.add(0.001 if i % 20 else 0.1)  # 5 % slow outliers
+    assert 0.02 <= lat.hedge_delay(0.02, 0.5) <= 0.2
+    for _ in range(256):
+        lat.add(0.4)
+    assert lat.hedge_delay(0.02, 0.5) == 0.5
+    for _ in range(256):
+        lat.add(0.0001)
+    assert lat.hedge_delay(0.02, 0.5) == 0.02
