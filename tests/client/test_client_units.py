@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 
 import pytest
 
@@ -178,10 +179,14 @@ def test_router_skips_offline_and_recently_failed_targets() -> None:
             r.mark_ok(10)
             assert r.usable(10)
             # Slow (hedged): read around, but not "failed" (writes still go there).
-            r.mark_slow(10, 60.0)
+            r.mark_slow(10, 0.2)
             assert not r.usable(10) and not r.failed_recently(10)
-            r.mark_ok(10)
-            assert r.usable(10)
+            r.mark_ok(10)  # an answer does not clear it: it expires
+            assert not r.usable(10)
+            deadline = time.monotonic() + 5
+            while not r.usable(10):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
             # Down for writes: offline or failed in the map.
             assert [r.down(t) for t in (10, 11, 12, 20)] == [False, True, False, True]
             assert r.read_targets(3, (10, 11, 12, 20)) == ((10, 11, 12, 20), frozenset())

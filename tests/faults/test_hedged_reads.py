@@ -4,7 +4,7 @@ behind the TCP fault proxy (tests/faults/proxy.py), delayed or stalled.
 What they prove: every read is byte-exact; the slow node's delay does not
 show up in read latency (the client cancels the lagging data-fragment
 fetch after the hedge delay, reads parity instead and then reads around
-the node for ``slow_target_ttl``); without hedging the same reads do wait
+the node for ``slow_target_ttl``; with replicas, the next copy); without hedging the same reads do wait
 for it (so the proxy really slows them). A stalled node costs a hedge
 delay, not a request timeout.
 """
@@ -40,9 +40,9 @@ def px(fc: FaultCluster) -> Iterator[FaultProxy]:
     proxy.set("pass")
 
 
-def _write(client: Client, ledger: Ledger, d: str, n: int) -> list[str]:
+def _write(client: Client, ledger: Ledger, d: str, n: int, redundancy: str = "") -> list[str]:
     client.mkdir(d)
-    client.set_layout(d, chunk_size=MiB)
+    client.set_layout(d, chunk_size=MiB, redundancy=redundancy)
     for i in range(n):
         assert ledger.write(client, f"{d}/f{i}", random_bytes(2 * MiB + 1000 * i, seed=500 + i))
     return sorted(ledger.acked)
@@ -86,6 +86,21 @@ def test_delayed_node_is_hedged(fc: FaultCluster, px: FaultProxy) -> None:
     assert n_hedged >= 1
     assert hedged[-1] < DELAY, _ms(hedged)
     assert hedged[len(hedged) // 2] < DELAY / 2, _ms(hedged)
+
+
+@pytest.mark.timeout(90)
+def test_delayed_replica_is_hedged(fc: FaultCluster, px: FaultProxy) -> None:
+    """replica:3: a copy that lags is left for the next copy."""
+    ledger = Ledger()
+    with fc.client(request_timeout=2.0) as client:
+        paths = _write(client, ledger, "/hr", 6, redundancy="replica:3")
+        px.set("delay", delay=DELAY)
+        hedged = _timed_reads(client, ledger, paths)
+        n_hedged = client.aclient.hedged
+        px.set("pass")
+    print(f"\nreplica:3, +{DELAY * 1e3:.0f} ms each way on one node: read ms (p50, max) {_ms(hedged)}; "
+          f"{n_hedged} fetches hedged")
+    assert hedged[-1] < DELAY, _ms(hedged)
 
 
 @pytest.mark.timeout(90)

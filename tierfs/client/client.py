@@ -677,13 +677,33 @@ class AsyncClient:
                                           for j in skip}
         perm: set[int] = set(skip)
         delay = cfg.backoff_initial
+        loop = asyncio.get_running_loop()
         for rnd in range(cfg.retries):
-            for j in order:
+            # Hedging, first round only: a copy that lags is left for the next
+            # one while another usable copy remains (never the last hope).
+            hedge = self._hedge_delay() if rnd == 0 else None
+            for i, j in enumerate(order):
                 if j in perm:
                     continue
                 key = FragmentKey(view.inode, idx, j, ver)
+                others = any(x not in perm and router.usable(targets[x]) for x in order[i + 1:])
                 try:
-                    n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout)
+                    if hedge is None or not others:
+                        n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout)
+                    else:
+                        t0 = loop.time()
+                        try:
+                            n = await asyncio.wait_for(
+                                data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout), hedge)
+                        except TimeoutError as exc:
+                            if isinstance(exc, TierFSError):
+                                raise  # the request's own deadline, not the hedge
+                            # Cancelled: the data plane never writes dest again.
+                            router.mark_slow(targets[j], cfg.slow_target_ttl)
+                            self.hedged += 1
+                            errors[j] = _Hedged(f"lagged more than {hedge * 1e3:.0f} ms: next copy read instead")
+                            continue
+                        self._lat.add(loop.time() - t0)
                 except InvalidArgumentError as exc:
                     if a > 0 and await self._beyond_end(targets[j], key, a):
                         _zero(dest)

@@ -167,5 +167,5 @@ class Router:
         return self.state.get(target) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED)
 
     def mark_ok(self, target: int) -> None:
+        # Not the slow mark: a slow node does answer, only late.
         self._failed.pop(target, None)
-        self._slow.pop(target, None)
