@@ -3,10 +3,11 @@
 leader SIGKILLed during a large write, then restarted.
 
 What they prove: reads in flight complete with exact bytes while one node
-of every group dies or hangs; a write that loses a group member fails with
-an error and leaves no partial file; once the node is back (restart or
-SIGCONT) the cluster is healthy again without any manual step, takes writes,
-and every acknowledged byte reads back exactly. (Permanent loss and rebuild:
+of every group dies or hangs; a write that loses a group member commits
+degraded (K+1 fragments) or fails with an error and leaves no partial
+file; once the node is back (restart or SIGCONT) the cluster is healthy
+again without any manual step, takes writes, and every acknowledged byte
+reads back exactly. (Permanent loss and rebuild:
 docs/repair.md; the client-level kill tests are in tests/client.)
 """
 
@@ -94,8 +95,10 @@ def test_node_fault_during_reads_then_back(healthy: FaultCluster, sig: int) -> N
             t.join(30)
         assert "WRONG BYTES" not in errors
         assert count[0] >= 6, (count, errors[:3])
-        # 3. a write needs every group member: with one gone it fails cleanly
-        assert not ledger.write(client, f"{d}/during", random_bytes(2 * MiB, seed=77))
+        # 3. degraded writes (docs/client.md): with one member gone a rewrite
+        # commits with K+1 fragments; the node catches up when it returns
+        assert ledger.write(client, f"{d}/f1", random_bytes(2 * MiB, seed=77)), ledger.errors
+        assert client.aclient.degraded_writes > 0
         # 4. the node comes back: healthy, writable, everything exact
         if sig == signal.SIGSTOP:
             os.kill(fc.cl.proc(name).pid, signal.SIGCONT)
@@ -144,7 +147,8 @@ def test_node_fault_during_writes_then_back(healthy: FaultCluster, sig: int) -> 
         t.join(60)
         assert not t.is_alive()
         asyncio.run(fc.cl.wait_healthy(60))
-        assert ledger.failed, "no write overlapped the fault"
+        # Overlap shows as a failed write or, mostly, a degraded one (K+1 fragments).
+        assert ledger.failed or client.aclient.degraded_writes, "no write overlapped the fault"
         print(f"\n{signal.Signals(sig).name}: {len(ledger.acked)} files acked, {len(ledger.failed)} failed")
         ledger.verify(client)
         for path in list(ledger.failed):
