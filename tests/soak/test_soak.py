@@ -65,8 +65,15 @@ class Soak:
     def write(self) -> None:
         path = f"/soak/f{self.rng.randrange(self.n_files)}"
         size = self.rng.choice([0, 1, 4095, 64 << 10, MiB - 1, MiB + 1, 3 * MiB + 7, 6 * MiB])
+        degraded = self.client.aclient.degraded_writes
         ok = self.ledger.write(self.client, path, random_bytes(size, seed=self.rng.randrange(1 << 30)))
         self.damaged.pop(path, None)
+        if ok and self.client.aclient.degraded_writes > degraded:
+            # Written degraded (K+1 of K+M fragments): one fragment of a chunk is
+            # already missing until a scrub or the node's catch-up, so no
+            # fragment of it is damaged on top (at most M unavailable).
+            self.damaged[path] = set(range(max(1, -(-size // MiB))))
+            self.count("write_degraded")
         self.count("write_ok" if ok else "write_failed")
         if not ok and not self.fault:
             self.read_errors.append(f"write of {path} failed on a healthy cluster: {self.ledger.errors[-1]}")

@@ -757,24 +757,32 @@ class AsyncClient:
         if len(targets) != width:
             raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {width}")
         need = self.min_write_fragments(view.codec)
+        if any(router.down(t) for t in targets):
+            # About to skip a member: make sure the map is current (it may be
+            # back), else the chunk loses redundancy for nothing. Rate-limited,
+            # and a cheap version check when nothing changed.
+            with contextlib.suppress(TierFSError):
+                if await router.refresh():
+                    targets = await router.targets(gid)
+            if len(targets) != width:
+                raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {width}")
         errors: dict[int, TierFSError] = {}
         done: set[int] = set()
 
-        def plan(cands: Sequence[int], first: bool) -> list[int]:
-            # Skipped: targets the map shows down, and (on the first round)
-            # ones that failed a request just now: a hung node would otherwise
-            # cost every chunk `retries` request timeouts until meta notices.
-            up = [j for j in cands if not router.down(targets[j])
-                  and not (first and router.failed_recently(targets[j]))]
+        def plan(cands: Sequence[int]) -> list[int]:
+            # Targets the map shows down are skipped: no retry storm while a
+            # node is known to be away. (Not those that merely failed a
+            # request recently: that would leave fragments missing on a
+            # healthy node and need a repair for nothing.)
+            up = [j for j in cands if not router.down(targets[j])]
             if len(done) + len(up) < need:
                 return list(cands)  # the map may be stale: try them all rather than fail unasked
             for j in cands:
                 if j not in up:
-                    errors.setdefault(j, UnavailableError(
-                        f"target {targets[j]} is offline in the cluster map or failed just now"))
+                    errors.setdefault(j, UnavailableError(f"target {targets[j]} is offline in the cluster map"))
             return up
 
-        pending = plan(range(width), True)
+        pending = plan(range(width))
         delay = cfg.backoff_initial
         for attempt in range(cfg.retries):
             res = await data.write_batch(
@@ -808,7 +816,7 @@ class AsyncClient:
                 done -= moved
                 again |= moved
                 targets = fresh
-            pending = plan(sorted(again), False)
+            pending = plan(sorted(again))
         if len(done) >= need:
             if len(done) < width:
                 self.degraded_writes += 1
