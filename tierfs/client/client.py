@@ -571,11 +571,13 @@ class AsyncClient:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-                self.hedged += len(pending)
+                self.hedged += sum(1 for t in pending if t.cancelled())
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+            left = [t for t in tasks if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:  # we are being cancelled: let them let go of their buffers first
+                await asyncio.gather(*left, return_exceptions=True)
         out: list[int | TierFSError] = []
         for it, t in zip(items, tasks, strict=True):
             if t.cancelled():
