@@ -109,9 +109,15 @@ def test_heartbeat_timeout_marks_offline_and_heartbeat_revives() -> None:
     assert off == {t.target_id for t in regs[1].targets}
     assert cmap.version > v0
     assert next(t for t in cmap.targets if t.target_id == 1).used == 30
-    # no healthy ec:4+2 group any more: every group has a target on node 2
+    # no healthy ec:4+2 group any more (every group has a target on node 2): a
+    # new file goes on groups that can still take a degraded write (5 of 6
+    # members online = K+1); a layout that would need every member cannot.
+    down = {t.target_id for t in regs[1].targets}
+    degraded = d.create("/degraded")
+    groups = {g.group_id: set(g.target_ids) for g in d.sm.cluster_map().groups}
+    assert degraded.layout.groups and all(groups[g] & down for g in degraded.layout.groups)
     with pytest.raises(InsufficientTargetsError, match="6 online targets on distinct storage nodes"):
-        d.create("/f")
+        d.create("/e51", kind=pb.REDUNDANCY_KIND_EC, data_shards=5, parity_shards=1)
     # node 2 comes back
     v1 = cmap.version
     hb = d.do("heartbeat", pb.HeartbeatRequest(node_id=2), pb.HeartbeatReply)

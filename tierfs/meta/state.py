@@ -607,9 +607,17 @@ class MetaStateMachine:
 
     def _choose_groups(self, spec: LayoutSpec, ino: int, pending: list[list[int]]) -> list[int]:
         w = spec.width
-        healthy = [g for g in sorted(self.groups) if len(self.groups[g]) == w
-                   and all(self._target_state(self.targets[t]) == ONLINE for t in self.groups[g])]
+        online = {g: sum(self._target_state(self.targets[t]) == ONLINE for t in self.groups[g])
+                  for g in sorted(self.groups) if len(self.groups[g]) == w}
+        healthy = [g for g, n in online.items() if n == w]
         healthy += list(range(self.next_group, self.next_group + len(pending)))
+        if not healthy:
+            # Every group of this width has a member down (with 6 nodes and
+            # ec:4+2 every group spans every node): place the file on groups
+            # that can still take a degraded write, which the down member
+            # catches up on when it returns (docs/repair.md).
+            need = max(1, w - 1) if spec.kind == pb.REDUNDANCY_KIND_REPLICA else min(w, spec.k + 1)
+            healthy = [g for g, n in online.items() if n >= need]
         red = spec.redundancy()
         if not healthy:
             nodes = distinct_nodes(self._eligible())
