@@ -82,8 +82,9 @@ def test_slow_node_reads_complete_within_bound(fc: FaultCluster, px: FaultProxy)
     fig = {name: (round(_pct(xs, 0.5) * 1e3, 1), round(xs[-1] * 1e3, 1))
            for name, xs in (("pass", base), ("delay150ms", slow), ("stall", stalled))}
     print(f"\nread latency of 12 x 512 KiB files, ms (p50, max): {fig}")
-    # A read touches the slow node's fragment at most once per request: it
-    # waits for the delay (no hedged reads), never for a multiple of it.
+    # A read waits for the slow node at most once per request, never for a
+    # multiple of the delay (hedged reads usually avoid it altogether; the
+    # tight bounds are in test_hedged_reads.py).
     assert slow[-1] < 0.15 * 2 * 4 + 2.0, fig
     # The stall costs one timeout (plus retries on a busy machine), not one per file.
     assert stall_total < timeout * 4 + 5.0, fig
