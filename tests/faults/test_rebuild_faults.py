@@ -8,7 +8,8 @@ acknowledged file reads back exactly, and the cluster again survives two
 MORE node losses (so the rebuilt fragments are real, not decoded on the
 fly). A replacement node SIGKILLed in the middle of its rebuild, then
 restarted, resumes and finishes it; one hung (SIGSTOP) for a second
-finishes it too.
+finishes it too; so does the rebuild when the meta leader is SIGKILLed in
+the middle of it.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _write_set(client: Client, ledger: Ledger) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("variant", ["plain", "kill_replacement", "stop_replacement"])
+@pytest.mark.parametrize("variant", ["plain", "kill_replacement", "stop_replacement", "kill_meta_leader"])
 def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant: str) -> None:
     ledger = Ledger()
     with fc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
@@ -126,6 +127,19 @@ def test_permanent_loss_rebuilds_and_survives_two_more(fc: FaultCluster, variant
                     fc.cl.kill(killed_replacement, signal.SIGSTOP)
                     time.sleep(1.0)
                     os.kill(fc.cl.proc(killed_replacement).pid, signal.SIGCONT)
+            if variant == "kill_meta_leader":
+                # Once a rebuild is under way, SIGKILL the meta leader (and
+                # restart it): the workers finish against the new leader.
+                deadline = time.monotonic() + 30
+                while not any(g.rebuilding for g in asyncio.run(_map(fc)).groups):
+                    assert time.monotonic() < deadline, "no rebuild started"
+                    time.sleep(0.05)
+                h = asyncio.run(fc.cl.health(deadline=8.0))
+                leader = next(str(m["name"]) for m in h["meta"] if m["role"] == "leader")
+                fc.cl.kill(leader)
+                killed_replacement = f"meta leader {leader}"
+                time.sleep(0.5)  # the fault lasts a while (not a synchronisation)
+                fc.cl.start(names=[leader], timeout=60)
             _, cmap, seen = _wait_rebuilt(fc, dead_addr, 120)
             secs = time.monotonic() - t_kill
         finally:
