@@ -141,8 +141,12 @@ class MetaCluster:
             peers = [f"{rafts[j]}={grpcs[j]}" if peer_grpc else rafts[j] for j in range(n) if j != i]
             self.replicas.append(Replica(i, rafts[i], grpcs[i], self.data_root / f"meta{i}", peers))
         if start:
-            for i in range(n):
-                self.start(i)
+            try:
+                for i in range(n):
+                    self.start(i)
+            except BaseException:
+                self.close()  # never leave the replicas that did start running
+                raise
 
     # --- processes ---------------------------------------------------------------
 
