@@ -278,6 +278,18 @@ class LocalCluster:
                 self._wait_ready(p, offset, deadline)
         return started
 
+    def up(self, timeout: float = 90.0) -> list[str]:
+        """Start what is not running and wait until the cluster is healthy; if
+        that fails, stop again the daemons this call started. Returns their names."""
+        started = self.start(timeout=timeout)
+        try:
+            asyncio.run(self.wait_healthy(timeout))
+        except BaseException:
+            if started:
+                self.stop(names=started)
+            raise
+        return started
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one daemon (SIGKILL by default); returns its pid."""
         p = self.proc(name)

@@ -3,7 +3,6 @@ and N storage daemons as processes on loopback, ``tierfs.local``)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,7 @@ __all__ = ["digest", "random_bytes", "start_cluster"]
 
 def start_cluster(path: Path, n_storage: int = 6) -> LocalCluster:
     cl = LocalCluster(path, n_storage=n_storage)
-    try:
-        cl.start(timeout=90)
-        asyncio.run(cl.wait_healthy(90))
-    except BaseException:
-        cl.stop()
-        raise
+    cl.up(timeout=90)
     return cl
 
 

@@ -35,12 +35,7 @@ def start(path: Path, n_storage: int = 7, meta_args: tuple[str, ...] = META_FAST
           storage_args: tuple[str, ...] = ()) -> LocalCluster:
     cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args),
                       extra_storage_args=[*STORAGE_FAST, *storage_args])
-    try:
-        cl.start(timeout=90)
-        asyncio.run(cl.wait_healthy(90))
-    except BaseException:
-        cl.stop()
-        raise
+    cl.up(timeout=90)
     return cl
 
 

@@ -27,13 +27,7 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
     is a no-op. If start-up fails, the daemons this call started are stopped
     again."""
     cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage, targets_per_node=targets_per_node)
-    started = cl.start(timeout=timeout)
-    try:
-        asyncio.run(cl.wait_healthy(timeout))
-    except (TierFSError, KeyboardInterrupt):
-        if started:
-            cl.stop(names=started)
-        raise
+    started = cl.up(timeout=timeout)
     meta = ",".join(cl.meta_addrs)
     return {
         "data_dir": str(cl.dir),
