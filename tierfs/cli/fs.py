@@ -225,7 +225,8 @@ async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
         "chunk_size": lay.chunk_size, "redundancy": lay.redundancy, "stripe_width": lay.stripe_width,
         "data_shards": lay.data_shards, "parity_shards": lay.parity_shards, "groups": list(lay.groups),
     }
-    out["chunks"] = sum(r.count for r in info.chunks)
+    out["chunks"] = len(info.chunks)
+    out["chunks_degraded"] = sum(1 for r in info.chunks if r.missing)
     out["data_version"] = info.attr.data_version
     return out
 

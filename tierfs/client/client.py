@@ -15,7 +15,6 @@ closes (``commit_write``), after every fragment is durable.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import contextlib
 import functools
@@ -27,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tierfs.buffers import BufferPool
+from tierfs.chunk import ChunkRecord, chunk_crc, fragment_size, parity_size, valid_bytes
 from tierfs.client.codec import Codec, codec_for
 from tierfs.client.config import ClientConfig
 from tierfs.client.fanout import first_error, ordered
@@ -140,22 +140,16 @@ def _norm(path: str) -> str:
     return path
 
 
-class ChunkVersions:
-    """Committed chunk versions of a file (from ``FileInfo.chunks`` runs)."""
+def chunk_records(info: pb.FileInfo) -> dict[int, ChunkRecord]:
+    """A file's committed chunks, by index (``FileInfo.chunks``)."""
+    return {r.index: ChunkRecord.from_pb(r) for r in info.chunks}
 
-    __slots__ = ("_count", "_first", "_version")
 
-    def __init__(self, runs: Sequence[pb.ChunkRun]) -> None:
-        rs = sorted(runs, key=lambda r: r.first)
-        self._first = [r.first for r in rs]
-        self._count = [r.count for r in rs]
-        self._version = [r.version for r in rs]
-
-    def get(self, idx: int) -> int | None:
-        i = bisect.bisect_right(self._first, idx) - 1
-        if i >= 0 and idx < self._first[i] + self._count[i]:
-            return self._version[i]
-        return None
+class GenerationGoneError(InsufficientTargetsError):
+    """A chunk could not be read and its fragments answered NotFound: the
+    generation the reader's view names may have been garbage-collected (the
+    file was rewritten since it was looked up). Callers stat again and retry
+    once on the new generation."""
 
 
 @dataclass(slots=True)
@@ -168,7 +162,7 @@ class FileView:
     chunk_size: int
     codec: Codec
     groups: tuple[int, ...]
-    version: Callable[[int], int | None]
+    record: Callable[[int], ChunkRecord | None]
 
     @classmethod
     def of(cls, path: str, info: pb.FileInfo) -> FileView:
@@ -178,7 +172,7 @@ class FileView:
             raise InvalidArgumentError(f"{path} is not a regular file")
         lay = info.layout
         return cls(path, info.attr.inode, info.attr.size, lay.chunk_size, codec_for(lay), tuple(lay.groups),
-                   ChunkVersions(info.chunks).get)
+                   chunk_records(info).get)
 
 
 def _zero(view: memoryview) -> None:
@@ -382,12 +376,12 @@ class AsyncClient:
         if offset < 0:
             raise InvalidArgumentError(f"negative offset {offset}")
         view = FileView.of(path, await self.meta.stat(_norm(path)))
-        return await self._read_range(view, offset, dest)
+        return (await self._read_fresh(view, offset, dest))[0]
 
     async def read_bytes(self, path: str) -> bytes:
         view = FileView.of(path, await self.meta.stat(_norm(path)))
         buf = bytearray(view.size)
-        n = await self._read_range(view, 0, memoryview(buf))
+        n = (await self._read_fresh(view, 0, memoryview(buf)))[0]
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
 
     async def write_bytes(self, path: str, data: Any) -> int:
@@ -405,9 +399,26 @@ class AsyncClient:
 
     # ---- the read path ----------------------------------------------------------
 
+    async def _read_fresh(self, view: FileView, offset: int, dest: memoryview) -> tuple[int, FileView]:
+        """``_read_range``, and once more on a fresh look-up of the file when
+        a chunk's generation seems gone (the file was rewritten and the old
+        generation collected since ``view`` was taken). Returns the bytes
+        read and the view that served them."""
+        try:
+            return await self._read_range(view, offset, dest), view
+        except GenerationGoneError:
+            info = await self.meta.stat(view.inode)
+            fresh = FileView.of(view.path, info)
+            cs = view.chunk_size
+            first, last = offset // cs, (offset + max(len(dest), 1) - 1) // cs
+            if fresh.inode == view.inode and all(fresh.record(i) == view.record(i) for i in range(first, last + 1)):
+                raise  # nothing changed: the fragments really are gone
+            return await self._read_range(fresh, offset, dest), fresh
+
     async def _read_range(self, view: FileView, offset: int, dest: memoryview) -> int:
         """Read ``[offset, offset+len(dest))`` of ``view`` into ``dest``
-        (clipped at EOF); returns the bytes read."""
+        (clipped at EOF); returns the bytes read. Bytes past a chunk's valid
+        length (tierfs.chunk.valid_bytes) and holes read as zeros."""
         end = min(offset + len(dest), view.size)
         if end <= offset:
             return 0
@@ -418,17 +429,20 @@ class AsyncClient:
             a = max(offset, cstart) - cstart
             b = min(end, cstart + cs) - cstart
             d = dest[cstart + a - offset: cstart + b - offset]
-            ver = view.version(idx)
-            if ver is None:
-                _zero(d)  # a hole: never written
+            rec = view.record(idx)
+            valid = 0 if rec is None else valid_bytes(rec, idx, cs, view.size)
+            if valid < b:
+                _zero(d[max(0, valid - a):])  # a hole, or past the valid bytes
+            if rec is None or valid <= a:
                 continue
-            jobs.append(functools.partial(self._read_chunk, view, idx, ver, a, b, d))
+            jobs.append(functools.partial(self._read_chunk, view, idx, rec, a, min(b, valid), d[: min(b, valid) - a]))
         err = first_error(await ordered(jobs, self.config.read_concurrency))
         if err is not None:
             raise err
         return end - offset
 
-    async def _read_chunk(self, view: FileView, idx: int, ver: int, a: int, b: int, dest: memoryview) -> None:
+    async def _read_chunk(self, view: FileView, idx: int, rec: ChunkRecord, a: int, b: int,
+                          dest: memoryview) -> None:
         _, _, router = self._parts()
         if not view.groups:
             raise StaleVersionError(f"{view.path} has no placement groups")
@@ -440,11 +454,15 @@ class AsyncClient:
                 raise StaleVersionError(f"group {gid} has {len(members)} targets; {view.codec!r} needs "
                                         f"{view.codec.width}")
             targets, rebuilding = router.read_targets(gid, members)
+            # Positions the chunk's record lists as not stored (a degraded
+            # write, a scrub finding) are never asked: a returning node may
+            # hold nothing there, or only an older generation's fragment.
+            skip = rebuilding | frozenset(rec.missing)
             try:
                 if view.codec.replicated:
-                    await self._read_replica(view, idx, ver, targets, a, b, dest, rebuilding)
+                    await self._read_replica(view, idx, rec, targets, a, b, dest, skip)
                 else:
-                    await self._read_ec(view, idx, ver, targets, a, b, dest, rebuilding)
+                    await self._read_ec(view, idx, rec, targets, a, b, dest, skip)
                 return
             except InsufficientTargetsError:
                 # The group may have moved (a target replaced): retry once on a
@@ -467,27 +485,27 @@ class AsyncClient:
         elif isinstance(exc, UnavailableError):
             self._parts()[2].mark_failed(target)
 
-    async def _beyond_end(self, target: int, key: FragmentKey, offset: int) -> bool:
-        """Whether a ranged read was refused only because the (trimmed)
-        fragment ends before ``offset``: those bytes are zeros."""
-        try:
-            info = await self._parts()[1].stat(target, key, timeout=self.config.request_timeout)
-        except TierFSError:
-            return False
-        return info.size <= offset
-
-    async def _read_ec(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
+    async def _read_ec(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int, b: int,
                        dest: memoryview, skip: frozenset[int] = frozenset()) -> None:
         """Chunk bytes ``[a, b)`` into ``dest``; positions in ``skip`` (members
-        still being rebuilt) are never asked."""
+        still being rebuilt, fragments not stored) are never asked."""
         _, data, router = self._parts()
         codec = view.codec
-        f = codec.frag_size(view.chunk_size)
+        cs, ver = view.chunk_size, rec.generation
+        f = codec.frag_size(cs)
         pieces: list[tuple[int, int, memoryview]] = []
         for j in range(codec.k):
+            # A fragment is stored trimmed: what lies past its stored length
+            # reads as zeros and is not asked for.
+            stored = j * f + fragment_size(j, codec.k, cs, rec.length)
             lo, hi = max(a, j * f), min(b, (j + 1) * f)
+            if lo < hi and hi > stored:
+                _zero(dest[max(lo, stored) - a: hi - a])
+                hi = max(lo, stored)
             if lo < hi:
                 pieces.append((j, lo - j * f, dest[lo - a: hi - a]))
+        if not pieces:
+            return
         bad: dict[int, TierFSError] = {}
         whole: dict[int, int] = {}  # data fragments read whole into dest: bytes they had
         down = [j for j, _, _ in pieces if j in skip or not router.usable(targets[j])]
@@ -506,20 +524,19 @@ class AsyncClient:
             for (j, _, _), r in zip(pieces, res, strict=True):
                 if isinstance(r, _Hedged):
                     router.mark_slow(targets[j], self.config.slow_target_ttl)
-            for (j, o, d), k, r in zip(pieces, keys, res, strict=True):
-                if isinstance(r, int):
-                    if r < len(d):
-                        _zero(d[r:])
-                    if o == 0 and len(d) == f:
+            for (j, o, d), r in zip(pieces, res, strict=True):
+                if isinstance(r, int) and r == len(d):
+                    if o == 0 and len(d) == fragment_size(j, codec.k, cs, rec.length):
                         whole[j] = r
-                elif isinstance(r, InvalidArgumentError) and o > 0 and await self._beyond_end(targets[j], k, o):
-                    _zero(d)
+                elif isinstance(r, int):
+                    bad[j] = CorruptError(f"fragment {j} on target {targets[j]} returned {r} of the {len(d)} bytes "
+                                          f"its chunk record gives it")
                 else:
                     bad[j] = r
                     self._note(targets[j], r)
             if not bad:
                 return
-        await self._decode_into(view, idx, ver, targets, a, b, dest, bad, whole, skip)
+        await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
 
     def _hedge_delay(self) -> float | None:
         """How long the data fragments of a chunk may take before parity is
@@ -587,18 +604,23 @@ class AsyncClient:
                 out.append(t.result())
         return out
 
-    async def _decode_into(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                           dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int],
+    async def _decode_into(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
+                           b: int, dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int],
                            skip: frozenset[int] = frozenset()) -> None:
         """Fetch whole fragments from any K targets (data first, then parity)
         and rebuild ``dest`` (chunk bytes ``[a, b)``) from them. ``whole``:
         data fragments already read whole into their place in ``dest``
         (they count towards K without a second fetch). Data fragments whose
         place lies wholly inside ``dest`` are fetched straight into it; the
-        rest (parity, partial ranges) into pool buffers."""
+        rest (parity, partial ranges) into pool buffers. Every fragment must
+        have the length the chunk record gives it, and the K data fragments
+        (fetched or rebuilt) must match the record's CRC32C before a byte is
+        returned."""
         _, data, router = self._parts()
         codec, cfg = view.codec, self.config
-        k, f = codec.k, codec.frag_size(view.chunk_size)
+        cs, ver = view.chunk_size, rec.generation
+        k, f = codec.k, codec.frag_size(cs)
+        sizes = [fragment_size(j, k, cs, rec.length) for j in range(codec.width)]
         errors: dict[int, TierFSError] = dict(bad)
         perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)} | set(skip)
         for j in skip:
@@ -619,7 +641,8 @@ class AsyncClient:
                     if rounds >= cfg.retries or len(left) < need:
                         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
                                            for j, e in sorted(errors.items()) if j not in have)
-                        raise InsufficientTargetsError(
+                        gone = any(isinstance(e, NotFoundError) for e in errors.values())
+                        raise (GenerationGoneError if gone else InsufficientTargetsError)(
                             f"{view.path}: chunk {idx} (inode {view.inode}, version {ver}) is unreadable: "
                             f"{len(have)} of the {k} fragments needed arrived ({codec!r}); {detail}")
                     rounds += 1
@@ -638,9 +661,12 @@ class AsyncClient:
                     items.append((targets[j], FragmentKey(view.inode, idx, j, ver), buf, 0))
                 res = await data.read_batch(items, timeout=cfg.request_timeout)
                 for j, (_, _, buf, _), r in zip(pick, items, res, strict=True):
-                    if isinstance(r, int):
+                    if isinstance(r, int) and r == sizes[j]:
                         have[j] = buf[:r]
                         router.mark_ok(targets[j])
+                    elif isinstance(r, int):
+                        errors[j] = CorruptError(f"{r} bytes, its chunk record gives it {sizes[j]}")
+                        perm.add(j)
                     else:
                         errors[j] = r
                         self._note(targets[j], r)
@@ -649,10 +675,13 @@ class AsyncClient:
             rebuilt: dict[int, memoryview] = {}
             lost = [j for j in range(k) if j not in have]
             if lost:
-                p = max(len(have[j]) for j in have if j >= k)
-                if any(len(v) > p for v in have.values()):
-                    raise CorruptError(f"{view.path}: chunk {idx}: fragments longer than the parity ({p} bytes)")
-                rebuilt = codec.reconstruct(have, p, lost)
+                rebuilt = codec.reconstruct(have, parity_size(k, cs, rec.length), lost)
+            got_crc = chunk_crc((have[j] if j in have else rebuilt[j])[: sizes[j]] for j in range(k))
+            if got_crc != rec.crc:
+                raise CorruptError(
+                    f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}) decoded from fragments "
+                    f"{sorted(have)} does not match its checksum (crc32c {got_crc:#010x}, recorded "
+                    f"{rec.crc:#010x}): not returned")
             for j in range(k):
                 lo, hi = max(a, j * f), min(b, (j + 1) * f)
                 if lo >= hi:
@@ -668,10 +697,11 @@ class AsyncClient:
             for buf in bufs:
                 self.pool.put(buf)
 
-    async def _read_replica(self, view: FileView, idx: int, ver: int, targets: tuple[int, ...], a: int, b: int,
-                            dest: memoryview, skip: frozenset[int] = frozenset()) -> None:
+    async def _read_replica(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
+                            b: int, dest: memoryview, skip: frozenset[int] = frozenset()) -> None:
         _, data, router = self._parts()
         cfg = self.config
+        ver = rec.generation
         w = len(targets)
         # Spread reads over the copies; targets known to be down go last.
         order = sorted(range(w), key=lambda j: (not router.usable(targets[j]), (j - idx) % w))
@@ -706,21 +736,16 @@ class AsyncClient:
                             errors[j] = _Hedged(f"lagged more than {hedge * 1e3:.0f} ms: next copy read instead")
                             continue
                         self._lat.add(loop.time() - t0)
-                except InvalidArgumentError as exc:
-                    if a > 0 and await self._beyond_end(targets[j], key, a):
-                        _zero(dest)
-                        return
-                    errors[j] = exc
-                    perm.add(j)
-                    continue
                 except TierFSError as exc:
                     errors[j] = exc
                     self._note(targets[j], exc)
                     if isinstance(exc, _PERMANENT):
                         perm.add(j)
                     continue
-                if n < len(dest):
-                    _zero(dest[n:])
+                if n != len(dest):  # every copy holds the record's length: ours ends early
+                    errors[j] = CorruptError(f"returned {n} of {len(dest)} bytes")
+                    perm.add(j)
+                    continue
                 router.mark_ok(targets[j])
                 return
             if len(perm) == w or rnd == cfg.retries - 1:
@@ -728,8 +753,10 @@ class AsyncClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, cfg.backoff_max)
         detail = "; ".join(f"copy {j} on target {targets[j]}: {type(e).__name__}: {e}" for j, e in sorted(errors.items()))
-        raise InsufficientTargetsError(f"{view.path}: chunk {idx} (inode {view.inode}, version {ver}) is "
-                                       f"unreadable: no copy of {w} answered; {detail}")
+        gone = any(isinstance(e, NotFoundError) for e in errors.values())
+        raise (GenerationGoneError if gone else InsufficientTargetsError)(
+            f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}) is unreadable: no copy of {w} "
+            f"answered; {detail}")
 
     # ---- the write path ---------------------------------------------------------
 
@@ -738,10 +765,10 @@ class AsyncClient:
         (see ``ClientConfig.min_write_fragments``)."""
         n = self.config.min_write_fragments
         if n == 0:
-            n = max(1, codec.width - 1) if codec.replicated else codec.k + min(1, codec.m)
+            n = min(codec.width, 2) if codec.replicated else codec.k + min(1, codec.m)
         return max(codec.k, min(n, codec.width))
 
-    async def _write_chunk(self, view: FileView, idx: int, version: int, frags: Sequence[Any]) -> None:
+    async def _write_chunk(self, view: FileView, idx: int, version: int, frags: Sequence[Any]) -> list[int]:
         """Store the K+M fragments of chunk ``idx`` (tagged ``version``) on its
         group, all in parallel. Degraded writes: the chunk counts as stored
         once ``min_write_fragments`` of them are durable. A position whose
@@ -750,7 +777,8 @@ class AsyncClient:
         then left missing: the storage scrubber's missing-fragment step
         rebuilds it from the committed version. Fragments are keyed by
         version, so an older fragment on a returning node is never read as
-        this one."""
+        this one. Returns the positions not stored (recorded in meta at
+        commit, so that repair starts at once)."""
         _, data, router = self._parts()
         cfg = self.config
         gid = view.groups[idx % len(view.groups)]
@@ -825,7 +853,7 @@ class AsyncClient:
                 log.info("%s: chunk %d version %d stored degraded on group %s: %d of %d fragments (%s)",
                          view.path, idx, version, gid, len(done), width,
                          "; ".join(f"fragment {j} on target {targets[j]}: {errors[j]}" for j in sorted(errors)))
-            return
+            return [j for j in range(width) if j not in done]
         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
                            for j, e in sorted(errors.items()))
         raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid}: {len(done)} of "

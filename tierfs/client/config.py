@@ -53,8 +53,9 @@ class ClientConfig(BaseConfig):
         2.0, "A target whose fetch was hedged is read around (parity first) for this long.", kind="duration")
     min_write_fragments: int = field(
         0, "Degraded writes: a chunk write succeeds once this many of its fragments are durable; the missing "
-        "ones are rebuilt by the storage scrubber. 0: K+1 for ec:K+M (one more failure survivable before "
-        "repair), N-1 for replica:N (at least 1); never fewer than K, never more than K+M.")
+        "ones are recorded in meta at commit and rebuilt at once by the storage node holding their "
+        "position. 0: K+1 for ec:K+M (one more failure survivable before repair), 2 for replica:N with "
+        "N >= 2 (two durable copies), 1 for replica:1; never fewer than K, never more than K+M.")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
 
     def validate(self) -> None:

@@ -1,15 +1,20 @@
 """``AsyncFile``: an open TierFS file (reader, writer, or both).
 
 A writer holds a write session (``open_write``) whose lease a background
-task renews, telling meta which chunks it has stored so far (so they are
-garbage-collected if the writer dies). Writes land in one staging chunk (a
+task renews, telling meta which chunk uploads it has begun (so they are
+garbage-collected if the writer dies). Every upload of a chunk gets its own
+generation (``tierfs.chunk.generation``): a chunk sent twice in one session
+(after a ``flush``, or a seek back) never reuses the keys of the first
+upload, so a fragment of the first that a returning node still holds cannot
+pass for the second. Writes land in one staging chunk (a
 pool buffer); a full chunk, or a chunk left behind by a seek, is encoded and
 sent while the caller goes on writing, at most ``write_concurrency`` chunks
 at once. A write that covers a whole chunk is encoded straight from the
 caller's memory. A partial write over existing data reads the chunk first
 (read-modify-write). ``close`` waits until every fragment is durable and
-then commits the size and the chunk versions (``commit_write``): only then
-do readers see the new contents. Any failure aborts the session (nothing of
+then commits the size and one record per chunk written (generation, length,
+CRC32C of its bytes, fragments not stored: ``commit_write``): only then do
+readers see the new contents. Any failure aborts the session (nothing of
 it becomes visible) and the error surfaces at the next call or at close.
 
 ``flush`` makes the data written so far durable on the storage targets but
@@ -27,7 +32,8 @@ import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tierfs.client.client import ChunkVersions, FileView, _as_bytes_view
+from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, crc32c, generation
+from tierfs.client.client import FileView, _as_bytes_view, chunk_records
 from tierfs.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
@@ -80,10 +86,11 @@ class AsyncFile:
         self.pos = self.size if append else 0
         self.closed = False
         self._session = session
-        self._committed = ChunkVersions(info.chunks)
-        self._written: dict[int, int] = {}  # chunks stored in this session -> version
-        self._touched: set[int] = set()  # chunks sent (maybe partly stored): GC'd on abort
-        self._unreported: list[int] = []
+        self._committed = chunk_records(info)
+        self._written: dict[int, ChunkRecord] = {}  # chunks stored in this session
+        self._uploads: dict[int, int] = {}  # chunk -> uploads begun in this session
+        self._touched: set[tuple[int, int]] = set()  # (chunk, generation) sent, maybe partly stored
+        self._unreported: list[tuple[int, int]] = []
         self._staging: _Staging | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._error: TierFSError | None = None
@@ -168,11 +175,11 @@ class AsyncFile:
             return v
         written, committed = self._written, self._committed
 
-        def version(idx: int) -> int | None:
+        def record(idx: int) -> ChunkRecord | None:
             got = written.get(idx)
             return got if got is not None else committed.get(idx)
 
-        return FileView(v.path, v.inode, self.size, v.chunk_size, v.codec, v.groups, version)
+        return FileView(v.path, v.inode, self.size, v.chunk_size, v.codec, v.groups, record)
 
     async def readinto(self, buffer: Any) -> int:
         self._check_open()
@@ -197,8 +204,11 @@ class AsyncFile:
     async def _read_at(self, offset: int, dest: memoryview) -> int:
         view = self._current_view()
         cs = view.chunk_size
-        if self._writable or len(dest) >= cs // 2:
+        if self._writable:
             return await self._client._read_range(view, offset, dest)
+        if len(dest) >= cs // 2:
+            n, self._view = await self._client._read_fresh(view, offset, dest)
+            return n
         # Small reads go through a one-chunk cache (sequential readers of
         # small records would otherwise pay a round trip each).
         end = min(offset + len(dest), view.size)
@@ -251,7 +261,10 @@ class AsyncFile:
 
     async def _load_chunk(self, view: FileView, idx: int, buf: memoryview) -> int:
         cs = view.chunk_size
-        return await self._client._read_range(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
+        n, fresh = await self._client._read_fresh(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
+        if fresh is not view and not self._writable:
+            self._view = fresh  # rewritten meanwhile: later reads start from the new generation
+        return n
 
     # ---- writing ----------------------------------------------------------------
 
@@ -278,7 +291,7 @@ class AsyncFile:
                 # A whole chunk: encode from the caller's memory (the encoder
                 # copies it), no staging copy.
                 await self._wait_chunk(idx)
-                await self._submit(idx, codec.encode(piece, cs, cs), None)
+                await self._submit(idx, codec.encode(piece, cs, cs), None, crc32c(piece))
             else:
                 if self._staging is None:
                     self._staging = await self._load(idx)
@@ -327,27 +340,35 @@ class AsyncFile:
             return
         st.buf[st.fill:] = bytes(len(st.buf) - st.fill)
         await self._wait_chunk(st.idx)
-        await self._submit(st.idx, None, st)
+        await self._submit(st.idx, None, st, crc32c(st.buf[: st.fill]))
 
-    async def _submit(self, idx: int, frags: list[memoryview] | None, st: _Staging | None) -> None:
+    async def _submit(self, idx: int, frags: list[memoryview] | None, st: _Staging | None, crc: int) -> None:
         await self._slots.acquire()
+        seq = self._uploads.get(idx, 0)
+        if self._error is None and seq > MAX_UPLOAD_SEQ:
+            self._error = InvalidArgumentError(
+                f"{self.path}: chunk {idx} was uploaded {seq} times in this write session (at most "
+                f"{MAX_UPLOAD_SEQ + 1}): close the file and open it again")
         if self._error is not None:
             self._slots.release()
             if st is not None:
                 self._client.pool.put(st.buf)
             raise self._error
-        task = asyncio.get_running_loop().create_task(self._upload(idx, frags, st))
+        assert self._session is not None
+        self._uploads[idx] = seq + 1
+        gen = generation(self._session.data_version, seq)
+        length = st.fill if st is not None else self._view.chunk_size
+        task = asyncio.get_running_loop().create_task(self._upload(idx, gen, length, crc, frags, st))
         self._inflight[idx] = task
-        if idx not in self._touched:
-            # Told to meta at the next renewal, before it is known to be
-            # stored: a writer that dies mid-chunk leaves nothing unaccounted.
-            self._touched.add(idx)
-            self._unreported.append(idx)
+        # Told to meta at the next renewal, before it is known to be stored:
+        # a writer that dies mid-chunk leaves nothing unaccounted.
+        self._touched.add((idx, gen))
+        self._unreported.append((idx, gen))
 
-    async def _upload(self, idx: int, frags: list[memoryview] | None, st: _Staging | None) -> None:
+    async def _upload(self, idx: int, gen: int, length: int, crc: int, frags: list[memoryview] | None,
+                      st: _Staging | None) -> None:
         client = self._client
         view = self._view
-        assert self._session is not None
         try:
             if frags is None:
                 assert st is not None
@@ -355,8 +376,8 @@ class AsyncFile:
                 if not view.codec.replicated:  # EC fragments no longer reference the buffer
                     client.pool.put(st.buf)
                     st = None
-            await client._write_chunk(view, idx, self._session.data_version, frags)
-            self._written[idx] = self._session.data_version
+            missing = await client._write_chunk(view, idx, gen, frags)
+            self._written[idx] = ChunkRecord(gen, length, length, crc, tuple(missing))
         except TierFSError as exc:
             if self._error is None:
                 self._error = exc
@@ -386,7 +407,7 @@ class AsyncFile:
             await asyncio.sleep(cfg.lease_ms / 3000)
             chunks, self._unreported = self._unreported, []
             try:
-                await self._client.meta.renew_lease(self._session.session_id, chunks=chunks, lease_ms=cfg.lease_ms)
+                await self._client.meta.renew_lease(self._session.session_id, uploads=chunks, lease_ms=cfg.lease_ms)
             except SessionExpiredError as exc:
                 self._error = self._error or exc
                 return
@@ -407,7 +428,8 @@ class AsyncFile:
             await self.flush()
             await self._stop_renewer()
             assert self._session is not None
-            info = await self._client.meta.commit_write(self._session.session_id, self.size, sorted(self._written))
+            recs = [rec.fill_pb(pb.ChunkRecord(), idx) for idx, rec in sorted(self._written.items())]
+            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs)
             self.size = info.attr.size
         except BaseException:
             await self.abort()
@@ -426,7 +448,7 @@ class AsyncFile:
         await self._stop_renewer()
         if self._session is not None:
             with contextlib.suppress(TierFSError):
-                await self._client.meta.abort_write(self._session.session_id, chunks=sorted(self._touched))
+                await self._client.meta.abort_write(self._session.session_id, uploads=sorted(self._touched))
 
     async def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None

@@ -271,21 +271,26 @@ class MetaClient:
                                                                  map_version=map_version),
                                 pb.OpenWriteReply, mutating=True)
 
-    async def renew_lease(self, session_id: int, chunks: Iterable[int] = (), lease_ms: int = 0) -> int:
-        """Extend the lease; returns the new expiry (ns since the epoch)."""
-        reply = await self._call("RenewLease", pb.RenewLeaseRequest(session_id=session_id, chunks=list(chunks),
-                                                                    lease_ms=lease_ms),
-                                 pb.RenewLeaseReply, mutating=True)
+    async def renew_lease(self, session_id: int, uploads: Iterable[tuple[int, int]] = (), lease_ms: int = 0) -> int:
+        """Extend the lease, telling meta of the uploads (chunk, generation)
+        begun since the last renewal; returns the new expiry (ns since the
+        epoch)."""
+        req = pb.RenewLeaseRequest(session_id=session_id, lease_ms=lease_ms,
+                                   uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
+        reply = await self._call("RenewLease", req, pb.RenewLeaseReply, mutating=True)
         return reply.lease_expiry_ns
 
-    async def commit_write(self, session_id: int, size: int, chunks: Iterable[int]) -> pb.FileInfo:
+    async def commit_write(self, session_id: int, size: int, chunks: Iterable[pb.ChunkRecord]) -> pb.FileInfo:
+        """Publish the session's chunks (one record each: generation, length,
+        CRC32C, fragments not stored) and the new size."""
         return await self._call("CommitWrite", pb.CommitWriteRequest(session_id=session_id, size=size,
                                                                      chunks=list(chunks)),
                                 pb.FileInfo, mutating=True)
 
-    async def abort_write(self, session_id: int, chunks: Iterable[int] = ()) -> None:
-        await self._call("AbortWrite", pb.AbortWriteRequest(session_id=session_id, chunks=list(chunks)),
-                         pb.Empty, mutating=True)
+    async def abort_write(self, session_id: int, uploads: Iterable[tuple[int, int]] = ()) -> None:
+        req = pb.AbortWriteRequest(session_id=session_id,
+                                   uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
+        await self._call("AbortWrite", req, pb.Empty, mutating=True)
 
     # ---- cluster map --------------------------------------------------------------
 
@@ -337,6 +342,16 @@ class MetaClient:
         reply = await self._call("ListGC", pb.ListGCRequest(target_ids=list(target_ids), after_id=after_id,
                                                             limit=limit), pb.ListGCReply)
         return list(reply.items)
+
+    async def list_repairs(self, target_ids: Iterable[int], limit: int = 0) -> pb.ListRepairsReply:
+        """Fragments known missing or bad that ``target_ids`` must rebuild."""
+        return await self._call("ListRepairs", pb.ListRepairsRequest(target_ids=list(target_ids), limit=limit),
+                                pb.ListRepairsReply)
+
+    async def mark_fragments(self, items: Iterable[pb.RepairItem], *, done: bool) -> int:
+        """Report fragments rebuilt (``done``) or found missing or bad."""
+        req = pb.MarkFragmentsRequest(items=list(items), done=done)
+        return (await self._call("MarkFragments", req, pb.MarkFragmentsReply, mutating=True)).changed
 
     async def ack_gc(self, acks: Iterable[tuple[int, int]]) -> int:
         """Acknowledge deleted fragments: ``(gc item id, target id)`` pairs."""

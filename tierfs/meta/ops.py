@@ -49,6 +49,8 @@ MAX_STRIPE_WIDTH = 1024
 MAX_FILE_SIZE = 1 << 60
 MAX_TARGETS_PER_NODE = 256
 MAX_ID_STRING = 256
+#: Fragments one MarkFragments request may report (the repair queue pages).
+MAX_MARK_ITEMS = 10_000
 
 EC = pb.REDUNDANCY_KIND_EC
 REPLICA = pb.REDUNDANCY_KIND_REPLICA
@@ -286,6 +288,10 @@ def validate_op(op: pb.MetaOp) -> None:
             _short(p, "register_node: target path")
         if len(set(paths)) != len(paths):
             raise InvalidArgumentError("register_node: duplicate target path")
+    elif kind == "mark_fragments":
+        if len(op.mark_fragments.items) > MAX_MARK_ITEMS:
+            raise InvalidArgumentError(f"mark_fragments: {len(op.mark_fragments.items)} items, at most "
+                                       f"{MAX_MARK_ITEMS} per request")
     elif kind == "finish_rebuild":
         if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
             raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")

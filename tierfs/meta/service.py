@@ -286,6 +286,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def AckGC(self, request: pb.AckGCRequest, context: Ctx) -> pb.AckGCReply:
         return await self._mutate(context, "ack_gc", request, pb.AckGCReply)
 
+    # ---- the repair queue -------------------------------------------------------------
+
+    @grpc_errors
+    async def ListRepairs(self, request: pb.ListRepairsRequest, context: Ctx) -> pb.ListRepairsReply:
+        return (await self._read()).list_repairs(request.target_ids, request.limit)
+
+    @grpc_errors
+    async def MarkFragments(self, request: pb.MarkFragmentsRequest, context: Ctx) -> pb.MarkFragmentsReply:
+        return await self._mutate(context, "mark_fragments", request, pb.MarkFragmentsReply)
+
     # ---- replica status and membership (local, no leader needed) ----------------
 
     @grpc_errors

@@ -31,6 +31,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
+from tierfs.chunk import ChunkRecord, session_version
 from tierfs.errors import (
     AlreadyExistsError,
     BusyError,
@@ -59,7 +60,7 @@ from tierfs.meta.placement import distinct_nodes, plan_groups
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["ROOT_INODE", "MetaStateMachine", "chunk_runs"]
+__all__ = ["ROOT_INODE", "MetaStateMachine"]
 
 ROOT_INODE = 1
 FILE = pb.INODE_TYPE_FILE
@@ -82,7 +83,9 @@ MAX_READDIR_LIMIT = 10_000
 #: retry deduplication; a client idle for REQUEST_TTL_NS is forgotten.
 REQUESTS_PER_CLIENT = 128
 REQUEST_TTL_NS = 15 * 60 * 10**9
-SNAPSHOT_FORMAT = 1
+#: 2: chunk records (generation, length, valid, crc, missing) replace the
+#: per-chunk versions of format 1, whose fragments could not be told apart.
+SNAPSHOT_FORMAT = 2
 NS_PER_MS = 1_000_000
 
 
@@ -104,7 +107,7 @@ class Inode:
     # fully resolved layout chosen at create time.
     layout: LayoutSpec | None = None
     groups: list[int] = field(default_factory=list)
-    chunks: dict[int, int] = field(default_factory=dict)
+    chunks: dict[int, ChunkRecord] = field(default_factory=dict)
     target: str = ""
     session: int = 0
 
@@ -142,7 +145,7 @@ class Session:
     owner: str
     expiry: int
     version: int
-    chunks: set[int] = field(default_factory=set)
+    uploads: set[tuple[int, int]] = field(default_factory=set)  # (chunk, generation) begun
 
 
 @dataclass(slots=True)
@@ -153,18 +156,6 @@ class GCEntry:
     version: int
     group: int
     pending: dict[int, int] = field(default_factory=dict)  # target id -> fragment index
-
-
-def chunk_runs(chunks: dict[int, int]) -> list[pb.ChunkRun]:
-    """Compress {chunk index: version} into runs of consecutive indexes."""
-    out: list[pb.ChunkRun] = []
-    for idx in sorted(chunks):
-        v = chunks[idx]
-        if out and out[-1].first + out[-1].count == idx and out[-1].version == v:
-            out[-1].count += 1
-        else:
-            out.append(pb.ChunkRun(first=idx, count=1, version=v))
-    return out
 
 
 def _result(reply: Message | None = None, err: TierFSError | None = None) -> bytes:
@@ -213,6 +204,9 @@ class MetaStateMachine:
         self.rebuild_sources: dict[int, dict[int, int]] = {}
         self.widths: set[int] = {DEFAULT_LAYOUT.width}
         self.sessions: dict[int, Session] = {}
+        # (inode, chunk) of committed chunks with fragments known missing or
+        # bad (derived from the chunk records: not in snapshots)
+        self.degraded: set[tuple[int, int]] = set()
         self.gc: dict[int, GCEntry] = {}
         # client id -> (last seen ns, {request id: serialized result})
         self.requests: dict[str, tuple[int, dict[int, bytes]]] = {}
@@ -349,7 +343,8 @@ class MetaStateMachine:
         if n.type == FILE:
             assert n.layout is not None
             info.layout.CopyFrom(n.layout.to_pb(n.groups))
-            info.chunks.extend(chunk_runs(n.chunks))
+            for idx in sorted(n.chunks):
+                n.chunks[idx].fill_pb(info.chunks.add(), idx)
             info.writing = n.session != 0
         elif n.type == DIR:
             info.layout.CopyFrom(self._effective_layout(n).to_pb())
@@ -376,15 +371,27 @@ class MetaStateMachine:
                                         group=gid, pending={t: j for j, t in enumerate(members)})
         self.next_gc += 1
 
-    def _drop_session(self, s: Session, f: Inode | None, *, keep: Iterable[int] = ()) -> None:
-        """End ``s``; its written-but-not-kept chunks go to GC."""
+    def _drop_session(self, s: Session, f: Inode | None) -> None:
+        """End ``s``; every generation it uploaded that is not the committed
+        one of its chunk goes to GC."""
         self.sessions.pop(s.id, None)
         if f is not None:
             f.session = 0
-            kept = set(keep)
-            for c in sorted(s.chunks - kept):
-                if f.chunks.get(c) != s.version:
-                    self._gc_chunk(f, c, s.version)
+            for c, gen in sorted(s.uploads):
+                rec = f.chunks.get(c)
+                if rec is None or rec.generation != gen:
+                    self._gc_chunk(f, c, gen)
+
+    def _set_chunk(self, f: Inode, idx: int, rec: ChunkRecord) -> None:
+        f.chunks[idx] = rec
+        if rec.missing:
+            self.degraded.add((f.id, idx))
+        else:
+            self.degraded.discard((f.id, idx))
+
+    def _pop_chunk(self, f: Inode, idx: int) -> ChunkRecord:
+        self.degraded.discard((f.id, idx))
+        return f.chunks.pop(idx)
 
     def _live_session(self, f: Inode) -> Session | None:
         """The file's session if its lease has not run out; an expired one is
@@ -406,7 +413,7 @@ class MetaStateMachine:
             if n.session and n.session in self.sessions:
                 self._drop_session(self.sessions[n.session], n)
             for c in sorted(n.chunks):
-                self._gc_chunk(n, c, n.chunks[c])
+                self._gc_chunk(n, c, self._pop_chunk(n, c).generation)
         del self.inodes[n.id]
 
     # ---- namespace ops ------------------------------------------------------
@@ -557,11 +564,18 @@ class MetaStateMachine:
         return self._info(f)
 
     def _set_size(self, f: Inode, size: int) -> None:
+        """POSIX truncate semantics: chunks wholly past ``size`` go to GC and
+        the tail chunk's valid length is cut, so that growing the file
+        again reads zeros there (tierfs.chunk.valid_bytes)."""
         assert f.layout is not None
-        keep = -(-size // f.layout.chunk_size)
+        cs = f.layout.chunk_size
+        keep = -(-size // cs)
         for c in sorted(f.chunks):
             if c >= keep:
-                self._gc_chunk(f, c, f.chunks.pop(c))
+                self._gc_chunk(f, c, self._pop_chunk(f, c).generation)
+        tail = f.chunks.get(keep - 1) if size % cs else None
+        if tail is not None and tail.valid > size % cs:
+            self._set_chunk(f, keep - 1, replace(tail, valid=size % cs))
         f.size = size
 
     def _op_set_layout(self, op: pb.MetaOp, r: pb.SetLayoutRequest) -> Message:
@@ -616,7 +630,7 @@ class MetaStateMachine:
             # ec:4+2 every group spans every node): place the file on groups
             # that can still take a degraded write, which the down member
             # catches up on when it returns (docs/repair.md).
-            need = max(1, w - 1) if spec.kind == pb.REDUNDANCY_KIND_REPLICA else min(w, spec.k + 1)
+            need = min(w, 2) if spec.kind == pb.REDUNDANCY_KIND_REPLICA else min(w, spec.k + 1)
             healthy = [g for g, n in online.items() if n >= need]
         red = spec.redundancy()
         if not healthy:
@@ -671,32 +685,66 @@ class MetaStateMachine:
 
     def _op_renew_lease(self, op: pb.MetaOp, r: pb.RenewLeaseRequest) -> Message:
         s, f = self._session(r.session_id)
-        self._check_chunks(f, r.chunks, None)
-        s.chunks.update(r.chunks)
+        ups = self._check_uploads(s, f, r.uploads)
+        s.uploads.update(ups)
         s.expiry = self.clock + self._lease_ns(op, r.lease_ms)
         return pb.RenewLeaseReply(lease_expiry_ns=s.expiry)
 
     @staticmethod
-    def _check_chunks(f: Inode, chunks: Iterable[int], size: int | None) -> None:
+    def _check_chunk_index(f: Inode, c: int, size: int | None) -> None:
         assert f.layout is not None
         limit = -(-size // f.layout.chunk_size) if size is not None else -(-(1 << 60) // f.layout.chunk_size)
-        for c in chunks:
-            if c >= limit:
+        if c >= limit:
+            raise InvalidArgumentError(
+                f"chunk {c} lies beyond the file size {size} (chunk size {f.layout.chunk_size})")
+
+    def _check_uploads(self, s: Session, f: Inode, uploads: Iterable[pb.ChunkUpload]) -> list[tuple[int, int]]:
+        out = []
+        for u in uploads:
+            self._check_chunk_index(f, u.index, None)
+            if session_version(u.generation) != s.version:
                 raise InvalidArgumentError(
-                    f"chunk {c} lies beyond the file size {size} (chunk size {f.layout.chunk_size})")
+                    f"chunk {u.index}: generation {u.generation:#x} does not belong to write session {s.id} "
+                    f"(data version {s.version})")
+            out.append((u.index, u.generation))
+        return out
 
     def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
         s, f = self._session(r.session_id)
-        self._check_chunks(f, r.chunks, r.size)
-        written = set(r.chunks)
-        for c in sorted(written):
-            old = f.chunks.get(c)
-            if old is not None and old != s.version:
-                self._gc_chunk(f, c, old)
-            f.chunks[c] = s.version
+        assert f.layout is not None
+        lay = f.layout
+        width = lay.width
+        # The floor below which a chunk is not stored at all (the client's
+        # acknowledgement rule, min_write_fragments, is stricter).
+        floor = 1 if lay.kind == pb.REDUNDANCY_KIND_REPLICA else lay.k
+        recs: dict[int, ChunkRecord] = {}
+        for c in r.chunks:
+            self._check_chunk_index(f, c.index, r.size)
+            if c.index in recs:
+                raise InvalidArgumentError(f"chunk {c.index} is listed twice in the commit")
+            if session_version(c.generation) != s.version:
+                raise InvalidArgumentError(
+                    f"chunk {c.index}: generation {c.generation:#x} does not belong to write session {s.id} "
+                    f"(data version {s.version})")
+            if not 0 < c.length <= lay.chunk_size:
+                raise InvalidArgumentError(f"chunk {c.index}: length {c.length} outside (0, {lay.chunk_size}]")
+            missing = sorted(set(c.missing))
+            if len(missing) != len(c.missing) or any(j >= width for j in missing):
+                raise InvalidArgumentError(f"chunk {c.index}: bad missing fragment list {list(c.missing)} "
+                                           f"(width {width})")
+            if width - len(missing) < floor:
+                raise InvalidArgumentError(f"chunk {c.index}: only {width - len(missing)} of {width} fragments "
+                                           f"stored, {lay.redundancy()} needs at least {floor}")
+            recs[c.index] = ChunkRecord(c.generation, c.length, c.length, c.crc32c, tuple(missing))
+        for idx in sorted(recs):
+            old = f.chunks.get(idx)
+            if old is not None and old.generation != recs[idx].generation:
+                self._gc_chunk(f, idx, old.generation)
+            s.uploads.add((idx, recs[idx].generation))
+            self._set_chunk(f, idx, recs[idx])
         self._set_size(f, r.size)
         f.mtime = f.ctime = self.clock
-        self._drop_session(s, f, keep=written)
+        self._drop_session(s, f)
         return self._info(f)
 
     def _op_abort_write(self, op: pb.MetaOp, r: pb.AbortWriteRequest) -> Message:
@@ -704,10 +752,35 @@ class MetaStateMachine:
         if s is None:
             raise SessionExpiredError(f"write session {r.session_id} is unknown, expired or already ended")
         f = self.inodes[s.inode]
-        self._check_chunks(f, r.chunks, None)
-        s.chunks.update(r.chunks)
+        s.uploads.update(self._check_uploads(s, f, r.uploads))
         self._drop_session(s, f)
         return pb.Empty()
+
+    # ---- the repair queue ------------------------------------------------------
+
+    def _op_mark_fragments(self, op: pb.MetaOp, r: pb.MarkFragmentsRequest) -> Message:
+        """Fragments of committed chunks rebuilt (``done``: cleared from the
+        chunk's missing list) or found missing or bad (added). Items naming
+        another generation than the committed one are ignored: the chunk was
+        rewritten meanwhile."""
+        changed = 0
+        for it in r.items:
+            f = self.inodes.get(it.inode)
+            rec = f.chunks.get(it.chunk) if f is not None and f.type == FILE else None
+            if f is None or rec is None or rec.generation != it.version:
+                continue
+            assert f.layout is not None
+            if it.fragment >= f.layout.width:
+                raise InvalidArgumentError(f"fragment {it.fragment} is outside the layout's {f.layout.width}")
+            missing = set(rec.missing)
+            if r.done:
+                missing.discard(it.fragment)
+            else:
+                missing.add(it.fragment)
+            if len(missing) != len(rec.missing):
+                self._set_chunk(f, it.chunk, replace(rec, missing=tuple(sorted(missing))))
+                changed += 1
+        return pb.MarkFragmentsReply(changed=changed)
 
     # ---- cluster map ---------------------------------------------------------
 
@@ -1045,10 +1118,31 @@ class MetaStateMachine:
             slots = {k for k, g in enumerate(f.groups) if g == group_id}
             for c in sorted(f.chunks):
                 if c % n in slots:
-                    reply.chunks.append(pb.GroupChunk(inode=ino, chunk=c, version=f.chunks[c]))
+                    reply.chunks.append(pb.GroupChunk(inode=ino, chunk=c, version=f.chunks[c].generation))
             if len(reply.chunks) >= limit:
                 reply.next_inode = ino
                 break
+        return reply
+
+    def list_repairs(self, target_ids: Iterable[int], limit: int = 0) -> pb.ListRepairsReply:
+        """Fragments of committed chunks known missing or bad, each with the
+        group member that must rebuild it (``target_ids``: only theirs)."""
+        want = set(target_ids)
+        limit = min(limit or 1000, 10_000)
+        reply = pb.ListRepairsReply()
+        for ino, c in sorted(self.degraded):
+            f = self.inodes[ino]
+            rec = f.chunks[c]
+            reply.pending += len(rec.missing)
+            if len(reply.items) >= limit or not f.groups:
+                continue
+            gid = f.groups[c % len(f.groups)]
+            members = self.groups.get(gid, [])
+            for j in rec.missing:
+                tid = members[j] if j < len(members) else 0
+                if tid and (tid in want or not want):
+                    reply.items.append(pb.RepairItem(inode=ino, chunk=c, version=rec.generation, fragment=j,
+                                                     group_id=gid, target_id=tid))
         return reply
 
     def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:
@@ -1078,7 +1172,8 @@ class MetaStateMachine:
                 "id": n.id, "type": n.type, "mode": n.mode, "uid": n.uid, "gid": n.gid, "mtime": n.mtime,
                 "ctime": n.ctime, "nlink": n.nlink, "size": n.size, "dv": n.data_version, "parent": n.parent,
                 "entries": dict(sorted(n.entries.items())), "layout": lay(n.layout), "groups": n.groups,
-                "chunks": [[r.first, r.count, r.version] for r in chunk_runs(n.chunks)],
+                "chunks": [[c, r.generation, r.length, r.valid, r.crc, list(r.missing)]
+                           for c, r in sorted(n.chunks.items())],
                 "target": n.target, "session": n.session,
             })
         return {
@@ -1097,7 +1192,7 @@ class MetaStateMachine:
             "draining": sorted(n for n in self.nodes if self.nodes[n].draining),
             "removed_targets": sorted(t for t in self.targets if self.targets[t].removed),
             "widths": sorted(self.widths),
-            "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted(s.chunks)]
+            "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted([c, g] for c, g in s.uploads)]
                          for _, s in sorted(self.sessions.items())],
             "gc": [[e.id, e.inode, e.chunk, e.version, e.group, sorted([t, f] for t, f in e.pending.items())]
                    for _, e in sorted(self.gc.items())],
@@ -1114,7 +1209,7 @@ class MetaStateMachine:
          self.next_group, self.next_session, self.next_gc, self.map_version) = doc["counters"]
         self.inodes = {}
         for d in doc["inodes"]:
-            chunks = {first + i: v for first, count, v in d["chunks"] for i in range(count)}
+            chunks = {c: ChunkRecord(g, n, v, crc, tuple(miss)) for c, g, n, v, crc, miss in d["chunks"]}
             self.inodes[d["id"]] = Inode(
                 id=d["id"], type=d["type"], mode=d["mode"], uid=d["uid"], gid=d["gid"], mtime=d["mtime"],
                 ctime=d["ctime"], nlink=d["nlink"], size=d["size"], data_version=d["dv"], parent=d["parent"],
@@ -1134,7 +1229,8 @@ class MetaStateMachine:
             self.targets[t].removed = True
         self.widths = set(doc["widths"])
         self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
-                                       chunks=set(s[5])) for s in doc["sessions"]}
+                                       uploads={(c, g) for c, g in s[5]}) for s in doc["sessions"]}
+        self.degraded = {(i, c) for i, n in self.inodes.items() for c, r in n.chunks.items() if r.missing}
         self.gc = {e[0]: GCEntry(id=e[0], inode=e[1], chunk=e[2], version=e[3], group=e[4],
                                  pending={t: f for t, f in e[5]}) for e in doc["gc"]}
         self.requests = {c: (seen, {r: base64.b64decode(v) for r, v in items})

@@ -218,7 +218,9 @@ class Attr(_message.Message):
     ctime_ns: _builtins.int
     nlink: _builtins.int
     data_version: _builtins.int
-    """Files: bumped by every OpenWrite; fragments written in that session carry it."""
+    """Files: bumped by every OpenWrite; the generations of the chunks uploaded in
+    that session are built from it (ChunkRecord.generation).
+    """
     parent: _builtins.int
     """directories: parent inode (root: itself)"""
     def __init__(
@@ -245,31 +247,88 @@ class Attr(_message.Message):
 Global___Attr: _TypeAlias = Attr  # noqa: Y015
 
 @_typing.final
-class ChunkRun(_message.Message):
-    """A run of consecutive chunks that share one version."""
+class ChunkRecord(_message.Message):
+    """One committed chunk of a file: which generation of fragments holds it and
+    which of its bytes are data. tierfs.chunk is the one place that interprets
+    these fields (valid bytes, fragment lengths, generations); every reader,
+    rebuilder and scrubber goes through it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    FIRST_FIELD_NUMBER: _builtins.int
-    COUNT_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    first: _builtins.int
-    count: _builtins.int
-    version: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    VALID_FIELD_NUMBER: _builtins.int
+    CRC32C_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    generation: _builtins.int
+    """The upload that stored it: (session data_version << 20) | upload sequence
+    of this chunk within that session. Fragments carry it as their version;
+    a fragment of any other generation is stale, never data.
+    """
+    length: _builtins.int
+    """Logical bytes encoded into the fragments (the chunk's length at upload);
+    every fragment's stored length follows from it (tierfs.chunk).
+    """
+    valid: _builtins.int
+    """Bytes [0, valid) read as data, the rest as zeros (valid <= length). A
+    truncate lowers it; set by meta (what a client sends is ignored).
+    """
+    crc32c: _builtins.int
+    """CRC32C of chunk bytes [0, length) as uploaded (the K data fragments'
+    stored bytes in order; the whole copy for replicas).
+    """
+    @_builtins.property
+    def missing(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Fragment positions not durable at commit (a degraded write) or found bad
+        since: readers do not ask them and the repair queue rebuilds them.
+        """
+
     def __init__(
         self,
         *,
-        first: _builtins.int = ...,
-        count: _builtins.int = ...,
-        version: _builtins.int = ...,
+        index: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        length: _builtins.int = ...,
+        valid: _builtins.int = ...,
+        crc32c: _builtins.int = ...,
+        missing: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "first", b"first", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32c", b"crc32c", "generation", b"generation", "index", b"index", "length", b"length", "missing", b"missing", "valid", b"valid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChunkRun: _TypeAlias = ChunkRun  # noqa: Y015
+Global___ChunkRecord: _TypeAlias = ChunkRecord  # noqa: Y015
+
+@_typing.final
+class ChunkUpload(_message.Message):
+    """One upload of a chunk in a write session (for garbage collection of what
+    the session stored but does not commit).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    generation: _builtins.int
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChunkUpload: _TypeAlias = ChunkUpload  # noqa: Y015
 
 @_typing.final
 class FileInfo(_message.Message):
@@ -291,8 +350,8 @@ class FileInfo(_message.Message):
         """files: the file's layout; directories: effective layout"""
 
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRun]:
-        """files only: committed chunk versions"""
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]:
+        """files only: committed chunks, by index"""
 
     def __init__(
         self,
@@ -300,7 +359,7 @@ class FileInfo(_message.Message):
         attr: Global___Attr | None = ...,
         layout: Global___Layout | None = ...,
         symlink_target: _builtins.str = ...,
-        chunks: _abc.Iterable[Global___ChunkRun] | None = ...,
+        chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
         writing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "layout", b"layout"]  # noqa: Y015
@@ -828,7 +887,7 @@ class OpenWriteReply(_message.Message):
     session_id: _builtins.int
     lease_expiry_ns: _builtins.int
     data_version: _builtins.int
-    """Tag every fragment written in this session with this version."""
+    """Generations of this session's uploads are (data_version << 20) | sequence."""
     @_builtins.property
     def file(self) -> Global___FileInfo: ...
     def __init__(
@@ -853,23 +912,23 @@ class RenewLeaseRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
-    CHUNKS_FIELD_NUMBER: _builtins.int
+    UPLOADS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     lease_ms: _builtins.int
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Chunks written so far: garbage-collected if the session is aborted or expires."""
+    def uploads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkUpload]:
+        """Uploads begun since the last renewal: garbage-collected unless committed."""
 
     def __init__(
         self,
         *,
         session_id: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
-        chunks: _abc.Iterable[_builtins.int] | None = ...,
+        uploads: _abc.Iterable[Global___ChunkUpload] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "lease_ms", b"lease_ms", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "session_id", b"session_id", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -904,15 +963,17 @@ class CommitWriteRequest(_message.Message):
     session_id: _builtins.int
     size: _builtins.int
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """chunk indexes written in this session"""
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]:
+        """The chunks written in this session, each with the generation that holds
+        it, its length, CRC32C and the fragments not stored (``valid`` ignored).
+        """
 
     def __init__(
         self,
         *,
         session_id: _builtins.int = ...,
         size: _builtins.int = ...,
-        chunks: _abc.Iterable[_builtins.int] | None = ...,
+        chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -927,19 +988,19 @@ class AbortWriteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
-    CHUNKS_FIELD_NUMBER: _builtins.int
+    UPLOADS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def uploads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkUpload]: ...
     def __init__(
         self,
         *,
         session_id: _builtins.int = ...,
-        chunks: _abc.Iterable[_builtins.int] | None = ...,
+        uploads: _abc.Iterable[Global___ChunkUpload] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1453,6 +1514,7 @@ class GroupChunk(_message.Message):
     inode: _builtins.int
     chunk: _builtins.int
     version: _builtins.int
+    """the committed generation"""
     def __init__(
         self,
         *,
@@ -1509,6 +1571,7 @@ class GCItem(_message.Message):
     inode: _builtins.int
     chunk: _builtins.int
     version: _builtins.int
+    """the generation to delete"""
     group_id: _builtins.int
     target_id: _builtins.int
     fragment: _builtins.int
@@ -1640,6 +1703,146 @@ class AckGCReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AckGCReply: _TypeAlias = AckGCReply  # noqa: Y015
+
+@_typing.final
+class RepairItem(_message.Message):
+    """---- repair queue ----------------------------------------------------------
+    Fragments of committed chunks that are known missing or bad (a degraded
+    write, a scrub finding): the storage node holding the position rebuilds
+    them at once and reports them done.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INODE_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    FRAGMENT_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    TARGET_ID_FIELD_NUMBER: _builtins.int
+    inode: _builtins.int
+    chunk: _builtins.int
+    version: _builtins.int
+    """the committed generation"""
+    fragment: _builtins.int
+    group_id: _builtins.int
+    """filled by ListRepairs"""
+    target_id: _builtins.int
+    """filled by ListRepairs: the group's member at that position"""
+    def __init__(
+        self,
+        *,
+        inode: _builtins.int = ...,
+        chunk: _builtins.int = ...,
+        version: _builtins.int = ...,
+        fragment: _builtins.int = ...,
+        group_id: _builtins.int = ...,
+        target_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "fragment", b"fragment", "group_id", b"group_id", "inode", b"inode", "target_id", b"target_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepairItem: _TypeAlias = RepairItem  # noqa: Y015
+
+@_typing.final
+class ListRepairsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_IDS_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """0 = 1000"""
+    @_builtins.property
+    def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """empty: all"""
+
+    def __init__(
+        self,
+        *,
+        target_ids: _abc.Iterable[_builtins.int] | None = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "target_ids", b"target_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRepairsRequest: _TypeAlias = ListRepairsRequest  # noqa: Y015
+
+@_typing.final
+class ListRepairsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    pending: _builtins.int
+    """fragment positions awaiting repair, cluster-wide"""
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___RepairItem]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___RepairItem] | None = ...,
+        pending: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "pending", b"pending"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRepairsReply: _TypeAlias = ListRepairsReply  # noqa: Y015
+
+@_typing.final
+class MarkFragmentsRequest(_message.Message):
+    """done=true: these fragments were rebuilt (cleared from ChunkRecord.missing);
+    done=false: found missing or bad (added). Items whose generation is no
+    longer the committed one are ignored.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    done: _builtins.bool
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___RepairItem]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___RepairItem] | None = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkFragmentsRequest: _TypeAlias = MarkFragmentsRequest  # noqa: Y015
+
+@_typing.final
+class MarkFragmentsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGED_FIELD_NUMBER: _builtins.int
+    changed: _builtins.int
+    def __init__(
+        self,
+        *,
+        changed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkFragmentsReply: _TypeAlias = MarkFragmentsReply  # noqa: Y015
 
 @_typing.final
 class GetStatusReply(_message.Message):
@@ -1903,6 +2106,7 @@ class MetaOp(_message.Message):
     REMOVE_TARGET_FIELD_NUMBER: _builtins.int
     DRAIN_NODE_FIELD_NUMBER: _builtins.int
     REMOVE_NODE_FIELD_NUMBER: _builtins.int
+    MARK_FRAGMENTS_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's wall clock when the op was issued"""
     client_id: _builtins.str
@@ -1952,6 +2156,8 @@ class MetaOp(_message.Message):
     def drain_node(self) -> Global___DrainNodeRequest: ...
     @_builtins.property
     def remove_node(self) -> Global___RemoveNodeRequest: ...
+    @_builtins.property
+    def mark_fragments(self) -> Global___MarkFragmentsRequest: ...
     def __init__(
         self,
         *,
@@ -1980,12 +2186,13 @@ class MetaOp(_message.Message):
         remove_target: Global___RemoveTargetRequest | None = ...,
         drain_node: Global___DrainNodeRequest | None = ...,
         remove_node: Global___RemoveNodeRequest | None = ...,
+        mark_fragments: Global___MarkFragmentsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

@@ -169,6 +169,16 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.ListGCRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.ListGCReply.FromString,
                 _registered_method=True)
+        self.ListRepairs = channel.unary_unary(
+                '/tierfs.v1.MetaService/ListRepairs',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.ListRepairsRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ListRepairsReply.FromString,
+                _registered_method=True)
+        self.MarkFragments = channel.unary_unary(
+                '/tierfs.v1.MetaService/MarkFragments',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.MarkFragmentsRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.MarkFragmentsReply.FromString,
+                _registered_method=True)
         self.AckGC = channel.unary_unary(
                 '/tierfs.v1.MetaService/AckGC',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.AckGCRequest.SerializeToString,
@@ -368,6 +378,19 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRepairs(self, request, context):
+        """The repair queue (degraded writes, scrub findings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MarkFragments(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AckGC(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -546,6 +569,16 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.ListGC,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.ListGCRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.ListGCReply.SerializeToString,
+            ),
+            'ListRepairs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRepairs,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.ListRepairsRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ListRepairsReply.SerializeToString,
+            ),
+            'MarkFragments': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkFragments,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.MarkFragmentsRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.MarkFragmentsReply.SerializeToString,
             ),
             'AckGC': grpc.unary_unary_rpc_method_handler(
                     servicer.AckGC,
@@ -1307,6 +1340,60 @@ class MetaService:
             '/tierfs.v1.MetaService/ListGC',
             tierfs_dot_v1_dot_meta__pb2.ListGCRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.ListGCReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRepairs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/ListRepairs',
+            tierfs_dot_v1_dot_meta__pb2.ListRepairsRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ListRepairsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkFragments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/MarkFragments',
+            tierfs_dot_v1_dot_meta__pb2.MarkFragmentsRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.MarkFragmentsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,9 @@ class MetaServiceStub:
     DrainNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]
     RemoveNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]
     ListGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]
+    ListRepairs: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListRepairsRequest, _meta_pb2.ListRepairsReply]
+    """The repair queue (degraded writes, scrub findings)."""
+    MarkFragments: _grpc.UnaryUnaryMultiCallable[_meta_pb2.MarkFragmentsRequest, _meta_pb2.MarkFragmentsReply]
     AckGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
     """Answered locally by any replica (no leader needed)."""
@@ -115,6 +118,9 @@ class MetaServiceAsyncStub(MetaServiceStub):
     DrainNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
     RemoveNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     ListGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]  # type: ignore[assignment]
+    ListRepairs: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListRepairsRequest, _meta_pb2.ListRepairsReply]  # type: ignore[assignment]
+    """The repair queue (degraded writes, scrub findings)."""
+    MarkFragments: _aio.UnaryUnaryMultiCallable[_meta_pb2.MarkFragmentsRequest, _meta_pb2.MarkFragmentsReply]  # type: ignore[assignment]
     AckGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
     """Answered locally by any replica (no leader needed)."""
@@ -320,6 +326,21 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.ListGCRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.ListGCReply, _abc.Awaitable[_meta_pb2.ListGCReply]]: ...
+
+    @_abc_1.abstractmethod
+    def ListRepairs(
+        self,
+        request: _meta_pb2.ListRepairsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ListRepairsReply, _abc.Awaitable[_meta_pb2.ListRepairsReply]]:
+        """The repair queue (degraded writes, scrub findings)."""
+
+    @_abc_1.abstractmethod
+    def MarkFragments(
+        self,
+        request: _meta_pb2.MarkFragmentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.MarkFragmentsReply, _abc.Awaitable[_meta_pb2.MarkFragmentsReply]]: ...
 
     @_abc_1.abstractmethod
     def AckGC(

@@ -114,6 +114,9 @@ class ScrubReport(_message.Message):
     ERRORS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     ISSUES_FIELD_NUMBER: _builtins.int
+    STALE_FIELD_NUMBER: _builtins.int
+    CHUNKS_VERIFIED_FIELD_NUMBER: _builtins.int
+    MISMATCHED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments: _builtins.int
     """fragments verified"""
@@ -126,6 +129,15 @@ class ScrubReport(_message.Message):
     orphans_deleted: _builtins.int
     errors: _builtins.int
     seconds: _builtins.float
+    stale: _builtins.int
+    """Fragments of a live chunk but of another generation than the committed
+    one (never data; deleted after the orphan grace).
+    """
+    chunks_verified: _builtins.int
+    """Chunks checked whole (all fragments against the chunk's CRC32C in meta
+    and the parity re-encoded) and those found inconsistent.
+    """
+    mismatched: _builtins.int
     @_builtins.property
     def issues(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScrubIssue]:
         """at most 1000"""
@@ -144,10 +156,13 @@ class ScrubReport(_message.Message):
         errors: _builtins.int = ...,
         seconds: _builtins.float = ...,
         issues: _abc.Iterable[Global___ScrubIssue] | None = ...,
+        stale: _builtins.int = ...,
+        chunks_verified: _builtins.int = ...,
+        mismatched: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
