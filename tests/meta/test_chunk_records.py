@@ -46,6 +46,14 @@ def test_every_upload_is_its_own_generation_and_the_others_go_to_gc(d: Driver) -
     (r,) = info.chunks
     assert (r.index, r.generation, r.length, r.valid, r.crc32c, list(r.missing)) == (0, g1, 2000, 2000, 0xABC, [0])
     assert _gc(d) == {(ino, 0, g0)}  # the first upload is stale: collected, never data
+    # Uploads no renewal reported (the writer closes between renewals) come
+    # with the commit and are collected too.
+    s = _open(d, "/y")
+    h0, h1 = generation(s.data_version, 0), generation(s.data_version, 1)
+    d.do("commit_write", pb.CommitWriteRequest(
+        session_id=s.session_id, size=2000, chunks=[pb.ChunkRecord(index=0, generation=h1, length=2000)],
+        uploads=[pb.ChunkUpload(index=0, generation=h0), pb.ChunkUpload(index=0, generation=h1)]), pb.FileInfo)
+    assert _gc(d) == {(ino, 0, g0), (ino, 0, g1), (ino, 0, h0)}
 
 
 def test_commit_refuses_bad_records_and_changes_nothing(d: Driver) -> None:

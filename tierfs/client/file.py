@@ -429,7 +429,10 @@ class AsyncFile:
             await self._stop_renewer()
             assert self._session is not None
             recs = [rec.fill_pb(pb.ChunkRecord(), idx) for idx, rec in sorted(self._written.items())]
-            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs)
+            # Every upload again (a renewal cancelled by the stop may or may
+            # not have reached meta): those not committed go to GC.
+            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs,
+                                                        uploads=sorted(self._touched))
             self.size = info.attr.size
         except BaseException:
             await self.abort()

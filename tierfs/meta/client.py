@@ -280,12 +280,14 @@ class MetaClient:
         reply = await self._call("RenewLease", req, pb.RenewLeaseReply, mutating=True)
         return reply.lease_expiry_ns
 
-    async def commit_write(self, session_id: int, size: int, chunks: Iterable[pb.ChunkRecord]) -> pb.FileInfo:
+    async def commit_write(self, session_id: int, size: int, chunks: Iterable[pb.ChunkRecord],
+                           uploads: Iterable[tuple[int, int]] = ()) -> pb.FileInfo:
         """Publish the session's chunks (one record each: generation, length,
-        CRC32C, fragments not stored) and the new size."""
-        return await self._call("CommitWrite", pb.CommitWriteRequest(session_id=session_id, size=size,
-                                                                     chunks=list(chunks)),
-                                pb.FileInfo, mutating=True)
+        CRC32C, fragments not stored) and the new size; ``uploads``: those
+        (chunk, generation) not reported by a renewal yet."""
+        req = pb.CommitWriteRequest(session_id=session_id, size=size, chunks=list(chunks),
+                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
+        return await self._call("CommitWrite", req, pb.FileInfo, mutating=True)
 
     async def abort_write(self, session_id: int, uploads: Iterable[tuple[int, int]] = ()) -> None:
         req = pb.AbortWriteRequest(session_id=session_id,

@@ -712,6 +712,7 @@ class MetaStateMachine:
     def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
         s, f = self._session(r.session_id)
         assert f.layout is not None
+        ups = self._check_uploads(s, f, r.uploads)
         lay = f.layout
         width = lay.width
         # The floor below which a chunk is not stored at all (the client's
@@ -736,6 +737,7 @@ class MetaStateMachine:
                 raise InvalidArgumentError(f"chunk {c.index}: only {width - len(missing)} of {width} fragments "
                                            f"stored, {lay.redundancy()} needs at least {floor}")
             recs[c.index] = ChunkRecord(c.generation, c.length, c.length, c.crc32c, tuple(missing))
+        s.uploads.update(ups)
         for idx in sorted(recs):
             old = f.chunks.get(idx)
             if old is not None and old.generation != recs[idx].generation:

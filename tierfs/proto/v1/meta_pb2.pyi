@@ -960,6 +960,7 @@ class CommitWriteRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
+    UPLOADS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     size: _builtins.int
     @_builtins.property
@@ -968,16 +969,23 @@ class CommitWriteRequest(_message.Message):
         it, its length, CRC32C and the fragments not stored (``valid`` ignored).
         """
 
+    @_builtins.property
+    def uploads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkUpload]:
+        """Uploads not reported by a renewal yet (an earlier upload of a chunk
+        committed here, say): garbage-collected with the session's others.
+        """
+
     def __init__(
         self,
         *,
         session_id: _builtins.int = ...,
         size: _builtins.int = ...,
         chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
+        uploads: _abc.Iterable[Global___ChunkUpload] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "session_id", b"session_id", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "session_id", b"session_id", "size", b"size", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
