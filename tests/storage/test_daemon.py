@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.cluster import MetaCluster
+from tierfs.chunk import ChunkRecord, crc32c, generation
 from tierfs.errors import NotFoundError
 from tierfs.storage.api import FragmentKey
 
@@ -264,10 +265,11 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
 
                 f = await mc.create("/gc-me", redundancy="replica:1", chunk_size=1 << 20)
                 sess = await mc.open_write("/gc-me")
-                key = FragmentKey(f.attr.inode, 0, 0, sess.data_version)
+                key = FragmentKey(f.attr.inode, 0, 0, generation(sess.data_version, 0))
                 payload = os.urandom(200_000)
                 await _client_round_trip(ready["data_addr"], tid, key, payload)
-                await mc.commit_write(sess.session_id, len(payload), [0])
+                rec = ChunkRecord(key.version, len(payload), len(payload), crc32c(payload))
+                await mc.commit_write(sess.session_id, len(payload), [rec.fill_pb(pb.ChunkRecord(), 0)])
 
                 async def used() -> int:
                     cm = await mc.get_cluster_map()

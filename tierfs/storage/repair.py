@@ -62,7 +62,7 @@ from tierfs.errors import (
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.engine import ChunkEngine
 
-__all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer"]
+__all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError"]
 
 log = logging.getLogger("tierfs.storage.repair")
 
@@ -144,13 +144,21 @@ class _File:
         return rec if rec is not None and rec.generation == key.version else None
 
 
+class WrongLengthError(CorruptError):
+    """A fragment of the committed generation whose stored length is not the
+    one its chunk's record gives it."""
+
+
 @dataclass
 class ChunkCheck:
     """The verdict of a whole-chunk check (:meth:`Repairer.check_chunk`)."""
 
-    #: Positions whose fragment is wrong (content, length) or absent.
+    #: Positions whose fragment reads (its own CRC32C holds) but has the
+    #: wrong content or length: only a whole-chunk check can tell.
     bad: dict[int, str] = field(default_factory=dict)
-    #: Positions that could not be asked (target down, timeouts).
+    #: Positions not judged: the target is down or did not answer, or the
+    #: fragment is absent or fails its own CRC32C (its holder's scrub steps
+    #: find and rebuild those).
     unchecked: dict[int, str] = field(default_factory=dict)
     #: Why the chunk could not be judged at all ('' when it was).
     error: str = ""
@@ -276,7 +284,7 @@ class Repairer:
                 if len(r) == sizes[i]:
                     have[i] = r
                 else:
-                    errs[i] = CorruptError(f"{len(r)} bytes, its chunk record gives it {sizes[i]}")
+                    errs[i] = WrongLengthError(f"{len(r)} bytes, its chunk record gives it {sizes[i]}")
             elif isinstance(r, TierFSError):
                 errs[i] = r
             else:
@@ -347,8 +355,8 @@ class Repairer:
         have, errs = await self._fetch(key, members, ask, sizes)
         out.fetched = sum(len(v) for v in have.values())
         for i, e in errs.items():
-            if isinstance(e, NotFoundError | CorruptError):
-                out.bad[i] = f"{type(e).__name__}: {e}"
+            if isinstance(e, WrongLengthError):
+                out.bad[i] = str(e)
             else:
                 out.unchecked[i] = f"{type(e).__name__}: {e}"
         if f.replicated:

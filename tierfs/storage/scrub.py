@@ -323,32 +323,26 @@ class Scrubber:
         rep.chunks_verified += 1
         if not check.bad:
             return
+        rep.mismatched += 1
         keys = {i: dataclasses.replace(key, fragment=i) for i in check.bad}
-        absent = {i for i, why in check.bad.items() if why.startswith("NotFoundError")}
-        if len(absent) < len(check.bad):
-            rep.mismatched += 1
-        rep.missing += len(absent)
         try:
             await r.mark(keys.values(), done=False)
         except TierFSError as exc:
             rep.errors += 1
             for i, why in sorted(check.bad.items()):
-                rep.add(ScrubIssue(members[i], keys[i], "missing" if i in absent else "mismatched", "failed",
+                rep.add(ScrubIssue(members[i], keys[i], "mismatched", "failed",
                                    f"{why}; reporting it to meta failed: {exc}"))
             return
-        # Ours are rebuilt now (from the good ones: the record as meta now
-        # has it lists the bad ones missing); the others' holders rebuild
-        # theirs from the repair queue.
+        # Ours are rebuilt now, from the good ones (the record as meta now has
+        # it lists the bad ones missing); the other holders rebuild theirs
+        # from the repair queue.
         f.chunks[key.chunk] = dataclasses.replace(rec, missing=tuple(sorted(set(rec.missing) | set(check.bad))))
         for i, why in sorted(check.bad.items()):
-            kind = "missing" if i in absent else "mismatched"
             eng = r.engines.get(members[i])
-            if eng is None:
-                rep.add(ScrubIssue(members[i], keys[i], kind, "reported", f"{why}; its holder rebuilds it"))
-                continue
-            if kind == "mismatched":
-                rep.add(ScrubIssue(members[i], keys[i], kind, "reported", why))
-            await self._repair(members[i], eng, keys[i], kind, rep, files, repair)
+            rep.add(ScrubIssue(members[i], keys[i], "mismatched", "reported",
+                               why if eng is not None else f"{why}; its holder rebuilds it"))
+            if eng is not None:
+                await self._repair(members[i], eng, keys[i], "mismatched", rep, files, repair)
 
     def _classify(self, tid: int, key: FragmentKey, f: _File | None) -> tuple[str, str]:
         """("", "") for a fragment a file needs, else ("orphan" | "stale", why)."""
