@@ -24,10 +24,10 @@ __all__ = ["META_FAST", "STORAGE_FAST", "digest", "fragments", "generations", "m
 
 #: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced.
 META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2")
-#: Fast heartbeats, GC and rebuild polls; no background scrub (tests scrub on
-#: demand); orphans deletable at once.
-STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--scrub-rate=0",
-                "--orphan-grace=0")
+#: Fast heartbeats, GC, rebuild and repair-queue polls; no background scrub
+#: (tests scrub on demand); orphans deletable at once.
+STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--repair-interval=0.3",
+                "--scrub-rate=0", "--orphan-grace=0")
 KiB = 1024
 
 
