@@ -93,6 +93,17 @@ async def _read_fragments(cl: LocalCluster, info: pb.FileInfo, chunk: int) -> di
     return out
 
 
+async def _queue_rebuilt(cl: LocalCluster, name: str) -> int:
+    """Fragments the repair-queue worker of storage daemon ``name`` rebuilt."""
+    from tierfs.cli.repair import _control
+    from tierfs.proto.v1 import storage_control_pb2 as spb
+
+    cmap = await map_now(cl)
+    node = next(n for n in cmap.nodes if n.data_addr == cl.proc(name).addr)
+    reply = await _control(node.control_addr, "RepairStatus", spb.RepairStatusRequest(), 5.0)
+    return int(reply.queue_rebuilt)
+
+
 def _generation_files(cl: LocalCluster, inode: int, gen: int) -> list[Path]:
     """Fragment files of ``inode`` of generation ``gen`` on every node's disk."""
     return sorted(p for p in cl.dir.glob(f"storage-*/t*/frags/*/{inode:016x}/*")
@@ -155,6 +166,7 @@ def test_degraded_reupload_is_repaired_and_its_stale_fragment_counted(six: Local
     # No scrub asked for: the restarted node's repair-queue worker rebuilds it.
     info = _wait_whole(cl, "/y", 30)
     assert info.chunks[0].generation == g1
+    assert asyncio.run(_queue_rebuilt(cl, holder)) == 1
     frags = asyncio.run(_read_fragments(cl, info, 0))
     assert frags[0] == a + b, "the rebuilt fragment 0 holds the chunk's first 2000 bytes"
 

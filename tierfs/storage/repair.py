@@ -62,7 +62,8 @@ from tierfs.errors import (
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.engine import ChunkEngine
 
-__all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError"]
+__all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError", "find_bad_fragments",
+           "reencode_chunk", "solve_chunk"]
 
 log = logging.getLogger("tierfs.storage.repair")
 
@@ -165,6 +166,82 @@ class ChunkCheck:
     fetched: int = 0
 
 
+def _codec(k: int, m: int) -> Any:
+    # Shared with the client's cache: building an ISA-L driver and its
+    # header templates costs far more than one reconstruction.
+    from tierfs.client.codec import codec_for
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    return codec_for(pb.Layout(kind=pb.REDUNDANCY_KIND_EC, data_shards=k, parity_shards=m))
+
+
+# ---- the chunk math (CPU-bound: callers run it in a worker thread) ---------------
+
+
+def solve_chunk(f: _File, rec: ChunkRecord, have: dict[int, bytes] | dict[int, memoryview],
+                want: Iterable[int] = ()) -> dict[int, memoryview]:
+    """Every data fragment of the chunk, plus ``want``, at their stored
+    lengths, from the K fragments of ``have`` that come first (data before
+    parity); raises CorruptError unless the data match the record's CRC32C."""
+    k = f.k
+    sizes = f.sizes(rec)
+    out = {i: memoryview(v) for i, v in have.items()}
+    need = sorted(({i for i in range(k)} | set(want)) - set(out))
+    if need:
+        if len(out) < k:
+            raise InsufficientTargetsError(f"{len(out)} fragments, {k} needed")
+        p = parity_size(k, f.chunk_size, rec.length)
+        src = {i: out[i] for i in sorted(out)[:k]}
+        try:
+            got = _codec(k, f.m).reconstruct(src, p, need)
+        except TierFSError:
+            raise
+        except Exception as exc:  # pyeclib's own errors: bad input fragments
+            raise CorruptError(f"reconstruction failed: {type(exc).__name__}: {exc}") from exc
+        for i in need:
+            v = got[i]
+            if v[sizes[i]:] != bytes(len(v) - sizes[i]):
+                # Past a fragment's stored length the chunk is zeros: the
+                # sources disagree with one another.
+                raise CorruptError(f"fragment {i} rebuilt from {sorted(src)} has data past its stored "
+                                   f"length {sizes[i]}")
+            out[i] = v[: sizes[i]]
+    crc = chunk_crc(out[i] for i in range(k))
+    if crc != rec.crc:
+        raise CorruptError(f"data fragments (from {sorted(out)[:k] if need else list(range(k))}) have crc32c "
+                           f"{crc:#010x}, the chunk record {rec.crc:#010x}")
+    return out
+
+
+def reencode_chunk(f: _File, rec: ChunkRecord, data: dict[int, memoryview]) -> list[memoryview]:
+    """All fragments of a chunk re-encoded from its K data fragments."""
+    codec = _codec(f.k, f.m)
+    frag = codec.frag_size(f.chunk_size)
+    buf = bytearray(codec.encode_size(f.chunk_size))
+    for i in range(f.k):
+        buf[i * frag: i * frag + len(data[i])] = data[i]
+    return list(codec.encode(memoryview(buf), rec.length, f.chunk_size))
+
+
+def find_bad_fragments(f: _File, rec: ChunkRecord, have: dict[int, bytes]) -> dict[int, str] | None:
+    """Positions of ``have`` that differ from the chunk the others
+    decode to (matching the record's CRC32C), fewest first; None if no
+    subset of K or more does."""
+    for r in range(len(have) - f.k + 1):
+        for left_out in itertools.combinations(sorted(have), r):
+            rest = {i: v for i, v in have.items() if i not in left_out}
+            try:
+                data = solve_chunk(f, rec, rest)
+            except (CorruptError, InsufficientTargetsError):
+                continue
+            right = reencode_chunk(f, rec, data)
+            bad = {i: "differs from the chunk the other fragments decode to (crc32c checked)"
+                   for i, v in have.items() if memoryview(v) != right[i]}
+            if len(bad) <= r:  # the left-out ones, or fewer: a consistent explanation
+                return bad
+    return None
+
+
 class Repairer:
     """Rebuilds fragments on this node's targets (see the module docstring).
 
@@ -257,14 +334,6 @@ class Repairer:
             cache[inode] = f
         return f
 
-    def _codec(self, k: int, m: int) -> Any:
-        # Shared with the client's cache: building an ISA-L driver and its
-        # header templates costs far more than one reconstruction.
-        from tierfs.client.codec import codec_for
-        from tierfs.proto.v1 import meta_pb2 as pb
-
-        return codec_for(pb.Layout(kind=pb.REDUNDANCY_KIND_EC, data_shards=k, parity_shards=m))
-
     # ---- fetching and solving one chunk -------------------------------------------
 
     async def _fetch(self, key: FragmentKey, members: Sequence[int], positions: Iterable[int],
@@ -290,51 +359,6 @@ class Repairer:
             else:
                 raise r  # type: ignore[misc]
         return have, errs
-
-    def _solve(self, f: _File, rec: ChunkRecord, have: dict[int, bytes] | dict[int, memoryview],
-               want: Iterable[int] = ()) -> dict[int, memoryview]:
-        """Every data fragment of the chunk, plus ``want``, at their stored
-        lengths, from the K fragments of ``have`` that come first (data before
-        parity); raises CorruptError unless the data match the record's CRC32C.
-        CPU-bound: run it in a worker thread."""
-        k = f.k
-        sizes = f.sizes(rec)
-        out = {i: memoryview(v) for i, v in have.items()}
-        need = sorted(({i for i in range(k)} | set(want)) - set(out))
-        if need:
-            if len(out) < k:
-                raise InsufficientTargetsError(f"{len(out)} fragments, {k} needed")
-            p = parity_size(k, f.chunk_size, rec.length)
-            src = {i: out[i] for i in sorted(out)[:k]}
-            try:
-                got = self._codec(k, f.m).reconstruct(src, p, need)
-            except TierFSError:
-                raise
-            except Exception as exc:  # pyeclib's own errors: bad input fragments
-                raise CorruptError(f"reconstruction failed: {type(exc).__name__}: {exc}") from exc
-            for i in need:
-                v = got[i]
-                if v[sizes[i]:] != bytes(len(v) - sizes[i]):
-                    # Past a fragment's stored length the chunk is zeros: the
-                    # sources disagree with one another.
-                    raise CorruptError(f"fragment {i} rebuilt from {sorted(src)} has data past its stored "
-                                       f"length {sizes[i]}")
-                out[i] = v[: sizes[i]]
-        crc = chunk_crc(out[i] for i in range(k))
-        if crc != rec.crc:
-            self.counters["crc_mismatches"] += 1
-            raise CorruptError(f"data fragments (from {sorted(out)[:k] if need else list(range(k))}) have crc32c "
-                               f"{crc:#010x}, the chunk record {rec.crc:#010x}")
-        return out
-
-    def _encode(self, f: _File, rec: ChunkRecord, data: dict[int, memoryview]) -> list[memoryview]:
-        """All fragments of a chunk re-encoded from its K data fragments."""
-        codec = self._codec(f.k, f.m)
-        frag = codec.frag_size(f.chunk_size)
-        buf = bytearray(codec.encode_size(f.chunk_size))
-        for i in range(f.k):
-            buf[i * frag: i * frag + len(data[i])] = data[i]
-        return list(codec.encode(memoryview(buf), rec.length, f.chunk_size))
 
     async def check_chunk(self, key: FragmentKey, f: _File, rec: ChunkRecord, members: Sequence[int],
                           skip: Iterable[int] = ()) -> ChunkCheck:
@@ -370,31 +394,13 @@ class Repairer:
         if len(have) < f.k:
             out.error = f"only {len(have)} of the {f.k} fragments needed to judge it could be read"
             return out
-        verdict = await asyncio.to_thread(self._judge, f, rec, have)
+        verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have)
         if verdict is None:
             out.error = (f"no {f.k} of the fragments {sorted(have)} decode to the recorded crc32c "
                          f"{rec.crc:#010x}: cannot tell which are bad")
         else:
             out.bad.update(verdict)
         return out
-
-    def _judge(self, f: _File, rec: ChunkRecord, have: dict[int, bytes]) -> dict[int, str] | None:
-        """Positions of ``have`` that differ from the chunk the others
-        decode to (matching the record's CRC32C), fewest first; None if no
-        subset of K or more does."""
-        for r in range(len(have) - f.k + 1):
-            for left_out in itertools.combinations(sorted(have), r):
-                rest = {i: v for i, v in have.items() if i not in left_out}
-                try:
-                    data = self._solve(f, rec, rest)
-                except (CorruptError, InsufficientTargetsError):
-                    continue
-                right = self._encode(f, rec, data)
-                bad = {i: "differs from the chunk the other fragments decode to (crc32c checked)"
-                       for i, v in have.items() if memoryview(v) != right[i]}
-                if len(bad) <= r:  # the left-out ones, or fewer: a consistent explanation
-                    return bad
-        return None
 
     # ---- one fragment ---------------------------------------------------------------
 
@@ -448,8 +454,9 @@ class Repairer:
         await self.limiter.take(sum(len(v) for v in have.values()))
         t1 = time.perf_counter()
         try:
-            payload = (await asyncio.to_thread(self._solve, f, rec, have, [j]))[j]
+            payload = (await asyncio.to_thread(solve_chunk, f, rec, have, [j]))[j]
         except CorruptError as exc:
+            self.counters["crc_mismatches"] += 1
             raise CorruptError(f"{key}: {exc}; nothing written") from exc
         t2 = time.perf_counter()
         await eng.write(key, payload, crc32c(payload))
