@@ -174,7 +174,7 @@ def render_scrub(r: dict[str, Any]) -> str:
         lines.append("")
         for node, i in issues[:50]:
             lines.append(f"node {node} target {i['target_id']}: {i['kind']} inode {i['inode']} chunk {i['chunk']} "
-                         f"fragment {i.get('fragment', 0)} v{i['version']}: {i['action']}"
+                         f"fragment {i.get('fragment', 0)} generation {i['version']:#x}: {i['action']}"
                          + (f" ({i['detail']})" if i.get("detail") else ""))
         if len(issues) > 50:
             lines.append(f"... and {len(issues) - 50} more (--json lists them all)")
