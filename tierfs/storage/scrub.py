@@ -325,6 +325,10 @@ class Scrubber:
             return
         rep.mismatched += 1
         keys = {i: dataclasses.replace(key, fragment=i) for i in check.bad}
+        if not repair:  # only report: meta is not told either (that starts the holders' repair)
+            for i, why in sorted(check.bad.items()):
+                rep.add(ScrubIssue(members[i], keys[i], "mismatched", "kept", f"{why}; repair off"))
+            return
         try:
             await r.mark(keys.values(), done=False)
         except TierFSError as exc:
