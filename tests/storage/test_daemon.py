@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.cluster import MetaCluster
-from tierfs.chunk import ChunkRecord, crc32c, generation
+from tierfs.chunk import crc32c, generation
 from tierfs.errors import NotFoundError
 from tierfs.storage.api import FragmentKey
 
@@ -268,8 +268,8 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                 key = FragmentKey(f.attr.inode, 0, 0, generation(sess.data_version, 0))
                 payload = os.urandom(200_000)
                 await _client_round_trip(ready["data_addr"], tid, key, payload)
-                rec = ChunkRecord(key.version, len(payload), len(payload), crc32c(payload))
-                await mc.commit_write(sess.session_id, len(payload), [rec.fill_pb(pb.ChunkRecord(), 0)])
+                await mc.commit_write(sess.session_id, len(payload), [pb.ChunkRecord(
+                    index=0, generation=key.version, length=len(payload), crc32c=crc32c(payload))])
 
                 async def used() -> int:
                     cm = await mc.get_cluster_map()

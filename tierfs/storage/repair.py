@@ -673,7 +673,7 @@ class Repairer:
             if not errors:
                 # Once more: chunks committed while the first pass ran (a
                 # writer with an older map may have sent this position's
-                # fragment to the replaced member). Present ones cost nothing.
+                # fragment to the replaced member). Present ones cost one stat per file.
                 _, errors = await self.fill(gid, tid, prog)
         except TierFSError as exc:
             errors = [f"listing: {exc}"]
