@@ -225,7 +225,7 @@ def _probe(client: Client, path: str, chunk: int, frag: int) -> str:
         _, data, router = ac._parts()
         info = await ac.meta.stat(path)
         targets = await router.targets(info.layout.groups[chunk % len(info.layout.groups)])
-        key = FragmentKey(info.attr.inode, chunk, frag, info.chunks[0].version)
+        key = FragmentKey(info.attr.inode, chunk, frag, info.chunks[0].generation)
         try:
             await data.read(targets[frag], key)
         except TierFSError as exc:

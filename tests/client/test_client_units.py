@@ -6,12 +6,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import time
+from dataclasses import replace
 
 import pytest
 
+from tierfs.chunk import (
+    GEN_SHIFT,
+    MAX_UPLOAD_SEQ,
+    ChunkRecord,
+    chunk_crc,
+    crc32c,
+    fragment_size,
+    generation,
+    parity_size,
+    session_version,
+    valid_bytes,
+)
 from tierfs.client import ClientConfig, Codec
-from tierfs.client.client import ChunkVersions
+from tierfs.client.client import chunk_records
 from tierfs.client.fanout import ordered
 from tierfs.client.file import _parse_mode
 from tierfs.config import load
@@ -147,10 +161,39 @@ def test_mode_parsing() -> None:
             _parse_mode(bad)
 
 
-def test_chunk_versions_lookup() -> None:
-    runs = [pb.ChunkRun(first=10, count=5, version=3), pb.ChunkRun(first=0, count=2, version=1)]
-    cv = ChunkVersions(runs)
-    assert [cv.get(i) for i in (0, 1, 2, 9, 10, 14, 15)] == [1, 1, None, None, 3, 3, None]
+def test_chunk_records_lookup() -> None:
+    info = pb.FileInfo(chunks=[pb.ChunkRecord(index=10, generation=3 << 20, length=5, valid=4, crc32c=7,
+                                              missing=[2, 0]),
+                               pb.ChunkRecord(index=0, generation=(1 << 20) | 1, length=9, valid=9)])
+    recs = chunk_records(info)
+    assert recs[10] == ChunkRecord(3 << 20, 5, 4, 7, (0, 2)) and recs[0].generation == (1 << 20) | 1
+    assert recs.get(1) is None
+    assert ChunkRecord.from_pb(recs[10].fill_pb(pb.ChunkRecord(), 10)) == recs[10]
+
+
+def test_chunk_rules() -> None:
+    """tierfs.chunk: generations, valid bytes, trimmed fragment sizes, and the
+    chunk CRC from data fragments, against the codec that stores them."""
+    assert generation(5, 0) == 5 << GEN_SHIFT and session_version(generation(5, 7)) == 5
+    assert generation(5, 1) != generation(5, 0) != generation(6, 0)
+    with pytest.raises(ValueError):
+        generation(1, MAX_UPLOAD_SEQ + 1)
+    rec = ChunkRecord(generation(1, 0), length=3000, valid=6, crc=0)
+    cs = 64 << 10
+    assert valid_bytes(rec, 0, cs, 3000) == 6  # truncated to 6, then grown back: zeros after 6
+    assert valid_bytes(replace(rec, valid=3000), 0, cs, 100) == 100  # the file size cuts too
+    assert valid_bytes(replace(rec, valid=3000), 1, cs, cs + 10) == 10
+    rng = random.Random(3)
+    for k, m in ((4, 2), (8, 2), (1, 2), (3, 1)):
+        codec = Codec("ec", k, m)
+        for length in sorted({min(cs, n) for n in (1, 7, cs // k - 1, cs // k, cs // k + 1, cs - 1, cs)}):
+            data = bytearray(codec.encode_size(cs))
+            data[:length] = rng.randbytes(length)
+            frags = codec.encode(memoryview(data), length, cs)
+            assert [len(fr) for fr in frags] == [fragment_size(j, k, cs, length) for j in range(k + m)]
+            assert max(len(fr) for fr in frags) == parity_size(k, cs, length)
+            assert chunk_crc(frags[:k]) == crc32c(bytes(data[:length]))
+    assert fragment_size(2, 1, cs, 77, replicated=True) == 77
 
 
 def test_router_skips_offline_and_recently_failed_targets() -> None:
@@ -216,9 +259,10 @@ def test_min_write_fragments_and_hedge_config() -> None:
     def mw(red: tuple[str, int, int], n: int = 0) -> int:
         return AsyncClient(["127.0.0.1:9"], min_write_fragments=n).min_write_fragments(Codec(*red))
 
-    # Defaults: K+1 for ec (one more loss survivable before repair), N-1 for replicas (at least 1).
+    # Defaults: K+1 for ec (one more loss survivable before repair), 2 copies for replica:N >= 2.
     assert mw(("ec", 4, 2)) == 5 and mw(("ec", 8, 3)) == 9 and mw(("ec", 4, 0)) == 4
-    assert mw(("replica", 1, 2)) == 2 and mw(("replica", 1, 1)) == 1 and mw(("replica", 1, 0)) == 1
+    assert mw(("replica", 1, 2)) == 2 and mw(("replica", 1, 1)) == 2 and mw(("replica", 1, 0)) == 1
+    assert mw(("replica", 1, 2), 1) == 1  # configurable below the default
     # Explicit values are clamped to [K, K+M].
     assert mw(("ec", 4, 2), 2) == 4 and mw(("ec", 4, 2), 6) == 6 and mw(("ec", 4, 2), 99) == 6
     for bad in ({"min_write_fragments": -1}, {"hedge_min": -1.0}, {"slow_target_ttl": -1.0}):

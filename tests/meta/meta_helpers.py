@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from tierfs.chunk import generation
 from tierfs.errors import error_from_code
 from tierfs.meta import (
     LocalReplicator,
@@ -76,8 +77,25 @@ class Driver:
 
     def write(self, path: str, size: int, chunks: list[int]) -> pb.FileInfo:
         s = self.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path=path), owner="t"), pb.OpenWriteReply)
-        return self.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=size, chunks=chunks),
-                       pb.FileInfo)
+        return self.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=size,
+                                                             chunks=recs(s.data_version, chunks)), pb.FileInfo)
+
+
+def gen0(data_version: int) -> int:
+    """The generation of a session's first upload of a chunk."""
+    return generation(data_version, 0)
+
+
+def recs(data_version: int, chunks: list[int], length: int = 1 << 20,
+         missing: tuple[int, ...] = ()) -> list[pb.ChunkRecord]:
+    """Commit records for ``chunks``, each uploaded once in the session
+    tagged ``data_version`` (the CRC is not checked by meta)."""
+    return [pb.ChunkRecord(index=c, generation=gen0(data_version), length=length, crc32c=0, missing=missing)
+            for c in chunks]
+
+
+def ups(data_version: int, chunks: list[int]) -> list[pb.ChunkUpload]:
+    return [pb.ChunkUpload(index=c, generation=gen0(data_version)) for c in chunks]
 
 
 class Clock:

@@ -129,7 +129,8 @@ CASES: list[tuple[str, str, Message, type[TierFSError]]] = [
     ("symlink-long-target", "symlink", pb.SymlinkRequest(loc=P("/d/x"), target="t" * 5000), NameTooLongError),
     ("truncate-huge", "truncate", pb.TruncateRequest(loc=P("/d/f"), size=1 << 62), InvalidArgumentError),
     ("commit-session-0", "commit_write", pb.CommitWriteRequest(session_id=0), InvalidArgumentError),
-    ("commit-unknown-session", "commit_write", pb.CommitWriteRequest(session_id=4242, size=1, chunks=[0]),
+    ("commit-unknown-session", "commit_write", pb.CommitWriteRequest(
+        session_id=4242, size=1, chunks=[pb.ChunkRecord(index=0, generation=1 << 20, length=1)]),
      SessionExpiredError),
     ("abort-unknown-session", "abort_write", pb.AbortWriteRequest(session_id=4242), SessionExpiredError),
     ("register-no-uuid", "register_node", pb.RegisterNodeRequest(

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from meta_helpers import SEC, Clock, meta_server, register_async, run
+from meta_helpers import SEC, Clock, gen0, meta_server, recs, register_async, run
 
 from tierfs.errors import (
     BusyError,
@@ -117,23 +117,23 @@ def test_end_to_end_namespace_and_sessions() -> None:
             s = await mc.open_write("/ckpt/rank0", owner="rank0", map_version=cmap.version)
             with pytest.raises(BusyError):
                 await mc.open_write(f.attr.inode, owner="rank1")
-            assert (await mc.renew_lease(s.session_id, [0])) > 0
+            assert (await mc.renew_lease(s.session_id, [(0, gen0(s.data_version))])) > 0
             assert (await mc.stat("/ckpt/rank0")).attr.size == 0
-            info = await mc.commit_write(s.session_id, 3 * MiB, [0, 1, 2])
+            info = await mc.commit_write(s.session_id, 3 * MiB, recs(s.data_version, [0, 1, 2]))
             assert info.attr.size == 3 * MiB
             assert (await mc.lookup((await mc.stat("/ckpt")).attr.inode, "rank0")).attr.size == 3 * MiB
             s2 = await mc.open_write("/ckpt/rank0")
-            await mc.commit_write(s2.session_id, 3 * MiB, [2])
+            await mc.commit_write(s2.session_id, 3 * MiB, recs(s2.data_version, [2]))
             gc = await mc.list_gc([])
-            assert {(i.chunk, i.version) for i in gc} == {(2, s.data_version)} and len(gc) == 6
+            assert {(i.chunk, i.version) for i in gc} == {(2, gen0(s.data_version))} and len(gc) == 6
             assert await mc.ack_gc([(i.id, i.target_id) for i in gc]) == 6
             assert await mc.list_gc([]) == []
             gch = await mc.list_group_chunks(f.layout.groups[2])
-            assert [(c.chunk, c.version) for c in gch.chunks] == [(2, s2.data_version)] and gch.next_inode == 0
+            assert [(c.chunk, c.version) for c in gch.chunks] == [(2, gen0(s2.data_version))] and gch.next_inode == 0
             with pytest.raises(InvalidArgumentError):
                 await mc.finish_rebuild(f.layout.groups[0], 1)
             s3 = await mc.open_write("/ckpt/rank0")
-            await mc.abort_write(s3.session_id, [5])
+            await mc.abort_write(s3.session_id, [(5, gen0(s3.data_version))])
             await mc.truncate("/ckpt/rank0", MiB)
             assert len({i.chunk for i in await mc.list_gc([])}) == 3  # 5 aborted, 1 and 2 truncated
             await mc.symlink("/latest", "/ckpt/rank0")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from meta_helpers import SEC, Driver
+from meta_helpers import SEC, Driver, gen0, recs, ups
 
 from tierfs.errors import (
     AlreadyExistsError,
@@ -116,7 +116,7 @@ def test_rename_semantics(d: Driver) -> None:
     d.do("rename", pb.RenameRequest(src=pb.Loc(path="/b/g"), dst=pb.Loc(path="/b/victim")))
     assert names(d, "/b") == ["sub", "victim"]
     assert d.stat("/b/victim").attr.inode == f.attr.inode
-    assert (v.attr.inode, 0, 1) in gc_items(d)
+    assert (v.attr.inode, 0, gen0(1)) in gc_items(d)
     with pytest.raises(NotFoundError):
         d.sm.stat(pb.Loc(inode=v.attr.inode))
     # dir over non-empty dir / file over dir / dir over file
@@ -199,16 +199,17 @@ def test_write_session_commit_visibility_and_gc(d: Driver) -> None:
     with pytest.raises(BusyError):
         d.do("truncate", pb.TruncateRequest(loc=pb.Loc(path="/f"), size=0))
     assert d.stat("/f").attr.size == 0 and d.stat("/f").writing
-    info = d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=10 * MiB, chunks=[0, 1, 2]),
-                pb.FileInfo)
+    info = d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=10 * MiB,
+                                                      chunks=recs(1, [0, 1, 2])), pb.FileInfo)
     assert info.attr.size == 10 * MiB and not info.writing
-    assert [(r.first, r.count, r.version) for r in info.chunks] == [(0, 3, 1)]
+    assert [(r.index, r.generation, r.length, r.valid) for r in info.chunks] == [
+        (i, gen0(1), MiB, MiB) for i in range(3)]
     with pytest.raises(SessionExpiredError):
-        d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=1, chunks=[0]))
-    # overwrite chunk 1: the old version is queued for GC on every target of its group
+        d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=1, chunks=recs(1, [0])))
+    # overwrite chunk 1: the old generation is queued for GC on every target of its group
     info = d.write("/f", 10 * MiB, [1])
-    assert [(r.first, r.count, r.version) for r in info.chunks] == [(0, 1, 1), (1, 1, 2), (2, 1, 1)]
-    assert gc_items(d) == {(ino, 1, 1)}
+    assert [(r.index, r.generation) for r in info.chunks] == [(0, gen0(1)), (1, gen0(2)), (2, gen0(1))]
+    assert gc_items(d) == {(ino, 1, gen0(1))}
     group = f.layout.groups[1 % len(f.layout.groups)]
     members = {g.group_id: list(g.target_ids) for g in d.sm.cluster_map().groups}[group]
     items = d.sm.list_gc([])
@@ -224,17 +225,17 @@ def test_write_session_commit_visibility_and_gc(d: Driver) -> None:
     assert d.sm.list_gc([]) == [] and d.sm.gc == {}
     # truncate drops whole chunks past the new size
     d.do("truncate", pb.TruncateRequest(loc=pb.Loc(path="/f"), size=5 * MiB))
-    assert gc_items(d) == {(ino, 2, 1)} and d.stat("/f").attr.size == 5 * MiB
+    assert gc_items(d) == {(ino, 2, gen0(1))} and d.stat("/f").attr.size == 5 * MiB
     # unlink queues every remaining chunk
     d.do("unlink", pb.UnlinkRequest(loc=pb.Loc(path="/f")))
-    assert gc_items(d) == {(ino, 2, 1), (ino, 0, 1), (ino, 1, 2)}
+    assert gc_items(d) == {(ino, 2, gen0(1)), (ino, 0, gen0(1)), (ino, 1, gen0(2))}
 
 
 def test_lease_expiry_and_abort(d: Driver) -> None:
     d.create("/f")
     s = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/f"), lease_ms=2000), pb.OpenWriteReply)
     d.advance(1)
-    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=[0, 3], lease_ms=2000),
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, uploads=ups(1, [0, 3]), lease_ms=2000),
          pb.RenewLeaseReply)
     d.advance(1.5)  # still within the renewed lease
     with pytest.raises(BusyError):
@@ -245,9 +246,9 @@ def test_lease_expiry_and_abort(d: Driver) -> None:
     s2 = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/f")), pb.OpenWriteReply)
     assert s2.data_version == 2
     ino = d.stat("/f").attr.inode
-    assert gc_items(d) == {(ino, 0, 1), (ino, 3, 1)}
-    d.do("abort_write", pb.AbortWriteRequest(session_id=s2.session_id, chunks=[7]))
-    assert (ino, 7, 2) in gc_items(d) and not d.stat("/f").writing
+    assert gc_items(d) == {(ino, 0, gen0(1)), (ino, 3, gen0(1))}
+    d.do("abort_write", pb.AbortWriteRequest(session_id=s2.session_id, uploads=ups(2, [7])))
+    assert (ino, 7, gen0(2)) in gc_items(d) and not d.stat("/f").writing
     assert d.stat("/f").attr.size == 0
     # the tick also expires sessions
     s3 = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/f"), lease_ms=1000), pb.OpenWriteReply)
@@ -256,7 +257,7 @@ def test_lease_expiry_and_abort(d: Driver) -> None:
     assert s3.session_id not in d.sm.sessions and not d.stat("/f").writing
     s4 = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/f")), pb.OpenWriteReply)
     with pytest.raises(InvalidArgumentError, match="beyond the file size"):
-        d.do("commit_write", pb.CommitWriteRequest(session_id=s4.session_id, size=MiB, chunks=[1]))
+        d.do("commit_write", pb.CommitWriteRequest(session_id=s4.session_id, size=MiB, chunks=recs(4, [1])))
 
 
 def test_retried_request_is_applied_once(d: Driver) -> None:

@@ -126,6 +126,9 @@ def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
     out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
            f"{human_size(st['used'])} used of {human_size(st['capacity'])})", ""]
+    if st.get("repairs_pending"):
+        out[-1:] = [f"fragments awaiting repair: {st['repairs_pending']} (missing since a degraded write or "
+                    "found bad by scrub; the nodes holding their positions rebuild them)", ""]
     out.append(_table([[m["id"], m["addr"], m["role"], m["state"], m["pid"]] for m in st["meta"]],
                       ["META", "ADDRESS", "ROLE", "STATE", "PID"]))
     out.append("")
