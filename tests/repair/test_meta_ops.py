@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tests.meta.meta_helpers import Driver
-from tierfs.chunk import ChunkRecord, generation
 from tierfs.errors import BusyError, InvalidArgumentError, NotFoundError
 from tierfs.meta import MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -17,14 +16,6 @@ pytestmark = pytest.mark.timeout(30)
 
 def _groups(d: Driver) -> dict[int, pb.PlacementGroup]:
     return {g.group_id: g for g in d.sm.cluster_map().groups}
-
-
-def _write(d: Driver, path: str, size: int, chunks: list[int]) -> pb.FileInfo:
-    """Commit ``chunks`` (whole 4 MiB chunks, as a client would record them)."""
-    s = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path=path), owner="t"), pb.OpenWriteReply)
-    recs = [ChunkRecord(generation(s.data_version, 0), 4 << 20, 4 << 20, 0).fill_pb(pb.ChunkRecord(), c)
-            for c in chunks]
-    return d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=size, chunks=recs), pb.FileInfo)
 
 
 def _same_after_restore(d: Driver) -> None:
@@ -38,7 +29,7 @@ def test_remove_target_replaces_it_everywhere_and_drops_its_gc() -> None:
     d = Driver()
     regs = d.register(7, 1)
     d.create("/f", stripe_width=7)
-    _write(d, "/f", 7 * (4 << 20), list(range(7)))
+    d.write("/f", 7 * (4 << 20), list(range(7)))
     tid = regs[2].targets[0].target_id
     v = d.sm.cluster_map().version
     reply = d.do("remove_target", pb.RemoveTargetRequest(target_id=tid), pb.ReplaceReply)
