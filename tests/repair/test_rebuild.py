@@ -159,6 +159,8 @@ def test_sigkilled_node_is_replaced_and_rebuilt(cluster: LocalCluster) -> None:
     code, rep, err = _cli(cluster, "scrub")
     assert code == 0, err
     assert rep["total"]["orphans_deleted"] == len(stale) and rep["total"]["missing"] == 0, rep["total"]
+    # Every committed chunk (EC and replicas) checked whole by one node: consistent.
+    assert rep["total"]["mismatched"] == 0 and rep["total"]["chunks_verified"] > 0, rep["total"]
     assert not fragments(cluster, victim)
     asyncio.run(_check(cluster, files))
     _kill_two_and_read(cluster, {victim}, files)
@@ -185,6 +187,7 @@ def test_target_rm_rebuilds_elsewhere_and_scrub_drops_its_copies(cluster: LocalC
     code, rep, err = _cli(cluster, "scrub")
     assert code == 0, err
     assert rep["total"]["orphans_deleted"] == len(before), rep["total"]
+    assert rep["total"]["mismatched"] == 0 and rep["total"]["chunks_verified"] > 0, rep["total"]
     assert not fragments(cluster, name)
     st = asyncio.run(cluster_status(cluster.meta_addrs))
     assert next(t for s in st["storage"] for t in s["targets"] if t["id"] == tid)["state"] == "failed"

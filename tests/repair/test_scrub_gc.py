@@ -17,7 +17,16 @@ from typing import Any
 
 import pytest
 
-from tests.repair.util import digest, fragments, map_now, random_bytes, start, wait_map, write_files
+from tests.repair.util import (
+    digest,
+    fragments,
+    generations,
+    map_now,
+    random_bytes,
+    start,
+    wait_map,
+    write_files,
+)
 from tierfs.cli.main import run
 from tierfs.client import AsyncClient
 from tierfs.local import LocalCluster
@@ -57,17 +66,17 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     assert clean["total"]["fragments"] == len(frags)
 
     # 1) flip one payload byte of a fragment; 2) delete another fragment file;
-    # 3) plant orphans: a copy under an inode that does not exist and a
-    #    stale version of a real chunk.
+    # 3) plant an orphan (a copy under an inode that does not exist) and a
+    #    stale fragment (another generation of a real chunk).
     flipped, deleted = frags[3], frags[17]
     good_flipped, good_deleted = flipped.read_bytes(), deleted.read_bytes()
     raw = bytearray(good_flipped)
     raw[4096 + 100] ^= 0x40  # the header is the first 4 KiB; this is payload
     flipped.write_bytes(bytes(raw))
     deleted.unlink()
-    # Orphans are well-formed fragments no file needs, written straight
-    # through the data plane: one of an inode that does not exist, one of a
-    # real chunk under a version that was never committed.
+    # Both are well-formed fragments no file needs, written straight through
+    # the data plane: one of an inode that does not exist, one of a real
+    # chunk under a generation that was never committed.
     inode, chunk = int(frags[5].parent.name, 16), int(frags[5].name.split(".")[0], 16)
     ver = int(frags[5].name.split(".")[2], 16)
     node = frags[5].relative_to(cluster.dir).parts[0]
@@ -89,10 +98,13 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     rep = _scrub(cluster)
     t = rep["total"]
     assert t["corrupt"] == 1 and t["missing"] == 1 and t["repaired"] == 2, rep
-    assert t["orphans"] == 2 and t["orphans_deleted"] == 2, rep
-    assert t["errors"] == 0
+    assert t["orphans"] == 1 and t["orphans_deleted"] == 1, rep
+    assert t["stale"] == 1 and t["stale_deleted"] == 1, rep
+    assert t["errors"] == 0 and t["mismatched"] == 0
+    assert t["chunks_verified"] == 2 * 6, rep  # every committed chunk, each by one node
+    assert not rep["clean"]
     kinds = sorted((i["kind"], i["action"]) for n in rep["nodes"] for i in n.get("issues", []))
-    assert kinds == [("corrupt", "repaired"), ("missing", "repaired"), ("orphan", "deleted"), ("orphan", "deleted")]
+    assert kinds == [("corrupt", "repaired"), ("missing", "repaired"), ("orphan", "deleted"), ("stale", "deleted")]
     # The repaired fragment files are byte for byte what was first written.
     assert flipped.read_bytes() == good_flipped
     assert deleted.read_bytes() == good_deleted
@@ -201,7 +213,9 @@ def test_node_back_from_a_freeze_catches_up_on_degraded_writes(cluster: LocalClu
         asyncio.run(wait_map(cluster, offline, 30, f"{victim} to be marked offline"))
 
         files = asyncio.run(write(2))  # degraded: 5 of 6 fragments per chunk
-        new = [f for f in fragments(cluster) if f.name.endswith(".2")]  # version 2
+        gens = asyncio.run(generations(cluster, "/d/f"))
+        names = {f"{c:x}.{j:x}.{g:x}" for c, g in gens.items() for j in range(6)}  # of the new generations
+        new = [f for f in fragments(cluster) if f.name in names]
         assert new and not [f for f in new if f.is_relative_to(cluster.dir / victim)]
     finally:
         cluster.kill(victim, signal.SIGCONT)
@@ -209,8 +223,7 @@ def test_node_back_from_a_freeze_catches_up_on_degraded_writes(cluster: LocalClu
     # it missed from the other fragments.
     want = len(new) // 5
     end = time.monotonic() + 30
-    while sorted(f.name for f in fragments(cluster, victim)) != sorted(
-            {f.name for f in new} ^ {f"{c:x}.{j:x}.2" for c in range(6) for j in range(6)}):
+    while sorted(f.name for f in fragments(cluster, victim)) != sorted(names - {f.name for f in new}):
         assert time.monotonic() < end, f"{victim} holds {[f.name for f in fragments(cluster, victim)]}"
         time.sleep(0.2)
     assert len(fragments(cluster)) == 6 * want

@@ -19,15 +19,15 @@ from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["META_FAST", "STORAGE_FAST", "digest", "fragments", "map_now", "random_bytes", "start", "wait_map",
-           "write_files"]
+__all__ = ["META_FAST", "STORAGE_FAST", "digest", "fragments", "generations", "map_now", "random_bytes", "start",
+           "wait_map", "write_files"]
 
 #: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced.
 META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2")
-#: Fast heartbeats, GC and rebuild polls; no background scrub (tests scrub on
-#: demand); orphans deletable at once.
-STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--scrub-rate=0",
-                "--orphan-grace=0")
+#: Fast heartbeats, GC, rebuild and repair-queue polls; no background scrub
+#: (tests scrub on demand); orphans deletable at once.
+STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--repair-interval=0.3",
+                "--scrub-rate=0", "--orphan-grace=0")
 KiB = 1024
 
 
@@ -62,6 +62,12 @@ def fragments(cl: LocalCluster, node: str | None = None) -> list[Path]:
     """Fragment files on disk (of one storage daemon, or all)."""
     pattern = f"{node or 'storage-*'}/t*/frags/*/*/*"
     return sorted(p for p in cl.dir.glob(pattern) if p.is_file())
+
+
+async def generations(cl: LocalCluster, path: str) -> dict[int, int]:
+    """The committed generation of each chunk of ``path`` (chunk -> generation)."""
+    async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+        return {r.index: r.generation for r in (await mc.stat(path)).chunks}
 
 
 async def map_now(cl: LocalCluster) -> pb.ClusterMap:

@@ -84,12 +84,25 @@ async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
             raise from_grpc(exc) from None
 
 
+#: Per-node scrub counts, in the order the table shows them.
+SCRUB_FIELDS = ("fragments", "bytes", "chunks_verified", "corrupt", "missing", "mismatched", "repaired", "stale",
+                "stale_deleted", "orphans", "orphans_deleted", "errors")
+#: Counts that say the cluster is not whole (tierfs.storage.scrub.PROBLEMS).
+_PROBLEMS = ("corrupt", "missing", "mismatched", "stale", "orphans", "errors")
+
+
 async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = True, delete_orphans: bool = True,
                         timeout: float = 600.0) -> dict[str, Any]:
     """One scrub pass on every online storage node at once (verify CRC32C of
-    every fragment, rebuild corrupt and missing ones, delete orphans older
-    than each node's ``orphan_grace``). Nodes that cannot be reached are
-    listed with their error."""
+    every fragment, check every committed chunk whole against its record in
+    meta, rebuild corrupt, missing and mismatched fragments, count stale
+    fragments of older generations, delete stale ones and orphans older than
+    each node's ``orphan_grace``). Nodes that cannot be reached are listed
+    with their error.
+
+    ``clean`` is true only if every node was scrubbed, none found anything,
+    and meta's repair queue holds no fragment position (asked after the
+    pass): a node that is down, or a fragment known missing, is not clean."""
     from google.protobuf.json_format import MessageToDict
 
     from tierfs.meta import MetaClient
@@ -110,7 +123,7 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
             return {"node": n.node_id, "error": f"{type(exc).__name__}: {exc}"}
         d = MessageToDict(rep, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         d["node"] = n.node_id
-        for k in ("fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
+        for k in SCRUB_FIELDS:
             d[k] = int(d.get(k, 0))
         for i in d.get("issues", []):
             for k in ("target_id", "inode", "chunk", "version"):
@@ -120,24 +133,39 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
 
     t0 = time.perf_counter()
     per_node = list(await asyncio.gather(*(one(n) for n in nodes)))
-    total = {k: sum(int(r.get(k, 0)) for r in per_node)
-             for k in ("fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors")}
+    total = {k: sum(int(r.get(k, 0)) for r in per_node) for k in SCRUB_FIELDS}
     total["unreachable"] = sum(1 for r in per_node if "error" in r)
     offline = [n.node_id for n in cmap.nodes if n.state != pb.NODE_STATE_ONLINE]
+    try:
+        async with MetaClient(list(meta), deadline=min(timeout, 20.0)) as mc:
+            total["repairs_pending"] = int((await mc.list_repairs([], limit=1)).pending)
+    except TierFSError:
+        total["repairs_pending"] = -1  # unknown: not clean
+    clean = (not offline and total["unreachable"] == 0 and total["repairs_pending"] == 0
+             and not any(total[k] for k in _PROBLEMS))
     return {"seconds": time.perf_counter() - t0, "total": total, "nodes": per_node, "offline_nodes": offline,
-            "clean": total["corrupt"] + total["missing"] + total["orphans"] + total["errors"]
-            + total["unreachable"] == 0}
+            "clean": clean}
 
 
 def render_scrub(r: dict[str, Any]) -> str:
     from tierfs.cli.util import human_size
 
-    cols = ["fragments", "bytes", "corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"]
-    rows = [[n["node"], *(human_size(n[c]) if c == "bytes" else n[c] for c in cols)] if "error" not in n
+    cols = ["fragments", "bytes", "chunks_verified", "corrupt", "missing", "mismatched", "repaired", "stale",
+            "orphans", "deleted", "errors"]
+
+    def cell(n: dict[str, Any], c: str) -> Any:
+        if c == "bytes":
+            return human_size(n[c])
+        if c == "deleted":  # stale fragments and orphans deleted
+            return n["stale_deleted"] + n["orphans_deleted"]
+        return n[c]
+
+    rows = [[n["node"], *(cell(n, c) for c in cols)] if "error" not in n
             else [n["node"], "unreachable: " + n["error"], *[""] * (len(cols) - 1)] for n in r["nodes"]]
     t = r["total"]
-    rows.append(["total", *(human_size(t[c]) if c == "bytes" else t[c] for c in cols)])
-    header = ["NODE", "FRAGMENTS", "BYTES", "CORRUPT", "MISSING", "REPAIRED", "ORPHANS", "DELETED", "ERRORS"]
+    rows.append(["total", *(cell(t, c) for c in cols)])
+    header = ["NODE", "FRAGMENTS", "BYTES", "CHUNKS", "CORRUPT", "MISSING", "MISMATCHED", "REPAIRED", "STALE",
+              "ORPHANS", "DELETED", "ERRORS"]
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
@@ -146,12 +174,16 @@ def render_scrub(r: dict[str, Any]) -> str:
         lines.append("")
         for node, i in issues[:50]:
             lines.append(f"node {node} target {i['target_id']}: {i['kind']} inode {i['inode']} chunk {i['chunk']} "
-                         f"fragment {i.get('fragment', 0)} v{i['version']}: {i['action']}"
+                         f"fragment {i.get('fragment', 0)} generation {i['version']:#x}: {i['action']}"
                          + (f" ({i['detail']})" if i.get("detail") else ""))
         if len(issues) > 50:
             lines.append(f"... and {len(issues) - 50} more (--json lists them all)")
     if r["offline_nodes"]:
         lines.append(f"not scrubbed (offline): nodes {r['offline_nodes']}")
+    pending = t.get("repairs_pending", 0)
+    if pending:
+        lines.append("repair queue: unknown (meta did not answer)" if pending < 0 else
+                     f"repair queue: {pending} fragment position(s) known missing or bad, awaiting rebuild")
     lines.append(f"scrub {'clean' if r['clean'] else 'found problems'} in {r['seconds']:.2f} s")
     return "\n".join(lines)
 
@@ -205,10 +237,12 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("action", choices=["drain", "rm"])
     p.add_argument("id", type=int)
     p.add_argument("--wait", action="store_true", help="drain: wait until every fragment has moved")
-    p = cmd("scrub", "verify every fragment on every node now, repair what is bad, delete orphans")
+    p = cmd("scrub", "verify every fragment and every chunk on every node now, repair what is bad, delete stale "
+                     "fragments and orphans")
     p.add_argument("--rate", type=parse_size_arg, default=0, help="bytes/s per node (default: unthrottled)")
     p.add_argument("--no-repair", dest="repair", action="store_false", help="only report")
-    p.add_argument("--keep-orphans", dest="orphans", action="store_false", help="do not delete orphans")
+    p.add_argument("--keep-orphans", dest="orphans", action="store_false",
+                   help="do not delete orphans and stale fragments")
 
 
 def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],

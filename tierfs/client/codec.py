@@ -7,7 +7,10 @@ tail of a file, a sparse write) is treated as zero-padded to ``K*F``, and
 every fragment is stored *trimmed*:
 
 * data fragment ``j`` stores ``clamp(L - j*F, 0, P)`` bytes, ``P = min(F, L)``;
-* parity fragments store ``P`` bytes.
+* parity fragments store ``P`` bytes
+
+(:func:`tierfs.chunk.fragment_size` and :func:`tierfs.chunk.parity_size`: the
+one rule that encode, decode, rebuild and scrub share).
 
 Reed-Solomon over GF(2^8) combines byte ``p`` of every data fragment into
 byte ``p`` of every parity fragment, so parity bytes at ``p >= P`` (where all
@@ -39,6 +42,7 @@ from typing import Any
 
 from pyeclib.ec_iface import ECDriver
 
+from tierfs.chunk import fragment_size, parity_size
 from tierfs.errors import InvalidArgumentError
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -88,7 +92,7 @@ class Codec:
         if self.replicated:
             return [buf[:length]] * self.width
         f = self.frag_size(chunk_size)
-        p = min(f, length)
+        p = parity_size(self.k, chunk_size, length)
         # p < f: only fragment 0 holds data; the others are p zero bytes.
         data = bytes(buf[: self.k * f]) if p == f else bytes(buf[:p]) + bytes((self.k - 1) * p)
         if self._driver is None:  # ec:K+0
@@ -100,8 +104,7 @@ class Codec:
             self._remember_headers(p, frags, hdr)
         out: list[memoryview] = []
         for j, fr in enumerate(frags):
-            n = max(0, min(length - j * f, p)) if j < self.k else p
-            out.append(memoryview(fr)[hdr: hdr + n])
+            out.append(memoryview(fr)[hdr: hdr + fragment_size(j, self.k, chunk_size, length)])
         return out
 
     def decode(self, frags: dict[int, memoryview], p: int) -> bytes:

@@ -57,6 +57,10 @@ class StorageConfig(BaseConfig):
         256 << 20, "Bytes per second the rebuild worker fetches from peers (0: unlimited).", kind="size"
     )
     rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild.", kind="duration")
+    repair_interval: float = field(
+        2.0, "How often the repair-queue worker asks meta for fragments of ours known missing or bad (degraded "
+        "writes, scrub findings) and rebuilds them; it also asks at once at start and when heartbeats resume.",
+        kind="duration")
     control_port: int = field(0, "Port of the control gRPC service (scrub, repair status) on host (0 picks one).")
 
     io_backend: str = field("auto", "Disk I/O: auto (io_uring if the kernel allows, else posix) | uring | posix.")
@@ -109,6 +113,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be >= 0", field="rebuild_rate")
         if self.rebuild_interval <= 0:
             raise ConfigError("must be positive", field="rebuild_interval")
+        if self.repair_interval <= 0:
+            raise ConfigError("must be positive", field="repair_interval")
         if not 0 <= self.control_port < 65536:
             raise ConfigError("must be in 0..65535", field="control_port")
         if self.buffer_pool_bytes < 0:

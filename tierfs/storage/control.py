@@ -2,7 +2,8 @@
 
 Operators and the admin CLI reach a node here, at the ``control_addr`` it
 registers with meta: ``Scrub`` runs one scrub pass now and returns its
-report; ``RepairStatus`` tells how far this node's rebuilds have come. Bytes
+report; ``RepairStatus`` tells how far this node's rebuilds and its
+repair-queue worker have come. Bytes
 never travel here; that is the data plane's job.
 """
 
@@ -42,7 +43,9 @@ class _Servicer(spb_grpc.StorageControlServicer):
             rebuilds=[spb.GroupRebuild(group_id=p.group_id, target_id=p.target_id, done=p.done, total=p.total,
                                        bytes=p.bytes, state=p.state, error=p.error) for p in r.status()],
             fragments_rebuilt=r.counters["fragments_rebuilt"], bytes_rebuilt=r.counters["bytes_rebuilt"],
-            fragments_copied=r.counters["fragments_copied"])
+            fragments_copied=r.counters["fragments_copied"], queue_pending=r.queue_pending,
+            queue_rebuilt=r.counters["queue_rebuilt"], queue_errors=r.counters["queue_errors"],
+            queue_error=r.queue_error)
 
 
 class ControlServer:

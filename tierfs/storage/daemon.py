@@ -5,9 +5,12 @@ kept across restarts), open every target (wiping half-written temp files and
 scanning its index), start the data-plane server, then register the node and
 its targets with meta (retried until meta answers; targets whose id is
 already known from their ``target.json`` are served meanwhile). Afterwards
-two loops run: heartbeats with capacity/used/state per target, and garbage
-collection (``ListGC`` -> delete the fragment version -> ``AckGC``; deleting a
-fragment that is already gone counts as done).
+loops run: heartbeats with capacity/used/state per target; garbage
+collection (``ListGC`` -> delete the fragment generation -> ``AckGC``;
+deleting a fragment that is already gone counts as done); the rebuild
+worker; the repair-queue worker (``ListRepairs`` -> rebuild ours ->
+``MarkFragments``, a round at once after registering and whenever
+heartbeats resume after a gap); and the background scrubber.
 
 The first line on stdout is ``{"event": "ready", ...}`` with the data-plane
 address, node uuid/id and the target ids. SIGTERM or SIGINT stop it cleanly:
@@ -147,6 +150,10 @@ class _Collector:
                 total.add_metric(ls, p.total)
                 active.add_metric(ls, 0.0 if p.state == "finished" else 1.0)
             yield from (done, total, active)
+            q = GaugeMetricFamily("tierfs_repair_queue_pending",
+                                  "Fragment positions known missing or bad, cluster-wide, as last seen")
+            q.add_metric([], node.repairer.queue_pending)
+            yield q
         ps = node.pool.stats()
         pool = GaugeMetricFamily("tierfs_buffer_pool_bytes", "Aligned buffer pool", labels=["kind"])
         pool.add_metric(["idle"], ps.idle_bytes)
@@ -269,7 +276,10 @@ class StorageNode:
     async def _meta_main(self) -> None:
         await self._register()
         self.registered.set()
-        loops = [self._heartbeat_loop(), self._gc_loop(), self.repairer.run()]
+        # The repair queue first thing: a restarted node may hold positions
+        # that degraded writes recorded missing while it was away.
+        loops = [self._heartbeat_loop(), self._gc_loop(), self.repairer.run(),
+                 self.repairer.run_queue(self.cfg.repair_interval)]
         if self.cfg.scrub_rate > 0:
             loops.append(self.scrubber.run(self.cfg.scrub_rate, self.cfg.scrub_interval))
         await asyncio.gather(*loops)
@@ -331,6 +341,7 @@ class StorageNode:
                 # older snapshot, or the node was removed): register again
                 log.warning("meta does not know node %d (%s); registering again", self.node_id, err)
                 await self._register()
+                self._catch_up()
             except TierFSError as err:
                 self.counters["heartbeat_errors"] += 1
                 missed = True
@@ -338,6 +349,8 @@ class StorageNode:
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
     def _catch_up(self) -> None:
+        if self.repairer is not None:
+            self.repairer.wake()  # positions recorded missing meanwhile: rebuilt at once
         if self.scrubber is None or (self._catchup is not None and not self._catchup.done()):
             return
         self.counters["catch_ups"] += 1

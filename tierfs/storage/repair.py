@@ -1,23 +1,38 @@
 """Repair: reconstructing lost fragments onto this node's targets.
 
-Two callers share :class:`Repairer`:
+Three callers share :class:`Repairer`:
 
 * the **rebuild worker** (:meth:`Repairer.run`): meta replaced a dead (or
   removed, or draining) target in a placement group by one of ours and
   lists ours in the group's ``rebuilding`` set. For every committed chunk of
-  the group (``ListGroupChunks``) whose fragment is not on our target, we
-  fetch fragments of the same chunk from the other members over the data
-  plane and rebuild ours — by a plain copy from the replaced member when
-  meta names it as the group's ``rebuild_source`` and it still answers (a
-  drained node), otherwise by Reed-Solomon reconstruction from any K
-  survivors with the client's codec (:mod:`tierfs.client.codec`). Then
-  ``FinishRebuild`` takes us out of ``rebuilding``;
+  the group (``ListGroupChunks``) whose fragment is not on our target, or
+  whose position the chunk's record lists as missing, we fetch fragments of
+  the same chunk from the other members over the data plane and rebuild
+  ours — by a plain copy from the replaced member when meta names it as the
+  group's ``rebuild_source`` and it still answers (a drained node),
+  otherwise by Reed-Solomon reconstruction from any K survivors with the
+  client's codec (:mod:`tierfs.client.codec`). Then ``FinishRebuild`` takes
+  us out of ``rebuilding``;
+* the **repair-queue worker** (:meth:`Repairer.run_queue`): meta lists the
+  fragment positions of committed chunks known missing or bad (a degraded
+  write records the positions it could not store at commit; the scrubber
+  reports the ones it finds bad) with the member that must rebuild them.
+  We rebuild ours — always, even when a file of that key exists, since it
+  may be the bad one — and report them done (``MarkFragments``);
 * the **scrubber** (:mod:`tierfs.storage.scrub`), for a fragment it found
-  corrupt or missing.
+  corrupt, missing or inconsistent with its chunk.
 
-Reconstruction fetches whole fragments (they are stored trimmed, see the
-codec's docstring): the parity length is the chunk's ``P``; a rebuilt data
-fragment is trimmed back to the bytes the chunk's logical length gives it.
+Everything is driven by the chunk's record in meta
+(:class:`tierfs.chunk.ChunkRecord`): only fragments of the committed
+*generation* are fetched, every fetched fragment must have the stored length
+the record's ``length`` gives it (:func:`tierfs.chunk.fragment_size`), the
+positions in the record's ``missing`` list are never used as sources, and
+before anything is written the chunk's K data fragments (fetched or
+reconstructed) must match the record's CRC32C (:func:`tierfs.chunk.chunk_crc`;
+a replica copy: its own CRC32C). A rebuilt fragment is written at its stored
+length, never trimmed to the file's current size or valid bytes (a truncate
+does not rewrite fragments: a trimmed rebuild would no longer match its
+parity).
 
 Bandwidth is bounded by a token bucket over the bytes fetched from peers
 (``rebuild_rate`` bytes/s). Reads and writes by clients go on meanwhile:
@@ -29,12 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.chunk import ChunkRecord, chunk_crc, crc32c, fragment_size, parity_size
 from tierfs.errors import (
     CorruptError,
     InsufficientTargetsError,
@@ -43,11 +60,15 @@ from tierfs.errors import (
     TierFSError,
 )
 from tierfs.storage.api import FragmentKey
-from tierfs.storage.engine import ChunkEngine, crc32c
+from tierfs.storage.engine import ChunkEngine
 
-__all__ = ["GroupProgress", "RateLimiter", "Repairer"]
+__all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError", "find_bad_fragments",
+           "reencode_chunk", "solve_chunk"]
 
 log = logging.getLogger("tierfs.storage.repair")
+
+#: Repair-queue items asked for per round (meta caps a page at 10,000).
+QUEUE_PAGE = 1000
 
 
 class RateLimiter:
@@ -92,7 +113,8 @@ class GroupProgress:
 
 @dataclass
 class _File:
-    """What reconstruction needs to know about one file."""
+    """What reconstruction needs to know about one file: its layout and the
+    records of its committed chunks (index -> :class:`ChunkRecord`)."""
 
     kind: int
     k: int
@@ -100,9 +122,124 @@ class _File:
     chunk_size: int
     size: int
     groups: list[int]
-    chunks: dict[int, int]
+    chunks: dict[int, ChunkRecord]
     writing: bool
     data_version: int
+
+    @property
+    def replicated(self) -> bool:
+        return self.kind == 2  # REDUNDANCY_KIND_REPLICA
+
+    @property
+    def width(self) -> int:
+        return self.k + self.m
+
+    def sizes(self, rec: ChunkRecord) -> list[int]:
+        """The stored length of every fragment of a chunk with record ``rec``."""
+        return [fragment_size(j, self.k, self.chunk_size, rec.length, replicated=self.replicated)
+                for j in range(self.width)]
+
+    def committed(self, key: FragmentKey) -> ChunkRecord | None:
+        """The chunk's record if ``key`` names its committed generation."""
+        rec = self.chunks.get(key.chunk)
+        return rec if rec is not None and rec.generation == key.version else None
+
+
+class WrongLengthError(CorruptError):
+    """A fragment of the committed generation whose stored length is not the
+    one its chunk's record gives it."""
+
+
+@dataclass
+class ChunkCheck:
+    """The verdict of a whole-chunk check (:meth:`Repairer.check_chunk`)."""
+
+    #: Positions whose fragment reads (its own CRC32C holds) but has the
+    #: wrong content or length: only a whole-chunk check can tell.
+    bad: dict[int, str] = field(default_factory=dict)
+    #: Positions not judged: the target is down or did not answer, or the
+    #: fragment is absent or fails its own CRC32C (its holder's scrub steps
+    #: find and rebuild those).
+    unchecked: dict[int, str] = field(default_factory=dict)
+    #: Why the chunk could not be judged at all ('' when it was).
+    error: str = ""
+    fetched: int = 0
+
+
+def _codec(k: int, m: int) -> Any:
+    # Shared with the client's cache: building an ISA-L driver and its
+    # header templates costs far more than one reconstruction.
+    from tierfs.client.codec import codec_for
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    return codec_for(pb.Layout(kind=pb.REDUNDANCY_KIND_EC, data_shards=k, parity_shards=m))
+
+
+# ---- the chunk math (CPU-bound: callers run it in a worker thread) ---------------
+
+
+def solve_chunk(f: _File, rec: ChunkRecord, have: dict[int, bytes] | dict[int, memoryview],
+                want: Iterable[int] = ()) -> dict[int, memoryview]:
+    """Every data fragment of the chunk, plus ``want``, at their stored
+    lengths, from the K fragments of ``have`` that come first (data before
+    parity); raises CorruptError unless the data match the record's CRC32C."""
+    k = f.k
+    sizes = f.sizes(rec)
+    out = {i: memoryview(v) for i, v in have.items()}
+    need = sorted(({i for i in range(k)} | set(want)) - set(out))
+    if need:
+        if len(out) < k:
+            raise InsufficientTargetsError(f"{len(out)} fragments, {k} needed")
+        p = parity_size(k, f.chunk_size, rec.length)
+        src = {i: out[i] for i in sorted(out)[:k]}
+        try:
+            got = _codec(k, f.m).reconstruct(src, p, need)
+        except TierFSError:
+            raise
+        except Exception as exc:  # pyeclib's own errors: bad input fragments
+            raise CorruptError(f"reconstruction failed: {type(exc).__name__}: {exc}") from exc
+        for i in need:
+            v = got[i]
+            if v[sizes[i]:] != bytes(len(v) - sizes[i]):
+                # Past a fragment's stored length the chunk is zeros: the
+                # sources disagree with one another.
+                raise CorruptError(f"fragment {i} rebuilt from {sorted(src)} has data past its stored "
+                                   f"length {sizes[i]}")
+            out[i] = v[: sizes[i]]
+    crc = chunk_crc(out[i] for i in range(k))
+    if crc != rec.crc:
+        raise CorruptError(f"data fragments (from {sorted(out)[:k] if need else list(range(k))}) have crc32c "
+                           f"{crc:#010x}, the chunk record {rec.crc:#010x}")
+    return out
+
+
+def reencode_chunk(f: _File, rec: ChunkRecord, data: dict[int, memoryview]) -> list[memoryview]:
+    """All fragments of a chunk re-encoded from its K data fragments."""
+    codec = _codec(f.k, f.m)
+    frag = codec.frag_size(f.chunk_size)
+    buf = bytearray(codec.encode_size(f.chunk_size))
+    for i in range(f.k):
+        buf[i * frag: i * frag + len(data[i])] = data[i]
+    return list(codec.encode(memoryview(buf), rec.length, f.chunk_size))
+
+
+def find_bad_fragments(f: _File, rec: ChunkRecord, have: dict[int, bytes]) -> dict[int, str] | None:
+    """Positions of ``have`` that differ from the chunk the others
+    decode to (matching the record's CRC32C), fewest first; None if no
+    subset of K or more does."""
+    for r in range(len(have) - f.k + 1):
+        for left_out in itertools.combinations(sorted(have), r):
+            rest = {i: v for i, v in have.items() if i not in left_out}
+            try:
+                data = solve_chunk(f, rec, rest)
+            except (CorruptError, InsufficientTargetsError):
+                continue
+            right = reencode_chunk(f, rec, data)
+            bad = {i: "differs from the chunk the other fragments decode to (crc32c checked)"
+                   for i, v in have.items() if memoryview(v) != right[i]}
+            if len(bad) <= r:  # the left-out ones, or fewer: a consistent explanation
+                return bad
+    return None
 
 
 class Repairer:
@@ -132,7 +269,13 @@ class Repairer:
         self.progress: dict[tuple[int, int], GroupProgress] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             ("fragments_rebuilt", "fragments_copied", "bytes_rebuilt", "bytes_fetched", "rebuild_errors",
-             "groups_finished", "fetch_us", "decode_us", "write_us"), 0)
+             "groups_finished", "fetch_us", "decode_us", "write_us", "crc_mismatches", "queue_rounds",
+             "queue_rebuilt", "queue_errors"), 0)
+        #: The repair queue as last seen: positions pending cluster-wide, and
+        #: the last error of an item of ours ('' if the last round had none).
+        self.queue_pending = 0
+        self.queue_error = ""
+        self._wake = asyncio.Event()
 
     @property
     def engines(self) -> dict[int, ChunkEngine]:
@@ -170,8 +313,9 @@ class Repairer:
         return self.target_state.get(target) in (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
 
     async def file(self, inode: int, cache: dict[int, _File | None] | None = None) -> _File | None:
-        """The layout, size and committed chunks of ``inode`` (None if it is
-        gone or not a regular file)."""
+        """The layout, size and committed chunk records of ``inode`` (None if
+        it is gone or not a regular file)."""
+        from tierfs.client.client import chunk_records
         from tierfs.proto.v1 import meta_pb2 as pb
 
         if cache is not None and inode in cache:
@@ -183,118 +327,265 @@ class Repairer:
         f: _File | None = None
         if info is not None and info.attr.type == pb.INODE_TYPE_FILE:
             lay = info.layout
-            chunks = {r.first + i: r.version for r in info.chunks for i in range(r.count)}
             f = _File(kind=lay.kind, k=lay.data_shards, m=lay.parity_shards, chunk_size=lay.chunk_size,
-                      size=info.attr.size, groups=list(lay.groups), chunks=chunks, writing=info.writing,
-                      data_version=info.attr.data_version)
+                      size=info.attr.size, groups=list(lay.groups), chunks=chunk_records(info),
+                      writing=info.writing, data_version=info.attr.data_version)
         if cache is not None:
             cache[inode] = f
         return f
 
-    def _codec(self, k: int, m: int) -> Any:
-        # Shared with the client's cache: building an ISA-L driver and its
-        # header templates costs far more than one reconstruction.
-        from tierfs.client.codec import codec_for
-        from tierfs.proto.v1 import meta_pb2 as pb
+    # ---- fetching and solving one chunk -------------------------------------------
 
-        return codec_for(pb.Layout(kind=pb.REDUNDANCY_KIND_EC, data_shards=k, parity_shards=m))
+    async def _fetch(self, key: FragmentKey, members: Sequence[int], positions: Iterable[int],
+                     sizes: Sequence[int]) -> tuple[dict[int, bytes], dict[int, TierFSError]]:
+        """Fragments ``positions`` of ``key``'s chunk and generation, each
+        checked against the stored length its record gives it."""
+        pos = list(positions)
+        res = await asyncio.gather(
+            *(self.data.read(members[i], FragmentKey(key.inode, key.chunk, i, key.version),
+                             timeout=self.request_timeout) for i in pos),
+            return_exceptions=True)
+        have: dict[int, bytes] = {}
+        errs: dict[int, TierFSError] = {}
+        for i, r in zip(pos, res, strict=True):
+            if isinstance(r, bytes):
+                self.counters["bytes_fetched"] += len(r)
+                if len(r) == sizes[i]:
+                    have[i] = r
+                else:
+                    errs[i] = WrongLengthError(f"{len(r)} bytes, its chunk record gives it {sizes[i]}")
+            elif isinstance(r, TierFSError):
+                errs[i] = r
+            else:
+                raise r  # type: ignore[misc]
+        return have, errs
+
+    async def check_chunk(self, key: FragmentKey, f: _File, rec: ChunkRecord, members: Sequence[int],
+                          skip: Iterable[int] = ()) -> ChunkCheck:
+        """Fetch every fragment of the chunk ``key`` names (its committed
+        generation; the position in ``key`` is ignored) and judge them
+        together: each must have its stored length, the data must match the
+        record's CRC32C and the parity must be the data re-encoded. Which
+        positions are wrong is found by leaving fragments out until the rest
+        decode to the recorded CRC32C. Positions in the record's missing
+        list and in ``skip`` (members being rebuilt) are not asked."""
+        out = ChunkCheck()
+        sizes = f.sizes(rec)
+        excluded = set(rec.missing) | set(skip)
+        ask = [i for i in range(f.width) if i not in excluded and self.readable(members[i])]
+        for i in range(f.width):
+            if i not in excluded and i not in ask:
+                out.unchecked[i] = f"target {members[i]} is not readable"
+        have, errs = await self._fetch(key, members, ask, sizes)
+        out.fetched = sum(len(v) for v in have.values())
+        for i, e in errs.items():
+            if isinstance(e, WrongLengthError):
+                out.bad[i] = str(e)
+            else:
+                out.unchecked[i] = f"{type(e).__name__}: {e}"
+        if f.replicated:
+            for i, v in have.items():
+                c = crc32c(v)
+                if c != rec.crc:
+                    out.bad[i] = f"copy has crc32c {c:#010x}, the chunk record {rec.crc:#010x}"
+            if not have:
+                out.error = "no copy could be read"
+            return out
+        if len(have) < f.k:
+            out.error = f"only {len(have)} of the {f.k} fragments needed to judge it could be read"
+            return out
+        verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have)
+        if verdict is None:
+            out.error = (f"no {f.k} of the fragments {sorted(have)} decode to the recorded crc32c "
+                         f"{rec.crc:#010x}: cannot tell which are bad")
+        else:
+            out.bad.update(verdict)
+        return out
 
     # ---- one fragment ---------------------------------------------------------------
 
     async def restore(self, eng: ChunkEngine, key: FragmentKey, f: _File, members: list[int], *,
                       source: int = 0) -> tuple[int, bool]:
-        """Rebuild fragment ``key`` onto ``eng`` from the other ``members`` of
-        its group (fragment j on ``members[j]``). Returns (bytes written,
-        whether it was a plain copy). Raises InsufficientTargetsError when
-        too few fragments could be fetched."""
+        """Rebuild fragment ``key`` (of its chunk's committed generation) onto
+        ``eng`` from the other ``members`` of its group (fragment j on
+        ``members[j]``), at the stored length the chunk's record gives it.
+        Returns (bytes written, whether it was a plain copy). Raises
+        InsufficientTargetsError when too few fragments could be fetched and
+        CorruptError (writing nothing) when what they decode to does not
+        match the record's CRC32C."""
         j = key.fragment
-        replicated = f.kind == 2  # REDUNDANCY_KIND_REPLICA
-        width = f.k + f.m
+        width = f.width
         if j >= width or len(members) != width:
             raise InvalidArgumentError(f"{key}: fragment index outside a group of {len(members)}")
-        if source and source != eng.target_id:
+        rec = f.committed(key)
+        if rec is None:
+            raise InvalidArgumentError(f"{key}: not the committed generation of its chunk")
+        sizes = f.sizes(rec)
+        if source and source != eng.target_id and j not in rec.missing:
             # A drained (still healthy) member: copy its fragment, no decode.
             with contextlib.suppress(TierFSError):
                 data = await self.data.read(source, key, timeout=self.request_timeout)
                 await self.limiter.take(len(data))
                 self.counters["bytes_fetched"] += len(data)
-                await eng.write(key, memoryview(data), crc32c(data))
-                self.counters["fragments_copied"] += 1
-                return len(data), True
-        others = [i for i in range(width) if i != j and members[i] != eng.target_id]
-        if replicated:
-            errors: list[str] = []
-            for i in sorted(others, key=lambda i: not self.readable(members[i])):
-                other = FragmentKey(key.inode, key.chunk, i, key.version)
-                try:
-                    data = await self.data.read(members[i], other, timeout=self.request_timeout)
-                except TierFSError as exc:
-                    errors.append(f"copy {i} on target {members[i]}: {exc}")
-                    continue
-                await self.limiter.take(len(data))
-                self.counters["bytes_fetched"] += len(data)
-                await eng.write(key, memoryview(data), crc32c(data))
-                return len(data), True
-            raise InsufficientTargetsError(f"{key}: no copy readable: {'; '.join(errors)}")
-        have: dict[int, bytes] = {}
-        t0 = time.perf_counter()
-        errs: dict[int, str] = {}
+                if len(data) == sizes[j] and (not f.replicated or crc32c(data) == rec.crc):
+                    await eng.write(key, memoryview(data), crc32c(data))
+                    self.counters["fragments_copied"] += 1
+                    return len(data), True
+        skip = set(rec.missing) | {j}
+        others = [i for i in range(width) if i not in skip and members[i] != eng.target_id]
         # Readable members first, data fragments before parity.
         order = sorted(others, key=lambda i: (not self.readable(members[i]), i))
+        if f.replicated:
+            return await self._restore_copy(eng, key, rec, members, order, sizes[j])
+        have: dict[int, bytes] = {}
+        t0 = time.perf_counter()
+        errs: dict[int, TierFSError] = {}
         pos = 0
         while len(have) < f.k and pos < len(order):
             pick = order[pos: pos + f.k - len(have)]
             pos += len(pick)
-            res = await asyncio.gather(*(self.data.read(members[i], FragmentKey(key.inode, key.chunk, i, key.version),
-                                                        timeout=self.request_timeout) for i in pick),
-                                       return_exceptions=True)
-            for i, r in zip(pick, res, strict=True):
-                if isinstance(r, bytes):
-                    have[i] = r
-                elif isinstance(r, TierFSError):
-                    errs[i] = f"{type(r).__name__}: {r}"
-                else:
-                    raise r  # type: ignore[misc]
+            got, bad = await self._fetch(key, members, pick, sizes)
+            have.update(got)
+            errs.update(bad)
         if len(have) < f.k:
-            detail = "; ".join(f"fragment {i} on target {members[i]}: {e}" for i, e in sorted(errs.items()))
+            detail = "; ".join(f"fragment {i} on target {members[i]}: {type(e).__name__}: {e}"
+                               for i, e in sorted(errs.items()))
             raise InsufficientTargetsError(f"{key}: only {len(have)} of the {f.k} fragments needed: {detail}")
-        fetched = sum(len(v) for v in have.values())
-        await self.limiter.take(fetched)
+        await self.limiter.take(sum(len(v) for v in have.values()))
         t1 = time.perf_counter()
-        self.counters["bytes_fetched"] += fetched
-        parity = [len(v) for i, v in have.items() if i >= f.k]
-        p = max(parity) if parity else len(have.get(0, b""))
-        if any(len(v) > p for v in have.values()):
-            raise InvalidArgumentError(f"{key}: fragments longer than the parity ({p} bytes)")
-        codec = self._codec(f.k, f.m)
-        views = {i: memoryview(v) for i, v in have.items()}
-        if p == 0:
-            payload = memoryview(b"")
-        else:
-            try:
-                payload = (await asyncio.to_thread(codec.reconstruct, views, p, [j]))[j]
-            except TierFSError:
-                raise
-            except Exception as exc:  # pyeclib's own errors: bad input fragments
-                raise CorruptError(f"{key}: reconstruction failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            payload = (await asyncio.to_thread(solve_chunk, f, rec, have, [j]))[j]
+        except CorruptError as exc:
+            self.counters["crc_mismatches"] += 1
+            raise CorruptError(f"{key}: {exc}; nothing written") from exc
         t2 = time.perf_counter()
-        n = p
-        if j < f.k:
-            fsz = codec.frag_size(f.chunk_size)
-            length = min(f.chunk_size, max(0, f.size - key.chunk * f.chunk_size)) if f.size else p * f.k
-            n = max(0, min(length - j * fsz, p))
-        out = payload[:n]
-        await eng.write(key, out, crc32c(out))
+        await eng.write(key, payload, crc32c(payload))
         # Where a decode rebuild's time goes (Prometheus tierfs_repair_total).
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["decode_us"] += int((t2 - t1) * 1e6)
         self.counters["write_us"] += int((time.perf_counter() - t2) * 1e6)
-        return n, False
+        return len(payload), False
+
+    async def _restore_copy(self, eng: ChunkEngine, key: FragmentKey, rec: ChunkRecord, members: list[int],
+                            order: list[int], size: int) -> tuple[int, bool]:
+        """A replica: the first other copy whose CRC32C is the record's."""
+        errors: list[str] = []
+        wrong = False
+        for i in order:
+            other = FragmentKey(key.inode, key.chunk, i, key.version)
+            try:
+                data = await self.data.read(members[i], other, timeout=self.request_timeout)
+            except TierFSError as exc:
+                errors.append(f"copy {i} on target {members[i]}: {exc}")
+                continue
+            await self.limiter.take(len(data))
+            self.counters["bytes_fetched"] += len(data)
+            c = crc32c(data)
+            if len(data) != size or c != rec.crc:
+                wrong = True
+                self.counters["crc_mismatches"] += 1
+                errors.append(f"copy {i} on target {members[i]}: {len(data)} bytes, crc32c {c:#010x}; the chunk "
+                              f"record gives {size} bytes, {rec.crc:#010x}")
+                continue
+            await eng.write(key, memoryview(data), c)
+            return len(data), True
+        raise (CorruptError if wrong else InsufficientTargetsError)(
+            f"{key}: no good copy readable: {'; '.join(errors)}; nothing written")
+
+    # ---- reporting to the repair queue -------------------------------------------
+
+    async def mark(self, keys: Iterable[FragmentKey], *, done: bool) -> int:
+        """Tell meta that these fragments (of their committed generations) were
+        rebuilt (``done``) or are missing or bad (the holder's repair-queue
+        worker then rebuilds them, and readers stop asking them)."""
+        from tierfs.proto.v1 import meta_pb2 as pb
+
+        items = [pb.RepairItem(inode=k.inode, chunk=k.chunk, version=k.version, fragment=k.fragment) for k in keys]
+        if not items:
+            return 0
+        return int(await self.meta.mark_fragments(items, done=done))
+
+    # ---- the repair-queue worker ---------------------------------------------------
+
+    def wake(self) -> None:
+        """Run a repair-queue round now (start, heartbeats resuming)."""
+        self._wake.set()
+
+    async def queue_once(self, limit: int = QUEUE_PAGE) -> tuple[int, int]:
+        """One round of the repair queue: rebuild every fragment position of
+        ours that meta lists as missing or bad (always, even if a file of the
+        key exists: it may be the bad one), then report them done. Groups
+        where our target is being rebuilt are left to the rebuild worker,
+        which treats listed positions the same way. Returns (rebuilt,
+        failed)."""
+        await self.refresh_map()
+        ours = self.engines
+        if not ours:
+            return 0, 0
+        reply = await self.meta.list_repairs(sorted(ours), limit=limit)
+        self.queue_pending = int(reply.pending)
+        self.counters["queue_rounds"] += 1
+        files: dict[int, _File | None] = {}
+        done: list[FragmentKey] = []
+        failed: list[str] = []
+
+        async def one(it: Any) -> None:
+            eng = ours.get(int(it.target_id))
+            members = self.groups.get(int(it.group_id))
+            if eng is None or members is None or members[it.fragment: it.fragment + 1] != [eng.target_id]:
+                return  # the map moved since meta answered: next round
+            if eng.target_id in self.rebuilding.get(int(it.group_id), ()):
+                return
+            key = FragmentKey(int(it.inode), int(it.chunk), int(it.fragment), int(it.version))
+            async with self._sem:
+                try:
+                    f = await self.file(key.inode, files)
+                    if f is None or f.committed(key) is None:
+                        return  # rewritten or deleted since: meta drops the item itself
+                    n, _ = await self.restore(eng, key, f, members)
+                except TierFSError as exc:
+                    self.counters["queue_errors"] += 1
+                    failed.append(f"{key} on target {eng.target_id}: {type(exc).__name__}: {exc}")
+                    return
+            done.append(key)
+            self.counters["queue_rebuilt"] += 1
+            self.counters["fragments_rebuilt"] += 1
+            self.counters["bytes_rebuilt"] += n
+
+        await asyncio.gather(*(one(it) for it in reply.items))
+        if done:
+            await self.mark(done, done=True)
+            self.queue_pending = max(0, self.queue_pending - len(done))
+            log.info("repair queue: rebuilt %d fragments", len(done))
+        self.queue_error = failed[0] if failed else ""
+        if failed:
+            log.warning("repair queue: %d fragments failed (retried next round), e.g. %s", len(failed), failed[0])
+        return len(done), len(failed)
+
+    async def run_queue(self, interval: float) -> None:
+        """The repair-queue worker: a round at once, then every ``interval``
+        or when woken (:meth:`wake`); at once again after a full page that
+        made progress."""
+        while True:
+            self._wake.clear()
+            again = False
+            try:
+                rebuilt, _ = await self.queue_once()
+                again = rebuilt >= QUEUE_PAGE
+            except TierFSError as exc:
+                self.counters["queue_errors"] += 1
+                self.queue_error = f"{type(exc).__name__}: {exc}"
+                log.warning("repair-queue round failed: %s", exc)
+            except Exception:  # a bug must not stop the worker (nor the node's other loops)
+                log.exception("repair-queue round failed")
+            if not again:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), interval)
 
     # ---- the rebuild worker ------------------------------------------------------
 
     async def group_chunks(self, group_id: int) -> list[tuple[int, int, int]]:
-        """Every committed (inode, chunk, version) stored in ``group_id``."""
+        """Every committed (inode, chunk, generation) stored in ``group_id``."""
         out: list[tuple[int, int, int]] = []
         after = 0
         while True:
@@ -307,7 +598,9 @@ class Repairer:
     async def fill(self, group_id: int, target_id: int, prog: GroupProgress | None = None,
                    chunks: Iterable[tuple[int, int, int]] | None = None) -> tuple[int, list[str]]:
         """Rebuild every committed chunk's fragment of ``group_id`` that
-        ``target_id`` (ours) lacks. Returns (fragments restored, errors)."""
+        ``target_id`` (ours) lacks, or holds at a position the chunk's record
+        lists as missing (then reported done). Returns (fragments restored,
+        errors)."""
         eng = self.engines.get(target_id)
         members = self.groups.get(group_id)
         if eng is None or members is None or target_id not in members:
@@ -319,6 +612,7 @@ class Repairer:
             prog.done = 0
         files: dict[int, _File | None] = {}
         errors: list[str] = []
+        listed: list[FragmentKey] = []
         restored = 0
         sem = self._sem
         source = self.sources.get((group_id, target_id), 0)
@@ -326,14 +620,11 @@ class Repairer:
         async def one(inode: int, chunk: int, version: int) -> None:
             nonlocal restored
             key = FragmentKey(inode, chunk, j, version)
-            if key in eng:
-                if prog is not None:
-                    prog.done += 1
-                return
             async with sem:
                 f = await self.file(inode, files)
-                if f is None or f.chunks.get(chunk) != version:
-                    # Deleted or overwritten since the listing: nothing to restore.
+                rec = f.committed(key) if f is not None else None
+                if f is None or rec is None or (key in eng and j not in rec.missing):
+                    # Present, or deleted or overwritten since the listing.
                     if prog is not None:
                         prog.done += 1
                     return
@@ -343,6 +634,8 @@ class Repairer:
                     self.counters["rebuild_errors"] += 1
                     errors.append(f"{key}: {exc}")
                     return
+                if j in rec.missing:
+                    listed.append(key)
                 restored += 1
                 self.counters["fragments_rebuilt"] += 1
                 self.counters["bytes_rebuilt"] += n
@@ -351,6 +644,11 @@ class Repairer:
                     prog.bytes += n
 
         await asyncio.gather(*(one(*c) for c in todo))
+        if listed:
+            try:
+                await self.mark(listed, done=True)
+            except TierFSError as exc:
+                errors.append(f"reporting {len(listed)} rebuilt fragments to meta: {exc}")
         return restored, errors
 
     async def rebuild_once(self) -> int:
@@ -375,7 +673,7 @@ class Repairer:
             if not errors:
                 # Once more: chunks committed while the first pass ran (a
                 # writer with an older map may have sent this position's
-                # fragment to the replaced member). Present ones cost nothing.
+                # fragment to the replaced member). Present ones cost one stat per file.
                 _, errors = await self.fill(gid, tid, prog)
         except TierFSError as exc:
             errors = [f"listing: {exc}"]

@@ -1,4 +1,5 @@
-"""The scrubber: verify every fragment of this node, repair, find orphans.
+"""The scrubber: verify every fragment of this node, check whole chunks,
+repair, find stale fragments and orphans.
 
 One pass (:meth:`Scrubber.scrub`) over every target of the node:
 
@@ -9,14 +10,30 @@ One pass (:meth:`Scrubber.scrub`) over every target of the node:
    vanished under the index counts as missing and is rebuilt the same way.
 2. **missing**: for every placement group a target of ours belongs to (and
    is not being rebuilt: the rebuild worker owns those), every committed
-   chunk must have our fragment; the ones that do not (a file deleted by
-   hand, writes that happened while the target was away) are rebuilt.
-3. **orphans**: a fragment no file needs: its inode is gone, its (chunk,
-   version) is neither the committed one nor the version of an open write
-   session, or our target no longer holds that position of the chunk's
-   group (it was replaced while away) and that position is not being
-   rebuilt from us. Orphans whose file is older than ``orphan_grace`` are
-   deleted (younger ones may belong to a write that meta has not seen yet).
+   chunk must have our fragment of its committed *generation*
+   (``ChunkRecord.generation``); the ones that do not (a file deleted by
+   hand, writes that happened while the target was away), and the positions
+   the chunk's record lists as missing (a degraded write, an earlier
+   finding), are rebuilt and reported done to meta.
+3. **whole chunks**: every committed chunk is checked whole by exactly one
+   node per pass, the one holding the first readable position of the
+   chunk's group (not listed missing, not being rebuilt): all its fragments
+   are fetched, each must have the stored length the record gives it, the
+   data must match the record's CRC32C and the parity the data re-encoded
+   (:meth:`Repairer.check_chunk`). A fragment with valid CRCs of its own but
+   the wrong content (the same key written twice with different bytes) is
+   caught only here. The bad positions are reported to meta
+   (``MarkFragments``, not done): readers stop asking them and the holder's
+   repair-queue worker rebuilds them; ours are rebuilt at once.
+4. **stale fragments and orphans**: a fragment of a live committed chunk
+   whose generation is not the committed one (nor an upload of the file's
+   open write session) is *stale*: an earlier upload of the chunk, never
+   data. Any other fragment no file needs is an *orphan*: its inode is gone,
+   its chunk was never committed (and it is not an open write's), or our
+   target no longer holds that position of the chunk's group (it was
+   replaced while away) and that position is not being rebuilt from us.
+   Both are deleted once their file is older than ``orphan_grace`` (younger
+   ones may belong to a write that meta has not seen yet).
 
 The background loop runs a pass every ``scrub_interval`` at ``scrub_rate``
 and, in between, deals within a second with fragments a read found corrupt
@@ -28,12 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.chunk import ChunkRecord, session_version
 from tierfs.errors import CorruptError, NotFoundError, TierFSError
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.engine import ChunkEngine, fragment_path
@@ -45,13 +64,16 @@ log = logging.getLogger("tierfs.storage.scrub")
 
 MAX_ISSUES = 1000
 
+#: Report fields that say something is wrong (a pass with any is not clean).
+PROBLEMS = ("corrupt", "missing", "orphans", "stale", "mismatched", "errors")
+
 
 @dataclass
 class ScrubIssue:
     target_id: int
     key: FragmentKey
-    kind: str  # corrupt | missing | orphan
-    action: str  # repaired | deleted | kept | failed
+    kind: str  # corrupt | missing | orphan | stale | mismatched
+    action: str  # repaired | reported | deleted | kept | failed
     detail: str = ""
 
 
@@ -68,10 +90,18 @@ class ScrubReport:
     errors: int = 0
     seconds: float = 0.0
     issues: list[ScrubIssue] = field(default_factory=list)
+    stale: int = 0
+    stale_deleted: int = 0
+    chunks_verified: int = 0
+    mismatched: int = 0
 
     def add(self, issue: ScrubIssue) -> None:
         if len(self.issues) < MAX_ISSUES:
             self.issues.append(issue)
+
+    @property
+    def clean(self) -> bool:
+        return not any(getattr(self, k) for k in PROBLEMS)
 
     def to_pb(self) -> Any:
         from tierfs.proto.v1 import storage_control_pb2 as spb
@@ -80,6 +110,8 @@ class ScrubReport:
             node_id=self.node_id, fragments=self.fragments, bytes=self.bytes, corrupt=self.corrupt,
             missing=self.missing, repaired=self.repaired, orphans=self.orphans,
             orphans_deleted=self.orphans_deleted, errors=self.errors, seconds=self.seconds,
+            stale=self.stale, stale_deleted=self.stale_deleted, chunks_verified=self.chunks_verified,
+            mismatched=self.mismatched,
             issues=[spb.ScrubIssue(target_id=i.target_id, inode=i.key.inode, chunk=i.key.chunk,
                                    fragment=i.key.fragment, version=i.key.version, kind=i.kind,
                                    action=i.action, detail=i.detail) for i in self.issues])
@@ -94,7 +126,8 @@ class Scrubber:
         self._node_id = node_id
         self.counters: dict[str, int] = dict.fromkeys(
             ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
-             "orphans_deleted", "errors", "catch_ups"), 0)
+             "orphans_deleted", "stale", "stale_deleted", "chunks_verified", "mismatched", "errors",
+             "catch_ups"), 0)
 
     @property
     def node_id(self) -> int:
@@ -113,19 +146,21 @@ class Scrubber:
         files: dict[int, _File | None] = {}
         for tid, eng in sorted(r.engines.items()):
             await self._verify_target(eng, rep, limiter, files, repair)
-            await self._missing(tid, eng, rep, files, repair)
+            await self._chunks(tid, eng, rep, files, repair, limiter)
             # Fresh answers: a write may have begun since the steps above asked.
             await self._orphans(tid, eng, rep, {}, delete_orphans)
         rep.seconds = time.monotonic() - t0
-        for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "errors"):
+        for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "stale", "stale_deleted",
+                  "chunks_verified", "mismatched", "errors"):
             self.counters[k] += getattr(rep, k)
         self.counters["verified"] += rep.fragments
         self.counters["verified_bytes"] += rep.bytes
         self.counters["passes"] += 1
-        if rep.corrupt or rep.missing or rep.orphans or rep.errors:
-            log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d orphans (%d deleted), "
-                        "%d errors", rep.fragments, rep.corrupt, rep.missing, rep.repaired, rep.orphans,
-                        rep.orphans_deleted, rep.errors)
+        if not rep.clean:
+            log.warning("scrub: %d fragments, %d corrupt, %d missing, %d repaired, %d stale, %d orphans (%d "
+                        "deleted), %d of %d chunks mismatched, %d errors", rep.fragments, rep.corrupt, rep.missing,
+                        rep.repaired, rep.stale, rep.orphans, rep.orphans_deleted + rep.stale_deleted,
+                        rep.mismatched, rep.chunks_verified, rep.errors)
         return rep
 
     async def catch_up(self) -> ScrubReport:
@@ -140,7 +175,7 @@ class Scrubber:
             await r.refresh_map()
             files: dict[int, _File | None] = {}
             for tid, eng in sorted(r.engines.items()):
-                await self._missing(tid, eng, rep, files, True)
+                await self._chunks(tid, eng, rep, files, True, None)
         except TierFSError as exc:
             log.warning("catch-up failed: %s", exc)
         except Exception:
@@ -154,7 +189,7 @@ class Scrubber:
                         rep.repaired, rep.errors, rep.seconds)
         return rep
 
-    # ---- the three steps ------------------------------------------------------------
+    # ---- the steps ------------------------------------------------------------------
 
     def _members(self, key: FragmentKey, f: _File) -> tuple[int, list[int]] | None:
         if not f.groups:
@@ -170,7 +205,8 @@ class Scrubber:
             return
         r = self.repairer
         f = await r.file(key.inode, files)
-        if f is None or f.chunks.get(key.chunk) != key.version:
+        rec = f.committed(key) if f is not None else None
+        if f is None or rec is None:
             rep.add(ScrubIssue(tid, key, kind, "kept", "not a committed fragment: nothing to restore"))
             return
         where = self._members(key, f)
@@ -182,7 +218,17 @@ class Scrubber:
         except TierFSError as exc:
             rep.errors += 1
             rep.add(ScrubIssue(tid, key, kind, "failed", f"{type(exc).__name__}: {exc}"))
+            if key.fragment not in rec.missing:
+                # Readers stop asking it, and the repair queue retries.
+                with contextlib.suppress(TierFSError):
+                    await r.mark([key], done=False)
             return
+        if key.fragment in rec.missing:
+            try:
+                await r.mark([key], done=True)
+            except TierFSError as exc:
+                log.warning("scrub: reporting %s rebuilt failed (the repair queue will rebuild it again): %s",
+                            key, exc)
         rep.repaired += 1
         rep.add(ScrubIssue(tid, key, kind, "repaired"))
 
@@ -221,11 +267,14 @@ class Scrubber:
                 continue
             await limiter.take(n)
 
-    async def _missing(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
-                       repair: bool) -> None:
+    async def _chunks(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
+                      repair: bool, limiter: RateLimiter | None) -> None:
+        """The *missing* step and, with a ``limiter``, the *whole chunks* step
+        for every committed chunk of every group ``tid`` belongs to."""
         r = self.repairer
         for gid, members in sorted(r.groups.items()):
-            if tid not in members or tid in r.rebuilding.get(gid, ()):
+            rebuilding = r.rebuilding.get(gid, set())
+            if tid not in members or tid in rebuilding:
                 continue
             j = members.index(tid)
             try:
@@ -236,33 +285,93 @@ class Scrubber:
                 continue
             for inode, chunk, version in chunks:
                 key = FragmentKey(inode, chunk, j, version)
-                if key in eng:
+                try:
+                    f = await r.file(inode, files)
+                except TierFSError as exc:
+                    rep.errors += 1
+                    log.warning("scrub: stat of inode %d failed: %s", inode, exc)
                     continue
-                f = await r.file(inode, files)
-                if f is None or f.chunks.get(chunk) != version:
+                rec = f.committed(key) if f is not None else None
+                if f is None or rec is None:
                     continue  # changed since the listing
-                rep.missing += 1
-                await self._repair(tid, eng, key, "missing", rep, files, repair)
+                if key not in eng or j in rec.missing:
+                    rep.missing += 1
+                    await self._repair(tid, eng, key, "missing", rep, files, repair)
+                if limiter is None:
+                    continue
+                first = next((i for i in range(f.width) if i not in rec.missing and members[i] not in rebuilding
+                              and r.readable(members[i])), None)
+                if first == j:
+                    await self._whole(tid, key, f, rec, members, rebuilding, rep, files, repair, limiter)
 
-    def _is_orphan(self, tid: int, key: FragmentKey, f: _File | None) -> str:
+    async def _whole(self, tid: int, key: FragmentKey, f: _File, rec: ChunkRecord, members: list[int],
+                     rebuilding: set[int], rep: ScrubReport, files: dict[int, _File | None], repair: bool,
+                     limiter: RateLimiter) -> None:
+        r = self.repairer
+        try:
+            check = await r.check_chunk(key, f, rec, members, skip=[i for i, t in enumerate(members)
+                                                                     if t in rebuilding])
+        except TierFSError as exc:
+            rep.errors += 1
+            rep.add(ScrubIssue(tid, key, "mismatched", "failed", f"whole-chunk check: {type(exc).__name__}: {exc}"))
+            return
+        await limiter.take(check.fetched)
+        if check.error:
+            rep.errors += 1
+            rep.add(ScrubIssue(tid, key, "mismatched", "failed", f"whole-chunk check: {check.error}"))
+            return
+        rep.chunks_verified += 1
+        if not check.bad:
+            return
+        rep.mismatched += 1
+        keys = {i: dataclasses.replace(key, fragment=i) for i in check.bad}
+        if not repair:  # only report: meta is not told either (that starts the holders' repair)
+            for i, why in sorted(check.bad.items()):
+                rep.add(ScrubIssue(members[i], keys[i], "mismatched", "kept", f"{why}; repair off"))
+            return
+        try:
+            await r.mark(keys.values(), done=False)
+        except TierFSError as exc:
+            rep.errors += 1
+            for i, why in sorted(check.bad.items()):
+                rep.add(ScrubIssue(members[i], keys[i], "mismatched", "failed",
+                                   f"{why}; reporting it to meta failed: {exc}"))
+            return
+        # Ours are rebuilt now, from the good ones (the record as meta now has
+        # it lists the bad ones missing); the other holders rebuild theirs
+        # from the repair queue.
+        f.chunks[key.chunk] = dataclasses.replace(rec, missing=tuple(sorted(set(rec.missing) | set(check.bad))))
+        for i, why in sorted(check.bad.items()):
+            eng = r.engines.get(members[i])
+            rep.add(ScrubIssue(members[i], keys[i], "mismatched", "reported",
+                               why if eng is not None else f"{why}; its holder rebuilds it"))
+            if eng is not None:
+                await self._repair(members[i], eng, keys[i], "mismatched", rep, files, repair)
+
+    def _classify(self, tid: int, key: FragmentKey, f: _File | None) -> tuple[str, str]:
+        """("", "") for a fragment a file needs, else ("orphan" | "stale", why)."""
         if f is None:
-            return "no such file"
-        width = f.k + f.m
-        if key.fragment >= width:
-            return f"fragment index beyond the layout's {width}"
-        committed = f.chunks.get(key.chunk)
-        if committed != key.version and not (f.writing and key.version == f.data_version):
-            return f"version {key.version} is not the committed one ({committed}) nor an open write's"
+            return "orphan", "no such file"
+        if key.fragment >= f.width:
+            return "orphan", f"fragment index beyond the layout's {f.width}"
+        rec = f.chunks.get(key.chunk)
+        if rec is None or rec.generation != key.version:
+            if f.writing and session_version(key.version) == f.data_version:
+                return "", ""  # an upload of the open write session: may be committed yet
+            if rec is not None:
+                return "stale", (f"generation {key.version:#x}, the chunk's committed generation is "
+                                 f"{rec.generation:#x}")
+            return "orphan", f"chunk {key.chunk} is not committed and generation {key.version:#x} is no open write's"
         where = self._members(key, f)
         if where is None:
-            return "no placement group"
+            return "orphan", "no placement group"
         gid, members = where
         if members[key.fragment] != tid:
             rb = self.repairer.rebuilding.get(gid, set())
             if members[key.fragment] in rb:
-                return ""  # may still be the source of that position's rebuild
-            return f"position {key.fragment} of group {gid} is now target {members[key.fragment]}"
-        return ""
+                return "", ""  # may still be the source of that position's rebuild
+            return "orphan", f"position {key.fragment} of group {gid} is now target {members[key.fragment]}"
+        return "", ""
 
     async def _orphans(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
                        delete: bool) -> None:
@@ -275,25 +384,31 @@ class Scrubber:
                 rep.errors += 1
                 log.warning("scrub: stat of inode %d failed: %s", key.inode, exc)
                 continue
-            why = self._is_orphan(tid, key, f)
-            if not why:
+            kind, why = self._classify(tid, key, f)
+            if not kind:
                 continue
-            rep.orphans += 1
+            if kind == "stale":
+                rep.stale += 1
+            else:
+                rep.orphans += 1
             try:
                 age = now - os.stat(fragment_path(eng.root, key)).st_mtime
             except FileNotFoundError:
                 continue
             if not delete or age < self.orphan_grace:
-                rep.add(ScrubIssue(tid, key, "orphan", "kept", f"{why}; {age:.0f}s old"))
+                rep.add(ScrubIssue(tid, key, kind, "kept", f"{why}; {age:.0f}s old"))
                 continue
             try:
                 await eng.delete(key)
             except TierFSError as exc:
                 rep.errors += 1
-                rep.add(ScrubIssue(tid, key, "orphan", "failed", str(exc)))
+                rep.add(ScrubIssue(tid, key, kind, "failed", str(exc)))
                 continue
-            rep.orphans_deleted += 1
-            rep.add(ScrubIssue(tid, key, "orphan", "deleted", why))
+            if kind == "stale":
+                rep.stale_deleted += 1
+            else:
+                rep.orphans_deleted += 1
+            rep.add(ScrubIssue(tid, key, kind, "deleted", why))
 
     # ---- background ------------------------------------------------------------------
 

@@ -117,6 +117,7 @@ class ScrubReport(_message.Message):
     STALE_FIELD_NUMBER: _builtins.int
     CHUNKS_VERIFIED_FIELD_NUMBER: _builtins.int
     MISMATCHED_FIELD_NUMBER: _builtins.int
+    STALE_DELETED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments: _builtins.int
     """fragments verified"""
@@ -138,6 +139,8 @@ class ScrubReport(_message.Message):
     and the parity re-encoded) and those found inconsistent.
     """
     mismatched: _builtins.int
+    stale_deleted: _builtins.int
+    """of the stale ones, deleted (older than the orphan grace)"""
     @_builtins.property
     def issues(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScrubIssue]:
         """at most 1000"""
@@ -159,10 +162,11 @@ class ScrubReport(_message.Message):
         stale: _builtins.int = ...,
         chunks_verified: _builtins.int = ...,
         mismatched: _builtins.int = ...,
+        stale_deleted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale", "stale_deleted", b"stale_deleted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -233,11 +237,23 @@ class RepairStatusReply(_message.Message):
     FRAGMENTS_REBUILT_FIELD_NUMBER: _builtins.int
     BYTES_REBUILT_FIELD_NUMBER: _builtins.int
     FRAGMENTS_COPIED_FIELD_NUMBER: _builtins.int
+    QUEUE_PENDING_FIELD_NUMBER: _builtins.int
+    QUEUE_REBUILT_FIELD_NUMBER: _builtins.int
+    QUEUE_ERRORS_FIELD_NUMBER: _builtins.int
+    QUEUE_ERROR_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments_rebuilt: _builtins.int
     bytes_rebuilt: _builtins.int
     fragments_copied: _builtins.int
     """of those, copied from a draining source"""
+    queue_pending: _builtins.int
+    """The repair queue (fragments known missing or bad, see meta's ListRepairs):
+    positions pending cluster-wide as last seen, fragments this node rebuilt
+    from it, failed attempts (retried), and the last failure.
+    """
+    queue_rebuilt: _builtins.int
+    queue_errors: _builtins.int
+    queue_error: _builtins.str
     @_builtins.property
     def rebuilds(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupRebuild]: ...
     def __init__(
@@ -248,10 +264,14 @@ class RepairStatusReply(_message.Message):
         fragments_rebuilt: _builtins.int = ...,
         bytes_rebuilt: _builtins.int = ...,
         fragments_copied: _builtins.int = ...,
+        queue_pending: _builtins.int = ...,
+        queue_rebuilt: _builtins.int = ...,
+        queue_errors: _builtins.int = ...,
+        queue_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_rebuilt", b"bytes_rebuilt", "fragments_copied", b"fragments_copied", "fragments_rebuilt", b"fragments_rebuilt", "node_id", b"node_id", "rebuilds", b"rebuilds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_rebuilt", b"bytes_rebuilt", "fragments_copied", b"fragments_copied", "fragments_rebuilt", b"fragments_rebuilt", "node_id", b"node_id", "queue_error", b"queue_error", "queue_errors", b"queue_errors", "queue_pending", b"queue_pending", "queue_rebuilt", b"queue_rebuilt", "rebuilds", b"rebuilds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

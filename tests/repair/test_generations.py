@@ -1,0 +1,294 @@
+"""Generations on a real local cluster: the storage side (repair queue,
+rebuild, whole-chunk scrub) against the regressions of issue 8.
+
+* A degraded re-upload in one write session: the node that missed the
+  second upload of a chunk comes back holding the first one's fragment (its
+  CRC holds, its generation is stale). Reads never use it, meta records the
+  position missing at commit, the node's repair-queue worker rebuilds it at
+  once, and ``tierfs scrub`` counts the stale fragments and never calls the
+  cluster clean while they or the missing position exist.
+* A rebuild after a truncate writes every fragment at the length its
+  chunk's record gives it (never trimmed to the current size), so the
+  rebuilt fragments are byte for byte the old ones and decode with parity.
+* A fragment whose file is replaced by a well-formed one of the same key
+  (its own CRC32C valid) but other content, or another length, is found by
+  the whole-chunk check, reported to meta and rebuilt by its holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.repair.util import KiB, map_now, random_bytes, start, wait_map
+from tierfs.cli.main import run
+from tierfs.client import Client
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.net import DataClient
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.storage.api import FragmentKey
+
+
+@pytest.fixture
+def six(tmp_path: Path) -> Iterator[LocalCluster]:
+    # Every ec:4+2 group spans all six nodes: a dead one is never replaced.
+    # GC polls once at start and then hourly, so stale fragments stay on disk
+    # for the scrub to find whatever meta's GC queue holds.
+    cl = start(tmp_path / "c", n_storage=6, storage_args=("--gc-interval=1h",))
+    try:
+        yield cl
+    finally:
+        cl.stop()
+
+
+def _scrub(cl: LocalCluster, *extra: str) -> dict[str, Any]:
+    out = io.StringIO()
+    code = run(["scrub", "--json", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
+    doc: dict[str, Any] = json.loads(out.getvalue())
+    assert code == 0, doc
+    return doc
+
+
+async def _info(cl: LocalCluster, path: str) -> pb.FileInfo:
+    async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+        return await mc.stat(path)
+
+
+def _members(cmap: pb.ClusterMap, info: pb.FileInfo, chunk: int) -> list[int]:
+    gid = info.layout.groups[chunk % len(info.layout.groups)]
+    return list(next(g for g in cmap.groups if g.group_id == gid).target_ids)
+
+
+def _proc_of(cl: LocalCluster, cmap: pb.ClusterMap, target: int) -> str:
+    node = next(t.node_id for t in cmap.targets if t.target_id == target)
+    addr = next(n.data_addr for n in cmap.nodes if n.node_id == node)
+    return next(p.name for p in cl.procs if p.kind == "storage" and p.addr == addr)
+
+
+async def _read_fragments(cl: LocalCluster, info: pb.FileInfo, chunk: int) -> dict[int, bytes]:
+    """Position -> stored payload of the chunk's committed generation, read
+    over the data plane from the group's current members (absent ones and
+    those of dead nodes left out)."""
+    cmap = await map_now(cl)
+    members = _members(cmap, info, chunk)
+    gen = next(r.generation for r in info.chunks if r.index == chunk)
+    addr = {n.node_id: n.data_addr for n in cmap.nodes}
+    routes = {t.target_id: addr[t.node_id] for t in cmap.targets if t.target_id in members}
+    out: dict[int, bytes] = {}
+    async with DataClient(routes=routes, request_timeout=2.0, connect_timeout=1.0) as dc:
+        for j, t in enumerate(members):
+            try:
+                out[j] = await dc.read(t, FragmentKey(info.attr.inode, chunk, j, gen))
+            except Exception:
+                continue
+    return out
+
+
+async def _queue_rebuilt(cl: LocalCluster, name: str) -> int:
+    """Fragments the repair-queue worker of storage daemon ``name`` rebuilt."""
+    from tierfs.cli.repair import _control
+    from tierfs.proto.v1 import storage_control_pb2 as spb
+
+    cmap = await map_now(cl)
+    node = next(n for n in cmap.nodes if n.data_addr == cl.proc(name).addr)
+    reply = await _control(node.control_addr, "RepairStatus", spb.RepairStatusRequest(), 5.0)
+    return int(reply.queue_rebuilt)
+
+
+def _generation_files(cl: LocalCluster, inode: int, gen: int) -> list[Path]:
+    """Fragment files of ``inode`` of generation ``gen`` on every node's disk."""
+    return sorted(p for p in cl.dir.glob(f"storage-*/t*/frags/*/{inode:016x}/*")
+                  if p.is_file() and p.name.split(".")[2] == f"{gen:x}")
+
+
+def _wait_whole(cl: LocalCluster, path: str, timeout: float) -> pb.FileInfo:
+    """Until no chunk record of ``path`` lists a missing position."""
+    end = time.monotonic() + timeout
+    while True:
+        info = asyncio.run(_info(cl, path))
+        if not any(r.missing for r in info.chunks):
+            return info
+        assert time.monotonic() < end, f"{path}: records still list missing fragments: {list(info.chunks)}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_degraded_reupload_is_repaired_and_its_stale_fragment_counted(six: LocalCluster) -> None:
+    cl = six
+    a, b = b"A" * 1000, b"B" * 1000
+    with Client(cl.meta_addrs, request_timeout=1.0, retries=2) as c:
+        c.set_layout("/", chunk_size=64 * KiB, redundancy="ec:4+2")
+        f = c.open("/y", "wb")
+        f.write(a)
+        f.flush()  # the first upload of chunk 0: all six fragments
+        info = asyncio.run(_info(cl, "/y"))
+        cmap = asyncio.run(map_now(cl))
+        holder = _proc_of(cl, cmap, _members(cmap, info, 0)[0])
+        addr = cl.proc(holder).addr
+        cl.kill(holder)
+        asyncio.run(wait_map(cl, lambda m: any(n.data_addr == addr and n.state == pb.NODE_STATE_OFFLINE
+                                               for n in m.nodes), 30, f"{holder} to be offline"))
+        f.write(b)
+        f.close()  # the second upload: five fragments, acknowledged
+        assert c.stat("/y").size == 2000
+        assert c.read_bytes("/y") == a + b
+
+    info = asyncio.run(_info(cl, "/y"))
+    (rec,) = info.chunks
+    assert list(rec.missing) == [0], rec  # recorded at commit: repair can start at once
+    g0, g1 = rec.generation - 1, rec.generation  # the first and the second upload
+    old = _generation_files(cl, info.attr.inode, g0)
+    on_holder = [p for p in old if p.is_relative_to(cl.dir / holder)]
+    assert [p.name for p in on_holder] == [f"0.0.{g0:x}"], old
+    live_stale = len(old) - len(on_holder)
+    assert live_stale >= 1
+
+    # Before the repair, with the holder down: stale fragments of the first
+    # upload on the live nodes, a position known missing, a node unscrubbed.
+    rep = _scrub(cl, "--no-repair", "--keep-orphans")
+    assert not rep["clean"], rep
+    assert rep["total"]["stale"] == live_stale, rep["total"]
+    assert rep["total"]["repairs_pending"] == 1 and rep["offline_nodes"], rep
+    assert rep["total"]["chunks_verified"] == 1 and rep["total"]["mismatched"] == 0, rep["total"]
+
+    cl.start(names=[holder])
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        assert c.read_bytes("/y") == a + b  # never the returning node's stale fragment
+    # No scrub asked for: the restarted node's repair-queue worker rebuilds it.
+    info = _wait_whole(cl, "/y", 30)
+    assert info.chunks[0].generation == g1
+    assert asyncio.run(_queue_rebuilt(cl, holder)) == 1
+    frags = asyncio.run(_read_fragments(cl, info, 0))
+    assert frags[0] == a + b, "the rebuilt fragment 0 holds the chunk's first 2000 bytes"
+
+    cmap = asyncio.run(map_now(cl))
+    others = [_proc_of(cl, cmap, t) for t in _members(cmap, info, 0)[1:3]]
+    for name in others:
+        cl.kill(name)
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        assert c.read_bytes("/y") == a + b  # 4 of 6 left, the rebuilt one among them
+    cl.start(names=others)
+    asyncio.run(cl.wait_healthy(60))
+
+    # The stale fragments are counted and (orphan grace 0 here) deleted; only
+    # then is the cluster clean.
+    stale = _generation_files(cl, info.attr.inode, g0)
+    assert len(stale) >= live_stale
+    rep = _scrub(cl)
+    t = rep["total"]
+    assert t["stale"] == len(stale) and t["stale_deleted"] == len(stale), t
+    assert t["missing"] == 0 and t["mismatched"] == 0 and t["chunks_verified"] == 1, t
+    assert not rep["clean"]
+    assert not _generation_files(cl, info.attr.inode, g0)
+    again = _scrub(cl)
+    assert again["clean"], again
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        assert c.read_bytes("/y") == a + b
+
+
+def _target_rm(cl: LocalCluster, info: pb.FileInfo, j: int) -> None:
+    """``tierfs target rm`` the member at position ``j`` of chunk 0's group;
+    wait until it is rebuilt elsewhere."""
+    gone = _members(asyncio.run(map_now(cl)), info, 0)[j]
+    assert run(["target", "rm", str(gone), "--meta", ",".join(cl.meta_addrs)], stdout=io.StringIO(),
+               stderr=io.StringIO()) == 0
+    asyncio.run(wait_map(cl, lambda m: all(gone not in g.target_ids and not g.rebuilding for g in m.groups),
+                         60, f"target {gone}'s groups to be rebuilt"))
+
+
+@pytest.mark.timeout(180)
+def test_rebuild_after_truncate_keeps_fragments_at_their_recorded_length(tmp_path: Path) -> None:
+    # Eight nodes: two spares for two replacements of a six-wide group.
+    cl = start(tmp_path / "c", n_storage=8)
+    try:
+        with Client(cl.meta_addrs, request_timeout=1.0) as c:
+            c.mkdir("/t")
+            c.set_layout("/t", chunk_size=64 * KiB, redundancy="ec:4+2")
+            c.write_bytes("/t/s", b"SECRET" * 500)
+            c.truncate("/t/s", 6)
+            assert c.read_bytes("/t/s") == b"SECRET"
+        info = asyncio.run(_info(cl, "/t/s"))
+        (rec,) = info.chunks
+        assert (rec.length, rec.valid) == (3000, 6), rec  # the truncate rewrote nothing
+        before = asyncio.run(_read_fragments(cl, info, 0))
+        assert [len(before[j]) for j in range(6)] == [3000, 0, 0, 0, 3000, 3000]
+
+        # While the file is 6 bytes long, rebuild data fragment 0 elsewhere
+        # (trimmed to the file size it would no longer match its parity),
+        # then parity fragment 4 (rebuilt from the data, the new 0 among them).
+        _target_rm(cl, info, 0)
+        _target_rm(cl, info, 4)
+        after = asyncio.run(_read_fragments(cl, info, 0))
+        assert after == before, "rebuilt fragments differ from the ones they replace"
+        rep = _scrub(cl)
+        assert rep["total"]["mismatched"] == 0 and rep["total"]["chunks_verified"] == 1, rep["total"]
+
+        with Client(cl.meta_addrs, request_timeout=1.0) as c:
+            c.truncate("/t/s", 3000)
+            assert c.read_bytes("/t/s") == b"SECRET" + bytes(2994)
+        # Degraded: fragment 0 and parity 5 gone, so the reader decodes from
+        # 1, 2, 3 and the rebuilt parity 4, checked against the chunk's CRC32C.
+        cmap = asyncio.run(map_now(cl))
+        members = _members(cmap, info, 0)
+        for t in (members[0], members[5]):
+            cl.kill(_proc_of(cl, cmap, t))
+        with Client(cl.meta_addrs, request_timeout=1.0) as c:
+            assert c.read_bytes("/t/s") == b"SECRET" + bytes(2994)
+    finally:
+        cl.stop()
+
+
+@pytest.mark.timeout(120)
+def test_whole_chunk_scrub_finds_a_wrong_but_crc_valid_fragment(six: LocalCluster) -> None:
+    cl = six
+    data = random_bytes(3 * 64 * KiB, 7)
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        c.mkdir("/w")
+        c.set_layout("/w", chunk_size=64 * KiB, redundancy="ec:4+2")
+        c.write_bytes("/w/f", data)
+    info = asyncio.run(_info(cl, "/w/f"))
+    good = {i: asyncio.run(_read_fragments(cl, info, i)) for i in range(3)}
+    assert all(len(g) == 6 for g in good.values())
+    clean = _scrub(cl)
+    assert clean["clean"] and clean["total"]["chunks_verified"] == 3, clean
+
+    # Well-formed fragment files, written through the data plane under the
+    # committed key: a data fragment with other bytes (chunk 0), a parity
+    # fragment with other bytes (chunk 1), a data fragment cut short (chunk 2).
+    bad = {(0, 1): os.urandom(16 * KiB), (1, 5): os.urandom(16 * KiB), (2, 2): good[2][2][: 8 * KiB]}
+
+    async def plant() -> None:
+        cmap = await map_now(cl)
+        addr = {n.node_id: n.data_addr for n in cmap.nodes}
+        routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
+        async with DataClient(routes=routes) as dc:
+            for (chunk, j), payload in bad.items():
+                gen = next(r.generation for r in info.chunks if r.index == chunk)
+                await dc.write(_members(cmap, info, chunk)[j], FragmentKey(info.attr.inode, chunk, j, gen), payload)
+
+    asyncio.run(plant())
+    rep = _scrub(cl)
+    t = rep["total"]
+    assert t["mismatched"] == 3 and t["chunks_verified"] == 3, t
+    assert t["corrupt"] == 0 and t["errors"] == 0, rep
+    assert not rep["clean"]
+    found = sorted((i["chunk"], i["fragment"]) for n in rep["nodes"] for i in n.get("issues", [])
+                   if i["kind"] == "mismatched" and i["action"] == "reported")
+    assert found == sorted(bad), rep
+    # The holders rebuild them (the checker's own at once, the others from
+    # the repair queue); then every fragment is what was first written.
+    _wait_whole(cl, "/w/f", 30)
+    assert {i: asyncio.run(_read_fragments(cl, info, i)) for i in range(3)} == good
+    again = _scrub(cl)
+    assert again["clean"], again
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        assert c.read_bytes("/w/f") == data
