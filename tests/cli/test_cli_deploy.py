@@ -27,6 +27,7 @@ from tierfs.cli import cluster_status
 from tierfs.client.config import ClientConfig
 from tierfs.config import load
 from tierfs.meta.config import MetaConfig
+from tierfs.meta.secret import ensure_secret_file
 from tierfs.storage.config import StorageConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -96,7 +97,8 @@ def test_daemons_configured_only_by_environment_with_host_names(tmp_path: Path) 
     raft, grpc_port, data = free_ports(3)
     meta_env = {"TIERFS_META_NODE_ID": "meta-0", "TIERFS_META_RAFT_ADDR": f"localhost:{raft}",
                 "TIERFS_META_GRPC_ADDR": f"localhost:{grpc_port}", "TIERFS_META_DATA_DIR": str(tmp_path / "meta"),
-                "TIERFS_META_LOG_FORMAT": "json"}
+                "TIERFS_META_LOG_FORMAT": "json",
+                "TIERFS_META_CLUSTER_SECRET_FILE": str(ensure_secret_file(tmp_path / "cluster.secret"))}
     st_env = {"TIERFS_STORAGE_DATA_DIR": str(tmp_path / "storage"),
               "TIERFS_STORAGE_META_ADDRS": f"localhost:{grpc_port}", "TIERFS_STORAGE_HOST": "0.0.0.0",
               "TIERFS_STORAGE_PORT": str(data), "TIERFS_STORAGE_ADVERTISE_HOST": "localhost",
