@@ -36,6 +36,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 def test_example_toml_configs_load_through_the_real_loaders() -> None:
     meta: MetaConfig = load(MetaConfig, DEPLOY / "config" / "meta.toml", env={})
     assert meta.node_id == "meta-0" and len(meta.peer_map()) == 2 and meta.fsync
+    assert meta.cluster_secret_file and not meta.insecure_no_cluster_secret
     storage: StorageConfig = load(StorageConfig, DEPLOY / "config" / "storage.toml", env={})
     assert len(storage.target_dirs()) == 2 and storage.advertise_host and len(storage.meta_addrs) == 3
     client: ClientConfig = load(ClientConfig, DEPLOY / "config" / "client.toml", env={})
@@ -51,6 +52,10 @@ def test_environment_variables_in_compose_and_manifests_name_real_fields() -> No
             assert name.lower() in fields[role], f"{path.name}: TIERFS_{role}_{name} is no config field"
             found += 1
     assert found > 20
+    # every way of running meta points it at a cluster secret (docs/raft.md)
+    for path in (DEPLOY / "docker-compose.yml", DEPLOY / "k8s" / "meta.yaml"):
+        assert "TIERFS_META_CLUSTER_SECRET_FILE" in path.read_text(), path.name
+    assert "--cluster-secret-file %d/cluster.secret" in (DEPLOY / "systemd" / "tierfs-meta.service").read_text()
     # The compose file's literal values convert (sizes, lists, ports).
     text = (DEPLOY / "docker-compose.yml").read_text()
     for role, cls in (("META", MetaConfig), ("STORAGE", StorageConfig)):
