@@ -178,3 +178,24 @@ def test_secret_file_rules(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=msg) as ei:
             cfg.cluster_secret()
         assert ei.value.field == "cluster_secret_file"
+
+
+def test_frame_sealer_opens_only_its_own_untampered_frames() -> None:
+    from cryptography.exceptions import InvalidTag
+
+    from tierfs.meta.raft import FrameSealer
+
+    a, b = FrameSealer(b"a" * 64), FrameSealer(b"b" * 64)
+    data = zlib.compress(pickle.dumps({"type": "append_entries", "term": 1}))
+    tok = a.encrypt_at_time(data, 1234)
+    assert a.extract_timestamp(tok) == 1234 and a.decrypt(tok) == data
+    assert FrameSealer(b"a" * 64).decrypt(tok) == data  # another replica, same secret
+    assert a.encrypt_at_time(data, 1234) != tok  # fresh nonce every frame
+    bad = [tok[:-1], b"", b"\x01" * 40, bytes([2]) + tok[1:], _frame(_Exploit(Path("/nonexistent/x")))]
+    bad += [tok[:i] + bytes([tok[i] ^ 1]) + tok[i + 1:] for i in (0, 3, 12, 25, len(tok) - 1)]
+    for t in bad:
+        with pytest.raises(InvalidTag):
+            a.extract_timestamp(t)
+    with pytest.raises(InvalidTag):
+        b.extract_timestamp(tok)
+    assert a.refused == len(bad) and b.refused == 1
