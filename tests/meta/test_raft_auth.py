@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,58 @@ def test_crafted_pickle_frame_is_not_executed_and_the_replica_stays_in_the_clust
             assert len(st.members) == 3, st
             assert c.get_many(["before", "after"], i=i, stale=True) == {"before": "1", "after": "2"}
             assert "not sealed with this cluster's secret" in c.log(i)
+
+
+def _impersonate(raft_addr: str, payload: bytes, seconds: float) -> int:
+    """Listen on a (dead) replica's Raft address and send ``payload`` to every
+    replica that connects out to it; returns how many did."""
+    host, port = raft_addr.rsplit(":", 1)
+    conns: list[socket.socket] = []
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, int(port)))
+        srv.listen(8)
+        srv.settimeout(0.2)
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                # kept open: pysyncobj discards what it read on a connection
+                # that is already closed when it gets to parse it
+                conns.append(conn)
+                conn.sendall(payload)
+        finally:
+            for conn in conns:
+                conn.close()
+    return len(conns)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sealed", [True, False], ids=["secret", "insecure-control"])
+def test_process_posing_as_a_dead_replica_cannot_run_code_in_those_that_connect_to_it(
+        tmp_path: Path, sealed: bool) -> None:
+    """pysyncobj connects out to peers with a lower address: whoever takes a
+    dead replica's port gets connections from the others, and answers them."""
+    _local_only()
+    marker = tmp_path / "pwned"
+    with MetaCluster(tmp_path, n=3, cluster_secret=sealed) as c:
+        c.wait_leader()
+        victim = min(range(3), key=lambda i: c.replicas[i].raft_addr)  # both others dial it
+        c.kill(victim)
+        served = _impersonate(c.replicas[victim].raft_addr, _frame(_Exploit(marker)), 3.0)
+        assert served >= 2, "the replicas did not connect to the impostor"
+        if not sealed:
+            assert marker.exists()  # the control: this is a working exploit
+            return
+        assert not marker.exists(), "the pickle ran in a replica"
+        others = [i for i in range(3) if i != victim]
+        assert all(c.replicas[i].alive for i in others)
+        c.put("k", "v")
+        c.start(victim)  # the real one comes back and catches up
+        c.wait_converged(30)
 
 
 @pytest.mark.timeout(120)
