@@ -48,7 +48,9 @@ from tierfs.net.framing import FrameProtocol, log
 from tierfs.net.protocol import Limits
 from tierfs.net.transport import Listener, ProtocolFactory, Transport
 
-__all__ = ["REQUIRED_SEALS", "ShmListener", "ShmRefusedError", "ShmTransport", "peer_uid", "socket_name"]
+__all__ = [
+    "REQUIRED_SEALS", "ShmListener", "ShmRefusedError", "ShmTransport", "check_ring", "peer_uid", "socket_name",
+]
 
 _BELL = struct.Struct("<cQ")
 _HELLO = struct.Struct("<4sQ")
@@ -328,11 +330,11 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _reply(conn: socket.socket, reason: str = "") -> None:
+def _reply(conn: socket.socket, ok: bool, reason: str = "") -> None:
     """The server's answer to a hello (one small write on a fresh socket)."""
     text = reason.encode()[:_MAX_REASON]
     with contextlib.suppress(OSError):
-        conn.send(_REPLY.pack(_REPLY_MAGIC, 0 if reason else 1, len(text)) + text)
+        conn.send(_REPLY.pack(_REPLY_MAGIC, 1 if ok else 0, len(text)) + text)
 
 
 async def _attach(sock: socket.socket, tx: mmap.mmap, rx: mmap.mmap, protocol: FrameProtocol,
@@ -398,7 +400,7 @@ class ShmListener(Listener):
                 # before reading anything: a stranger's descriptors are never taken
                 log.warning("shm connection from uid %d refused (this daemon runs as uid %d)", uid,
                             os.geteuid(), extra={"event": "dataplane.shm_refused", "uid": uid})
-                _reply(conn, f"uid {uid} may not use this daemon's shm transport (same uid or root only)")
+                _reply(conn, False, f"uid {uid} may not use this daemon's shm transport (same uid or root only)")
                 conn.close()
                 return
             async with asyncio.timeout(10):
@@ -425,13 +427,13 @@ class ShmListener(Listener):
         except Exception as exc:
             log.warning("shm handshake failed: %s", exc,
                         extra={"event": "dataplane.shm_handshake_failed", "reason": str(exc)})
-            _reply(conn, str(exc))
+            _reply(conn, False, str(exc) or type(exc).__name__)
             conn.close()
             return
         finally:
             for fd in fds:
                 os.close(fd)
-        _reply(conn)
+        _reply(conn, True)
         await _attach(conn, tx, rx, self.factory(), "shm-client")
 
     async def close(self) -> None:
