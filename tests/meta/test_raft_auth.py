@@ -71,7 +71,7 @@ def _local_only() -> None:
 def test_crafted_pickle_frame_is_not_executed_and_the_replica_stays_in_the_cluster(tmp_path: Path) -> None:
     _local_only()
     with MetaCluster(tmp_path, n=3) as c:
-        leader = c.wait_leader()
+        c.wait_leader()
         c.put("before", "1")
         markers = []
         for i, r in enumerate(c.replicas):  # the leader and both followers
