@@ -32,6 +32,7 @@ import pytest
 
 from tierfs.errors import NotLeaderError, TierFSError, TimeoutError_, UnavailableError, from_grpc
 from tierfs.local import free_ports
+from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file
 from tierfs.proto.v1 import kv_debug_pb2 as kvpb
 from tierfs.proto.v1 import kv_debug_pb2_grpc, meta_pb2_grpc
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -121,10 +122,13 @@ class MetaCluster:
         data_root: Path | None = None,
         start: bool = True,
         peer_grpc: bool = True,
+        cluster_secret: bool = True,
     ) -> None:
         """``peer_grpc=False`` gives replicas only their peers' raft
-        addresses: the leader's gRPC address then comes from the log."""
+        addresses: the leader's gRPC address then comes from the log.
+        ``cluster_secret=False`` runs them with ``--insecure-no-cluster-secret``."""
         self.state_machine = state_machine
+        self.cluster_secret = cluster_secret
         self.extra_args = list(extra_args)
         self.external = list(external)
         self.replicas: list[Replica] = []
@@ -134,6 +138,10 @@ class MetaCluster:
         assert tmp_path is not None
         self.root = Path(tmp_path)
         self.data_root = data_root or self.root
+        self.root.mkdir(parents=True, exist_ok=True)
+        #: the cluster secret every replica is started with (a replica's own
+        #: ``--cluster-secret-file`` in its extra_args wins: argparse keeps the last)
+        self.secret_file = ensure_secret_file(self.root / SECRET_FILE_NAME)
         ports = free_ports(2 * n)
         rafts = [f"127.0.0.1:{p}" for p in ports[:n]]
         grpcs = [f"127.0.0.1:{p}" for p in ports[n:]]
@@ -176,6 +184,8 @@ class MetaCluster:
             "--raft-addr", r.raft_addr, "--grpc-addr", r.grpc_addr,
             "--data-dir", str(r.data_dir), "--node-id", f"meta{r.index}",
             "--state-machine", self.state_machine, "--log-format", "text",
+            *(["--cluster-secret-file", str(self.secret_file)] if self.cluster_secret
+              else ["--insecure-no-cluster-secret"]),
         ]
         for p in r.peers:
             cmd += ["--peer", p]

@@ -17,6 +17,12 @@ if str(REPO) not in sys.path:
 from tests.cluster import MetaCluster, meta_cluster_from_env  # noqa: E402
 from tests.faults import LazyFS  # noqa: E402
 from tests.faults.lazyfs import _mounted  # noqa: E402
+from tests.skip_policy import (  # noqa: E402, F401 - hooks: a skip not allowed here fails
+    pytest_configure,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@
 ``tierfs-storage`` daemons), their ports and their files::
 
     DIR/cluster.toml        addresses, ports and pids (rewritten on each start)
+    DIR/cluster.secret      the Raft cluster secret (mode 0600, made on the first start)
     DIR/meta-<i>/           a meta replica's journal and snapshots
     DIR/storage-<i>/        a storage node's identity; targets in t<j>/
     DIR/logs/<name>.log     stderr (structured logs); <name>.out: stdout
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
+from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file
 
 __all__ = ["LocalCluster", "ProcInfo", "free_ports", "pid_alive"]
 
@@ -140,6 +142,11 @@ class LocalCluster:
         return {"meta": len(self.meta_addrs), "storage": len(storage), "targets_per_node": tpn}
 
     @property
+    def secret_file(self) -> Path:
+        """The cluster secret every meta replica is started with."""
+        return self.dir / SECRET_FILE_NAME
+
+    @property
     def meta_addrs(self) -> list[str]:
         return [p.addr for p in self.procs if p.kind == "meta"]
 
@@ -221,6 +228,11 @@ class LocalCluster:
         logs = self.dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         extra = self._extra_meta if p.kind == "meta" else self._extra_storage
+        if p.kind == "meta" and not any(a.startswith(("--cluster-secret-file", "--insecure-no-cluster-secret"))
+                                        for a in [*p.argv, *extra]):
+            # Here rather than in the plan: a cluster.toml written before the
+            # secret existed gets it too.
+            extra = [f"--cluster-secret-file={self.secret_file}", *extra]
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -261,6 +273,7 @@ class LocalCluster:
         """Start every daemon that is not running (meta first: storage nodes
         register with meta before they report ready). Returns the names started."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        ensure_secret_file(self.secret_file)
         deadline = time.monotonic() + timeout
         started: list[str] = []
         for kind in ("meta", "storage"):

@@ -83,6 +83,13 @@ def test_up_twice_reuses_the_running_cluster(cluster: dict[str, Any]) -> None:
     assert "already running" in r.stderr
     again = LocalCluster.open(cluster["data_dir"])
     assert again.running() == pids and all(pids.values())
+    # the replicas share the secret made on the first up, and were started with it
+    secret = Path(cluster["cluster_secret"])
+    assert secret == again.dir / "cluster.secret" and secret.stat().st_mode & 0o777 == 0o600
+    meta_log = (again.dir / "logs" / "meta-0.log").read_text()
+    assert "WITHOUT a cluster secret" not in meta_log
+    cmdline = Path(f"/proc/{again.proc('meta-0').pid}/cmdline").read_bytes().split(b"\0")
+    assert f"--cluster-secret-file={secret}".encode() in cmdline
 
 
 @pytest.mark.timeout(60)

@@ -27,6 +27,7 @@ from tierfs.cli import cluster_status
 from tierfs.client.config import ClientConfig
 from tierfs.config import load
 from tierfs.meta.config import MetaConfig
+from tierfs.meta.secret import ensure_secret_file
 from tierfs.storage.config import StorageConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -35,6 +36,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 def test_example_toml_configs_load_through_the_real_loaders() -> None:
     meta: MetaConfig = load(MetaConfig, DEPLOY / "config" / "meta.toml", env={})
     assert meta.node_id == "meta-0" and len(meta.peer_map()) == 2 and meta.fsync
+    assert meta.cluster_secret_file and not meta.insecure_no_cluster_secret
     storage: StorageConfig = load(StorageConfig, DEPLOY / "config" / "storage.toml", env={})
     assert len(storage.target_dirs()) == 2 and storage.advertise_host and len(storage.meta_addrs) == 3
     client: ClientConfig = load(ClientConfig, DEPLOY / "config" / "client.toml", env={})
@@ -50,6 +52,10 @@ def test_environment_variables_in_compose_and_manifests_name_real_fields() -> No
             assert name.lower() in fields[role], f"{path.name}: TIERFS_{role}_{name} is no config field"
             found += 1
     assert found > 20
+    # every way of running meta points it at a cluster secret (docs/raft.md)
+    for path in (DEPLOY / "docker-compose.yml", DEPLOY / "k8s" / "meta.yaml"):
+        assert "TIERFS_META_CLUSTER_SECRET_FILE" in path.read_text(), path.name
+    assert "--cluster-secret-file %d/cluster.secret" in (DEPLOY / "systemd" / "tierfs-meta.service").read_text()
     # The compose file's literal values convert (sizes, lists, ports).
     text = (DEPLOY / "docker-compose.yml").read_text()
     for role, cls in (("META", MetaConfig), ("STORAGE", StorageConfig)):
@@ -82,7 +88,7 @@ def test_kubernetes_manifests_build_with_kustomize() -> None:
 
 
 def test_yaml_parses() -> None:
-    yaml = pytest.importorskip("yaml")
+    import yaml  # PyYAML: a dev dependency, so this runs everywhere the suite does
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     assert {f"meta-{i}" for i in range(3)} | {f"storage-{i}" for i in range(6)} <= set(compose["services"])
     for p in (DEPLOY / "k8s").glob("*.yaml"):
@@ -96,7 +102,8 @@ def test_daemons_configured_only_by_environment_with_host_names(tmp_path: Path) 
     raft, grpc_port, data = free_ports(3)
     meta_env = {"TIERFS_META_NODE_ID": "meta-0", "TIERFS_META_RAFT_ADDR": f"localhost:{raft}",
                 "TIERFS_META_GRPC_ADDR": f"localhost:{grpc_port}", "TIERFS_META_DATA_DIR": str(tmp_path / "meta"),
-                "TIERFS_META_LOG_FORMAT": "json"}
+                "TIERFS_META_LOG_FORMAT": "json",
+                "TIERFS_META_CLUSTER_SECRET_FILE": str(ensure_secret_file(tmp_path / "cluster.secret"))}
     st_env = {"TIERFS_STORAGE_DATA_DIR": str(tmp_path / "storage"),
               "TIERFS_STORAGE_META_ADDRS": f"localhost:{grpc_port}", "TIERFS_STORAGE_HOST": "0.0.0.0",
               "TIERFS_STORAGE_PORT": str(data), "TIERFS_STORAGE_ADVERTISE_HOST": "localhost",

@@ -22,6 +22,7 @@ from tierfs.meta.config import MetaConfig
 from tierfs.meta.daemon import KVStateMachine
 from tierfs.meta.journal import DurableJournal
 from tierfs.meta.raft import SNAPSHOT_FILE, RaftReplicator
+from tierfs.meta.secret import ensure_secret_file
 from tierfs.proto.v1 import meta_pb2 as pb
 
 
@@ -56,7 +57,8 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), TIERFS_META_SNAPSHOT_MIN_ENTRIES="1000")
     cmd = [sys.executable, "-m", "tierfs.meta.daemon", "--raft-addr", f"127.0.0.1:{raft}",
            "--grpc-addr", f"127.0.0.1:{grpc_port}", "--data-dir", str(tmp_path / "d"),
-           "--state-machine", "kv", "--metrics-addr", f"127.0.0.1:{metrics}"]
+           "--state-machine", "kv", "--metrics-addr", f"127.0.0.1:{metrics}",
+           "--cluster-secret-file", str(ensure_secret_file(tmp_path / "cluster.secret"))]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO) as p:
         try:
             assert p.stdout is not None

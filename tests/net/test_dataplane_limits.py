@@ -260,19 +260,21 @@ def test_shm_peer_that_lies_is_dropped(lie: str) -> None:
     """A local process that speaks the shm handshake wrongly, claims more
     bytes than the ring holds, or puts garbage in the ring: only its own
     connection goes."""
+    import fcntl
     import os
     import socket
 
-    from tierfs.net.shm import _BELL, _HELLO, socket_name
+    from tierfs.net.shm import _BELL, _HELLO, REQUIRED_SEALS, socket_name
 
     async def body() -> None:
         store = MemoryFragmentStore(1)
         server = await start_dataplane({1: store}, transports=("tcp", "shm"))
         loop = asyncio.get_running_loop()
         size = 1 << 16
-        fds = [os.memfd_create("lie"), os.memfd_create("lie")]
+        fds = [os.memfd_create("lie", os.MFD_ALLOW_SEALING), os.memfd_create("lie", os.MFD_ALLOW_SEALING)]
         for fd in fds:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)  # past the handshake (test_shm_peers.py)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)

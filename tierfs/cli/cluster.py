@@ -36,6 +36,7 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
         "already_running": not started,
         "reused": cl.reused,
         "counts": cl.counts,
+        "cluster_secret": str(cl.secret_file),  # made on the first up (docs/raft.md)
         "export": f"export TIERFS_META={meta}",
     }
 

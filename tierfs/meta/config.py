@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
+from tierfs.meta.secret import load_secret
 
 __all__ = ["MetaConfig", "parse_peer", "split_addr"]
 
@@ -50,6 +51,18 @@ class MetaConfig(BaseConfig):
         "(replicated afterwards) used in NotLeader answers.",
     )
     data_dir: Path = field(Path("tierfs-meta-data"), "Directory for the Raft journal and snapshots.")
+    cluster_secret_file: str = field(
+        "",
+        "File holding the cluster secret every replica shares (one line, >= 32 characters, not "
+        "accessible to other users; `python -m tierfs.meta.secret FILE` makes one). Raft frames are "
+        "sealed with a key derived from it and frames that are not are dropped unread. Required "
+        "unless insecure_no_cluster_secret is set.",
+    )
+    insecure_no_cluster_secret: bool = field(
+        False,
+        "Run without a cluster secret: the Raft port then unpickles whatever it receives, so anyone "
+        "who can reach it runs code as this user. Only for throwaway tests on a trusted host.",
+    )
     state_machine: str = field("meta", "'meta' (the namespace) or 'kv' (a toy key-value store for tests and benchmarks).")
 
     heartbeat_interval: float = field(0.05, "Leader's AppendEntries period.", kind="duration")
@@ -119,6 +132,25 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be debug, info, warning or error", field="log_level")
         if self.log_format not in ("json", "text"):
             raise ConfigError("must be json or text", field="log_format")
+
+    def cluster_secret(self) -> bytes | None:
+        """The Raft cluster secret read from ``cluster_secret_file``; ``None``
+        when ``insecure_no_cluster_secret`` is set. ConfigError when neither
+        (or both) is given, or when the file is unusable. Kept out of
+        :meth:`validate` so that a config can be built and inspected without
+        the file; the daemon calls this before it binds anything."""
+        if self.cluster_secret_file and self.insecure_no_cluster_secret:
+            raise ConfigError("give either cluster_secret_file or insecure_no_cluster_secret, not both",
+                              field="cluster_secret_file")
+        if self.insecure_no_cluster_secret:
+            return None
+        if not self.cluster_secret_file:
+            raise ConfigError("a cluster secret is required (--cluster-secret-file FILE, "
+                              "TIERFS_META_CLUSTER_SECRET_FILE or cluster_secret_file in [meta]; "
+                              "`python -m tierfs.meta.secret FILE` creates one); "
+                              "--insecure-no-cluster-secret runs without (see docs/raft.md)",
+                              field="cluster_secret_file")
+        return load_secret(self.cluster_secret_file)
 
     def peer_map(self) -> dict[str, str]:
         """raft address -> gRPC address ("" where not configured)."""

@@ -15,7 +15,11 @@ Example::
 
     tierfs-meta --raft-addr 127.0.0.1:7101 --grpc-addr 127.0.0.1:7001 \\
         --peer 127.0.0.1:7102=127.0.0.1:7002 --peer 127.0.0.1:7103=127.0.0.1:7003 \\
-        --data-dir /var/lib/tierfs/meta1
+        --data-dir /var/lib/tierfs/meta1 --cluster-secret-file /etc/tierfs/cluster.secret
+
+Every replica of a cluster reads the same secret file; without one the
+daemon refuses to start unless ``--insecure-no-cluster-secret`` is given
+(docs/raft.md, "Authenticated frames").
 """
 
 from __future__ import annotations
@@ -164,6 +168,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
+    secret = cfg.cluster_secret()
     sm = _make_state_machine(cfg)
     rep = RaftReplicator(
         sm,
@@ -181,6 +186,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         fsync=cfg.fsync,
         node_id=cfg.node_id,
         exit_on_fatal=True,
+        cluster_secret=secret,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     svc = add_meta_service(
@@ -239,8 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", dest="fsync", action="store_const", const="false")
     p.add_argument("--state-machine", choices=["meta", "kv"], help=docs["state_machine"])
     p.add_argument("--log-format", choices=["json", "text"], help=docs["log_format"])
+    p.add_argument("--insecure-no-cluster-secret", dest="insecure_no_cluster_secret", action="store_const",
+                   const="true", help=docs["insecure_no_cluster_secret"])
     for name, doc in docs.items():
-        if name in ("peers", "fsync", "state_machine", "log_format"):
+        if name in ("peers", "fsync", "state_machine", "log_format", "insecure_no_cluster_secret"):
             continue
         p.add_argument("--" + name.replace("_", "-"), dest=name, help=doc.replace("%", "%%"))
     return p
@@ -251,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     try:
         cfg: MetaConfig = load(MetaConfig, args.config, overrides=overrides)
+        cfg.cluster_secret()  # refuse to start without one, before anything binds
     except TierFSError as err:
         print(f"tierfs-meta: {err}", file=sys.stderr)
         return 2

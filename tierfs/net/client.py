@@ -25,7 +25,7 @@ from tierfs.errors import (
     UnavailableError,
     error_from_code,
 )
-from tierfs.net.framing import FrameProtocol
+from tierfs.net.framing import FrameProtocol, log
 from tierfs.net.protocol import (
     ALL,
     F_MORE,
@@ -37,6 +37,7 @@ from tierfs.net.protocol import (
     crc32c,
     encode_header,
 )
+from tierfs.net.shm import ShmRefusedError
 from tierfs.net.transport import Transport, get_transport
 from tierfs.storage.api import FragmentInfo, FragmentKey
 
@@ -300,9 +301,18 @@ class _PeerPool:
                     raise t.exception()  # type: ignore[misc]
 
     async def _connect(self) -> _ClientConnection:
-        conn = await self.transport.connect(
-            self.host, self.port, lambda: _ClientConnection(self.client.limits),
-            limits=self.client.limits, timeout=self.client.connect_timeout)
+        try:
+            conn = await self.transport.connect(
+                self.host, self.port, lambda: _ClientConnection(self.client.limits),
+                limits=self.client.limits, timeout=self.client.connect_timeout)
+        except ShmRefusedError as exc:
+            if self.client.transport_name != "auto":
+                raise
+            # "auto" picked shm only because the peer is local; a daemon of
+            # another user refuses it (docs/dataplane.md): use TCP from now on.
+            log.info("%s:%d: %s; using tcp", self.host, self.port, exc)
+            self.transport = self.client._transport_named("tcp")
+            return await self._connect()
         assert isinstance(conn, _ClientConnection)
         return conn
 
@@ -353,6 +363,9 @@ class DataClient:
         name = self.transport_name
         if name == "auto":
             name = "shm" if host.startswith(_LOOPBACK) and get_transport("shm").available() else "tcp"
+        return self._transport_named(name)
+
+    def _transport_named(self, name: str) -> Transport:
         t = self._transports.get(name)
         if t is None:
             t = self._transports[name] = get_transport(name)

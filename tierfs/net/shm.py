@@ -15,6 +15,20 @@ So the socket carries only 9-byte doorbells; payloads cost one copy into the
 ring and one out of it, no kernel socket copies. A sender whose ring is full
 keeps the rest of its buffers (by reference) until credit comes back, which
 is the transport's write buffer and its backpressure signal.
+
+Hostile local peers (docs/dataplane.md, "shm and local peers"):
+
+* a ring shrunk after it is mapped would kill the mapping process with
+  SIGBUS at its next access, so the server accepts only memfds sealed with
+  ``F_SEAL_SHRINK | F_SEAL_GROW`` (``F_GET_SEALS``; the client adds them,
+  and ``F_SEAL_SEAL``, before sending). Seals can never be removed, so the
+  size checked at the handshake is the size for good;
+* both ends check the other's ``SO_PEERCRED``: the peer must run as the
+  same uid or as root. A stranger cannot feed rings to the daemon, and a
+  process squatting the abstract socket name cannot collect a client's rings;
+* the server answers the hello (``TFSR``, ok flag, reason), so a refused
+  client fails with the server's reason (:class:`ShmRefusedError`) instead
+  of a bare hang-up.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import mmap
 import os
 import socket
@@ -33,11 +48,19 @@ from tierfs.net.framing import FrameProtocol, log
 from tierfs.net.protocol import Limits
 from tierfs.net.transport import Listener, ProtocolFactory, Transport
 
-__all__ = ["ShmListener", "ShmTransport", "socket_name"]
+__all__ = [
+    "REQUIRED_SEALS", "ShmListener", "ShmRefusedError", "ShmTransport", "check_ring", "peer_uid", "socket_name",
+]
 
 _BELL = struct.Struct("<cQ")
 _HELLO = struct.Struct("<4sQ")
 _HELLO_MAGIC = b"TFSM"
+_REPLY = struct.Struct("<4sBH")  # magic, 1 = accepted, length of the reason that follows
+_REPLY_MAGIC = b"TFSR"
+_MAX_REASON = 512
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: seals a ring must carry before the server maps it (a shrink would SIGBUS the mapper)
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MIN_RING = 1 << 16
 _MAX_RING = 1 << 32
 
@@ -273,8 +296,45 @@ class ShmStreamTransport(asyncio.Transport):
                     m.close()
 
 
+class ShmRefusedError(UnavailableError):
+    """The other end of an shm handshake refused it (credentials, seals):
+    over TCP the same peer may still be reachable."""
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return int(uid)
+
+
+def _uid_allowed(uid: int) -> bool:
+    """Rings are shared only between processes of one user (or root)."""
+    return uid in (os.geteuid(), 0)
+
+
+def check_ring(fd: int, size: int) -> None:
+    """ValueError unless ``fd`` is a memfd of ``size`` bytes sealed against
+    shrinking and growing."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:  # EINVAL: not a memfd / shmem file
+        raise ValueError(f"shm ring is not a sealable memfd ({exc.strerror})") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise ValueError(f"shm ring is not sealed against resizing (seals {seals:#x}, "
+                         f"need F_SEAL_SHRINK|F_SEAL_GROW)")
+    if os.fstat(fd).st_size != size:
+        raise ValueError("shm ring has the wrong size")
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _reply(conn: socket.socket, ok: bool, reason: str = "") -> None:
+    """The server's answer to a hello (one small write on a fresh socket)."""
+    text = reason.encode()[:_MAX_REASON]
+    with contextlib.suppress(OSError):
+        conn.send(_REPLY.pack(_REPLY_MAGIC, 1 if ok else 0, len(text)) + text)
 
 
 async def _attach(sock: socket.socket, tx: mmap.mmap, rx: mmap.mmap, protocol: FrameProtocol,
@@ -290,6 +350,27 @@ async def _attach(sock: socket.socket, tx: mmap.mmap, rx: mmap.mmap, protocol: F
         transport._on_bells_lost(exc if isinstance(exc, Exception) else None)
         raise
     return transport
+
+
+async def _read_reply(sock: socket.socket, port: int) -> None:
+    """Read exactly the server's answer (doorbells may follow it at once)."""
+    loop = asyncio.get_running_loop()
+
+    async def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                raise ShmRefusedError(f"shm server on port {port} hung up during the handshake")
+            buf += chunk
+        return buf
+
+    magic, ok, n = _REPLY.unpack(await exactly(_REPLY.size))
+    if magic != _REPLY_MAGIC or n > _MAX_REASON:
+        raise UnavailableError(f"shm server on port {port} answered the handshake with {magic!r}")
+    reason = (await exactly(n)).decode(errors="replace") if n else ""
+    if not ok:
+        raise ShmRefusedError(f"shm server on port {port} refused the handshake: {reason}")
 
 
 class ShmListener(Listener):
@@ -314,6 +395,14 @@ class ShmListener(Listener):
         fds: list[int] = []
         try:
             conn.setblocking(False)
+            uid = peer_uid(conn)
+            if not _uid_allowed(uid):
+                # before reading anything: a stranger's descriptors are never taken
+                log.warning("shm connection from uid %d refused (this daemon runs as uid %d)", uid,
+                            os.geteuid(), extra={"event": "dataplane.shm_refused", "uid": uid})
+                _reply(conn, False, f"uid {uid} may not use this daemon's shm transport (same uid or root only)")
+                conn.close()
+                return
             async with asyncio.timeout(10):
                 while True:
                     try:
@@ -332,18 +421,19 @@ class ShmListener(Listener):
             if magic != _HELLO_MAGIC or not _MIN_RING <= size <= _MAX_RING:
                 raise ValueError(f"bad shm hello {magic!r} size {size}")
             for fd in fds:
-                if os.fstat(fd).st_size != size:
-                    raise ValueError("shm ring has the wrong size")
+                check_ring(fd, size)
             # client->server is our rx, server->client our tx.
             rx, tx = _map(fds[0], size), _map(fds[1], size)
         except Exception as exc:
             log.warning("shm handshake failed: %s", exc,
                         extra={"event": "dataplane.shm_handshake_failed", "reason": str(exc)})
+            _reply(conn, False, str(exc) or type(exc).__name__)
             conn.close()
             return
         finally:
             for fd in fds:
                 os.close(fd)
+        _reply(conn, True)
         await _attach(conn, tx, rx, self.factory(), "shm-client")
 
     async def close(self) -> None:
@@ -368,18 +458,30 @@ class ShmTransport(Transport):
         size = limits.shm_ring_bytes
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
+        maps: list[mmap.mmap] = []
         try:
             sock.setblocking(False)
             async with asyncio.timeout(timeout):
                 await loop.sock_connect(sock, socket_name(port))
-            for _ in range(2):
-                fd = os.memfd_create("tierfs-dp-ring", os.MFD_CLOEXEC)
-                fds.append(fd)
-                os.ftruncate(fd, size)
-            socket.send_fds(sock, [_HELLO.pack(_HELLO_MAGIC, size)], fds)
-            tx, rx = _map(fds[0], size), _map(fds[1], size)
-        except (OSError, TimeoutError) as exc:
+                uid = peer_uid(sock)
+                if not _uid_allowed(uid):
+                    raise ShmRefusedError(f"not handing shm rings to {socket_name(port)[1:]!r}: it is "
+                                          f"held by uid {uid}, not by this user or root")
+                for _ in range(2):
+                    fd = os.memfd_create("tierfs-dp-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                    fds.append(fd)
+                    os.ftruncate(fd, size)
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+                socket.send_fds(sock, [_HELLO.pack(_HELLO_MAGIC, size)], fds)
+                maps = [_map(fds[0], size), _map(fds[1], size)]
+                await _read_reply(sock, port)
+            tx, rx = maps
+        except (OSError, TimeoutError, UnavailableError) as exc:
             sock.close()
+            for m in maps:
+                m.close()
+            if isinstance(exc, UnavailableError):
+                raise
             raise UnavailableError(
                 f"cannot connect to {host}:{port} over shm: {exc or 'timeout'}") from None
         finally:
