@@ -4,7 +4,11 @@
 ``/dev/fuse``: every skip is put in a category by its reason, and a skip
 fails the run unless its category is allowed:
 
-* ``rdma`` is always allowed (no RDMA device is the normal case);
+* ``rdma`` is always allowed (no RDMA device is the normal case), and so
+  is ``cpu``: hardware this machine lacks, said as such by the probe (the
+  liburing wheel is built for AVX-512 and dies of SIGILL without it, so
+  the io_uring backend cannot run here; any other io_uring skip is
+  ``uring`` and fails);
 * ``deployment`` (tests that must start or kill local replicas) is allowed
   when ``TIERFS_TEST_META`` points the suite at a deployment;
 * anything else only through ``TIERFS_ALLOW_SKIP``: a comma-separated list of
@@ -27,6 +31,7 @@ import pytest
 #: category -> pattern matched against the skip reason; the first match wins
 CATEGORIES: dict[str, str] = {
     "rdma": r"RDMA",
+    "cpu": r"does not run on this CPU",
     "deployment": r"needs a local cluster|local replica|starts its own replicas|TIERFS_TEST_META",
     "fuse": r"/dev/fuse|fusermount|LazyFS",
     "netns": r"netns|10\.200\.",
@@ -36,7 +41,7 @@ CATEGORIES: dict[str, str] = {
     "tools": r"not installed",
     "other": r"",
 }
-ALWAYS_ALLOWED = frozenset({"rdma"})
+ALWAYS_ALLOWED = frozenset({"rdma", "cpu"})
 ENV = "TIERFS_ALLOW_SKIP"
 
 _allowed_seen: collections.Counter[str] = collections.Counter()
