@@ -121,11 +121,13 @@ class MetaCluster:
         data_root: Path | None = None,
         start: bool = True,
         peer_grpc: bool = True,
+        gc_grace: float | None = None,
     ) -> None:
         """``peer_grpc=False`` gives replicas only their peers' raft
-        addresses: the leader's gRPC address then comes from the log."""
+        addresses: the leader's gRPC address then comes from the log.
+        ``gc_grace``: ``--gc-grace`` of every replica (None: its default)."""
         self.state_machine = state_machine
-        self.extra_args = list(extra_args)
+        self.extra_args = list(extra_args) + ([f"--gc-grace={gc_grace}"] if gc_grace is not None else [])
         self.external = list(external)
         self.replicas: list[Replica] = []
         self.failover_times: list[float] = []
