@@ -124,7 +124,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._clock()
 
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
-        # Measured before anything copies it: unknown fields count too.
+        # Field caps first (the clearer error), then the whole request as it
+        # came, unknown fields included.
+        check_caps(req, kind)
         check_op_size(req.ByteSize(), kind)
         op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
                        lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))

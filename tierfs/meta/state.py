@@ -51,7 +51,6 @@ from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
     MAX_GC_PAGE,
-    MAX_OP_BYTES,
     MAX_READDIR_LIMIT,
     LayoutSpec,
     check_loc,
@@ -213,11 +212,6 @@ class MetaStateMachine:
 
     def apply(self, op: bytes) -> bytes:
         self.ops_applied += 1
-        if len(op) > MAX_OP_BYTES:  # the service refuses these; a log entry is not trusted either
-            try:
-                check_op_size(len(op), "meta op")
-            except TierFSError as err:
-                return _result(err=err)
         try:
             msg = pb.MetaOp.FromString(op)
         except (DecodeError, ValueError) as exc:
@@ -236,6 +230,7 @@ class MetaStateMachine:
         try:
             validate_op(msg)
             kind = msg.WhichOneof("body")
+            check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
             reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
             out = _result(reply)
         except TierFSError as err:
