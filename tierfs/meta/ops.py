@@ -357,7 +357,7 @@ def _check_string(key: tuple[str, str], value: str, where: str) -> None:
 def check_op_size(size: int, what: str) -> None:
     """Refuse an op (or the request it is made of) of ``size`` serialized bytes over MAX_OP_BYTES."""
     if size > MAX_OP_BYTES:
-        raise InvalidArgumentError(f"{what}: {size} bytes exceed the cap of {MAX_OP_BYTES} bytes for one meta op")
+        raise InvalidArgumentError(f"{what}: {size} bytes exceed the cap of {MAX_OP_BYTES} bytes for one meta request")
 
 
 def validate_op(op: pb.MetaOp) -> None:

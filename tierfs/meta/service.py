@@ -64,7 +64,7 @@ DEFAULT_GC_GRACE = 300.0
 #: gRPC refuses a request larger than this before decoding it (set it as the
 #: server's ``grpc.max_receive_message_length``); requests below it are
 #: checked against the finer caps of tierfs.meta.ops.
-MAX_REQUEST_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 2 << 20
 
 _R = TypeVar("_R", bound=Message)
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -153,8 +153,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def _read(self, request: Message) -> MetaStateMachine:
         """The state, once the read barrier passed; ``request`` is checked
         against the caps first (nothing is read for an oversized one)."""
-        check_op_size(request.ByteSize(), request.DESCRIPTOR.name)
         check_caps(request, request.DESCRIPTOR.name)
+        check_op_size(request.ByteSize(), request.DESCRIPTOR.name)
         await self._r.read_barrier(self.submit_timeout)
         return self.state
 
