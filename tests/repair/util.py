@@ -35,8 +35,8 @@ GC_GRACE = 0.5
 
 
 def start(path: Path, n_storage: int = 7, meta_args: tuple[str, ...] = META_FAST,
-          storage_args: tuple[str, ...] = ()) -> LocalCluster:
-    cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args), gc_grace=GC_GRACE,
+          storage_args: tuple[str, ...] = (), gc_grace: float = GC_GRACE) -> LocalCluster:
+    cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args), gc_grace=gc_grace,
                       extra_storage_args=[*STORAGE_FAST, *storage_args])
     cl.up(timeout=90)
     return cl
