@@ -123,13 +123,15 @@ class MetaCluster:
         start: bool = True,
         peer_grpc: bool = True,
         cluster_secret: bool = True,
+        gc_grace: float | None = None,
     ) -> None:
         """``peer_grpc=False`` gives replicas only their peers' raft
         addresses: the leader's gRPC address then comes from the log.
-        ``cluster_secret=False`` runs them with ``--insecure-no-cluster-secret``."""
+        ``cluster_secret=False`` runs them with ``--insecure-no-cluster-secret``.
+        ``gc_grace``: ``--gc-grace`` of every replica (None: its default)."""
         self.state_machine = state_machine
         self.cluster_secret = cluster_secret
-        self.extra_args = list(extra_args)
+        self.extra_args = list(extra_args) + ([f"--gc-grace={gc_grace}"] if gc_grace is not None else [])
         self.external = list(external)
         self.replicas: list[Replica] = []
         self.failover_times: list[float] = []

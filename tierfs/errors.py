@@ -308,6 +308,9 @@ def from_grpc(exc: grpc.RpcError) -> TierFSError:
         return TimeoutError_(f"deadline exceeded: {details}")
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return UnsupportedError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # gRPC's own refusal of a message over its size limit (ours carry a code).
+        return InvalidArgumentError(f"message refused: {details}")
     return InternalError(f"{code}: {details}")
 
 

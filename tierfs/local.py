@@ -102,11 +102,18 @@ class LocalCluster:
         python: str = sys.executable,
         extra_meta_args: Sequence[str] = (),
         extra_storage_args: Sequence[str] = (),
+        gc_grace: float | None = None,
     ) -> None:
+        """``gc_grace``: seconds before meta lists replaced fragments for
+        deletion (``tierfs-meta --gc-grace``; None: the daemon's default,
+        300 s). Tests that wait for GC pass a short one. Like the extra
+        arguments it applies to the daemons this object starts."""
         self.dir = Path(data_dir).resolve()
         self.python = python
         self.host = host
         self._extra_meta = list(extra_meta_args)
+        if gc_grace is not None:
+            self._extra_meta.append(f"--gc-grace={gc_grace}")
         self._extra_storage = list(extra_storage_args)
         state = self._load_state()
         #: True when the directory already held a cluster (its plan is reused

@@ -61,3 +61,30 @@ def test_sync_client_survives_fork(cluster: LocalCluster) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert c.read_bytes("/forked-child") == b"from the child"
+
+
+def test_a_session_over_the_commit_cap_fails_early_and_commits_nothing(cluster: LocalCluster,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta commits at most MAX_CHUNKS_PER_REQUEST chunks per session (4 here
+    instead of 32768): the write that would start one more fails at once, and
+    the file keeps what it had."""
+    import tierfs.client.file as file_mod
+    from tierfs.errors import InvalidArgumentError
+
+    monkeypatch.setattr(file_mod, "MAX_CHUNKS_PER_REQUEST", 4)
+    cs = 64 * 1024
+
+    async def main() -> None:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/capped")
+            await c.set_layout("/capped", chunk_size=cs)
+            await c.write_bytes("/capped/ok", b"k" * (4 * cs))  # at the cap: fine
+            assert (await c.stat("/capped/ok")).size == 4 * cs
+            f = await c.open("/capped/ok", "ab")
+            with pytest.raises(InvalidArgumentError, match="at most 4 chunks"):
+                await f.write(b"x" * (5 * cs))
+            with pytest.raises(InvalidArgumentError):
+                await f.close()  # the session aborts: nothing of it is visible
+            assert await c.read_bytes("/capped/ok") == b"k" * (4 * cs)
+
+    asyncio.run(main())

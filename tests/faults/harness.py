@@ -50,6 +50,9 @@ MiB = 1 << 20
 #: Meta flags that make fault scenarios quick: a node missing heartbeats for
 #: 3 s (not 10) goes offline.
 FAST_META = ("--heartbeat-timeout=3",)
+#: GC grace of fault scenarios: long enough that a reader racing an
+#: overwrite keeps its generation, short enough that "GC cleaned up" is quick.
+FAST_GC_GRACE = 1.0
 
 
 def _free_port(host: str) -> int:
@@ -72,9 +75,10 @@ class FaultCluster:
     def __init__(self, path: Path, *, n_storage: int = 6, proxied: Sequence[str] = (),
                  extra_meta_args: Sequence[str] = FAST_META, extra_storage_args: Sequence[str] = (),
                  host: str = "127.0.0.1", python: str = sys.executable,
-                 plan_hook: Callable[[LocalCluster], None] | None = None) -> None:
+                 plan_hook: Callable[[LocalCluster], None] | None = None, gc_grace: float = FAST_GC_GRACE) -> None:
         self.cl = LocalCluster(path, n_storage=n_storage, extra_meta_args=list(extra_meta_args),
-                               extra_storage_args=list(extra_storage_args), host=host, python=python)
+                               extra_storage_args=list(extra_storage_args), host=host, python=python,
+                               gc_grace=gc_grace)
         self.proxies: dict[str, FaultProxy] = {}
         self.control_proxies: dict[str, FaultProxy] = {}
         try:

@@ -35,12 +35,15 @@ class Driver:
         self.sm = sm or MetaStateMachine()
         self.now = T0
         self.log: list[bytes] = []
+        #: stamped into every op, as the service stamps its gc_grace
+        self.gc_grace_ms = 0
 
     def advance(self, seconds: float) -> None:
         self.now += int(seconds * SEC)
 
     def raw(self, kind: str, req: Message, *, client: str = "", rid: int = 0, lease_ms: int = 0) -> bytes:
-        op = pb.MetaOp(now_ns=self.now, client_id=client, request_id=rid, lease_ms=lease_ms)
+        op = pb.MetaOp(now_ns=self.now, client_id=client, request_id=rid, lease_ms=lease_ms,
+                       gc_grace_ms=self.gc_grace_ms)
         getattr(op, kind).CopyFrom(req)
         data = op.SerializeToString(deterministic=True)
         self.log.append(data)

@@ -104,7 +104,8 @@ async def _server(replicator: LocalReplicator) -> AsyncIterator[str]:
 
 def test_end_to_end_namespace_and_sessions() -> None:
     async def main() -> None:
-        async with meta_server() as (mc, _svc, _addr):
+        clock = Clock()
+        async with meta_server(clock=clock, gc_grace=60.0) as (mc, _svc, _addr):
             await register_async(mc)
             cmap = await mc.get_cluster_map()
             assert len(cmap.groups) == 12 and (await mc.get_cluster_map(cmap.version)).unchanged
@@ -124,6 +125,11 @@ def test_end_to_end_namespace_and_sessions() -> None:
             assert (await mc.lookup((await mc.stat("/ckpt")).attr.inode, "rank0")).attr.size == 3 * MiB
             s2 = await mc.open_write("/ckpt/rank0")
             await mc.commit_write(s2.session_id, 3 * MiB, recs(s2.data_version, [2]))
+            # The replaced version stays readable for the grace period; after
+            # it the item is listed with no op in between (an idle cluster).
+            clock.now += 59 * 10**9
+            assert await mc.list_gc([]) == []
+            clock.now += 1 * 10**9
             gc = await mc.list_gc([])
             assert {(i.chunk, i.version) for i in gc} == {(2, gen0(s.data_version))} and len(gc) == 6
             assert await mc.ack_gc([(i.id, i.target_id) for i in gc]) == 6
@@ -135,6 +141,7 @@ def test_end_to_end_namespace_and_sessions() -> None:
             s3 = await mc.open_write("/ckpt/rank0")
             await mc.abort_write(s3.session_id, [(5, gen0(s3.data_version))])
             await mc.truncate("/ckpt/rank0", MiB)
+            clock.now += 60 * 10**9
             assert len({i.chunk for i in await mc.list_gc([])}) == 3  # 5 aborted, 1 and 2 truncated
             await mc.symlink("/latest", "/ckpt/rank0")
             assert await mc.readlink("/latest") == "/ckpt/rank0"

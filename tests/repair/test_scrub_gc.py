@@ -2,7 +2,9 @@
 and a deleted fragment file are found and rebuilt by ``tierfs scrub``
 (the fragment file is right again afterwards), orphan fragments planted in a
 target are deleted, and a file removed while one of its nodes is down loses
-its fragments on that node too once the node returns."""
+its fragments on that node too once the node returns. The fragments of an
+overwritten generation outlive the GC grace, so a reader that opened the
+file before the overwrite still reads it, and go once the grace is over."""
 
 from __future__ import annotations
 
@@ -236,3 +238,38 @@ def test_node_back_from_a_freeze_catches_up_on_degraded_writes(cluster: LocalClu
                 assert digest(await c.read_bytes(path)) == digest(data)
 
     asyncio.run(check())
+
+
+@pytest.mark.timeout(120)
+def test_old_generation_outlives_the_gc_grace_for_open_readers(tmp_path: Path) -> None:
+    grace = 4.0
+    cl = start(tmp_path / "c", n_storage=6, gc_grace=grace)
+    try:
+        async def main() -> None:
+            async with AsyncClient(cl.meta_addrs) as c:
+                await c.mkdir("/d")
+                await c.set_layout("/d", chunk_size=128 * 1024, redundancy="ec:4+2")
+                old, new = random_bytes(700 * 1024, 1), random_bytes(700 * 1024, 2)
+                await c.write_bytes("/d/g", old)
+                old_frags = set(fragments(cl))
+                assert len(old_frags) == 6 * 6
+                reader = await c.open("/d/g", "rb")
+                t0 = time.monotonic()
+                await c.write_bytes("/d/g", new)  # the old generation goes to GC, ready after the grace
+                # Storage nodes poll GC every 0.3 s: for half the grace nothing old may go.
+                while time.monotonic() < t0 + grace / 2:
+                    assert old_frags <= set(fragments(cl)), "old fragments deleted within the grace"
+                    await asyncio.sleep(0.2)
+                assert digest(await reader.read()) == digest(old)  # opened before: the old bytes
+                await reader.close()
+                assert digest(await c.read_bytes("/d/g")) == digest(new)
+                deadline = t0 + grace + 30
+                while old_frags & set(fragments(cl)):
+                    assert time.monotonic() < deadline, "old fragments never collected after the grace"
+                    await asyncio.sleep(0.2)
+                assert time.monotonic() - t0 >= grace
+                assert len(fragments(cl)) == 6 * 6  # only the new generation is left
+
+        asyncio.run(main())
+    finally:
+        cl.stop()

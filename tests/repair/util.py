@@ -29,11 +29,14 @@ META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.
 STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--repair-interval=0.3",
                 "--scrub-rate=0", "--orphan-grace=0")
 KiB = 1024
+#: Replaced fragments are listed for deletion after this long (tierfs-meta
+#: --gc-grace; its default is 300 s).
+GC_GRACE = 0.5
 
 
 def start(path: Path, n_storage: int = 7, meta_args: tuple[str, ...] = META_FAST,
-          storage_args: tuple[str, ...] = ()) -> LocalCluster:
-    cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args),
+          storage_args: tuple[str, ...] = (), gc_grace: float = GC_GRACE) -> LocalCluster:
+    cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(meta_args), gc_grace=gc_grace,
                       extra_storage_args=[*STORAGE_FAST, *storage_args])
     cl.up(timeout=90)
     return cl

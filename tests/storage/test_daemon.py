@@ -244,7 +244,8 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
     from tierfs.meta.client import MetaClient
     from tierfs.proto.v1 import meta_pb2 as pb
 
-    with MetaCluster(tmp_path, n=1, state_machine="meta") as meta:
+    grace = 2.0  # tierfs-meta --gc-grace: the unlinked file's fragment stays this long
+    with MetaCluster(tmp_path, n=1, state_machine="meta", gc_grace=grace) as meta:
         meta.wait_leader()
         addr = meta.addresses[0]
         args = ["--data-dir", str(tmp_path / "node"), "--meta", addr, "--reserved-bytes", "0",
@@ -280,6 +281,7 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                     assert time.monotonic() < deadline, "heartbeat never reported the fragment"
                     await asyncio.sleep(0.1)
 
+                t0 = time.monotonic()
                 await mc.unlink("/gc-me")
                 deadline = time.monotonic() + 30
                 while True:
@@ -289,6 +291,7 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                         break
                     assert time.monotonic() < deadline, "GC never deleted the fragment"
                     await asyncio.sleep(0.1)
+                assert time.monotonic() - t0 >= grace, "GC deleted the fragment before the grace was over"
                 while await mc.list_gc([tid]):  # acked: the queue drains
                     assert time.monotonic() < deadline, "GC items never acknowledged"
                     await asyncio.sleep(0.1)

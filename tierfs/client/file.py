@@ -40,6 +40,7 @@ from tierfs.errors import (
     SessionExpiredError,
     TierFSError,
 )
+from tierfs.meta.ops import MAX_CHUNKS_PER_REQUEST
 from tierfs.proto.v1 import meta_pb2 as pb
 
 if TYPE_CHECKING:
@@ -343,6 +344,18 @@ class AsyncFile:
         await self._submit(st.idx, None, st, crc32c(st.buf[: st.fill]))
 
     async def _submit(self, idx: int, frags: list[memoryview] | None, st: _Staging | None, crc: int) -> None:
+        if idx not in self._uploads and len(self._uploads) >= MAX_CHUNKS_PER_REQUEST:
+            # Meta takes at most this many chunks in one commit: say so now,
+            # not at close after the whole file was uploaded. Sticky, like
+            # an upload error: this session can no longer commit.
+            if st is not None:
+                self._client.pool.put(st.buf)
+            cs = self._view.chunk_size
+            self._error = InvalidArgumentError(
+                f"{self.path}: one write session writes at most {MAX_CHUNKS_PER_REQUEST} chunks "
+                f"({MAX_CHUNKS_PER_REQUEST * cs} bytes at this file's chunk size {cs}); use a larger chunk_size "
+                f"or write the rest in another session (append)")
+            raise self._error
         await self._slots.acquire()
         seq = self._uploads.get(idx, 0)
         if self._error is None and seq > MAX_UPLOAD_SEQ:

@@ -10,6 +10,7 @@ from typing import ClassVar
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
 from tierfs.meta.secret import load_secret
+from tierfs.meta.ops import MAX_GC_GRACE
 
 __all__ = ["MetaConfig", "parse_peer", "split_addr"]
 
@@ -86,6 +87,12 @@ class MetaConfig(BaseConfig):
         "node, which rebuilds the lost fragments (0 = never; `tierfs target rm` replaces at once).",
         kind="duration",
     )
+    gc_grace: float = field(
+        300.0,
+        "Fragments of a replaced, truncated or deleted chunk version are deleted only this long after the change, "
+        "so readers that opened the file before it can finish (0 = at once).",
+        kind="duration",
+    )
 
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
@@ -126,6 +133,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be > 0", field="snapshot_min_interval")
         if self.replace_after < 0:
             raise ConfigError("must be >= 0 (0 = never)", field="replace_after")
+        if not 0 <= self.gc_grace <= MAX_GC_GRACE:
+            raise ConfigError(f"must be between 0 and {MAX_GC_GRACE:.0f} seconds", field="gc_grace")
         if self.submit_timeout <= 0:
             raise ConfigError("must be > 0", field="submit_timeout")
         if self.log_level not in ("debug", "info", "warning", "error"):

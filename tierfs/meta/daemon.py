@@ -45,7 +45,7 @@ from tierfs.errors import ErrorCode, TierFSError, error_from_code, grpc_errors
 from tierfs.meta.config import MetaConfig, split_addr
 from tierfs.meta.interfaces import Replicator, StateMachine
 from tierfs.meta.raft import RaftReplicator, RaftTimings
-from tierfs.meta.service import add_meta_service
+from tierfs.meta.service import MAX_REQUEST_BYTES, add_meta_service
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import kv_debug_pb2 as kvpb
 from tierfs.proto.v1 import kv_debug_pb2_grpc
@@ -188,10 +188,12 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         exit_on_fatal=True,
         cluster_secret=secret,
     )
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     svc = add_meta_service(
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
+        gc_grace=cfg.gc_grace,
     )
     # The namespace's periodic tick only makes sense for the namespace.
     ticking = cfg.state_machine == "meta"

@@ -5,12 +5,24 @@ Everything here is a pure function of the request: the gRPC service calls
 entry), and the state machine calls it again inside ``apply`` (so a replica
 never trusts what reached the log). Checks that need state (does the parent
 exist, is the name taken) live in :mod:`tierfs.meta.state`.
+
+Bounded work: every repeated field, every string and every page limit of a
+request has a hard cap, kept in the tables below (:data:`LIST_CAPS`,
+:data:`STRING_CAPS`, :data:`LIMIT_CAPS`) and checked in one place,
+:func:`check_caps`, which both :func:`validate_op` and the service's reads
+call before anything else. A whole op is further capped at
+:data:`MAX_OP_BYTES` serialized. A new repeated field is capped by adding one
+line to :data:`LIST_CAPS` (a test fails until every repeated field of every
+request has its line).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from tierfs.errors import (
     ConfigError,
@@ -22,13 +34,29 @@ from tierfs.proto.v1 import meta_pb2 as pb
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_LAYOUT",
+    "LIMIT_CAPS",
+    "LIST_CAPS",
+    "MAX_CHUNKS_PER_REQUEST",
     "MAX_CHUNK_SIZE",
     "MAX_FILE_SIZE",
+    "MAX_GC_ACKS",
+    "MAX_GC_GRACE",
+    "MAX_GC_PAGE",
+    "MAX_GC_TARGETS",
+    "MAX_GROUP_CHUNKS_PAGE",
     "MAX_NAME_BYTES",
+    "MAX_OP_BYTES",
     "MAX_PATH_BYTES",
+    "MAX_READDIR_LIMIT",
+    "MAX_STRING_BYTES",
+    "MAX_TARGETS_PER_NODE",
     "MIN_CHUNK_SIZE",
+    "STRING_CAPS",
     "LayoutSpec",
+    "cap",
+    "check_caps",
     "check_loc",
+    "check_op_size",
     "format_redundancy",
     "layout_from_pb",
     "parse_redundancy",
@@ -51,6 +79,69 @@ MAX_TARGETS_PER_NODE = 256
 MAX_ID_STRING = 256
 #: Fragments one MarkFragments request may report (the repair queue pages).
 MAX_MARK_ITEMS = 10_000
+
+# ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
+#: A serialized op (what goes into the Raft log) is at most this big. Every
+#: entry costs the leader's Raft thread a pickle and a zlib pass per follower
+#: (~0.25 ms/KiB each on a loaded host); a burst of 1 MB entries stalls it
+#: past the election timeout. 256 KiB leaves room for the largest legal op
+#: (a commit of MAX_CHUNKS_PER_REQUEST chunks).
+MAX_OP_BYTES = 256 * 1024
+#: Chunk indexes in one RenewLease / CommitWrite / AbortWrite: one write
+#: session commits at most this many chunks (128 GiB at 4 MiB chunks, 2 TiB at
+#: 64 MiB).
+MAX_CHUNKS_PER_REQUEST = 32_768
+MAX_READDIR_LIMIT = 10_000
+#: Rows of one ListGC page, and (gc item, target) pairs in one AckGC.
+MAX_GC_PAGE = 10_000
+MAX_GC_ACKS = 10_000
+#: Targets one ListGC may name (a storage node names its own).
+MAX_GC_TARGETS = 1024
+MAX_GROUP_CHUNKS_PAGE = 100_000
+#: Any string field without its own entry in STRING_CAPS.
+MAX_STRING_BYTES = 4096
+#: Seconds; MetaOp.gc_grace_ms is a uint32 (about 49 days).
+MAX_GC_GRACE = (2**32 - 1) / 1000
+
+#: Most items a repeated field of a request may hold, by (message, field).
+LIST_CAPS: dict[tuple[str, str], int] = {
+    ("RenewLeaseRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
+    ("CommitWriteRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
+    ("AbortWriteRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
+    ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
+    ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
+    ("AckGCRequest", "acks"): MAX_GC_ACKS,
+    ("ListGCRequest", "target_ids"): MAX_GC_TARGETS,
+    ("Layout", "groups"): MAX_STRIPE_WIDTH,  # refused when set anyway: meta picks groups
+}
+#: Most UTF-8 bytes a string field may hold, by (message, field); others get
+#: MAX_STRING_BYTES. Names and paths over their cap are NameTooLongError.
+STRING_CAPS: dict[tuple[str, str], int] = {
+    ("Loc", "path"): MAX_PATH_BYTES,
+    ("Loc", "name"): MAX_NAME_BYTES,
+    ("LookupRequest", "name"): MAX_NAME_BYTES,
+    ("SymlinkRequest", "target"): MAX_PATH_BYTES,
+    ("ReaddirRequest", "cursor"): MAX_NAME_BYTES,
+    ("OpenWriteRequest", "owner"): MAX_ID_STRING,
+    ("Layout", "redundancy"): 64,
+    ("RegisterNodeRequest", "node_uuid"): MAX_ID_STRING,
+    ("RegisterNodeRequest", "hostname"): MAX_ID_STRING,
+    ("RegisterNodeRequest", "data_addr"): MAX_ID_STRING,
+    ("RegisterNodeRequest", "control_addr"): MAX_ID_STRING,
+    ("TargetSpec", "path"): MAX_ID_STRING,
+    ("MetaOp", "client_id"): MAX_ID_STRING,
+    ("MetaMemberRequest", "raft_addr"): MAX_ID_STRING,
+    ("MetaMemberRequest", "grpc_addr"): MAX_ID_STRING,
+}
+#: Largest page a read may ask for, by (message, field); 0 means the default.
+LIMIT_CAPS: dict[tuple[str, str], int] = {
+    ("ReaddirRequest", "limit"): MAX_READDIR_LIMIT,
+    ("ListGCRequest", "limit"): MAX_GC_PAGE,
+    ("ListGroupChunksRequest", "limit"): MAX_GROUP_CHUNKS_PAGE,
+}
+_NAME_STRINGS = {("Loc", "path"), ("Loc", "name"), ("LookupRequest", "name"), ("SymlinkRequest", "target")}
+#: Repeated fields without an entry (none today; a test checks) get this.
+_DEFAULT_LIST_CAP = 1024
 
 EC = pb.REDUNDANCY_KIND_EC
 REPLICA = pb.REDUNDANCY_KIND_REPLICA
@@ -222,13 +313,62 @@ def _short(value: str, what: str, *, required: bool = True) -> None:
         raise InvalidArgumentError(f"{what} contains a NUL byte")
 
 
+def cap(field_name: str, count: int, limit: int) -> None:
+    """Refuse a list of ``count`` items where at most ``limit`` are allowed."""
+    if count > limit:
+        raise InvalidArgumentError(f"{field_name}: {count} items exceed the cap of {limit}")
+
+
+def check_caps(msg: Message, what: str) -> None:
+    """Check every repeated field, string and page limit of ``msg`` (and of
+    the messages inside it) against the cap tables. Counts are checked before
+    anything iterates over a list, so an oversized one costs O(1)."""
+    name = msg.DESCRIPTOR.name
+    for fd, value in msg.ListFields():
+        where = f"{what}.{fd.name}"
+        key = (name, fd.name)
+        is_msg = fd.type == FieldDescriptor.TYPE_MESSAGE
+        if fd.is_repeated:
+            cap(where, len(value), LIST_CAPS.get(key, _DEFAULT_LIST_CAP))
+            if is_msg:
+                for i, item in enumerate(value):
+                    check_caps(item, f"{where}[{i}]")
+            elif fd.type == FieldDescriptor.TYPE_STRING:
+                for i, item in enumerate(value):
+                    _check_string(key, item, f"{where}[{i}]")
+        elif is_msg:
+            check_caps(value, where)
+        elif fd.type == FieldDescriptor.TYPE_STRING:
+            _check_string(key, value, where)
+        elif key in LIMIT_CAPS and value > LIMIT_CAPS[key]:
+            raise InvalidArgumentError(f"{where}: {value} exceeds the cap of {LIMIT_CAPS[key]}")
+
+
+def _check_string(key: tuple[str, str], value: str, where: str) -> None:
+    limit = STRING_CAPS.get(key, MAX_STRING_BYTES)
+    err = NameTooLongError if key in _NAME_STRINGS else InvalidArgumentError
+    # The length in characters is a lower bound of the UTF-8 length: a huge
+    # string is refused without encoding it.
+    if len(value) > limit:
+        raise err(f"{where}: {len(value)} characters exceed the cap of {limit} bytes")
+    n = len(value.encode())
+    if n > limit:
+        raise err(f"{where}: {n} bytes exceed the cap of {limit} bytes")
+
+
+def check_op_size(size: int, what: str) -> None:
+    """Refuse an op (or the request it is made of) of ``size`` serialized bytes over MAX_OP_BYTES."""
+    if size > MAX_OP_BYTES:
+        raise InvalidArgumentError(f"{what}: {size} bytes exceed the cap of {MAX_OP_BYTES} bytes for one meta request")
+
+
 def validate_op(op: pb.MetaOp) -> None:
     """Raise a TierFSError if ``op`` is malformed, whatever the state."""
     kind = op.WhichOneof("body")
     if kind is None:
         raise InvalidArgumentError("op has no body")
-    if len(op.client_id.encode()) > MAX_ID_STRING:
-        raise InvalidArgumentError("client id too long")
+    _check_string(("MetaOp", "client_id"), op.client_id, "client_id")
+    check_caps(getattr(op, kind), kind)
     if kind == "mkdir":
         check_loc(op.mkdir.loc, entry=True, what="mkdir")
         _mode(op.mkdir.mode, "mkdir")
@@ -281,8 +421,6 @@ def validate_op(op: pb.MetaOp) -> None:
         _short(r.control_addr, "register_node: control_addr", required=False)
         if not r.targets:
             raise InvalidArgumentError("register_node: a node must offer at least one target")
-        if len(r.targets) > MAX_TARGETS_PER_NODE:
-            raise InvalidArgumentError(f"register_node: more than {MAX_TARGETS_PER_NODE} targets")
         paths = [t.path for t in r.targets]
         for p in paths:
             _short(p, "register_node: target path")

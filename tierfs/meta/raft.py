@@ -78,6 +78,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SNAPSHOT_FILE = "snapshot.bin"
+#: Largest op submit() accepts, whatever the state machine (the meta
+#: service's own cap, tierfs.meta.ops.MAX_OP_BYTES, is not above it).
+MAX_ENTRY_BYTES = 256 * 1024
+#: pysyncobj sends an entry whose command is at least this long in pieces
+#: ("transmission"), and marks the last piece by the command's length instead
+#: of the length of the pickle it cuts (protocol 2 pickles bytes as latin-1
+#: text: up to twice as long). The follower then unpickles a truncated entry,
+#: fails on every retry and never catches up again. Kept above any command an
+#: entry of MAX_ENTRY_BYTES makes (at most twice that), so that path is never
+#: taken. It also bounds how much one AppendEntries bundles (plus one entry).
+_APPEND_BATCH_BYTES = 4 * MAX_ENTRY_BYTES
 
 COMMIT_LATENCY = Histogram(
     "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
@@ -339,6 +350,7 @@ def make_conf(timings: RaftTimings, **extra: Any) -> SyncObjConf:
     """The SyncObjConf every TierFS Raft node uses (also used by the bench)."""
     return SyncObjConf(
         appendEntriesUseBatch=False,  # ~0.6 ms per commit instead of ~100 ms
+        appendEntriesBatchSizeBytes=_APPEND_BATCH_BYTES,
         appendEntriesPeriod=timings.heartbeat,
         raftMinTimeout=timings.election_min,
         raftMaxTimeout=timings.election_max,
@@ -486,6 +498,9 @@ class RaftReplicator:
     # --- Replicator API ------------------------------------------------------
 
     async def submit(self, op: bytes, timeout: float) -> bytes:
+        if len(op) > MAX_ENTRY_BYTES:
+            raise InvalidArgumentError(f"op of {len(op)} bytes exceeds the cap of {MAX_ENTRY_BYTES} bytes "
+                                       "for one Raft log entry")
         node = self._require_leader()
         t0 = time.perf_counter()
         try:

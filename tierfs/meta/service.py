@@ -18,6 +18,13 @@ While this replica leads, a background task submits a Tick op every
 ``heartbeat_timeout`` and write sessions whose lease ran out, and (if
 ``replace_after`` > 0) swaps targets down for that long out of their
 placement groups.
+
+Bounded work: a request is checked against the caps of
+:mod:`tierfs.meta.ops` (lists, strings, page limits, and the whole op at
+``MAX_OP_BYTES``) before it is submitted or read, so an oversized one costs
+no log entry; unknown fields are dropped rather than logged. Every op carries
+``gc_grace`` (``MetaOp.gc_grace_ms``): what it queues for GC is listed only
+that long after, judged by :meth:`MetaServicer.now_ns` on the leader.
 """
 
 from __future__ import annotations
@@ -40,17 +47,24 @@ from tierfs.errors import (
     grpc_errors,
 )
 from tierfs.meta.interfaces import Replicator
-from tierfs.meta.ops import validate_op
+from tierfs.meta.ops import MAX_GC_GRACE, check_caps, check_op_size, validate_op
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
-__all__ = ["CLIENT_ID_KEY", "REQUEST_ID_KEY", "MetaServicer", "add_meta_service"]
+__all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "MAX_REQUEST_BYTES", "REQUEST_ID_KEY", "MetaServicer",
+           "add_meta_service"]
 
 log = logging.getLogger("tierfs.meta.service")
 
 CLIENT_ID_KEY = "tierfs-client-id"
 REQUEST_ID_KEY = "tierfs-request-id"
+#: Fragments of replaced chunk versions stay readable this long (seconds).
+DEFAULT_GC_GRACE = 300.0
+#: gRPC refuses a request larger than this before decoding it (set it as the
+#: server's ``grpc.max_receive_message_length``); requests below it are
+#: checked against the finer caps of tierfs.meta.ops.
+MAX_REQUEST_BYTES = 2 << 20
 
 _R = TypeVar("_R", bound=Message)
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -78,14 +92,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         tick_interval: float = 1.0,
         submit_timeout: float = 5.0,
         replace_after: float = 0.0,
+        gc_grace: float = DEFAULT_GC_GRACE,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
+        if not 0 <= gc_grace <= MAX_GC_GRACE:
+            raise ValueError(f"gc_grace {gc_grace} must be between 0 and {MAX_GC_GRACE:.0f} seconds")
         self._r = replicator
         self.heartbeat_timeout = heartbeat_timeout
         self.lease_duration = lease_duration
         self.tick_interval = tick_interval
         self.submit_timeout = submit_timeout
         self.replace_after = replace_after
+        self.gc_grace = gc_grace
         self._clock = clock
         self._ticker: asyncio.Task[None] | None = None
 
@@ -101,17 +119,28 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                    "membership calls are served")
         return sm
 
+    def now_ns(self) -> int:
+        """This replica's clock, as stamped into ops and used for GC readiness."""
+        return self._clock()
+
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
-        op = pb.MetaOp(now_ns=self._clock(), client_id=client, request_id=request_id,
-                       lease_ms=int(self.lease_duration * 1000))
+        # Field caps first (the clearer error), then the whole request as it
+        # came, unknown fields included.
+        check_caps(req, kind)
+        check_op_size(req.ByteSize(), kind)
+        op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
+                       lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))
         getattr(op, kind).CopyFrom(req)
+        op.DiscardUnknownFields()  # what this version does not know does not go into the log
         return op
 
     async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
         """Validate, replicate and apply ``op``; its reply or its error."""
         _ = self.state  # refuse before logging an op that another state machine cannot read
         validate_op(op)
-        raw = await self._r.submit(op.SerializeToString(deterministic=True), self.submit_timeout)
+        data = op.SerializeToString(deterministic=True)
+        check_op_size(len(data), str(op.WhichOneof("body")))
+        raw = await self._r.submit(data, self.submit_timeout)
         res = pb.MetaResult.FromString(raw)
         if res.error.code:
             raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
@@ -121,7 +150,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         client, rid = _ids(context)
         return await self.submit(self._op(kind, req, client, rid), reply_cls)
 
-    async def _read(self) -> MetaStateMachine:
+    async def _read(self, request: Message) -> MetaStateMachine:
+        """The state, once the read barrier passed; ``request`` is checked
+        against the caps first (nothing is read for an oversized one)."""
+        check_caps(request, request.DESCRIPTOR.name)
+        check_op_size(request.ByteSize(), request.DESCRIPTOR.name)
         await self._r.read_barrier(self.submit_timeout)
         return self.state
 
@@ -177,15 +210,15 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read()).lookup(request.parent, request.name)
+        return (await self._read(request)).lookup(request.parent, request.name)
 
     @grpc_errors
     async def Stat(self, request: pb.StatRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read()).stat(request.loc)
+        return (await self._read(request)).stat(request.loc)
 
     @grpc_errors
     async def Readdir(self, request: pb.ReaddirRequest, context: Ctx) -> pb.ReaddirReply:
-        return (await self._read()).readdir(request.loc, request.cursor, request.limit)
+        return (await self._read(request)).readdir(request.loc, request.cursor, request.limit)
 
     @grpc_errors
     async def Rename(self, request: pb.RenameRequest, context: Ctx) -> pb.Empty:
@@ -205,7 +238,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Readlink(self, request: pb.ReadlinkRequest, context: Ctx) -> pb.ReadlinkReply:
-        return pb.ReadlinkReply(target=(await self._read()).readlink(request.loc))
+        return pb.ReadlinkReply(target=(await self._read(request)).readlink(request.loc))
 
     @grpc_errors
     async def SetAttr(self, request: pb.SetAttrRequest, context: Ctx) -> pb.FileInfo:
@@ -221,7 +254,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: Ctx) -> pb.LayoutReply:
-        return pb.LayoutReply(layout=(await self._read()).get_layout(request.loc))
+        return pb.LayoutReply(layout=(await self._read(request)).get_layout(request.loc))
 
     # ---- write sessions ---------------------------------------------------------
 
@@ -253,11 +286,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def GetClusterMap(self, request: pb.GetClusterMapRequest, context: Ctx) -> pb.ClusterMap:
-        return (await self._read()).cluster_map(request.known_version)
+        return (await self._read(request)).cluster_map(request.known_version)
 
     @grpc_errors
     async def ListGroupChunks(self, request: pb.ListGroupChunksRequest, context: Ctx) -> pb.ListGroupChunksReply:
-        return (await self._read()).list_group_chunks(request.group_id, request.after_inode, request.limit)
+        return (await self._read(request)).list_group_chunks(request.group_id, request.after_inode, request.limit)
 
     @grpc_errors
     async def FinishRebuild(self, request: pb.FinishRebuildRequest, context: Ctx) -> pb.Empty:
@@ -279,7 +312,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def ListGC(self, request: pb.ListGCRequest, context: Ctx) -> pb.ListGCReply:
-        items = (await self._read()).list_gc(request.target_ids, request.after_id, request.limit)
+        items = (await self._read(request)).list_gc(request.target_ids, request.after_id, request.limit,
+                                                    now_ns=self.now_ns())
         return pb.ListGCReply(items=items)
 
     @grpc_errors
@@ -348,7 +382,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
-    lease_duration, tick_interval, submit_timeout, replace_after, clock) and register it on
+    lease_duration, tick_interval, submit_timeout, replace_after, gc_grace, clock) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

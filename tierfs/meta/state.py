@@ -21,7 +21,6 @@ replica digests equal to the one it was taken from.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import heapq
 import json
@@ -48,10 +47,15 @@ from tierfs.errors import (
     StaleVersionError,
     TierFSError,
 )
+from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
+from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
+    MAX_GC_PAGE,
+    MAX_READDIR_LIMIT,
     LayoutSpec,
     check_loc,
+    check_op_size,
     layout_from_pb,
     split_path,
     validate_op,
@@ -78,11 +82,7 @@ MAX_LEASE_MS = 600_000
 #: mid-size cluster, few enough to keep a small file's stat reply small.
 AUTO_STRIPE_MAX = 16
 DEFAULT_READDIR_LIMIT = 1000
-MAX_READDIR_LIMIT = 10_000
-#: Per client, the results of this many most recent requests are kept for
-#: retry deduplication; a client idle for REQUEST_TTL_NS is forgotten.
-REQUESTS_PER_CLIENT = 128
-REQUEST_TTL_NS = 15 * 60 * 10**9
+DEFAULT_GC_PAGE = 1000
 #: 2: chunk records (generation, length, valid, crc, missing) replace the
 #: per-chunk versions of format 1, whose fragments could not be told apart.
 SNAPSHOT_FORMAT = 2
@@ -148,14 +148,6 @@ class Session:
     uploads: set[tuple[int, int]] = field(default_factory=set)  # (chunk, generation) begun
 
 
-@dataclass(slots=True)
-class GCEntry:
-    id: int
-    inode: int
-    chunk: int
-    version: int
-    group: int
-    pending: dict[int, int] = field(default_factory=dict)  # target id -> fragment index
 
 
 def _result(reply: Message | None = None, err: TierFSError | None = None) -> bytes:
@@ -177,6 +169,8 @@ class MetaStateMachine:
         #: apply() calls on this instance (local diagnostics; not replicated
         #: state, so not in snapshots or the digest).
         self.ops_applied = 0
+        #: GC grace of the op being applied (MetaOp.gc_grace_ms); not state.
+        self._gc_grace_ns = 0
         self._reset()
 
     # ---- lifecycle ----------------------------------------------------------
@@ -207,9 +201,8 @@ class MetaStateMachine:
         # (inode, chunk) of committed chunks with fragments known missing or
         # bad (derived from the chunk records: not in snapshots)
         self.degraded: set[tuple[int, int]] = set()
-        self.gc: dict[int, GCEntry] = {}
-        # client id -> (last seen ns, {request id: serialized result})
-        self.requests: dict[str, tuple[int, dict[int, bytes]]] = {}
+        self.gc = GCQueue()
+        self.requests = RequestTable()
 
     # ---- StateMachine protocol ---------------------------------------------
 
@@ -224,12 +217,16 @@ class MetaStateMachine:
         self.clock = max(self.clock, msg.now_ns)
         dedup = bool(msg.client_id and msg.request_id)
         if dedup:
-            seen = self.requests.get(msg.client_id)
-            if seen is not None and msg.request_id in seen[1]:
-                return seen[1][msg.request_id]
+            found, first = self.requests.lookup(msg.client_id, msg.request_id)
+            if found:
+                return first if first is not None else _result(err=InternalError(
+                    f"request {msg.request_id} of client {msg.client_id} was already applied, but its reply was "
+                    f"too large to keep for retries: read the state again instead"))
+        self._gc_grace_ns = msg.gc_grace_ms * NS_PER_MS
         try:
             validate_op(msg)
             kind = msg.WhichOneof("body")
+            check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
             reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
             out = _result(reply)
         except TierFSError as err:
@@ -241,7 +238,7 @@ class MetaStateMachine:
         # tried again (it cannot have taken effect), and a refused op leaves
         # no trace in the state at all.
         if dedup:
-            self._remember(msg.client_id, msg.request_id, out)
+            self.requests.remember(msg.client_id, msg.request_id, out, self.clock)
         return out
 
     def snapshot(self) -> bytes:
@@ -258,14 +255,6 @@ class MetaStateMachine:
         return hashlib.sha256(self.snapshot()).hexdigest()
 
     # ---- helpers used by ops and reads -------------------------------------
-
-    def _remember(self, client: str, req: int, out: bytes) -> None:
-        _, seen = self.requests.get(client, (0, {}))
-        seen[req] = out
-        if len(seen) > REQUESTS_PER_CLIENT:
-            for old in sorted(seen)[: len(seen) - REQUESTS_PER_CLIENT]:
-                del seen[old]
-        self.requests[client] = (self.clock, seen)
 
     def _inode(self, ino: int) -> Inode:
         node = self.inodes.get(ino)
@@ -363,12 +352,14 @@ class MetaStateMachine:
         d.mtime = d.ctime = self.clock
 
     def _gc_chunk(self, f: Inode, chunk: int, version: int) -> None:
+        """Queue the fragments of ``chunk`` at ``version`` for deletion, once
+        the op's GC grace has passed (open readers may still read them)."""
         if not f.groups:
             return
         gid = f.groups[chunk % len(f.groups)]
         members = self.groups.get(gid, [])
-        self.gc[self.next_gc] = GCEntry(id=self.next_gc, inode=f.id, chunk=chunk, version=version,
-                                        group=gid, pending={t: j for j, t in enumerate(members)})
+        self.gc.add(GCEntry(id=self.next_gc, inode=f.id, chunk=chunk, version=version, group=gid,
+                            pending={t: j for j, t in enumerate(members)}, ready=self.clock + self._gc_grace_ns))
         self.next_gc += 1
 
     def _drop_session(self, s: Session, f: Inode | None) -> None:
@@ -973,22 +964,10 @@ class MetaStateMachine:
         return pb.Empty()
 
     def _drop_gc_for(self, tids: set[int]) -> None:
-        for gid in sorted(self.gc):
-            item = self.gc[gid]
-            for t in tids:
-                item.pending.pop(t, None)
-            if not item.pending:
-                del self.gc[gid]
+        self.gc.drop_targets(tids)
 
     def _op_ack_gc(self, op: pb.MetaOp, r: pb.AckGCRequest) -> Message:
-        acked = 0
-        for a in r.acks:
-            item = self.gc.get(a.id)
-            if item is not None and a.target_id in item.pending:
-                del item.pending[a.target_id]
-                acked += 1
-                if not item.pending:
-                    del self.gc[a.id]
+        acked = sum(self.gc.ack(a.id, a.target_id) for a in r.acks)
         return pb.AckGCReply(acked=acked)
 
     def _op_tick(self, op: pb.MetaOp, r: pb.TickRequest) -> Message:
@@ -1006,9 +985,7 @@ class MetaStateMachine:
             s = self.sessions[sid]
             if s.expiry < self.clock:
                 self._drop_session(s, self.inodes.get(s.inode))
-        for client in sorted(self.requests):
-            if self.requests[client][0] < self.clock - REQUEST_TTL_NS:
-                del self.requests[client]
+        self.requests.expire(self.clock - REQUEST_TTL_NS)
         return pb.Empty()
 
     # ---- reads (after the replicator's read barrier) ------------------------
@@ -1024,7 +1001,7 @@ class MetaStateMachine:
                 return True
         if any(s.expiry < now for s in self.sessions.values()):
             return True
-        if any(seen < now - REQUEST_TTL_NS for seen, _ in self.requests.values()):
+        if self.requests.expire_due(now - REQUEST_TTL_NS):
             return True
         if replace_after_ms:
             after = replace_after_ms * NS_PER_MS
@@ -1147,19 +1124,18 @@ class MetaStateMachine:
                                                      group_id=gid, target_id=tid))
         return reply
 
-    def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0) -> list[pb.GCItem]:
-        want = set(target_ids)
-        limit = min(limit or 1000, 10_000)
-        out: list[pb.GCItem] = []
-        for gid in sorted(i for i in self.gc if i > after_id):
-            item = self.gc[gid]
-            for tid in sorted(item.pending):
-                if tid in want or not want:
-                    out.append(pb.GCItem(id=item.id, inode=item.inode, chunk=item.chunk, version=item.version,
-                                         group_id=item.group, target_id=tid, fragment=item.pending[tid]))
-            if len(out) >= limit:
-                break
-        return out
+    def list_gc(self, target_ids: Iterable[int], after_id: int = 0, limit: int = 0,
+                now_ns: int = 0) -> list[pb.GCItem]:
+        """Rows ``(item, target, fragment)`` of the GC items with id above
+        ``after_id`` that are ready at ``now_ns`` (the leader's clock; never
+        taken below the state clock, so an idle cluster needs no op for its
+        items to become ready), for ``target_ids`` (all targets when empty).
+        At least ``limit`` rows unless the queue ends; an item's rows are
+        never split over two pages."""
+        limit = min(limit or DEFAULT_GC_PAGE, MAX_GC_PAGE)
+        rows = self.gc.page(target_ids, after_id, limit, max(self.clock, now_ns))
+        return [pb.GCItem(id=item.id, inode=item.inode, chunk=item.chunk, version=item.version,
+                          group_id=item.group, target_id=t, fragment=item.pending[t]) for item, t in rows]
 
     # ---- snapshot encoding --------------------------------------------------
 
@@ -1196,11 +1172,8 @@ class MetaStateMachine:
             "widths": sorted(self.widths),
             "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted([c, g] for c, g in s.uploads)]
                          for _, s in sorted(self.sessions.items())],
-            "gc": [[e.id, e.inode, e.chunk, e.version, e.group, sorted([t, f] for t, f in e.pending.items())]
-                   for _, e in sorted(self.gc.items())],
-            "requests": [[c, self.requests[c][0],
-                          [[r, base64.b64encode(v).decode()] for r, v in sorted(self.requests[c][1].items())]]
-                         for c in sorted(self.requests)],
+            "gc": self.gc.to_json(),
+            "dedup": self.requests.to_json(),
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -1233,10 +1206,13 @@ class MetaStateMachine:
         self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
                                        uploads={(c, g) for c, g in s[5]}) for s in doc["sessions"]}
         self.degraded = {(i, c) for i, n in self.inodes.items() for c, r in n.chunks.items() if r.missing}
-        self.gc = {e[0]: GCEntry(id=e[0], inode=e[1], chunk=e[2], version=e[3], group=e[4],
-                                 pending={t: f for t, f in e[5]}) for e in doc["gc"]}
-        self.requests = {c: (seen, {r: base64.b64decode(v) for r, v in items})
-                         for c, seen, items in doc["requests"]}
+        # GC items gained a ready time (7th field) and the dedup table an
+        # activity order ("dedup" replaced "requests", sorted by client).
+        self.gc = GCQueue.from_json(doc["gc"])
+        if "dedup" in doc:
+            self.requests = RequestTable.from_json(doc["dedup"])
+        else:
+            self.requests = RequestTable.from_json(doc["requests"], ordered=False)
 
 
 def _check_read_loc(loc: pb.Loc, what: str) -> None:

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
+from tierfs.meta.ops import MAX_GC_PAGE
 
 __all__ = ["StorageConfig"]
 
@@ -44,7 +45,7 @@ class StorageConfig(BaseConfig):
 
     heartbeat_interval: float = field(1.0, "Period of heartbeats (capacity, used, state per target) to meta.", kind="duration")
     gc_interval: float = field(2.0, "Period of polling meta's GC queue for fragments to delete.", kind="duration")
-    gc_batch: int = field(1000, "GC items fetched per poll.")
+    gc_batch: int = field(1000, "GC items fetched per poll (at most meta's page cap, 10000).")
 
     scrub_rate: int = field(
         32 << 20, "Bytes per second the background scrubber re-reads and verifies (0 turns it off).", kind="size"
@@ -101,8 +102,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be positive", field="heartbeat_interval")
         if self.gc_interval <= 0:
             raise ConfigError("must be positive", field="gc_interval")
-        if self.gc_batch < 1:
-            raise ConfigError("must be >= 1", field="gc_batch")
+        if not 1 <= self.gc_batch <= MAX_GC_PAGE:
+            raise ConfigError(f"must be in 1..{MAX_GC_PAGE} (meta's ListGC page cap)", field="gc_batch")
         if self.scrub_rate < 0:
             raise ConfigError("must be >= 0", field="scrub_rate")
         if self.scrub_interval <= 0:

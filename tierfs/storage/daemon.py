@@ -49,6 +49,7 @@ from tierfs.buffers import BufferPool
 from tierfs.config import load
 from tierfs.errors import ConfigError, NotFoundError, TierFSError
 from tierfs.fsutil import fsync_dir, makedirs_durable
+from tierfs.meta.ops import MAX_GC_ACKS
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState
@@ -389,9 +390,12 @@ class StorageNode:
                     log.warning("gc delete of %s on target %d failed: %s", key, eng.target_id, err)
                     continue
                 acks.append((int(it.id), eng.target_id))
-            if acks:
-                done += await self.meta.ack_gc(acks)
-                self.counters["gc_acked"] += len(acks)
+            # A page may exceed its limit by the rest of its last item's rows:
+            # ack in slices that stay under meta's cap.
+            for i in range(0, len(acks), MAX_GC_ACKS):
+                part = acks[i:i + MAX_GC_ACKS]
+                done += await self.meta.ack_gc(part)
+                self.counters["gc_acked"] += len(part)
             if len(items) < self.cfg.gc_batch:
                 return done
 

@@ -2093,6 +2093,7 @@ class MetaOp(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    GC_GRACE_MS_FIELD_NUMBER: _builtins.int
     MKDIR_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
     RENAME_FIELD_NUMBER: _builtins.int
@@ -2122,6 +2123,11 @@ class MetaOp(_message.Message):
     request_id: _builtins.int
     lease_ms: _builtins.int
     """server default lease for session ops"""
+    gc_grace_ms: _builtins.int
+    """GC grace: fragments this op queues for GC are listed by ListGC only
+    this long after the op (0 = at once). Stamped by the leader from its
+    configuration, so every replica computes the same ready times.
+    """
     @_builtins.property
     def mkdir(self) -> Global___MkdirRequest: ...
     @_builtins.property
@@ -2173,6 +2179,7 @@ class MetaOp(_message.Message):
         client_id: _builtins.str = ...,
         request_id: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
+        gc_grace_ms: _builtins.int = ...,
         mkdir: Global___MkdirRequest | None = ...,
         create: Global___CreateRequest | None = ...,
         rename: Global___RenameRequest | None = ...,
@@ -2198,7 +2205,7 @@ class MetaOp(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
