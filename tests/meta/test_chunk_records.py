@@ -137,3 +137,30 @@ def test_repair_queue_lists_missing_positions_by_member_and_clears(d: Driver) ->
     # unlink empties the queue of its chunks
     d.do("unlink", pb.UnlinkRequest(loc=pb.Loc(path="/r")))
     assert d.sm.list_repairs([]).pending == 0 and not d.sm.degraded
+
+
+def test_renewals_stage_records_and_the_commit_publishes_them(d: Driver) -> None:
+    ino = d.create("/st").attr.inode
+    s = _open(d, "/st")
+    g = gen0(s.data_version)
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=recs(s.data_version, [0, 1, 2])),
+         pb.RenewLeaseReply)
+    assert not d.stat("/st").chunks  # staged, not published
+    # a later record of chunk 1 (its second upload) replaces the staged one
+    g1 = generation(s.data_version, 1)
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=[
+        pb.ChunkRecord(index=1, generation=g1, length=MiB)]), pb.RenewLeaseReply)
+    snap = MetaStateMachine()
+    snap.restore(d.sm.snapshot())  # staged records survive a snapshot
+    assert snap.digest() == d.sm.digest()
+    info = _commit(d, s, 3 * 4 * MiB, recs(s.data_version, [3])[:0])
+    assert [(r.index, r.generation) for r in info.chunks] == [(0, g), (1, g1), (2, g)]
+    assert _gc(d) == {(ino, 1, g)}  # the replaced staged upload
+    # staged records past the committed size are refused, changing nothing
+    s = _open(d, "/st")
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=recs(s.data_version, [5])),
+         pb.RenewLeaseReply)
+    digest = d.sm.digest()
+    with pytest.raises(InvalidArgumentError, match="beyond the file size"):
+        _commit(d, s, 4 * MiB, [])
+    assert d.sm.digest() == digest

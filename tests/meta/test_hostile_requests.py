@@ -61,9 +61,11 @@ def _hostile() -> list[tuple[str, Any, type[TierFSError], str]]:
          "open_write.owner"),
         ("Symlink", pb.SymlinkRequest(loc=pb.Loc(path="/s"), target="t" * 1_000_000), NameTooLongError,
          "symlink.target"),
-        ("RenewLease", pb.RenewLeaseRequest(session_id=1, chunks=[(1 << 20) + i for i in range(n)]),
-         InvalidArgumentError, "renew_lease.chunks: 400000 items exceed the cap"),
-        ("CommitWrite", pb.CommitWriteRequest(session_id=1, size=1, chunks=list(range(n))), InvalidArgumentError,
+        ("RenewLease", pb.RenewLeaseRequest(session_id=1, uploads=[pb.ChunkUpload(index=i)
+                                                                   for i in range(n // 2)]),
+         InvalidArgumentError, "renew_lease.uploads: 200000 items exceed the cap"),
+        ("CommitWrite", pb.CommitWriteRequest(session_id=1, size=1, chunks=[
+            pb.ChunkRecord(index=i, generation=1 << 20, length=1) for i in range(n // 3)]), InvalidArgumentError,
          "commit_write.chunks"),
         ("Heartbeat", pb.HeartbeatRequest(node_id=1, targets=[pb.TargetReport(target_id=i + 1, used=1 << 40)
                                                               for i in range(100_000)]),
@@ -169,14 +171,21 @@ def test_largest_legal_ops_replicate_everywhere_without_election(tmp_path: Path)
         before = _stable_statuses(c)
         # 3-byte varints with their high bits set: pickled as latin-1 text the
         # entry grows by half, the case pysyncobj cut wrongly.
-        chunks = [(1 << 20) + i * 129 for i in range(ops.MAX_CHUNKS_PER_REQUEST)]
-        size = len(pb.RenewLeaseRequest(session_id=sessions[0], chunks=chunks).SerializeToString())
+        n = ops.MAX_CHUNKS_PER_REQUEST
+        # 6-byte varints: the largest legal renewal is over pysyncobj's 64 KiB
+        # piece size.
+        uploads = [((1 << 35) + i * 129, (1 << 20) | 1) for i in range(n)]
+        recs = [pb.ChunkRecord(index=(1 << 35) + i * 129, generation=1 << 20, length=4 << 20, crc32c=0xFFFFFFFF,
+                               missing=[0, 1]) for i in range(n)]
+        size = len(pb.RenewLeaseRequest(session_id=sessions[0], chunks=recs, uploads=[
+            pb.ChunkUpload(index=c, generation=g) for c, g in uploads]).SerializeToString())
         assert 64 * 1024 < size < ops.MAX_OP_BYTES
 
         async def burst() -> None:
             async with MetaClient(c.addresses, deadline=30) as mc:
                 for _ in range(2):
-                    await asyncio.gather(*[mc.renew_lease(s, chunks, lease_ms=600_000) for s in sessions])
+                    await asyncio.gather(*[mc.renew_lease(s, uploads, lease_ms=600_000, chunks=recs)
+                                           for s in sessions])
 
         asyncio.run(burst())
         c.wait_converged(timeout=30)  # every follower applied every entry

@@ -65,8 +65,27 @@ def test_every_repeated_field_of_every_request_has_a_cap() -> None:
             assert fld in getattr(pb, msg).DESCRIPTOR.fields_by_name, (msg, fld)
 
 
-def _ok_chunks(n: int) -> list[int]:
-    return list(range(n))
+def _ok_chunks(n: int, data_version: int = 1) -> list[pb.ChunkRecord]:
+    return [pb.ChunkRecord(index=i, generation=data_version << 20, length=4 << 20, crc32c=0xFFFFFFFF)
+            for i in range(n)]
+
+
+def _with_unknown_field(req: pb.RenewLeaseRequest, size: int) -> pb.RenewLeaseRequest:
+    """``req`` carrying an unknown length-delimited field 999 of ``size`` bytes."""
+    header = bytearray()
+    for v in ((999 << 3) | 2, size):
+        while True:
+            b, v = v & 0x7F, v >> 7
+            header.append(b | (0x80 if v else 0))
+            if not v:
+                break
+    out = pb.RenewLeaseRequest()
+    out.ParseFromString(req.SerializeToString() + bytes(header) + bytes(size))
+    return out
+
+
+def _ok_uploads(n: int, data_version: int = 1) -> list[pb.ChunkUpload]:
+    return [pb.ChunkUpload(index=i, generation=(data_version << 20) | 1) for i in range(n)]
 
 
 # (case, op kind, request, error type, words the message must contain)
@@ -75,8 +94,13 @@ OVER: list[tuple[str, str, Message, type[TierFSError], tuple[str, ...]]] = [
      InvalidArgumentError, ("renew_lease.chunks", str(CHUNKS + 1), str(CHUNKS))),
     ("commit-chunks", "commit_write", pb.CommitWriteRequest(session_id=1, size=1, chunks=_ok_chunks(CHUNKS + 1)),
      InvalidArgumentError, ("commit_write.chunks", str(CHUNKS + 1), str(CHUNKS))),
-    ("abort-chunks", "abort_write", pb.AbortWriteRequest(session_id=1, chunks=_ok_chunks(CHUNKS + 1)),
-     InvalidArgumentError, ("abort_write.chunks", str(CHUNKS + 1))),
+    ("abort-uploads", "abort_write", pb.AbortWriteRequest(session_id=1, uploads=_ok_uploads(CHUNKS + 1)),
+     InvalidArgumentError, ("abort_write.uploads", str(CHUNKS + 1))),
+    ("renew-uploads", "renew_lease", pb.RenewLeaseRequest(session_id=1, uploads=_ok_uploads(CHUNKS + 1)),
+     InvalidArgumentError, ("renew_lease.uploads", str(CHUNKS + 1), str(CHUNKS))),
+    ("mark-items", "mark_fragments", pb.MarkFragmentsRequest(items=[pb.RepairItem(inode=2, chunk=i)
+                                                                    for i in range(ops.MAX_MARK_ITEMS + 1)]),
+     InvalidArgumentError, ("mark_fragments.items", str(ops.MAX_MARK_ITEMS + 1))),
     ("register-targets", "register_node", pb.RegisterNodeRequest(
         node_uuid="u", hostname="h", data_addr="a:1",
         targets=[pb.TargetSpec(path=f"/t{i}") for i in range(ops.MAX_TARGETS_PER_NODE + 1)]),
@@ -100,8 +124,9 @@ OVER: list[tuple[str, str, Message, type[TierFSError], tuple[str, ...]]] = [
      InvalidArgumentError, ("register_node.targets[0].path",)),
     ("layout-redundancy", "set_layout", pb.SetLayoutRequest(loc=pb.Loc(path="/d"), layout=pb.Layout(
         redundancy="ec:" + "9" * 5000)), InvalidArgumentError, ("set_layout.layout.redundancy",)),
-    # Under every list cap, over the size of one op: 10-byte varints.
-    ("op-bytes", "renew_lease", pb.RenewLeaseRequest(session_id=1, chunks=[(1 << 62) + i for i in range(CHUNKS)]),
+    # Under every list cap, over the size of one op: an unknown field counts.
+    ("op-bytes", "renew_lease", _with_unknown_field(pb.RenewLeaseRequest(
+        session_id=1, uploads=_ok_uploads(CHUNKS)), ops.MAX_OP_BYTES),
      InvalidArgumentError, ("bytes exceed the cap of", str(ops.MAX_OP_BYTES))),
 ]
 
@@ -131,10 +156,15 @@ def test_state_machine_refuses_over_cap_and_changes_nothing(kind: str, req: Mess
 def test_at_cap_is_accepted() -> None:
     d = _populated()
     s = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/d/f"), owner="o" * 256), pb.OpenWriteReply)
-    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=_ok_chunks(CHUNKS)), pb.RenewLeaseReply)
+    # A full batch of records and uploads fits in one op, staged or committed
+    # (the client sends batches of MAX_CHUNKS_PER_REQUEST).
+    dv = s.data_version
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, chunks=_ok_chunks(CHUNKS, dv),
+                                             uploads=_ok_uploads(CHUNKS, dv)), pb.RenewLeaseReply)
     info = d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=CHUNKS * 4 << 20,
-                                                      chunks=_ok_chunks(CHUNKS)), pb.FileInfo)
-    assert info.attr.size == CHUNKS * 4 << 20
+                                                      chunks=_ok_chunks(CHUNKS, dv),
+                                                      uploads=_ok_uploads(CHUNKS, dv)), pb.FileInfo)
+    assert info.attr.size == CHUNKS * 4 << 20 and len(info.chunks) == CHUNKS
     ops.validate_op(pb.MetaOp(mkdir=pb.MkdirRequest(loc=pb.Loc(path="/" + "/".join(["p" * 200] * 20)))))  # 4020 B
     d.do("ack_gc", pb.AckGCRequest(acks=[pb.GCAck(id=i + 1, target_id=1) for i in range(ops.MAX_GC_ACKS)]),
          pb.AckGCReply)
@@ -152,7 +182,7 @@ def test_grpc_refuses_over_cap_before_submitting() -> None:
                 rpc = {"renew_lease": "RenewLease", "commit_write": "CommitWrite", "abort_write": "AbortWrite",
                        "register_node": "RegisterNode", "heartbeat": "Heartbeat", "ack_gc": "AckGC",
                        "open_write": "OpenWrite", "mkdir": "Mkdir", "symlink": "Symlink",
-                       "set_layout": "SetLayout"}[kind]
+                       "set_layout": "SetLayout", "mark_fragments": "MarkFragments"}[kind]
                 with pytest.raises(grpc.RpcError) as info:
                     await getattr(stub, rpc)(req, timeout=5)
                 err = from_grpc(info.value)

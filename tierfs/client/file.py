@@ -90,8 +90,9 @@ class AsyncFile:
         self._committed = chunk_records(info)
         self._written: dict[int, ChunkRecord] = {}  # chunks stored in this session
         self._uploads: dict[int, int] = {}  # chunk -> uploads begun in this session
-        self._touched: set[tuple[int, int]] = set()  # (chunk, generation) sent, maybe partly stored
-        self._unreported: list[tuple[int, int]] = []
+        self._unreported: list[tuple[int, int]] = []  # uploads (chunk, generation) meta was not told of
+        self._unstaged: set[int] = set()  # chunks whose record in _written meta has not staged
+        self._renew_lock = asyncio.Lock()
         self._staging: _Staging | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._error: TierFSError | None = None
@@ -344,18 +345,6 @@ class AsyncFile:
         await self._submit(st.idx, None, st, crc32c(st.buf[: st.fill]))
 
     async def _submit(self, idx: int, frags: list[memoryview] | None, st: _Staging | None, crc: int) -> None:
-        if idx not in self._uploads and len(self._uploads) >= MAX_CHUNKS_PER_REQUEST:
-            # Meta takes at most this many chunks in one commit: say so now,
-            # not at close after the whole file was uploaded. Sticky, like
-            # an upload error: this session can no longer commit.
-            if st is not None:
-                self._client.pool.put(st.buf)
-            cs = self._view.chunk_size
-            self._error = InvalidArgumentError(
-                f"{self.path}: one write session writes at most {MAX_CHUNKS_PER_REQUEST} chunks "
-                f"({MAX_CHUNKS_PER_REQUEST * cs} bytes at this file's chunk size {cs}); use a larger chunk_size "
-                f"or write the rest in another session (append)")
-            raise self._error
         await self._slots.acquire()
         seq = self._uploads.get(idx, 0)
         if self._error is None and seq > MAX_UPLOAD_SEQ:
@@ -375,7 +364,6 @@ class AsyncFile:
         self._inflight[idx] = task
         # Told to meta at the next renewal, before it is known to be stored:
         # a writer that dies mid-chunk leaves nothing unaccounted.
-        self._touched.add((idx, gen))
         self._unreported.append((idx, gen))
 
     async def _upload(self, idx: int, gen: int, length: int, crc: int, frags: list[memoryview] | None,
@@ -391,6 +379,7 @@ class AsyncFile:
                     st = None
             missing = await client._write_chunk(view, idx, gen, frags)
             self._written[idx] = ChunkRecord(gen, length, length, crc, tuple(missing))
+            self._unstaged.add(idx)
         except TierFSError as exc:
             if self._error is None:
                 self._error = exc
@@ -414,18 +403,42 @@ class AsyncFile:
             raise self._error
 
     async def _renew_loop(self) -> None:
-        assert self._session is not None
         cfg = self._client.config
         while True:
             await asyncio.sleep(cfg.lease_ms / 3000)
-            chunks, self._unreported = self._unreported, []
             try:
-                await self._client.meta.renew_lease(self._session.session_id, uploads=chunks, lease_ms=cfg.lease_ms)
+                await self._renew()
             except SessionExpiredError as exc:
                 self._error = self._error or exc
                 return
             except TierFSError:
-                self._unreported = chunks + self._unreported  # meta unreachable for now: try again later
+                pass  # meta unreachable for now: what was not sent is sent at the next renewal
+
+    async def _renew(self, *, keep: bool = False) -> tuple[list[tuple[int, int]], list[pb.ChunkRecord]]:
+        """Renew the lease, telling meta of the uploads begun and staging the
+        records of the chunks stored since the last renewal, in requests of
+        at most ``MAX_CHUNKS_PER_REQUEST`` of each (a session may write any
+        number of chunks; every request stays small). An item leaves the
+        backlog only once meta has it, so a renewal that fails or is
+        cancelled loses nothing. ``keep``: the last batch is not sent but
+        returned, for the commit or abort to carry."""
+        assert self._session is not None
+        sid, cfg, n = self._session.session_id, self._client.config, MAX_CHUNKS_PER_REQUEST
+        async with self._renew_lock:
+            while True:
+                ups = self._unreported[:n]
+                sent = {i: self._written[i] for i in sorted(self._unstaged)[:n]}
+                recs = [rec.fill_pb(pb.ChunkRecord(), i) for i, rec in sent.items()]
+                last = len(self._unreported) <= n and len(self._unstaged) <= n
+                if keep and last:
+                    return ups, recs
+                await self._client.meta.renew_lease(sid, uploads=ups, lease_ms=cfg.lease_ms, chunks=recs)
+                del self._unreported[: len(ups)]  # uploads begun meanwhile were appended after them
+                for i, rec in sent.items():
+                    if self._written[i] is rec:  # not stored again meanwhile
+                        self._unstaged.discard(i)
+                if last:
+                    return [], []
 
     # ---- closing ----------------------------------------------------------------
 
@@ -441,11 +454,10 @@ class AsyncFile:
             await self.flush()
             await self._stop_renewer()
             assert self._session is not None
-            recs = [rec.fill_pb(pb.ChunkRecord(), idx) for idx, rec in sorted(self._written.items())]
-            # Every upload again (a renewal cancelled by the stop may or may
-            # not have reached meta): those not committed go to GC.
-            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs,
-                                                        uploads=sorted(self._touched))
+            # Meta has staged the records renewals sent; the rest (and the
+            # uploads no renewal reported) come with the commit.
+            ups, recs = await self._renew(keep=True)
+            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs, uploads=ups)
             self.size = info.attr.size
         except BaseException:
             await self.abort()
@@ -464,7 +476,8 @@ class AsyncFile:
         await self._stop_renewer()
         if self._session is not None:
             with contextlib.suppress(TierFSError):
-                await self._client.meta.abort_write(self._session.session_id, uploads=sorted(self._touched))
+                ups, _ = await self._renew(keep=True)  # every upload to meta, so that all go to GC
+                await self._client.meta.abort_write(self._session.session_id, uploads=ups)
 
     async def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None

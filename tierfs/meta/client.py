@@ -271,11 +271,12 @@ class MetaClient:
                                                                  map_version=map_version),
                                 pb.OpenWriteReply, mutating=True)
 
-    async def renew_lease(self, session_id: int, uploads: Iterable[tuple[int, int]] = (), lease_ms: int = 0) -> int:
+    async def renew_lease(self, session_id: int, uploads: Iterable[tuple[int, int]] = (), lease_ms: int = 0,
+                          chunks: Iterable[pb.ChunkRecord] = ()) -> int:
         """Extend the lease, telling meta of the uploads (chunk, generation)
-        begun since the last renewal; returns the new expiry (ns since the
-        epoch)."""
-        req = pb.RenewLeaseRequest(session_id=session_id, lease_ms=lease_ms,
+        begun and staging the records of the chunks stored since the last
+        renewal; returns the new expiry (ns since the epoch)."""
+        req = pb.RenewLeaseRequest(session_id=session_id, lease_ms=lease_ms, chunks=list(chunks),
                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
         reply = await self._call("RenewLease", req, pb.RenewLeaseReply, mutating=True)
         return reply.lease_expiry_ns

@@ -9,8 +9,8 @@ from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
-from tierfs.meta.secret import load_secret
 from tierfs.meta.ops import MAX_GC_GRACE
+from tierfs.meta.secret import load_secret
 
 __all__ = ["MetaConfig", "parse_peer", "split_addr"]
 

@@ -77,20 +77,21 @@ MAX_STRIPE_WIDTH = 1024
 MAX_FILE_SIZE = 1 << 60
 MAX_TARGETS_PER_NODE = 256
 MAX_ID_STRING = 256
-#: Fragments one MarkFragments request may report (the repair queue pages).
-MAX_MARK_ITEMS = 10_000
+#: Fragments one MarkFragments request may report, and one ListRepairs page.
+MAX_MARK_ITEMS = 4096
+MAX_REPAIR_PAGE = 4096
 
 # ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
 #: A serialized op (what goes into the Raft log) is at most this big. Every
 #: entry costs the leader's Raft thread a pickle and a zlib pass per follower
 #: (~0.25 ms/KiB each on a loaded host); a burst of 1 MB entries stalls it
 #: past the election timeout. 256 KiB leaves room for the largest legal op
-#: (a commit of MAX_CHUNKS_PER_REQUEST chunks).
+#: (a renewal or commit of MAX_CHUNKS_PER_REQUEST records and as many uploads).
 MAX_OP_BYTES = 256 * 1024
-#: Chunk indexes in one RenewLease / CommitWrite / AbortWrite: one write
-#: session commits at most this many chunks (128 GiB at 4 MiB chunks, 2 TiB at
-#: 64 MiB).
-MAX_CHUNKS_PER_REQUEST = 32_768
+#: Chunk records (and uploads) in one RenewLease / CommitWrite / AbortWrite.
+#: A session writes any number of chunks: the client stages their records
+#: with its renewals, at most this many a request (about 40 bytes each).
+MAX_CHUNKS_PER_REQUEST = 2048
 MAX_READDIR_LIMIT = 10_000
 #: Rows of one ListGC page, and (gc item, target) pairs in one AckGC.
 MAX_GC_PAGE = 10_000
@@ -106,8 +107,13 @@ MAX_GC_GRACE = (2**32 - 1) / 1000
 #: Most items a repeated field of a request may hold, by (message, field).
 LIST_CAPS: dict[tuple[str, str], int] = {
     ("RenewLeaseRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
+    ("RenewLeaseRequest", "uploads"): MAX_CHUNKS_PER_REQUEST,
     ("CommitWriteRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
-    ("AbortWriteRequest", "chunks"): MAX_CHUNKS_PER_REQUEST,
+    ("CommitWriteRequest", "uploads"): MAX_CHUNKS_PER_REQUEST,
+    ("AbortWriteRequest", "uploads"): MAX_CHUNKS_PER_REQUEST,
+    ("ChunkRecord", "missing"): MAX_WIDTH,
+    ("ListRepairsRequest", "target_ids"): MAX_GC_TARGETS,
+    ("MarkFragmentsRequest", "items"): MAX_MARK_ITEMS,
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("AckGCRequest", "acks"): MAX_GC_ACKS,
@@ -138,6 +144,7 @@ LIMIT_CAPS: dict[tuple[str, str], int] = {
     ("ReaddirRequest", "limit"): MAX_READDIR_LIMIT,
     ("ListGCRequest", "limit"): MAX_GC_PAGE,
     ("ListGroupChunksRequest", "limit"): MAX_GROUP_CHUNKS_PAGE,
+    ("ListRepairsRequest", "limit"): MAX_REPAIR_PAGE,
 }
 _NAME_STRINGS = {("Loc", "path"), ("Loc", "name"), ("LookupRequest", "name"), ("SymlinkRequest", "target")}
 #: Repeated fields without an entry (none today; a test checks) get this.
@@ -426,10 +433,6 @@ def validate_op(op: pb.MetaOp) -> None:
             _short(p, "register_node: target path")
         if len(set(paths)) != len(paths):
             raise InvalidArgumentError("register_node: duplicate target path")
-    elif kind == "mark_fragments":
-        if len(op.mark_fragments.items) > MAX_MARK_ITEMS:
-            raise InvalidArgumentError(f"mark_fragments: {len(op.mark_fragments.items)} items, at most "
-                                       f"{MAX_MARK_ITEMS} per request")
     elif kind == "finish_rebuild":
         if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
             raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")

@@ -324,7 +324,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def ListRepairs(self, request: pb.ListRepairsRequest, context: Ctx) -> pb.ListRepairsReply:
-        return (await self._read()).list_repairs(request.target_ids, request.limit)
+        return (await self._read(request)).list_repairs(request.target_ids, request.limit)
 
     @grpc_errors
     async def MarkFragments(self, request: pb.MarkFragmentsRequest, context: Ctx) -> pb.MarkFragmentsReply:

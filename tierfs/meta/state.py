@@ -53,6 +53,7 @@ from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
     MAX_GC_PAGE,
     MAX_READDIR_LIMIT,
+    MAX_REPAIR_PAGE,
     LayoutSpec,
     check_loc,
     check_op_size,
@@ -146,6 +147,8 @@ class Session:
     expiry: int
     version: int
     uploads: set[tuple[int, int]] = field(default_factory=set)  # (chunk, generation) begun
+    # chunk -> record stored and staged by a renewal: published at commit
+    staged: dict[int, ChunkRecord] = field(default_factory=dict)
 
 
 
@@ -677,7 +680,11 @@ class MetaStateMachine:
     def _op_renew_lease(self, op: pb.MetaOp, r: pb.RenewLeaseRequest) -> Message:
         s, f = self._session(r.session_id)
         ups = self._check_uploads(s, f, r.uploads)
+        recs = self._check_records(s, f, r.chunks, None)
         s.uploads.update(ups)
+        for idx in sorted(recs):
+            s.uploads.add((idx, recs[idx].generation))
+            s.staged[idx] = recs[idx]
         s.expiry = self.clock + self._lease_ns(op, r.lease_ms)
         return pb.RenewLeaseReply(lease_expiry_ns=s.expiry)
 
@@ -700,18 +707,18 @@ class MetaStateMachine:
             out.append((u.index, u.generation))
         return out
 
-    def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
-        s, f = self._session(r.session_id)
+    def _check_records(self, s: Session, f: Inode, chunks: Iterable[pb.ChunkRecord],
+                       size: int | None) -> dict[int, ChunkRecord]:
+        """The records a renewal stages or a commit publishes, checked."""
         assert f.layout is not None
-        ups = self._check_uploads(s, f, r.uploads)
         lay = f.layout
         width = lay.width
         # The floor below which a chunk is not stored at all (the client's
         # acknowledgement rule, min_write_fragments, is stricter).
         floor = 1 if lay.kind == pb.REDUNDANCY_KIND_REPLICA else lay.k
         recs: dict[int, ChunkRecord] = {}
-        for c in r.chunks:
-            self._check_chunk_index(f, c.index, r.size)
+        for c in chunks:
+            self._check_chunk_index(f, c.index, size)
             if c.index in recs:
                 raise InvalidArgumentError(f"chunk {c.index} is listed twice in the commit")
             if session_version(c.generation) != s.version:
@@ -728,6 +735,14 @@ class MetaStateMachine:
                 raise InvalidArgumentError(f"chunk {c.index}: only {width - len(missing)} of {width} fragments "
                                            f"stored, {lay.redundancy()} needs at least {floor}")
             recs[c.index] = ChunkRecord(c.generation, c.length, c.length, c.crc32c, tuple(missing))
+        return recs
+
+    def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
+        s, f = self._session(r.session_id)
+        ups = self._check_uploads(s, f, r.uploads)
+        recs = {**s.staged, **self._check_records(s, f, r.chunks, r.size)}
+        for idx in sorted(s.staged):
+            self._check_chunk_index(f, idx, r.size)
         s.uploads.update(ups)
         for idx in sorted(recs):
             old = f.chunks.get(idx)
@@ -1107,7 +1122,7 @@ class MetaStateMachine:
         """Fragments of committed chunks known missing or bad, each with the
         group member that must rebuild it (``target_ids``: only theirs)."""
         want = set(target_ids)
-        limit = min(limit or 1000, 10_000)
+        limit = min(limit or 1000, MAX_REPAIR_PAGE)
         reply = pb.ListRepairsReply()
         for ino, c in sorted(self.degraded):
             f = self.inodes[ino]
@@ -1170,7 +1185,9 @@ class MetaStateMachine:
             "draining": sorted(n for n in self.nodes if self.nodes[n].draining),
             "removed_targets": sorted(t for t in self.targets if self.targets[t].removed),
             "widths": sorted(self.widths),
-            "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted([c, g] for c, g in s.uploads)]
+            "sessions": [[s.id, s.inode, s.owner, s.expiry, s.version, sorted([c, g] for c, g in s.uploads),
+                          [[c, r.generation, r.length, r.valid, r.crc, list(r.missing)]
+                           for c, r in sorted(s.staged.items())]]
                          for _, s in sorted(self.sessions.items())],
             "gc": self.gc.to_json(),
             "dedup": self.requests.to_json(),
@@ -1204,7 +1221,10 @@ class MetaStateMachine:
             self.targets[t].removed = True
         self.widths = set(doc["widths"])
         self.sessions = {s[0]: Session(id=s[0], inode=s[1], owner=s[2], expiry=s[3], version=s[4],
-                                       uploads={(c, g) for c, g in s[5]}) for s in doc["sessions"]}
+                                       uploads={(c, g) for c, g in s[5]},
+                                       staged={c: ChunkRecord(g, n, v, crc, tuple(miss))
+                                               for c, g, n, v, crc, miss in s[6]})
+                         for s in doc["sessions"]}
         self.degraded = {(i, c) for i, n in self.inodes.items() for c, r in n.chunks.items() if r.missing}
         # GC items gained a ready time (7th field) and the dedup table an
         # activity order ("dedup" replaced "requests", sorted by client).

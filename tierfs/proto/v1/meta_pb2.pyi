@@ -913,11 +913,19 @@ class RenewLeaseRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     UPLOADS_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     lease_ms: _builtins.int
     @_builtins.property
     def uploads(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkUpload]:
         """Uploads begun since the last renewal: garbage-collected unless committed."""
+
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]:
+        """Chunks stored since the last renewal, staged in the session: the commit
+        publishes them (a later record of the same chunk replaces one). Staging
+        keeps every request small however many chunks a session writes.
+        """
 
     def __init__(
         self,
@@ -925,10 +933,11 @@ class RenewLeaseRequest(_message.Message):
         session_id: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
         uploads: _abc.Iterable[Global___ChunkUpload] | None = ...,
+        chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "session_id", b"session_id", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "lease_ms", b"lease_ms", "session_id", b"session_id", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
