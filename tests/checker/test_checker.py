@@ -114,7 +114,7 @@ def test_regression_truncate_zeroes_tail(env: CheckerCluster, kind: str, tmp_pat
 
 
 #: (layout, seed, steps). Bounded for `make test`; tests/soak runs longer walks.
-WALKS = [("ec", 1, 60), ("ec", 2, 60), ("rep", 3, 60)]
+WALKS = [("ec", 1, 50), ("ec", 2, 50), ("rep", 3, 50)]
 
 
 @pytest.mark.timeout(400)
@@ -134,7 +134,7 @@ def test_random_walk_with_target_rm(env: CheckerCluster, tmp_path: Path) -> None
     rng = random.Random(seed)
     ops = [*list(_prefix(ck, rng)), ("target_rm", "storage-2")]
     ck.run(ops, finish=False)
-    ck.run(random_ops(ck, rng, 30, cs=CS, target_rm=False))
+    ck.run(random_ops(ck, rng, 20, cs=CS, target_rm=False))
     assert env.removed, "the walk removed no target"
 
 
