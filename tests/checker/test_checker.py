@@ -122,7 +122,8 @@ WALKS = [("ec", 1, 50), ("ec", 2, 50), ("rep", 3, 50)]
 def test_random_walk(env: CheckerCluster, kind: str, seed: int, steps: int, tmp_path: Path) -> None:
     ck = checker(env, kind, tmp_path, seed)
     ck.run(random_ops(ck, random.Random(seed), steps, cs=CS, target_rm=False))
-    print(f"\nchecker {kind} seed {seed}: {dict(sorted(ck.counts.items()))}")
+    print(f"\nchecker {kind} seed {seed}: {dict(sorted(ck.counts.items()))}; seconds: "
+          f"{ {k: round(v, 1) for k, v in sorted(ck.seconds.items())} }")
 
 
 @pytest.mark.timeout(400)

@@ -215,6 +215,7 @@ class Checker:
     scrubs: list[dict[str, Any]] = field(default_factory=list)
     log_dir: Path | None = None
     old_clients: list[Client] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # time spent per kind of operation
 
     # ---- running ------------------------------------------------------------------
 
@@ -245,7 +246,11 @@ class Checker:
             self.counts["skipped"] = self.counts.get("skipped", 0) + 1
             return
         self.counts[op[0]] = self.counts.get(op[0], 0) + 1
-        getattr(self, "op_" + op[0])(*op[1:])
+        t0 = time.monotonic()
+        try:
+            getattr(self, "op_" + op[0])(*op[1:])
+        finally:
+            self.seconds[op[0]] = self.seconds.get(op[0], 0.0) + time.monotonic() - t0
 
     def violation(self, kind: str, msg: str) -> None:
         self.violations.append(f"[{kind}] step {len(self.log)} {self.log[-1] if self.log else ''}: {msg}")
@@ -656,8 +661,11 @@ class Checker:
                 self.counts["deleted_fragments"] = self.counts.get("deleted_fragments", 0) + 1
 
     def op_kill_holder(self, path: str, chunk: int, j: int) -> None:
+        if path not in self.model.files:
+            return
         _, node, _ = self._holder(path, chunk, j)
-        self.env.kill(node)
+        if self.env.down.get(node) != "killed":
+            self.env.kill(node)
 
     def op_corrupt(self, path: str, chunk: int, j: int) -> None:
         fp = self._fragment_file(path, chunk, j)
@@ -864,11 +872,12 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
             at = rng.randrange(0, 3) * cs + rng.choice([0, 1, cs // 3])
             yield ("write", wh, at, data())
             yield ("flush", wh)
-            node = rng.choice(up)
-            yield ("kill", node)
+            # The node of one of the chunk's data fragments (fragment 0 holds
+            # every byte of a chunk shorter than a fragment).
+            yield ("kill_holder", path, at // cs, rng.choice([0, 0, 1, 2, 3]))
             yield ("write", wh, at + rng.choice([0, 1000, cs // 2]), data())
             yield ("close", wh)
-            yield ("restart", node)
+            yield ("settle",)
             yield ("fresh_client",)
             yield ("read_file", path)
         elif r < 0.34 and len(handles) < 3:
