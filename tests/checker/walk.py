@@ -121,8 +121,9 @@ class CheckerCluster:
         return [p.name for p in self.cl.procs if p.kind == "storage"]
 
     def client(self) -> Client:
-        # Short timeouts: a stopped node costs a second, not ten.
-        return Client(self.meta, request_timeout=1.0, connect_timeout=1.0, retries=2, meta_deadline=30.0)
+        # Short timeouts (a stopped node costs seconds, not tens of them), but
+        # not so short that a loaded machine times healthy nodes out.
+        return Client(self.meta, request_timeout=2.0, connect_timeout=1.0, retries=2, meta_deadline=30.0)
 
     def kill(self, name: str) -> None:
         if self.down.get(name) == "stopped":
