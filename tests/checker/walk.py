@@ -448,7 +448,20 @@ class Checker:
             self._expect_error(what + " while another writer has it", BusyError,
                                lambda: self.client.open(self.p(path), mode))
             return
-        real = self.client.open(self.p(path), mode)
+        try:
+            real = self.client.open(self.p(path), mode)
+        except TierFSError as exc:
+            if not self.faulty:
+                raise
+            # Meta may refuse to place a new file while too few nodes are up
+            # (or a later step of the open failed): nothing half-done may stay.
+            self.counts["open_failed"] = self.counts.get("open_failed", 0) + 1
+            self.counts["open_failed:" + type(exc).__name__] = self.counts.get("open_failed:" + type(exc).__name__, 0) + 1
+            if f is None and self.client.exists(self.p(path)):
+                self.model.new_file(path)  # created, then the write session refused: an empty file
+            elif f is not None and base == "w":
+                f.commit([*f.cands, b""])  # the truncate at open may have happened
+            return
         if f is None:
             f = self.model.new_file(path)
         if base == "w" and f.cands != [b""]:
