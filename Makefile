@@ -43,9 +43,14 @@ down: install
 bench: install
 	$(BIN)/python -m bench.run
 
-# The randomized fault soak for 10 minutes (make test runs it for 30 s).
+# The randomized fault soak for 10 minutes (make test runs it for 30 s), then
+# the model-based checker's random walks for 10 minutes (make test runs a
+# fixed set of seeds: tests/checker). TIERFS_CHECKER_SEEDS=1,2,3 runs those
+# seeds instead; TIERFS_CHECKER_STEPS sets the length of each walk.
 soak: install
-	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} $(BIN)/python -m pytest tests/soak -q -s
+	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} \
+	TIERFS_CHECKER_SECONDS=$${TIERFS_CHECKER_SECONDS:-600} \
+	$(BIN)/python -m pytest tests/soak -q -s
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,144 @@
+"""The model-based checker of the file data path (tests/checker/walk.py), on
+a real cluster: 1 meta replica and 7 storage daemons, 64 KiB chunks so that
+small operations span chunk boundaries, ``ec:4+2`` and ``replica:3``.
+
+* The two reproductions of issue 8 as fixed operation sequences.
+* Seeded random walks (fixed seeds here; ``make soak`` runs more, see
+  tests/soak/test_checker_soak.py): opens in every mode, writes at random
+  offsets and sizes, reads through every kind of handle, truncate, rename,
+  unlink, readers held open while the file is rewritten, SIGKILL/SIGSTOP of
+  storage nodes, a fragment corrupted on disk, ``tierfs target rm`` and
+  rebuild, and scrubs whose verdicts are checked against the truth on disk.
+
+A failure prints the seed and the op log (and saves it; replay with
+``python -m tests.checker.replay FILE``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.checker.walk import Checker, CheckerCluster, Op, random_ops
+
+KiB = 1024
+CS = 64 * KiB
+LAYOUTS = {"ec": "ec:4+2", "rep": "replica:3"}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CheckerCluster]:
+    e = CheckerCluster(tmp_path_factory.mktemp("checker"), n_storage=7)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+_dirs = iter(range(1, 1000))
+
+
+def checker(env: CheckerCluster, kind: str, tmp_path: Path, seed: int | None = None) -> Checker:
+    env.heal()
+    client = env.client()
+    root = f"/{kind}{next(_dirs)}"
+    client.mkdir(root)
+    client.set_layout(root, chunk_size=CS, redundancy=LAYOUTS[kind])
+    return Checker(env, client, root, seed=seed, log_dir=tmp_path)
+
+
+def degraded_reupload() -> list[Op]:
+    """Issue 8, reproduction 1: a chunk re-uploaded while the node holding
+    its fragment 0 is down; the node comes back with the older upload."""
+    return [
+        ("open", "h1", "y", "w"),
+        ("write", "h1", None, ("fill", ord("A"), 1000)),
+        ("flush", "h1"),
+        ("kill_holder", "y", 0, 0),
+        ("write", "h1", None, ("fill", ord("B"), 1000)),
+        ("close", "h1"),
+        ("settle",),  # restart the node
+        ("fresh_client",),  # a reader that does not know the node was away
+        ("scrub", False),  # report only: must not call this clean while a fragment is missing or stale
+        ("read_file", "y"),
+        ("read_range", "y", 990, 20),
+        ("open", "h2", "y", "r"),
+        ("read", "h2", -1),
+        ("close", "h2"),
+    ]
+
+
+def truncate_zeroes_tail() -> list[Op]:
+    """Issue 8, reproduction 2, then a repair of that chunk: a rebuilt
+    fragment must match its parity and the chunk record."""
+    return [
+        ("write_file", "s", ("rep", "SECRET", 500)),
+        ("truncate", "s", 6),
+        ("truncate", "s", 3000),
+        ("read_file", "s"),  # 6 bytes, then 2,994 zeros
+        ("read_range", "s", 0, 100),
+        ("open", "h1", "s", "r+"),
+        ("read", "h1", -1),
+        ("seek", "h1", 2000),
+        ("write", "h1", None, ("fill", ord("x"), 10)),
+        ("seek", "h1", 0),
+        ("read", "h1", -1),
+        ("close", "h1"),
+        ("read_file", "s"),
+        ("truncate", "s", 3),
+        ("truncate", "s", 70000),  # now spans two chunks
+        ("delete_frag", "s", 0, 0),  # the scrub rebuilds it: at its stored length, not trimmed to the file
+        ("corrupt", "s", 0, 4),
+        ("scrub", True),
+        ("read_file", "s"),
+    ]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["ec", "rep"])
+def test_regression_degraded_reupload(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
+    ck = checker(env, kind, tmp_path)
+    ck.run(degraded_reupload())
+    assert ck.model.files["y"].cands == [b"A" * 1000 + b"B" * 1000]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ec", "rep"])
+def test_regression_truncate_zeroes_tail(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
+    ck = checker(env, kind, tmp_path)
+    ck.run(truncate_zeroes_tail())
+    assert ck.model.files["s"].cands == [b"SEC" + bytes(70000 - 3)]
+
+
+#: (layout, seed, steps). Bounded for `make test`; tests/soak runs longer walks.
+WALKS = [("ec", 1, 50), ("ec", 2, 50), ("rep", 3, 50)]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("kind", "seed", "steps"), WALKS, ids=[f"{k}-seed{s}" for k, s, _ in WALKS])
+def test_random_walk(env: CheckerCluster, kind: str, seed: int, steps: int, tmp_path: Path) -> None:
+    ck = checker(env, kind, tmp_path, seed)
+    ck.run(random_ops(ck, random.Random(seed), steps, cs=CS, target_rm=False))
+    print(f"\nchecker {kind} seed {seed}: {dict(sorted(ck.counts.items()))}; seconds: "
+          f"{ {k: round(v, 1) for k, v in sorted(ck.seconds.items())} }")
+
+
+@pytest.mark.timeout(400)
+def test_random_walk_with_target_rm(env: CheckerCluster, tmp_path: Path) -> None:
+    """Last in the module: the cluster has 7 nodes, so one target can be
+    removed (its groups rebuild onto the seventh); the walk removes it."""
+    seed = 4
+    ck = checker(env, "ec", tmp_path, seed)
+    rng = random.Random(seed)
+    ops = [*list(_prefix(ck, rng)), ("target_rm", "storage-2")]
+    ck.run(ops, finish=False)
+    ck.run(random_ops(ck, rng, 20, cs=CS, target_rm=False))
+    assert env.removed, "the walk removed no target"
+
+
+def _prefix(ck: Checker, rng: random.Random) -> Iterator[Op]:
+    for i in range(4):
+        yield ("write_file", f"f{i}", ("rand", rng.randrange(1 << 30), rng.choice([1000, CS + 1, 3 * CS - 7])))

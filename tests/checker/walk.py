@@ -1,0 +1,934 @@
+"""The model-based checker of the file data path: operations run against a
+real cluster and the in-memory model (``tests.checker.model``) side by side,
+every read compared byte for byte, storage faults interleaved, and every
+scrub verdict compared with the truth on disk (``tests.checker.truth``).
+
+An operation is a plain tuple (``("write", "h1", 70000, ("rand", 5, 1000))``)
+so that a run is a list of them: :func:`random_ops` draws one from a seed
+(each step chosen from the model's state), :meth:`Checker.run` replays any
+list, and a failure prints the seed and the whole log (and writes it as
+JSON, replayable with ``python -m tests.checker.replay FILE``; shrink it by
+hand by deleting operations).
+
+Operations (``h*``: handle ids; paths are under the checker's directory):
+
+====================================  =========================================================
+``("open", h, path, mode)``           modes r, r+, w, w+, a, a+, x, x+
+``("write", h, off, data)``           ``off`` None: at the handle's position; data ("rand", seed,
+                                      n) or ("fill", byte, n)
+``("read", h, n)``                    ``n`` -1: to the end
+``("seek", h, off)``, ``("flush", h)``, ``("close", h)``, ``("abort", h)``
+``("write_file", path, data)``        ``write_bytes``
+``("read_file", path)``               ``read_bytes``; ``("read_range", path, off, n)``: ``read_into``
+``("truncate", path, size)``          ``Client.truncate``
+``("rename", src, dst)``, ``("unlink", path)``
+``("kill", node)``, ``("restart", node)``, ``("stop", node)``, ``("cont", node)``
+``("kill_holder", path, chunk, j)``   SIGKILL the node holding fragment j of the chunk
+``("corrupt", path, chunk, j)``       flip a payload byte of that fragment on disk
+``("target_rm", node)``               ``tierfs target rm`` of the node's target, then wait for
+                                      the rebuild
+``("scrub",)``                        heal, ``tierfs scrub``, verdict checked against the truth
+``("settle",)``                       heal and wait for the cluster to be healthy
+====================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.checker.model import MFile, MHandle, Model, apply_write, resized
+from tests.checker.truth import Truth, chunk_table, scan
+from tierfs.cli.main import run as cli
+from tierfs.cli.repair import scrub_cluster
+from tierfs.client import Client, File
+from tierfs.client.codec import codec_for
+from tierfs.errors import (
+    AlreadyExistsError,
+    BusyError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierFSError,
+)
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "data_of", "random_ops"]
+
+Op = tuple[Any, ...]
+KiB = 1024
+
+#: One meta replica (CPU is scarce); a node missing heartbeats for 1.5 s is
+#: offline; targets are never replaced on their own (``target_rm`` does it).
+META_ARGS = ("--heartbeat-timeout=1.5", "--replace-after=0", "--tick-interval=0.2")
+#: Fast heartbeats, GC and rebuild polls; no background scrub (the checker
+#: scrubs and compares); orphans deletable at once (scrubs run only while no
+#: writer is open, so no upload in flight can be taken for one).
+STORAGE_ARGS = ("--heartbeat-interval=0.3", "--gc-interval=0.3", "--rebuild-interval=0.3", "--scrub-rate=0",
+                "--orphan-grace=0")
+
+#: Kinds of violation that leave the model out of step with the cluster: the
+#: run stops there. The others are recorded and the run goes on.
+FATAL = ("wrong-bytes", "unexpected-success", "unexpected-error", "api")
+
+
+_HANDLE_OPS = ("write", "read", "seek", "flush", "close", "abort")
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def data_of(spec: Sequence[Any]) -> bytes:
+    kind, a, n = spec
+    if kind == "fill":
+        return bytes([int(a)]) * int(n)
+    if kind == "rep":
+        return str(a).encode() * int(n)
+    return bytes(np.random.default_rng(a).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+class CheckerCluster:
+    """A real local cluster for the checker: 1 meta replica, ``n_storage``
+    storage daemons, and the faults the checker injects (tracked, so that
+    reads can be judged against what is really up)."""
+
+    def __init__(self, path: Path, n_storage: int = 7) -> None:
+        self.cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(META_ARGS),
+                               extra_storage_args=list(STORAGE_ARGS))
+        self.down: dict[str, str] = {}  # storage-<i> -> "killed" | "stopped"
+        self.removed: set[int] = set()  # target ids removed with `target rm`
+        self.cl.up(timeout=180)
+
+    @property
+    def meta(self) -> list[str]:
+        return self.cl.meta_addrs
+
+    def storage(self) -> list[str]:
+        return [p.name for p in self.cl.procs if p.kind == "storage"]
+
+    def client(self) -> Client:
+        # Short timeouts (a stopped node costs seconds, not tens of them), but
+        # not so short that a loaded machine times healthy nodes out.
+        return Client(self.meta, request_timeout=2.0, connect_timeout=1.0, retries=2, meta_deadline=30.0)
+
+    def kill(self, name: str) -> None:
+        if self.down.get(name) == "stopped":
+            os.kill(self.cl.proc(name).pid, signal.SIGCONT)
+        self.cl.kill(name)
+        self.down[name] = "killed"
+
+    def stop(self, name: str) -> None:
+        self.cl.kill(name, signal.SIGSTOP)
+        self.down[name] = "stopped"
+
+    def cont(self, name: str) -> None:
+        os.kill(self.cl.proc(name).pid, signal.SIGCONT)
+        self.down.pop(name, None)
+
+    def restart(self, name: str) -> None:
+        self.cl.start(names=[name], timeout=60)
+        self.down.pop(name, None)
+        self.wait_online([name])
+
+    def heal(self) -> None:
+        for name, how in sorted(self.down.items()):
+            if how == "stopped":
+                self.cont(name)
+        killed = [n for n, how in self.down.items() if how == "killed"]
+        if killed:
+            self.cl.start(names=killed, timeout=60)
+        self.down.clear()
+        self.wait_online(self.storage())
+
+    def wait_online(self, names: Sequence[str], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                h = asyncio.run(self.cl.health(deadline=5.0))
+                last = {s["name"]: s["state"] for s in h["storage"]}
+                if all(last.get(n) == "online" for n in names):
+                    return
+            except TierFSError as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        raise AssertionError(f"storage nodes {list(names)} not online after {timeout:.0f}s: {last}")
+
+    def cmap(self) -> pb.ClusterMap:
+        async def get() -> pb.ClusterMap:
+            async with MetaClient(self.meta, deadline=20) as mc:
+                return await mc.get_cluster_map()
+        return asyncio.run(get())
+
+    def wait_rebuilt(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(g.rebuilding for g in self.cmap().groups):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def node_of_target(self, tid: int) -> str:
+        cmap = self.cmap()
+        node = next(t.node_id for t in cmap.targets if t.target_id == tid)
+        addr = next(n.data_addr for n in cmap.nodes if n.node_id == node)
+        return next(p.name for p in self.cl.procs if p.addr == addr)
+
+    def target_of_node(self, name: str) -> int:
+        addr = self.cl.proc(name).addr
+        cmap = self.cmap()
+        node = next(n for n in cmap.nodes if n.data_addr == addr)
+        return int(node.target_ids[0])
+
+    def close(self) -> None:
+        for name, how in list(self.down.items()):
+            if how == "stopped":
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.cl.proc(name).pid, signal.SIGCONT)
+        self.cl.stop()
+
+
+@dataclass
+class Checker:
+    env: CheckerCluster
+    client: Client
+    root: str  # the directory the checker's files live in
+    seed: int | None = None
+    log: list[Op] = field(default_factory=list)
+    model: Model = field(default_factory=Model)
+    real: dict[str, File] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    scrubs: list[dict[str, Any]] = field(default_factory=list)
+    log_dir: Path | None = None
+    old_clients: list[Client] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # time spent per kind of operation
+
+    # ---- running ------------------------------------------------------------------
+
+    def run(self, ops: Iterator[Op] | Sequence[Op], *, finish: bool = True) -> None:
+        """Apply ``ops`` in order (a generator may look at the model between
+        steps); with ``finish``, close every handle, heal, verify every file
+        and require a clean scrub and a clean truth at the end."""
+        try:
+            for op in ops:
+                self.log.append(op)
+                self.step(op)
+            if finish:
+                self.finish()
+        except CheckFailed:
+            raise
+        except Exception as exc:
+            self.violation("unexpected-error", f"the checker itself failed at step {len(self.log)}: "
+                           f"{type(exc).__name__}: {exc}")
+        finally:
+            if finish:
+                self.close()
+        if self.violations:
+            raise CheckFailed(self.report())
+
+    def step(self, op: Op) -> None:
+        if op[0] in _HANDLE_OPS and op[1] not in self.model.handles:
+            # Its open failed as the model expected (busy, missing): nothing to do.
+            self.counts["skipped"] = self.counts.get("skipped", 0) + 1
+            return
+        self.counts[op[0]] = self.counts.get(op[0], 0) + 1
+        t0 = time.monotonic()
+        try:
+            getattr(self, "op_" + op[0])(*op[1:])
+        finally:
+            self.seconds[op[0]] = self.seconds.get(op[0], 0.0) + time.monotonic() - t0
+
+    def violation(self, kind: str, msg: str) -> None:
+        self.violations.append(f"[{kind}] step {len(self.log)} {self.log[-1] if self.log else ''}: {msg}")
+        self.counts["violation:" + kind] = self.counts.get("violation:" + kind, 0) + 1
+        if kind in FATAL:
+            raise CheckFailed(self.report())
+
+    def report(self) -> str:
+        path = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path = self.log_dir / f"checker-{self.root.strip('/').replace('/', '_')}-seed{self.seed}.json"
+            path.write_text(json.dumps({"root": self.root, "seed": self.seed, "ops": self.log}, indent=0))
+        ops = "\n".join(f"  {i + 1:4d} {op!r}" for i, op in enumerate(self.log))
+        return (f"model-based checker: {len(self.violations)} violation(s) in {self.root} (seed {self.seed}, "
+                f"{len(self.log)} steps)\n" + "\n".join(self.violations)
+                + f"\ncounts: {dict(sorted(self.counts.items()))}"
+                + f"\nop log{f' (saved to {path}; replay: python -m tests.checker.replay {path})' if path else ''}:\n"
+                + ops)
+
+    def p(self, path: str) -> str:
+        return f"{self.root}/{path}" if not path.startswith("/") else path
+
+    @property
+    def faulty(self) -> bool:
+        return bool(self.env.down)
+
+    # ---- reads: judged byte for byte, failures judged against the truth --------------
+
+    def _check_read(self, what: str, got: bytes, cands: Sequence[bytes], cut: Callable[[bytes], bytes]) -> list[bytes]:
+        ok = [c for c in cands if cut(c) == got]
+        if not ok:
+            exp = ", ".join(_describe(cut(c)) for c in cands[:3])
+            self.violation("wrong-bytes", f"{what} returned {_describe(got)}; the model allows {exp}"
+                           + _first_diff(got, cut(cands[0])))
+        return ok
+
+    def _excuse(self, what: str, path: str | None, exc: TierFSError, inode: int | None = None) -> None:
+        """A read failed: fine only if some chunk of the file really has too
+        few valid fragments of its committed generation on live nodes."""
+        self.counts["read_failed"] = self.counts.get("read_failed", 0) + 1
+        try:
+            if inode is None:
+                assert path is not None
+                inode = self.client.stat(path).inode
+            truth = self._truth()
+        except TierFSError:
+            return
+        recs = truth.records.get(inode)
+        if recs is None:
+            return
+        codec, _cs = truth.widths[inode]
+        need = 1 if codec.replicated else codec.k
+        short, stale_missing = [], []
+        for idx, rec in sorted(recs.items()):
+            live = {j: n for j, n in truth.valid.get((inode, idx), {}).items() if n not in self.env.down}
+            if len(live) < need:
+                short.append(idx)
+            elif len(set(live) - set(rec.missing)) < need:
+                stale_missing.append((idx, sorted(rec.missing), sorted(live)))
+        if short:
+            self.counts["read_failed_excused"] = self.counts.get("read_failed_excused", 0) + 1
+            return
+        extra = (f"; meta's records list as missing positions the disk holds valid (chunk, missing, valid "
+                 f"on live nodes): {stale_missing[:4]}" if stale_missing else "")
+        self.violation("availability", f"{what} failed ({type(exc).__name__}: {exc}) although every chunk has "
+                       f"{need}+ valid fragments of its committed generation on live nodes (down: "
+                       f"{dict(self.env.down)}){extra}")
+
+    def _truth(self) -> Truth:
+        sessions = {}
+        inodes = []
+        for hid, h in self.model.handles.items():
+            f = self.real[hid]._f
+            if h.writable and f._session is not None:
+                sessions[f.inode] = int(f._session.data_version)
+        for path in self.model.files:
+            with contextlib.suppress(TierFSError):
+                inodes.append(self.client.stat(self.p(path)).inode)
+        return scan(self.env.meta, self.env.cl.dir, inodes, sessions, self.env.removed)
+
+    # ---- namespace and whole-file operations --------------------------------------------
+
+    def _expect_error(self, what: str, want: type[TierFSError], fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` expecting ``want``; False (and a violation) otherwise."""
+        try:
+            fn()
+        except want:
+            return True
+        except TierFSError as exc:
+            self.violation("api", f"{what}: expected {want.__name__}, got {type(exc).__name__}: {exc}")
+            return False
+        self.violation("unexpected-success", f"{what} succeeded; expected {want.__name__}")
+        return False
+
+    def op_write_file(self, path: str, spec: Sequence[Any]) -> None:
+        data = data_of(spec)
+        f = self.model.files.get(path)
+        if f is not None and f.writer is not None:
+            self._expect_error(f"write_bytes({path}) while it is open for writing", BusyError,
+                               lambda: self.client.write_bytes(self.p(path), data))
+            return
+        try:
+            self.client.write_bytes(self.p(path), data)
+        except TierFSError as exc:
+            self._write_failed(f"write_bytes({path}, {len(data)} bytes)", exc)
+            # "wb" truncates at open: what is left is the old contents or empty (docs/reliability.md).
+            if f is None:
+                if self.client.exists(self.p(path)):
+                    self.model.new_file(path)
+            else:
+                f.commit([*f.cands, b""])
+            return
+        if f is None:
+            f = self.model.new_file(path)
+        f.commit([data])
+
+    def _write_failed(self, what: str, exc: TierFSError) -> None:
+        self.counts["write_failed"] = self.counts.get("write_failed", 0) + 1
+        if not self.faulty:
+            # Not a violation on its own (a node just back may still be
+            # marked down in the client for a moment), but worth a count.
+            self.counts["write_failed_no_fault"] = self.counts.get("write_failed_no_fault", 0) + 1
+
+    def op_read_file(self, path: str) -> None:
+        f = self.model.files.get(path)
+        if f is None:
+            self._expect_error(f"read_bytes({path}) of a missing file", NotFoundError,
+                               lambda: self.client.read_bytes(self.p(path)))
+            return
+        try:
+            got = self.client.read_bytes(self.p(path))
+        except TierFSError as exc:
+            self._excuse(f"read_bytes({path})", self.p(path), exc)
+            return
+        f.cands = self._check_read(f"read_bytes({path})", got, f.cands, lambda c: c)
+
+    def op_read_range(self, path: str, off: int, n: int) -> None:
+        f = self.model.files.get(path)
+        if f is None:
+            return
+        buf = bytearray(n)
+        try:
+            got_n = self.client.read_into(self.p(path), buf, off)
+        except TierFSError as exc:
+            self._excuse(f"read_into({path}, {n} bytes at {off})", self.p(path), exc)
+            return
+        f.cands = self._check_read(f"read_into({path}, {n} bytes at {off})", bytes(buf[:got_n]), f.cands,
+                                   lambda c: c[off: off + n])
+
+    def op_truncate(self, path: str, size: int) -> None:
+        f = self.model.files.get(path)
+        if f is None:
+            self._expect_error(f"truncate({path}) of a missing file", NotFoundError,
+                               lambda: self.client.truncate(self.p(path), size))
+            return
+        if f.writer is not None:
+            self._expect_error(f"truncate({path}) while it is open for writing", BusyError,
+                               lambda: self.client.truncate(self.p(path), size))
+            return
+        self.client.truncate(self.p(path), size)
+        f.commit([resized(c, size) for c in f.cands])
+
+    def op_rename(self, src: str, dst: str) -> None:
+        if src not in self.model.files:
+            self._expect_error(f"rename({src}) of a missing file", NotFoundError,
+                               lambda: self.client.rename(self.p(src), self.p(dst)))
+            return
+        self.client.rename(self.p(src), self.p(dst))
+        self.model.rename(src, dst)
+
+    def op_unlink(self, path: str) -> None:
+        if path not in self.model.files:
+            self._expect_error(f"rm({path}) of a missing file", NotFoundError, lambda: self.client.rm(self.p(path)))
+            return
+        self.client.rm(self.p(path))
+        self.model.unlink(path)
+
+    # ---- handles -----------------------------------------------------------------------
+
+    def op_open(self, hid: str, path: str, mode: str) -> None:
+        base, plus = mode[0], "+" in mode
+        f = self.model.files.get(path)
+        writable = base != "r" or plus
+        what = f"open({path}, {mode!r})"
+        if base == "r" and f is None:
+            self._expect_error(what + " of a missing file", NotFoundError, lambda: self.client.open(self.p(path), mode))
+            return
+        if base == "x" and f is not None:
+            self._expect_error(what + " of an existing file", AlreadyExistsError,
+                               lambda: self.client.open(self.p(path), mode))
+            return
+        if writable and f is not None and f.writer is not None:
+            self._expect_error(what + " while another writer has it", BusyError,
+                               lambda: self.client.open(self.p(path), mode))
+            return
+        try:
+            real = self.client.open(self.p(path), mode)
+        except TierFSError as exc:
+            if not self.faulty:
+                raise
+            # Meta may refuse to place a new file while too few nodes are up
+            # (or a later step of the open failed): nothing half-done may stay.
+            self.counts["open_failed"] = self.counts.get("open_failed", 0) + 1
+            self.counts["open_failed:" + type(exc).__name__] = self.counts.get("open_failed:" + type(exc).__name__, 0) + 1
+            if f is None and self.client.exists(self.p(path)):
+                self.model.new_file(path)  # created, then the write session refused: an empty file
+            elif f is not None and base == "w":
+                f.commit([*f.cands, b""])  # the truncate at open may have happened
+            return
+        if f is None:
+            f = self.model.new_file(path)
+        if base == "w" and f.cands != [b""]:
+            f.commit([b""])  # O_TRUNC, visible at once
+        first = len(f.versions) - len(f.cands)
+        size = real.size
+        cands = [c for c in f.cands if len(c) == size]
+        if not cands:
+            self.violation("wrong-bytes", f"{what}: size {size}, the model allows sizes {[len(c) for c in f.cands]}")
+        f.cands = cands
+        h = MHandle(hid, f, mode, readable=base == "r" or plus, writable=writable, append=base == "a",
+                    pos=size if base == "a" else 0)
+        if writable:
+            h.cands = list(cands)
+            h.base = list(cands)
+            f.writer = h
+        else:
+            h.open_size = size
+            h.first_version = first
+        self.model.handles[hid] = h
+        self.real[hid] = real
+
+    def _h(self, hid: str) -> tuple[MHandle, File]:
+        return self.model.handles[hid], self.real[hid]
+
+    def _poisoned(self, h: MHandle, real: File, what: str, exc: TierFSError) -> None:
+        """A writer's call failed: if the session is aborted (the error is
+        latched), nothing of it may become visible; if not (a read of the
+        chunk's old bytes failed), the write may be partly applied."""
+        if real._f._error is not None:
+            h.failed = h.failed or f"{what}: {type(exc).__name__}: {exc}"
+        else:
+            h.failed = h.failed or f"partial: {what}: {type(exc).__name__}: {exc}"
+
+    def op_write(self, hid: str, off: int | None, spec: Sequence[Any]) -> None:
+        h, real = self._h(hid)
+        data = data_of(spec)
+        if off is not None:
+            real.seek(off)
+            h.pos = off
+        start = h.pos
+        if not h.writable:
+            self._expect_error(f"write to read-only handle {hid}", InvalidArgumentError, lambda: real.write(data))
+            return
+        try:
+            real.write(data)
+        except TierFSError as exc:
+            self._write_failed(f"write {hid}", exc)
+            self._poisoned(h, real, f"write of {len(data)} bytes at {h.pos}", exc)
+            return
+        new = []
+        for c in h.cands:
+            pos = len(c) if h.append else h.pos
+            new.append(apply_write(c, pos, data))
+        h.cands = new
+        h.pos = real.tell()
+        if not h.append and h.pos != start + len(data):
+            self.violation("api", f"{hid}: position {h.pos} after writing {len(data)} bytes at {start}")
+
+    def op_seek(self, hid: str, off: int) -> None:
+        h, real = self._h(hid)
+        real.seek(off)
+        h.pos = off
+
+    def op_read(self, hid: str, n: int) -> None:
+        h, real = self._h(hid)
+        if not h.readable:
+            self._expect_error(f"read from write-only handle {hid}", InvalidArgumentError, lambda: real.read(n))
+            return
+        pos = h.pos
+        try:
+            got = real.read(n)
+        except TierFSError as exc:
+            if h.writable:
+                self._poisoned(h, real, "read (flush first)", exc)
+                if real._f._error is None and not self.faulty:
+                    self.violation("availability", f"{hid} ({h.mode}).read({n}) at {pos} failed with every "
+                                   f"node up: {type(exc).__name__}: {exc}")
+                return
+            if not h.file.linked:
+                return  # the file is gone: a clean error is all it can give
+            self._excuse(f"{hid}.read({n}) at {pos}", None, exc, real._f.inode)
+            return
+        if h.writable:
+            def cut(c: bytes) -> bytes:
+                k = max(0, min(n if n >= 0 else len(c), len(c) - pos))
+                return c[pos: pos + k]
+            h.cands = self._check_read(f"{hid} ({h.mode}).read({n}) at {pos} (own writes)", got, h.cands, cut)
+        else:
+            vs = h.file.versions[h.first_version:]
+            want = max(0, min(n if n >= 0 else h.open_size, h.open_size - pos))
+
+            def cut(c: bytes) -> bytes:
+                return c[pos: pos + want]
+            self._check_read(f"{hid} (r, opened at size {h.open_size}).read({n}) at {pos}", got, vs, cut)
+        h.pos = pos + len(got)
+
+    def op_flush(self, hid: str) -> None:
+        h, real = self._h(hid)
+        try:
+            real.flush()
+        except TierFSError as exc:
+            self._poisoned(h, real, "flush", exc)
+
+    def op_abort(self, hid: str) -> None:
+        h, real = self._h(hid)
+        real.abort()
+        self._drop(h)
+
+    def _drop(self, h: MHandle) -> None:
+        del self.model.handles[h.hid]
+        del self.real[h.hid]
+        if h.file.writer is h:
+            h.file.writer = None
+
+    def op_close(self, hid: str) -> None:
+        h, real = self._h(hid)
+        f = h.file
+        if not h.writable:
+            real.close()
+            self._drop(h)
+            return
+        flushed = False
+        if not h.failed:
+            try:
+                real.flush()
+                flushed = True
+            except TierFSError as exc:
+                self._poisoned(h, real, "flush at close", exc)
+        try:
+            real.close()
+        except TierFSError:
+            self._drop(h)
+            if not f.linked:
+                return  # unlinked meanwhile: its session is gone
+            if flushed:
+                # The commit itself failed: it may have been applied or not.
+                f.commit([*f.cands, *h.cands])
+                self.counts["commit_ambiguous"] = self.counts.get("commit_ambiguous", 0) + 1
+            return
+        self._drop(h)
+        if not f.linked:
+            self.violation("api", f"close of {hid} succeeded although its file was unlinked (its session is gone)")
+            return
+        if h.failed.startswith("partial:"):
+            # The write raised but the session went on: what it published is
+            # unknowable here. The docs say any failure aborts the session.
+            self.violation("doc", f"{hid}: a call failed ({h.failed}) but close() published the session")
+            got = self.client.read_bytes(self.p(_path_of(self.model, f)))
+            f.commit([got])
+            return
+        if h.failed:
+            self.violation("unexpected-success", f"{hid}: close() published a session whose call failed ({h.failed})")
+        if real.size not in [len(c) for c in h.cands]:
+            self.violation("api", f"{hid}: closed at size {real.size}, the model says {[len(c) for c in h.cands]}")
+        f.commit(h.cands)
+
+    # ---- faults ---------------------------------------------------------------------------
+
+    def op_kill(self, node: str) -> None:
+        self.env.kill(node)
+
+    def op_stop(self, node: str) -> None:
+        self.env.stop(node)
+
+    def op_cont(self, node: str) -> None:
+        self.env.cont(node)
+
+    def op_restart(self, node: str) -> None:
+        self.env.restart(node)
+
+    def op_settle(self) -> None:
+        self.env.heal()
+
+    def op_fresh_client(self) -> None:
+        """Go on with a new client: one that has not seen the faults (no
+        target marked failed, no cached map), like another process. Open
+        handles keep the client they were opened with."""
+        self.old_clients.append(self.client)
+        self.client = self.env.client()
+
+    def close(self) -> None:
+        for c in [*self.old_clients, self.client]:
+            with contextlib.suppress(Exception):
+                c.close()
+
+    def _holder(self, path: str, chunk: int, j: int) -> tuple[int, str, int]:
+        """(target, node, inode) holding fragment ``j`` (modulo the width) of the chunk."""
+        info = asyncio.run(_stat(self.env.meta, self.p(path)))
+        lay = info.layout
+        gid = lay.groups[chunk % len(lay.groups)]
+        cmap = self.env.cmap()
+        members = next(g for g in cmap.groups if g.group_id == gid).target_ids
+        tid = int(members[j % len(members)])
+        return tid, self.env.node_of_target(tid), info.attr.inode
+
+    def _fragment_file(self, path: str, chunk: int, j: int) -> Path | None:
+        _tid, node, ino = self._holder(path, chunk, j)
+        rec = chunk_table(asyncio.run(_stat(self.env.meta, self.p(path)))).get(chunk)
+        if rec is None:
+            return None
+        width = codec_for(asyncio.run(_stat(self.env.meta, self.p(path))).layout).width
+        root = next(p.parent for p in self.env.cl.dir.glob(f"{node}/t*/target.json"))
+        return root / "frags" / f"{ino & 0xFF:02x}" / f"{ino:016x}" / f"{chunk:x}.{j % width:x}.{rec.generation:x}"
+
+    def op_delete_frag(self, path: str, chunk: int, j: int) -> None:
+        fp = self._fragment_file(path, chunk, j)
+        if fp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                fp.unlink()
+                self.counts["deleted_fragments"] = self.counts.get("deleted_fragments", 0) + 1
+
+    def op_kill_holder(self, path: str, chunk: int, j: int) -> None:
+        if path not in self.model.files:
+            return
+        _, node, _ = self._holder(path, chunk, j)
+        if self.env.down.get(node) != "killed":
+            self.env.kill(node)
+
+    def op_corrupt(self, path: str, chunk: int, j: int) -> None:
+        fp = self._fragment_file(path, chunk, j)
+        if fp is None:
+            return
+        with contextlib.suppress(FileNotFoundError), open(fp, "r+b") as fh:
+            raw = fh.read()
+            hdr_len = int.from_bytes(raw[12:16], "little")
+            size = int.from_bytes(raw[48:56], "little")
+            if size:
+                at = hdr_len + (chunk * 7919 + j) % size
+                fh.seek(at)
+                fh.write(bytes([raw[at] ^ 0x5A]))
+                self.counts["corrupted"] = self.counts.get("corrupted", 0) + 1
+
+    def op_target_rm(self, node: str) -> None:
+        tid = self.env.target_of_node(node)
+        out, err = io.StringIO(), io.StringIO()
+        code = cli(["target", "rm", str(tid), "--json", "--meta", ",".join(self.env.meta)], stdout=out, stderr=err)
+        if code != 0:
+            self.violation("rebuild", f"tierfs target rm {tid} exited {code}: {err.getvalue()[-500:]}")
+            return
+        self.env.removed.add(tid)
+        if not self.env.wait_rebuilt():
+            self.violation("rebuild", f"the groups of removed target {tid} still rebuild after 30 s")
+
+    def op_scrub(self, repair: bool = True) -> dict[str, Any]:
+        """Heal, scrub (repairing, or only reporting), and check the verdict:
+        a report that calls the cluster clean must be right about the truth
+        on disk, computed after the pass."""
+        self.env.heal()
+        rebuilt = self.env.wait_rebuilt(5.0 if self.counts.get("violation:rebuild") else 30.0)
+        rep = asyncio.run(scrub_cluster(self.env.meta, repair=repair, delete_orphans=repair, timeout=120))
+        truth = self._truth()
+        tot = dict(rep["total"])
+        for k in ("stale", "mismatched", "chunks_verified"):
+            tot[k] = sum(int(n.get(k, 0)) for n in rep["nodes"] if "error" not in n)
+        says_clean = (bool(rep["clean"]) and not rep["offline_nodes"] and tot["stale"] == 0
+                      and tot["mismatched"] == 0)
+        self.scrubs.append({"report": tot, "clean": says_clean, "truth_clean": truth.clean})
+        self.counts["scrub_clean" if says_clean else "scrub_found"] = (
+            self.counts.get("scrub_clean" if says_clean else "scrub_found", 0) + 1)
+        errs = [f"node {n['node']}: {n['error']}" for n in rep["nodes"] if "error" in n]
+        if errs:
+            tot["node_errors"] = errs[:3]
+        if not rebuilt:
+            # The scrub leaves groups being rebuilt to the rebuild worker; the
+            # stuck rebuild is reported already.
+            self.counts["scrub_unchecked"] = self.counts.get("scrub_unchecked", 0) + 1
+        elif says_clean and not truth.clean:
+            self.violation("scrub", f"scrub called the cluster clean ({_totals(tot)}) but {truth.summary()}")
+        return {"clean": says_clean, "truth": truth, "report": tot}
+
+    # ---- the end of a run ---------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Close every handle, heal, read every file back, then scrub until a
+        pass finds nothing (at most 3): by then the truth must be clean."""
+        for hid in sorted(self.model.handles):
+            self.log.append(("close", hid))
+            self.op_close(hid)
+        self.log.append(("settle",))
+        self.env.heal()
+        self.log.append(("fresh_client",))
+        self.op_fresh_client()
+        for path in sorted(self.model.files):
+            self.log.append(("read_file", path))
+            self.op_read_file(path)
+        last: dict[str, Any] = {}
+        for _ in range(3):
+            self.log.append(("scrub",))
+            last = self.op_scrub()
+            if last["clean"]:
+                break
+        if not last["clean"]:
+            self.violation("converge", f"3 repairing scrub passes on a healed cluster still find problems "
+                           f"({_totals(last['report'])}); {last['truth'].summary()}")
+        elif not last["truth"].clean:
+            pass  # reported by op_scrub already
+        for path in sorted(self.model.files):
+            self.log.append(("read_file", path))
+            self.op_read_file(path)
+
+
+def _path_of(model: Model, f: MFile) -> str:
+    return next(p for p, x in model.files.items() if x is f)
+
+
+async def _stat(meta: list[str], path: str) -> pb.FileInfo:
+    async with MetaClient(meta, deadline=20) as mc:
+        return await mc.stat(path)
+
+
+def _totals(t: dict[str, Any]) -> str:
+    keys = ("fragments", "corrupt", "missing", "stale", "mismatched", "repaired", "orphans", "orphans_deleted",
+            "errors", "unreachable")
+    out = ", ".join(f"{k} {t.get(k, 0)}" for k in keys)
+    return out + (f"; unreachable: {t['node_errors']}" if t.get("node_errors") else "")
+
+
+def _describe(b: bytes) -> str:
+    if not b:
+        return "0 bytes"
+    runs: list[str] = []
+    i = 0
+    while i < len(b) and len(runs) < 4:
+        j = i
+        while j < len(b) and b[j] == b[i]:
+            j += 1
+        if j - i >= 16:
+            runs.append(f"{j - i} x {bytes([b[i]])!r}")
+        else:
+            runs.append(f"{b[i:i + 8].hex()}...")
+            j = max(j, i + 8)
+        i = j
+    return f"{len(b)} bytes [{', '.join(runs)}{', ...' if i < len(b) else ''}]"
+
+
+def _first_diff(a: bytes, b: bytes) -> str:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return f" (first difference at byte {i}: got {a[i]:#04x}, model {b[i]:#04x})"
+    return f" (lengths {len(a)} and {len(b)})" if len(a) != len(b) else ""
+
+
+# ---- the random walk ---------------------------------------------------------------------------
+
+SIZES = (1, 100, 1000, 4095, 64 * KiB - 1, 64 * KiB, 64 * KiB + 1, 100 * KiB, 200 * KiB)
+MODES = ("r", "r+", "w", "w+", "a", "a+", "x", "x+")
+
+
+def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * KiB, max_down: int = 2,
+               n_files: int = 4, target_rm: bool = True) -> Iterator[Op]:
+    """``steps`` operations drawn from ``rng``, each looking at the model
+    (which handles are open, which files exist) and at the faults active.
+    At most ``max_down`` storage nodes are down or stopped at once."""
+    names = [f"f{i}" for i in range(n_files)]
+    env = ck.env
+    removed_once = False
+    nh = 0
+
+    def offset(size: int) -> int:
+        r = rng.random()
+        if r < 0.3:
+            return rng.choice([0, size])
+        if r < 0.6:  # next to a chunk boundary
+            return max(0, rng.randrange(0, size // cs + 2) * cs + rng.choice([-1, 0, 1]))
+        return rng.randrange(0, size + cs)
+
+    def data() -> tuple[str, int, int]:
+        return ("rand", rng.randrange(1 << 30), rng.choice(SIZES))
+
+    for _ in range(steps):
+        handles = ck.model.handles
+        up = [n for n in env.storage() if n not in env.down]
+        r = rng.random()
+        if r < 0.04 and len(env.down) < max_down:
+            yield ("kill", rng.choice(up))
+        elif r < 0.06 and len(env.down) < max_down:
+            yield ("stop", rng.choice(up))
+        elif r < 0.11 and env.down:
+            node = rng.choice(sorted(env.down))
+            yield ("restart" if env.down[node] == "killed" else "cont", node)
+        elif r < 0.13 and not any(h.writable for h in handles.values()):
+            yield ("scrub",)
+        elif r < 0.14 and target_rm and not removed_once and not env.removed and not env.down:
+            removed_once = True
+            yield ("target_rm", rng.choice(up))
+        elif r < 0.16 and ck.model.files:
+            path = rng.choice(sorted(ck.model.files))
+            size = max((len(c) for c in ck.model.files[path].cands), default=0)
+            if size:
+                yield ("corrupt", path, rng.randrange(-(-size // cs)), rng.randrange(6))
+        elif r < 0.18:
+            yield ("fresh_client",)
+        elif r < 0.22 and ck.model.files and len(handles) < 3:
+            # A reader holds the file open while it is rewritten (whole, or
+            # through a writer), then reads on: each call must return one
+            # committed version, never a mix.
+            nh += 1
+            path = rng.choice(sorted(ck.model.files))
+            rh = f"h{nh}"
+            yield ("open", rh, path, "r")
+            yield ("read", rh, rng.choice([1, 1000, cs - 3]))
+            if rng.random() < 0.5:
+                yield ("write_file", path, data())
+            else:
+                nh += 1
+                yield ("open", f"h{nh}", path, rng.choice(["r+", "a", "w"]))
+                yield ("write", f"h{nh}", offset(cs), data())
+                yield ("close", f"h{nh}")
+            for _ in range(rng.randrange(1, 4)):
+                yield ("read", rh, rng.choice([-1, 1, 1000, cs // 2 - 1, cs, 2 * cs + 5]))
+            if rng.random() < 0.7:
+                yield ("close", rh)
+        elif r < 0.25 and len(handles) < 3 and len(env.down) < max_down:
+            # A chunk rewritten in one session while a node is away: flushed,
+            # a node killed, written again, closed, the node back, a fresh
+            # client reads (the node returns with the first upload).
+            nh += 1
+            wh, path = f"h{nh}", rng.choice(names)
+            yield ("open", wh, path, rng.choice(["w", "r+", "a", "w+"]))
+            at = rng.randrange(0, 3) * cs + rng.choice([0, 1, cs // 3])
+            yield ("write", wh, at, data())
+            yield ("flush", wh)
+            # The node of one of the chunk's data fragments (fragment 0 holds
+            # every byte of a chunk shorter than a fragment).
+            yield ("kill_holder", path, at // cs, rng.choice([0, 0, 1, 2, 3]))
+            yield ("write", wh, at + rng.choice([0, 1000, cs // 2]), data())
+            yield ("close", wh)
+            yield ("settle",)
+            yield ("fresh_client",)
+            yield ("read_file", path)
+        elif r < 0.34 and len(handles) < 3:
+            nh += 1
+            mode = rng.choice(MODES)
+            have = sorted(ck.model.files)
+            path = rng.choice(have) if have and mode[0] in "ra" and rng.random() < 0.8 else rng.choice(names)
+            yield ("open", f"h{nh}", path, mode)
+        elif r < 0.62 and handles:
+            hid = rng.choice(sorted(handles))
+            h = handles[hid]
+            q = rng.random()
+            if q < 0.45:
+                yield ("write", hid, None if rng.random() < 0.4 else offset(h.size()), data())
+            elif q < 0.68:
+                yield ("read", hid, rng.choice([-1, 1, 1000, cs // 2 - 1, cs, cs + 5]))
+            elif q < 0.78:
+                yield ("seek", hid, offset(h.size()))
+            elif q < 0.85:
+                yield ("flush", hid)
+            elif q < 0.97:
+                yield ("close", hid)
+            else:
+                yield ("abort", hid)
+        elif r < 0.70:
+            yield ("write_file", rng.choice(names), data())
+        elif r < 0.80:
+            yield ("read_file", rng.choice(names))
+        elif r < 0.84 and ck.model.files:
+            path = rng.choice(sorted(ck.model.files))
+            size = max(len(c) for c in ck.model.files[path].cands)
+            yield ("read_range", path, offset(size), rng.choice([1, 777, cs, 2 * cs + 3]))
+        elif r < 0.92:
+            path = rng.choice(names)
+            size = max((len(c) for c in ck.model.files[path].cands), default=0) if path in ck.model.files else 0
+            yield ("truncate", path, rng.choice([0, 1, 6, size // 2, size + 3000, size + cs + 1, offset(size)]))
+        elif r < 0.96:
+            yield ("rename", rng.choice(names), rng.choice(names))
+        else:
+            yield ("unlink", rng.choice(names))

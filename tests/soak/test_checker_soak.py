@@ -1,0 +1,66 @@
+"""The model-based checker (tests/checker) for longer: seeded random walks
+one after another on one real cluster (1 meta, 7 storage daemons, 64 KiB
+chunks), alternating ``ec:4+2`` and ``replica:3``, until
+``TIERFS_CHECKER_SECONDS`` have passed or the seeds in
+``TIERFS_CHECKER_SEEDS`` (comma-separated) are done; each walk has
+``TIERFS_CHECKER_STEPS`` operations (default 150) and ends with every file
+read back and scrubs until one finds nothing, whose verdict and the truth on
+disk must agree. The first walk removes a target (``tierfs target rm``) and
+waits for the rebuild. ``make soak`` runs it for 600 s; ``make test`` does
+not (the bounded walks in tests/checker/test_checker.py run there).
+
+Every failing walk's seed and op log are printed at the end (and saved
+under the test's tmp dir; replay one with ``python -m tests.checker.replay``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.checker.walk import Checker, CheckerCluster, CheckFailed, random_ops
+
+SECONDS = float(os.environ.get("TIERFS_CHECKER_SECONDS", "0"))
+SEEDS = [int(s) for s in os.environ.get("TIERFS_CHECKER_SEEDS", "").split(",") if s.strip()]
+STEPS = int(os.environ.get("TIERFS_CHECKER_STEPS", "150"))
+FIRST_SEED = int(os.environ.get("TIERFS_CHECKER_FIRST_SEED", "100"))
+CS = 64 << 10
+LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
+
+
+@pytest.mark.skipif(not SECONDS and not SEEDS,
+                    reason="set TIERFS_CHECKER_SECONDS or TIERFS_CHECKER_SEEDS (make soak sets the first)")
+@pytest.mark.timeout(SECONDS + 600 * max(1, len(SEEDS)) + 300)
+def test_checker_soak(tmp_path: Path) -> None:
+    env = CheckerCluster(tmp_path / "cluster", n_storage=7)
+    failures: list[str] = []
+    walks: list[str] = []
+    try:
+        end = time.monotonic() + SECONDS
+        seeds = iter(SEEDS) if SEEDS else iter(range(FIRST_SEED, FIRST_SEED + 1_000_000))
+        for i, seed in enumerate(seeds):
+            if not SEEDS and time.monotonic() >= end:
+                break
+            kind, red = LAYOUTS[i % 2]
+            env.heal()
+            client = env.client()
+            root = f"/soak-{kind}-{seed}"
+            client.mkdir(root)
+            client.set_layout(root, chunk_size=CS, redundancy=red)
+            ck = Checker(env, client, root, seed=seed, log_dir=tmp_path / "logs")
+            t0 = time.monotonic()
+            try:
+                ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0))
+            except CheckFailed as exc:
+                failures.append(str(exc))
+            walks.append(f"{kind} seed {seed}: {time.monotonic() - t0:.0f}s, {len(ck.log)} steps, "
+                         f"{sum(v for k, v in ck.counts.items() if k.startswith('violation:'))} violations")
+    finally:
+        env.close()
+    print("\nchecker soak:\n  " + "\n  ".join(walks))
+    assert walks, "no walk ran"
+    assert not failures, f"{len(failures)} of {len(walks)} walks failed:\n\n" + "\n\n".join(failures)
