@@ -8,7 +8,8 @@ fails the run unless its category is allowed:
   is ``cpu``: hardware this machine lacks, said as such by the probe (the
   liburing wheel is built for AVX-512 and dies of SIGILL without it, so
   the io_uring backend cannot run here; any other io_uring skip is
-  ``uring`` and fails);
+  ``uring`` and fails); and ``soak``, the long checker walks that only
+  ``make soak`` asks for (``make test`` runs the bounded checker set);
 * ``deployment`` (tests that must start or kill local replicas) is allowed
   when ``TIERFS_TEST_META`` points the suite at a deployment;
 * anything else only through ``TIERFS_ALLOW_SKIP``: a comma-separated list of
@@ -32,6 +33,7 @@ import pytest
 CATEGORIES: dict[str, str] = {
     "rdma": r"RDMA",
     "cpu": r"does not run on this CPU",
+    "soak": r"make soak sets",
     "deployment": r"needs a local cluster|local replica|starts its own replicas|TIERFS_TEST_META",
     "fuse": r"/dev/fuse|fusermount|LazyFS",
     "netns": r"netns|10\.200\.",
@@ -41,7 +43,7 @@ CATEGORIES: dict[str, str] = {
     "tools": r"not installed",
     "other": r"",
 }
-ALWAYS_ALLOWED = frozenset({"rdma", "cpu"})
+ALWAYS_ALLOWED = frozenset({"rdma", "cpu", "soak"})
 ENV = "TIERFS_ALLOW_SKIP"
 
 _allowed_seen: collections.Counter[str] = collections.Counter()
