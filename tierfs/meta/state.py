@@ -619,14 +619,22 @@ class MetaStateMachine:
                   for g in sorted(self.groups) if len(self.groups[g]) == w}
         healthy = [g for g, n in online.items() if n == w]
         healthy += list(range(self.next_group, self.next_group + len(pending)))
+        # Members a degraded write needs (the client's default acknowledgement rule).
+        need = min(w, 2) if spec.kind == pb.REDUNDANCY_KIND_REPLICA else min(w, spec.k + 1)
         if not healthy:
             # Every group of this width has a member down (with 6 nodes and
             # ec:4+2 every group spans every node): place the file on groups
             # that can still take a degraded write, which the down member
             # catches up on when it returns (docs/repair.md).
-            need = min(w, 2) if spec.kind == pb.REDUNDANCY_KIND_REPLICA else min(w, spec.k + 1)
             healthy = [g for g, n in online.items() if n >= need]
         red = spec.redundancy()
+        if not healthy and online and distinct_nodes(self._eligible()) >= need:
+            # Enough nodes are up, but every group of this width lacks too
+            # many of its members (the groups were made when other nodes lived).
+            raise InsufficientTargetsError(
+                f"layout {red}: no placement group of width {w} has {need} or more members online (the most "
+                f"is {max(online.values())}: too many storage nodes are down for a new file to be written "
+                f"safely); bring nodes back, or replace the dead ones (`tierfs target rm`)")
         if not healthy:
             nodes = distinct_nodes(self._eligible())
             raise InsufficientTargetsError(
