@@ -25,6 +25,7 @@ import base64
 import hashlib
 import heapq
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,6 +57,7 @@ from tierfs.meta.ops import (
     validate_op,
 )
 from tierfs.meta.placement import distinct_nodes, plan_groups
+from tierfs.meta.undo import Tracked, transaction
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -83,11 +85,16 @@ MAX_READDIR_LIMIT = 10_000
 REQUESTS_PER_CLIENT = 128
 REQUEST_TTL_NS = 15 * 60 * 10**9
 SNAPSHOT_FORMAT = 1
+#: How far one op may move the state clock forwards. The leader stamps ops
+#: with time continued from the state clock (MetaServicer.now_ns), so a
+#: correct leader never needs more than the time since the previous op; a
+#: longer idle gap is caught up over several ops.
+MAX_CLOCK_STEP_NS = 3600 * 10**9
 NS_PER_MS = 1_000_000
 
 
 @dataclass(slots=True)
-class Inode:
+class Inode(Tracked):
     id: int
     type: int
     mode: int
@@ -110,7 +117,7 @@ class Inode:
 
 
 @dataclass(slots=True)
-class Node:
+class Node(Tracked):
     id: int
     uuid: str
     hostname: str
@@ -123,7 +130,7 @@ class Node:
 
 
 @dataclass(slots=True)
-class Target:
+class Target(Tracked):
     id: int
     node: int
     path: str
@@ -136,7 +143,7 @@ class Target:
 
 
 @dataclass(slots=True)
-class Session:
+class Session(Tracked):
     id: int
     inode: int
     owner: str
@@ -146,7 +153,7 @@ class Session:
 
 
 @dataclass(slots=True)
-class GCEntry:
+class GCEntry(Tracked):
     id: int
     inode: int
     chunk: int
@@ -179,13 +186,17 @@ def _result(reply: Message | None = None, err: TierFSError | None = None) -> byt
     return res.SerializeToString(deterministic=True)
 
 
-class MetaStateMachine:
+class MetaStateMachine(Tracked):
     """Implements :class:`tierfs.meta.interfaces.StateMachine`."""
 
     def __init__(self) -> None:
         #: apply() calls on this instance (local diagnostics; not replicated
         #: state, so not in snapshots or the digest).
         self.ops_applied = 0
+        #: tests only (TIERFS_TEST_APPLY_FAIL_MARKER): an op whose bytes
+        #: contain the marker raises after it mutated the state, on every
+        #: replica - the undo log must put everything back.
+        self._fail_marker = os.environ.get("TIERFS_TEST_APPLY_FAIL_MARKER", "").encode()
         self._reset()
 
     # ---- lifecycle ----------------------------------------------------------
@@ -225,30 +236,43 @@ class MetaStateMachine:
             msg = pb.MetaOp.FromString(op)
         except (DecodeError, ValueError) as exc:
             return _result(err=ProtocolError(f"undecodable meta op: {exc}"))
-        # A failed op must leave the state exactly as it was, clock included.
-        clock_before = self.clock
-        self.clock = max(self.clock, msg.now_ns)
-        dedup = bool(msg.client_id and msg.request_id)
-        if dedup:
-            seen = self.requests.get(msg.client_id)
-            if seen is not None and msg.request_id in seen[1]:
-                return seen[1][msg.request_id]
+        # A failed op must leave the state exactly as it was, clock included:
+        # every mutation inside the transaction is undone if the op raises,
+        # wherever it raises (tierfs/meta/undo.py).
         try:
-            validate_op(msg)
-            kind = msg.WhichOneof("body")
-            reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
-            out = _result(reply)
+            with transaction():
+                self.clock = self._advance(msg.now_ns)
+                dedup = bool(msg.client_id and msg.request_id)
+                if dedup:
+                    seen = self.requests.get(msg.client_id)
+                    if seen is not None and msg.request_id in seen[1]:
+                        return seen[1][msg.request_id]
+                validate_op(msg)
+                kind = msg.WhichOneof("body")
+                reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
+                out = _result(reply)
+                # Only successes are remembered: a retry of a failed request is
+                # simply tried again (it cannot have taken effect), and a
+                # refused op leaves no trace in the state at all.
+                if dedup:
+                    self._remember(msg.client_id, msg.request_id, out)
+                if self._fail_marker and self._fail_marker in op:
+                    raise RuntimeError("test hook: failing after the op mutated the state")
         except TierFSError as err:
-            self.clock = clock_before
             return _result(err=err)
         except Exception as exc:  # a bug: still a deterministic outcome everywhere
             return _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
-        # Only successes are remembered: a retry of a failed request is simply
-        # tried again (it cannot have taken effect), and a refused op leaves
-        # no trace in the state at all.
-        if dedup:
-            self._remember(msg.client_id, msg.request_id, out)
         return out
+
+    def _advance(self, now_ns: int) -> int:
+        """The state clock after an op stamped ``now_ns``: never backwards
+        (a new leader with a slower clock) and never more than
+        MAX_CLOCK_STEP_NS forwards in one op, so a leader whose clock jumped
+        ahead cannot drag the clock far (docs/meta.md, "Time"). A fresh
+        state (clock 0) takes the first stamp as is."""
+        if self.clock and now_ns > self.clock + MAX_CLOCK_STEP_NS:
+            now_ns = self.clock + MAX_CLOCK_STEP_NS
+        return max(self.clock, now_ns)
 
     def snapshot(self) -> bytes:
         return json.dumps(self._to_json(), sort_keys=True, separators=(",", ":")).encode()
@@ -942,7 +966,7 @@ class MetaStateMachine:
         """Whether a Tick op at ``now_ns`` would change anything beyond the
         clock: the leader skips the log entry otherwise (an idle cluster
         writes nothing and its digest stays still)."""
-        now = max(self.clock, now_ns)
+        now = self._advance(now_ns)
         if heartbeat_timeout_ms:
             limit = now - heartbeat_timeout_ms * NS_PER_MS
             if any(n.state == NODE_ONLINE and n.last_hb < limit for n in self.nodes.values()):
