@@ -21,6 +21,8 @@ import contextlib
 import ctypes
 import mmap
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -100,7 +102,33 @@ _LEAKS = _calibrate() if L is not None else False
 
 def probe_uring() -> str | None:
     """None if io_uring works here (ring setup, READV/WRITEV/FSYNC on an
-    O_DIRECT file round trip); otherwise the reason it does not."""
+    O_DIRECT file round trip); otherwise the reason it does not.
+
+    The probe runs in a child process first: the ``liburing`` wheel is built
+    for CPUs with AVX-512 and dies of SIGILL on one without (seen on an AMD
+    EPYC with AVX2 only), which no ``except`` can catch. Only when the child
+    came through is the probe repeated here."""
+    if L is None:
+        return _IMPORT_ERROR
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    code = "import sys; from tierfs.storage.io.uring import _probe_here; sys.stdout.write(_probe_here() or '')"
+    try:
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"io_uring probe process failed: {exc}"
+    if child.returncode < 0:
+        sig = signal.Signals(-child.returncode).name
+        return f"io_uring probe died of {sig} (the liburing wheel does not run on this CPU)"
+    if child.returncode != 0:
+        return f"io_uring probe process exited {child.returncode}: {child.stderr.decode(errors='replace')[-300:]}"
+    if child.stdout:
+        return child.stdout.decode(errors="replace")
+    return _probe_here()
+
+
+def _probe_here() -> str | None:
+    """The probe itself, in this process (see :func:`probe_uring`)."""
     if L is None:
         return _IMPORT_ERROR
     try:
