@@ -29,10 +29,12 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import Any, TypeVar
 
 import pysyncobj.syncobj as _syncobj_mod
 from prometheus_client import Counter, Gauge, Histogram
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj import FAIL_REASON, SERIALIZER_STATE, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
@@ -82,6 +84,10 @@ IS_LEADER = Gauge("tierfs_meta_is_leader", "1 on the leader")
 SNAPSHOTS = Counter("tierfs_meta_snapshots_total", "Snapshots written")
 
 _RAFT_ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+_SER_IDLE: int = SERIALIZER_STATE.NOT_SERIALIZING
+_SER_BUSY: int = SERIALIZER_STATE.SERIALIZING
+_SER_DONE: int = SERIALIZER_STATE.SUCCESS
+_SER_FAILED: int = SERIALIZER_STATE.FAILED
 
 # --- the one hook into pysyncobj's journal creation --------------------------
 # SyncObj builds its log with ``createJournal(conf.journalFile)``. We pass a
@@ -175,6 +181,16 @@ class _Node(SyncObj):  # type: ignore[misc]
         self.tfs_journal = journal
         self.tfs_on_message: Callable[..., None] | None = owner._on_message
         super().__init__(self_addr, others, conf, transportClass=_SyncingTransport)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        # pysyncobj checks the election deadline *before* reading the socket:
+        # a follower that was not scheduled for an election timeout (a loaded
+        # host, a long GC) started an election although the leader's
+        # heartbeats were waiting in its buffer - seen as elections every few
+        # seconds under load. Read what is there first.
+        if self._SyncObj__raftState != 2 and self._SyncObj__transport.ready:
+            self._poller.poll(0)
+        super()._onTick(timeToWait)
 
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
     def tfs_apply(self, op: bytes) -> _Pending:
@@ -292,6 +308,11 @@ class RaftReplicator:
         self._fix_truncation = os.environ.get("TIERFS_RAFT_STOCK_TRUNCATION", "") != "1"
         self.truncation_stats: collections.Counter[str] = collections.Counter()
         self.snapshots_written = 0
+        #: seconds the loop spent forking / the whole snapshot took, last one
+        self.last_snapshot_stats: dict[str, float] = {}
+        self._snap_pid = 0
+        self._fork_failures = 0
+        self._snap_started: tuple[float, float, int] = (0.0, 0.0, 0)
         self.fatal: str = ""
 
     # --- lifecycle -----------------------------------------------------------
@@ -340,6 +361,7 @@ class RaftReplicator:
             journalFile=self._journal,
             fullDumpFile=str(snap_path),
             serializer=self._serialize,
+            serializeChecker=self._check_snapshot,
             deserializer=self._deserialize,
             logCompactionMinEntries=self._snap_entries,
             logCompactionMinTime=self._snap_interval,
@@ -699,16 +721,97 @@ class RaftReplicator:
     # --- snapshots (tick thread) -------------------------------------------------
 
     def _serialize(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
+        """Tick thread: start a snapshot, off the critical path.
+
+        The state is exactly at the snapshot's index on the loop thread
+        between two callbacks (committed ops are posted there in order), so
+        the loop forks there - a copy-on-write image of the state, made in
+        milliseconds - and goes on; the child serializes, writes and fsyncs
+        the snapshot and exits, :meth:`_check_snapshot` (pysyncobj's
+        ``serializeChecker``, polled every tick) reaps it and renames the file
+        into place. Neither the event loop nor the Raft tick waits for the
+        serialization (docs/raft.md, "Snapshots"). pysyncobj then tries to
+        rename ``tmp_path``, which does not exist: it fails quietly and only
+        the checker's verdict counts."""
         last, prev, cluster = data
-        state = self._on_loop(self._sm.snapshot)
+        if self._snap_pid:
+            return
         snap = SnapshotFile(
             last=tuple(last), prev=tuple(prev),  # type: ignore[arg-type]
-            members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=state,
+            members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=b"",
         )
-        size = write_snapshot(tmp_path, snap, fsync=self._fsync)
+        path = str(self._dir / (SNAPSHOT_FILE + ".new"))
+        t0 = time.monotonic()
+        self._snap_started = (t0, 0.0, int(last[1]))
+        if self._fork_failures >= 2:
+            # Forked children keep failing: serialize here, blocking (the
+            # pre-fork behaviour) rather than never compacting.
+            snap.state = self._on_loop(self._sm.snapshot)
+            write_snapshot(path, snap, fsync=self._fsync)
+            self._snap_pid = -1
+            self._fork_failures = 0
+            return
+        self._snap_pid = self._on_loop(lambda: self._fork_snapshot(path, snap))
+        self._snap_started = (t0, time.monotonic() - t0, int(last[1]))
+
+    def _fork_snapshot(self, path: str, snap: SnapshotFile) -> int:
+        """Loop thread: fork a child that writes ``snap`` with the current
+        state. Returns the child's pid."""
+        with warnings.catch_warnings():
+            # The child only serializes and exits (no threads, no locks of
+            # the parent's other threads are needed): fork is safe here.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                # Nothing may run that touches the parent's other threads'
+                # objects: a garbage collection would finalize gRPC objects
+                # whose threads do not exist here (seen: SIGSEGV).
+                gc.disable()
+                # Serializing is background work: the parent's event loop and
+                # Raft tick (and the other replicas on a shared host) go first.
+                os.nice(19)
+                snap.state = self._sm.snapshot()
+                write_snapshot(path, snap, fsync=self._fsync)
+                code = 0
+            finally:
+                os._exit(code)
+        return pid
+
+    def _check_snapshot(self) -> int:
+        """Tick thread (pysyncobj's ``serializeChecker``): the state of the
+        snapshot child, renaming its file into place once it succeeded."""
+        pid = self._snap_pid
+        if not pid:
+            return _SER_IDLE
+        if pid == -1:
+            rpid, status = pid, 0  # written in-process
+        else:
+            try:
+                rpid, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                rpid, status = pid, -1
+        if rpid == 0:
+            return _SER_BUSY
+        self._snap_pid = 0
+        t0, fork_s, index = self._snap_started
+        if status != 0:
+            self._fork_failures += 1
+            log.error("raft %s: snapshot child for index %d failed (wait status %d)", self.node_id, index, status)
+            return _SER_FAILED
+        if pid != -1:
+            self._fork_failures = 0
+        new = self._dir / (SNAPSHOT_FILE + ".new")
+        # The directory is fsynced by the journal rewrite that follows, before
+        # the journal drops the entries folded into this snapshot.
+        os.replace(new, self._dir / SNAPSHOT_FILE)
         self.snapshots_written += 1
+        self.last_snapshot_stats = {"fork_s": fork_s, "total_s": time.monotonic() - t0}
         SNAPSHOTS.inc()
-        log.info("raft %s: snapshot at index %d (%d bytes)", self.node_id, last[1], size)
+        log.info("raft %s: snapshot at index %d (%d bytes; fork %.1f ms, %.2f s in all)", self.node_id, index,
+                 (self._dir / SNAPSHOT_FILE).stat().st_size, fork_s * 1000, time.monotonic() - t0)
+        return _SER_DONE
 
     def _deserialize(self, path: str) -> tuple[Any, Any, list[TCPNode]]:
         try:
