@@ -181,6 +181,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         fsync=cfg.fsync,
         node_id=cfg.node_id,
         exit_on_fatal=True,
+        journal_recovery=cfg.journal_recovery,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     svc = add_meta_service(

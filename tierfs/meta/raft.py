@@ -48,6 +48,7 @@ from pysyncobj.transport import TCPTransport
 
 from tierfs.errors import (
     BusyError,
+    CorruptError,
     InternalError,
     InvalidArgumentError,
     NotLeaderError,
@@ -190,6 +191,8 @@ class _Node(SyncObj):  # type: ignore[misc]
         # seconds under load. Read what is there first.
         if self._SyncObj__raftState != 2 and self._SyncObj__transport.ready:
             self._poller.poll(0)
+        if self.tfs_owner.recovering:
+            self.tfs_owner._recovery_tick(self)
         super()._onTick(timeToWait)
 
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
@@ -277,6 +280,7 @@ class RaftReplicator:
         fsync: bool = True,
         node_id: str = "",
         exit_on_fatal: bool = False,
+        journal_recovery: str = "refuse",
     ) -> None:
         self._sm = sm
         self._raft_addr = raft_addr
@@ -289,6 +293,14 @@ class RaftReplicator:
         self._fsync = fsync
         self.node_id = node_id or raft_addr
         self._exit_on_fatal = exit_on_fatal
+        if journal_recovery not in ("refuse", "resync"):
+            raise InvalidArgumentError(f"journal_recovery must be 'refuse' or 'resync', not {journal_recovery!r}")
+        self._journal_recovery = journal_recovery
+        #: True while this replica rebuilds from its peers after moving a
+        #: corrupt journal aside: it neither campaigns nor votes until it has
+        #: caught up with a leader (it no longer knows its term, its vote or
+        #: the entries it acknowledged; see docs/raft.md).
+        self.recovering = False
         # raft -> gRPC: configured seeds, then whatever the log registered.
         self._addr_map: dict[str, str] = {r: g for r, g in self._peers.items() if g}
         self._addr_map[raft_addr] = grpc_addr
@@ -352,9 +364,21 @@ class RaftReplicator:
             self._dir.mkdir(parents=True, exist_ok=True)
         snap_path = self._dir / SNAPSHOT_FILE
         anchor = None
-        if snap_path.exists():
-            anchor = read_snapshot(snap_path).anchor
-        self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+        try:
+            if snap_path.exists():
+                anchor = read_snapshot(snap_path).anchor
+            self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+        except CorruptError as exc:
+            if self._journal_recovery != "resync":
+                raise
+            others = [r for r in self._peers if r != self._raft_addr]
+            if not others:
+                raise CorruptError(f"{exc.message} Cannot re-sync: this replica has no peers.") from exc
+            aside = self._move_aside(exc)
+            self.recovering = True
+            self._journal = DurableJournal(self._dir, fsync=self._fsync)
+            log.warning("raft %s: moved the corrupt journal and snapshot to %s; rejoining as an empty member "
+                        "that catches up from the leader (no votes until then)", self.node_id, aside)
         self._journal.on_fatal = self._on_journal_error
         conf = make_conf(
             self._timings,
@@ -372,6 +396,29 @@ class RaftReplicator:
         self._node = _Node(self, self._raft_addr, others, conf, self._journal)
         log.info("raft replica %s started (raft %s, grpc %s, peers %s)", self.node_id,
                  self._raft_addr, self._grpc_addr, ", ".join(others) or "none")
+
+    def _move_aside(self, exc: CorruptError) -> Path:
+        """Move the journal and snapshot into ``corrupt-<time>/`` in the data
+        dir (kept for inspection; nothing is deleted)."""
+        aside = self._dir / time.strftime("corrupt-%Y%m%dT%H%M%SZ", time.gmtime())
+        aside.mkdir()
+        for name in (DurableJournal.FILE, SNAPSHOT_FILE):
+            if (self._dir / name).exists():
+                os.replace(self._dir / name, aside / name)
+        (aside / "REASON").write_text(f"{exc.message}\n")
+        if self._fsync:
+            fsync_dir(aside)
+            fsync_dir(self._dir)
+        return aside
+
+    def _recovery_tick(self, node: _Node) -> None:
+        """Tick thread, while recovering: keep the election timer from firing
+        until this replica has caught up with a leader."""
+        if node.isReady():
+            self.recovering = False
+            log.info("raft %s: caught up with the leader after journal recovery; voting again", self.node_id)
+            return
+        node._SyncObj__raftElectionDeadline = time.monotonic() + 10 * self._timings.election_max
 
     async def stop(self) -> None:
         """Stop the tick thread and close the journal (everything synced)."""
@@ -652,6 +699,8 @@ class RaftReplicator:
         node = self._node
         ack: int | None = None
         mtype = message.get("type") if isinstance(message, dict) else None
+        if self.recovering and mtype == "request_vote":
+            return  # it forgot whom it voted for: no vote until caught up
         if node is not None and mtype == "append_entries" and "prevLogIdx" in message \
                 and "transmission" not in message and message["term"] >= node.raftCurrentTerm:
             message, ack = self._check_append(message, node.raftLastApplied)
