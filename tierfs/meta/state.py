@@ -948,6 +948,12 @@ class MetaStateMachine(Tracked):
                 n.state = NODE_OFFLINE
             if expired:
                 self.map_version += 1
+        silent = [self.nodes[i] for i in sorted(set(r.offline_nodes)) if i in self.nodes]
+        silent = [n for n in silent if n.state == NODE_ONLINE]
+        for n in silent:
+            n.state = NODE_OFFLINE
+        if silent:
+            self.map_version += 1
         self._refresh_down()
         if r.replace_after_ms:
             self._replace_down_targets(r.replace_after_ms * NS_PER_MS)
