@@ -98,6 +98,8 @@ class Replica:
     data_dir: Path
     peers: list[str]
     extra_args: list[str] = field(default_factory=list)
+    #: extra environment of this replica's process (e.g. TIERFS_TEST_CLOCK_OFFSET)
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     _log_file: Any = None
@@ -192,6 +194,7 @@ class MetaCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("TIERFS_TEST_META", None)
+        env.update(r.env)
         r.proc = subprocess.Popen(
             self.command(r), stdout=subprocess.DEVNULL, stderr=r._log_file, env=env, cwd=str(REPO),
         )
