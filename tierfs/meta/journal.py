@@ -41,6 +41,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,7 @@ class DurableJournal(Journal):  # type: ignore[misc]
         self.on_fatal: Callable[[BaseException], None] | None = None
         #: counters for metrics and tests
         self.syncs = 0
+        self.slow_syncs = 0  # syncs that took over 0.2 s
         self.bytes_written = 0
         self._load()
         if anchor is not None:
@@ -321,6 +323,7 @@ class DurableJournal(Journal):  # type: ignore[misc]
                 return
             if self._failed is not None:
                 raise OSError(f"raft journal unusable after an earlier failure: {self._failed!r}")
+            t0 = time.monotonic()
             try:
                 self._sync_locked(force_commit)
             except OSError as exc:
@@ -329,6 +332,11 @@ class DurableJournal(Journal):  # type: ignore[misc]
                 if self.on_fatal is not None:
                     self.on_fatal(exc)
                 raise
+            took = time.monotonic() - t0
+            if took > 0.2:
+                # The tick thread waits for this: long enough and followers elect.
+                self.slow_syncs += 1
+                log.warning("raft journal %s: sync took %.2f s", self._path, took)
 
     def _sync_locked(self, force_commit: bool) -> None:
         if self._rewrite:
