@@ -825,6 +825,11 @@ class RaftReplicator:
                 # objects: a garbage collection would finalize gRPC objects
                 # whose threads do not exist here (seen: SIGSEGV).
                 gc.disable()
+                # Let go of every inherited socket and file at once: a peer
+                # must see this replica's connections close when the parent
+                # dies, and a restarted replica must be able to bind its
+                # ports while this child still writes.
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
                 # Serializing is background work: the parent's event loop and
                 # Raft tick (and the other replicas on a shared host) go first.
                 os.nice(19)

@@ -8,7 +8,9 @@ fails leaves the state as it was and records the error in its
 :class:`tierfs.v1.MetaResult`, so every replica agrees on the outcome. Time
 comes from the op (``now_ns``, stamped by the leader) and never from the
 local clock; the state keeps the largest time seen so a new leader with a
-slower clock cannot move it backwards.
+slower clock cannot move it backwards, and one op moves it forwards by at
+most MAX_CLOCK_STEP_NS. Every op runs in an undo transaction
+(:mod:`tierfs.meta.undo`): one that raises half-way is rolled back.
 
 Reads (:meth:`stat`, :meth:`readdir`, :meth:`cluster_map`, ...) run against
 the local state and raise TierFSError directly; the service runs them after
