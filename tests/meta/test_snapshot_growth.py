@@ -68,7 +68,7 @@ def _growth(tmp_path: Path, total: int, snapshot_every: int, max_latency: float)
         assert snaps >= total // snapshot_every - 1, f"only {snaps} snapshots"
         assert all(s.raft.snapshots >= 1 for s in st.values())  # followers snapshot too
         assert worst < max_latency, f"worst mkdir took {worst:.2f}s (p99 {p99:.3f}s)"
-        c.wait_converged(timeout=60.0)
+        c.wait_converged(timeout=240.0, digest_timeout=60.0)  # a digest serializes the whole state
 
 
 @pytest.mark.timeout(300)
