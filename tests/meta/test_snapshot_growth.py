@@ -78,7 +78,7 @@ def test_growth_through_snapshots_keeps_the_leader(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_growth_to_200k_keeps_the_leader(tmp_path: Path) -> None:
     """The issue's scenario: 200k entries, default snapshot threshold (10k)."""
     _growth(tmp_path, 200_000, 10_000, max_latency=2.0)
