@@ -99,6 +99,8 @@ class Replica:
     data_dir: Path
     peers: list[str]
     extra_args: list[str] = field(default_factory=list)
+    #: extra environment of this replica's process (e.g. TIERFS_TEST_CLOCK_OFFSET)
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     _log_file: Any = None
@@ -204,6 +206,7 @@ class MetaCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("TIERFS_TEST_META", None)
+        env.update(r.env)
         r.proc = subprocess.Popen(
             self.command(r), stdout=subprocess.DEVNULL, stderr=r._log_file, env=env, cwd=str(REPO),
         )
@@ -314,20 +317,22 @@ class MetaCluster:
     def wait_leader(self, timeout: float = 20.0) -> int:
         return wait_for(lambda: _plus1(self.leader()), timeout, "a leader") - 1
 
-    def digests(self) -> dict[int, tuple[str, int]]:
-        """replica -> (state digest, applied index), for every live replica."""
+    def digests(self, timeout: float = 5.0) -> dict[int, tuple[str, int]]:
+        """replica -> (state digest, applied index), for every live replica
+        (``timeout`` per call: a digest serializes the whole state)."""
         out = {}
         for i in self.live():
-            d = self.meta_stub_call(i, lambda s: s.Digest(pb.Empty(), timeout=5.0))
+            d = self.meta_stub_call(i, lambda s: s.Digest(pb.Empty(), timeout=timeout))
             out[i] = (d.digest, d.applied_index)
         return out
 
-    def wait_converged(self, timeout: float = 30.0, members: Sequence[int] | None = None) -> str:
+    def wait_converged(self, timeout: float = 30.0, members: Sequence[int] | None = None,
+                       digest_timeout: float = 5.0) -> str:
         """Wait until every live replica (or ``members``) reports the same
         digest at the same applied index; returns the digest."""
 
         def check() -> str | None:
-            ds = self.digests()
+            ds = self.digests(digest_timeout)
             if members is not None:
                 ds = {i: ds[i] for i in members if i in ds}
                 if len(ds) != len(members):

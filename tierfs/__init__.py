@@ -5,7 +5,14 @@ The public surface is re-exported here; everything else is private to its
 package.
 """
 
+import os
 from typing import TYPE_CHECKING, Any
+
+# The meta daemon writes snapshots from a forked child (tierfs/meta/raft.py)
+# that never uses gRPC. gRPC core's fork handlers (on unless this says
+# otherwise, read when grpc is first imported - by tierfs.errors below) made
+# that child crash with SIGSEGV while other threads were inside gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tierfs.errors import (
     ConfigError,

@@ -75,6 +75,12 @@ class MetaConfig(BaseConfig):
 
     snapshot_min_entries: int = field(10000, "Take a snapshot (and compact the journal) once it holds this many entries.")
     snapshot_min_interval: float = field(600.0, "... or this long after the previous snapshot.", kind="duration")
+    journal_recovery: str = field(
+        "refuse",
+        "What to do when the Raft journal is corrupt in the middle (not a torn tail): 'refuse' to start "
+        "(the default), or 'resync': move the journal and snapshot aside (data_dir/corrupt-TIME/) and "
+        "rejoin as an empty member that catches up from the leader, not voting until it has.",
+    )
     fsync: bool = field(True, "fdatasync the journal before acknowledging (turn off only for throwaway tests).")
 
     submit_timeout: float = field(5.0, "How long a mutation may wait for its commit.", kind="duration")
@@ -113,6 +119,8 @@ class MetaConfig(BaseConfig):
             if raft in seen:
                 raise ConfigError(f"duplicate peer {raft}", field="peers")
             seen.add(raft)
+        if self.journal_recovery not in ("refuse", "resync"):
+            raise ConfigError("must be 'refuse' or 'resync'", field="journal_recovery")
         if self.state_machine not in ("meta", "kv"):
             raise ConfigError("must be 'meta' or 'kv'", field="state_machine")
         if self.heartbeat_interval <= 0:

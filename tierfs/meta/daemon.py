@@ -34,7 +34,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -155,6 +155,16 @@ def _setup_logging(cfg: MetaConfig, node: str) -> None:
 # --- serve ---------------------------------------------------------------------------------
 
 
+def _wall_clock() -> Callable[[], int]:
+    """The wall clock; tests fake a replica's clock running ahead or behind
+    with TIERFS_TEST_CLOCK_OFFSET (seconds, may be negative)."""
+    offset = int(float(os.environ.get("TIERFS_TEST_CLOCK_OFFSET", "0") or 0) * 1e9)
+    if not offset:
+        return time.time_ns
+    log.warning("TIERFS_TEST_CLOCK_OFFSET: this replica's wall clock is off by %.0f s (tests only)", offset / 1e9)
+    return lambda: time.time_ns() + offset
+
+
 def _make_state_machine(cfg: MetaConfig) -> StateMachine:
     if cfg.state_machine == "kv":
         return KVStateMachine()
@@ -187,6 +197,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         node_id=cfg.node_id,
         exit_on_fatal=True,
         cluster_secret=secret,
+        journal_recovery=cfg.journal_recovery,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
@@ -194,6 +205,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
         gc_grace=cfg.gc_grace,
+        clock=_wall_clock(), monotonic=time.monotonic_ns,
     )
     # The namespace's periodic tick only makes sense for the namespace.
     ticking = cfg.state_machine == "meta"

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.meta.undo import record
+
 __all__ = ["GCEntry", "GCQueue"]
 
 _BLOCK = 256
@@ -60,6 +62,23 @@ class _Ids:
 
     def __len__(self) -> int:
         return self._len
+
+    def insert(self, i: int) -> None:
+        """Put ``i`` back anywhere in order (undo of a removal)."""
+        blocks = self._blocks
+        k = bisect_right(blocks, i, key=_first) - 1
+        if k < 0:
+            if blocks:
+                blocks[0].insert(0, i)
+            else:
+                blocks.append([i])
+        else:
+            block = blocks[k]
+            j = bisect_left(block, i)
+            if j < len(block) and block[j] == i:
+                return
+            block.insert(j, i)
+        self._len += 1
 
     def add(self, i: int) -> None:
         blocks = self._blocks
@@ -140,6 +159,7 @@ class GCQueue:
         not queued."""
         if not entry.pending:
             return
+        self._undo_point(entry.id)
         entry.ready = max(entry.ready, self.last_ready())
         self._all.add(entry.id)
         self._items[entry.id] = entry
@@ -155,6 +175,7 @@ class GCQueue:
         item = self._items.get(item_id)
         if item is None or target_id not in item.pending:
             return False
+        self._undo_point(item_id)
         del item.pending[target_id]
         self._unindex(target_id, item_id)
         if not item.pending:
@@ -168,10 +189,41 @@ class GCQueue:
             if ids is None:
                 continue
             for item_id in list(ids.after(0)):
+                self._undo_point(item_id)
                 item = self._items[item_id]
                 del item.pending[t]
                 if not item.pending:
                     self._remove(item_id)
+
+    def _undo_point(self, item_id: int) -> None:
+        """Record, in the meta op's open undo log (tierfs.meta.undo), how to put
+        item ``item_id`` back exactly as it is now (or absent), indexes
+        included. Entries are restored whole, so the undo of any sequence of
+        changes, replayed newest first, ends where it began."""
+        cur = self._items.get(item_id)
+        saved = None if cur is None else GCEntry(cur.id, cur.inode, cur.chunk, cur.version, cur.group,
+                                                  dict(cur.pending), cur.ready)
+        record(lambda: self._put_back(item_id, saved))
+
+    def _put_back(self, item_id: int, saved: GCEntry | None) -> None:
+        cur = self._items.pop(item_id, None)
+        if cur is not None:
+            self._all.discard(item_id)
+            for t in cur.pending:
+                ids = self._by_target.get(t)
+                if ids is not None:
+                    ids.discard(item_id)
+                    if not len(ids):
+                        del self._by_target[t]
+        if saved is None:
+            return
+        self._items[item_id] = saved
+        self._all.insert(item_id)
+        for t in saved.pending:
+            ids = self._by_target.get(t)
+            if ids is None:
+                ids = self._by_target[t] = _Ids()
+            ids.insert(item_id)
 
     def _unindex(self, target_id: int, item_id: int) -> None:
         ids = self._by_target[target_id]

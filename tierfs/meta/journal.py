@@ -23,7 +23,9 @@ directory is fsynced *before* the rewrite so that the snapshot the prefix was
 folded into is durable first.
 
 A torn tail (a crash in the middle of a write that was never acknowledged) is
-detected by its CRC and cut off on open.
+detected by its CRC and cut off on open. A bad record that intact records
+follow is not a torn tail but damage to synced data: opening fails with
+:class:`JournalCorruptError` (file and offset) instead of dropping the rest.
 
 Snapshots (:func:`write_snapshot` / :func:`read_snapshot`) hold the state
 machine's ``snapshot()`` bytes plus the Raft bookkeeping pysyncobj needs (the
@@ -39,6 +41,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +55,7 @@ from tierfs.fsutil import fsync_dir, makedirs_durable
 
 __all__ = [
     "DurableJournal",
+    "JournalCorruptError",
     "SnapshotFile",
     "fsync_dir",
     "read_snapshot",
@@ -72,6 +76,7 @@ _T_TRUNCATE = 2  # drop entries with index >= value
 _T_VOTE = 3  # term + votedFor
 _T_COMMIT = 4  # commit index
 _MAX_RECORD = 1 << 30
+_TYPES = (_T_ENTRY, _T_TRUNCATE, _T_VOTE, _T_COMMIT)
 
 
 def _record(rtype: int, body: bytes) -> bytes:
@@ -86,6 +91,30 @@ def _entry_record(command: bytes, idx: int, term: int) -> bytes:
 def _vote_record(term: int, voted_for: str | None) -> bytes:
     who = b"\xff" if voted_for is None else b"\x00" + voted_for.encode()
     return _record(_T_VOTE, _U64.pack(term) + who)
+
+
+class JournalCorruptError(CorruptError):
+    """A record in the middle of the journal (not its tail) failed its CRC."""
+
+    def __init__(self, message: str, *, path: Path, offset: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+def _next_valid_record(data: bytes, start: int) -> int | None:
+    """Offset of the first intact record (plausible length and type, CRC
+    matching) at or after ``start``, or None. Only run on a bad record; a
+    torn tail is short, so this is cheap where it matters."""
+    n = len(data)
+    for off in range(start, n - _REC_HDR.size):
+        length, crc = _REC_HDR.unpack_from(data, off)
+        end = off + _REC_HDR.size + length
+        if length < 2 or end > n or data[off + _REC_HDR.size] not in _TYPES:
+            continue
+        if crc32c.crc32c(data[off + _REC_HDR.size : end]) == crc:
+            return off
+    return None
 
 
 class DurableJournal(Journal):  # type: ignore[misc]
@@ -134,6 +163,7 @@ class DurableJournal(Journal):  # type: ignore[misc]
         self.on_fatal: Callable[[BaseException], None] | None = None
         #: counters for metrics and tests
         self.syncs = 0
+        self.slow_syncs = 0  # syncs that took over 0.2 s
         self.bytes_written = 0
         self._load()
         if anchor is not None:
@@ -153,17 +183,32 @@ class DurableJournal(Journal):  # type: ignore[misc]
             raise CorruptError(f"{self._path}: not a TierFS raft journal")
         pos = len(_MAGIC)
         good = pos
+        why = ""
         while pos + _REC_HDR.size <= len(data):
             length, crc = _REC_HDR.unpack_from(data, pos)
             end = pos + _REC_HDR.size + length
             if length == 0 or length > _MAX_RECORD or end > len(data):
+                why = f"bad record length {length}"
                 break
             payload = data[pos + _REC_HDR.size : end]
             if crc32c.crc32c(payload) != crc:
+                why = "CRC mismatch"
                 break
             self._replay(payload)
             pos = good = end
         if good != len(data):
+            later = _next_valid_record(data, good + 1)
+            if later is not None:
+                # Not a torn tail: intact records follow the bad one, so it is
+                # damage to data that was synced (and maybe acknowledged).
+                # Cutting here would silently drop every later entry.
+                raise JournalCorruptError(
+                    f"raft journal {self._path} is corrupt in the middle: record at byte {good} "
+                    f"({why or 'truncated header'}) is followed by intact records (the next at byte "
+                    f"{later}, file size {len(data)}). Refusing to start, since dropping the rest "
+                    f"could lose acknowledged entries. To rebuild this replica from its peers, "
+                    f"start it once with --journal-recovery resync (docs/raft.md, "
+                    f"\"Journal corruption\").", path=self._path, offset=good)
             # A torn tail: written but never synced, hence never acknowledged.
             log.warning("raft journal %s: cutting torn tail at byte %d of %d", self._path, good, len(data))
             with open(self._path, "r+b") as f:
@@ -278,6 +323,7 @@ class DurableJournal(Journal):  # type: ignore[misc]
                 return
             if self._failed is not None:
                 raise OSError(f"raft journal unusable after an earlier failure: {self._failed!r}")
+            t0 = time.monotonic()
             try:
                 self._sync_locked(force_commit)
             except OSError as exc:
@@ -286,6 +332,11 @@ class DurableJournal(Journal):  # type: ignore[misc]
                 if self.on_fatal is not None:
                     self.on_fatal(exc)
                 raise
+            took = time.monotonic() - t0
+            if took > 0.2:
+                # The tick thread waits for this: long enough and followers elect.
+                self.slow_syncs += 1
+                log.warning("raft journal %s: sync took %.2f s", self._path, took)
 
     def _sync_locked(self, force_commit: bool) -> None:
         if self._rewrite:

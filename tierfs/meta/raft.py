@@ -33,11 +33,13 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import os
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +51,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from prometheus_client import Counter, Gauge, Histogram
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj import FAIL_REASON, SERIALIZER_STATE, SyncObj, SyncObjConf, replicated
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
 from tierfs.errors import (
     BusyError,
+    CorruptError,
     InternalError,
     InvalidArgumentError,
     NotLeaderError,
@@ -105,6 +108,10 @@ FRAMES_REFUSED = Counter("tierfs_meta_raft_frames_refused_total",
                          "sealed with this cluster's secret")
 
 _RAFT_ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+_SER_IDLE: int = SERIALIZER_STATE.NOT_SERIALIZING
+_SER_BUSY: int = SERIALIZER_STATE.SERIALIZING
+_SER_DONE: int = SERIALIZER_STATE.SUCCESS
+_SER_FAILED: int = SERIALIZER_STATE.FAILED
 
 # --- the one hook into pysyncobj's journal creation --------------------------
 # SyncObj builds its log with ``createJournal(conf.journalFile)``. We pass a
@@ -296,6 +303,18 @@ class _Node(SyncObj):  # type: ignore[misc]
         (instead of building Fernet from ``conf.password``)."""
         return self.tfs_sealer
 
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        # pysyncobj checks the election deadline *before* reading the socket:
+        # a follower that was not scheduled for an election timeout (a loaded
+        # host, a long GC) started an election although the leader's
+        # heartbeats were waiting in its buffer - seen as elections every few
+        # seconds under load. Read what is there first.
+        if self._SyncObj__raftState != 2 and self._SyncObj__transport.ready:
+            self._poller.poll(0)
+        if self.tfs_owner.recovering:
+            self.tfs_owner._recovery_tick(self)
+        super()._onTick(timeToWait)
+
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
     def tfs_apply(self, op: bytes) -> _Pending:
         return self.tfs_owner._apply_committed(op, self.raftLastApplied + 1)
@@ -383,6 +402,7 @@ class RaftReplicator:
         node_id: str = "",
         exit_on_fatal: bool = False,
         cluster_secret: bytes | None = None,
+        journal_recovery: str = "refuse",
     ) -> None:
         """``cluster_secret``: the secret every replica shares
         (:mod:`tierfs.meta.secret`); ``None`` leaves the Raft port
@@ -399,6 +419,14 @@ class RaftReplicator:
         self.node_id = node_id or raft_addr
         self._exit_on_fatal = exit_on_fatal
         self._sealer = FrameSealer(cluster_secret, self.node_id) if cluster_secret is not None else None
+        if journal_recovery not in ("refuse", "resync"):
+            raise InvalidArgumentError(f"journal_recovery must be 'refuse' or 'resync', not {journal_recovery!r}")
+        self._journal_recovery = journal_recovery
+        #: True while this replica rebuilds from its peers after moving a
+        #: corrupt journal aside: it neither campaigns nor votes until it has
+        #: caught up with a leader (it no longer knows its term, its vote or
+        #: the entries it acknowledged; see docs/raft.md).
+        self.recovering = False
         # raft -> gRPC: configured seeds, then whatever the log registered.
         self._addr_map: dict[str, str] = {r: g for r, g in self._peers.items() if g}
         self._addr_map[raft_addr] = grpc_addr
@@ -418,6 +446,11 @@ class RaftReplicator:
         self._fix_truncation = os.environ.get("TIERFS_RAFT_STOCK_TRUNCATION", "") != "1"
         self.truncation_stats: collections.Counter[str] = collections.Counter()
         self.snapshots_written = 0
+        #: seconds the loop spent forking / the whole snapshot took, last one
+        self.last_snapshot_stats: dict[str, float] = {}
+        self._snap_pid = 0
+        self._fork_failures = 0
+        self._snap_started: tuple[float, float, int] = (0.0, 0.0, 0)
         self.fatal: str = ""
 
     # --- lifecycle -----------------------------------------------------------
@@ -457,15 +490,28 @@ class RaftReplicator:
             self._dir.mkdir(parents=True, exist_ok=True)
         snap_path = self._dir / SNAPSHOT_FILE
         anchor = None
-        if snap_path.exists():
-            anchor = read_snapshot(snap_path).anchor
-        self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+        try:
+            if snap_path.exists():
+                anchor = read_snapshot(snap_path).anchor
+            self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+        except CorruptError as exc:
+            if self._journal_recovery != "resync":
+                raise
+            others = [r for r in self._peers if r != self._raft_addr]
+            if not others:
+                raise CorruptError(f"{exc.message} Cannot re-sync: this replica has no peers.") from exc
+            aside = self._move_aside(exc)
+            self.recovering = True
+            self._journal = DurableJournal(self._dir, fsync=self._fsync)
+            log.warning("raft %s: moved the corrupt journal and snapshot to %s; rejoining as an empty member "
+                        "that catches up from the leader (no votes until then)", self.node_id, aside)
         self._journal.on_fatal = self._on_journal_error
         conf = make_conf(
             self._timings,
             journalFile=self._journal,
             fullDumpFile=str(snap_path),
             serializer=self._serialize,
+            serializeChecker=self._check_snapshot,
             deserializer=self._deserialize,
             logCompactionMinEntries=self._snap_entries,
             logCompactionMinTime=self._snap_interval,
@@ -479,6 +525,29 @@ class RaftReplicator:
         self._node = _Node(self, self._raft_addr, others, conf, self._journal, self._sealer)
         log.info("raft replica %s started (raft %s, grpc %s, peers %s)", self.node_id,
                  self._raft_addr, self._grpc_addr, ", ".join(others) or "none")
+
+    def _move_aside(self, exc: CorruptError) -> Path:
+        """Move the journal and snapshot into ``corrupt-<time>/`` in the data
+        dir (kept for inspection; nothing is deleted)."""
+        aside = self._dir / time.strftime("corrupt-%Y%m%dT%H%M%SZ", time.gmtime())
+        aside.mkdir()
+        for name in (DurableJournal.FILE, SNAPSHOT_FILE):
+            if (self._dir / name).exists():
+                os.replace(self._dir / name, aside / name)
+        (aside / "REASON").write_text(f"{exc.message}\n")
+        if self._fsync:
+            fsync_dir(aside)
+            fsync_dir(self._dir)
+        return aside
+
+    def _recovery_tick(self, node: _Node) -> None:
+        """Tick thread, while recovering: keep the election timer from firing
+        until this replica has caught up with a leader."""
+        if node.isReady():
+            self.recovering = False
+            log.info("raft %s: caught up with the leader after journal recovery; voting again", self.node_id)
+            return
+        node._SyncObj__raftElectionDeadline = time.monotonic() + 10 * self._timings.election_max
 
     async def stop(self) -> None:
         """Stop the tick thread and close the journal (everything synced)."""
@@ -762,6 +831,8 @@ class RaftReplicator:
         node = self._node
         ack: int | None = None
         mtype = message.get("type") if isinstance(message, dict) else None
+        if self.recovering and mtype == "request_vote":
+            return  # it forgot whom it voted for: no vote until caught up
         if node is not None and mtype == "append_entries" and "prevLogIdx" in message \
                 and "transmission" not in message and message["term"] >= node.raftCurrentTerm:
             message, ack = self._check_append(message, node.raftLastApplied)
@@ -831,16 +902,109 @@ class RaftReplicator:
     # --- snapshots (tick thread) -------------------------------------------------
 
     def _serialize(self, tmp_path: str, data: tuple[Any, Any, Any]) -> None:
+        """Tick thread: start a snapshot, off the critical path.
+
+        The state is exactly at the snapshot's index on the loop thread
+        between two callbacks (committed ops are posted there in order), so
+        the loop forks there - a copy-on-write image of the state, made in
+        milliseconds - and goes on; the child serializes, writes and fsyncs
+        the snapshot and exits, :meth:`_check_snapshot` (pysyncobj's
+        ``serializeChecker``, polled every tick) reaps it and renames the file
+        into place. Neither the event loop nor the Raft tick waits for the
+        serialization (docs/raft.md, "Snapshots"). pysyncobj then tries to
+        rename ``tmp_path``, which does not exist: it fails quietly and only
+        the checker's verdict counts."""
         last, prev, cluster = data
-        state = self._on_loop(self._sm.snapshot)
+        if self._snap_pid:
+            return
         snap = SnapshotFile(
             last=tuple(last), prev=tuple(prev),  # type: ignore[arg-type]
-            members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=state,
+            members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=b"",
         )
-        size = write_snapshot(tmp_path, snap, fsync=self._fsync)
+        path = str(self._dir / (SNAPSHOT_FILE + ".new"))
+        t0 = time.monotonic()
+        self._snap_started = (t0, 0.0, int(last[1]))
+        if self._fork_failures >= 2:
+            # Forked children keep failing: serialize here, blocking (the
+            # pre-fork behaviour) rather than never compacting.
+            snap.state = self._on_loop(self._sm.snapshot)
+            write_snapshot(path, snap, fsync=self._fsync)
+            self._snap_pid = -1
+            self._fork_failures = 0
+            return
+        self._snap_pid = self._on_loop(lambda: self._fork_snapshot(path, snap))
+        self._snap_started = (t0, time.monotonic() - t0, int(last[1]))
+
+    def _fork_snapshot(self, path: str, snap: SnapshotFile) -> int:
+        """Loop thread: fork a child that writes ``snap`` with the current
+        state. Returns the child's pid."""
+        # Move every object alive now out of the cyclic GC's reach (freed by
+        # refcount as usual): a full collection walks and writes every
+        # object - with 200k inodes that is a long GIL stall for the Raft
+        # tick, and while a child runs it would copy every page. The state
+        # holds no reference cycles; young garbage is collected first.
+        gc.collect(1)
+        gc.freeze()
+        with warnings.catch_warnings():
+            # The child only serializes and exits (no threads, no locks of
+            # the parent's other threads are needed): fork is safe here.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                # Nothing may run that touches the parent's other threads'
+                # objects: a garbage collection would finalize gRPC objects
+                # whose threads do not exist here (seen: SIGSEGV).
+                gc.disable()
+                # Let go of every inherited socket and file at once: a peer
+                # must see this replica's connections close when the parent
+                # dies, and a restarted replica must be able to bind its
+                # ports while this child still writes.
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                # Serializing is background work: the parent's event loop and
+                # Raft tick (and the other replicas on a shared host) go first.
+                os.nice(19)
+                snap.state = self._sm.snapshot()
+                write_snapshot(path, snap, fsync=self._fsync)
+                code = 0
+            finally:
+                os._exit(code)
+        return pid
+
+    def _check_snapshot(self) -> int:
+        """Tick thread (pysyncobj's ``serializeChecker``): the state of the
+        snapshot child, renaming its file into place once it succeeded."""
+        pid = self._snap_pid
+        if not pid:
+            return _SER_IDLE
+        if pid == -1:
+            rpid, status = pid, 0  # written in-process
+        else:
+            try:
+                rpid, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                rpid, status = pid, -1
+        if rpid == 0:
+            return _SER_BUSY
+        self._snap_pid = 0
+        t0, fork_s, index = self._snap_started
+        if status != 0:
+            self._fork_failures += 1
+            log.error("raft %s: snapshot child for index %d failed (wait status %d)", self.node_id, index, status)
+            return _SER_FAILED
+        if pid != -1:
+            self._fork_failures = 0
+        new = self._dir / (SNAPSHOT_FILE + ".new")
+        # The directory is fsynced by the journal rewrite that follows, before
+        # the journal drops the entries folded into this snapshot.
+        os.replace(new, self._dir / SNAPSHOT_FILE)
         self.snapshots_written += 1
+        self.last_snapshot_stats = {"fork_s": fork_s, "total_s": time.monotonic() - t0}
         SNAPSHOTS.inc()
-        log.info("raft %s: snapshot at index %d (%d bytes)", self.node_id, last[1], size)
+        log.info("raft %s: snapshot at index %d (%d bytes; fork %.1f ms, %.2f s in all)", self.node_id, index,
+                 (self._dir / SNAPSHOT_FILE).stat().st_size, fork_s * 1000, time.monotonic() - t0)
+        return _SER_DONE
 
     def _deserialize(self, path: str) -> tuple[Any, Any, list[TCPNode]]:
         try:

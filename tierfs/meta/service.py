@@ -25,6 +25,19 @@ Bounded work: a request is checked against the caps of
 no log entry; unknown fields are dropped rather than logged. Every op carries
 ``gc_grace`` (``MetaOp.gc_grace_ms``): what it queues for GC is listed only
 that long after, judged by :meth:`MetaServicer.now_ns` on the leader.
+
+Time: :meth:`MetaServicer.now_ns` is the one source of the time stamped into
+ops. It continues the state clock at the leader's monotonic rate from the
+moment this replica became leader, so neither a leader whose wall clock
+jumped ahead nor the return to a correct leader afterwards can freeze lease
+expiry or failure detection (docs/meta.md, "Time").
+
+Heartbeats are not log entries: the leader remembers when it last heard
+from each storage node (and its latest usage report) in memory and commits a
+``Heartbeat`` op only when it changes replicated state (a node back online,
+a target's state or capacity, or usage not written for ``usage_interval``).
+Failure detection uses that memory; a new leader gives every node a full
+``heartbeat_timeout`` from its start as leader.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import grpc
 from google.protobuf.message import Message
 
 from tierfs.errors import (
+    NotLeaderError,
     TierFSError,
     UnsupportedError,
     error_from_code,
@@ -48,7 +62,7 @@ from tierfs.errors import (
 )
 from tierfs.meta.interfaces import Replicator
 from tierfs.meta.ops import MAX_GC_GRACE, check_caps, check_op_size, validate_op
-from tierfs.meta.state import MetaStateMachine
+from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
@@ -93,8 +107,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         submit_timeout: float = 5.0,
         replace_after: float = 0.0,
         gc_grace: float = DEFAULT_GC_GRACE,
+        usage_interval: float = 30.0,
         clock: Callable[[], int] = time.time_ns,
+        monotonic: Callable[[], int] | None = None,
     ) -> None:
+        """``clock`` is the wall clock (ns) used only to anchor time when this
+        replica starts leading; ``monotonic`` (ns) measures time from there
+        (default ``time.monotonic_ns``, or ``clock`` itself when a custom
+        ``clock`` is given, so a test's fake clock drives both)."""
         if not 0 <= gc_grace <= MAX_GC_GRACE:
             raise ValueError(f"gc_grace {gc_grace} must be between 0 and {MAX_GC_GRACE:.0f} seconds")
         self._r = replicator
@@ -104,8 +124,17 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.submit_timeout = submit_timeout
         self.replace_after = replace_after
         self.gc_grace = gc_grace
+        self.usage_interval = usage_interval
         self._clock = clock
+        self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
+        # Per leadership (reset whenever this replica starts leading a term):
+        self._lead_term: int | None = None
+        self._lead_since = 0  # monotonic ns
+        self._anchor: tuple[int, int] | None = None  # (op time ns, monotonic ns)
+        self._hb_seen: dict[int, int] = {}  # node id -> monotonic ns of its last heartbeat
+        self._hb_used: dict[int, dict[int, int]] = {}  # node id -> {target: used} last reported
+        self._usage_logged: dict[int, int] = {}  # node id -> monotonic ns usage was last committed
 
     # ---- plumbing -----------------------------------------------------------
 
@@ -119,9 +148,46 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                    "membership calls are served")
         return sm
 
+    def _leadership(self) -> bool:
+        """Whether this replica leads; on the first call of a new term as
+        leader, reset what belongs to one leadership (time anchor, heartbeat
+        memory: every known node gets a full heartbeat_timeout from now)."""
+        st = self._r.status()
+        if st.role not in ("leader", "standalone"):
+            self._lead_term = None
+            return False
+        if st.term != self._lead_term:
+            self._lead_term = st.term
+            self._lead_since = self._mono()
+            self._anchor = None
+            self._hb_seen.clear()
+            self._hb_used.clear()
+            self._usage_logged.clear()
+        return True
+
     def now_ns(self) -> int:
-        """This replica's clock, as stamped into ops and used for GC readiness."""
-        return self._clock()
+        """The time to stamp into an op (and to compare state times with).
+
+        It continues the state clock at this replica's monotonic rate from
+        when it started leading, so a wall clock that jumps (here or on an
+        earlier leader) cannot stop time: anchored at the state clock, or at
+        the wall clock where that is ahead - but at most MAX_CLOCK_STEP_NS
+        ahead (a clock a day fast moves state time by at most that), or as is
+        for a fresh state. If the state moves past it (entries of an earlier
+        leader still being applied), time continues from the state."""
+        self._leadership()
+        sm = self._r.state_machine
+        state_clock = sm.clock if isinstance(sm, MetaStateMachine) else 0
+        mono = self._mono()
+        if self._anchor is None:
+            wall = self._clock()
+            base = wall if not state_clock else max(state_clock, min(wall, state_clock + MAX_CLOCK_STEP_NS))
+            self._anchor = (base, mono)
+        now = self._anchor[0] + (mono - self._anchor[1])
+        if now < state_clock:
+            self._anchor = (state_clock, mono)
+            now = state_clock
+        return now
 
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
         # Field caps first (the clearer error), then the whole request as it
@@ -161,20 +227,81 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     # ---- the periodic tick --------------------------------------------------
 
     def _leading(self) -> bool:
-        return self._r.status().role in ("leader", "standalone")
+        return self._leadership()
+
+    def silent_nodes(self) -> list[int]:
+        """Online nodes this leader has not heard from for heartbeat_timeout
+        (counted from its start as leader at the earliest)."""
+        if not self.heartbeat_timeout or not self._leadership():
+            return []
+        limit = self._mono() - int(self.heartbeat_timeout * 1e9)
+        return [n.id for _, n in sorted(self.state.nodes.items())
+                if n.state == pb.NODE_STATE_ONLINE and self._hb_seen.get(n.id, self._lead_since) < limit]
 
     async def tick(self, force: bool = False) -> bool:
-        """Submit one Tick op (expire heartbeats, leases, replace long-down
-        targets) with this replica's clock, unless the local state says it
-        would change nothing (``force`` submits anyway). Only meaningful on
-        the leader, whose state is current. Returns whether it submitted."""
-        req = pb.TickRequest(heartbeat_timeout_ms=int(self.heartbeat_timeout * 1000),
-                             replace_after_ms=int(self.replace_after * 1000))
+        """Submit one Tick op (expire silent nodes and leases, replace
+        long-down targets) unless the local state says it would change
+        nothing (``force`` submits anyway). Only meaningful on the leader,
+        whose state is current. Returns whether it submitted."""
+        req = pb.TickRequest(replace_after_ms=int(self.replace_after * 1000), offline_nodes=self.silent_nodes())
         op = self._op("tick", req)
-        if not force and not self.state.tick_due(op.now_ns, req.heartbeat_timeout_ms, req.replace_after_ms):
+        if not force and not req.offline_nodes and not self.state.tick_due(op.now_ns, 0, req.replace_after_ms):
             return False
         await self.submit(op, pb.Empty)
         return True
+
+    async def heartbeat(self, req: pb.HeartbeatRequest, client: str = "", request_id: int = 0) -> pb.HeartbeatReply:
+        """A storage node's heartbeat: remembered here; a log entry only when
+        it changes replicated state (see the module docstring)."""
+        sm = self.state
+        if not self._leadership():
+            raise NotLeaderError(leader=self._r.status().leader)
+        op = self._op("heartbeat", req, client, request_id)
+        validate_op(op)
+        node = sm.nodes.get(req.node_id)
+        mono = self._mono()
+        if node is None or self._heartbeat_changes(sm, req, mono):
+            # Unknown nodes and foreign targets are refused by apply, with
+            # its messages; everything else is a state change to commit.
+            reply = await self.submit(op, pb.HeartbeatReply)
+            self._usage_logged[req.node_id] = mono
+        else:
+            reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
+        self._hb_seen[req.node_id] = mono
+        self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
+        return reply
+
+    def _heartbeat_changes(self, sm: MetaStateMachine, req: pb.HeartbeatRequest, mono: int) -> bool:
+        node = sm.nodes[req.node_id]
+        if node.state != pb.NODE_STATE_ONLINE:
+            return True
+        usage_due = mono - self._usage_logged.get(req.node_id, self._lead_since) >= int(self.usage_interval * 1e9)
+        for rep in req.targets:
+            t = sm.targets.get(rep.target_id)
+            if t is None or t.node != node.id:
+                return True
+            if t.capacity != rep.capacity or t.reported != (rep.state or pb.TARGET_STATE_ONLINE):
+                return True
+            if t.used != rep.used and usage_due:
+                return True
+        return False
+
+    def cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
+        """The state's cluster map, with the leader's fresher heartbeat
+        memory (last heartbeat time, reported usage) laid over it."""
+        cmap = self.state.cluster_map(known_version)
+        if cmap.unchanged or not self._leadership():
+            return cmap
+        now, mono = self.now_ns(), self._mono()
+        for n in cmap.nodes:
+            seen = self._hb_seen.get(n.node_id)
+            if seen is not None:
+                n.last_heartbeat_ns = max(n.last_heartbeat_ns, now - (mono - seen))
+        for t in cmap.targets:
+            used = self._hb_used.get(t.node_id, {}).get(t.target_id)
+            if used is not None:
+                t.used = used
+        return cmap
 
     async def _tick_loop(self) -> None:
         while True:
@@ -278,15 +405,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Ctx) -> pb.RegisterNodeReply:
-        return await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
+        reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
+        self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
+        return reply
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatReply:
-        return await self._mutate(context, "heartbeat", request, pb.HeartbeatReply)
+        return await self.heartbeat(request, *_ids(context))
 
     @grpc_errors
     async def GetClusterMap(self, request: pb.GetClusterMapRequest, context: Ctx) -> pb.ClusterMap:
-        return (await self._read(request)).cluster_map(request.known_version)
+        await self._read(request)
+        return self.cluster_map(request.known_version)
 
     @grpc_errors
     async def ListGroupChunks(self, request: pb.ListGroupChunksRequest, context: Ctx) -> pb.ListGroupChunksReply:
@@ -382,7 +512,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
-    lease_duration, tick_interval, submit_timeout, replace_after, gc_grace, clock) and register it on
+    lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
+    usage_interval, clock, monotonic) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

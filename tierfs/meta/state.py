@@ -8,7 +8,9 @@ fails leaves the state as it was and records the error in its
 :class:`tierfs.v1.MetaResult`, so every replica agrees on the outcome. Time
 comes from the op (``now_ns``, stamped by the leader) and never from the
 local clock; the state keeps the largest time seen so a new leader with a
-slower clock cannot move it backwards.
+slower clock cannot move it backwards, and one op moves it forwards by at
+most MAX_CLOCK_STEP_NS. Every op runs in an undo transaction
+(:mod:`tierfs.meta.undo`): one that raises half-way is rolled back.
 
 Reads (:meth:`stat`, :meth:`readdir`, :meth:`cluster_map`, ...) run against
 the local state and raise TierFSError directly; the service runs them after
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -62,6 +65,7 @@ from tierfs.meta.ops import (
     validate_op,
 )
 from tierfs.meta.placement import distinct_nodes, plan_groups
+from tierfs.meta.undo import Tracked, transaction
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -87,11 +91,16 @@ DEFAULT_GC_PAGE = 1000
 #: 2: chunk records (generation, length, valid, crc, missing) replace the
 #: per-chunk versions of format 1, whose fragments could not be told apart.
 SNAPSHOT_FORMAT = 2
+#: How far one op may move the state clock forwards. The leader stamps ops
+#: with time continued from the state clock (MetaServicer.now_ns), so a
+#: correct leader never needs more than the time since the previous op; a
+#: longer idle gap is caught up over several ops.
+MAX_CLOCK_STEP_NS = 3600 * 10**9
 NS_PER_MS = 1_000_000
 
 
 @dataclass(slots=True)
-class Inode:
+class Inode(Tracked):
     id: int
     type: int
     mode: int
@@ -114,7 +123,7 @@ class Inode:
 
 
 @dataclass(slots=True)
-class Node:
+class Node(Tracked):
     id: int
     uuid: str
     hostname: str
@@ -127,7 +136,7 @@ class Node:
 
 
 @dataclass(slots=True)
-class Target:
+class Target(Tracked):
     id: int
     node: int
     path: str
@@ -140,7 +149,7 @@ class Target:
 
 
 @dataclass(slots=True)
-class Session:
+class Session(Tracked):
     id: int
     inode: int
     owner: str
@@ -165,7 +174,7 @@ def _result(reply: Message | None = None, err: TierFSError | None = None) -> byt
     return res.SerializeToString(deterministic=True)
 
 
-class MetaStateMachine:
+class MetaStateMachine(Tracked):
     """Implements :class:`tierfs.meta.interfaces.StateMachine`."""
 
     def __init__(self) -> None:
@@ -174,6 +183,10 @@ class MetaStateMachine:
         self.ops_applied = 0
         #: GC grace of the op being applied (MetaOp.gc_grace_ms); not state.
         self._gc_grace_ns = 0
+        #: tests only (TIERFS_TEST_APPLY_FAIL_MARKER): an op whose bytes
+        #: contain the marker raises after it mutated the state, on every
+        #: replica - the undo log must put everything back.
+        self._fail_marker = os.environ.get("TIERFS_TEST_APPLY_FAIL_MARKER", "").encode()
         self._reset()
 
     # ---- lifecycle ----------------------------------------------------------
@@ -215,34 +228,49 @@ class MetaStateMachine:
             msg = pb.MetaOp.FromString(op)
         except (DecodeError, ValueError) as exc:
             return _result(err=ProtocolError(f"undecodable meta op: {exc}"))
-        # A failed op must leave the state exactly as it was, clock included.
-        clock_before = self.clock
-        self.clock = max(self.clock, msg.now_ns)
+        # A failed op must leave the state exactly as it was, clock included:
+        # every mutation inside the transaction is undone if the op raises,
+        # wherever it raises (tierfs/meta/undo.py).
         dedup = bool(msg.client_id and msg.request_id)
-        if dedup:
-            found, first = self.requests.lookup(msg.client_id, msg.request_id)
-            if found:
-                return first if first is not None else _result(err=InternalError(
-                    f"request {msg.request_id} of client {msg.client_id} was already applied, but its reply was "
-                    f"too large to keep for retries: read the state again instead"))
-        self._gc_grace_ns = msg.gc_grace_ms * NS_PER_MS
         try:
-            validate_op(msg)
-            kind = msg.WhichOneof("body")
-            check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
-            reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
-            out = _result(reply)
+            with transaction():
+                self.clock = self._advance(msg.now_ns)
+                if dedup:
+                    found, first = self.requests.lookup(msg.client_id, msg.request_id)
+                    if found:
+                        return first if first is not None else _result(err=InternalError(
+                            f"request {msg.request_id} of client {msg.client_id} was already applied, but its "
+                            f"reply was too large to keep for retries: read the state again instead"))
+                self._gc_grace_ns = msg.gc_grace_ms * NS_PER_MS
+                validate_op(msg)
+                kind = msg.WhichOneof("body")
+                check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
+                reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
+                out = _result(reply)
+                if self._fail_marker and self._fail_marker in op:
+                    raise RuntimeError("test hook: failing after the op mutated the state")
         except TierFSError as err:
-            self.clock = clock_before
             return _result(err=err)
         except Exception as exc:  # a bug: still a deterministic outcome everywhere
             return _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
         # Only successes are remembered: a retry of a failed request is simply
         # tried again (it cannot have taken effect), and a refused op leaves
-        # no trace in the state at all.
+        # no trace in the state at all. The dedup table changes only here,
+        # after the op succeeded (it keeps an activity order of its own that
+        # the undo log would not restore).
         if dedup:
             self.requests.remember(msg.client_id, msg.request_id, out, self.clock)
         return out
+
+    def _advance(self, now_ns: int) -> int:
+        """The state clock after an op stamped ``now_ns``: never backwards
+        (a new leader with a slower clock) and never more than
+        MAX_CLOCK_STEP_NS forwards in one op, so a leader whose clock jumped
+        ahead cannot drag the clock far (docs/meta.md, "Time"). A fresh
+        state (clock 0) takes the first stamp as is."""
+        if self.clock and now_ns > self.clock + MAX_CLOCK_STEP_NS:
+            now_ns = self.clock + MAX_CLOCK_STEP_NS
+        return max(self.clock, now_ns)
 
     def snapshot(self) -> bytes:
         return json.dumps(self._to_json(), sort_keys=True, separators=(",", ":")).encode()
@@ -1001,6 +1029,12 @@ class MetaStateMachine:
                 n.state = NODE_OFFLINE
             if expired:
                 self.map_version += 1
+        silent = [self.nodes[i] for i in sorted(set(r.offline_nodes)) if i in self.nodes]
+        silent = [n for n in silent if n.state == NODE_ONLINE]
+        for n in silent:
+            n.state = NODE_OFFLINE
+        if silent:
+            self.map_version += 1
         self._refresh_down()
         if r.replace_after_ms:
             self._replace_down_targets(r.replace_after_ms * NS_PER_MS)
@@ -1008,6 +1042,7 @@ class MetaStateMachine:
             s = self.sessions[sid]
             if s.expiry < self.clock:
                 self._drop_session(s, self.inodes.get(s.inode))
+        # Last: the dedup table is not covered by the undo log (apply).
         self.requests.expire(self.clock - REQUEST_TTL_NS)
         return pb.Empty()
 
@@ -1017,7 +1052,7 @@ class MetaStateMachine:
         """Whether a Tick op at ``now_ns`` would change anything beyond the
         clock: the leader skips the log entry otherwise (an idle cluster
         writes nothing and its digest stays still)."""
-        now = max(self.clock, now_ns)
+        now = self._advance(now_ns)
         if heartbeat_timeout_ms:
             limit = now - heartbeat_timeout_ms * NS_PER_MS
             if any(n.state == NODE_ONLINE and n.last_hb < limit for n in self.nodes.values()):

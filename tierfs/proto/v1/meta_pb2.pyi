@@ -2075,20 +2075,32 @@ class TickRequest(_message.Message):
 
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     REPLACE_AFTER_MS_FIELD_NUMBER: _builtins.int
+    OFFLINE_NODES_FIELD_NUMBER: _builtins.int
     heartbeat_timeout_ms: _builtins.int
+    """Mark offline every node whose replicated last heartbeat is older than
+    this. Only in ticks of older leaders: heartbeats are no longer log
+    entries, so the leader decides from its own memory (offline_nodes).
+    """
     replace_after_ms: _builtins.int
     """Replace a target in its groups once it has been down (offline or failed)
     this long; 0 = never.
     """
+    @_builtins.property
+    def offline_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Nodes the leader has not heard from for heartbeat_timeout (counted from
+        its own start as leader at the earliest): marked offline.
+        """
+
     def __init__(
         self,
         *,
         heartbeat_timeout_ms: _builtins.int = ...,
         replace_after_ms: _builtins.int = ...,
+        offline_nodes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "replace_after_ms", b"replace_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "offline_nodes", b"offline_nodes", "replace_after_ms", b"replace_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2126,7 +2138,7 @@ class MetaOp(_message.Message):
     REMOVE_NODE_FIELD_NUMBER: _builtins.int
     MARK_FRAGMENTS_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
-    """leader's wall clock when the op was issued"""
+    """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
     """with request_id: retry deduplication"""
     request_id: _builtins.int
