@@ -45,6 +45,7 @@ __all__ = [
     "MAX_GC_TARGETS",
     "MAX_GROUP_CHUNKS_PAGE",
     "MAX_NAME_BYTES",
+    "MAX_OFFLINE_PER_TICK",
     "MAX_OP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_READDIR_LIMIT",
@@ -80,6 +81,8 @@ MAX_ID_STRING = 256
 #: Fragments one MarkFragments request may report, and one ListRepairs page.
 MAX_MARK_ITEMS = 4096
 MAX_REPAIR_PAGE = 4096
+#: Silent storage nodes one Tick marks offline (more wait for the next tick).
+MAX_OFFLINE_PER_TICK = 16_384
 
 # ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
 #: A serialized op (what goes into the Raft log) is at most this big. Every
@@ -114,6 +117,7 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("ChunkRecord", "missing"): MAX_WIDTH,
     ("ListRepairsRequest", "target_ids"): MAX_GC_TARGETS,
     ("MarkFragmentsRequest", "items"): MAX_MARK_ITEMS,
+    ("TickRequest", "offline_nodes"): MAX_OFFLINE_PER_TICK,
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("AckGCRequest", "acks"): MAX_GC_ACKS,

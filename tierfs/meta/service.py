@@ -61,7 +61,7 @@ from tierfs.errors import (
     grpc_errors,
 )
 from tierfs.meta.interfaces import Replicator
-from tierfs.meta.ops import MAX_GC_GRACE, check_caps, check_op_size, validate_op
+from tierfs.meta.ops import MAX_GC_GRACE, MAX_OFFLINE_PER_TICK, check_caps, check_op_size, validate_op
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -243,7 +243,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         long-down targets) unless the local state says it would change
         nothing (``force`` submits anyway). Only meaningful on the leader,
         whose state is current. Returns whether it submitted."""
-        req = pb.TickRequest(replace_after_ms=int(self.replace_after * 1000), offline_nodes=self.silent_nodes())
+        req = pb.TickRequest(replace_after_ms=int(self.replace_after * 1000), offline_nodes=self.silent_nodes()[:MAX_OFFLINE_PER_TICK])
         op = self._op("tick", req)
         if not force and not req.offline_nodes and not self.state.tick_due(op.now_ns, 0, req.replace_after_ms):
             return False
