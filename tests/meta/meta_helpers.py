@@ -135,3 +135,15 @@ async def register_async(mc: MetaClient, nodes: int = 6, targets: int = 2) -> li
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+def unknown_field(req: Any, size: int) -> bytes:
+    """``req`` serialized plus an unknown length-delimited field 999 of ``size`` bytes."""
+    header = bytearray()
+    for v in ((999 << 3) | 2, size):
+        while True:
+            b, v = v & 0x7F, v >> 7
+            header.append(b | (0x80 if v else 0))
+            if not v:
+                break
+    return bytes(req.SerializeToString()) + bytes(header) + b"u" * size

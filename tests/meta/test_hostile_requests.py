@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from meta_helpers import unknown_field as _unknown_field
 
 from tests.cluster import MetaCluster
 from tierfs.errors import InvalidArgumentError, NameTooLongError, TierFSError, from_grpc
@@ -38,18 +39,6 @@ def _proc_mib(pid: int, key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     raise KeyError(key)
-
-
-def _unknown_field(req: Any, size: int) -> bytes:
-    """``req`` serialized plus an unknown length-delimited field 999 of ``size`` bytes."""
-    header = bytearray()
-    for v in ((999 << 3) | 2, size):
-        while True:
-            b, v = v & 0x7F, v >> 7
-            header.append(b | (0x80 if v else 0))
-            if not v:
-                break
-    return bytes(req.SerializeToString()) + bytes(header) + b"u" * size
 
 
 def _hostile() -> list[tuple[str, Any, type[TierFSError], str]]:

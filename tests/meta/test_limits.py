@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
-from meta_helpers import Driver, meta_server, register_async, run
+from meta_helpers import Driver, meta_server, register_async, run, unknown_field
 
 from tierfs.config import load
 from tierfs.errors import (
@@ -71,16 +71,9 @@ def _ok_chunks(n: int, data_version: int = 1) -> list[pb.ChunkRecord]:
 
 
 def _with_unknown_field(req: pb.RenewLeaseRequest, size: int) -> pb.RenewLeaseRequest:
-    """``req`` carrying an unknown length-delimited field 999 of ``size`` bytes."""
-    header = bytearray()
-    for v in ((999 << 3) | 2, size):
-        while True:
-            b, v = v & 0x7F, v >> 7
-            header.append(b | (0x80 if v else 0))
-            if not v:
-                break
+    """``req`` carrying an unknown length-delimited field of ``size`` bytes."""
     out = pb.RenewLeaseRequest()
-    out.ParseFromString(req.SerializeToString() + bytes(header) + bytes(size))
+    out.ParseFromString(unknown_field(req, size))
     return out
 
 
