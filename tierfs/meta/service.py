@@ -61,7 +61,13 @@ from tierfs.errors import (
     grpc_errors,
 )
 from tierfs.meta.interfaces import Replicator
-from tierfs.meta.ops import MAX_GC_GRACE, MAX_OFFLINE_PER_TICK, check_caps, check_op_size, validate_op
+from tierfs.meta.ops import (
+    MAX_GC_GRACE,
+    MAX_OFFLINE_PER_TICK,
+    check_caps,
+    check_op_size,
+    validate_op,
+)
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
