@@ -63,28 +63,35 @@ def test_sync_client_survives_fork(cluster: LocalCluster) -> None:
         assert c.read_bytes("/forked-child") == b"from the child"
 
 
-def test_a_session_over_the_commit_cap_fails_early_and_commits_nothing(cluster: LocalCluster,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Meta commits at most MAX_CHUNKS_PER_REQUEST chunks per session (4 here
-    instead of 32768): the write that would start one more fails at once, and
-    the file keeps what it had."""
+def test_a_session_of_more_chunks_than_one_request_takes(cluster: LocalCluster,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write session stores any number of chunks: their records and uploads
+    go to meta in requests of at most MAX_CHUNKS_PER_REQUEST (4 here instead
+    of 2048, so that a small file needs several), staged by renewals and the
+    close, and every one is published."""
     import tierfs.client.file as file_mod
-    from tierfs.errors import InvalidArgumentError
 
     monkeypatch.setattr(file_mod, "MAX_CHUNKS_PER_REQUEST", 4)
     cs = 64 * 1024
+    data = bytes(range(256)) * (19 * cs // 256)
 
     async def main() -> None:
-        async with AsyncClient(cluster.meta_addrs) as c:
-            await c.mkdir("/capped")
-            await c.set_layout("/capped", chunk_size=cs)
-            await c.write_bytes("/capped/ok", b"k" * (4 * cs))  # at the cap: fine
-            assert (await c.stat("/capped/ok")).size == 4 * cs
-            f = await c.open("/capped/ok", "ab")
-            with pytest.raises(InvalidArgumentError, match="at most 4 chunks"):
-                await f.write(b"x" * (5 * cs))
-            with pytest.raises(InvalidArgumentError):
-                await f.close()  # the session aborts: nothing of it is visible
-            assert await c.read_bytes("/capped/ok") == b"k" * (4 * cs)
+        async with AsyncClient(cluster.meta_addrs, lease_ms=1000) as c:  # a renewal every 0.33 s
+            await c.mkdir("/staged")
+            await c.set_layout("/staged", chunk_size=cs)
+            f = await c.open("/staged/f", "wb")
+            for off in range(0, len(data), 3 * cs):
+                await f.write(data[off: off + 3 * cs])
+                await asyncio.sleep(0.1)
+            await f.close()
+            info = await c.meta.stat("/staged/f")
+            assert info.attr.size == len(data) and [r.index for r in info.chunks] == list(range(19))
+            assert await c.read_bytes("/staged/f") == data
+            # an abort reports every upload in batches too: nothing of it shows
+            f = await c.open("/staged/f", "ab")
+            await f.write(b"x" * (9 * cs))
+            await f.flush()
+            await f.abort()
+            assert await c.read_bytes("/staged/f") == data
 
     asyncio.run(main())

@@ -23,7 +23,6 @@ from tierfs.chunk import session_version
 from tierfs.client import AsyncClient, Client
 from tierfs.errors import TierFSError, UnavailableError
 from tierfs.local import LocalCluster
-from tierfs.meta.ops import MAX_CHUNKS_PER_REQUEST
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,27 +170,3 @@ def test_reader_whose_generation_was_collected_reads_the_new_one(cl: LocalCluste
             assert r.read(cs) == new[cs: 2 * cs]  # re-stat and retry, on the new generation
             assert r.read() == new[2 * cs:]
 
-
-def test_a_session_of_more_chunks_than_one_request_takes(cl: LocalCluster) -> None:
-    """A write session may store any number of chunks: their records are
-    staged with the renewals (and the commit) in requests of at most
-    MAX_CHUNKS_PER_REQUEST, so every meta op stays small."""
-    cs = 64 << 10
-    n = MAX_CHUNKS_PER_REQUEST + 40
-    data = bytes(range(256)) * (n * cs // 256)
-    with Client(_meta(cl), lease_ms=1500) as c:  # renewals every 0.5 s stage records mid-write
-        c.mkdir("/many")
-        c.set_layout("/many", chunk_size=cs, redundancy="replica:1")
-        with c.open("/many/f", "wb") as f:
-            for off in range(0, len(data), 16 * cs):
-                f.write(data[off: off + 16 * cs])
-        info = c._run(c.aclient.meta.stat("/many/f"))
-        assert info.attr.size == len(data) and len(info.chunks) == n
-        assert {r.length for r in info.chunks} == {cs} and not any(r.missing for r in info.chunks)
-        assert c.read_bytes("/many/f") == data
-        # a rewrite of a few chunks in place keeps the others' records
-        with c.open("/many/f", "r+b") as f:
-            f.seek(5 * cs + 3)
-            f.write(b"zz")
-        want = data[: 5 * cs + 3] + b"zz" + data[5 * cs + 5:]
-        assert c.read_bytes("/many/f") == want
