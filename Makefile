@@ -31,8 +31,9 @@ lint: install
 	$(BIN)/ruff check tierfs tests bench scripts
 	$(BIN)/mypy
 
+# Tests marked slow (the 200k-entry namespace growth) run in make soak.
 test: install lint proto-check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 run: install
 	$(BIN)/python -m tierfs.demo --data $(DATA)
@@ -46,11 +47,13 @@ bench: install
 # The randomized fault soak for 10 minutes (make test runs it for 30 s), then
 # the model-based checker's random walks for 10 minutes (make test runs a
 # fixed set of seeds: tests/checker). TIERFS_CHECKER_SEEDS=1,2,3 runs those
-# seeds instead; TIERFS_CHECKER_STEPS sets the length of each walk.
+# seeds instead; TIERFS_CHECKER_STEPS sets the length of each walk. Then the
+# tests marked slow: the namespace grown to 200k entries through snapshots.
 soak: install
 	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} \
 	TIERFS_CHECKER_SECONDS=$${TIERFS_CHECKER_SECONDS:-600} \
 	$(BIN)/python -m pytest tests/soak -q -s
+	$(BIN)/python -m pytest -m slow -q -s tests/meta
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -301,12 +301,16 @@ class LocalCluster:
     def up(self, timeout: float = 90.0) -> list[str]:
         """Start what is not running and wait until the cluster is healthy; if
         that fails, stop again the daemons this call started. Returns their names."""
-        started = self.start(timeout=timeout)
+        before = {name for name, alive in self.running().items() if alive}
         try:
+            started = self.start(timeout=timeout)
             asyncio.run(self.wait_healthy(timeout))
         except BaseException:
-            if started:
-                self.stop(names=started)
+            # Also when start itself failed half-way (a daemon that could not
+            # bind its port): nothing this call started is left running.
+            new = [name for name, alive in self.running().items() if alive and name not in before]
+            if new:
+                self.stop(names=new)
             raise
         return started
 

@@ -120,11 +120,13 @@ def test_damaged_fragments_are_read_around(fc: FaultCluster, damage: str) -> Non
         # The damage is on disk, not in the processes: every node stays up and online.
         h = asyncio.run(fc.cl.wait_healthy(30))
         assert all(s["state"] == "online" for s in h["storage"])
-        # Back to fully healthy: a scrub finds every damaged fragment and rebuilds
-        # it (docs/repair.md); a second pass is clean; the bytes still read back.
+        # Back to fully healthy: the scrubber finds every damaged fragment and
+        # rebuilds it (docs/repair.md) - those the reads above found within a
+        # second in the background (the engine's suspects), the rest in this
+        # pass; a second pass is clean; the bytes still read back.
         rep = _scrub(fc)
         t = rep["total"]
-        assert t["repaired"] > 0 and t["errors"] == 0, t
+        assert t["errors"] == 0, t
         assert len(originals) == damaged
         for f, good in originals.items():
             assert f.exists() and f.read_bytes() == good, f"{f} not restored by the scrub ({t})"
