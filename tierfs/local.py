@@ -52,15 +52,48 @@ class ProcInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback TCP ports (bound, then released)."""
-    socks: list[socket.socket] = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback TCP ports, bound and then released.
+
+    They are drawn from below the kernel's ephemeral range, so no outgoing
+    connection (a client's, a daemon's) can take one between this call and
+    the daemon's bind, and a daemon restarted later finds its port still
+    free. Port 0 (kernel's choice) would hand out ephemeral ports, and a
+    busy test run did lose that race (EADDRINUSE at a storage daemon's start).
+    """
+    import random
+
+    lo, _ = _ephemeral_range()
+    top = max(lo - 1, 2048)
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(n * 200):
+            if len(ports) == n:
+                break
+            port = rng.randint(min(10000, top - 1000), top)
+            if port in ports:
+                continue
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(port)
+        if len(ports) < n:
+            raise UnavailableError(f"found only {len(ports)} of {n} free loopback ports below {lo}")
+        return ports
     finally:
         for s in socks:
             s.close()

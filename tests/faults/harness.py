@@ -30,7 +30,7 @@ import numpy as np
 from tests.faults.proxy import FaultProxy
 from tierfs.client import Client
 from tierfs.errors import NotFoundError, TierFSError
-from tierfs.local import LocalCluster
+from tierfs.local import LocalCluster, free_ports
 
 __all__ = [
     "PROXY_HOST",
@@ -56,6 +56,8 @@ FAST_GC_GRACE = 1.0
 
 
 def _free_port(host: str) -> int:
+    if host in ("127.0.0.1", "localhost"):
+        return free_ports(1)[0]  # below the ephemeral range: see free_ports
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
