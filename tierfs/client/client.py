@@ -53,6 +53,7 @@ from tierfs.storage.api import FragmentKey
 
 if TYPE_CHECKING:
     from tierfs.client.file import AsyncFile
+    from tierfs.kv.client import AsyncKV
 
 __all__ = ["AsyncClient", "FileStat"]
 
@@ -214,6 +215,8 @@ class AsyncClient:
         self.hedged = 0
         #: Chunk writes acknowledged with fewer than K+M fragments (the scrubber adds the rest).
         self.degraded_writes = 0
+        self._kv_pools: dict[str, Any] = {}
+        self._kv_tiers: Any = None
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -249,9 +252,42 @@ class AsyncClient:
         self._router.meta = self._meta
         await old.close()
 
+    # ---- KV cache (tierfs.kv) ----------------------------------------------------
+
+    @property
+    def kv(self) -> AsyncKV:
+        """The KV API on the default pool (``ClientConfig.kv_pool``)."""
+        return self.kv_pool(self.config.kv_pool)
+
+    def kv_pool(self, name: str) -> AsyncKV:
+        """The KV API on pool ``name`` (an unknown pool fails at first use, NotFoundError)."""
+        from tierfs.kv.client import AsyncKV
+
+        got = self._kv_pools.get(name)
+        if got is None:
+            if not name:
+                raise InvalidArgumentError("empty KV pool name")
+            got = self._kv_pools[name] = AsyncKV(self, name)
+        return got  # type: ignore[no-any-return]
+
+    def _kv_local(self) -> Any:
+        """The client's local KV tiers (one set, shared by its pool handles), or None."""
+        c = self.config
+        if not (c.kv_dram_bytes or c.kv_ssd_bytes):
+            return None
+        if self._kv_tiers is None:
+            from tierfs.kv.client import LocalTiers
+
+            self._kv_tiers = LocalTiers(self)
+        return self._kv_tiers
+
     async def close(self) -> None:
         if self._closed:
             return
+        for h in list(self._kv_pools.values()):
+            await h.close()
+        if self._kv_tiers is not None:
+            await self._kv_tiers.close()
         self._closed = True
         meta, data, router = self._meta, self._data, self._router
         self._meta = self._data = self._router = None

@@ -57,6 +57,24 @@ class ClientConfig(BaseConfig):
         "position. 0: K+1 for ec:K+M (one more failure survivable before repair), 2 for replica:N with "
         "N >= 2 (two durable copies), 1 for replica:1; never fewer than K, never more than K+M.")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
+    # --- KV cache (tierfs.kv; see docs/kv.md) ---
+    kv_pool: str = field("default", "KV pool that client.kv names.")
+    kv_timeout: float = field(
+        2.0, "Deadline of one KV data-plane request: a target that does not answer in time is a miss "
+        "(a get) or a skipped copy (a put), never a hang.", kind="duration")
+    kv_dram_bytes: int = field(
+        0, "Client DRAM tier for KV objects (pre-allocated at first use); 0 = none. Leave it 0 behind an "
+        "engine adapter: the engine's own CPU buffer is the DRAM tier.", kind="size")
+    kv_dram_policy: str = field("lru", "Eviction policy of the DRAM tier.")
+    kv_ssd_path: str = field("", "File of the local-SSD tier (pre-allocated at first use); empty = none.")
+    kv_ssd_bytes: int = field(0, "Size of the local-SSD tier file.", kind="size")
+    kv_ssd_policy: str = field("lru", "Eviction policy of the local-SSD tier.")
+    kv_write_back: bool = field(
+        False, "Write-back: a put returns once the object is in the local tiers and reaches the cluster in "
+        "the background (flush() waits). Off: write-through.")
+    kv_write_back_bytes: int = field(
+        256 << 20, "Most bytes a write-back client holds not yet in the cluster; a put waits for room.",
+        kind="size")
 
     def validate(self) -> None:
         for addr in self.meta:
@@ -75,6 +93,15 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 0 and <= backoff_max", field="backoff_initial")
         if self.lease_ms < 1000:
             raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
+        if self.kv_timeout <= 0:
+            raise ConfigError("must be > 0", field="kv_timeout")
+        for name in ("kv_dram_bytes", "kv_ssd_bytes", "kv_write_back_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", field=name)
+        if self.kv_ssd_bytes and not self.kv_ssd_path:
+            raise ConfigError("kv_ssd_bytes needs kv_ssd_path", field="kv_ssd_path")
+        if self.kv_write_back and not (self.kv_dram_bytes or self.kv_ssd_bytes):
+            raise ConfigError("write-back needs a local tier (kv_dram_bytes or kv_ssd_bytes)", field="kv_write_back")
         for name in ("hedge_after", "hedge_min", "slow_target_ttl"):
             if getattr(self, name) < 0:
                 raise ConfigError("must be >= 0", field=name)

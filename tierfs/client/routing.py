@@ -18,13 +18,40 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import Any
 
-from tierfs.errors import StaleVersionError, TierFSError
+from tierfs.errors import NotFoundError, StaleVersionError, TierFSError
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["Router"]
+__all__ = ["KVPoolRoute", "Router"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolRoute:
+    """What the client needs of a KV pool: its id, redundancy and groups."""
+
+    pool_id: int
+    name: str
+    redundancy: str
+    copies: int  # replica:N -> N; ec:K+M -> 0
+    k: int
+    m: int
+    groups: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, p: Any) -> KVPoolRoute:
+        red = p.redundancy or "replica:1"
+        copies = k = m = 0
+        kind, _, arg = red.partition(":")
+        if kind == "replica":
+            copies = int(arg or 1)
+        elif kind == "ec":
+            a, _, b = arg.partition("+")
+            k, m = int(a), int(b)
+        return cls(p.pool_id, p.name, red, copies, k, m, tuple(tuple(g.target_ids) for g in p.groups))
 
 _READABLE = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
 
@@ -45,6 +72,8 @@ class Router:
         # group id -> {member still being rebuilt: the member it replaced
         # when that one is still readable, else 0}
         self.rebuilding: dict[int, dict[int, int]] = {}
+        #: KV pools by name, from the map's ``kv_pools``.
+        self.kv_pools: dict[str, KVPoolRoute] = {}
         self._lock = asyncio.Lock()
         self._last = -1e9
         self._bg: asyncio.Task[None] | None = None
@@ -81,7 +110,24 @@ class Router:
             g.group_id: {t: (g.rebuild_sources[i] if i < len(g.rebuild_sources) else 0)
                          for i, t in enumerate(g.rebuilding)}
             for g in cmap.groups if g.rebuilding}
+        self.kv_pools = {p.name: KVPoolRoute.of(p) for p in getattr(cmap, "kv_pools", ())}
         self.version = cmap.version
+
+    async def kv_pool(self, name: str) -> KVPoolRoute:
+        """The route of KV pool ``name`` (refreshing the map on a miss, and in
+        the background when it is old: the KV data path never waits on meta
+        while it has a map)."""
+        got = self.kv_pools.get(name)
+        if got is not None:
+            if time.monotonic() - self._last > self.max_age and self._bg is None:
+                self._bg = asyncio.get_running_loop().create_task(self._refresh_quietly())
+            return got
+        await self.refresh(force=True)
+        got = self.kv_pools.get(name)
+        if got is None:
+            known = ", ".join(sorted(self.kv_pools)) or "none"
+            raise NotFoundError(f"unknown KV pool {name!r} (pools: {known})")
+        return got
 
     async def targets(self, group_id: int) -> tuple[int, ...]:
         """The ordered targets of a placement group (refreshing on a miss)."""

@@ -23,6 +23,7 @@ import uvloop
 from tierfs.client.client import AsyncClient, FileStat
 from tierfs.client.config import ClientConfig
 from tierfs.client.file import AsyncFile
+from tierfs.kv.client import KV
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["Client", "File"]
@@ -58,6 +59,17 @@ class Client:
         self._lock = threading.Lock()
         self._closed = False
         _LIVE.add(self)
+
+    # ---- KV cache ---------------------------------------------------------------
+
+    @property
+    def kv(self) -> KV:
+        """The KV API on the default pool (blocking)."""
+        return KV(self, self.config.kv_pool)
+
+    def kv_pool(self, name: str) -> KV:
+        """The KV API on pool ``name`` (blocking)."""
+        return KV(self, name)
 
     # ---- the loop thread --------------------------------------------------------
 

@@ -41,7 +41,7 @@ from tierfs.net.shm import ShmRefusedError
 from tierfs.net.transport import Transport, get_transport
 from tierfs.storage.api import FragmentInfo, FragmentKey
 
-__all__ = ["Address", "DataClient", "ReadItem", "WriteItem", "parse_address"]
+__all__ = ["Address", "DataClient", "KVGetItem", "KVPutItem", "ReadItem", "WriteItem", "parse_address"]
 
 Address = str | tuple[str, int]
 #: (target, key, dest, offset)
@@ -50,6 +50,8 @@ ReadItem = tuple[int, FragmentKey, memoryview, int]
 WriteItem = tuple[int, FragmentKey, Any]
 
 _MAX_ERROR_PAYLOAD = 1 << 16
+_ANSWER_PAYLOAD_OPS = frozenset({int(Op.READ), int(Op.KV_GET), int(Op.KV_EXISTS)})
+_SENDS_PAYLOAD = frozenset({int(Op.WRITE), int(Op.KV_PUT)})
 _UNSET: Any = object()
 _LOOPBACK = ("127.", "localhost", "::1")
 
@@ -73,12 +75,30 @@ def _expire(fut: asyncio.Future[Any]) -> None:
 
 
 class _Req:
-    __slots__ = ("dest", "key", "length", "offset", "op", "payload", "target")
+    __slots__ = ("crc", "dest", "key", "length", "offset", "op", "payload", "payload2", "target")
 
-    def __init__(self, op: Op, target: int, key: FragmentKey, *, offset: int = 0, length: int = 0,
-                 payload: memoryview | None = None, dest: memoryview | None = None) -> None:
+    def __init__(self, op: Op, target: int, key: FragmentKey | tuple[int, int, int, int], *, offset: int = 0,
+                 length: int = 0, payload: memoryview | None = None, dest: memoryview | None = None,
+                 payload2: memoryview | bytes | None = None, crc: int | None = None) -> None:
         self.op, self.target, self.key = op, target, key
         self.offset, self.length, self.payload, self.dest = offset, length, payload, dest
+        # A payload in two pieces (a KV put: value, then key) and its CRC32C
+        # when the caller has it already.
+        self.payload2, self.crc = payload2, crc
+
+
+#: (target, pool id, key, value, value CRC32C or None, put flags, TTL ms)
+KVPutItem = tuple[int, int, bytes, memoryview, int | None, int, int]
+#: (target, pool id, key, dest)
+KVGetItem = tuple[int, int, bytes, memoryview]
+
+
+def _kv_put_req(item: KVPutItem, pin_ttl_ms: int = 0) -> _Req:
+    target, pool, key, value, vcrc, flags, ttl_ms = item
+    if vcrc is None:
+        vcrc = crc32c(value)
+    return _Req(Op.KV_PUT, target, (pool, ttl_ms, flags, vcrc), offset=len(key), length=pin_ttl_ms,
+                payload=value, payload2=key, crc=crc32c(key, vcrc))
 
 
 class _Pending:
@@ -128,7 +148,7 @@ class _ClientConnection(FrameProtocol):
             if hdr.payload_len > _MAX_ERROR_PAYLOAD:
                 raise ProtocolError(f"error message of {hdr.payload_len} bytes")
             return memoryview(bytearray(hdr.payload_len))
-        if hdr.op != Op.READ:
+        if hdr.op not in _ANSWER_PAYLOAD_OPS:
             raise ProtocolError(f"op {Op(hdr.op).name} answer carries {hdr.payload_len} bytes")
         if p.abandoned:
             return None
@@ -147,9 +167,10 @@ class _ClientConnection(FrameProtocol):
         if not p.abandoned and not p.fut.done():
             p.fut.set_result((hdr, payload))
 
-    async def call(self, op: Op, target: int, key: FragmentKey | None, *, timeout: float,
-                   offset: int = 0, length: int = 0, payload: memoryview | None = None,
-                   dest: memoryview | None = None, more: bool = False) -> tuple[Header, memoryview | None]:
+    async def call(self, op: Op, target: int, key: FragmentKey | tuple[int, int, int, int] | None, *,
+                   timeout: float, offset: int = 0, length: int = 0, payload: memoryview | None = None,
+                   dest: memoryview | None = None, more: bool = False, payload2: memoryview | bytes | None = None,
+                   crc: int | None = None) -> tuple[Header, memoryview | None]:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise UnavailableError(f"data-plane connection to {self.peer} is closed ({self.reason})")
         rid = next(self._ids)
@@ -157,11 +178,15 @@ class _ClientConnection(FrameProtocol):
         p = _Pending(fut, op, dest)
         head = bytearray(HEADER_SIZE)
         n = 0 if payload is None else len(payload)
+        n2 = 0 if payload2 is None else len(payload2)
+        if crc is None:
+            crc = crc32c(payload) if payload is not None and n else 0
         encode_header(head, op, rid, flags=F_MORE if more else 0, target=target, key=key,
-                      offset=offset, length=length, payload_len=n,
-                      payload_crc=crc32c(payload) if payload is not None and n else 0)
+                      offset=offset, length=length, payload_len=n + n2, payload_crc=crc)
         self.pending[rid] = p
-        if n:
+        if n2:
+            self.transport.writelines([head, payload, payload2] if n else [head, payload2])
+        elif n:
             self.transport.writelines([head, payload])
         else:
             self.transport.write(head)
@@ -195,15 +220,21 @@ class _ClientConnection(FrameProtocol):
             rid = next(self._ids)
             head = heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
             size = 0 if r.payload is None else len(r.payload)
+            size2 = 0 if r.payload2 is None else len(r.payload2)
+            crc = r.crc
+            if crc is None:
+                crc = crc32c(r.payload) if r.payload is not None and size else 0
             encode_header(head, r.op, rid, flags=F_MORE if i < n - 1 else 0, target=r.target,
-                          key=r.key, offset=r.offset, length=r.length, payload_len=size,
-                          payload_crc=crc32c(r.payload) if r.payload is not None and size else 0)
+                          key=r.key, offset=r.offset, length=r.length, payload_len=size + size2,
+                          payload_crc=crc)
             p = _Pending(loop.create_future(), r.op, r.dest)
             self.pending[rid] = p
             sent.append((rid, p))
             out.append(head)
             if r.payload is not None and size:
                 out.append(r.payload)
+            if r.payload2 is not None and size2:
+                out.append(r.payload2)  # type: ignore[arg-type]
         self.transport.writelines(out)
         futs = [p.fut for _, p in sent]
         try:
@@ -241,7 +272,7 @@ class _ClientConnection(FrameProtocol):
         payload_busy = cur is not None and cur.request_id == rid and self._payload is not None
         # A write payload the transport still references, or a read answer
         # landing in the caller's buffer, must not outlive this call.
-        if payload_busy or (p.op == Op.WRITE and self.transport.get_write_buffer_size()):
+        if payload_busy or (p.op in _SENDS_PAYLOAD and self.transport.get_write_buffer_size()):
             self.reason = "a request was abandoned mid-transfer"
             self.abort()
 
@@ -383,7 +414,8 @@ class DataClient:
             pool = self._pools[addr] = _PeerPool(self, *addr)
         return pool
 
-    async def _call(self, target: int, op: Op, key: FragmentKey | None, timeout: float | None = None,
+    async def _call(self, target: int, op: Op, key: FragmentKey | tuple[int, int, int, int] | None,
+                    timeout: float | None = None,
                     **kw: Any) -> tuple[Header, memoryview | None]:
         t = self.request_timeout if timeout is None else timeout
         pool = self._pool(target)
@@ -506,6 +538,85 @@ class DataClient:
 
         await asyncio.gather(*(one(a, idx) for a, idx in groups.items()))
         return out
+
+    # --- KV objects (ops KV_*; see tierfs.net.protocol) ------------------------
+
+    async def kv_put(self, target: int, pool: int, key: bytes, value: memoryview, *, crc: int | None = None,
+                     flags: int = 0, ttl_ms: int = 0, pin_ttl_ms: int = 0, timeout: float | None = None) -> bool:
+        """Store ``value`` under ``key`` in KV pool ``pool`` on ``target``;
+        False if it was there already (a no-op unless KV_OVERWRITE)."""
+        if len(value) > self.limits.max_frame_bytes:
+            raise InvalidArgumentError(
+                f"KV object of {len(value)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
+        r = _kv_put_req((target, pool, key, value, crc, flags, ttl_ms), pin_ttl_ms)
+        hdr, _ = await self._call(target, Op.KV_PUT, r.key, timeout, offset=r.offset, length=r.length,
+                                  payload=r.payload, payload2=r.payload2, crc=r.crc)
+        return bool(hdr.length)
+
+    async def kv_get_into(self, target: int, pool: int, key: bytes, dest: memoryview, *,
+                          timeout: float | None = None) -> int | None:
+        """Fetch ``key`` straight into ``dest``: its size, or None on a miss.
+        The answer's CRC32C is the object's stored one, checked on arrival."""
+        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
+                                  length=min(len(dest), self.limits.max_frame_bytes), payload=memoryview(key),
+                                  dest=dest)
+        return hdr.payload_len if hdr.length else None
+
+    async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bytes | None:
+        """The value of ``key`` (any size up to the frame limit), or None."""
+        hdr, body = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
+                                     length=self.limits.max_frame_bytes, payload=memoryview(key))
+        if not hdr.length:
+            return None
+        return bytes(body) if body is not None else b""
+
+    async def kv_exists(self, target: int, pool: int, keys: Sequence[bytes], *,
+                        timeout: float | None = None) -> list[bool]:
+        """Which of ``keys`` ``target`` holds: one request for all of them."""
+        from tierfs.net.protocol import pack_keys
+
+        _hdr, body = await self._call(target, Op.KV_EXISTS, (pool, 0, 0, 0), timeout, offset=len(keys),
+                                     payload=memoryview(pack_keys(list(keys))))
+        bits = bytes(body or b"")
+        if len(bits) != (len(keys) + 7) // 8:
+            raise ProtocolError(f"KV_EXISTS answer of {len(bits)} bytes for {len(keys)} keys")
+        return [bool(bits[i >> 3] & (1 << (i & 7))) for i in range(len(keys))]
+
+    async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bool:
+        hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, 0, 0), timeout, payload=memoryview(key))
+        return bool(hdr.length)
+
+    async def kv_pin(self, target: int, pool: int, key: bytes, kind: int, ttl_ms: int = 0, *,
+                     timeout: float | None = None) -> bool:
+        """Pin (kind 1 soft, 2 hard) or unpin (kind 0) ``key``; False if absent."""
+        hdr, _ = await self._call(target, Op.KV_PIN, (pool, 0, kind, 0), timeout, length=ttl_ms,
+                                  payload=memoryview(key))
+        return bool(hdr.length)
+
+    async def kv_put_batch(self, items: Iterable[KVPutItem], *,
+                           timeout: float | None = None) -> list[bool | TierFSError]:
+        """Many ``kv_put`` at once: the frames for one server go out in one
+        ``writelines``. Results in item order: stored, or the error."""
+        reqs: list[_Req | TierFSError] = []
+        for it in items:
+            if len(it[3]) > self.limits.max_frame_bytes:
+                reqs.append(InvalidArgumentError(
+                    f"KV object of {len(it[3])} bytes exceeds the frame limit {self.limits.max_frame_bytes}"))
+            else:
+                reqs.append(_kv_put_req(it))
+        res = await self._batch(reqs, timeout)
+        return [bool(r.length) if isinstance(r, Header) else r for r in res]
+
+    async def kv_get_batch(self, items: Iterable[KVGetItem], *,
+                           timeout: float | None = None) -> list[int | TierFSError | None]:
+        """Many ``kv_get_into`` at once; results in item order: the size,
+        None for a miss, or the error."""
+        reqs: list[_Req | TierFSError] = [
+            _Req(Op.KV_GET, target, (pool, 0, 0, 0), length=min(len(dest), self.limits.max_frame_bytes),
+                 payload=memoryview(key), dest=dest)
+            for target, pool, key, dest in items]
+        res = await self._batch(reqs, timeout)
+        return [(r.payload_len if r.length else None) if isinstance(r, Header) else r for r in res]
 
     async def close(self) -> None:
         pools, self._pools = list(self._pools.values()), {}

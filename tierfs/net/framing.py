@@ -43,6 +43,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._hdr_fill = 0
         self._cur: Header | None = None
         self._payload: memoryview | None = None
+        # A scattered payload (see _on_header): the part after _payload, and
+        # the first part once it is complete.
+        self._tail: memoryview | None = None
+        self._first: memoryview | None = None
         self._payload_fill = 0
         self._crc = 0
         self._discard_left = 0
@@ -100,10 +104,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if dest is None:
                 self._discard_left = cur.payload_len
             else:
-                if len(dest) != cur.payload_len:  # pragma: no cover - subclass bug
+                tail: memoryview | None = None
+                if isinstance(dest, tuple):
+                    dest, tail = dest
+                    if not len(dest):
+                        dest, tail = tail, None
+                if len(dest) + (len(tail) if tail is not None else 0) != cur.payload_len:  # pragma: no cover - subclass bug
                     self.violation("payload buffer has the wrong size")
                     return
                 self._payload = dest
+                self._tail = tail
+                self._first = None
                 self._payload_fill = 0
                 self._crc = 0
             return
@@ -122,6 +133,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._payload_fill += nbytes
         if self._payload_fill < len(payload):
             return
+        if self._tail is not None:
+            self._first, self._payload, self._tail = payload, self._tail, None
+            self._payload_fill = 0
+            return
+        if self._first is not None:
+            payload, self._first = self._first, None
         self._cur = None
         self._payload = None
         got = self._crc
@@ -163,9 +180,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     # --- subclass hooks --------------------------------------------------------
 
-    def _on_header(self, hdr: Header) -> memoryview | None:
+    def _on_header(self, hdr: Header) -> memoryview | tuple[memoryview, memoryview] | None:
         """Where the payload of ``hdr`` goes (exactly ``payload_len`` bytes),
-        or None to discard it. Raise ProtocolError to drop the connection."""
+        or None to discard it. Raise ProtocolError to drop the connection.
+
+        A pair scatters the payload: its first ``len(first)`` bytes land in
+        ``first``, the rest in ``second`` (a KV put: the value into a store
+        buffer, the key after it into a small one). ``_on_frame`` and
+        ``_on_bad_payload`` then get ``first``; the subclass keeps ``second``."""
         raise NotImplementedError
 
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:

@@ -21,6 +21,24 @@ Layout (little-endian, ``struct`` format :data:`HEADER_FORMAT`)::
      80   4  payload_crc  CRC32C of the payload (STAT reply: fragment CRC32C)
      84   4  header_crc   CRC32C of bytes 0..83
 
+KV ops reuse the header (``inode`` = pool id throughout):
+
+    KV_PUT     payload = value || key; offset = key length; fversion = CRC32C
+               of the value (the server checks crc32c(key, fversion) ==
+               payload_crc, which proves it without a second pass over the
+               value); chunk = TTL in ms (0 none); fragment = flags
+               (KV_OVERWRITE, pin kind << KV_PIN_SHIFT); length = pin TTL ms.
+               Reply: length = 1 stored, 0 already there (a no-op).
+    KV_GET     payload = key; length = the most bytes the caller can take.
+               Reply: length = 1 hit / 0 miss; payload = the value, its
+               payload_crc the object's stored CRC32C (checked end to end).
+    KV_EXISTS  payload = keys, each as u16 length + bytes; offset = count.
+               Reply: payload = a bitmap, bit i set if key i is present:
+               one request per target for a whole batch.
+    KV_DELETE  payload = key. Reply: length = 1 existed / 0 not.
+    KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
+               TTL ms. Reply: length = 1 found / 0 not.
+
 Everything here is pure: encoding into a caller-owned buffer and decoding
 from one, with no I/O.
 """
@@ -42,7 +60,13 @@ __all__ = [
     "F_RESPONSE",
     "HEADER_FORMAT",
     "HEADER_SIZE",
+    "KV_OPS",
+    "KV_OVERWRITE",
+    "KV_PIN_SHIFT",
     "MAGIC",
+    "MAX_KV_EXISTS_KEYS",
+    "MAX_KV_KEY",
+    "PAYLOAD_OPS",
     "VERSION",
     "Flag",
     "Header",
@@ -51,6 +75,8 @@ __all__ = [
     "crc32c",
     "decode_header",
     "encode_header",
+    "pack_keys",
+    "unpack_keys",
 ]
 
 MAGIC = b"TFDP"
@@ -74,6 +100,25 @@ class Op(enum.IntEnum):
     READ = 3
     DELETE = 4
     STAT = 5
+    # KV objects (see "KV ops" in the module docstring).
+    KV_PUT = 6
+    KV_GET = 7
+    KV_EXISTS = 8
+    KV_DELETE = 9
+    KV_PIN = 10
+
+
+#: Ops whose request carries a payload (the others' requests are bare headers).
+PAYLOAD_OPS = frozenset({2, 6, 7, 8, 9, 10})
+#: KV ops (served by a target's KV store, not its chunk engine).
+KV_OPS = frozenset({6, 7, 8, 9, 10})
+#: Longest KV key, in bytes.
+MAX_KV_KEY = 512
+#: Most keys one KV_EXISTS request carries.
+MAX_KV_EXISTS_KEYS = 4096
+#: KV_PUT flag bits (in the ``fragment`` field).
+KV_OVERWRITE = 0x1
+KV_PIN_SHIFT = 1  # two bits: 0 none, 1 soft, 2 hard
 
 
 class Flag(enum.IntFlag):
@@ -196,3 +241,35 @@ class Limits:
             raise ConfigError("must be at least max_frame_bytes", field="max_inflight_bytes")
         if self.shm_ring_bytes < HEADER_SIZE * 2:
             raise ConfigError(f"must be at least {HEADER_SIZE * 2}", field="shm_ring_bytes")
+
+
+def pack_keys(keys: list[bytes]) -> bytearray:
+    """KV_EXISTS payload: each key as a little-endian u16 length, then its bytes."""
+    out = bytearray()
+    for k in keys:
+        if not 0 < len(k) <= MAX_KV_KEY:
+            raise ProtocolError(f"KV key of {len(k)} bytes (1..{MAX_KV_KEY})")
+        out += len(k).to_bytes(2, "little")
+        out += k
+    return out
+
+
+def unpack_keys(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]:
+    """Inverse of :func:`pack_keys`; ProtocolError on any inconsistency."""
+    if not 0 < count <= MAX_KV_EXISTS_KEYS:
+        raise ProtocolError(f"KV_EXISTS of {count} keys (1..{MAX_KV_EXISTS_KEYS})")
+    view = memoryview(buf)
+    keys: list[bytes] = []
+    pos = 0
+    for _ in range(count):
+        if pos + 2 > len(view):
+            raise ProtocolError("KV_EXISTS payload ends inside a key length")
+        n = int.from_bytes(view[pos:pos + 2], "little")
+        pos += 2
+        if not 0 < n <= MAX_KV_KEY or pos + n > len(view):
+            raise ProtocolError(f"KV_EXISTS key of {n} bytes at offset {pos - 2} (1..{MAX_KV_KEY}, within the payload)")
+        keys.append(bytes(view[pos:pos + n]))
+        pos += n
+    if pos != len(view):
+        raise ProtocolError(f"KV_EXISTS payload has {len(view) - pos} bytes after its {count} keys")
+    return keys

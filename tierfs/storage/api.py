@@ -60,3 +60,30 @@ class FragmentStore(Protocol):
 
     async def stat(self, key: FragmentKey) -> FragmentInfo:
         """Size and CRC32C of ``key``. Raises NotFoundError."""
+
+
+class KVTargetStore(Protocol):
+    """One target's KV store as the data plane sees it
+    (:class:`tierfs.storage.kvstore.KVStore`). ``pool_id`` is a KV pool's id."""
+
+    def alloc(self, size: int) -> memoryview:
+        """A buffer for an incoming value; put takes it over."""
+
+    def release(self, buf: memoryview) -> None:
+        """Give back a buffer from ``alloc`` (not put) or a view from ``get``."""
+
+    async def put(self, pool_id: int, key: bytes, value: memoryview, crc: int, *, overwrite: bool = False,
+                  ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> bool:
+        """Store ``value`` (its CRC32C checked by the caller); False if ``key``
+        was there (a no-op). Takes ownership of ``value``."""
+
+    async def get(self, pool_id: int, key: bytes) -> tuple[memoryview, int] | None:
+        """(value, CRC32C), valid until ``release``; None is a miss."""
+
+    def contains(self, pool_id: int, keys: list[bytes]) -> list[bool]: ...
+
+    async def delete(self, pool_id: int, key: bytes) -> bool: ...
+
+    def pin(self, pool_id: int, key: bytes, kind: int, ttl_ms: int = 0) -> bool: ...
+
+    def unpin(self, pool_id: int, key: bytes) -> bool: ...

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tierfs.errors import (
     InternalError,
@@ -37,22 +37,40 @@ from tierfs.net.protocol import (
     ALL,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_OPS,
+    KV_OVERWRITE,
+    KV_PIN_SHIFT,
+    MAX_KV_EXISTS_KEYS,
+    MAX_KV_KEY,
+    PAYLOAD_OPS,
     Header,
     Limits,
     Op,
     crc32c,
     encode_header,
+    unpack_keys,
 )
 from tierfs.net.transport import Listener, get_transport
-from tierfs.storage.api import FragmentStore
+from tierfs.storage.api import FragmentStore, KVTargetStore
 
 __all__ = ["DataPlaneServer", "start_dataplane"]
+
+
+class _Releaser(Protocol):
+    def release(self, buf: memoryview) -> None: ...
+
 
 _MAX_ERROR_MESSAGE = 4096
 _COUNTERS = (
     "connections_total", "connections_active", "protocol_violations", "requests_total",
     "requests_failed", "bytes_received", "bytes_sent", "reads", "writes", "deletes", "stats", "pings",
+    "kv_puts", "kv_gets", "kv_hits", "kv_exists", "kv_deletes", "kv_pins",
 )
+#: Largest key payload of a KV_GET / KV_DELETE / KV_PIN request.
+_MAX_KEY_PAYLOAD = MAX_KV_KEY
+#: Largest KV_EXISTS payload (every key at the longest).
+_MAX_EXISTS_PAYLOAD = MAX_KV_EXISTS_KEYS * (MAX_KV_KEY + 2)
+
 
 
 class _ServerConnection(FrameProtocol):
@@ -66,17 +84,22 @@ class _ServerConnection(FrameProtocol):
         self._inflight_bytes = 0
         self._paused = False
         # Buffers (with their store) referenced by the transport's send queue.
-        self._unsent: collections.deque[tuple[FragmentStore, memoryview, int]] = collections.deque()
+        self._unsent: collections.deque[tuple[_Releaser, memoryview, int]] = collections.deque()
         self._write_paused = False
         # Answer pieces queued for the next flush, and the read buffers among them.
         self._out: list[bytes | bytearray | memoryview] = []
-        self._lent: list[tuple[FragmentStore, memoryview, int]] = []
+        self._lent: list[tuple[_Releaser, memoryview, int]] = []
         self._flush_scheduled = False
         # Which store owns the buffer of the frame being received (WRITE).
         self._recv_store: FragmentStore | None = None
         # Why the payload being received is drained instead of stored (a full
         # buffer pool, say): answered as this error once the frame is complete.
         self._recv_error: TierFSError | None = None
+        # KV_PUT being received: its KV store, the value buffer (from that
+        # store) and the key buffer after it (a scattered payload).
+        self._recv_kv: KVTargetStore | None = None
+        self._recv_value: memoryview | None = None
+        self._recv_key: memoryview | None = None
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -106,6 +129,7 @@ class _ServerConnection(FrameProtocol):
             self._recv_store.release(self._payload)
         self._payload = None
         self._recv_store = None
+        self._drop_kv_recv()
         self._unsent.extend(self._lent)
         self._lent.clear()
         self._out.clear()
@@ -115,17 +139,49 @@ class _ServerConnection(FrameProtocol):
         self.counters["protocol_violations"] += 1
 
     def _on_bad_payload(self, hdr: Header, payload: memoryview) -> None:
+        if hdr.op == Op.KV_PUT:
+            self._drop_kv_recv()
+            return
         store, self._recv_store = self._recv_store, None
         if store is not None:
             store.release(payload)
 
+    def _drop_kv_recv(self) -> None:
+        kv, value = self._recv_kv, self._recv_value
+        self._recv_kv = self._recv_value = self._recv_key = None
+        if kv is not None and value is not None:
+            kv.release(value)
+
+    def _kv_header(self, hdr: Header) -> memoryview | tuple[memoryview, memoryview] | None:
+        if hdr.op != Op.KV_PUT:
+            limit = _MAX_EXISTS_PAYLOAD if hdr.op == Op.KV_EXISTS else _MAX_KEY_PAYLOAD
+            if hdr.payload_len > limit:
+                raise ProtocolError(f"{Op(hdr.op).name} payload of {hdr.payload_len} bytes (at most {limit})")
+            return memoryview(bytearray(hdr.payload_len))
+        klen = hdr.offset
+        if not 0 < klen <= MAX_KV_KEY or klen > hdr.payload_len:
+            raise ProtocolError(f"KV_PUT key length {klen} (1..{MAX_KV_KEY}, within a {hdr.payload_len}-byte payload)")
+        kv = self.server.kvstores.get(hdr.target)
+        if kv is None:
+            return None  # drained and answered with an error in _serve
+        try:
+            value = kv.alloc(hdr.payload_len - klen)
+        except TierFSError as exc:
+            self._recv_error = exc
+            return None
+        key = memoryview(bytearray(klen))
+        self._recv_kv, self._recv_value, self._recv_key = kv, value, key
+        return value, key
+
     # --- receive ---------------------------------------------------------------
 
-    def _on_header(self, hdr: Header) -> memoryview | None:
+    def _on_header(self, hdr: Header) -> memoryview | tuple[memoryview, memoryview] | None:
         if hdr.flags & F_RESPONSE:
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
-        if hdr.op != Op.WRITE:
+        if hdr.op not in PAYLOAD_OPS:
             raise ProtocolError(f"op {Op(hdr.op).name} carries no payload, got {hdr.payload_len} bytes")
+        if hdr.op in KV_OPS:
+            return self._kv_header(hdr)
         store = self.server.stores.get(hdr.target)
         if store is None:
             self._recv_store = None
@@ -144,19 +200,27 @@ class _ServerConnection(FrameProtocol):
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
         if hdr.flags & F_RESPONSE:
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
-        if hdr.op != Op.WRITE and hdr.payload_len:
+        if hdr.op not in PAYLOAD_OPS and hdr.payload_len:
             raise ProtocolError(f"op {hdr.op} carries no payload")
         store = self._recv_store
         self._recv_store = None
         error, self._recv_error = self._recv_error, None
+        kv_put: tuple[KVTargetStore, memoryview, memoryview] | None = None
+        if hdr.op == Op.KV_PUT and self._recv_kv is not None:
+            assert self._recv_value is not None and self._recv_key is not None
+            kv_put = (self._recv_kv, self._recv_value, self._recv_key)
+            self._recv_kv = self._recv_value = self._recv_key = None
         self.counters["requests_total"] += 1
         self.counters["bytes_received"] += hdr.payload_len
         reserve = hdr.payload_len
-        if hdr.op == Op.READ and hdr.length != ALL:
+        if hdr.op in (Op.READ, Op.KV_GET) and hdr.length != ALL:
             reserve += min(hdr.length, self.limits.max_frame_bytes)
         self._inflight_requests += 1
         self._inflight_bytes += reserve
-        task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve, error))
+        if hdr.op in KV_OPS:
+            task = asyncio.get_running_loop().create_task(self._serve_kv(hdr, payload, kv_put, reserve, error))
+        else:
+            task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve, error))
         self.server._tasks.add(task)
         task.add_done_callback(self.server._tasks.discard)
         if not self._paused and self._over_limit():
@@ -185,7 +249,7 @@ class _ServerConnection(FrameProtocol):
     async def _serve(self, hdr: Header, payload: memoryview | None, wstore: FragmentStore | None, reserve: int,
                      error: TierFSError | None = None) -> None:
         out: memoryview | None = None
-        ostore: FragmentStore | None = None
+        ostore: _Releaser | None = None
         try:
             if error is not None:
                 raise error
@@ -247,7 +311,87 @@ class _ServerConnection(FrameProtocol):
                 wstore.release(payload)
             self._done(reserve)
 
-    def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: FragmentStore | None = None,
+    async def _serve_kv(self, hdr: Header, payload: memoryview | None,
+                        put: tuple[KVTargetStore, memoryview, memoryview] | None, reserve: int,
+                        error: TierFSError | None = None) -> None:
+        op = hdr.op
+        try:
+            if error is not None:
+                raise error
+            kv = self.server.kvstores.get(hdr.target)
+            if kv is None:
+                raise UnavailableError(f"target {hdr.target} serves no KV store here")
+            pool = hdr.inode
+            if op == Op.KV_PUT:
+                self.counters["kv_puts"] += 1
+                if put is None:
+                    raise InvalidArgumentError("KV_PUT without a key")
+                _, value, keybuf = put
+                key = bytes(keybuf)
+                # The frame CRC covered value || key; this ties the value's own
+                # CRC (which the store keeps) to it without a pass over the value.
+                if crc32c(key, hdr.fversion) != hdr.payload_crc:
+                    raise InvalidArgumentError("KV_PUT value CRC32C does not match its payload")
+                put = None  # the store owns the value buffer from here on
+                flags = hdr.fragment
+                stored = await kv.put(pool, key, value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
+                                      ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length)
+                self._reply(hdr, length=1 if stored else 0)
+                return
+            if payload is None:
+                raise InvalidArgumentError(f"{Op(op).name} without a key")
+            if op == Op.KV_GET:
+                self.counters["kv_gets"] += 1
+                got = await kv.get(pool, bytes(payload))
+                if got is None:
+                    self._reply(hdr, length=0)
+                    return
+                view, crc = got
+                if len(view) > hdr.length or len(view) > self.limits.max_frame_bytes:
+                    n = len(view)
+                    kv.release(view)
+                    raise InvalidArgumentError(f"KV object of {n} bytes does not fit the {hdr.length}-byte buffer"
+                                               if n <= self.limits.max_frame_bytes else
+                                               f"KV object of {n} bytes exceeds the frame limit")
+                self.counters["kv_hits"] += 1
+                self._reply(hdr, payload=view, store=kv, length=1, payload_crc=crc)
+            elif op == Op.KV_EXISTS:
+                self.counters["kv_exists"] += 1
+                try:
+                    keys = unpack_keys(payload, hdr.offset)
+                except ProtocolError as exc:
+                    raise InvalidArgumentError(str(exc)) from None
+                present = kv.contains(pool, keys)
+                bitmap = bytearray((len(keys) + 7) // 8)
+                for i, hit in enumerate(present):
+                    if hit:
+                        bitmap[i >> 3] |= 1 << (i & 7)
+                self._reply(hdr, payload=memoryview(bitmap), store=_NOT_POOLED, length=len(keys))
+            elif op == Op.KV_DELETE:
+                self.counters["kv_deletes"] += 1
+                existed = await kv.delete(pool, bytes(payload))
+                self._reply(hdr, length=1 if existed else 0)
+            elif op == Op.KV_PIN:  # pragma: no branch
+                self.counters["kv_pins"] += 1
+                key = bytes(payload)
+                found = kv.unpin(pool, key) if hdr.fragment == 0 else kv.pin(pool, key, hdr.fragment, hdr.length)
+                self._reply(hdr, length=1 if found else 0)
+        except asyncio.CancelledError:
+            raise
+        except TierFSError as exc:
+            self.counters["requests_failed"] += 1
+            self._reply_error(hdr, exc)
+        except Exception as exc:
+            self.counters["requests_failed"] += 1
+            log.exception("dataplane KV request failed", extra={
+                "event": "dataplane.internal_error", "op": hdr.op, "target": hdr.target, "peer": self.peer})
+            self._reply_error(hdr, InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if put is not None:
+                put[0].release(put[1])
+            self._done(reserve)
+
+    def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: _Releaser | None = None,
                length: int = 0, payload_crc: int | None = None) -> None:
         if self.closed:
             if payload is not None and store is not None:
@@ -313,11 +457,24 @@ class _ServerConnection(FrameProtocol):
             self._maybe_resume()
 
 
+class _NotPooled:
+    """Release target of answer payloads that belong to no store."""
+
+    def release(self, buf: memoryview) -> None:
+        pass
+
+
+_NOT_POOLED: Any = _NotPooled()
+
+
 class DataPlaneServer:
     """A running data-plane server. Build it with :func:`start_dataplane`."""
 
-    def __init__(self, stores: Mapping[int, FragmentStore], limits: Limits) -> None:
+    def __init__(self, stores: Mapping[int, FragmentStore], limits: Limits,
+                 kvstores: Mapping[int, KVTargetStore] | None = None) -> None:
         self.stores: dict[int, FragmentStore] = dict(stores)
+        #: KV stores by target id (the daemon adds one per target).
+        self.kvstores: dict[int, KVTargetStore] = dict(kvstores or {})
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.host = ""
@@ -331,6 +488,10 @@ class DataPlaneServer:
 
     def remove_store(self, target_id: int) -> None:
         self.stores.pop(target_id, None)
+        self.kvstores.pop(target_id, None)
+
+    def add_kvstore(self, target_id: int, store: KVTargetStore) -> None:
+        self.kvstores[target_id] = store
 
     @property
     def address(self) -> str:
@@ -371,10 +532,12 @@ async def start_dataplane(
     *,
     limits: Limits | None = None,
     transports: Sequence[str] = ("tcp", "shm"),
+    kvstores: Mapping[int, KVTargetStore] | None = None,
 ) -> DataPlaneServer:
-    """Start serving ``stores`` on ``host:port`` (TCP; 0 picks a port) and on
-    the other ``transports`` that are available here. Run it on uvloop."""
-    server = DataPlaneServer(stores, limits or Limits())
+    """Start serving ``stores`` (and ``kvstores``) on ``host:port`` (TCP; 0
+    picks a port) and on the other ``transports`` that are available here.
+    Run it on uvloop."""
+    server = DataPlaneServer(stores, limits or Limits(), kvstores)
     names = list(dict.fromkeys(["tcp", *transports]))
     try:
         for name in names:

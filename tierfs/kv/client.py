@@ -1,0 +1,375 @@
+"""``client.kv``: the KV-cache API of :class:`~tierfs.client.AsyncClient` and
+:class:`~tierfs.client.Client`.
+
+A pool handle (:class:`AsyncKV`, blocking :class:`KV`) puts and gets
+immutable objects by key. Below it sit the client's own tiers, when
+configured (``ClientConfig.kv_dram_bytes``, ``kv_ssd_path``/``kv_ssd_bytes``),
+and the cluster pool:
+
+- a get looks in the local tiers first (top-down; a hit in a lower one is
+  promoted), then in the cluster, and a cluster hit fills the local tiers;
+- a put goes into the local tiers and to the cluster: at once
+  (write-through, the default) or in the background (``kv_write_back``; the
+  put returns once the object is local, :meth:`AsyncKV.flush` waits);
+- an eviction from DRAM demotes into the SSD tier; below the last local tier
+  the object is in the cluster already (or on its way there).
+
+Keys are ``str`` or ``bytes`` (:mod:`tierfs.kv.keys`); buffers anything with
+the buffer protocol, numpy arrays, contiguous torch CPU tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tierfs.errors import InvalidArgumentError, TierFSError
+from tierfs.kv.cluster import ClusterTier
+from tierfs.kv.keys import byte_view, itemsize_of, normalize_key
+
+if TYPE_CHECKING:
+    from tierfs.client.client import AsyncClient
+    from tierfs.client.sync import Client
+
+__all__ = ["KV", "AsyncKV", "LocalTiers"]
+
+PIN_SOFT, PIN_HARD = 1, 2
+
+
+def _ttl_ms(ttl: float | None, what: str) -> int:
+    if ttl is None:
+        return 0
+    if ttl <= 0:
+        raise InvalidArgumentError(f"{what} must be > 0 seconds, got {ttl}")
+    return max(1, int(ttl * 1000))
+
+
+class LocalTiers:
+    """The client process's own tiers (DRAM, local SSD), shared by every pool
+    handle of one client; keys are prefixed with the pool name."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        from tierfs.kv.stack import TierStack
+        from tierfs.kv.tiers import DramTier, SsdTier
+
+        c = client.config
+        tiers: list[Any] = []
+        if c.kv_dram_bytes:
+            tiers.append(DramTier(c.kv_dram_bytes, policy=c.kv_dram_policy))
+        if c.kv_ssd_bytes:
+            tiers.append(SsdTier(c.kv_ssd_path, c.kv_ssd_bytes, policy=c.kv_ssd_policy))
+        self.tiers = tiers
+        self.stack = TierStack(tiers, write_back=False)
+
+    async def close(self) -> None:
+        await self.stack.close()
+
+
+class AsyncKV:
+    """One KV pool, as seen from one client. Get it as ``client.kv`` (the
+    default pool) or ``client.kv_pool(name)``."""
+
+    def __init__(self, client: AsyncClient, pool: str) -> None:
+        self.client = client
+        self.pool = pool
+        _, data, router = client._parts()
+        self.cluster = ClusterTier(router, data, pool, timeout=client.config.kv_timeout)
+        self._local: LocalTiers | None = client._kv_local()
+        self._prefix = pool.encode() + b"\0"
+        self._write_back = client.config.kv_write_back and self._local is not None
+        self._wb_limit = client.config.kv_write_back_bytes
+        self._wb_bytes = 0
+        self._wb_room = asyncio.Condition()
+        self._wb_tasks: set[asyncio.Task[None]] = set()
+        self._wb_errors: collections.deque[TierFSError] = collections.deque(maxlen=16)
+        self._prefetches: set[asyncio.Task[None]] = set()
+        self.counters = {"write_back_pending": 0, "write_back_failed": 0, "prefetched": 0, "prefetch_misses": 0}
+
+    def _lk(self, key: bytes) -> bytes:
+        return self._prefix + key
+
+    # ---- single objects ----------------------------------------------------------
+
+    async def put(self, key: str | bytes, buf: Any, *, overwrite: bool = False, ttl: float | None = None,
+                  pin: str | None = None, pin_ttl: float | None = None) -> bool:
+        """Store ``buf`` under ``key``. False if the key was there (a no-op:
+        keys are content-addressed) unless ``overwrite``. ``ttl``: seconds
+        until it expires; ``pin``: "soft" (with ``pin_ttl``) or "hard" (counted
+        against the pool's pin quota) keeps it from eviction."""
+        return (await self.batch_put([key], [buf], overwrite=overwrite, ttl=ttl, pin=pin, pin_ttl=pin_ttl))[0]
+
+    async def get_into(self, key: str | bytes, buf: Any) -> int | None:
+        """Copy the object straight into ``buf``; its size, or None on a miss.
+        InvalidArgumentError (nothing past the buffer written) if it does not fit."""
+        return (await self.batch_get_into([key], [buf]))[0]
+
+    async def get(self, key: str | bytes) -> bytes | None:
+        """The object as ``bytes``, or None."""
+        k = normalize_key(key)
+        if self._local is not None:
+            got = await self._local_get_bytes(k)
+            if got is not None:
+                return got
+        value = await self.cluster.get(k)
+        if value is not None and self._local is not None:
+            await self._local.stack.put(self._lk(k), memoryview(value))
+        return value
+
+    async def exists(self, key: str | bytes) -> bool:
+        return (await self.batch_contains([key]))[0]
+
+    async def delete(self, key: str | bytes) -> bool:
+        """Remove the object from every tier; True if the cluster had it."""
+        k = normalize_key(key)
+        if self._local is not None:
+            await self._local.stack.delete(self._lk(k))
+        return await self.cluster.delete(k)
+
+    # ---- batches -----------------------------------------------------------------
+
+    async def batch_put(self, keys: Sequence[str | bytes], bufs: Sequence[Any], *, overwrite: bool = False,
+                        ttl: float | None = None, pin: str | None = None,
+                        pin_ttl: float | None = None) -> list[bool]:
+        """Many puts; the requests for one storage node go out together."""
+        if len(keys) != len(bufs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+        ks = [normalize_key(k) for k in keys]
+        views = [byte_view(b, writable=False, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        ttl_ms = _ttl_ms(ttl, "ttl")
+        pin_kind = {None: 0, "soft": PIN_SOFT, "hard": PIN_HARD}.get(pin, -1)
+        if pin_kind < 0:
+            raise InvalidArgumentError(f"pin is 'soft', 'hard' or None, not {pin!r}")
+        pin_ttl_ms = _ttl_ms(pin_ttl, "pin_ttl")
+        if self._local is not None:
+            parent: bytes | None = None
+            for k, v in zip(ks, views, strict=True):
+                await self._local.stack.put(self._lk(k), v, parent=parent)
+                parent = self._lk(k)
+        if self._write_back and not overwrite and not ttl_ms and not pin_kind:
+            await self._queue_write_back(ks, views)
+            return [True] * len(ks)
+        return await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
+                                            pin_ttl_ms=pin_ttl_ms)
+
+    async def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any]) -> list[int | None]:
+        """Many gets, each straight into its buffer: sizes, None for misses."""
+        if len(keys) != len(bufs):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
+        ks = [normalize_key(k) for k in keys]
+        views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        out: list[int | None] = [None] * len(ks)
+        todo = list(range(len(ks)))
+        if self._local is not None:
+            rest = []
+            for i in todo:
+                n = await self._local.stack.get_into(self._lk(ks[i]), views[i])
+                if n is None:
+                    rest.append(i)
+                else:
+                    out[i] = n
+            todo = rest
+        if todo:
+            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo])
+            for i, n in zip(todo, got, strict=True):
+                out[i] = n
+                if n is not None and self._local is not None:
+                    await self._local.stack.put(self._lk(ks[i]), views[i][:n])
+        for i, n in enumerate(out):
+            size = itemsize_of(bufs[i])
+            if n is not None and n % size:
+                raise InvalidArgumentError(
+                    f"object {ks[i]!r} of {n} bytes is not a whole number of {size}-byte elements of its "
+                    f"buffer's dtype")
+        return out
+
+    async def batch_contains(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """Presence of each key (local tiers, then one request per storage
+        target for the rest)."""
+        ks = [normalize_key(k) for k in keys]
+        out = [False] * len(ks)
+        todo = list(range(len(ks)))
+        if self._local is not None and ks:
+            local = await self._local.stack.contains([self._lk(k) for k in ks])
+            todo = [i for i in todo if not local[i]]
+            for i, hit in enumerate(local):
+                out[i] = hit
+        if todo:
+            got = await self.cluster.contains([ks[i] for i in todo])
+            for i, hit in zip(todo, got, strict=True):
+                out[i] = hit
+        return out
+
+    async def batch_exists(self, keys: Sequence[str | bytes]) -> int:
+        """How many *leading* keys are present: the prefix an engine can load."""
+        present = await self.batch_contains(keys)
+        for i, hit in enumerate(present):
+            if not hit:
+                return i
+        return len(present)
+
+    # ---- prefetch, pins, flush, stats ------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[str | bytes]) -> asyncio.Task[None] | None:
+        """Start loading ``keys`` from the cluster into the local tiers in the
+        background (returns the task; None when there are no local tiers)."""
+        ks = [normalize_key(k) for k in keys]
+        if self._local is None or not ks:
+            return None
+        task = asyncio.get_running_loop().create_task(self._prefetch(ks))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+        return task
+
+    async def _prefetch(self, ks: list[bytes]) -> None:
+        assert self._local is not None
+        local = await self._local.stack.contains([self._lk(k) for k in ks])
+        for k, hit in zip(ks, local, strict=True):
+            if hit:
+                continue
+            try:
+                value = await self.cluster.get(k)
+            except TierFSError:
+                value = None
+            if value is None:
+                self.counters["prefetch_misses"] += 1
+                continue
+            await self._local.stack.put(self._lk(k), memoryview(value))
+            self.counters["prefetched"] += 1
+
+    async def pin(self, key: str | bytes, *, hard: bool = False, ttl: float | None = None) -> bool:
+        """Keep ``key`` from eviction in the cluster: a soft pin (expires
+        after ``ttl`` s) or a hard one (counted against the pool's pin quota;
+        NoSpaceError past it). False if the object is not there."""
+        return await self.cluster.pin(normalize_key(key), PIN_HARD if hard else PIN_SOFT, _ttl_ms(ttl, "ttl"))
+
+    async def unpin(self, key: str | bytes) -> bool:
+        return await self.cluster.pin(normalize_key(key), 0)
+
+    async def flush(self) -> None:
+        """Wait until every write-back put is in the cluster (and prefetches are done).
+        Raises the first write-back failure since the last flush."""
+        while self._wb_tasks or self._prefetches:
+            await asyncio.gather(*self._wb_tasks, *self._prefetches, return_exceptions=True)
+        if self._local is not None:
+            await self._local.stack.flush()
+        if self._wb_errors:
+            exc = self._wb_errors.popleft()
+            self._wb_errors.clear()
+            raise exc
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier counters (hits, misses, evictions, bytes moved) and the cluster's."""
+        tiers: list[dict[str, Any]] = []
+        if self._local is not None:
+            tiers = [s.as_dict() for s in self._local.stack.stats()]
+        return {"pool": self.pool, "tiers": tiers, "cluster": self.cluster.stats().as_dict(),
+                **self.counters, "write_back_pending": self._wb_bytes}
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._wb_tasks, *self._prefetches, return_exceptions=True)
+
+    # ---- internals ---------------------------------------------------------------
+
+    async def _local_get_bytes(self, k: bytes) -> bytes | None:
+        assert self._local is not None
+        size = None
+        for t in self._local.tiers:
+            size = await t.size_of(self._lk(k))
+            if size is not None:
+                break
+        if size is None:
+            return None
+        buf = bytearray(size)
+        n = await self._local.stack.get_into(self._lk(k), memoryview(buf))
+        return None if n is None else bytes(buf[:n])
+
+    async def _queue_write_back(self, ks: list[bytes], views: list[memoryview]) -> None:
+        need = sum(len(v) for v in views)
+        async with self._wb_room:
+            await self._wb_room.wait_for(lambda: self._wb_bytes == 0 or self._wb_bytes + need <= self._wb_limit)
+            self._wb_bytes += need
+        copies = [memoryview(bytes(v)) for v in views]  # the caller may reuse its buffers at once
+        task = asyncio.get_running_loop().create_task(self._send_back(ks, copies, need))
+        self._wb_tasks.add(task)
+        task.add_done_callback(self._wb_tasks.discard)
+
+    async def _send_back(self, ks: list[bytes], copies: list[memoryview], need: int) -> None:
+        try:
+            await self.cluster.batch_put(ks, copies)
+        except TierFSError as exc:
+            self.counters["write_back_failed"] += len(ks)
+            self._wb_errors.append(exc)
+        finally:
+            async with self._wb_room:
+                self._wb_bytes -= need
+                self._wb_room.notify_all()
+
+
+class KV:
+    """The blocking face of :class:`AsyncKV` (``Client.kv``)."""
+
+    def __init__(self, client: Client, pool: str) -> None:
+        self._client = client
+        self.pool = pool
+
+    def _run(self, fn: str, *args: Any, **kw: Any) -> Any:
+        async def call() -> Any:
+            akv = self._client.aclient.kv_pool(self.pool)
+            return await getattr(akv, fn)(*args, **kw)
+
+        return self._client._run(call())
+
+    def put(self, key: str | bytes, buf: Any, **kw: Any) -> bool:
+        return bool(self._run("put", key, buf, **kw))
+
+    def get_into(self, key: str | bytes, buf: Any) -> int | None:
+        r: int | None = self._run("get_into", key, buf)
+        return r
+
+    def get(self, key: str | bytes) -> bytes | None:
+        r: bytes | None = self._run("get", key)
+        return r
+
+    def exists(self, key: str | bytes) -> bool:
+        return bool(self._run("exists", key))
+
+    def delete(self, key: str | bytes) -> bool:
+        return bool(self._run("delete", key))
+
+    def batch_put(self, keys: Sequence[str | bytes], bufs: Sequence[Any], **kw: Any) -> list[bool]:
+        r: list[bool] = self._run("batch_put", keys, bufs, **kw)
+        return r
+
+    def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any]) -> list[int | None]:
+        r: list[int | None] = self._run("batch_get_into", keys, bufs)
+        return r
+
+    def batch_contains(self, keys: Sequence[str | bytes]) -> list[bool]:
+        r: list[bool] = self._run("batch_contains", keys)
+        return r
+
+    def batch_exists(self, keys: Sequence[str | bytes]) -> int:
+        return int(self._run("batch_exists", keys))
+
+    def prefetch(self, keys: Sequence[str | bytes]) -> None:
+        async def call() -> None:
+            self._client.aclient.kv_pool(self.pool).prefetch(keys)
+
+        self._client._run(call())
+
+    def pin(self, key: str | bytes, *, hard: bool = False, ttl: float | None = None) -> bool:
+        return bool(self._run("pin", key, hard=hard, ttl=ttl))
+
+    def unpin(self, key: str | bytes) -> bool:
+        return bool(self._run("unpin", key))
+
+    def flush(self) -> None:
+        self._run("flush")
+
+    def stats(self) -> dict[str, Any]:
+        async def call() -> dict[str, Any]:
+            return self._client.aclient.kv_pool(self.pool).stats()
+
+        return self._client._run(call())

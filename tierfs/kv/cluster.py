@@ -1,0 +1,428 @@
+"""The cluster tier: a KV pool on the storage daemons, reached over the data plane.
+
+No metadata call per key: a key maps to one of the pool's placement groups
+by a stable hash (xxh3-64 of the key, modulo the number of groups) and its
+object lives on that group's targets:
+
+- ``replica:N``: a put goes to each of the N targets; a get asks the first
+  usable one and falls back to the others on a miss or an error.
+- ``ec:K+M``: the value is split into K data fragments plus M parity (the
+  file path's codec); fragment j is stored under the same key on target j,
+  with the object's length in an 8-byte trailer. A get fetches the K data
+  fragments and decodes around missing ones.
+
+The pool is a cache: a target that is down, slow or answers an error turns
+into a miss within the request deadline (``ClientConfig.kv_timeout``), never
+a hang and never an exception for a get. Every answer's payload is checked
+against the object's CRC32C, the one the writer computed, end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from tierfs.errors import (
+    InvalidArgumentError,
+    NoSpaceError,
+    NotFoundError,
+    TierFSError,
+    UnavailableError,
+)
+from tierfs.net.protocol import KV_OVERWRITE, KV_PIN_SHIFT, MAX_KV_EXISTS_KEYS
+
+if TYPE_CHECKING:
+    from tierfs.client.routing import KVPoolRoute, Router
+    from tierfs.net import DataClient
+
+__all__ = ["ClusterStats", "ClusterTier", "group_of"]
+
+_LEN = struct.Struct("<Q")
+
+
+def group_of(key: bytes, n_groups: int) -> int:
+    """The index of the pool group ``key`` lives in (stable across clients)."""
+    return xxhash.xxh3_64_intdigest(key) % n_groups
+
+
+@dataclass
+class ClusterStats:
+    name: str = "cluster"
+    puts: int = 0
+    put_skipped: int = 0  # already there
+    put_failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0  # requests that failed (target down, timeout): counted as misses too
+    fallbacks: int = 0  # gets served by a copy other than the first
+    bytes_in: int = 0  # stored into the cluster
+    bytes_out: int = 0  # loaded from the cluster
+    deletes: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class ClusterTier:
+    """A KV pool on the cluster (the bottom tier)."""
+
+    name = "cluster"
+
+    def __init__(self, router: Router, data: DataClient, pool: str, *, timeout: float) -> None:
+        self.router = router
+        self.data = data
+        self.pool = pool
+        self.timeout = timeout
+        self.counters = ClusterStats()
+        self.on_evict = None  # the cluster evicts on its own; nothing is demoted below it
+
+    async def route(self) -> KVPoolRoute:
+        return await self.router.kv_pool(self.pool)
+
+    def _targets(self, route: KVPoolRoute, key: bytes) -> tuple[int, ...]:
+        if not route.groups:
+            raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
+        return route.groups[group_of(key, len(route.groups))]
+
+    def _read_order(self, targets: tuple[int, ...]) -> list[int]:
+        """Usable copies first (in group order), then the rest: a target the
+        map calls down is tried last, not skipped, when it is the only one."""
+        up = [t for t in targets if self.router.usable(t)]
+        return up + [t for t in targets if t not in up]
+
+    def _failed(self, target: int, exc: TierFSError) -> None:
+        self.counters.errors += 1
+        if not isinstance(exc, (InvalidArgumentError, NotFoundError)):
+            self.router.mark_failed(target)
+
+    # ---- put ---------------------------------------------------------------------
+
+    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, overwrite: bool = False,
+                  ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> bool:
+        return (await self.batch_put([key], [buf], overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
+                                     pin_ttl_ms=pin_ttl_ms))[0]
+
+    async def batch_put(self, keys: Sequence[bytes], bufs: Sequence[memoryview], *, overwrite: bool = False,
+                        ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> list[bool]:
+        """Store each object on its targets; True where stored, False where it
+        was there already. UnavailableError when an object reached no target."""
+        route = await self.route()
+        if route.copies == 0:
+            return await self._ec_put(route, keys, bufs, overwrite=overwrite, ttl_ms=ttl_ms)
+        flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
+        items: list[tuple[int, int, bytes, memoryview, int | None, int, int]] = []
+        owner: list[int] = []
+        from tierfs.net.protocol import crc32c
+
+        for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
+            crc = crc32c(buf)  # once per object, not once per copy
+            for t in self._targets(route, key):
+                if self.router.down(t) and route.copies > 1:
+                    continue
+                items.append((t, route.pool_id, key, buf, crc, flags, ttl_ms))
+                owner.append(i)
+        res = await self.data.kv_put_batch(items, timeout=self.timeout) if pin_ttl_ms == 0 else \
+            [await self._put_one(it, pin_ttl_ms) for it in items]
+        stored = [False] * len(keys)
+        reached = [False] * len(keys)
+        first_error: list[TierFSError | None] = [None] * len(keys)
+        for it, i, r in zip(items, owner, res, strict=True):
+            if isinstance(r, TierFSError):
+                self._failed(it[0], r)
+                if first_error[i] is None:
+                    first_error[i] = r
+                continue
+            reached[i] = True
+            stored[i] = stored[i] or r
+        for i, buf in enumerate(bufs):
+            if not reached[i]:
+                self.counters.put_failures += 1
+                err = first_error[i]
+                if isinstance(err, (InvalidArgumentError, NotFoundError, NoSpaceError)):
+                    raise err
+                raise UnavailableError(f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: {err}")
+            if stored[i]:
+                self.counters.puts += 1
+                self.counters.bytes_in += len(buf)
+            else:
+                self.counters.put_skipped += 1
+        return stored
+
+    async def _put_one(self, it: tuple[int, int, bytes, memoryview, int | None, int, int],
+                       pin_ttl_ms: int) -> bool | TierFSError:
+        try:
+            return await self.data.kv_put(it[0], it[1], it[2], it[3], crc=it[4], flags=it[5], ttl_ms=it[6],
+                                          pin_ttl_ms=pin_ttl_ms, timeout=self.timeout)
+        except TierFSError as exc:
+            return exc
+
+    # ---- get ---------------------------------------------------------------------
+
+    async def get_into(self, key: bytes, dest: memoryview) -> int | None:
+        return (await self.batch_get_into([key], [dest]))[0]
+
+    async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
+        """Each object straight into its buffer: its size, or None (a miss).
+        One request per key to its first usable copy, all keys of one server
+        in one write; misses and errors retry on the next copy."""
+        route = await self.route()
+        if route.copies == 0:
+            return await self._ec_get(route, keys, dests)
+        out: list[int | None] = [None] * len(keys)
+        orders = [self._read_order(self._targets(route, k)) for k in keys]
+        todo = list(range(len(keys)))
+        attempt = 0
+        too_small: InvalidArgumentError | None = None
+        while todo:
+            items = [(orders[i][attempt], route.pool_id, keys[i], dests[i]) for i in todo]
+            res = await self.data.kv_get_batch(items, timeout=self.timeout)
+            again: list[int] = []
+            for i, r in zip(todo, res, strict=True):
+                if isinstance(r, TierFSError):
+                    if isinstance(r, InvalidArgumentError) and too_small is None:
+                        too_small = r
+                    self._failed(orders[i][attempt], r)
+                elif r is not None:
+                    out[i] = r
+                    self.counters.hits += 1
+                    self.counters.bytes_out += r
+                    if attempt:
+                        self.counters.fallbacks += 1
+                    continue
+                if attempt + 1 < len(orders[i]):
+                    again.append(i)
+            todo = again
+            attempt += 1
+        self.counters.misses += sum(1 for r in out if r is None)
+        if too_small is not None and len(keys) == 1:
+            raise too_small
+        return out
+
+    # ---- exists / delete / pin ---------------------------------------------------------
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Presence of each key: one KV_EXISTS per target involved (per copy
+        round), not one request per key."""
+        route = await self.route()
+        out = [False] * len(keys)
+        orders = [self._read_order(self._targets(route, k)) for k in keys]
+        todo = list(range(len(keys)))
+        attempt = 0
+        while todo:
+            by_target: dict[int, list[int]] = {}
+            for i in todo:
+                by_target.setdefault(orders[i][attempt], []).append(i)
+            targets = list(by_target)
+            answers = await asyncio.gather(*(self._exists_on(t, route.pool_id, [keys[i] for i in by_target[t]])
+                                             for t in targets))
+            again: list[int] = []
+            for t, got in zip(targets, answers, strict=True):
+                for i, hit in zip(by_target[t], got, strict=True):
+                    if hit:
+                        out[i] = True
+                    elif attempt + 1 < len(orders[i]):
+                        again.append(i)
+            todo = sorted(again)
+            attempt += 1
+        return out
+
+    async def _exists_on(self, t: int, pool_id: int, keys: list[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for s in range(0, len(keys), MAX_KV_EXISTS_KEYS):
+            part = keys[s:s + MAX_KV_EXISTS_KEYS]
+            try:
+                out += await self.data.kv_exists(t, pool_id, part, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                out += [False] * len(part)
+        return out
+
+    async def delete(self, key: bytes) -> bool:
+        route = await self.route()
+        existed = False
+        for t in self._targets(route, key):
+            try:
+                existed = await self.data.kv_delete(t, route.pool_id, key, timeout=self.timeout) or existed
+            except TierFSError as exc:
+                self._failed(t, exc)
+        self.counters.deletes += existed
+        return existed
+
+    async def pin(self, key: bytes, kind: int, ttl_ms: int = 0) -> bool:
+        """Pin (kind 1 soft, 2 hard) or unpin (0) on every copy; True if any had it."""
+        route = await self.route()
+        found = False
+        errors: list[TierFSError] = []
+        for t in self._targets(route, key):
+            try:
+                found = await self.data.kv_pin(t, route.pool_id, key, kind, ttl_ms, timeout=self.timeout) or found
+            except TierFSError as exc:
+                if isinstance(exc, NoSpaceError):
+                    raise
+                errors.append(exc)
+                self._failed(t, exc)
+        return found
+
+    async def get(self, key: bytes) -> bytes | None:
+        """The value as ``bytes`` (any size), or None."""
+        route = await self.route()
+        if route.copies == 0:
+            return await self._ec_get_bytes(route, key)
+        for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+            try:
+                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                continue
+            if got is not None:
+                self.counters.hits += 1
+                self.counters.bytes_out += len(got)
+                self.counters.fallbacks += attempt > 0
+                return got
+        self.counters.misses += 1
+        return None
+
+    async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes) -> bytes | None:
+        targets = self._targets(route, key)
+        order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+
+        async def one(j: int) -> tuple[int, bytes | None]:
+            try:
+                return j, await self.data.kv_get(targets[j], route.pool_id, key, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(targets[j], exc)
+                return j, None
+
+        got: dict[int, bytes] = {}
+        pos = 0
+        while len(got) < route.k and pos < len(order):
+            want = order[pos:pos + route.k - len(got)]
+            pos += len(want)
+            for j, v in await asyncio.gather(*(one(j) for j in want)):
+                if v is not None and len(v) >= _LEN.size:
+                    got[j] = v
+        size = _LEN.unpack_from(next(iter(got.values())), len(next(iter(got.values()))) - _LEN.size)[0] if got else 0
+        if len(got) < route.k or {_LEN.unpack_from(v, len(v) - _LEN.size)[0] for v in got.values()} != {size}:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        self.counters.bytes_out += size
+        if not size:
+            return b""
+        frags = {j: memoryview(v)[:len(v) - _LEN.size] for j, v in got.items()}
+        return self._codec(route).decode(frags, self._codec(route).frag_size(size))[:size]  # type: ignore[no-any-return]
+
+    async def size_of(self, key: bytes) -> int | None:
+        return None  # not known without fetching; the stack never needs it from the bottom tier
+
+    def stats(self) -> ClusterStats:
+        return self.counters
+
+    async def close(self) -> None:
+        pass
+
+    # ---- erasure-coded pools -----------------------------------------------------------
+
+    def _codec(self, route: KVPoolRoute) -> Any:
+        from tierfs.client.codec import Codec
+
+        key = (route.k, route.m)
+        c = _CODECS.get(key)
+        if c is None:
+            c = _CODECS[key] = Codec("ec", route.k, route.m)
+        return c
+
+    async def _ec_put(self, route: KVPoolRoute, keys: Sequence[bytes], bufs: Sequence[memoryview], *,
+                      overwrite: bool, ttl_ms: int) -> list[bool]:
+        codec = self._codec(route)
+        flags = KV_OVERWRITE if overwrite else 0
+        out: list[bool] = []
+        for key, buf in zip(keys, bufs, strict=True):
+            n = len(buf)
+            if n:
+                enc = bytearray(codec.encode_size(n))
+                enc[:n] = buf
+                frags: list[Any] = codec.encode(memoryview(enc), n, n)
+            else:
+                frags = [b""] * (route.k + route.m)
+            targets = self._targets(route, key)
+            items = []
+            for j, frag in enumerate(frags):
+                if self.router.down(targets[j]):
+                    continue
+                body = bytearray(len(frag) + _LEN.size)
+                body[:len(frag)] = frag
+                _LEN.pack_into(body, len(frag), n)
+                items.append((targets[j], route.pool_id, key, memoryview(body), None, flags, ttl_ms))
+            res = await self.data.kv_put_batch(items, timeout=self.timeout)
+            ok = [r for r in res if not isinstance(r, TierFSError)]
+            for it, r in zip(items, res, strict=True):
+                if isinstance(r, TierFSError):
+                    self._failed(it[0], r)
+            if len(ok) < route.k:
+                self.counters.put_failures += 1
+                raise UnavailableError(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments "
+                                       f"in pool {route.name!r}; at least {route.k} are needed")
+            stored = any(ok)
+            out.append(stored)
+            if stored:
+                self.counters.puts += 1
+                self.counters.bytes_in += n
+            else:
+                self.counters.put_skipped += 1
+        return out
+
+    async def _ec_get(self, route: KVPoolRoute, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
+        codec = self._codec(route)
+        out: list[int | None] = []
+        for key, dest in zip(keys, dests, strict=True):
+            targets = self._targets(route, key)
+            cap = -(-len(dest) // route.k) + _LEN.size
+            bufs = [memoryview(bytearray(cap)) for _ in targets]
+            order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+            got: dict[int, memoryview] = {}
+            pos = 0
+            too_small = False
+            while len(got) < route.k and pos < len(order):
+                want = order[pos:pos + route.k - len(got)]
+                pos += len(want)
+                res = await self.data.kv_get_batch(
+                    [(targets[j], route.pool_id, key, bufs[j]) for j in want], timeout=self.timeout)
+                for j, r in zip(want, res, strict=True):
+                    if isinstance(r, InvalidArgumentError):
+                        too_small = True
+                    elif isinstance(r, TierFSError):
+                        self._failed(targets[j], r)
+                    elif r is not None and r >= _LEN.size:
+                        got[j] = bufs[j][:r]
+            if too_small and len(got) < route.k:
+                raise InvalidArgumentError(f"KV object {key!r} does not fit the {len(dest)}-byte buffer")
+            sizes = {_LEN.unpack_from(v, len(v) - _LEN.size)[0] for v in got.values()}
+            if len(got) < route.k or len(sizes) != 1:
+                # Too few fragments, or fragments of different objects (an
+                # overwrite raced this get): a miss, never mixed bytes.
+                self.counters.misses += 1
+                out.append(None)
+                continue
+            size = sizes.pop()
+            if size > len(dest):
+                raise InvalidArgumentError(f"KV object of {size} bytes does not fit the {len(dest)}-byte buffer")
+            if size:
+                frags = {j: v[:len(v) - _LEN.size] for j, v in got.items()}
+                f = codec.frag_size(size)
+                dest[:size] = memoryview(codec.decode(frags, f))[:size]
+            self.counters.hits += 1
+            self.counters.bytes_out += size
+            out.append(size)
+        return out
+
+
+_CODECS: dict[tuple[int, int], Any] = {}
