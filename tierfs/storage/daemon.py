@@ -54,6 +54,7 @@ from tierfs.storage.api import FragmentKey
 from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState
 from tierfs.storage.io import IOBackend, open_backend
+from tierfs.storage.kvstore import KVStore
 
 __all__ = ["StorageNode", "build_parser", "load_node_uuid", "main", "serve"]
 
@@ -155,6 +156,23 @@ class _Collector:
                                   "Fragment positions known missing or bad, cluster-wide, as last seen")
             q.add_metric([], node.repairer.queue_pending)
             yield q
+        kv_lbl = ["target", "pool"]
+        kv_g = {name: GaugeMetricFamily(f"tierfs_kv_{name}", doc, labels=kv_lbl) for name, doc in (
+            ("objects", "KV objects stored"), ("memory_used_bytes", "KV bytes held in memory"),
+            ("disk_used_bytes", "KV bytes on disk"), ("pinned_bytes", "KV bytes pinned"))}
+        kv_c = CounterMetricFamily("tierfs_kv_events", "KV store counters (hits, misses, evictions, ...)",
+                                   labels=["target", "pool", "event"])
+        for kv in list(node.kvstores):
+            for u in kv.usage():
+                ls = [str(kv.target_id), u.name]
+                kv_g["objects"].add_metric(ls, u.objects)
+                kv_g["memory_used_bytes"].add_metric(ls, u.memory_used)
+                kv_g["disk_used_bytes"].add_metric(ls, u.disk_used)
+                kv_g["pinned_bytes"].add_metric(ls, u.pinned_bytes)
+                for ev in ("puts", "hits", "misses", "evictions", "expired", "corrupt", "bytes_in", "bytes_out"):
+                    kv_c.add_metric([*ls, ev], getattr(u, ev, 0))
+        yield from kv_g.values()
+        yield kv_c
         ps = node.pool.stats()
         pool = GaugeMetricFamily("tierfs_buffer_pool_bytes", "Aligned buffer pool", labels=["kind"])
         pool.add_metric(["idle"], ps.idle_bytes)
@@ -173,6 +191,10 @@ class StorageNode:
         self.pool = BufferPool(cfg.buffer_pool_bytes, max_total_bytes=cfg.buffer_pool_max_bytes)
         self.backend: IOBackend | None = None
         self.engines: list[ChunkEngine] = []
+        #: The KV store of each target (parallel to ``engines``).
+        self.kvstores: list[Any] = []
+        self._kv_map_version = -1
+        self._kv_pool_names: list[str] = []
         self._target_ids = list(target_ids)
         self.server: Any = None
         self.meta: Any = None
@@ -218,13 +240,18 @@ class StorageNode:
             )
             await eng.open()
             self.engines.append(eng)
+            kv = KVStore(eng.root, target_id=tid, pool=self.pool, backend=self.backend)
+            await kv.open()
+            self.kvstores.append(kv)
             log.info("target %s at %s: %d fragments", eng.target_id, d, len(eng))
         limits = Limits(
             max_frame_bytes=cfg.max_frame_bytes, max_inflight_bytes=cfg.max_inflight_bytes,
             max_inflight_requests=cfg.max_inflight_requests, shm_ring_bytes=cfg.shm_ring_bytes,
         )
         known = {e.target_id: e for e in self.engines if e.target_id}
-        self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports)
+        known_kv = {e.target_id: kv for e, kv in zip(self.engines, self.kvstores, strict=True) if e.target_id}
+        self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports,
+                                            kvstores=known_kv)
         if cfg.metrics_addr:
             self._start_metrics(cfg.metrics_addr)
         if self.use_meta:
@@ -276,6 +303,9 @@ class StorageNode:
 
     async def _meta_main(self) -> None:
         await self._register()
+        # Before ready: a restarted node serves its KV pools (and keeps the
+        # objects on its disks) from its first request on.
+        await self._refresh_kv_pools()
         self.registered.set()
         # The repair queue first thing: a restarted node may hold positions
         # that degraded writes recorded missing while it was away.
@@ -308,6 +338,9 @@ class StorageNode:
                 self.server.remove_store(eng.target_id)
             eng.set_target_id(int(t.target_id))
             self.server.add_store(eng)
+            kv = self.kvstores[self.engines.index(eng)]
+            kv.target_id = int(t.target_id)
+            self.server.add_kvstore(int(t.target_id), kv)
         log.info("registered with meta as node %d: targets %s", self.node_id,
                  {str(e.root): e.target_id for e in self.engines})
 
@@ -328,8 +361,10 @@ class StorageNode:
         missed = False
         while True:
             try:
-                await self.meta.heartbeat(self.node_id, self.reports())
+                reply = await self.meta.heartbeat(self.node_id, self.reports())
                 self.counters["heartbeats"] += 1
+                if reply.map_version != self._kv_map_version:
+                    await self._refresh_kv_pools()
                 now = time.monotonic()
                 if missed or now - last_ok > 3 * self.cfg.heartbeat_interval + 1.0:
                     # Back after failed heartbeats or a freeze (SIGSTOP, a
@@ -348,6 +383,30 @@ class StorageNode:
                 missed = True
                 log.warning("heartbeat failed: %s", err)
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    async def _refresh_kv_pools(self) -> None:
+        """Configure every target's KV store with the pools in the cluster map."""
+        from tierfs.storage.kvstore import KVPoolSpec
+
+        delay = 0.2
+        while True:
+            try:
+                cmap = await self.meta.get_cluster_map()
+                break
+            except TierFSError as err:
+                log.warning("fetching the cluster map failed (%s); retrying in %.1fs", err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        specs = [KVPoolSpec(pool_id=int(p.pool_id), name=p.name, memory_bytes=int(p.target_memory),
+                            disk_bytes=int(p.target_disk), fsync=bool(p.fsync), pin_quota_bytes=int(p.pin_quota),
+                            policy=p.policy or "lru")
+                 for p in getattr(cmap, "kv_pools", ())]
+        for kv in self.kvstores:
+            kv.configure(specs)
+        if self._kv_map_version < 0 or [s.name for s in specs] != self._kv_pool_names:
+            log.info("KV pools: %s", ", ".join(f"{s.name} (id {s.pool_id})" for s in specs) or "none")
+        self._kv_pool_names = [s.name for s in specs]
+        self._kv_map_version = int(cmap.version)
 
     def _catch_up(self) -> None:
         if self.repairer is not None:
@@ -453,6 +512,8 @@ class StorageNode:
             await self.server.close()
         for e in self.engines:
             await e.close()
+        for kv in self.kvstores:
+            await kv.close()
         if self.backend is not None:
             await self.backend.aclose()
         if self.meta is not None:
