@@ -1,0 +1,413 @@
+"""client.kv against a real cluster: 3 meta replicas and 4 storage daemons on
+loopback, KV pools of each redundancy, real processes killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.faults.harness import FAST_META
+from tierfs.client import Client
+from tierfs.errors import InvalidArgumentError, NotFoundError
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+
+pytestmark = pytest.mark.timeout(180)
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def payload(key: str | bytes, n: int) -> bytes:
+    """Deterministic bytes for a key: any mix-up between keys shows."""
+    seed = int.from_bytes(key.encode() if isinstance(key, str) else key, "little") % (1 << 63)
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def create_pool(cl: LocalCluster, name: str, **kw: object) -> None:
+    async def go() -> None:
+        async with MetaClient(cl.meta_addrs) as mc:
+            await mc.create_kv_pool(name, **kw)  # type: ignore[arg-type]
+    asyncio.run(go())
+
+
+def pool_ready(client: Client, name: str) -> None:
+    """Wait until the pool has groups in the map and every daemon serves it."""
+    def ok() -> bool:
+        try:
+            client.kv_pool(name).put(f"probe-{name}-{time.monotonic()}", b"x")
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+    wait_for(ok, 30, f"pool {name} to be served")
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("kv"), n_storage=4, extra_meta_args=list(FAST_META))
+    c.up(timeout=120)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cl: LocalCluster) -> Iterator[Client]:
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as c:
+        pool_ready(c, "default")
+        yield c
+
+
+def restart(cl: LocalCluster, name: str) -> None:
+    cl.start(names=[name], timeout=60)
+    asyncio.run(cl.wait_healthy(60))
+
+
+# ---- the API --------------------------------------------------------------------
+
+
+def test_roundtrip_single_and_batched(client: Client) -> None:
+    kv = client.kv
+    v = payload("a", 300 * KiB)
+    assert kv.put("a", v) is True
+    assert kv.put("a", b"other bytes") is False  # content-addressed: a no-op
+    assert kv.get("a") == v
+    buf = bytearray(1 * MiB)
+    assert kv.get_into("a", buf) == len(v) and bytes(buf[:len(v)]) == v
+    assert kv.put(b"a", b"new", overwrite=True) is True and kv.get("a") == b"new"
+    assert kv.exists("a") and not kv.exists("never-put")
+    assert kv.get("never-put") is None and kv.get_into("never-put", buf) is None
+    keys = [f"chain-{i}" for i in range(40)]
+    vals = [payload(k, 1000 + 97 * i) for i, k in enumerate(keys)]
+    assert kv.batch_put(keys, vals) == [True] * 40
+    arrays = [np.zeros(8192, dtype=np.uint8) for _ in keys]
+    got = kv.batch_get_into(keys + ["missing"], arrays + [np.zeros(10, dtype=np.uint8)])
+    assert got == [len(v) for v in vals] + [None]
+    for a, v in zip(arrays, vals, strict=True):
+        assert a[:len(v)].tobytes() == v
+    assert kv.batch_contains(["chain-0", "nope", "chain-39"]) == [True, False, True]
+    assert kv.batch_exists(keys) == 40
+    assert kv.batch_exists(keys[:5] + ["gap"] + keys[5:]) == 5
+    assert kv.delete("chain-3") is True and kv.delete("chain-3") is False
+    assert kv.batch_exists(keys) == 3
+    st = kv.stats()
+    assert st["cluster"]["hits"] >= 40 and st["cluster"]["puts"] >= 41
+
+
+def test_empty_object_and_numpy_and_dtype(client: Client) -> None:
+    kv = client.kv
+    assert kv.put("empty", b"") is True
+    assert kv.get("empty") == b"" and kv.get_into("empty", bytearray(4)) == 0
+    arr = np.arange(1000, dtype=np.float32)
+    kv.put("floats", arr)
+    out = np.empty(1000, dtype=np.float32)
+    assert kv.get_into("floats", out) == 4000 and np.array_equal(out, arr)
+    kv.put("six", b"123456")
+    with pytest.raises(InvalidArgumentError, match="whole number of 4-byte elements"):
+        kv.get_into("six", np.zeros(4, dtype=np.float32))
+
+
+def test_bad_input_is_refused_and_writes_nothing(client: Client) -> None:
+    kv = client.kv
+    with pytest.raises(InvalidArgumentError, match="empty KV key"):
+        kv.put("", b"x")
+    with pytest.raises(InvalidArgumentError, match="exceeds the limit of 512"):
+        kv.put(b"k" * 513, b"x")
+    with pytest.raises(InvalidArgumentError, match="str or bytes"):
+        kv.put(12, b"x")  # type: ignore[arg-type]
+    kv.put("big", payload("big", 64 * KiB))
+    small = bytearray(b"\xaa" * 1000)
+    with pytest.raises(InvalidArgumentError, match="does not fit"):
+        kv.get_into("big", small)
+    assert small == bytearray(b"\xaa" * 1000)  # nothing written
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        kv.get_into("big", bytes(1 << 17))
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        kv.get_into("big", np.zeros((512, 512), dtype=np.uint8)[:, ::2])
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        kv.put("nc", np.zeros((64, 64), dtype=np.uint8)[::2])
+    with pytest.raises(InvalidArgumentError, match="buffer protocol"):
+        kv.put("obj", object())
+    with pytest.raises(NotFoundError, match="unknown KV pool 'no-such-pool'"):
+        client.kv_pool("no-such-pool").put("k", b"v")
+    assert not kv.exists("nc") and not kv.exists("obj")  # nothing was stored by the refused puts
+
+
+# ---- pressure and eviction -------------------------------------------------------
+
+
+def test_puts_at_three_times_capacity_all_succeed(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "small", redundancy="replica:1", target_memory=2 * MiB, target_disk=4 * MiB)
+    pool_ready(client, "small")
+    kv = client.kv_pool("small")
+    size = 64 * KiB
+    capacity = 4 * 4 * MiB  # 4 targets x disk budget
+    n = 3 * capacity // size
+    keys = [f"p{i}" for i in range(n)]
+    for s in range(0, n, 16):
+        assert all(isinstance(r, bool) for r in kv.batch_put(keys[s:s + 16], [payload(k, size) for k in keys[s:s + 16]]))
+    # the most recent working set is there: the last 20 % of the capacity
+    recent = keys[-(capacity // size) // 5:]
+    bufs = [bytearray(size) for _ in recent]
+    got = kv.batch_get_into(recent, bufs)
+    assert got == [size] * len(recent)
+    assert all(bytes(b) == payload(k, size) for k, b in zip(recent, bufs, strict=True))
+    # and usage stays under the high watermark on every target
+    async def usage() -> list[tuple[int, int, int]]:
+        async with MetaClient(cl.meta_addrs) as mc:
+            r = await mc.list_kv_pools()
+        pid = next(p.pool_id for p in r.pools if p.name == "small")
+        return [(u.target_id, u.disk_used, u.memory_used) for u in r.usage if u.pool_id == pid]
+    rows = wait_for(lambda: [u for u in asyncio.run(usage()) if u[1] > 0] and asyncio.run(usage()), 15, "usage")
+    for _, disk, mem in rows:
+        assert disk <= 0.95 * 4 * MiB + size and mem <= 0.95 * 2 * MiB + size
+    # every object that is there has the right bytes
+    old = keys[: n // 3]
+    bufs = [bytearray(size) for _ in old]
+    for k, r, b in zip(old, kv.batch_get_into(old, bufs), bufs, strict=True):
+        assert r is None or bytes(b) == payload(k, size)
+
+
+def test_gets_racing_eviction_never_return_wrong_bytes(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "churn", redundancy="replica:1", target_memory=1 * MiB, target_disk=0)
+    pool_ready(client, "churn")
+    kv = client.kv_pool("churn")
+    size = 32 * KiB
+    stop = threading.Event()
+    errors: list[str] = []
+    checked = [0, 0]
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        buf = bytearray(size)
+        while not stop.is_set():
+            k = f"c{int(rng.integers(0, 600))}"
+            n = kv.get_into(k, buf)
+            if n is not None:
+                checked[0] += 1
+                if bytes(buf[:n]) != payload(k, size):
+                    errors.append(k)
+            else:
+                checked[1] += 1
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for s in range(0, 600, 20):
+            ks = [f"c{i}" for i in range(s, s + 20)]
+            kv.batch_put(ks, [payload(k, size) for k in ks])
+        for _ in range(2):
+            for s in range(0, 600, 20):
+                ks = [f"c{i}" for i in range(s, s + 20)]
+                kv.batch_put(ks, [payload(k, size) for k in ks])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:5]
+    assert checked[0] > 0 and checked[1] > 0  # both hits and evicted misses happened
+
+
+# ---- failures ----------------------------------------------------------------------
+
+
+def test_replica2_serves_with_one_daemon_down(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "two", redundancy="replica:2", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "two")
+    kv = client.kv_pool("two")
+    keys = [f"r2-{i}" for i in range(60)]
+    kv.batch_put(keys, [payload(k, 20 * KiB) for k in keys])
+    cl.kill("storage-1")
+    try:
+        bufs = [bytearray(20 * KiB) for _ in keys]
+        assert kv.batch_get_into(keys, bufs) == [20 * KiB] * 60
+        assert all(bytes(b) == payload(k, 20 * KiB) for k, b in zip(keys, bufs, strict=True))
+        assert kv.batch_exists(keys) == 60
+    finally:
+        restart(cl, "storage-1")
+
+
+def test_replica1_dead_target_is_a_quick_miss_not_a_hang(cl: LocalCluster, client: Client) -> None:
+    kv = client.kv
+    keys = [f"r1-{i}" for i in range(40)]
+    kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])
+    cl.kill("storage-2")
+    try:
+        t0 = time.monotonic()
+        bufs = [bytearray(8 * KiB) for _ in keys]
+        got = kv.batch_get_into(keys, bufs)
+        took = time.monotonic() - t0
+        assert took < 10.0, f"took {took:.1f}s"
+        assert None in got and any(g is not None for g in got)
+        for k, g, b in zip(keys, got, bufs, strict=True):
+            assert g is None or bytes(b) == payload(k, 8 * KiB)
+    finally:
+        restart(cl, "storage-2")
+
+
+def test_restart_keeps_objects_on_disk(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "disk", redundancy="replica:1", target_memory=1 * MiB, target_disk=32 * MiB)
+    pool_ready(client, "disk")
+    kv = client.kv_pool("disk")
+    keys = [f"d{i}" for i in range(80)]
+    kv.batch_put(keys, [payload(k, 48 * KiB) for k in keys])
+    for name in ("storage-0", "storage-3"):
+        cl.kill(name)
+        restart(cl, name)
+    bufs = [bytearray(48 * KiB) for _ in keys]
+    assert kv.batch_get_into(keys, bufs) == [48 * KiB] * 80
+    assert all(bytes(b) == payload(k, 48 * KiB) for k, b in zip(keys, bufs, strict=True))
+
+
+def test_corrupted_object_on_disk_is_a_miss_or_the_other_copy(cl: LocalCluster, client: Client) -> None:
+    kv1, kv2 = client.kv_pool("disk"), client.kv_pool("two")
+    v = payload("rot", 100 * KiB)
+    kv1.put("rot", v, overwrite=True)
+    kv2.put("rot", v, overwrite=True)
+    flipped = 0
+    for f in Path(cl.dir).rglob("kv/*/**/*"):
+        if f.is_file() and f.stat().st_size >= 100 * KiB and b"rot" in f.read_bytes()[-4096:] + f.read_bytes()[:4096]:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            f.write_bytes(bytes(data))
+            flipped += 1
+    assert flipped >= 2, "did not find the object files"
+    for name in ("storage-0", "storage-1", "storage-2", "storage-3"):  # drop the memory copies
+        cl.kill(name)
+        restart(cl, name)
+    g1 = kv1.get("rot")
+    assert g1 is None or g1 == v
+    assert kv2.get("rot") in (None, v)
+
+
+def test_meta_leader_killed_during_kv_load_loses_nothing(cl: LocalCluster, client: Client) -> None:
+    kv = client.kv_pool("two")
+    keys = [f"lead-{i}" for i in range(200)]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for s in range(0, 200, 10):
+                ks = keys[s:s + 10]
+                kv.batch_put(ks, [payload(k, 16 * KiB) for k in ks])
+                bufs = [bytearray(16 * KiB) for _ in ks]
+                assert kv.batch_get_into(ks, bufs) == [16 * KiB] * 10
+                time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=load)
+    t.start()
+    health = asyncio.run(cl.health())
+    leader = next(name for name, r in health["meta"].items() if r.get("role") == "leader")
+    cl.kill(leader)
+    t.join(120)
+    assert done.is_set() and not errors, errors
+    restart(cl, leader)
+    bufs = [bytearray(16 * KiB) for _ in keys]
+    assert kv.batch_get_into(keys, bufs) == [16 * KiB] * 200
+    assert all(bytes(b) == payload(k, 16 * KiB) for k, b in zip(keys, bufs, strict=True))
+
+
+def test_sigkill_during_puts_and_gets_leaves_no_wrong_bytes(cl: LocalCluster, client: Client) -> None:
+    kv = client.kv_pool("two")
+    stop = threading.Event()
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        buf = bytearray(24 * KiB)
+        while not stop.is_set():
+            k = f"kill-{int(rng.integers(0, 300))}"
+            try:
+                if rng.random() < 0.5:
+                    kv.put(k, payload(k, 24 * KiB))
+                else:
+                    n = kv.get_into(k, buf)
+                    if n is not None and bytes(buf[:n]) != payload(k, 24 * KiB):
+                        wrong.append(k)
+            except Exception as exc:  # noqa: BLE001 - a put may fail while both copies' nodes restart
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        cl.kill("storage-0")
+        time.sleep(0.5)
+        restart(cl, "storage-0")
+        cl.kill("storage-3")
+        time.sleep(0.5)
+        restart(cl, "storage-3")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not wrong, wrong[:5]
+
+
+def test_ec_pool_roundtrip_and_degraded(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "ec", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "ec")
+    kv = client.kv_pool("ec")
+    sizes = [1, 1000, 64 * KiB + 3, 1 * MiB]
+    keys = [f"ec-{n}" for n in sizes]
+    kv.batch_put(keys, [payload(k, n) for k, n in zip(keys, sizes, strict=True)])
+    for k, n in zip(keys, sizes, strict=True):
+        assert kv.get(k) == payload(k, n)
+        buf = bytearray(2 * MiB)
+        assert kv.get_into(k, buf) == n and bytes(buf[:n]) == payload(k, n)
+    cl.kill("storage-1")
+    try:
+        for k, n in zip(keys, sizes, strict=True):
+            assert kv.get(k) == payload(k, n)
+    finally:
+        restart(cl, "storage-1")
+
+
+def test_ttl_expires(client: Client) -> None:
+    kv = client.kv
+    kv.put("short", b"lived", ttl=0.3)
+    assert kv.get("short") == b"lived"
+    wait_for(lambda: kv.get("short") is None, 10, "the TTL to expire")
+
+
+def test_pins(cl: LocalCluster, client: Client) -> None:
+    create_pool(cl, "pinned", redundancy="replica:1", target_memory=512 * KiB, target_disk=0,
+                pin_quota=256 * KiB)
+    pool_ready(client, "pinned")
+    kv = client.kv_pool("pinned")
+    kv.put("keep", payload("keep", 32 * KiB), pin="hard")
+    assert kv.pin("keep", hard=True)
+    for i in range(200):  # 12x the memory budget of the target
+        kv.put(f"fill-{i}", payload(f"fill-{i}", 32 * KiB))
+    assert kv.get("keep") == payload("keep", 32 * KiB)
+    assert kv.unpin("keep")
+    assert not kv.pin("not-there")
+
+
+def test_fresh_clients_see_each_others_objects(cl: LocalCluster, client: Client) -> None:
+    client.kv.put("shared-prefix", b"system prompt")
+    with Client(cl.meta_addrs) as other:
+        assert other.kv.get("shared-prefix") == b"system prompt"
+        assert other.kv.batch_exists(["shared-prefix"]) == 1

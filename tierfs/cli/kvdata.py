@@ -1,0 +1,190 @@
+"""``tierfs kv put/get/stat/rm/stats/replay``: KV objects from the command line.
+
+Each function returns plain data; :mod:`tierfs.cli.main` prints it
+(``--json`` or text). The pool commands (``tierfs kv pool ...``) live in
+:mod:`tierfs.cli.kv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from tierfs.cli.util import human_rate, human_size
+from tierfs.errors import InvalidArgumentError, NotFoundError
+
+__all__ = ["add_kv_data_commands", "execute_kv_data"]
+
+
+def add_kv_data_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register the object commands on the ``kv`` sub-parser (``cmd(name, help)``)."""
+    p = cmd("put", "store a local file (- for stdin) as a KV object")
+    p.add_argument("key")
+    p.add_argument("local")
+    p.add_argument("--pool", default="default")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing object")
+    p.add_argument("--ttl", type=float, default=None, metavar="SECONDS", help="expire after this long")
+    p.add_argument("--pin", choices=["soft", "hard"], default=None, help="keep it from eviction")
+    p = cmd("get", "write a KV object to a local file (- or nothing for stdout)")
+    p.add_argument("key")
+    p.add_argument("local", nargs="?", default="-")
+    p.add_argument("--pool", default="default")
+    p = cmd("stat", "whether a KV object is there, its size and the targets holding it")
+    p.add_argument("key")
+    p.add_argument("--pool", default="default")
+    p = cmd("rm", "delete a KV object")
+    p.add_argument("key")
+    p.add_argument("--pool", default="default")
+    p = cmd("stats", "KV usage per pool and per target, and hit/miss/eviction counters")
+    p.add_argument("--pool", default=None, help="only this pool")
+    p = cmd("replay", "replay a KV-reuse trace (Mooncake JSONL format) through the tiers")
+    p.add_argument("trace")
+    p.add_argument("--simulate", action="store_true", help="run the policies without I/O (any capacity)")
+    p.add_argument("--dram", default="0", metavar="N|N%", help="DRAM-tier capacity in blocks or %% of unique blocks")
+    p.add_argument("--ssd", default="0", metavar="N|N%", help="local-SSD tier capacity")
+    p.add_argument("--cluster", default="0", metavar="N|N%",
+                   help="cluster tier capacity (simulate; live: a temporary pool sized to it, 0 = the pool as is)")
+    p.add_argument("--policy", default="lru", help="eviction policy (every tier), or TIER=NAME,...")
+    p.add_argument("--block-size", default="64KiB", help="bytes per block (live replay)")
+    p.add_argument("--pool", default="default", help="live replay: the pool to use when --cluster is 0")
+    p.add_argument("--ssd-path", default="", help="live replay: file of the SSD tier (default: a temporary file)")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N requests")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
+                   help="prefill throughput, to report the prefill time the hits saved")
+    p.add_argument("--load-gbps", type=float, default=0.0,
+                   help="load bandwidth (GB/s) to report the load time (simulate; live replay measures it)")
+    p.add_argument("--tokens-per-block", type=int, default=512)
+
+
+def _read_local(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        from tierfs.cli.fs import LocalFileError
+
+        raise LocalFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+async def kv_put(client: Any, key: str, local: str, *, pool: str = "default", overwrite: bool = False,
+                 ttl: float | None = None, pin: str | None = None) -> dict[str, Any]:
+    data = _read_local(local)
+    t0 = time.perf_counter()
+    stored = await client.kv_pool(pool).put(key, data, overwrite=overwrite, ttl=ttl, pin=pin)
+    return {"pool": pool, "key": key, "bytes": len(data), "stored": stored,
+            "seconds": time.perf_counter() - t0}
+
+
+async def kv_get(client: Any, key: str, local: str, out: IO[bytes], *, pool: str = "default") -> dict[str, Any]:
+    t0 = time.perf_counter()
+    data = await client.kv_pool(pool).get(key)
+    if data is None:
+        raise NotFoundError(f"no KV object {key!r} in pool {pool!r}")
+    if local == "-":
+        out.write(data)
+        out.flush()
+    else:
+        try:
+            with open(local, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            from tierfs.cli.fs import LocalFileError
+
+            raise LocalFileError(f"cannot write {local}: {exc.strerror or exc}") from None
+    return {"pool": pool, "key": key, "bytes": len(data), "local": local, "seconds": time.perf_counter() - t0}
+
+
+async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, Any]:
+    from tierfs.kv.cluster import group_of
+    from tierfs.kv.keys import normalize_key
+
+    h = client.kv_pool(pool)
+    k = normalize_key(key)
+    route = await h.cluster.route()
+    if not route.groups:
+        raise InvalidArgumentError(f"KV pool {pool!r} has no placement groups yet")
+    gi = group_of(k, len(route.groups))
+    targets = route.groups[gi]
+    holders = []
+    for t in targets:
+        try:
+            if (await h.cluster.data.kv_exists(t, route.pool_id, [k], timeout=h.cluster.timeout))[0]:
+                holders.append(t)
+        except Exception:  # noqa: BLE001 - a down target simply does not hold it now
+            pass
+    size = None
+    if holders:
+        data = await h.cluster.get(k)
+        size = None if data is None else len(data)
+    return {"pool": pool, "key": key, "present": bool(holders), "size": size, "group": gi,
+            "targets": list(targets), "held_by": holders, "redundancy": route.redundancy}
+
+
+async def kv_rm(client: Any, key: str, *, pool: str = "default") -> dict[str, Any]:
+    existed = await client.kv_pool(pool).delete(key)
+    if not existed:
+        raise NotFoundError(f"no KV object {key!r} in pool {pool!r}")
+    return {"pool": pool, "key": key, "deleted": True}
+
+
+async def kv_stats(meta: Sequence[str], *, pool: str | None = None, timeout: float = 20.0) -> dict[str, Any]:
+    """Per-pool, per-target usage and counters as the daemons last reported them."""
+    from tierfs.cli.kv import pool_usage
+
+    return await pool_usage(meta, pool=pool, timeout=timeout)
+
+
+def render_stats(r: dict[str, Any]) -> str:
+    lines = []
+    for p in r.get("pools", []):
+        lines.append(f"pool {p['name']} ({p['redundancy']}): {p['objects']} objects, "
+                     f"{human_size(p['memory_used'])} in memory, {human_size(p['disk_used'])} on disk; "
+                     f"hits {p['hits']}, misses {p['misses']}, evictions {p['evictions']}")
+        for t in p.get("targets", []):
+            lines.append(f"  target {t['target_id']}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
+                         f"{human_size(t['disk_used'])} disk, hits {t['hits']}, misses {t['misses']}, "
+                         f"evictions {t['evictions']}")
+    return "\n".join(lines) or "no KV pools"
+
+
+def execute_kv_data(ns: argparse.Namespace, env: Any, meta: Callable[[], Sequence[str]],
+                    emit: Callable[[Any, str | None], None], client_call: Callable[..., Any],
+                    run: Callable[[Any], Any], out: Any) -> int | None:
+    """Run ``tierfs kv ACTION`` if it is an object command; its exit code (None: not ours)."""
+    a = getattr(ns, "kv_cmd", None)
+    if a == "put":
+        r = client_call(kv_put, ns.key, ns.local, pool=ns.pool, overwrite=ns.overwrite, ttl=ns.ttl, pin=ns.pin)
+        emit(r, f"{ns.key}: {human_size(r['bytes'])} " + ("stored" if r["stored"] else "already there (kept)")
+             + f" in pool {ns.pool} ({human_rate(r['bytes'], r['seconds'])})")
+        return 0
+    if a == "get":
+        stream: IO[bytes] = out.buffer if hasattr(out, "buffer") else sys.stdout.buffer
+        r = client_call(kv_get, ns.key, ns.local, stream, pool=ns.pool)
+        if ns.local != "-":
+            emit(r, f"{ns.key} -> {ns.local}: {human_size(r['bytes'])}")
+        return 0
+    if a == "stat":
+        r = client_call(kv_stat, ns.key, pool=ns.pool)
+        emit(r, (f"{ns.key}: {human_size(r['size'] or 0)} in pool {ns.pool} ({r['redundancy']}), group {r['group']}, "
+                 f"on targets {r['held_by']} of {r['targets']}") if r["present"]
+             else f"{ns.key}: not in pool {ns.pool} (would live on targets {r['targets']})")
+        return 0 if r["present"] else 1
+    if a == "rm":
+        emit(client_call(kv_rm, ns.key, pool=ns.pool), f"{ns.key}: deleted from pool {ns.pool}")
+        return 0
+    if a == "stats":
+        r = run(kv_stats(meta(), pool=ns.pool, timeout=ns.timeout))
+        emit(r, render_stats(r))
+        return 0
+    if a == "replay":
+        from tierfs.kv.replay import render_replay, replay_cli
+
+        r = replay_cli(ns, meta, run)
+        emit(r, render_replay(r))
+        return 0
+    return None
