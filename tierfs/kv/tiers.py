@@ -484,7 +484,10 @@ class _ExtentTier(Tier):
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         index = self._index
-        return [(k in index) if type(k) is bytes else (check_key(k) in index) for k in keys]
+        return [
+            (k in index) if type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES else (check_key(k) in index)
+            for k in keys
+        ]
 
     async def delete(self, key: bytes) -> bool:
         key, e = self._lookup(key)
