@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kv.conformance import MiB, DemotingTierConformance, TierFactory, pattern, run
+from tests.kv.conformance import DemotingTierConformance, MiB, TierFactory, pattern, run
 from tierfs.buffers import BufferPool
 from tierfs.errors import ConfigError, InvalidArgumentError
 from tierfs.kv.tiers import DramTier, ExtentAllocator, SsdTier, Tier
@@ -54,14 +55,14 @@ def test_extent_allocator_against_a_model() -> None:
                 starts = [s for s, _ in taken] + [total]
                 assert all(b - e < n for e, b in zip(edges, starts, strict=True))
                 continue
-            assert 0 <= got and got + n <= total
+            assert got >= 0 and got + n <= total
             for s, length in taken:
                 assert got + n <= s or s + length <= got, "overlapping extents"
             used[got] = n
         assert a.free_units == total - sum(used.values())
         # free extents are coalesced: no two touch
         ext = a.extents()
-        assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in zip(ext, ext[1:], strict=False))
+        assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in itertools.pairwise(ext))
     for s, n in list(used.items()):
         a.free(s, n)
     assert a.extents() == [(0, total)]
