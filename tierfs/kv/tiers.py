@@ -320,13 +320,15 @@ class ExtentAllocator:
 
 
 class _Entry:
-    __slots__ = ("crc", "dead", "key", "off", "refs", "size", "units")
+    __slots__ = ("crc", "dead", "end", "key", "off", "pos", "refs", "size", "units")
 
-    def __init__(self, key: bytes, off: int, units: int, size: int) -> None:
+    def __init__(self, key: bytes, off: int, units: int, size: int, unit: int) -> None:
         self.key = key
         self.off = off  # in units
         self.units = units
         self.size = size
+        self.pos = off * unit  # in bytes: the hot path slices [pos, end) without arithmetic
+        self.end = self.pos + size
         self.crc = 0
         self.refs = 0
         self.dead = False  # removed from the index; the extent goes when refs drops to 0
@@ -341,6 +343,7 @@ class _ExtentTier(Tier):
         self.unit = unit
         self._alloc = ExtentAllocator(capacity_bytes // unit)
         self._policy = make_policy(policy, capacity_bytes=capacity_bytes) if isinstance(policy, str) else policy
+        self._on_access = self._policy.on_access
         self._index: dict[bytes, _Entry] = {}
         self._writing: set[bytes] = set()
         self._used = 0
@@ -457,7 +460,7 @@ class _ExtentTier(Tier):
         self._writing.add(key)
         try:
             off = await self._allocate(units)
-            e = _Entry(key, off, units, size)
+            e = _Entry(key, off, units, size, self.unit)
             self._held += units
             try:
                 await self._store(e, src)
@@ -587,17 +590,19 @@ class DramTier(_ExtentTier):
         e = self._index.get(key) if type(key) is bytes else None
         if e is None:
             return self._get_slow(key, dest)
-        try:
-            d = memoryview(dest)
-        except TypeError:
-            return self._get_slow(key, dest)
+        if type(dest) is memoryview:
+            d = dest
+        else:
+            try:
+                d = memoryview(dest)
+            except TypeError:
+                return self._get_slow(key, dest)
         n = e.size
         if d.readonly or not d.c_contiguous or d.nbytes < n or d.format != "B":
             return self._get_slow(key, dest)
-        o = e.off * self.unit
         # one memcpy, no await: nothing can evict and reuse the slot meanwhile
-        d[:n] = self._mv[o : o + n]
-        self._policy.on_access(key)
+        d[:n] = self._mv[e.pos : e.end]
+        self._on_access(key)
         self.hits += 1
         self.bytes_out += n
         return n
