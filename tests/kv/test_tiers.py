@@ -174,8 +174,9 @@ def test_ssd_directory_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("size", [100, 4096, 65536, 70_001])
-def test_ssd_corrupt_byte_is_a_miss_and_dropped(ssd_path: Path, size: int) -> None:
+@pytest.mark.parametrize("size", [100, 4096, 65536, 70_001, (256 << 10) + 5])
+@pytest.mark.parametrize("at", ["middle", "last"])
+def test_ssd_corrupt_byte_is_a_miss_and_dropped(ssd_path: Path, size: int, at: str) -> None:
     async def main() -> None:
         t = SsdTier(ssd_path, 4 * MiB)
         data = pattern(b"c", size)
@@ -184,7 +185,8 @@ def test_ssd_corrupt_byte_is_a_miss_and_dropped(ssd_path: Path, size: int) -> No
         where = t.locate(b"c")
         assert where is not None
         off, n = where
-        flip = off + n // 2
+        rel = n // 2 if at == "middle" else n - 1
+        flip = off + rel
         fd = os.open(ssd_path, os.O_RDWR)
         try:
             old = os.pread(fd, 1, flip)
@@ -202,8 +204,8 @@ def test_ssd_corrupt_byte_is_a_miss_and_dropped(ssd_path: Path, size: int) -> No
             fd = os.open(ssd_path, os.O_RDWR)
             try:
                 o2, _ = again
-                b = os.pread(fd, 1, o2 + n // 2)
-                os.pwrite(fd, bytes([b[0] ^ 0x40]), o2 + n // 2)
+                b = os.pread(fd, 1, o2 + rel)
+                os.pwrite(fd, bytes([b[0] ^ 0x40]), o2 + rel)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -264,6 +266,26 @@ def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
         await t.close()
         await be.aclose()
         pool.put(outs[1])  # type: ignore[arg-type]
+        pool.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [(256 << 10) + 5, (4 << 20) + 3, 300_000 - 1])
+def test_ssd_aligned_destination_of_partial_pages(ssd_path: Path, size: int) -> None:
+    async def main() -> None:
+        pool = BufferPool(32 * MiB)
+        t = SsdTier(ssd_path, 16 * MiB, pool=pool)
+        data = pattern(b"p", size)
+        await t.put(b"p", memoryview(data))
+        for extra in (0, 5000):
+            dest = pool.get(size + extra)
+            dest[size:] = b"\x77" * extra
+            assert await t.get_into(b"p", dest) == size
+            assert bytes(dest[:size]) == data and bytes(dest[size:]) == b"\x77" * extra
+            pool.put(dest)
+        await t.close()
         pool.close()
 
     run(main())

@@ -168,7 +168,8 @@ class Borrowed:
     def release(self) -> None:
         rel, self._release = self._release, None
         if rel is not None:
-            self.view.release()
+            with contextlib.suppress(BufferError):  # someone kept an export of it: the GC drops it
+                self.view.release()
             rel()
 
     def __enter__(self) -> Borrowed:
@@ -580,9 +581,12 @@ class DramTier(_ExtentTier):
         self._mv[o : o + e.size] = src
 
     async def _demote(self, e: _Entry, cb: EvictCallback) -> None:
-        o = e.off * self.unit
-        with self._mv[o : o + e.size].toreadonly() as v:
+        v = self._mv[e.pos : e.end].toreadonly()
+        try:
             await cb(e.key, v)
+        finally:
+            with contextlib.suppress(BufferError):
+                v.release()
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
         # The hot path of a DRAM hit: a handful of attribute reads around one
@@ -629,8 +633,7 @@ class DramTier(_ExtentTier):
         if e is None:
             return None
         e.refs += 1
-        o = e.off * self.unit
-        return Borrowed(self._mv[o : o + e.size].toreadonly(), lambda: self._unref(e))
+        return Borrowed(self._mv[e.pos : e.end].toreadonly(), lambda: self._unref(e))
 
     async def close(self) -> None:
         if self._closed:
@@ -705,6 +708,9 @@ class SsdTier(_ExtentTier):
         self._io_threads = io_threads
         self._fd = -1
         self.direct = False
+        #: objects from this size up that are not whole pages are read into an
+        #: aligned destination directly, all but their last partial page
+        self.split_min = 256 << 10
 
     async def _open(self) -> None:
         # the backend binds to the running loop (io_uring), hence opened lazily
@@ -739,12 +745,35 @@ class SsdTier(_ExtentTier):
         """Read ``e`` into ``into`` (page aligned, ``e.units`` pages or exactly
         ``e.size`` bytes when aligned); True when the CRC32C matches."""
         assert self._backend is not None
-        got = await self._backend.read_at(self._fd, into, e.off * self.unit)
-        if got < e.size or crc32c(into[: e.size]) != e.crc:
-            log.warning("%s: object %r failed its CRC32C check (%d bytes read); dropped", self.path, e.key, got)
+        got = await self._backend.read_at(self._fd, into, e.pos)
+        return self._verified(e, got >= e.size and crc32c(into[: e.size]) == e.crc)
+
+    async def _read_split(self, e: _Entry, target: memoryview) -> bool:
+        """Read ``e`` into an aligned ``target`` of exactly ``e.size`` bytes that
+        is not a whole number of pages: the pages straight into it, the last
+        partial page through a one-page bounce buffer, both at once."""
+        assert self._backend is not None
+        head = e.size // self.unit * self.unit
+        tail = e.size - head
+        buf = self._pool.get(self.unit)
+        try:
+            got_head, got_tail = await asyncio.gather(
+                self._backend.read_at(self._fd, target[:head], e.pos),
+                self._backend.read_at(self._fd, buf, e.pos + head),
+            )
+            ok = got_head == head and got_tail >= tail
+            ok = ok and crc32c(buf[:tail], crc32c(target[:head])) == e.crc
+            if ok:
+                target[head:] = buf[:tail]
+        finally:
+            self._pool.put(buf)
+        return self._verified(e, ok)
+
+    def _verified(self, e: _Entry, ok: bool) -> bool:
+        if not ok:
+            log.warning("%s: object %r failed its CRC32C check; dropped", self.path, e.key)
             self._drop_corrupt(e)
-            return False
-        return True
+        return ok
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
         d = dest_view(dest)
@@ -764,10 +793,12 @@ class SsdTier(_ExtentTier):
         e.refs += 1
         try:
             target = d[:n]
+            # Straight into the caller's memory where it is page aligned; on a
+            # CRC mismatch dest then holds what was read, but the answer is a miss.
             if n % self.unit == 0 and _aligned_addr(target):
-                # straight into the caller's memory; on a CRC mismatch dest holds
-                # whatever was read, but the answer is a miss
                 ok = await self._read_verified(e, target)
+            elif n >= self.split_min and _aligned_addr(target):
+                ok = await self._read_split(e, target)
             else:
                 buf = self._pool.get(e.units * self.unit)
                 try:
