@@ -85,6 +85,10 @@ class TierStack:
         self._inflight: dict[bytes, list[int]] = {}
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(self.tiers[i + 1])
+        # a memory top tier answers without a coroutine (DramTier.get_into_nowait)
+        self._top_nowait: Callable[[bytes, memoryview], int | None] | None = getattr(
+            self.tiers[0], "get_into_nowait", None
+        )
 
     @staticmethod
     def _demoter(below: Tier) -> EvictCallback:
@@ -118,6 +122,12 @@ class TierStack:
 
     async def get_into(self, key: bytes | str, dest: Any) -> int | None:
         """Copy the object into ``dest``; its size, or None when no tier has it."""
+        nowait = self._top_nowait
+        if nowait is not None and type(key) is bytes:
+            n = nowait(key, dest)  # validates key and dest itself
+            if n is not None or len(self.tiers) == 1:
+                return n
+            return await self._get_below(key, dest_view(dest), 1)
         k = _key(key)
         d = dest_view(dest)
         n = await self.tiers[0].get_into(k, d)

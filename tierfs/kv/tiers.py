@@ -589,6 +589,11 @@ class DramTier(_ExtentTier):
                 v.release()
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
+        return self.get_into_nowait(key, dest)
+
+    def get_into_nowait(self, key: bytes, dest: memoryview) -> int | None:
+        """``get_into`` without a coroutine (a DRAM hit never waits): what
+        TierStack calls on its top tier when the tier has it."""
         # The hot path of a DRAM hit: a handful of attribute reads around one
         # memcpy. Anything unusual (str key, miss, odd dest) takes _get_slow.
         e = self._index.get(key) if type(key) is bytes else None
