@@ -430,6 +430,7 @@ class _ExtentTier(Tier):
 
     async def _allocate(self, units: int) -> int:
         while True:
+            self._check_open()  # close() wakes the waiters below: they stop here
             off = self._alloc.alloc(units)
             if off is not None:
                 return off
