@@ -1,0 +1,397 @@
+"""The conformance suite every KV tier passes (DRAM, SSD, cluster, GPU).
+
+A subclass provides one fixture, ``make_tier``: a factory
+``make_tier(capacity_bytes) -> Tier`` building a fresh, empty tier of about
+that capacity (a tier may round it). The tier is built outside any event
+loop; each test drives it inside one ``asyncio.run`` and the base class
+closes every tier it made. ``DemotingTierConformance`` adds the check of
+``on_evict`` (the hook a TierStack demotes through) for tiers that call it;
+a bottom tier (the cluster) need not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierfs.errors import InvalidArgumentError
+from tierfs.kv.tiers import MAX_KEY_BYTES, Tier, TierStats
+
+TierFactory = Callable[[int], Tier]
+
+SIZES = [1, 4096 - 1, 64 << 10, 1 << 20, (4 << 20) + 3]
+MiB = 1 << 20
+
+
+def pattern(key: bytes, size: int) -> bytes:
+    """Deterministic bytes for ``key``: a wrong object or a wrong offset shows."""
+    seed = int.from_bytes(key[-8:].rjust(8, b"\0"), "little") ^ size
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+class TierConformance:
+    """Subclass and provide ``make_tier`` (see the module docstring)."""
+
+    capacity = 32 * MiB  # of the default ``tier``
+
+    @pytest.fixture
+    def new_tier(self, make_tier: TierFactory) -> Iterator[TierFactory]:
+        made: list[Tier] = []
+
+        def new(capacity_bytes: int) -> Tier:
+            t = make_tier(capacity_bytes)
+            made.append(t)
+            return t
+
+        yield new
+
+        async def close_all() -> None:
+            for t in made:
+                await t.close()
+
+        run(close_all())
+
+    @pytest.fixture
+    def tier(self, new_tier: TierFactory) -> Tier:
+        return new_tier(self.capacity)
+
+    # -- round trips -------------------------------------------------------------
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("size", SIZES, ids=[str(s) for s in SIZES])
+    def test_roundtrip(self, tier: Tier, size: int) -> None:
+        async def main() -> None:
+            key = f"obj-{size}".encode()
+            data = pattern(key, size)
+            assert await tier.put(key, memoryview(data)) is True
+            assert await tier.size_of(key) == size
+            exact = bytearray(size)
+            assert await tier.get_into(key, memoryview(exact)) == size
+            assert exact == data
+            # a larger destination: the bytes past the object stay as they were
+            big = bytearray(b"\xee" * (size + 4099))
+            assert await tier.get_into(key, memoryview(big)) == size
+            assert big[:size] == data and big[size:] == b"\xee" * 4099
+            # and into a buffer at an odd offset
+            odd = bytearray(size + 1)
+            assert await tier.get_into(key, memoryview(odd)[1:]) == size
+            assert odd[1:] == data
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_many_objects_each_its_own_bytes(self, tier: Tier) -> None:
+        async def main() -> None:
+            sizes = [1, 100, 4096, 4097, 12345, 65536, 65537, 200_000]
+            keys = [f"m{i}".encode() for i in range(len(sizes) * 3)]
+            for i, k in enumerate(keys):
+                assert await tier.put(k, memoryview(pattern(k, sizes[i % len(sizes)])))
+            for i, k in enumerate(keys):
+                size = sizes[i % len(sizes)]
+                out = bytearray(size)
+                assert await tier.get_into(k, memoryview(out)) == size
+                assert out == pattern(k, size), k
+
+        run(main())
+
+    # -- misses, duplicates, deletes ---------------------------------------------------
+
+    @pytest.mark.timeout(30)
+    def test_miss(self, tier: Tier) -> None:
+        async def main() -> None:
+            before = tier.stats().misses
+            dest = bytearray(b"\x11" * 100)
+            assert await tier.get_into(b"absent", memoryview(dest)) is None
+            assert dest == b"\x11" * 100
+            assert await tier.size_of(b"absent") is None
+            assert tier.stats().misses == before + 1
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_put_existing_is_false_and_keeps_content(self, tier: Tier) -> None:
+        async def main() -> None:
+            assert await tier.put(b"dup", memoryview(b"first value"))
+            assert await tier.put(b"dup", memoryview(b"second, longer value")) is False
+            out = bytearray(64)
+            assert await tier.get_into(b"dup", memoryview(out)) == len(b"first value")
+            assert out[:11] == b"first value"
+            assert tier.stats().objects == 1
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_delete(self, tier: Tier) -> None:
+        async def main() -> None:
+            await tier.put(b"gone", memoryview(b"x" * 5000))
+            await tier.put(b"kept", memoryview(b"y" * 5000))
+            assert await tier.delete(b"gone") is True
+            assert await tier.delete(b"gone") is False
+            assert await tier.get_into(b"gone", memoryview(bytearray(5000))) is None
+            assert await tier.contains([b"gone", b"kept"]) == [False, True]
+            st = tier.stats()
+            assert st.objects == 1 and st.used == 5000
+            # the key can be stored again, with new content
+            assert await tier.put(b"gone", memoryview(b"z" * 10))
+            out = bytearray(10)
+            assert await tier.get_into(b"gone", memoryview(out)) == 10 and out == b"z" * 10
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_contains(self, tier: Tier) -> None:
+        async def main() -> None:
+            keys = [f"c{i}".encode() for i in range(10)]
+            for k in keys[::2]:
+                await tier.put(k, memoryview(k))
+            assert await tier.contains(keys) == [i % 2 == 0 for i in range(10)]
+            assert await tier.contains([]) == []
+
+        run(main())
+
+    # -- capacity ------------------------------------------------------------------------
+
+    @pytest.mark.timeout(60)
+    def test_overflow_evicts_and_never_fails(self, new_tier: TierFactory) -> None:
+        cap = 2 * MiB
+        t = new_tier(cap)
+        size = 64 << 10
+        n = 3 * cap // size  # three times the capacity
+
+        async def main() -> None:
+            keys = [f"ov{i}".encode() for i in range(n)]
+            for k in keys:
+                assert await t.put(k, memoryview(pattern(k, size))) is True
+                st = t.stats()
+                assert st.used <= st.capacity
+            st = t.stats()
+            assert st.evictions >= n - cap // size
+            assert st.objects + st.evictions == n
+            assert st.puts >= n
+            # the most recent objects are the ones kept, with their own bytes
+            recent = keys[-(cap // size) // 2 :]
+            assert all(await t.contains(recent))
+            out = bytearray(size)
+            for k in keys:
+                got = await t.get_into(k, memoryview(out))
+                assert got is None or (got == size and out == pattern(k, size)), k
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_object_larger_than_capacity_is_not_stored(self, new_tier: TierFactory) -> None:
+        t = new_tier(1 * MiB)
+
+        async def main() -> None:
+            await t.put(b"small", memoryview(b"s" * 1000))
+            assert await t.put(b"huge", memoryview(bytes(2 * MiB))) is False
+            assert await t.contains([b"huge", b"small"]) == [False, True]
+
+        run(main())
+
+    # -- bad input -----------------------------------------------------------------------
+
+    @pytest.mark.timeout(30)
+    def test_small_dest_raises_and_writes_nothing(self, tier: Tier) -> None:
+        async def main() -> None:
+            await tier.put(b"big", memoryview(pattern(b"big", 70_000)))
+            dest = bytearray(b"\x5a" * 69_999)
+            with pytest.raises(InvalidArgumentError, match="smaller"):
+                await tier.get_into(b"big", memoryview(dest))
+            assert dest == b"\x5a" * 69_999
+            arr = np.full(1000, 7, dtype=np.uint8)
+            with pytest.raises(InvalidArgumentError):
+                await tier.get_into(b"big", arr)
+            assert (arr == 7).all()
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_readonly_and_noncontiguous_dest(self, tier: Tier) -> None:
+        async def main() -> None:
+            await tier.put(b"k", memoryview(b"abcdef" * 100))
+            for key in (b"k", b"missing"):
+                with pytest.raises(InvalidArgumentError, match="read-only"):
+                    await tier.get_into(key, memoryview(bytes(1000)))  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError, match="read-only"):
+                    await tier.get_into(key, memoryview(bytearray(1000)).toreadonly())
+                strided = bytearray(b"\x01" * 2000)
+                with pytest.raises(InvalidArgumentError, match="contiguous"):
+                    await tier.get_into(key, memoryview(strided)[::2])
+                assert strided == b"\x01" * 2000
+                arr = np.zeros((40, 40), dtype=np.uint8)
+                with pytest.raises(InvalidArgumentError, match="contiguous"):
+                    await tier.get_into(key, arr[:, ::2])  # type: ignore[arg-type]
+                assert not arr.any()
+                with pytest.raises(InvalidArgumentError, match="buffer protocol"):
+                    await tier.get_into(key, 12345)  # type: ignore[arg-type]
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_bad_values(self, tier: Tier) -> None:
+        async def main() -> None:
+            with pytest.raises(InvalidArgumentError, match="buffer protocol"):
+                await tier.put(b"k", "a str")  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError, match="contiguous"):
+                await tier.put(b"k", memoryview(bytearray(100))[::2])
+            assert await tier.contains([b"k"]) == [False]
+            assert tier.stats().objects == 0
+
+        run(main())
+
+    @pytest.mark.timeout(30)
+    def test_bad_keys(self, tier: Tier) -> None:
+        async def main() -> None:
+            dest = memoryview(bytearray(10))
+            for bad in (b"", b"x" * (MAX_KEY_BYTES + 1), 42, None, bytearray(b"k")):
+                with pytest.raises(InvalidArgumentError):
+                    await tier.put(bad, memoryview(b"v"))  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError):
+                    await tier.get_into(bad, dest)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError):
+                    await tier.size_of(bad)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError):
+                    await tier.delete(bad)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError):
+                    await tier.contains([b"ok", bad])  # type: ignore[list-item]
+            assert tier.stats().objects == 0
+            longest = b"L" * MAX_KEY_BYTES
+            assert await tier.put(longest, memoryview(b"v"))
+            # a str key is its UTF-8 bytes
+            assert await tier.put("clé", memoryview(b"w"))  # type: ignore[arg-type]
+            assert await tier.contains(["clé".encode(), longest]) == [True, True]
+            assert await tier.get_into("clé", dest) == 1  # type: ignore[arg-type]
+
+        run(main())
+
+    # -- buffer kinds -----------------------------------------------------------------------
+
+    @pytest.mark.timeout(30)
+    def test_numpy_buffers(self, tier: Tier) -> None:
+        async def main() -> None:
+            src = np.arange(3 * 1000, dtype=np.float32).reshape(3, 1000)
+            assert await tier.put(b"np", src)  # type: ignore[arg-type]
+            assert await tier.size_of(b"np") == src.nbytes
+            same = np.empty_like(src)
+            assert await tier.get_into(b"np", same) == src.nbytes  # type: ignore[arg-type]
+            assert np.array_equal(same, src)
+            raw = np.zeros(src.nbytes + 10, dtype=np.uint8)
+            assert await tier.get_into(b"np", raw) == src.nbytes  # type: ignore[arg-type]
+            assert raw[: src.nbytes].tobytes() == src.tobytes() and not raw[src.nbytes :].any()
+            # bytes and bytearray sources too
+            assert await tier.put(b"b", b"plain bytes")  # type: ignore[arg-type]
+            assert await tier.put(b"ba", bytearray(b"a bytearray"))  # type: ignore[arg-type]
+            out = bytearray(11)
+            assert await tier.get_into(b"ba", out) == 11 and out == b"a bytearray"  # type: ignore[arg-type]
+
+        run(main())
+
+    # -- concurrency ------------------------------------------------------------------------
+
+    @pytest.mark.timeout(120)
+    def test_concurrent_gets_and_puts_return_right_bytes(self, new_tier: TierFactory) -> None:
+        t = new_tier(3 * MiB)  # small, so eviction runs under the readers
+        rng = random.Random(7)
+        sizes = [5000, 65536, 150_000, 300_001]
+        keys = [f"cc{i}".encode() for i in range(60)]
+        size_of = {k: sizes[i % len(sizes)] for i, k in enumerate(keys)}
+        hits = 0
+
+        async def worker(seed: int) -> None:
+            nonlocal hits
+            r = random.Random(seed)
+            out = bytearray(max(sizes))
+            for _ in range(40):
+                k = r.choice(keys)
+                if r.random() < 0.4:
+                    await t.put(k, memoryview(pattern(k, size_of[k])))
+                elif r.random() < 0.1:
+                    await t.delete(k)
+                else:
+                    n = await t.get_into(k, memoryview(out))
+                    if n is not None:
+                        assert n == size_of[k]
+                        assert out[:n] == pattern(k, n), k
+                        hits += 1
+
+        async def main() -> None:
+            for k in keys[:20]:
+                await t.put(k, memoryview(pattern(k, size_of[k])))
+            await asyncio.gather(*(worker(rng.randrange(1 << 30)) for _ in range(16)))
+
+        run(main())
+        assert hits > 0
+        st = t.stats()
+        assert st.used <= st.capacity
+
+    # -- stats -------------------------------------------------------------------------------
+
+    @pytest.mark.timeout(30)
+    def test_stats(self, tier: Tier) -> None:
+        async def main() -> None:
+            st0 = tier.stats()
+            assert isinstance(st0, TierStats)
+            assert st0.name == tier.name and st0.capacity > 0
+            assert (st0.used, st0.objects, st0.hits, st0.puts) == (0, 0, 0, 0)
+            await tier.put(b"s1", memoryview(b"a" * 1000))
+            await tier.put(b"s2", memoryview(b"b" * 3000))
+            out = bytearray(3000)
+            await tier.get_into(b"s1", memoryview(out))
+            await tier.get_into(b"s2", memoryview(out))
+            await tier.get_into(b"s3", memoryview(out))
+            st = tier.stats()
+            assert (st.used, st.objects, st.puts) == (4000, 2, 2)
+            assert (st.hits - st0.hits, st.misses - st0.misses) == (2, 1)
+            assert st.bytes_in - st0.bytes_in == 4000
+            assert st.bytes_out - st0.bytes_out == 4000
+            d = st.as_dict()
+            for field in (
+                "name", "capacity", "used", "objects", "hits", "misses", "evictions",
+                "puts", "bytes_in", "bytes_out", "promotions", "demotions",
+            ):  # fmt: skip
+                assert field in d
+
+        run(main())
+
+
+class DemotingTierConformance(TierConformance):
+    """TierConformance plus ``on_evict``: for tiers that demote their victims."""
+
+    @pytest.mark.timeout(60)
+    def test_on_evict_gets_the_victims_bytes(self, new_tier: TierFactory) -> None:
+        t = new_tier(1 * MiB)
+        size = 100_000
+        seen: dict[bytes, bytes] = {}
+
+        async def on_evict(key: bytes, view: memoryview) -> None:
+            await asyncio.sleep(0)  # a demotion takes time; the slot must stay put
+            seen[key] = bytes(view)
+
+        t.on_evict = on_evict
+
+        async def main() -> None:
+            keys = [f"ev{i}".encode() for i in range(40)]
+            # puts four at a time: one's demotion is under way while the others
+            # look for space, and must not be handed the victim's slot
+            for i in range(0, len(keys), 4):
+                got = await asyncio.gather(
+                    *(t.put(k, memoryview(pattern(k, size))) for k in keys[i : i + 4])
+                )
+                assert all(got)
+            assert seen, "nothing was evicted"
+            for k, v in seen.items():
+                assert v == pattern(k, size), k
+            assert t.stats().evictions == len(seen)
+
+        run(main())
