@@ -288,7 +288,7 @@ def check_kv_pool_create(r: pb.CreateKVPoolRequest) -> tuple[str, int, str]:
     try:
         kind, k, m = parse_redundancy(text)
     except ConfigError as exc:
-        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: {exc.message}") from None
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: {exc.reason}") from None
     if not r.target_memory and not r.target_disk:
         raise InvalidArgumentError(f"create_kv_pool {r.name!r}: give a per-target memory or disk budget "
                                    f"(target_memory, target_disk); both are 0")
