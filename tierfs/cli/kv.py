@@ -138,11 +138,11 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser],
     help)`` makes a top-level sub-command; ``common(parser)`` adds the
     cluster options (--meta, --json, ...) to a nested one."""
     p = cmd("kv", "the KV-cache store: pools (and the data commands)")
-    sub = p.add_subparsers(dest="kv_cmd", metavar="KVCOMMAND")
+    sub = p.add_subparsers(dest="kv_cmd", metavar="KVCOMMAND", required=True)
     pool = sub.add_parser("pool", help="KV pool definitions: create, ls, rm",
                           description="KV pool definitions: create, ls, rm")
     common(pool)
-    psub = pool.add_subparsers(dest="pool_cmd", metavar="ACTION")
+    psub = pool.add_subparsers(dest="pool_cmd", metavar="ACTION", required=True)
     c = psub.add_parser("create", help="define a KV pool", description="define a KV pool")
     common(c)
     c.add_argument("name", help="1 to 64 characters of A-Z a-z 0-9 _ . -")
@@ -175,9 +175,9 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
             r = run(pool_create(meta, ns.name, redundancy=ns.redundancy, target_memory=ns.target_memory,
                                 target_disk=ns.target_disk, fsync=ns.fsync, pin_quota=ns.pin_quota,
                                 policy=ns.policy, timeout=ns.timeout))
-            emit(r, f"KV pool {r['name']!r} created (id {r['id']}, {r['redundancy']}, "
-                    f"{len(r['groups'])} placement groups)"
-                 + ("" if r["placement"] == "ok" else f"; {r['placement']}: it takes objects once they join"))
+            placed = (f"{len(r['groups'])} placement groups)" if r["placement"] == "ok"
+                      else f"{r['placement']}; it takes objects once they join)")
+            emit(r, f"KV pool {r['name']!r} created (id {r['id']}, {r['redundancy']}, {placed}")
             return 0
         if ns.pool_cmd == "ls":
             pools = run(pool_ls(meta, timeout=ns.timeout))
