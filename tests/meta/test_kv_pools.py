@@ -10,12 +10,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from meta_helpers import SEC, Driver, meta_server, register_async, run
 
 from tests.cluster import MetaCluster, meta_cluster_from_env, wait_for
-from tierfs.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, error_from_code
-from tierfs.meta import MetaClient, MetaStateMachine
+from tierfs.config import load
+from tierfs.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    InvalidArgumentError,
+    NotFoundError,
+    error_from_code,
+)
+from tierfs.meta import LocalReplicator, MetaClient, MetaStateMachine, add_meta_service
+from tierfs.meta.config import MetaConfig
 from tierfs.meta.journal import read_snapshot
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST, MAX_KV_POOLS, replan_groups
 from tierfs.meta.ops import MAX_KV_BUDGET
@@ -331,8 +340,84 @@ def test_service_pools_and_heartbeat_usage() -> None:
                 await mc.remove_kv_pool("default")
             cmap = await mc.get_cluster_map()
             assert [p.name for p in cmap.kv_pools] == ["hot"]
+            # a node joins: the pool's groups grow with it, existing ones kept
+            before = [list(g.target_ids) for g in cmap.kv_pools[0].groups]
+            new = await mc.register_node("node-9", "node9", "127.0.0.1:9009", [("/data/t0", 1 << 40)])
+            cmap = await mc.get_cluster_map()
+            after = [list(g.target_ids) for g in cmap.kv_pools[0].groups]
+            assert after[:3] == before and len(after) == 4 and new.targets[0].target_id in after[3]
+            assert cmap.version == new.map_version
 
     run(go())
+
+
+class RecordingReplicator(LocalReplicator):
+    """A LocalReplicator that keeps every op submitted (the would-be log)."""
+
+    def __init__(self, sm: MetaStateMachine) -> None:
+        super().__init__(sm)
+        self.ops: list[pb.MetaOp] = []
+
+    async def submit(self, op: bytes, timeout: float) -> bytes:
+        self.ops.append(pb.MetaOp.FromString(op))
+        return await super().submit(op, timeout)
+
+
+def test_logged_ops_carry_the_default_stamp_and_no_kv_usage() -> None:
+    async def go() -> None:
+        rep = RecordingReplicator(MetaStateMachine())
+        server = grpc.aio.server()
+        add_meta_service(server, rep, kv_default_pool=pb.CreateKVPoolRequest(
+            name="default", redundancy="replica:1", target_disk=MiB))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with MetaClient([f"127.0.0.1:{port}"], deadline=5.0) as mc:
+                reg = (await register_async(mc, nodes=1, targets=1))[0]
+                tid = reg.targets[0].target_id
+                # a capacity change is logged; its KV usage is not
+                await mc.heartbeat(reg.node_id, [pb.TargetReport(target_id=tid, capacity=5)],
+                                   kv_usage=[pb.KVTargetUsage(pool_id=1, target_id=tid, objects=3)])
+                assert [u.objects for u in (await mc.list_kv_pools()).usage] == [3]
+        finally:
+            await server.stop(None)
+        kinds = [op.WhichOneof("body") for op in rep.ops]
+        assert kinds == ["register_node", "heartbeat"]
+        assert rep.ops[0].kv_default_pool.target_disk == MiB
+        assert not rep.ops[1].HasField("kv_default_pool") and not rep.ops[1].heartbeat.kv_usage
+        assert rep.ops[1].heartbeat.targets[0].capacity == 5
+
+    run(go())
+
+
+def test_default_pool_settings() -> None:
+    cfg = load(MetaConfig, overrides={"insecure_no_cluster_secret": True, "kv_default_redundancy": "replica:2",
+                                      "kv_default_target_memory": "1MiB", "kv_default_target_disk": "0"})
+    assert cfg.kv_default_pool_request() == pb.CreateKVPoolRequest(name="default", redundancy="replica:2",
+                                                                   target_memory=MiB)
+    assert MetaConfig(insecure_no_cluster_secret=True).kv_default_pool_request() == DEFAULT_POOL_REQUEST
+    with pytest.raises(ConfigError, match=r"kv_default_pool: .*redundancy 'raid5' is not"):
+        load(MetaConfig, overrides={"kv_default_redundancy": "raid5"})
+    with pytest.raises(ConfigError, match=r"kv_default_pool: .*give a per-target memory or disk budget"):
+        load(MetaConfig, overrides={"kv_default_target_memory": "0", "kv_default_target_disk": "0"})
+    # disabled: the budgets are not checked
+    assert not load(MetaConfig, overrides={"kv_default_pool": "false", "kv_default_target_memory": "0",
+                                           "kv_default_target_disk": "0"}).kv_default_pool
+
+
+@pytest.mark.timeout(120)
+def test_daemon_with_the_default_pool_disabled(tmp_path: Path) -> None:
+    if meta_cluster_from_env() is not None:
+        pytest.skip("starts replicas with their own flags: needs a local cluster")
+    with MetaCluster(tmp_path, n=1, state_machine="meta", extra_args=["--kv-default-pool", "false"]) as c:
+        c.wait_leader()
+
+        async def go() -> list[str]:
+            async with MetaClient(c.addresses, deadline=10.0) as mc:
+                await register_async(mc, nodes=2, targets=1)
+                return [p.name for p in (await mc.list_kv_pools()).pools]
+
+        assert run(go()) == []
 
 
 def test_service_without_default_pool() -> None:

@@ -312,7 +312,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         reply = pb.ListKVPoolsReply(pools=sm.kv_pool_list())
         if not self._leadership():
             return reply
-        usage = [u for per_node in self._kv_used.values() for k, u in per_node.items() if k[0] in sm.kv_pools]
+        # A pool or node removed since the report: its entries go with it.
+        usage = [u for per_node in self._kv_used.values() for (pool, target), u in per_node.items()
+                 if pool in sm.kv_pools and target in sm.targets]
         reply.usage.extend(sorted(usage, key=lambda u: (u.pool_id, u.target_id)))
         return reply
 
