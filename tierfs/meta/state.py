@@ -1,5 +1,6 @@
 """The metadata state machine: namespace, layouts, cluster map, placement
-groups, write sessions and the GC queue.
+groups, write sessions, the GC queue and KV pool definitions
+(:mod:`tierfs.meta.kvpools`).
 
 One :class:`MetaStateMachine` lives in every meta replica. Raft hands it
 committed ops (serialized :class:`tierfs.v1.MetaOp`) in log order;
