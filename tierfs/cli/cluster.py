@@ -1,6 +1,7 @@
 """Cluster-wide commands: ``up`` and ``down`` (a local cluster under one
 directory, via :class:`tierfs.local.LocalCluster`) and ``status`` (any
-cluster: meta roles, storage nodes and targets, placement groups). Each
+cluster: meta roles, storage nodes and targets, placement groups, KV pools
+and their usage). Each
 returns plain data; :mod:`tierfs.cli.main` prints it."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from tierfs.cli.kv import pool_summaries
 from tierfs.errors import TierFSError, UnavailableError
 from tierfs.local import LocalCluster, pid_alive
 
@@ -99,6 +101,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         # Fragments of committed chunks known missing (degraded writes, scrub
         # findings) that the repair queue has not rebuilt yet.
         repairs = (await mc.list_repairs([], limit=1)).pending
+        kv_reply = await mc.list_kv_pools()
 
     leaders = {r["leader"] for r in replicas if r["state"] == "up" and r["leader"]}
     meta_out = []
@@ -172,6 +175,8 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         "storage": storage_out,
         "groups": groups_out,
         "repairs_pending": repairs,
+        # Definitions and the usage storage nodes last reported (zeros where none).
+        "kv_pools": pool_summaries(kv_reply),
         "capacity": sum(t["capacity"] for t in targets.values()),
         "used": sum(t["used"] for t in targets.values()),
     }

@@ -21,6 +21,7 @@ from typing import IO, Any, TextIO, TypeVar
 
 from tierfs.cli.fs import LocalFileError
 from tierfs.cli.util import DEFAULT_DATA, human_rate, human_size, parse_size_arg, resolve_meta
+from tierfs.cli.util import table as _table
 from tierfs.errors import TierFSError, UnavailableError
 
 __all__ = ["EXIT_DEGRADED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "render_status", "run"]
@@ -110,16 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import repair
 
     repair.add_commands(cmd)
+    from tierfs.cli import kv
+
+    kv.add_commands(cmd, lambda p: _common(p, top=False))
     return ap
 
 
 # ---- output ------------------------------------------------------------------------
-
-
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def render_status(st: dict[str, Any]) -> str:
@@ -154,6 +152,10 @@ def render_status(st: dict[str, Any]) -> str:
         if rb:
             out.append(f"  group {g['id']}: rebuilding target(s) {rb['targets']}: {rb['done']}/{rb['total']} chunks, "
                        f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else ""))
+    if "kv_pools" in st:
+        from tierfs.cli.kv import render_pools
+
+        out += ["", render_pools(st["kv_pools"], per_target=True)]
     return "\n".join(out)
 
 
@@ -331,6 +333,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         emit(r, f"{r['path']}: new files get {r['redundancy']}, chunk {human_size(r['chunk_size'])}, "
                 f"stripe {r['stripe_width'] or 'all groups'}")
         return EXIT_OK
+    if c == "kv":
+        from tierfs.cli import kv
+
+        code = kv.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
     if c in ("target", "node", "scrub"):
         from tierfs.cli import repair
 

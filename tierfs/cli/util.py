@@ -4,13 +4,14 @@ human-readable sizes and rates."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tierfs.config import parse_size
 from tierfs.errors import ConfigError
 
-__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta"]
+__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta", "table"]
 
 #: Where ``tierfs up`` and ``make run`` keep a local cluster by default.
 DEFAULT_DATA = "./.tierfs"
@@ -76,3 +77,10 @@ def human_size(n: float) -> str:
 def human_rate(nbytes: int, seconds: float) -> str:
     """Throughput in decimal MB/s (what disks and NICs are sold in)."""
     return f"{nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s"
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """Left-aligned columns under ``header``; None cells print as "-"."""
+    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)

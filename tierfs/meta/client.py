@@ -305,9 +305,10 @@ class MetaClient:
                                      control_addr=control_addr, targets=specs)
         return await self._call("RegisterNode", req, pb.RegisterNodeReply, mutating=True)
 
-    async def heartbeat(self, node_id: int, targets: Sequence[pb.TargetReport]) -> pb.HeartbeatReply:
-        return await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, targets=list(targets)),
-                                pb.HeartbeatReply, mutating=True)
+    async def heartbeat(self, node_id: int, targets: Sequence[pb.TargetReport],
+                        kv_usage: Sequence[pb.KVTargetUsage] = ()) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(node_id=node_id, targets=list(targets), kv_usage=list(kv_usage))
+        return await self._call("Heartbeat", req, pb.HeartbeatReply, mutating=True)
 
     async def get_cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
         return await self._call("GetClusterMap", pb.GetClusterMapRequest(known_version=known_version),
@@ -338,6 +339,28 @@ class MetaClient:
     async def remove_node(self, node_id: int) -> None:
         """Forget a node no group needs any more (BusyError otherwise)."""
         await self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id), pb.Empty, mutating=True)
+
+    # ---- KV pools -------------------------------------------------------------------
+
+    async def create_kv_pool(self, name: str, *, redundancy: str = "replica:1", target_memory: int = 0,
+                             target_disk: int = 0, fsync: bool = False, pin_quota: int = 0,
+                             policy: str = "") -> pb.KVPool:
+        """Define a KV pool (AlreadyExistsError if the name is taken,
+        InvalidArgumentError for a bad name, redundancy or budget). The
+        reply's ``groups`` is empty while fewer storage nodes than the
+        pool's width have an online target."""
+        req = pb.CreateKVPoolRequest(name=name, redundancy=redundancy, target_memory=target_memory,
+                                     target_disk=target_disk, fsync=fsync, pin_quota=pin_quota, policy=policy)
+        return await self._call("CreateKVPool", req, pb.KVPool, mutating=True)
+
+    async def list_kv_pools(self) -> pb.ListKVPoolsReply:
+        """Every KV pool, with the per-(pool, target) usage last reported to the leader."""
+        return await self._call("ListKVPools", pb.Empty(), pb.ListKVPoolsReply)
+
+    async def remove_kv_pool(self, name: str) -> None:
+        """Forget a KV pool (NotFoundError if there is none of that name);
+        storage daemons drop its objects when they see the new map."""
+        await self._call("RemoveKVPool", pb.RemoveKVPoolRequest(name=name), pb.Empty, mutating=True)
 
     # ---- garbage collection ---------------------------------------------------------
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
-from tierfs.errors import ConfigError
-from tierfs.meta.ops import MAX_GC_GRACE
+from tierfs.errors import ConfigError, TierFSError
+from tierfs.meta.ops import MAX_GC_GRACE, check_kv_pool_create
 from tierfs.meta.secret import load_secret
+from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["MetaConfig", "parse_peer", "split_addr"]
 
@@ -100,6 +101,15 @@ class MetaConfig(BaseConfig):
         kind="duration",
     )
 
+    kv_default_pool: bool = field(
+        True,
+        "Create the 'default' KV pool once the cluster has storage targets (with the kv_default_* settings "
+        "below, of the leader at that moment). It is made once: removed, it is not made again.",
+    )
+    kv_default_redundancy: str = field("replica:1", "Redundancy of the default KV pool (replica:N or ec:K+M).")
+    kv_default_target_memory: int = field(256 << 20, "Per-target memory budget of the default KV pool.", kind="size")
+    kv_default_target_disk: int = field(1 << 30, "Per-target disk budget of the default KV pool.", kind="size")
+
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
     log_format: str = field("json", "json (one object per line) | text")
@@ -145,6 +155,11 @@ class MetaConfig(BaseConfig):
             raise ConfigError(f"must be between 0 and {MAX_GC_GRACE:.0f} seconds", field="gc_grace")
         if self.submit_timeout <= 0:
             raise ConfigError("must be > 0", field="submit_timeout")
+        if self.kv_default_pool:
+            try:
+                check_kv_pool_create(self.kv_default_pool_request())
+            except TierFSError as exc:
+                raise ConfigError(exc.message, field="kv_default_pool") from None
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("must be debug, info, warning or error", field="log_level")
         if self.log_format not in ("json", "text"):
@@ -168,6 +183,12 @@ class MetaConfig(BaseConfig):
                               "--insecure-no-cluster-secret runs without (see docs/raft.md)",
                               field="cluster_secret_file")
         return load_secret(self.cluster_secret_file)
+
+    def kv_default_pool_request(self) -> pb.CreateKVPoolRequest:
+        """The default KV pool this replica stamps on registrations while it leads."""
+        return pb.CreateKVPoolRequest(name="default", redundancy=self.kv_default_redundancy,
+                                      target_memory=self.kv_default_target_memory,
+                                      target_disk=self.kv_default_target_disk)
 
     def peer_map(self) -> dict[str, str]:
         """raft address -> gRPC address ("" where not configured)."""

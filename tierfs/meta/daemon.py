@@ -205,6 +205,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
         gc_grace=cfg.gc_grace,
+        kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
     )
     # The namespace's periodic tick only makes sense for the namespace.

@@ -44,6 +44,8 @@ __all__ = [
     "MAX_GC_PAGE",
     "MAX_GC_TARGETS",
     "MAX_GROUP_CHUNKS_PAGE",
+    "MAX_KV_BUDGET",
+    "MAX_KV_USAGE",
     "MAX_NAME_BYTES",
     "MAX_OFFLINE_PER_TICK",
     "MAX_OP_BYTES",
@@ -56,6 +58,8 @@ __all__ = [
     "LayoutSpec",
     "cap",
     "check_caps",
+    "check_kv_pool_create",
+    "check_kv_pool_name",
     "check_loc",
     "check_op_size",
     "format_redundancy",
@@ -104,6 +108,13 @@ MAX_GC_TARGETS = 1024
 MAX_GROUP_CHUNKS_PAGE = 100_000
 #: Any string field without its own entry in STRING_CAPS.
 MAX_STRING_BYTES = 4096
+#: (pool, target) KV usage entries one heartbeat may carry (about 60 bytes
+#: each: the most fit well inside MAX_OP_BYTES).
+MAX_KV_USAGE = 2048
+#: Largest per-target KV pool budget accepted (1 PiB): larger is a typo.
+MAX_KV_BUDGET = 1 << 50
+_KV_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_KV_POLICY_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 #: Seconds; MetaOp.gc_grace_ms is a uint32 (about 49 days).
 MAX_GC_GRACE = (2**32 - 1) / 1000
 
@@ -123,6 +134,7 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("AckGCRequest", "acks"): MAX_GC_ACKS,
     ("ListGCRequest", "target_ids"): MAX_GC_TARGETS,
     ("Layout", "groups"): MAX_STRIPE_WIDTH,  # refused when set anyway: meta picks groups
+    ("HeartbeatRequest", "kv_usage"): MAX_KV_USAGE,
 }
 #: Most UTF-8 bytes a string field may hold, by (message, field); others get
 #: MAX_STRING_BYTES. Names and paths over their cap are NameTooLongError.
@@ -142,6 +154,10 @@ STRING_CAPS: dict[tuple[str, str], int] = {
     ("MetaOp", "client_id"): MAX_ID_STRING,
     ("MetaMemberRequest", "raft_addr"): MAX_ID_STRING,
     ("MetaMemberRequest", "grpc_addr"): MAX_ID_STRING,
+    ("CreateKVPoolRequest", "name"): 64,
+    ("CreateKVPoolRequest", "redundancy"): 64,
+    ("CreateKVPoolRequest", "policy"): 64,
+    ("RemoveKVPoolRequest", "name"): 64,
 }
 #: Largest page a read may ask for, by (message, field); 0 means the default.
 LIMIT_CAPS: dict[tuple[str, str], int] = {
@@ -256,6 +272,38 @@ def layout_from_pb(lay: pb.Layout) -> LayoutSpec:
     elif lay.data_shards or lay.parity_shards:
         raise ConfigError("data_shards/parity_shards given without kind", field="layout.kind")
     return LayoutSpec(chunk_size=cs, kind=kind, k=k, m=m, stripe_width=lay.stripe_width)
+
+
+def check_kv_pool_name(name: str, what: str) -> None:
+    if not _KV_NAME_RE.match(name):
+        raise InvalidArgumentError(f"{what}: KV pool name {name!r} must be 1 to 64 characters of A-Z, a-z, 0-9, "
+                                   f"'_', '.' or '-'")
+
+
+def check_kv_pool_create(r: pb.CreateKVPoolRequest) -> tuple[str, int, str]:
+    """Validate a CreateKVPool request whatever the state; returns the
+    canonical redundancy, the group width and the policy name."""
+    check_kv_pool_name(r.name, "create_kv_pool")
+    text = r.redundancy or "replica:1"
+    try:
+        kind, k, m = parse_redundancy(text)
+    except ConfigError as exc:
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: {exc.reason}") from None
+    if not r.target_memory and not r.target_disk:
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: give a per-target memory or disk budget "
+                                   f"(target_memory, target_disk); both are 0")
+    for what, v in (("target_memory", r.target_memory), ("target_disk", r.target_disk)):
+        if v > MAX_KV_BUDGET:
+            raise InvalidArgumentError(f"create_kv_pool {r.name!r}: {what} {v} exceeds the maximum "
+                                       f"{MAX_KV_BUDGET} (1 PiB)")
+    if r.pin_quota > r.target_memory + r.target_disk:
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: pin_quota {r.pin_quota} exceeds the pool's "
+                                   f"per-target budget {r.target_memory + r.target_disk} (memory + disk)")
+    policy = r.policy or "lru"
+    if not _KV_POLICY_RE.match(policy):
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: policy name {policy!r} must be 1 to 32 "
+                                   f"characters of a-z, 0-9, '_' or '-'")
+    return format_redundancy(kind, k, m), k + m, policy
 
 
 def validate_name(name: str) -> None:
@@ -380,6 +428,9 @@ def validate_op(op: pb.MetaOp) -> None:
         raise InvalidArgumentError("op has no body")
     _check_string(("MetaOp", "client_id"), op.client_id, "client_id")
     check_caps(getattr(op, kind), kind)
+    if op.HasField("kv_default_pool"):
+        check_caps(op.kv_default_pool, "kv_default_pool")
+        check_kv_pool_create(op.kv_default_pool)
     if kind == "mkdir":
         check_loc(op.mkdir.loc, entry=True, what="mkdir")
         _mode(op.mkdir.mode, "mkdir")
@@ -437,6 +488,10 @@ def validate_op(op: pb.MetaOp) -> None:
             _short(p, "register_node: target path")
         if len(set(paths)) != len(paths):
             raise InvalidArgumentError("register_node: duplicate target path")
+    elif kind == "create_kv_pool":
+        check_kv_pool_create(op.create_kv_pool)
+    elif kind == "remove_kv_pool":
+        check_kv_pool_name(op.remove_kv_pool.name, "remove_kv_pool")
     elif kind == "finish_rebuild":
         if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
             raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")

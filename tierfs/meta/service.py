@@ -37,7 +37,14 @@ from each storage node (and its latest usage report) in memory and commits a
 ``Heartbeat`` op only when it changes replicated state (a node back online,
 a target's state or capacity, or usage not written for ``usage_interval``).
 Failure detection uses that memory; a new leader gives every node a full
-``heartbeat_timeout`` from its start as leader.
+``heartbeat_timeout`` from its start as leader. The KV usage a heartbeat
+carries (per pool and target) lives only in that memory: ``ListKVPools``
+answers it, and the logged Heartbeat op is stripped of it.
+
+KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
+leader stamps its ``kv_default_pool`` request (None: no default pool) on
+every RegisterNode op; the state machine makes the ``default`` pool from the
+first one that finds the cluster with targets.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from tierfs.errors import (
     grpc_errors,
 )
 from tierfs.meta.interfaces import Replicator
+from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import (
     MAX_GC_GRACE,
     MAX_OFFLINE_PER_TICK,
@@ -114,6 +122,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         replace_after: float = 0.0,
         gc_grace: float = DEFAULT_GC_GRACE,
         usage_interval: float = 30.0,
+        kv_default_pool: pb.CreateKVPoolRequest | None = DEFAULT_POOL_REQUEST,
         clock: Callable[[], int] = time.time_ns,
         monotonic: Callable[[], int] | None = None,
     ) -> None:
@@ -131,6 +140,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.replace_after = replace_after
         self.gc_grace = gc_grace
         self.usage_interval = usage_interval
+        self.kv_default_pool = kv_default_pool
         self._clock = clock
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
@@ -141,6 +151,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._hb_seen: dict[int, int] = {}  # node id -> monotonic ns of its last heartbeat
         self._hb_used: dict[int, dict[int, int]] = {}  # node id -> {target: used} last reported
         self._usage_logged: dict[int, int] = {}  # node id -> monotonic ns usage was last committed
+        # node id -> {(pool id, target id): latest KV usage reported}
+        self._kv_used: dict[int, dict[tuple[int, int], pb.KVTargetUsage]] = {}
 
     # ---- plumbing -----------------------------------------------------------
 
@@ -169,6 +181,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._hb_seen.clear()
             self._hb_used.clear()
             self._usage_logged.clear()
+            self._kv_used.clear()
         return True
 
     def now_ns(self) -> int:
@@ -203,6 +216,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
                        lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))
         getattr(op, kind).CopyFrom(req)
+        if kind == "register_node" and self.kv_default_pool is not None:
+            op.kv_default_pool.CopyFrom(self.kv_default_pool)
         op.DiscardUnknownFields()  # what this version does not know does not go into the log
         return op
 
@@ -264,6 +279,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             raise NotLeaderError(leader=self._r.status().leader)
         op = self._op("heartbeat", req, client, request_id)
         validate_op(op)
+        del op.heartbeat.kv_usage[:]  # leader memory only (below), never the log
         node = sm.nodes.get(req.node_id)
         mono = self._mono()
         if node is None or self._heartbeat_changes(sm, req, mono):
@@ -275,6 +291,31 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
+        self._remember_kv_usage(sm, req)
+        return reply
+
+    def _remember_kv_usage(self, sm: MetaStateMachine, req: pb.HeartbeatRequest) -> None:
+        """Keep the node's latest KV usage. Entries for pools removed or
+        targets not the node's are dropped, not refused: a pool removed a
+        moment ago must not fail a heartbeat."""
+        node = sm.nodes.get(req.node_id)
+        mine = set(node.targets) if node is not None else set()
+        kept: dict[tuple[int, int], pb.KVTargetUsage] = {}
+        for u in req.kv_usage:
+            if u.pool_id in sm.kv_pools and u.target_id in mine:
+                kept[(u.pool_id, u.target_id)] = u
+        self._kv_used[req.node_id] = kept
+
+    def kv_pools(self) -> pb.ListKVPoolsReply:
+        """Every KV pool with the usage last reported to this leader."""
+        sm = self.state
+        reply = pb.ListKVPoolsReply(pools=sm.kv_pool_list())
+        if not self._leadership():
+            return reply
+        # A pool or node removed since the report: its entries go with it.
+        usage = [u for per_node in self._kv_used.values() for (pool, target), u in per_node.items()
+                 if pool in sm.kv_pools and target in sm.targets]
+        reply.usage.extend(sorted(usage, key=lambda u: (u.pool_id, u.target_id)))
         return reply
 
     def _heartbeat_changes(self, sm: MetaStateMachine, req: pb.HeartbeatRequest, mono: int) -> bool:
@@ -466,6 +507,21 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def MarkFragments(self, request: pb.MarkFragmentsRequest, context: Ctx) -> pb.MarkFragmentsReply:
         return await self._mutate(context, "mark_fragments", request, pb.MarkFragmentsReply)
 
+    # ---- KV pools ------------------------------------------------------------------------
+
+    @grpc_errors
+    async def CreateKVPool(self, request: pb.CreateKVPoolRequest, context: Ctx) -> pb.KVPool:
+        return await self._mutate(context, "create_kv_pool", request, pb.KVPool)
+
+    @grpc_errors
+    async def ListKVPools(self, request: pb.Empty, context: Ctx) -> pb.ListKVPoolsReply:
+        await self._read(request)
+        return self.kv_pools()
+
+    @grpc_errors
+    async def RemoveKVPool(self, request: pb.RemoveKVPoolRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "remove_kv_pool", request, pb.Empty)
+
     # ---- replica status and membership (local, no leader needed) ----------------
 
     @grpc_errors
@@ -519,7 +575,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
     lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
-    usage_interval, clock, monotonic) and register it on
+    usage_interval, kv_default_pool, clock, monotonic) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

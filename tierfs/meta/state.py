@@ -1,5 +1,6 @@
 """The metadata state machine: namespace, layouts, cluster map, placement
-groups, write sessions and the GC queue.
+groups, write sessions, the GC queue and KV pool definitions
+(:mod:`tierfs.meta.kvpools`).
 
 One :class:`MetaStateMachine` lives in every meta replica. Raft hands it
 committed ops (serialized :class:`tierfs.v1.MetaOp`) in log order;
@@ -52,12 +53,21 @@ from tierfs.errors import (
 )
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
 from tierfs.meta.gcqueue import GCEntry, GCQueue
+from tierfs.meta.kvpools import (
+    DEFAULT_POOL_NAME,
+    MAX_KV_POOLS,
+    KVPoolRecord,
+    pool_from_json,
+    pool_to_json,
+    replan_groups,
+)
 from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
     MAX_GC_PAGE,
     MAX_READDIR_LIMIT,
     MAX_REPAIR_PAGE,
     LayoutSpec,
+    check_kv_pool_create,
     check_loc,
     check_op_size,
     layout_from_pb,
@@ -219,6 +229,12 @@ class MetaStateMachine(Tracked):
         self.degraded: set[tuple[int, int]] = set()
         self.gc = GCQueue()
         self.requests = RequestTable()
+        # KV pools (tierfs.meta.kvpools), by pool id; ids are never reused.
+        self.kv_pools: dict[int, KVPoolRecord] = {}
+        self.next_kv_pool = 1
+        # Whether the default pool was made (or found made) once: removed by
+        # an operator, it is not made again.
+        self.kv_default_done = False
 
     # ---- StateMachine protocol ---------------------------------------------
 
@@ -245,7 +261,13 @@ class MetaStateMachine(Tracked):
                 validate_op(msg)
                 kind = msg.WhichOneof("body")
                 check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
+                version = self.map_version
                 reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
+                if self.map_version != version:
+                    # Every change of which targets are usable bumps the
+                    # map: KV pool groups follow in the same op, on every
+                    # replica alike.
+                    self._kv_replan()
                 out = _result(reply)
                 if self._fail_marker and self._fail_marker in op:
                     raise RuntimeError("test hook: failing after the op mutated the state")
@@ -866,6 +888,8 @@ class MetaStateMachine(Tracked):
             self.map_version += 1
             self._top_up()
         self._refresh_down()
+        if op.HasField("kv_default_pool") and not self.kv_default_done and self.targets:
+            self._kv_make_default(op.kv_default_pool)
         reply.map_version = self.map_version
         return reply
 
@@ -1014,6 +1038,59 @@ class MetaStateMachine(Tracked):
         self.map_version += 1
         return pb.Empty()
 
+    # ---- KV pools --------------------------------------------------------------
+
+    def _kv_create(self, r: pb.CreateKVPoolRequest) -> KVPoolRecord:
+        redundancy, width, policy = check_kv_pool_create(r)
+        if any(p.name == r.name for p in self.kv_pools.values()):
+            raise AlreadyExistsError(f"KV pool {r.name!r} already exists")
+        if len(self.kv_pools) >= MAX_KV_POOLS:
+            raise InvalidArgumentError(f"the cluster has {len(self.kv_pools)} KV pools, the most allowed; "
+                                       f"remove one first (`tierfs kv pool rm NAME`)")
+        pool = KVPoolRecord(id=self.next_kv_pool, name=r.name, redundancy=redundancy, width=width,
+                            target_memory=r.target_memory, target_disk=r.target_disk, fsync=r.fsync,
+                            pin_quota=r.pin_quota, policy=policy, created=self.clock)
+        self.next_kv_pool += 1
+        pool.groups = replan_groups([], self._eligible(), width)
+        self.kv_pools[pool.id] = pool
+        if r.name == DEFAULT_POOL_NAME:
+            self.kv_default_done = True
+        self.map_version += 1
+        return pool
+
+    def _kv_make_default(self, r: pb.CreateKVPoolRequest) -> None:
+        """The default pool, from the leader's stamp on a registration: made
+        once, when the cluster first has targets. One of that name made by
+        an operator before counts as made."""
+        self.kv_default_done = True
+        if all(p.name != DEFAULT_POOL_NAME for p in self.kv_pools.values()):
+            req = pb.CreateKVPoolRequest()
+            req.CopyFrom(r)
+            req.name = DEFAULT_POOL_NAME
+            self._kv_create(req)
+
+    def _kv_replan(self) -> None:
+        eligible = self._eligible()
+        for pid in sorted(self.kv_pools):
+            pool = self.kv_pools[pid]
+            groups = replan_groups([list(g) for g in pool.groups], eligible, pool.width)
+            if groups != pool.groups:
+                pool.groups = groups
+
+    def _op_create_kv_pool(self, op: pb.MetaOp, r: pb.CreateKVPoolRequest) -> Message:
+        return self._kv_create(r).to_pb()
+
+    def _op_remove_kv_pool(self, op: pb.MetaOp, r: pb.RemoveKVPoolRequest) -> Message:
+        pool = next((p for p in self.kv_pools.values() if p.name == r.name), None)
+        if pool is None:
+            raise NotFoundError(f"no KV pool {r.name!r} (`tierfs kv pool ls` lists them)")
+        del self.kv_pools[pool.id]
+        self.map_version += 1
+        return pb.Empty()
+
+    def kv_pool_list(self) -> list[pb.KVPool]:
+        return [self.kv_pools[p].to_pb() for p in sorted(self.kv_pools)]
+
     def _drop_gc_for(self, tids: set[int]) -> None:
         self.gc.drop_targets(tids)
 
@@ -1138,6 +1215,7 @@ class MetaStateMachine(Tracked):
             out.groups.append(pb.PlacementGroup(group_id=gid, width=len(self.groups[gid]),
                                                 target_ids=self.groups[gid], rebuilding=rb,
                                                 rebuild_sources=[srcs.get(t, 0) for t in rb]))
+        out.kv_pools.extend(self.kv_pool_list())
         return out
 
     def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0) -> pb.ListGroupChunksReply:
@@ -1234,6 +1312,8 @@ class MetaStateMachine(Tracked):
                          for _, s in sorted(self.sessions.items())],
             "gc": self.gc.to_json(),
             "dedup": self.requests.to_json(),
+            "kv": {"next_pool": self.next_kv_pool, "default_done": self.kv_default_done,
+                   "pools": [pool_to_json(self.kv_pools[p]) for p in sorted(self.kv_pools)]},
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -1276,6 +1356,11 @@ class MetaStateMachine(Tracked):
             self.requests = RequestTable.from_json(doc["dedup"])
         else:
             self.requests = RequestTable.from_json(doc["requests"], ordered=False)
+        # KV pools came later still: a snapshot without them has none.
+        kv = doc.get("kv", {})
+        self.next_kv_pool = kv.get("next_pool", 1)
+        self.kv_default_done = kv.get("default_done", False)
+        self.kv_pools = {row[0]: pool_from_json(row) for row in kv.get("pools", [])}
 
 
 def _check_read_loc(loc: pb.Loc, what: str) -> None:

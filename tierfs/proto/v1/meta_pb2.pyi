@@ -1163,18 +1163,27 @@ class HeartbeatRequest(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
+    KV_USAGE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___TargetReport]: ...
+    @_builtins.property
+    def kv_usage(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVTargetUsage]:
+        """KV usage of this node's targets, one entry per (pool, target) that holds
+        anything. Kept in the leader's memory (ListKVPools, `tierfs status`),
+        never replicated: the service strips it from the Heartbeat op it logs.
+        """
+
     def __init__(
         self,
         *,
         node_id: _builtins.int = ...,
         targets: _abc.Iterable[Global___TargetReport] | None = ...,
+        kv_usage: _abc.Iterable[Global___KVTargetUsage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_usage", b"kv_usage", "node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1356,6 +1365,7 @@ class ClusterMap(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    KV_POOLS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     unchanged: _builtins.bool
     @_builtins.property
@@ -1363,7 +1373,13 @@ class ClusterMap(_message.Message):
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterTarget]: ...
     @_builtins.property
-    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementGroup]: ...
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementGroup]:
+        """File placement groups (Layout.groups names these ids)."""
+
+    @_builtins.property
+    def kv_pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVPool]:
+        """KV pools, each with its own placement groups (KVPool.groups)."""
+
     def __init__(
         self,
         *,
@@ -1372,14 +1388,239 @@ class ClusterMap(_message.Message):
         nodes: _abc.Iterable[Global___ClusterNode] | None = ...,
         targets: _abc.Iterable[Global___ClusterTarget] | None = ...,
         groups: _abc.Iterable[Global___PlacementGroup] | None = ...,
+        kv_pools: _abc.Iterable[Global___KVPool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "nodes", b"nodes", "targets", b"targets", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "kv_pools", b"kv_pools", "nodes", b"nodes", "targets", b"targets", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterMap: _TypeAlias = ClusterMap  # noqa: Y015
+
+@_typing.final
+class KVPool(_message.Message):
+    """---- KV pools (docs/kv_pools.md) -------------------------------------------
+
+    A KV-cache pool: objects spread over the pool's own placement groups by a
+    stable hash of the key; no meta operation per key. A cache: a lost or
+    remapped object is a miss, not lost data.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    REDUNDANCY_FIELD_NUMBER: _builtins.int
+    TARGET_MEMORY_FIELD_NUMBER: _builtins.int
+    TARGET_DISK_FIELD_NUMBER: _builtins.int
+    FSYNC_FIELD_NUMBER: _builtins.int
+    PIN_QUOTA_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    CREATED_NS_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.int
+    """> 0, never reused"""
+    name: _builtins.str
+    """[A-Za-z0-9_.-]{1,64}"""
+    redundancy: _builtins.str
+    """"replica:N" or "ec:K+M" (canonical form)"""
+    target_memory: _builtins.int
+    """per-target memory budget, bytes (0 = disk only)"""
+    target_disk: _builtins.int
+    """per-target disk budget, bytes (0 = memory only)"""
+    fsync: _builtins.bool
+    """fsync each put before acknowledging it"""
+    pin_quota: _builtins.int
+    """hard-pinned bytes allowed per target"""
+    policy: _builtins.str
+    """eviction policy name ("lru" by default)"""
+    created_ns: _builtins.int
+    width: _builtins.int
+    """members per group (copies or K+M)"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementGroup]:
+        """The pool's own placement groups, in their own id space: group_id is the
+        position in this list plus one (unrelated to ClusterMap.groups ids).
+        Width = copies (replica:N) or K+M. Empty while fewer storage nodes than
+        the width have an online target. Regenerated when targets join, leave
+        or are removed: members gone are replaced in place, groups are added or
+        dropped at the end (one group per eligible target).
+        """
+
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.int = ...,
+        name: _builtins.str = ...,
+        redundancy: _builtins.str = ...,
+        target_memory: _builtins.int = ...,
+        target_disk: _builtins.int = ...,
+        fsync: _builtins.bool = ...,
+        pin_quota: _builtins.int = ...,
+        policy: _builtins.str = ...,
+        groups: _abc.Iterable[Global___PlacementGroup] | None = ...,
+        created_ns: _builtins.int = ...,
+        width: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ns", b"created_ns", "fsync", b"fsync", "groups", b"groups", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "pool_id", b"pool_id", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVPool: _TypeAlias = KVPool  # noqa: Y015
+
+@_typing.final
+class CreateKVPoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REDUNDANCY_FIELD_NUMBER: _builtins.int
+    TARGET_MEMORY_FIELD_NUMBER: _builtins.int
+    TARGET_DISK_FIELD_NUMBER: _builtins.int
+    FSYNC_FIELD_NUMBER: _builtins.int
+    PIN_QUOTA_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    redundancy: _builtins.str
+    """"" = "replica:1" """
+    target_memory: _builtins.int
+    """at least one of the two budgets > 0"""
+    target_disk: _builtins.int
+    fsync: _builtins.bool
+    pin_quota: _builtins.int
+    """<= target_memory + target_disk"""
+    policy: _builtins.str
+    """"" = "lru" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        redundancy: _builtins.str = ...,
+        target_memory: _builtins.int = ...,
+        target_disk: _builtins.int = ...,
+        fsync: _builtins.bool = ...,
+        pin_quota: _builtins.int = ...,
+        policy: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fsync", b"fsync", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateKVPoolRequest: _TypeAlias = CreateKVPoolRequest  # noqa: Y015
+
+@_typing.final
+class RemoveKVPoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveKVPoolRequest: _TypeAlias = RemoveKVPoolRequest  # noqa: Y015
+
+@_typing.final
+class KVTargetUsage(_message.Message):
+    """The latest KV usage a storage node reported for one pool on one target."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    TARGET_ID_FIELD_NUMBER: _builtins.int
+    OBJECTS_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_FIELD_NUMBER: _builtins.int
+    DISK_USED_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    PUTS_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    CORRUPT_FIELD_NUMBER: _builtins.int
+    BYTES_IN_FIELD_NUMBER: _builtins.int
+    BYTES_OUT_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.int
+    target_id: _builtins.int
+    objects: _builtins.int
+    memory_used: _builtins.int
+    disk_used: _builtins.int
+    pinned: _builtins.int
+    """bytes hard- or soft-pinned"""
+    hits: _builtins.int
+    misses: _builtins.int
+    evictions: _builtins.int
+    puts: _builtins.int
+    expired: _builtins.int
+    corrupt: _builtins.int
+    bytes_in: _builtins.int
+    bytes_out: _builtins.int
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.int = ...,
+        target_id: _builtins.int = ...,
+        objects: _builtins.int = ...,
+        memory_used: _builtins.int = ...,
+        disk_used: _builtins.int = ...,
+        pinned: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        puts: _builtins.int = ...,
+        expired: _builtins.int = ...,
+        corrupt: _builtins.int = ...,
+        bytes_in: _builtins.int = ...,
+        bytes_out: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "corrupt", b"corrupt", "disk_used", b"disk_used", "evictions", b"evictions", "expired", b"expired", "hits", b"hits", "memory_used", b"memory_used", "misses", b"misses", "objects", b"objects", "pinned", b"pinned", "pool_id", b"pool_id", "puts", b"puts", "target_id", b"target_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVTargetUsage: _TypeAlias = KVTargetUsage  # noqa: Y015
+
+@_typing.final
+class ListKVPoolsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVPool]: ...
+    @_builtins.property
+    def usage(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVTargetUsage]:
+        """Per (pool, target), as last reported to this leader (pools it knows
+        only; sorted by pool id, then target id). A (pool, target) pair with no
+        report is absent: read it as zeros.
+        """
+
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[Global___KVPool] | None = ...,
+        usage: _abc.Iterable[Global___KVTargetUsage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListKVPoolsReply: _TypeAlias = ListKVPoolsReply  # noqa: Y015
 
 @_typing.final
 class FinishRebuildRequest(_message.Message):
@@ -2115,6 +2356,7 @@ class MetaOp(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     GC_GRACE_MS_FIELD_NUMBER: _builtins.int
+    KV_DEFAULT_POOL_FIELD_NUMBER: _builtins.int
     MKDIR_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
     RENAME_FIELD_NUMBER: _builtins.int
@@ -2137,6 +2379,8 @@ class MetaOp(_message.Message):
     DRAIN_NODE_FIELD_NUMBER: _builtins.int
     REMOVE_NODE_FIELD_NUMBER: _builtins.int
     MARK_FRAGMENTS_FIELD_NUMBER: _builtins.int
+    CREATE_KV_POOL_FIELD_NUMBER: _builtins.int
+    REMOVE_KV_POOL_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -2149,6 +2393,13 @@ class MetaOp(_message.Message):
     this long after the op (0 = at once). Stamped by the leader from its
     configuration, so every replica computes the same ready times.
     """
+    @_builtins.property
+    def kv_default_pool(self) -> Global___CreateKVPoolRequest:
+        """Stamped by the leader on RegisterNode ops from its configuration
+        (kv_default_pool): the "default" KV pool created when the cluster first
+        has targets. Absent: no default pool is created by this op.
+        """
+
     @_builtins.property
     def mkdir(self) -> Global___MkdirRequest: ...
     @_builtins.property
@@ -2193,6 +2444,10 @@ class MetaOp(_message.Message):
     def remove_node(self) -> Global___RemoveNodeRequest: ...
     @_builtins.property
     def mark_fragments(self) -> Global___MarkFragmentsRequest: ...
+    @_builtins.property
+    def create_kv_pool(self) -> Global___CreateKVPoolRequest: ...
+    @_builtins.property
+    def remove_kv_pool(self) -> Global___RemoveKVPoolRequest: ...
     def __init__(
         self,
         *,
@@ -2201,6 +2456,7 @@ class MetaOp(_message.Message):
         request_id: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
         gc_grace_ms: _builtins.int = ...,
+        kv_default_pool: Global___CreateKVPoolRequest | None = ...,
         mkdir: Global___MkdirRequest | None = ...,
         create: Global___CreateRequest | None = ...,
         rename: Global___RenameRequest | None = ...,
@@ -2223,12 +2479,14 @@ class MetaOp(_message.Message):
         drain_node: Global___DrainNodeRequest | None = ...,
         remove_node: Global___RemoveNodeRequest | None = ...,
         mark_fragments: Global___MarkFragmentsRequest | None = ...,
+        create_kv_pool: Global___CreateKVPoolRequest | None = ...,
+        remove_kv_pool: Global___RemoveKVPoolRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

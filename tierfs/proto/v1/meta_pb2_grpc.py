@@ -184,6 +184,21 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.AckGCRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.AckGCReply.FromString,
                 _registered_method=True)
+        self.CreateKVPool = channel.unary_unary(
+                '/tierfs.v1.MetaService/CreateKVPool',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.CreateKVPoolRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.KVPool.FromString,
+                _registered_method=True)
+        self.ListKVPools = channel.unary_unary(
+                '/tierfs.v1.MetaService/ListKVPools',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ListKVPoolsReply.FromString,
+                _registered_method=True)
+        self.RemoveKVPool = channel.unary_unary(
+                '/tierfs.v1.MetaService/RemoveKVPool',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tierfs.v1.MetaService/GetStatus',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
@@ -397,6 +412,25 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateKVPool(self, request, context):
+        """KV pools: definitions (replicated) and usage (leader memory, from heartbeats).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListKVPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveKVPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Answered locally by any replica (no leader needed).
         """
@@ -584,6 +618,21 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.AckGC,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.AckGCRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.AckGCReply.SerializeToString,
+            ),
+            'CreateKVPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateKVPool,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.CreateKVPoolRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.KVPool.SerializeToString,
+            ),
+            'ListKVPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKVPools,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ListKVPoolsReply.SerializeToString,
+            ),
+            'RemoveKVPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveKVPool,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -1421,6 +1470,87 @@ class MetaService:
             '/tierfs.v1.MetaService/AckGC',
             tierfs_dot_v1_dot_meta__pb2.AckGCRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.AckGCReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateKVPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/CreateKVPool',
+            tierfs_dot_v1_dot_meta__pb2.CreateKVPoolRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.KVPool.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKVPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/ListKVPools',
+            tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ListKVPoolsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveKVPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/RemoveKVPool',
+            tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,10 @@ class MetaServiceStub:
     """The repair queue (degraded writes, scrub findings)."""
     MarkFragments: _grpc.UnaryUnaryMultiCallable[_meta_pb2.MarkFragmentsRequest, _meta_pb2.MarkFragmentsReply]
     AckGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]
+    CreateKVPool: _grpc.UnaryUnaryMultiCallable[_meta_pb2.CreateKVPoolRequest, _meta_pb2.KVPool]
+    """KV pools: definitions (replicated) and usage (leader memory, from heartbeats)."""
+    ListKVPools: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListKVPoolsReply]
+    RemoveKVPool: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveKVPoolRequest, _meta_pb2.Empty]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
     """Answered locally by any replica (no leader needed)."""
     Digest: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]
@@ -122,6 +126,10 @@ class MetaServiceAsyncStub(MetaServiceStub):
     """The repair queue (degraded writes, scrub findings)."""
     MarkFragments: _aio.UnaryUnaryMultiCallable[_meta_pb2.MarkFragmentsRequest, _meta_pb2.MarkFragmentsReply]  # type: ignore[assignment]
     AckGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.AckGCRequest, _meta_pb2.AckGCReply]  # type: ignore[assignment]
+    CreateKVPool: _aio.UnaryUnaryMultiCallable[_meta_pb2.CreateKVPoolRequest, _meta_pb2.KVPool]  # type: ignore[assignment]
+    """KV pools: definitions (replicated) and usage (leader memory, from heartbeats)."""
+    ListKVPools: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListKVPoolsReply]  # type: ignore[assignment]
+    RemoveKVPool: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveKVPoolRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
     """Answered locally by any replica (no leader needed)."""
     Digest: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]  # type: ignore[assignment]
@@ -348,6 +356,28 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.AckGCRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.AckGCReply, _abc.Awaitable[_meta_pb2.AckGCReply]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateKVPool(
+        self,
+        request: _meta_pb2.CreateKVPoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.KVPool, _abc.Awaitable[_meta_pb2.KVPool]]:
+        """KV pools: definitions (replicated) and usage (leader memory, from heartbeats)."""
+
+    @_abc_1.abstractmethod
+    def ListKVPools(
+        self,
+        request: _meta_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ListKVPoolsReply, _abc.Awaitable[_meta_pb2.ListKVPoolsReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveKVPool(
+        self,
+        request: _meta_pb2.RemoveKVPoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
 
     @_abc_1.abstractmethod
     def GetStatus(

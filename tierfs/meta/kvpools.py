@@ -1,0 +1,117 @@
+"""KV pool definitions held by meta: validation, the pool record, its
+placement groups and its snapshot encoding.
+
+A KV pool is a cache (docs/kv_pools.md): its objects are spread over the
+pool's own placement groups by a stable hash of the key, so meta takes no
+operation per key. Remapping a key costs a miss, never data, which is why a
+pool's groups are simply re-planned when the eligible targets change, inside
+the replicated op that changed them (every replica computes the same groups).
+
+Everything here is a pure function of its arguments; the ops that create and
+remove pools live in :mod:`tierfs.meta.state`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierfs.meta.placement import distinct_nodes, plan_groups
+from tierfs.meta.undo import Tracked
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = [
+    "DEFAULT_POOL_NAME",
+    "DEFAULT_POOL_REQUEST",
+    "MAX_KV_POOLS",
+    "KVPoolRecord",
+    "pool_from_json",
+    "pool_to_json",
+    "replan_groups",
+]
+
+DEFAULT_POOL_NAME = "default"
+#: What ``kv_default_pool`` creates unless configured otherwise: one copy (a
+#: lost object is a miss), a memory budget small enough for a laptop and a
+#: disk budget that keeps a useful working set across daemon restarts.
+DEFAULT_POOL_REQUEST = pb.CreateKVPoolRequest(name=DEFAULT_POOL_NAME, redundancy="replica:1",
+                                              target_memory=256 << 20, target_disk=1 << 30)
+#: Pools one cluster may hold: every pool is in every cluster map, and each
+#: storage daemon keeps an index per pool.
+MAX_KV_POOLS = 64
+
+
+@dataclass(slots=True)
+class KVPoolRecord(Tracked):
+    id: int
+    name: str
+    redundancy: str  # canonical ("replica:1", "ec:4+2")
+    width: int
+    target_memory: int
+    target_disk: int
+    fsync: bool
+    pin_quota: int
+    policy: str
+    created: int
+    # Member target ids of each group; group i has id i + 1 (pool namespace).
+    groups: list[list[int]] = field(default_factory=list)
+
+    def to_pb(self) -> pb.KVPool:
+        out = pb.KVPool(pool_id=self.id, name=self.name, redundancy=self.redundancy, target_memory=self.target_memory,
+                        target_disk=self.target_disk, fsync=self.fsync, pin_quota=self.pin_quota,
+                        policy=self.policy, created_ns=self.created, width=self.width)
+        for i, members in enumerate(self.groups):
+            out.groups.append(pb.PlacementGroup(group_id=i + 1, width=len(members), target_ids=members))
+        return out
+
+
+def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int) -> list[list[int]]:
+    """The groups a pool should have over ``eligible`` (target -> node).
+
+    One group per eligible target, as for files. A member no longer eligible
+    is replaced in place by the least-used eligible target on a node the
+    group does not use; groups are then dropped from, or planned onto, the
+    end. Keeping positions stable keeps most keys on the targets that hold
+    them (a client hashing keys over the group list in order, with a
+    consistent hash such as jump hash, moves only the keys of changed or
+    added groups). Fewer distinct nodes than ``width``: no groups at all.
+    """
+    if distinct_nodes(eligible) < width:
+        return []
+    usage: Counter[int] = Counter(t for g in current for t in g if t in eligible)
+    kept: list[list[int]] = []
+    for g in current:
+        members = list(g)
+        ok = len(members) == width
+        for j, t in enumerate(members):
+            if not ok:
+                break
+            if t in eligible:
+                continue
+            nodes = {eligible[m] for m in members if m in eligible}
+            cands = [c for c in sorted(eligible) if eligible[c] not in nodes and c not in members]
+            if not cands:
+                ok = False
+                break
+            new = min(cands, key=lambda c: (usage[c], c))
+            members[j] = new
+            usage[new] += 1
+        if ok:
+            kept.append(members)
+    want = len(eligible)
+    if len(kept) > want:
+        return kept[:want]
+    return kept + plan_groups(eligible, kept, width, want - len(kept))
+
+
+def pool_to_json(p: KVPoolRecord) -> list[Any]:
+    return [p.id, p.name, p.redundancy, p.width, p.target_memory, p.target_disk, p.fsync, p.pin_quota, p.policy,
+            p.created, [list(g) for g in p.groups]]
+
+
+def pool_from_json(row: list[Any]) -> KVPoolRecord:
+    (pid, name, red, width, mem, disk, fsync, pin, policy, created, groups) = row
+    return KVPoolRecord(id=pid, name=name, redundancy=red, width=width, target_memory=mem, target_disk=disk,
+                        fsync=fsync, pin_quota=pin, policy=policy, created=created,
+                        groups=[list(g) for g in groups])
