@@ -15,7 +15,6 @@ from tierfs.cli.util import human_size, parse_size_arg, table
 __all__ = [
     "USAGE_FIELDS",
     "add_commands",
-    "add_kv_data_commands",
     "execute",
     "pool_create",
     "pool_ls",
@@ -125,13 +124,6 @@ def render_pools(pools: list[dict[str, Any]], *, per_target: bool = False) -> st
 # ---- the command line ------------------------------------------------------------------
 
 
-def add_kv_data_commands(sub: Any) -> None:
-    """LEAD: register ``tierfs kv put/get/stat/rm/stats/replay`` here, on
-    ``sub`` (the ``kv`` group's sub-parsers: ``sub.add_parser(name, ...)``,
-    dest ``kv_cmd``), and run them in :func:`execute` where marked. The
-    ``pool`` sub-command is this module's; nothing else is registered yet."""
-
-
 def add_commands(cmd: Callable[..., argparse.ArgumentParser],
                  common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the ``kv`` group on the ``tierfs`` parser. ``cmd(name,
@@ -162,11 +154,18 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser],
                         description="remove a KV pool (its objects are dropped)")
     common(c)
     c.add_argument("name")
-    add_kv_data_commands(sub)
+    def data_cmd(name: str, help: str) -> argparse.ArgumentParser:
+        q: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+        common(q)
+        return q
+
+    from tierfs.cli.kvdata import add_kv_data_commands
+
+    add_kv_data_commands(data_cmd)
 
 
 def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],
-            run: Callable[[Any], Any]) -> int | None:
+            run: Callable[[Any], Any], *, out: Any = None) -> int | None:
     """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
     if ns.cmd != "kv":
         return None
@@ -186,5 +185,6 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
         if ns.pool_cmd == "rm":
             emit(run(pool_rm(meta, ns.name, timeout=ns.timeout)), f"KV pool {ns.name!r} removed")
             return 0
-    # LEAD: dispatch the data commands registered in add_kv_data_commands here.
-    return None
+    from tierfs.cli.kvdata import execute_kv_data
+
+    return execute_kv_data(ns, meta, emit, run, out)

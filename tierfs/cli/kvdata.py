@@ -134,36 +134,52 @@ async def kv_rm(client: Any, key: str, *, pool: str = "default") -> dict[str, An
 
 async def kv_stats(meta: Sequence[str], *, pool: str | None = None, timeout: float = 20.0) -> dict[str, Any]:
     """Per-pool, per-target usage and counters as the daemons last reported them."""
-    from tierfs.cli.kv import pool_usage
+    from tierfs.cli.kv import pool_ls
 
-    return await pool_usage(meta, pool=pool, timeout=timeout)
+    pools = await pool_ls(meta, timeout=timeout)
+    if pool is not None:
+        pools = [p for p in pools if p["name"] == pool]
+        if not pools:
+            raise NotFoundError(f"unknown KV pool {pool!r}")
+    return {"pools": pools}
 
 
 def render_stats(r: dict[str, Any]) -> str:
     lines = []
     for p in r.get("pools", []):
-        lines.append(f"pool {p['name']} ({p['redundancy']}): {p['objects']} objects, "
-                     f"{human_size(p['memory_used'])} in memory, {human_size(p['disk_used'])} on disk; "
-                     f"hits {p['hits']}, misses {p['misses']}, evictions {p['evictions']}")
+        u = p["usage"]
+        lines.append(f"pool {p['name']} ({p['redundancy']}): {u['objects']} objects, "
+                     f"{human_size(u['memory_used'])} in memory, {human_size(u['disk_used'])} on disk; "
+                     f"puts {u['puts']}, hits {u['hits']}, misses {u['misses']}, evictions {u['evictions']}")
         for t in p.get("targets", []):
-            lines.append(f"  target {t['target_id']}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
+            lines.append(f"  target {t['id']}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
                          f"{human_size(t['disk_used'])} disk, hits {t['hits']}, misses {t['misses']}, "
                          f"evictions {t['evictions']}")
     return "\n".join(lines) or "no KV pools"
 
 
-def execute_kv_data(ns: argparse.Namespace, env: Any, meta: Callable[[], Sequence[str]],
-                    emit: Callable[[Any, str | None], None], client_call: Callable[..., Any],
+def execute_kv_data(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],
                     run: Callable[[Any], Any], out: Any) -> int | None:
     """Run ``tierfs kv ACTION`` if it is an object command; its exit code (None: not ours)."""
     a = getattr(ns, "kv_cmd", None)
+
+    def client_call(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        from tierfs.client import AsyncClient
+
+        async def go() -> Any:
+            async with AsyncClient(list(meta), meta_deadline=ns.timeout,
+                                   meta_attempt_timeout=min(3.0, ns.timeout)) as client:
+                return await fn(client, *args, **kw)
+
+        return run(go())
+
     if a == "put":
         r = client_call(kv_put, ns.key, ns.local, pool=ns.pool, overwrite=ns.overwrite, ttl=ns.ttl, pin=ns.pin)
         emit(r, f"{ns.key}: {human_size(r['bytes'])} " + ("stored" if r["stored"] else "already there (kept)")
              + f" in pool {ns.pool} ({human_rate(r['bytes'], r['seconds'])})")
         return 0
     if a == "get":
-        stream: IO[bytes] = out.buffer if hasattr(out, "buffer") else sys.stdout.buffer
+        stream: IO[bytes] = out.buffer if out is not None and hasattr(out, "buffer") else sys.stdout.buffer
         r = client_call(kv_get, ns.key, ns.local, stream, pool=ns.pool)
         if ns.local != "-":
             emit(r, f"{ns.key} -> {ns.local}: {human_size(r['bytes'])}")
@@ -178,13 +194,13 @@ def execute_kv_data(ns: argparse.Namespace, env: Any, meta: Callable[[], Sequenc
         emit(client_call(kv_rm, ns.key, pool=ns.pool), f"{ns.key}: deleted from pool {ns.pool}")
         return 0
     if a == "stats":
-        r = run(kv_stats(meta(), pool=ns.pool, timeout=ns.timeout))
+        r = run(kv_stats(meta, pool=ns.pool, timeout=ns.timeout))
         emit(r, render_stats(r))
         return 0
     if a == "replay":
         from tierfs.kv.replay import render_replay, replay_cli
 
-        r = replay_cli(ns, meta, run)
+        r = replay_cli(ns, lambda: meta, run)
         emit(r, render_replay(r))
         return 0
     return None

@@ -336,7 +336,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c == "kv":
         from tierfs.cli import kv
 
-        code = kv.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        code = kv.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async, out=out)
         if code is not None:
             return code
     if c in ("target", "node", "scrub"):

@@ -356,12 +356,28 @@ class StorageNode:
                                        state=_state_code(st.state)))
         return out
 
+    def kv_reports(self) -> list[Any]:
+        """Per (pool, target) KV usage for meta (``tierfs status``, ``kv pool ls``)."""
+        from tierfs.proto.v1 import meta_pb2 as pb
+
+        out = []
+        for kv in self.kvstores:
+            if not kv.target_id:
+                continue
+            for u in kv.usage():
+                out.append(pb.KVTargetUsage(
+                    pool_id=u.pool_id, target_id=kv.target_id, objects=u.objects, memory_used=u.memory_used,
+                    disk_used=u.disk_used, pinned=u.pinned_bytes, hits=u.hits, misses=u.misses,
+                    evictions=u.evictions, puts=u.puts, expired=u.expired, corrupt=u.corrupt,
+                    bytes_in=u.bytes_in, bytes_out=u.bytes_out))
+        return out
+
     async def _heartbeat_loop(self) -> None:
         last_ok = time.monotonic()
         missed = False
         while True:
             try:
-                reply = await self.meta.heartbeat(self.node_id, self.reports())
+                reply = await self.meta.heartbeat(self.node_id, self.reports(), kv_usage=self.kv_reports())
                 self.counters["heartbeats"] += 1
                 if reply.map_version != self._kv_map_version:
                     await self._refresh_kv_pools()
