@@ -26,6 +26,14 @@ Policies (``make_policy(name)``; measured in ``docs/kv_policies.md``):
 ``arc``
     ARC (Megiddo & Modha): recency and frequency lists whose split adapts on
     ghost hits.
+``chain``
+    The policy for prefix-reuse workloads: S3-FIFO whose small-queue share adapts
+    the way ARC's does (a ghost hit on a small-queue victim grows it, one on a
+    main-queue victim shrinks it; 2%..90%, starting at 10%), so the second-sighting
+    filter stops costing hits when reuse comes soon, and whose victims are taken
+    leaf-first: when the queue picks a block that still has resident children, a
+    leaf below it goes instead (a cached path from the last descent makes that
+    O(1) amortised).
 
 All calls are O(1) amortised (``leaf-lru``: O(log n)), pure Python.
 """
@@ -41,6 +49,7 @@ from tierfs.errors import InvalidArgumentError
 
 __all__ = [
     "ARCPolicy",
+    "ChainPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "LeafLRUPolicy",
@@ -156,8 +165,15 @@ class _Chains:
         return key in self.children
 
 
+_ORPHAN = 1 << 62
+
+
 class LeafLRUPolicy(EvictionPolicy):
-    """LRU restricted to leaves of the prefix forest: a heap of (last access, key), lazily invalidated."""
+    """LRU restricted to leaves of the prefix forest: a heap of (last access, key), lazily invalidated.
+
+    An *orphan* (inserted with a parent this policy evicted recently) goes first:
+    without its parent it cannot be a prefix hit.
+    """
 
     name = "leaf-lru"
 
@@ -166,6 +182,7 @@ class LeafLRUPolicy(EvictionPolicy):
         self._stamp: dict[bytes, int] = {}
         self._heap: list[tuple[int, int, bytes]] = []
         self._chains = _Chains()
+        self._gone: OrderedDict[bytes, None] = OrderedDict()  # recent victims, as many as resident
         # Keys pushed with a stamp get a unique sequence so tuples never compare keys (int
         # and bytes keys may not be mutually comparable).
         self._seq = 0
@@ -176,7 +193,9 @@ class LeafLRUPolicy(EvictionPolicy):
 
     def on_insert(self, key: bytes, size: int, parent: bytes | None = None) -> None:
         self._tick += 1
-        self._stamp[key] = self._tick
+        orphan = parent is not None and parent not in self._stamp and parent in self._gone
+        self._stamp[key] = self._tick - _ORPHAN if orphan else self._tick
+        self._gone.pop(key, None)
         self._chains.link(key, parent, self._stamp.__contains__)
         if not self._chains.has_children(key):
             self._push(key)
@@ -205,6 +224,10 @@ class LeafLRUPolicy(EvictionPolicy):
             stamp, _, key = heapq.heappop(heap)
             if self._stamp.get(key) == stamp and not self._chains.has_children(key):
                 self._forget(key)
+                gone = self._gone
+                gone[key] = None
+                while len(gone) > max(len(self._stamp), 1):
+                    gone.popitem(last=False)
                 return key
         if self._stamp:
             # Unreachable while the chain links are consistent; kept so a policy bug can
@@ -227,16 +250,31 @@ class S3FifoPolicy(EvictionPolicy):
 
     ``small_fraction`` of the resident bytes may sit in the small queue; an
     object hit at least ``promote_hits`` times while there moves to main. The
-    ghost queue remembers as many keys as are resident.
+    ghost queue remembers as many keys as are resident. ``adaptive``: the small
+    share moves with ghost hits (see ``chain``); ``leaf_first``: a victim with
+    resident children is replaced by a leaf below it.
     """
 
     name = "s3fifo"
     _MAX_FREQ = 3
 
-    def __init__(self, *, small_fraction: float = 0.1, promote_hits: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        small_fraction: float = 0.1,
+        promote_hits: int = 1,
+        adaptive: bool = False,
+        leaf_first: bool = False,
+    ) -> None:
         if not 0.0 < small_fraction < 1.0:
             raise InvalidArgumentError(f"small_fraction must be in (0, 1), got {small_fraction}")
         self._small_fraction = small_fraction
+        self._adaptive = adaptive
+        self._chains: _Chains | None = _Chains() if leaf_first else None
+        # Path from the last victim chosen by the queue down to the leaf evicted in its
+        # place: evicting a subtree leaf by leaf costs O(1) each instead of O(depth).
+        self._path: list[bytes] = []
+        self._main_ghost: OrderedDict[bytes, None] = OrderedDict()
         self._promote_hits = promote_hits
         self._small: OrderedDict[bytes, None] = OrderedDict()
         self._main: OrderedDict[bytes, None] = OrderedDict()
@@ -259,12 +297,40 @@ class S3FifoPolicy(EvictionPolicy):
         if key in self._ghost:
             # Evicted from the small queue recently and back already: it is reused.
             del self._ghost[key]
+            if self._adaptive:
+                # ARC's rule: the small queue was too small to see this reuse.
+                step = max(len(self._main_ghost) / max(len(self._ghost), 1), 1.0)
+                self._small_fraction = min(0.9, self._small_fraction + step / max(len(self._where), 1))
+            self._where[key] = _MAIN
+            self._main[key] = None
+        elif key in self._main_ghost:
+            del self._main_ghost[key]
+            if self._adaptive:
+                step = max(len(self._ghost) / max(len(self._main_ghost), 1), 1.0)
+                self._small_fraction = max(
+                    0.02, self._small_fraction - step / max(len(self._where), 1)
+                )
             self._where[key] = _MAIN
             self._main[key] = None
         else:
             self._where[key] = _SMALL
             self._small[key] = None
             self._small_bytes += size
+        if self._chains is not None:
+            if (
+                parent is not None
+                and parent not in self._where
+                and (parent in self._ghost or parent in self._main_ghost)
+            ):
+                # An orphan: its parent was evicted here, so it cannot be a prefix hit
+                # before that comes back. It waits at the head of the small queue.
+                if self._where[key] == _MAIN:
+                    del self._main[key]
+                    self._where[key] = _SMALL
+                    self._small_bytes += size
+                self._small[key] = None
+                self._small.move_to_end(key, last=False)
+            self._chains.link(key, parent, self._where.__contains__)
 
     def _resize(self, key: bytes, size: int) -> None:
         delta = size - self._size[key]
@@ -288,9 +354,14 @@ class S3FifoPolicy(EvictionPolicy):
             self._small_bytes -= size
         else:
             del self._main[key]
+        if self._chains is not None:
+            self._chains.unlink(key)
 
     def on_remove(self, key: bytes) -> None:
         if key in self._where:
+            # The cached descent path holds only resident, linked keys; a removal by the
+            # owner may cut it anywhere, so it is rebuilt on the next eviction.
+            self._path.clear()
             self._drop(key)
 
     def _remember(self, key: bytes) -> None:
@@ -298,6 +369,39 @@ class S3FifoPolicy(EvictionPolicy):
         ghost[key] = None
         while len(ghost) > max(len(self._where), 1):
             ghost.popitem(last=False)
+
+    def _leaf_under(self, key: bytes) -> bytes:
+        """A resident leaf of ``key``'s subtree (``key`` itself when it has no resident children)."""
+        chains = self._chains
+        if chains is None or not chains.has_children(key):
+            self._path.clear()
+            return key
+        path = self._path
+        if not path or path[0] != key:
+            path[:] = [key]
+        # Resume where the last descent under this same key stopped. Only _evict (which
+        # takes the path's own leaf) and on_remove (which clears the path) remove keys, so
+        # every key on the path is still resident and linked to the one before it.
+        node = path[-1]
+        while chains.has_children(node):
+            node = next(iter(chains.children[node]))
+            path.append(node)
+        path.pop()
+        return node
+
+    def _evict(self, key: bytes) -> bytes:
+        """Evict ``key`` or, when it still has resident children, a leaf below it."""
+        victim = self._leaf_under(key)
+        in_small = self._where[victim] == _SMALL
+        self._drop(victim)
+        if in_small:
+            self._remember(victim)
+        elif self._adaptive or self._chains is not None:
+            mg = self._main_ghost
+            mg[victim] = None
+            while len(mg) > max(len(self._where), 1):
+                mg.popitem(last=False)
+        return victim
 
     def _small_over(self) -> bool:
         return self._small_bytes > self._small_fraction * self._bytes
@@ -317,16 +421,13 @@ class S3FifoPolicy(EvictionPolicy):
                     self._main[key] = None
                     self._freq[key] = 0
                     continue
-                self._drop(key)
-                self._remember(key)
-                return key
+                return self._evict(key)
             key = next(iter(self._main))
             if self._freq[key] > 0:
                 self._freq[key] -= 1
                 self._main.move_to_end(key)
                 continue
-            self._drop(key)
-            return key
+            return self._evict(key)
         if self._where:
             key = next(iter(self._main or self._small))
             self._drop(key)
@@ -336,6 +437,18 @@ class S3FifoPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._where)
 
+
+
+class ChainPolicy(S3FifoPolicy):
+    """S3-FIFO with an adaptive small queue and leaf-first eviction of prefix chains.
+
+    The recommended policy for prefix-reuse KV workloads: see the module docstring.
+    """
+
+    name = "chain"
+
+    def __init__(self) -> None:
+        super().__init__(adaptive=True, leaf_first=True)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -414,6 +527,7 @@ _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "leaf-lru": lambda _cap: LeafLRUPolicy(),
     "s3fifo": lambda _cap: S3FifoPolicy(),
     "arc": lambda _cap: ARCPolicy(),
+    "chain": lambda _cap: ChainPolicy(),
 }
 
 
