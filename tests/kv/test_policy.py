@@ -204,3 +204,14 @@ def test_policies_are_fast(name: str) -> None:
         if not o.get(key):
             o.put(key, prev)
         prev = key if rng.random() < 0.8 else None
+
+
+def test_leaf_lru_bookkeeping_stays_bounded_under_hits_only() -> None:
+    """Hits with no eviction must not grow the policy's internal heap without bound."""
+    p = make_policy("leaf-lru")
+    for i in range(100):
+        p.on_insert(k(i), 1)
+    for n in range(20_000):
+        p.on_access(k(n % 100))
+    assert len(getattr(p, "_heap")) <= 4 * 100 + 65  # noqa: B009 - internal bound under test
+    assert [p.pop_victim() for _ in range(3)] == [k(0), k(1), k(2)]

@@ -190,6 +190,15 @@ class LeafLRUPolicy(EvictionPolicy):
     def _push(self, key: bytes) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (self._stamp[key], self._seq, key))
+        if len(self._heap) > 4 * len(self._stamp) + 64:
+            # Every hit leaves a stale entry behind; without evictions to pop them the heap
+            # would grow with the number of hits. Rebuilding from the live leaves is O(n)
+            # once per 3n pushes.
+            chains = self._chains
+            self._heap = [
+                (st, i, k) for i, (k, st) in enumerate(self._stamp.items()) if not chains.has_children(k)
+            ]
+            heapq.heapify(self._heap)
 
     def on_insert(self, key: bytes, size: int, parent: bytes | None = None) -> None:
         self._tick += 1
