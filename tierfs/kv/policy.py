@@ -62,8 +62,9 @@ __all__ = [
 class EvictionPolicy(abc.ABC):
     """What a KV tier asks of its eviction/admission policy.
 
-    Keys are ``bytes`` for the owners in TierFS; the policies only hash and
-    compare them, so the simulator uses ``int`` block hashes directly.
+    ``parent`` (in :meth:`on_insert`): pass it only where this owner would also
+    hold the chain's previous block (a client tier holds whole chains; a target
+    of a hashed KV pool holds one block in N of a chain and passes ``None``).
     """
 
     name: str = ""
