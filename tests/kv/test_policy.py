@@ -59,7 +59,7 @@ def test_names_and_factory() -> None:
         assert len(p) == 0
         assert p.pop_victim() is None
         assert p.admit(b"x", 10) is True
-    with pytest.raises(InvalidArgumentError, match=r"unknown KV policy 'nope'; known: lru"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown eviction policy 'nope'; known: lru"):
         make_policy("nope")
     with pytest.raises(InvalidArgumentError, match="capacity_bytes"):
         make_policy("lru", capacity_bytes=-1)

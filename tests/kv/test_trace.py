@@ -175,7 +175,7 @@ def test_policy_per_tier_and_bad_arguments() -> None:
         simulate(tr, {"hbm": 10}, "lru")
     with pytest.raises(InvalidArgumentError, match="capacity 0"):
         simulate(tr, {"dram": 0}, "lru")
-    with pytest.raises(InvalidArgumentError, match="unknown KV policy"):
+    with pytest.raises(InvalidArgumentError, match="unknown eviction policy"):
         simulate(tr, {"dram": 10}, "mru")
     with pytest.raises(InvalidArgumentError, match="needs load_gbps"):
         simulate(tr, {"dram": 10}, "lru", prefill_tokens_per_s=1e4)

@@ -550,7 +550,7 @@ def make_policy(name: str, *, capacity_bytes: int = 0) -> EvictionPolicy:
     """A fresh policy by name. ``capacity_bytes`` is a sizing hint only; the owner enforces capacity."""
     factory = _FACTORIES.get(name)
     if factory is None:
-        raise InvalidArgumentError(f"unknown KV policy {name!r}; known: {', '.join(_FACTORIES)}")
+        raise InvalidArgumentError(f"unknown eviction policy {name!r}; known: {', '.join(_FACTORIES)}")
     if capacity_bytes < 0:
         raise InvalidArgumentError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
     return factory(capacity_bytes)
