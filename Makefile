@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= ./.tierfs
 PYTEST_ARGS ?=
 
-.PHONY: install system proto proto-check lint test run bench soak clean down
+.PHONY: install system proto proto-check lint test run bench bench-deps soak clean down
 
 install: $(STAMP)
 
@@ -41,7 +41,27 @@ run: install
 down: install
 	$(BIN)/tierfs down --data $(DATA)
 
-bench: install
+# The KV benchmark's peers (bench/bench_kv.py): Debian's redis-server, and
+# Redis' and Mooncake Store's Python clients in their own venv (pinned by
+# bench/constraints-kv.txt); TierFS stays in .venv. make test needs none of it.
+BENCH_VENV  := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+bench-deps: .stamp-bench-system $(BENCH_STAMP)
+
+# libibverbs1: Mooncake's binaries link it even when they only speak TCP.
+.stamp-bench-system:
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server libibverbs1
+	touch $@
+
+$(BENCH_STAMP): bench/requirements-kv.txt bench/constraints-kv.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		-r bench/requirements-kv.txt -c bench/constraints-kv.txt
+	touch $@
+
+bench: install bench-deps
 	$(BIN)/python -m bench.run
 
 # The randomized fault soak for 10 minutes (make test runs it for 30 s), then
@@ -56,4 +76,4 @@ soak: install
 	$(BIN)/python -m pytest -m slow -q -s tests/meta
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) .stamp-bench-system .mypy_cache .ruff_cache .pytest_cache .hypothesis
