@@ -745,7 +745,10 @@ def run(quick: bool, only: tuple[str, ...] = ("limits", "redis", "mooncake", "ti
                 errors.append(f"{part}: {type(exc).__name__}: {str(exc)[:1500]}")
             print(f"   {part}: {time.monotonic() - t0:.0f} s", flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if errors and os.environ.get("BENCH_KV_KEEP"):
+            print(f"kept {tmp} (logs of the failed run)", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     rows, targets = judge(cells, limits, transports)
     rows += behaviour
     for b in behaviour:
