@@ -1,0 +1,1 @@
+"""TierFS KV cache."""
