@@ -727,3 +727,17 @@ def test_chunk_engine_shares_the_target(tmp_path: Path, pool: BufferPool) -> Non
         assert await get(s, 2, b"k") == b"kv bytes"
 
     run(tmp_path, pool, [disk_pool(2)], kv_again)
+
+
+@pytest.mark.timeout(60)
+def test_file_removed_behind_the_store_is_a_miss(tmp_path: Path, pool: BufferPool) -> None:
+    async def body(s: KVStore) -> None:
+        assert await put(s, 3, b"k", b"v" * 9000)
+        (f,) = object_files(tmp_path, 3)
+        f.unlink()
+        assert await get(s, 3, b"k") is None
+        assert usage(s, 3).objects == 0 and usage(s, 3).disk_used == 0
+        assert await put(s, 3, b"k", b"w" * 9000)
+        assert await get(s, 3, b"k") == b"w" * 9000
+
+    run(tmp_path, pool, [disk_pool(3, memory=0)], body)

@@ -760,6 +760,10 @@ class KVStore:
                     else:
                         mb = _MemBuf(self.pool.get(size))
                         mb.view[:] = view
+            except NoSpaceError as exc:  # the file system is fuller than the budgets say
+                if not p.dead:
+                    cap.used -= charge
+                raise NoSpaceError(f"{p.where(self.target_id)}: {exc}") from exc
             except BaseException:
                 if not p.dead:
                     cap.used -= charge
@@ -1187,6 +1191,11 @@ class KVStore:
                     fd = await self.backend.open(obj.path, os.O_RDONLY)
                 except FileNotFoundError:
                     self.pool.put(buf)
+                    # a file leaves only after its index entry, so if the entry is
+                    # still there, someone else removed the file: forget it too
+                    if p.index.get(obj.key) is obj:
+                        log.warning("%s: %s vanished", p.where(self.target_id), obj.path)
+                        self._remove(p, obj, unlink=False)
                     return None
                 try:
                     n = await self.backend.read_at(fd, buf, 0)
