@@ -741,3 +741,55 @@ def test_file_removed_behind_the_store_is_a_miss(tmp_path: Path, pool: BufferPoo
         assert await get(s, 3, b"k") == b"w" * 9000
 
     run(tmp_path, pool, [disk_pool(3, memory=0)], body)
+
+
+@pytest.mark.timeout(60)
+def test_pin_header_rewrites_racing_gets(tmp_path: Path, pool: BufferPool) -> None:
+    """Pins are written into the object's header in place; reads racing those
+    rewrites never report corruption (nor drop the object)."""
+    spec = disk_pool(3, memory=0, pin_quota_bytes=MiB)
+    keys = [f"k{i}".encode() for i in range(8)]
+
+    async def body(s: KVStore) -> None:
+        for k in keys:
+            assert await put(s, 3, k, pattern(k, 30_000))
+        stop = asyncio.Event()
+
+        async def pinner() -> None:
+            i = 0
+            while not stop.is_set():
+                k = keys[i % len(keys)]
+                assert s.pin(3, k, PIN_HARD if i % 2 else PIN_SOFT, ttl_ms=60_000)
+                if i % 3 == 0:
+                    assert s.unpin(3, k)
+                i += 1
+                await asyncio.sleep(0)
+
+        async def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                k = rng.choice(keys)
+                assert await get(s, 3, k) == pattern(k, 30_000)
+
+        tasks = [asyncio.create_task(pinner())] + [asyncio.create_task(reader(i)) for i in range(4)]
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.gather(*tasks)
+        u = usage(s, 3)
+        assert u.corrupt == 0 and u.objects == len(keys) and u.hits > 20
+        pins.update(pinned=u.pinned_bytes, hard=u.hard_pinned_bytes)
+
+    pins: dict[str, int] = {}
+    run(tmp_path, pool, [spec], body)
+
+    async def after(s: KVStore) -> None:
+        # the last pin states reached the headers: a restart sees them
+        u = usage(s, 3)
+        assert u.objects == len(keys) and u.torn_discarded == 0
+        assert (u.pinned_bytes, u.hard_pinned_bytes) == (pins["pinned"], pins["hard"])
+        for k in keys:
+            assert await get(s, 3, k) == pattern(k, 30_000)
+
+    run(tmp_path, pool, [spec], after)
