@@ -47,14 +47,17 @@ def create_pool(cl: LocalCluster, name: str, **kw: object) -> None:
 
 
 def pool_ready(client: Client, name: str) -> None:
-    """Wait until the pool has groups in the map and every daemon serves it."""
-    def ok() -> bool:
-        try:
-            client.kv_pool(name).put(f"probe-{name}-{time.monotonic()}", b"x")
-            return True
-        except Exception:  # noqa: BLE001
+    """Wait until the pool has groups in the map and every storage daemon
+    serves it (reports usage for it: it has configured it from the map)."""
+    async def served() -> bool:
+        async with MetaClient(client.config.meta) as mc:
+            r = await mc.list_kv_pools()
+        pool = next((p for p in r.pools if p.name == name), None)
+        if pool is None or not pool.groups:
             return False
-    wait_for(ok, 30, f"pool {name} to be served")
+        members = {t for g in pool.groups for t in g.target_ids}
+        return members <= {u.target_id for u in r.usage if u.pool_id == pool.pool_id}
+    wait_for(lambda: asyncio.run(served()), 30, f"pool {name} to be served")
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +320,7 @@ def test_meta_leader_killed_during_kv_load_loses_nothing(cl: LocalCluster, clien
     t = threading.Thread(target=load)
     t.start()
     health = asyncio.run(cl.health())
-    leader = next(name for name, r in health["meta"].items() if r.get("role") == "leader")
+    leader = next(r["name"] for r in health["meta"] if r["role"] == "leader")
     cl.kill(leader)
     t.join(120)
     assert done.is_set() and not errors, errors

@@ -367,10 +367,14 @@ class ClusterTier:
             for it, r in zip(items, res, strict=True):
                 if isinstance(r, TierFSError):
                     self._failed(it[0], r)
-            if len(ok) < route.k:
+            # K+1 fragments, as the file path asks: one more failure survivable.
+            # Only when the map already calls targets down is K enough (a
+            # cache keeps taking puts with a node out).
+            need = max(route.k, min(route.k + 1, route.k + route.m - (len(frags) - len(items))))
+            if len(ok) < need:
                 self.counters.put_failures += 1
                 raise UnavailableError(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments "
-                                       f"in pool {route.name!r}; at least {route.k} are needed")
+                                       f"in pool {route.name!r}; at least {need} are needed")
             stored = any(ok)
             out.append(stored)
             if stored:

@@ -584,6 +584,10 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--memory-target", type=int, action="append", default=[])
     ap.add_argument("--disk-target", action="append", default=[], help="ID:PATH (needs the chunk engine)")
+    ap.add_argument("--kv-target", action="append", default=[],
+                    help="ID:PATH: a KV store (tierfs.storage.kvstore) on target ID, with the --kv-pool pools")
+    ap.add_argument("--kv-pool", action="append", default=[], metavar="ID:MEMORY:DISK",
+                    help="a KV pool of every --kv-target (bytes; default 1:67108864:0)")
     ap.add_argument("--transports", default="tcp,shm")
     ap.add_argument("--no-verify", action="store_true",
                     help="memory targets skip their own CRC re-checks (network benchmarks)")
@@ -606,10 +610,27 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
             stores[int(tid)] = engine
             closers.append(engine.close)
         closers.append(backend.aclose)
+    kvstores: dict[int, Any] = {}
+    if args.kv_target:
+        from tierfs.buffers import BufferPool
+        from tierfs.storage.kvstore import KVPoolSpec, KVStore
+
+        kvpool = BufferPool()
+        specs = []
+        for spec in args.kv_pool or ["1:67108864:0"]:
+            pid, mem, disk = (int(x) for x in spec.split(":"))
+            specs.append(KVPoolSpec(pool_id=pid, name=f"pool{pid}", memory_bytes=mem, disk_bytes=disk))
+        for spec in args.kv_target:
+            tid, _, path = spec.partition(":")
+            kv = KVStore(path, target_id=int(tid), pool=kvpool)
+            await kv.open()
+            kv.configure(specs)
+            kvstores[int(tid)] = kv
+            closers.append(kv.close)
     limits = Limits(max_frame_bytes=args.max_frame_bytes,
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
-                                   transports=args.transports.split(","))
+                                   transports=args.transports.split(","), kvstores=kvstores)
     print(json.dumps({"port": server.port, "transports": list(server.listeners)}), flush=True)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
