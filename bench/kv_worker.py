@@ -111,7 +111,18 @@ def run_tierfs(spec: dict[str, Any]) -> None:
                 if not line:
                     return
                 cmd = json.loads(line)
-                emit(await phase(kv, cmd))
+                if spec.get("profile") and cmd["phase"] in ("put", "get", "batch_get", "exists"):
+                    # Where a client's time goes (bench_kv --profile DIR).
+                    import cProfile
+
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    res = await phase(kv, cmd)
+                    prof.disable()
+                    prof.dump_stats(os.path.join(spec["profile"], f"{w.tag}-{w.proc}-{cmd['phase']}.prof"))
+                    emit(res)
+                else:
+                    emit(await phase(kv, cmd))
 
     async def timed(count: int, fn: Callable[[int], Any]) -> dict[str, Any]:
         lat: list[float] = []
@@ -177,9 +188,15 @@ def run_tierfs(spec: dict[str, Any]) -> None:
 
 def run_redis(spec: dict[str, Any]) -> None:
     import redis
+    from redis.connection import Encoder, PythonRespSerializer
 
     w = Worker(spec)
-    r = redis.Redis(host="127.0.0.1", port=spec["port"], socket_timeout=60)
+    # hiredis parses replies (redis-py picks it up by itself), but its command
+    # packer copies every value into one buffer: redis-py's own packer sends a
+    # large value as it is, which is faster for SET of >= 64 KiB.
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    r = redis.Redis(connection_pool=redis.ConnectionPool(host="127.0.0.1", port=spec["port"], socket_timeout=60,
+                                                         command_packer=packer))
     r.ping()
     emit({"ready": True})
     def do(cmd: dict[str, Any]) -> dict[str, Any]:
