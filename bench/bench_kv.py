@@ -603,8 +603,11 @@ def judge(cells: dict[str, dict[str, Any]], limits: dict[str, dict[str, Any]],
             targets.append({"target": name, "value": None, "want": want, "met": None, "detail": detail + " (no figure)"})
             return
         met = value >= want if higher else value <= want
+        # by: the margin, positive when met (how far above a floor, how far
+        # below a ceiling), negative when missed.
+        by = (value / want - 1 if higher else want / value - 1) if want and value else None
         targets.append({"target": name, "value": round(value, 3), "want": want, "met": met,
-                        "by": round(value / want - 1, 3) if want else None, "detail": detail})
+                        "by": None if by is None else round(by, 3), "detail": detail})
 
     for n in PROCS:
         for size in SIZES:
@@ -766,10 +769,12 @@ def run(quick: bool, only: tuple[str, ...] = ("limits", "redis", "mooncake", "ti
     errors: list[str] = []
     notes: list[str] = []
     load = os.getloadavg()
+    loads: list[str] = []  # 1-minute load average as each part starts: how busy the machine was
     try:
         for part in only:
             print(f"== kv: {part}", flush=True)
             t0 = time.monotonic()
+            loads.append(f"{part} {os.getloadavg()[0]:.1f}")
             try:
                 if part == "limits":
                     limits = measure_limits(plan, tmp, logdir)
@@ -800,7 +805,8 @@ def run(quick: bool, only: tuple[str, ...] = ("limits", "redis", "mooncake", "ti
                             "detail": ""})
     notes.insert(0, (
         f"{'quick' if quick else 'full'} run in {time.monotonic() - t_start:.0f} s on {os.cpu_count()} CPUs shared "
-        f"with other work (load average {load[0]:.1f} at the start): figures are single runs, expect +-30 %. "
+        f"with other work (1-minute load average {load[0]:.1f} at the start; as each part started: "
+        f"{', '.join(loads)}): figures are single runs, expect +-30 % on a quiet machine, more on a busy one. "
         f"Per client process: puts of {plan.put_bytes // MiB} MiB (at least {plan.min_put}), gets of "
         f"{plan.get_bytes // MiB} MiB (at least {plan.min_get}) over the put working set, one call in flight. "
         "TierFS: 3 meta + 2 storage daemons, a memory-only replica:1 pool; Mooncake: master + 2 "
@@ -826,7 +832,17 @@ if __name__ == "__main__":
     ap.add_argument("--only", default="limits,redis,mooncake,tierfs")
     ap.add_argument("--transports", default="tcp,shm")
     ap.add_argument("--profile", default="", metavar="DIR", help="cProfile of each TierFS client phase into DIR")
+    ap.add_argument("--rejudge", metavar="JSON", help="judge the cells of an earlier kv.json again (no run)")
     ns = ap.parse_args()
+    if ns.rejudge:
+        res = json.loads(Path(ns.rejudge).read_text())
+        res["rows"], res["targets"] = judge(res["cells"], res["limits"], tuple(res["transports"]))
+        res["rows"] += res["behaviour"]
+        res["targets"] += [{"target": b["case"], "value": b["value"], "want": 0, "met": b["met"], "by": None,
+                            "detail": ""} for b in res["behaviour"] if "met" in b]
+        (HERE / "results" / "kv.json").write_text(json.dumps(res, indent=1) + "\n")
+        (HERE / "results" / "kv.md").write_text(to_markdown(res))
+        sys.exit(0)
     if ns.profile:
         os.makedirs(ns.profile, exist_ok=True)
     res = run(ns.quick, tuple(ns.only.split(",")), tuple(ns.transports.split(",")),
