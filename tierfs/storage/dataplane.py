@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tierfs.errors import (
@@ -322,6 +322,11 @@ class _ServerConnection(FrameProtocol):
             if kv is None:
                 raise UnavailableError(f"target {hdr.target} serves no KV store here")
             pool = hdr.inode
+            hook = self.server.on_unknown_kv_pool
+            if hook is not None and not kv.has_pool(pool):
+                # A pool created a moment ago: the daemon has not seen the map
+                # that names it yet. Look now rather than at the next heartbeat.
+                await hook(pool)
             if op == Op.KV_PUT:
                 self.counters["kv_puts"] += 1
                 if put is None:
@@ -475,6 +480,9 @@ class DataPlaneServer:
         self.stores: dict[int, FragmentStore] = dict(stores)
         #: KV stores by target id (the daemon adds one per target).
         self.kvstores: dict[int, KVTargetStore] = dict(kvstores or {})
+        #: Called (and awaited) before a KV request for a pool the store does
+        #: not know: the daemon refreshes its pools from the cluster map.
+        self.on_unknown_kv_pool: Callable[[int], Awaitable[None]] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.host = ""
