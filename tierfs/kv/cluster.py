@@ -93,10 +93,13 @@ class ClusterTier:
         return route.groups[group_of(key, len(route.groups))]
 
     def _read_order(self, targets: tuple[int, ...]) -> list[int]:
-        """Usable copies first (in group order), then the rest: a target the
-        map calls down is tried last, not skipped, when it is the only one."""
+        """Usable copies first (in group order), then those the map has no
+        verdict on; a target that failed a request within the router's
+        ``failed_ttl`` or that the map calls down is not asked at all: its
+        objects are misses at once (a cache), not one deadline each."""
         up = [t for t in targets if self.router.usable(t)]
-        return up + [t for t in targets if t not in up]
+        return up + [t for t in targets if t not in up and not self.router.failed_recently(t)
+                     and not self.router.down(t)]
 
     def _failed(self, target: int, exc: TierFSError) -> None:
         self.counters.errors += 1
@@ -142,6 +145,7 @@ class ClusterTier:
                 continue
             reached[i] = True
             stored[i] = stored[i] or r
+            self.router.mark_ok(it[0])
         for i, buf in enumerate(bufs):
             if not reached[i]:
                 self.counters.put_failures += 1
@@ -178,7 +182,7 @@ class ClusterTier:
             return await self._ec_get(route, keys, dests)
         out: list[int | None] = [None] * len(keys)
         orders = [self._read_order(self._targets(route, k)) for k in keys]
-        todo = list(range(len(keys)))
+        todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         too_small: InvalidArgumentError | None = None
         while todo:
@@ -192,6 +196,7 @@ class ClusterTier:
                     self._failed(orders[i][attempt], r)
                 elif r is not None:
                     out[i] = r
+                    self.router.mark_ok(orders[i][attempt])
                     self.counters.hits += 1
                     self.counters.bytes_out += r
                     if attempt:
@@ -214,7 +219,7 @@ class ClusterTier:
         route = await self.route()
         out = [False] * len(keys)
         orders = [self._read_order(self._targets(route, k)) for k in keys]
-        todo = list(range(len(keys)))
+        todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         while todo:
             by_target: dict[int, list[int]] = {}
