@@ -71,13 +71,13 @@ def test_put_get_stat_rm(meta: str, tmp_path: Path) -> None:
 
 
 def test_bad_input_errors(meta: str, tmp_path: Path) -> None:
-    rc, out, err = cli(meta, "kv", "put", "k", str(tmp_path / "missing"))
+    rc, _, err = cli(meta, "kv", "put", "k", str(tmp_path / "missing"))
     assert rc == 1 and "cannot read" in err
-    rc, out, err = cli(meta, "kv", "put", "x" * 600, "/dev/null")
+    rc, _, err = cli(meta, "kv", "put", "x" * 600, "/dev/null")
     assert rc == 1 and "exceeds the limit of 512" in err
-    rc, out, err = cli(meta, "kv", "get", "k", "--pool", "nope")
+    rc, _, err = cli(meta, "kv", "get", "k", "--pool", "nope")
     assert rc == 1 and "unknown KV pool 'nope'" in err
-    rc, out, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")
+    rc, _, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")
     assert rc == 1 and "ttl must be > 0" in err
 
 
@@ -97,14 +97,14 @@ def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -
     while objects() < 12:  # heartbeats carry the usage to meta
         assert time.monotonic() < end, "KV usage never reached meta"
         time.sleep(0.3)
-    rc, out, err = cli(meta, "kv", "stats")
+    rc, out, _ = cli(meta, "kv", "stats")
     assert rc == 0 and "pool default (replica:1)" in out and "  target " in out
-    rc, out, err = cli(meta, "status", "--json")
+    _, out, _ = cli(meta, "status", "--json")
     st = json.loads(out)
     default = next(p for p in st["kv_pools"] if p["name"] == "default")
     assert default["usage"]["objects"] >= 12 and default["usage"]["hits"] >= 12
     assert len(default["targets"]) == 3
-    rc, out, err = cli(meta, "status")
+    rc, out, _err = cli(meta, "status")
     assert "KV POOL" in out and "default" in out
     # The daemons' own Prometheus endpoints: per pool and target, hits, misses, evictions.
     text = ""

@@ -106,7 +106,7 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 try:
                     await kv.cluster.route()
                     break
-                except Exception:  # noqa: BLE001
+                except Exception:
                     await asyncio.sleep(0.2)
             return await _run(kv, trace, run, tag, block_size, prefill_tokens_per_s, tokens_per_block,
                               policy, dram, ssd, cluster, progress)
