@@ -30,6 +30,7 @@ once; that costs a stream sync per call, a price paid for simplicity.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,8 +73,9 @@ def _torch() -> Any:
     return torch
 
 
+@functools.cache
 def cuda_available() -> bool:
-    """torch imports and sees a CUDA device."""
+    """torch imports and sees a CUDA device (asked once per process)."""
     torch = _torch()
     try:
         return bool(torch is not None and torch.cuda.is_available())
