@@ -31,6 +31,7 @@ from tierfs.net.protocol import (
     F_MORE,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_SIZE_ONLY,
     Header,
     Limits,
     Op,
@@ -561,6 +562,13 @@ class DataClient:
                                   length=min(len(dest), self.limits.max_frame_bytes), payload=memoryview(key),
                                   dest=dest)
         return hdr.payload_len if hdr.length else None
+
+    async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> int | None:
+        """The size of ``key``'s object on ``target`` without its bytes (a
+        KV_GET with KV_SIZE_ONLY), or None on a miss."""
+        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, KV_SIZE_ONLY, 0), timeout, length=0,
+                                  payload=memoryview(key))
+        return hdr.offset if hdr.length else None
 
     async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bytes | None:
         """The value of ``key`` (any size up to the frame limit), or None."""

@@ -40,6 +40,7 @@ from tierfs.net.protocol import (
     KV_OPS,
     KV_OVERWRITE,
     KV_PIN_SHIFT,
+    KV_SIZE_ONLY,
     MAX_KV_EXISTS_KEYS,
     MAX_KV_KEY,
     PAYLOAD_OPS,
@@ -352,6 +353,12 @@ class _ServerConnection(FrameProtocol):
                     self._reply(hdr, length=0)
                     return
                 view, crc = got
+                if hdr.fragment & KV_SIZE_ONLY:
+                    n = len(view)
+                    kv.release(view)
+                    self.counters["kv_hits"] += 1
+                    self._reply(hdr, length=1, offset=n)
+                    return
                 if len(view) > hdr.length or len(view) > self.limits.max_frame_bytes:
                     n = len(view)
                     kv.release(view)
@@ -397,7 +404,7 @@ class _ServerConnection(FrameProtocol):
             self._done(reserve)
 
     def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: _Releaser | None = None,
-               length: int = 0, payload_crc: int | None = None) -> None:
+               length: int = 0, payload_crc: int | None = None, offset: int | None = None) -> None:
         if self.closed:
             if payload is not None and store is not None:
                 store.release(payload)
@@ -407,7 +414,8 @@ class _ServerConnection(FrameProtocol):
             payload_crc = crc32c(payload) if payload is not None and n else 0
         head = bytearray(HEADER_SIZE)
         encode_header(head, hdr.op, hdr.request_id, flags=F_RESPONSE, target=hdr.target,
-                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion), offset=hdr.offset, length=length, payload_len=n,
+                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion),
+                      offset=hdr.offset if offset is None else offset, length=length, payload_len=n,
                       payload_crc=payload_crc)
         if payload is None or n == 0:
             if payload is not None and store is not None:
