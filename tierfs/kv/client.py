@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["KV", "AsyncKV", "LocalTiers"]
 
 PIN_SOFT, PIN_HARD = 1, 2
+#: Buffer types that need no dtype or device handling (the single-object fast path).
+_PLAIN = (bytes, bytearray, memoryview)
 
 
 def _ttl_ms(ttl: float | None, what: str) -> int:
@@ -99,11 +101,16 @@ class AsyncKV:
         keys are content-addressed) unless ``overwrite``. ``ttl``: seconds
         until it expires; ``pin``: "soft" (with ``pin_ttl``) or "hard" (counted
         against the pool's pin quota) keeps it from eviction."""
+        if self._local is None and not (ttl or pin or pin_ttl) and type(buf) in _PLAIN:
+            # The common case of a direct SDK user: no local tiers, one object.
+            return await self.cluster.put(normalize_key(key), byte_view(buf, writable=False), overwrite=overwrite)
         return (await self.batch_put([key], [buf], overwrite=overwrite, ttl=ttl, pin=pin, pin_ttl=pin_ttl))[0]
 
     async def get_into(self, key: str | bytes, buf: Any) -> int | None:
         """Copy the object straight into ``buf``; its size, or None on a miss.
         InvalidArgumentError (nothing past the buffer written) if it does not fit."""
+        if self._local is None and type(buf) in _PLAIN:
+            return await self.cluster.get_into(normalize_key(key), byte_view(buf, writable=True))
         return (await self.batch_get_into([key], [buf]))[0]
 
     async def get(self, key: str | bytes) -> bytes | None:

@@ -103,6 +103,23 @@ class ClusterTier:
             raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
         return route.groups[group_of(key, len(route.groups))]
 
+    def _orders(self, route: KVPoolRoute, keys: Sequence[bytes]) -> list[list[int]]:
+        """The read order of each key, computed once per group (a batch of
+        a thousand keys touches a handful of groups)."""
+        if not route.groups:
+            raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
+        groups, n = route.groups, len(route.groups)
+        cache: dict[int, list[int]] = {}
+        out = []
+        h = xxhash.xxh3_64_intdigest
+        for k in keys:
+            g = h(k) % n
+            o = cache.get(g)
+            if o is None:
+                o = cache[g] = self._read_order(groups[g])
+            out.append(o)
+        return out
+
     def _read_order(self, targets: tuple[int, ...]) -> list[int]:
         """Usable copies first (in group order), then those the map has no
         verdict on; a target that failed a request within the router's
@@ -121,6 +138,28 @@ class ClusterTier:
 
     async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, overwrite: bool = False,
                   ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> bool:
+        route = self.router.kv_pools.get(self.pool)
+        if route is not None and route.copies == 1 and not pin_ttl_ms:
+            # One copy: one request on the lightest path (no batch grouping).
+            t = self._targets(route, key)[0]
+            flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
+            try:
+                stored = await self.data.kv_put(t, route.pool_id, key, buf, flags=flags, ttl_ms=ttl_ms,
+                                                timeout=self.timeout)
+            except (InvalidArgumentError, NotFoundError, NoSpaceError):
+                self.counters.put_failures += 1
+                raise
+            except TierFSError as exc:
+                self._failed(t, exc)
+                self.counters.put_failures += 1
+                raise UnavailableError(f"KV put of {key!r} reached no target of pool {route.name!r}: {exc}") from None
+            self.router.mark_ok(t)
+            if stored:
+                self.counters.puts += 1
+                self.counters.bytes_in += len(buf)
+            else:
+                self.counters.put_skipped += 1
+            return stored
         return (await self.batch_put([key], [buf], overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
                                      pin_ttl_ms=pin_ttl_ms))[0]
 
@@ -182,7 +221,28 @@ class ClusterTier:
     # ---- get ---------------------------------------------------------------------
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
-        return (await self.batch_get_into([key], [dest]))[0]
+        route = self.router.kv_pools.get(self.pool) or await self.route()
+        if route.copies == 0:
+            return (await self._ec_get(route, [key], [dest]))[0]
+        # One key: one request on the lightest path (no batch grouping).
+        for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+            try:
+                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self.timeout)
+            except InvalidArgumentError:
+                self.counters.errors += 1
+                raise
+            except TierFSError as exc:
+                self._failed(t, exc)
+                continue
+            if n is not None:
+                self.counters.hits += 1
+                self.counters.bytes_out += n
+                if attempt:
+                    self.counters.fallbacks += 1
+                    self.router.mark_ok(t)
+                return n
+        self.counters.misses += 1
+        return None
 
     async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
         """Each object straight into its buffer: its size, or None (a miss).
@@ -192,7 +252,7 @@ class ClusterTier:
         if route.copies == 0:
             return await self._ec_get(route, keys, dests)
         out: list[int | None] = [None] * len(keys)
-        orders = [self._read_order(self._targets(route, k)) for k in keys]
+        orders = self._orders(route, keys)
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         too_small: InvalidArgumentError | None = None
@@ -229,7 +289,7 @@ class ClusterTier:
         round), not one request per key."""
         route = await self.route()
         out = [False] * len(keys)
-        orders = [self._read_order(self._targets(route, k)) for k in keys]
+        orders = self._orders(route, keys)
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         while todo:

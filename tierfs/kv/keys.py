@@ -24,6 +24,8 @@ MAX_KEY_BYTES = MAX_KV_KEY
 
 def normalize_key(key: str | bytes | bytearray | memoryview) -> bytes:
     """The key as ``bytes``; InvalidArgumentError if empty, too long or not a key type."""
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return key  # the common case, first
     if isinstance(key, str):
         b = key.encode("utf-8")
     elif isinstance(key, (bytes, bytearray, memoryview)):

@@ -588,7 +588,8 @@ class DataClient:
         bits = bytes(body or b"")
         if len(bits) != (len(keys) + 7) // 8:
             raise ProtocolError(f"KV_EXISTS answer of {len(bits)} bytes for {len(keys)} keys")
-        return [bool(bits[i >> 3] & (1 << (i & 7))) for i in range(len(keys))]
+        v = int.from_bytes(bits, "little")
+        return [bool((v >> i) & 1) for i in range(len(keys))]
 
     async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bool:
         hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, 0, 0), timeout, payload=memoryview(key))

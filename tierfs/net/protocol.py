@@ -252,15 +252,12 @@ class Limits:
             raise ConfigError(f"must be at least {HEADER_SIZE * 2}", field="shm_ring_bytes")
 
 
-def pack_keys(keys: list[bytes]) -> bytearray:
+def pack_keys(keys: list[bytes]) -> bytes:
     """KV_EXISTS payload: each key as a little-endian u16 length, then its bytes."""
-    out = bytearray()
     for k in keys:
         if not 0 < len(k) <= MAX_KV_KEY:
             raise ProtocolError(f"KV key of {len(k)} bytes (1..{MAX_KV_KEY})")
-        out += len(k).to_bytes(2, "little")
-        out += k
-    return out
+    return b"".join([len(k).to_bytes(2, "little") + k for k in keys])
 
 
 def unpack_keys(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]:

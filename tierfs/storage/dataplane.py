@@ -374,10 +374,11 @@ class _ServerConnection(FrameProtocol):
                 except ProtocolError as exc:
                     raise InvalidArgumentError(str(exc)) from None
                 present = kv.contains(pool, keys)
-                bitmap = bytearray((len(keys) + 7) // 8)
+                bits = 0
                 for i, hit in enumerate(present):
                     if hit:
-                        bitmap[i >> 3] |= 1 << (i & 7)
+                        bits |= 1 << i
+                bitmap = bits.to_bytes((len(keys) + 7) // 8, "little")
                 self._reply(hdr, payload=memoryview(bitmap), store=_NOT_POOLED, length=len(keys))
             elif op == Op.KV_DELETE:
                 self.counters["kv_deletes"] += 1
