@@ -4,8 +4,9 @@
 ``/dev/fuse``: every skip is put in a category by its reason, and a skip
 fails the run unless its category is allowed:
 
-* ``rdma`` is always allowed (no RDMA device is the normal case), and so
-  is ``cpu``: hardware this machine lacks, said as such by the probe (the
+* ``rdma`` is always allowed (no RDMA device is the normal case), so is
+  ``cuda`` (the GPU path's tests: no GPU, or no torch, is the normal case
+  here; they say "needs CUDA"), and so is ``cpu``: hardware this machine lacks, said as such by the probe (the
   liburing wheel is built for AVX-512 and dies of SIGILL without it, so
   the io_uring backend cannot run here; any other io_uring skip is
   ``uring`` and fails); and ``soak``, the long checker walks that only
@@ -32,6 +33,7 @@ import pytest
 #: category -> pattern matched against the skip reason; the first match wins
 CATEGORIES: dict[str, str] = {
     "rdma": r"RDMA",
+    "cuda": r"needs CUDA",
     "cpu": r"does not run on this CPU",
     "soak": r"make soak sets",
     "deployment": r"needs a local cluster|local replica|starts its own replicas|TIERFS_TEST_META",
@@ -43,7 +45,7 @@ CATEGORIES: dict[str, str] = {
     "tools": r"not installed",
     "other": r"",
 }
-ALWAYS_ALLOWED = frozenset({"rdma", "cpu", "soak"})
+ALWAYS_ALLOWED = frozenset({"rdma", "cuda", "cpu", "soak"})
 ENV = "TIERFS_ALLOW_SKIP"
 
 _allowed_seen: collections.Counter[str] = collections.Counter()

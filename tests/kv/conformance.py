@@ -7,6 +7,14 @@ loop; each test drives it inside one ``asyncio.run`` and the base class
 closes every tier it made. ``DemotingTierConformance`` adds the check of
 ``on_evict`` (the hook a TierStack demotes through) for tiers that call it;
 a bottom tier (the cluster) need not.
+
+``exact_counts`` (class attribute, True by default): the tier's ``objects``
+and ``used`` are exact after each operation. A tier whose figures live
+elsewhere and reach it late (the cluster: the daemons own them and report
+them through meta) sets it False; the tests then still check every other
+count exactly, and that ``objects`` / ``used`` / ``evictions`` are
+plausible (never negative, ``used`` within ``capacity``), instead of
+asserting values such a tier cannot know. No test is skipped for it.
 """
 
 from __future__ import annotations
@@ -43,6 +51,17 @@ class TierConformance:
     """Subclass and provide ``make_tier`` (see the module docstring)."""
 
     capacity = 32 * MiB  # of the default ``tier``
+    exact_counts = True  # see the module docstring
+
+    def check_counts(self, st: TierStats, objects: int, used: int | None = None) -> None:
+        """``objects`` (and ``used``, if given) as the tier must report them:
+        exactly, or plausibly for a tier without exact counts."""
+        if self.exact_counts:
+            assert st.objects == objects
+            if used is not None:
+                assert st.used == used
+        else:
+            assert st.objects >= 0 and 0 <= st.used <= st.capacity and st.evictions >= 0
 
     @pytest.fixture
     def new_tier(self, make_tier: TierFactory) -> Iterator[TierFactory]:
@@ -126,7 +145,7 @@ class TierConformance:
             out = bytearray(64)
             assert await tier.get_into(b"dup", memoryview(out)) == len(b"first value")
             assert out[:11] == b"first value"
-            assert tier.stats().objects == 1
+            self.check_counts(tier.stats(), 1)
 
         run(main())
 
@@ -139,8 +158,7 @@ class TierConformance:
             assert await tier.delete(b"gone") is False
             assert await tier.get_into(b"gone", memoryview(bytearray(5000))) is None
             assert await tier.contains([b"gone", b"kept"]) == [False, True]
-            st = tier.stats()
-            assert st.objects == 1 and st.used == 5000
+            self.check_counts(tier.stats(), 1, 5000)
             # the key can be stored again, with new content
             assert await tier.put(b"gone", memoryview(b"z" * 10))
             out = bytearray(10)
@@ -175,8 +193,11 @@ class TierConformance:
                 st = t.stats()
                 assert st.used <= st.capacity
             st = t.stats()
-            assert st.evictions >= n - cap // size
-            assert st.objects + st.evictions == n
+            if self.exact_counts:
+                assert st.evictions >= n - cap // size
+                assert st.objects + st.evictions == n
+            else:
+                self.check_counts(st, 0)
             assert st.puts >= n
             # the most recent objects are the ones kept, with their own bytes
             recent = keys[-(cap // size) // 2 :]
@@ -246,7 +267,7 @@ class TierConformance:
             with pytest.raises(InvalidArgumentError, match="contiguous"):
                 await tier.put(b"k", memoryview(bytearray(100))[::2])
             assert await tier.contains([b"k"]) == [False]
-            assert tier.stats().objects == 0
+            self.check_counts(tier.stats(), 0)
 
         run(main())
 
@@ -265,7 +286,7 @@ class TierConformance:
                     await tier.delete(bad)  # type: ignore[arg-type]
                 with pytest.raises(InvalidArgumentError):
                     await tier.contains([b"ok", bad])  # type: ignore[list-item]
-            assert tier.stats().objects == 0
+            self.check_counts(tier.stats(), 0)
             longest = b"L" * MAX_KEY_BYTES
             assert await tier.put(longest, memoryview(b"v"))
             # a str key is its UTF-8 bytes
@@ -351,7 +372,8 @@ class TierConformance:
             await tier.get_into(b"s2", memoryview(out))
             await tier.get_into(b"s3", memoryview(out))
             st = tier.stats()
-            assert (st.used, st.objects, st.puts) == (4000, 2, 2)
+            assert st.puts == 2
+            self.check_counts(st, 2, 4000)
             assert (st.hits - st0.hits, st.misses - st0.misses) == (2, 1)
             assert st.bytes_in - st0.bytes_in == 4000
             assert st.bytes_out - st0.bytes_out == 4000

@@ -98,13 +98,13 @@ def test_roundtrip_single_and_batched(client: Client) -> None:
     vals = [payload(k, 1000 + 97 * i) for i, k in enumerate(keys)]
     assert kv.batch_put(keys, vals) == [True] * 40
     arrays = [np.zeros(8192, dtype=np.uint8) for _ in keys]
-    got = kv.batch_get_into(keys + ["missing"], arrays + [np.zeros(10, dtype=np.uint8)])
+    got = kv.batch_get_into([*keys, "missing"], [*arrays, np.zeros(10, dtype=np.uint8)])
     assert got == [len(v) for v in vals] + [None]
     for a, v in zip(arrays, vals, strict=True):
         assert a[:len(v)].tobytes() == v
     assert kv.batch_contains(["chain-0", "nope", "chain-39"]) == [True, False, True]
     assert kv.batch_exists(keys) == 40
-    assert kv.batch_exists(keys[:5] + ["gap"] + keys[5:]) == 5
+    assert kv.batch_exists([*keys[:5], "gap", *keys[5:]]) == 5
     assert kv.delete("chain-3") is True and kv.delete("chain-3") is False
     assert kv.batch_exists(keys) == 3
     st = kv.stats()
@@ -312,7 +312,7 @@ def test_meta_leader_killed_during_kv_load_loses_nothing(cl: LocalCluster, clien
                 bufs = [bytearray(16 * KiB) for _ in ks]
                 assert kv.batch_get_into(ks, bufs) == [16 * KiB] * 10
                 time.sleep(0.01)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
         finally:
             done.set()
@@ -348,7 +348,7 @@ def test_sigkill_during_puts_and_gets_leaves_no_wrong_bytes(cl: LocalCluster, cl
                     n = kv.get_into(k, buf)
                     if n is not None and bytes(buf[:n]) != payload(k, 24 * KiB):
                         wrong.append(k)
-            except Exception as exc:  # noqa: BLE001 - a put may fail while both copies' nodes restart
+            except Exception as exc:
                 errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]

@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from tierfs.errors import InvalidArgumentError
 from tierfs.net import DataClient
-from tierfs.net.protocol import HEADER_SIZE, KV_OVERWRITE, Flag, Op, crc32c, encode_header, pack_keys
+from tierfs.net.protocol import (
+    HEADER_SIZE,
+    KV_OVERWRITE,
+    Op,
+    crc32c,
+    encode_header,
+    pack_keys,
+)
 
 TARGET, POOL = 1, 1
 SEEDED = {f"seed-{i}".encode(): os.urandom(500 * (i + 1)) for i in range(8)}

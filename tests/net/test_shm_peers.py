@@ -53,10 +53,10 @@ def _handshake(port: int, fds: list[int]) -> tuple[socket.socket, bool, str]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(socket_name(port))
-    try:
+    # A server that refuses the peer at once may answer and hang up before
+    # the hello: read why.
+    with contextlib.suppress(BrokenPipeError):
         socket.send_fds(sock, [_HELLO.pack(b"TFSM", SIZE)], fds)
-    except BrokenPipeError:
-        pass  # a server that refuses the peer at once may answer and hang up before the hello: read why
     head = b""
     while len(head) < _REPLY.size:
         chunk = sock.recv(_REPLY.size - len(head))

@@ -115,7 +115,7 @@ async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, 
         try:
             if (await h.cluster.data.kv_exists(t, route.pool_id, [k], timeout=h.cluster.timeout))[0]:
                 holders.append(t)
-        except Exception:  # noqa: BLE001 - a down target simply does not hold it now
+        except Exception:
             pass
     size = None
     if holders:

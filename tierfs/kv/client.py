@@ -15,7 +15,8 @@ and the cluster pool:
   the object is in the cluster already (or on its way there).
 
 Keys are ``str`` or ``bytes`` (:mod:`tierfs.kv.keys`); buffers anything with
-the buffer protocol, numpy arrays, contiguous torch CPU tensors.
+the buffer protocol, numpy arrays, contiguous torch CPU tensors, and CUDA
+tensors (staged through pinned host memory: :mod:`tierfs.kv.gpu`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierfs.errors import InvalidArgumentError, TierFSError
 from tierfs.kv.cluster import ClusterTier
-from tierfs.kv.keys import byte_view, itemsize_of, normalize_key
+from tierfs.kv.keys import byte_view, is_cuda_tensor, itemsize_of, normalize_key
 
 if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["KV", "AsyncKV", "LocalTiers"]
 
 PIN_SOFT, PIN_HARD = 1, 2
+#: Buffer types that need no dtype or device handling (the single-object fast path).
+_PLAIN = (bytes, bytearray, memoryview)
 
 
 def _ttl_ms(ttl: float | None, what: str) -> int:
@@ -98,11 +101,16 @@ class AsyncKV:
         keys are content-addressed) unless ``overwrite``. ``ttl``: seconds
         until it expires; ``pin``: "soft" (with ``pin_ttl``) or "hard" (counted
         against the pool's pin quota) keeps it from eviction."""
+        if self._local is None and not (ttl or pin or pin_ttl) and type(buf) in _PLAIN:
+            # The common case of a direct SDK user: no local tiers, one object.
+            return await self.cluster.put(normalize_key(key), byte_view(buf, writable=False), overwrite=overwrite)
         return (await self.batch_put([key], [buf], overwrite=overwrite, ttl=ttl, pin=pin, pin_ttl=pin_ttl))[0]
 
     async def get_into(self, key: str | bytes, buf: Any) -> int | None:
         """Copy the object straight into ``buf``; its size, or None on a miss.
         InvalidArgumentError (nothing past the buffer written) if it does not fit."""
+        if self._local is None and type(buf) in _PLAIN:
+            return await self.cluster.get_into(normalize_key(key), byte_view(buf, writable=True))
         return (await self.batch_get_into([key], [buf]))[0]
 
     async def get(self, key: str | bytes) -> bytes | None:
@@ -136,7 +144,16 @@ class AsyncKV:
         if len(keys) != len(bufs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         ks = [normalize_key(k) for k in keys]
-        views = [byte_view(b, writable=False, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        try:
+            views = [byte_view(b, writable=False, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        except InvalidArgumentError:
+            # CUDA tensors have no byte view: staged through pinned memory (tierfs.kv.gpu).
+            # Tried only here, so host buffers pay nothing for it.
+            if not any(is_cuda_tensor(b) for b in bufs):
+                raise
+            from tierfs.kv.gpu import put_cuda
+
+            return await put_cuda(self, ks, bufs, overwrite=overwrite, ttl=ttl, pin=pin, pin_ttl=pin_ttl)
         ttl_ms = _ttl_ms(ttl, "ttl")
         pin_kind = {None: 0, "soft": PIN_SOFT, "hard": PIN_HARD}.get(pin, -1)
         if pin_kind < 0:
@@ -158,7 +175,14 @@ class AsyncKV:
         if len(keys) != len(bufs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
         ks = [normalize_key(k) for k in keys]
-        views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        try:
+            views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(bufs)]
+        except InvalidArgumentError:
+            if not any(is_cuda_tensor(b) for b in bufs):
+                raise
+            from tierfs.kv.gpu import get_into_cuda
+
+            return await get_into_cuda(self, ks, bufs)
         out: list[int | None] = [None] * len(ks)
         todo = list(range(len(ks)))
         if self._local is not None:

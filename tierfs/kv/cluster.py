@@ -15,11 +15,19 @@ The pool is a cache: a target that is down, slow or answers an error turns
 into a miss within the request deadline (``ClientConfig.kv_timeout``), never
 a hang and never an exception for a get. Every answer's payload is checked
 against the object's CRC32C, the one the writer computed, end to end.
+
+``ClusterTier`` is what ``client.kv`` drives (batches, TTLs, pins).
+``ClusterKVTier`` puts it behind the :class:`tierfs.kv.tiers.Tier`
+interface (the one the conformance suite and ``TierStack`` use): keys and
+buffers checked like the local tiers', an object larger than one target's
+budget not stored (False), and its own client, made in whichever event loop
+uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,13 +42,16 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
+from tierfs.kv.tiers import Tier, TierStats, check_key, dest_view, source_view
 from tierfs.net.protocol import KV_OVERWRITE, KV_PIN_SHIFT, MAX_KV_EXISTS_KEYS
 
 if TYPE_CHECKING:
+    from tierfs.client.client import AsyncClient
+    from tierfs.client.config import ClientConfig
     from tierfs.client.routing import KVPoolRoute, Router
     from tierfs.net import DataClient
 
-__all__ = ["ClusterStats", "ClusterTier", "group_of"]
+__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "group_of"]
 
 _LEN = struct.Struct("<Q")
 
@@ -92,11 +103,31 @@ class ClusterTier:
             raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
         return route.groups[group_of(key, len(route.groups))]
 
+    def _orders(self, route: KVPoolRoute, keys: Sequence[bytes]) -> list[list[int]]:
+        """The read order of each key, computed once per group (a batch of
+        a thousand keys touches a handful of groups)."""
+        if not route.groups:
+            raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
+        groups, n = route.groups, len(route.groups)
+        cache: dict[int, list[int]] = {}
+        out = []
+        h = xxhash.xxh3_64_intdigest
+        for k in keys:
+            g = h(k) % n
+            o = cache.get(g)
+            if o is None:
+                o = cache[g] = self._read_order(groups[g])
+            out.append(o)
+        return out
+
     def _read_order(self, targets: tuple[int, ...]) -> list[int]:
-        """Usable copies first (in group order), then the rest: a target the
-        map calls down is tried last, not skipped, when it is the only one."""
+        """Usable copies first (in group order), then those the map has no
+        verdict on; a target that failed a request within the router's
+        ``failed_ttl`` or that the map calls down is not asked at all: its
+        objects are misses at once (a cache), not one deadline each."""
         up = [t for t in targets if self.router.usable(t)]
-        return up + [t for t in targets if t not in up]
+        return up + [t for t in targets if t not in up and not self.router.failed_recently(t)
+                     and not self.router.down(t)]
 
     def _failed(self, target: int, exc: TierFSError) -> None:
         self.counters.errors += 1
@@ -107,6 +138,28 @@ class ClusterTier:
 
     async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, overwrite: bool = False,
                   ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> bool:
+        route = self.router.kv_pools.get(self.pool)
+        if route is not None and route.copies == 1 and not pin_ttl_ms:
+            # One copy: one request on the lightest path (no batch grouping).
+            t = self._targets(route, key)[0]
+            flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
+            try:
+                stored = await self.data.kv_put(t, route.pool_id, key, buf, flags=flags, ttl_ms=ttl_ms,
+                                                timeout=self.timeout)
+            except (InvalidArgumentError, NotFoundError, NoSpaceError):
+                self.counters.put_failures += 1
+                raise
+            except TierFSError as exc:
+                self._failed(t, exc)
+                self.counters.put_failures += 1
+                raise UnavailableError(f"KV put of {key!r} reached no target of pool {route.name!r}: {exc}") from None
+            self.router.mark_ok(t)
+            if stored:
+                self.counters.puts += 1
+                self.counters.bytes_in += len(buf)
+            else:
+                self.counters.put_skipped += 1
+            return stored
         return (await self.batch_put([key], [buf], overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
                                      pin_ttl_ms=pin_ttl_ms))[0]
 
@@ -142,6 +195,7 @@ class ClusterTier:
                 continue
             reached[i] = True
             stored[i] = stored[i] or r
+            self.router.mark_ok(it[0])
         for i, buf in enumerate(bufs):
             if not reached[i]:
                 self.counters.put_failures += 1
@@ -167,7 +221,28 @@ class ClusterTier:
     # ---- get ---------------------------------------------------------------------
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
-        return (await self.batch_get_into([key], [dest]))[0]
+        route = self.router.kv_pools.get(self.pool) or await self.route()
+        if route.copies == 0:
+            return (await self._ec_get(route, [key], [dest]))[0]
+        # One key: one request on the lightest path (no batch grouping).
+        for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+            try:
+                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self.timeout)
+            except InvalidArgumentError:
+                self.counters.errors += 1
+                raise
+            except TierFSError as exc:
+                self._failed(t, exc)
+                continue
+            if n is not None:
+                self.counters.hits += 1
+                self.counters.bytes_out += n
+                if attempt:
+                    self.counters.fallbacks += 1
+                    self.router.mark_ok(t)
+                return n
+        self.counters.misses += 1
+        return None
 
     async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
         """Each object straight into its buffer: its size, or None (a miss).
@@ -177,8 +252,8 @@ class ClusterTier:
         if route.copies == 0:
             return await self._ec_get(route, keys, dests)
         out: list[int | None] = [None] * len(keys)
-        orders = [self._read_order(self._targets(route, k)) for k in keys]
-        todo = list(range(len(keys)))
+        orders = self._orders(route, keys)
+        todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         too_small: InvalidArgumentError | None = None
         while todo:
@@ -192,6 +267,7 @@ class ClusterTier:
                     self._failed(orders[i][attempt], r)
                 elif r is not None:
                     out[i] = r
+                    self.router.mark_ok(orders[i][attempt])
                     self.counters.hits += 1
                     self.counters.bytes_out += r
                     if attempt:
@@ -213,8 +289,8 @@ class ClusterTier:
         round), not one request per key."""
         route = await self.route()
         out = [False] * len(keys)
-        orders = [self._read_order(self._targets(route, k)) for k in keys]
-        todo = list(range(len(keys)))
+        orders = self._orders(route, keys)
+        todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         while todo:
             by_target: dict[int, list[int]] = {}
@@ -321,7 +397,33 @@ class ClusterTier:
         return self._codec(route).decode(frags, self._codec(route).frag_size(size))[:size]  # type: ignore[no-any-return]
 
     async def size_of(self, key: bytes) -> int | None:
-        return None  # not known without fetching; the stack never needs it from the bottom tier
+        """The object's size without its bytes (KV_GET with KV_SIZE_ONLY on a
+        replica), or None. An EC pool keeps the size in each fragment's
+        trailer: one fragment is fetched to read it."""
+        route = await self.route()
+        targets = self._targets(route, key)
+        if route.copies == 0:
+            return await self._ec_size(route, key, targets)
+        for t in self._read_order(targets):
+            try:
+                n = await self.data.kv_size(t, route.pool_id, key, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                continue
+            if n is not None:
+                return n
+        return None
+
+    async def _ec_size(self, route: KVPoolRoute, key: bytes, targets: tuple[int, ...]) -> int | None:
+        for t in self._read_order(targets):
+            try:
+                frag = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                continue
+            if frag is not None and len(frag) >= _LEN.size:
+                return int(_LEN.unpack_from(frag, len(frag) - _LEN.size)[0])
+        return None
 
     def stats(self) -> ClusterStats:
         return self.counters
@@ -430,3 +532,160 @@ class ClusterTier:
 
 
 _CODECS: dict[tuple[int, int], Any] = {}
+
+
+class ClusterKVTier(Tier):
+    """A cluster KV pool behind the :class:`~tierfs.kv.tiers.Tier` interface.
+
+    ``meta``: the meta addresses; ``pool``: the pool's name; ``config`` /
+    ``options``: the :class:`~tierfs.client.AsyncClient` it opens.
+    ``capacity``: the pool's total budget when the caller knows it; 0 takes
+    it from the pool's definition at first use (the per-target budget,
+    memory + disk, times the number of distinct targets in its groups).
+
+    The tier may be built outside any event loop and used from several in
+    turn (a test per ``asyncio.run``): its client is made lazily in the
+    running loop, and a new one when the loop changes. The client goes with
+    its loop: a keeper task, cancelled when the loop shuts down (as
+    ``asyncio.run`` does) or by :meth:`close`, closes it there, since its
+    connections cannot be closed from another loop.
+
+    Counts: ``hits``, ``misses``, ``puts`` and bytes are this client's own,
+    exact. ``used``, ``objects`` and ``evictions`` belong to the daemons (other
+    clients share the pool, and each target evicts on its own); the client
+    only sees what they last reported to meta, fetched by
+    :meth:`refresh_usage` (at first use, then when asked). They lag, so
+    ``exact_counts`` is False: the conformance suite checks only that they
+    are plausible.
+    """
+
+    exact_counts = False
+
+    def __init__(self, meta: Sequence[str] | str, pool: str, *, capacity: int = 0,
+                 config: ClientConfig | None = None, name: str = "cluster", **options: Any) -> None:
+        super().__init__(name)
+        self.meta = meta
+        self.pool = pool
+        self.capacity = capacity
+        self._fixed_capacity = capacity > 0
+        self._config = config
+        self._options = options
+        #: one target's budget for the pool (memory + disk), 0 until known
+        self.target_budget = 0
+        self.counters = ClusterStats(name=name)
+        self._usage = (0, 0, 0)  # objects, used, evictions, as last reported
+        self._client: AsyncClient | None = None
+        self._tier: ClusterTier | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def _inner(self) -> ClusterTier:
+        if self._closed:
+            raise RuntimeError(f"tier {self.name} is closed")
+        loop = asyncio.get_running_loop()
+        if self._tier is not None and self._loop is loop:
+            return self._tier
+        from tierfs.client.client import AsyncClient
+
+        # A previous loop's client was closed by its keeper when that loop ended.
+        client = AsyncClient(self.meta, config=self._config, **self._options)
+        _, data, router = client._parts()
+        tier = ClusterTier(router, data, self.pool, timeout=client.config.kv_timeout)
+        tier.counters = self.counters  # one set of counts across loops
+        self._client, self._tier, self._loop = client, tier, loop
+        self._keeper = loop.create_task(self._keep(client), name=f"kv tier {self.name}: client keeper")
+        if not self.target_budget:
+            await self.refresh_usage()
+        return tier
+
+    @staticmethod
+    async def _keep(client: AsyncClient) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await client.close()
+
+    async def refresh_usage(self) -> None:
+        """Fetch the pool's definition (capacity) and the usage its targets
+        last reported to meta (``used``, ``objects``, ``evictions``)."""
+        await self._inner()
+        assert self._client is not None
+        r = await self._client.meta.list_kv_pools()
+        p = next((p for p in r.pools if p.name == self.pool), None)
+        if p is None:
+            raise NotFoundError(f"no KV pool named {self.pool!r}")
+        self.target_budget = p.target_memory + p.target_disk
+        if not self._fixed_capacity:
+            self.capacity = self.target_budget * len({t for g in p.groups for t in g.target_ids})
+        us = [u for u in r.usage if u.pool_id == p.pool_id]
+        # A pool with a disk budget keeps every object on disk (memory caches
+        # the hot ones); a memory-only pool, in memory.
+        used = sum(u.disk_used if p.target_disk else u.memory_used for u in us)
+        self._usage = (sum(u.objects for u in us), used, sum(u.evictions for u in us))
+
+    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None) -> bool:
+        src = source_view(buf)
+        key = check_key(key)
+        tier = await self._inner()
+        route = await tier.route()
+        # An object past one target's budget (a fragment of it, in an EC
+        # pool) can never be stored: not stored, as with any tier.
+        if self.target_budget and -(-len(src) // (route.k or 1)) > self.target_budget:
+            return False
+        try:
+            return await tier.put(key, src, parent=parent)
+        except InvalidArgumentError as exc:
+            # The daemon's refusal of an object its watermark can never admit.
+            if "can never fit" in str(exc):
+                return False
+            raise
+
+    async def get_into(self, key: bytes, dest: memoryview) -> int | None:
+        d = dest_view(dest)
+        key = check_key(key)
+        tier = await self._inner()
+        try:
+            return await tier.get_into(key, d)
+        except InvalidArgumentError:
+            size = await tier.size_of(key)
+            if size is not None and size > len(d):
+                raise InvalidArgumentError(
+                    f"destination of {len(d)} bytes is smaller than object {key!r} of {size} bytes") from None
+            raise
+
+    async def size_of(self, key: bytes) -> int | None:
+        key = check_key(key)
+        return await (await self._inner()).size_of(key)
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        ks = [check_key(k) for k in keys]
+        if not ks:
+            return []
+        return await (await self._inner()).contains(ks)
+
+    async def delete(self, key: bytes) -> bool:
+        key = check_key(key)
+        return await (await self._inner()).delete(key)
+
+    def stats(self) -> TierStats:
+        c = self.counters
+        objects, used, evictions = self._usage
+        return TierStats(self.name, self.capacity, used, objects, c.hits, c.misses, evictions, c.puts,
+                         c.bytes_in, c.bytes_out, self.promotions, self.demotions, self.corrupt)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        keeper, self._keeper = self._keeper, None
+        self._client = self._tier = None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if keeper is not None and not keeper.done() and self._loop is running:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+        self._loop = None

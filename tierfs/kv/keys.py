@@ -3,12 +3,14 @@
 Keys are ``str`` (UTF-8) or ``bytes``, 1..:data:`MAX_KEY_BYTES` bytes.
 Buffers are anything with the buffer protocol (``bytes``, ``bytearray``,
 ``memoryview``, numpy arrays, ``mmap``) and torch tensors: a contiguous CPU
-tensor is viewed as its bytes (any dtype, bfloat16 included); a CUDA tensor
-is refused here and handled by the GPU path (:mod:`tierfs.kv.gpu`).
+tensor is viewed as its bytes (any dtype, bfloat16 included; one that
+requires grad through its detached alias); a CUDA tensor is refused here
+and handled by the GPU path (:mod:`tierfs.kv.gpu`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from tierfs.errors import InvalidArgumentError
@@ -22,6 +24,8 @@ MAX_KEY_BYTES = MAX_KV_KEY
 
 def normalize_key(key: str | bytes | bytearray | memoryview) -> bytes:
     """The key as ``bytes``; InvalidArgumentError if empty, too long or not a key type."""
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return key  # the common case, first
     if isinstance(key, str):
         b = key.encode("utf-8")
     elif isinstance(key, (bytes, bytearray, memoryview)):
@@ -35,41 +39,64 @@ def normalize_key(key: str | bytes | bytearray | memoryview) -> bytes:
     return b
 
 
+def _is_tensor(obj: Any) -> bool:
+    # No import: whoever holds a tensor has imported torch already, and a
+    # process without torch pays one dict lookup.
+    torch = sys.modules.get("torch")
+    tensor = getattr(torch, "Tensor", None)
+    return tensor is not None and isinstance(obj, tensor)
+
+
 def is_cuda_tensor(obj: Any) -> bool:
-    return bool(getattr(obj, "is_cuda", False)) and type(obj).__module__.startswith("torch")
+    return _is_tensor(obj) and bool(obj.is_cuda)
 
 
-def _tensor_bytes(t: Any) -> memoryview:
-    if is_cuda_tensor(t):
-        raise InvalidArgumentError("a CUDA tensor goes through the GPU path, not a byte view")
-    if not t.is_contiguous():
-        raise InvalidArgumentError(f"tensor of shape {tuple(t.shape)} is not contiguous (call .contiguous())")
-    if t.layout.__class__.__name__ != "layout" or str(t.layout) != "torch.strided":
-        raise InvalidArgumentError(f"tensor layout {t.layout} is not strided")
+def _tensor_bytes(t: Any, *, writable: bool, what: str) -> memoryview:
+    """The bytes of a host tensor, through its numpy alias (no copy).
+    Untested here: there is no torch in this environment."""
     import torch  # type: ignore[import-not-found,unused-ignore]
 
+    if t.device.type != "cpu":
+        if t.is_cuda:
+            raise InvalidArgumentError(f"{what} is a CUDA tensor: it goes through the GPU path, not a byte view")
+        raise InvalidArgumentError(f"{what} is a tensor on {t.device}, not in host memory")
+    # Layout first: is_contiguous() itself fails on a sparse tensor.
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(f"{what} is a tensor of layout {t.layout}, not strided")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(f"{what} is a tensor of shape {tuple(t.shape)} that is not contiguous "
+                                   f"(call .contiguous())")
+    # .numpy() refuses a tensor that requires grad (detach: same memory) and
+    # one with a lazy conjugate or negative bit (its memory is not its value).
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        if writable:
+            raise InvalidArgumentError(f"{what} is a lazily conjugated or negated tensor view "
+                                       f"(call .resolve_conj() / .resolve_neg())")
+        t = t.resolve_conj().resolve_neg()
     flat = t.reshape(-1)
-    # .view(uint8) works for every dtype numpy lacks (bfloat16, float8).
-    raw = flat.view(torch.uint8) if flat.element_size() else flat
-    return memoryview(raw.numpy()).cast("B")
+    if flat.dtype != torch.uint8:
+        # any dtype as bytes, those numpy lacks too (bfloat16, float8)
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 def byte_view(obj: Any, *, writable: bool, what: str = "buffer") -> memoryview:
     """A flat, C-contiguous ``memoryview`` of the bytes of ``obj``; a clear
     InvalidArgumentError for read-only (when ``writable``), non-contiguous
     or non-buffer objects."""
-    if type(obj).__module__.startswith("torch") and hasattr(obj, "is_contiguous"):
-        view = _tensor_bytes(obj)
-    else:
-        try:
-            view = obj if isinstance(obj, memoryview) else memoryview(obj)
-        except TypeError:
+    try:
+        view = obj if isinstance(obj, memoryview) else memoryview(obj)
+    except TypeError:
+        # A torch tensor has no buffer protocol of its own.
+        if not _is_tensor(obj):
             raise InvalidArgumentError(
                 f"{what} of type {type(obj).__name__} does not support the buffer protocol") from None
-        if not view.c_contiguous:
-            raise InvalidArgumentError(f"{what} is not C-contiguous (shape {view.shape}, strides {view.strides})")
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _tensor_bytes(obj, writable=writable, what=what)
+    if not view.c_contiguous:
+        raise InvalidArgumentError(f"{what} is not C-contiguous (shape {view.shape}, strides {view.strides})")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
     if writable and view.readonly:
         raise InvalidArgumentError(f"{what} is read-only; get_into needs a writable buffer")
     return view

@@ -106,7 +106,7 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 try:
                     await kv.cluster.route()
                     break
-                except Exception:  # noqa: BLE001
+                except Exception:
                     await asyncio.sleep(0.2)
             return await _run(kv, trace, run, tag, block_size, prefill_tokens_per_s, tokens_per_block,
                               policy, dram, ssd, cluster, progress)
@@ -218,11 +218,11 @@ def render_replay(r: dict[str, Any]) -> str:
     h = r["hit_ratio"]
     lines = [f"{r.get('mode', '')} replay: {r['requests']} requests, {r['blocks']} blocks, policy {r['policy']}",
              "hit ratio: " + ", ".join(f"{k} {v:.3f}" for k, v in h.items())]
-    if "load_latency_ms" in r:
+    if r.get("load_latency_ms"):
         ll = r["load_latency_ms"]
         lines.append(f"load latency: p50 {ll.get('p50', 0):.2f} ms, p99 {ll.get('p99', 0):.2f} ms; "
                      f"{r.get('bytes_loaded', 0) / 1e6:.1f} MB loaded")
-    if "prefill" in r:
+    if r.get("prefill"):
         p = r["prefill"]
         lines.append(f"prefill saved {p['prefill_saved_s']:.1f} s, load spent {p['load_s']:.1f} s")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from tierfs.net.protocol import (
     F_MORE,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_SIZE_ONLY,
     Header,
     Limits,
     Op,
@@ -562,6 +563,13 @@ class DataClient:
                                   dest=dest)
         return hdr.payload_len if hdr.length else None
 
+    async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> int | None:
+        """The size of ``key``'s object on ``target`` without its bytes (a
+        KV_GET with KV_SIZE_ONLY), or None on a miss."""
+        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, KV_SIZE_ONLY, 0), timeout, length=0,
+                                  payload=memoryview(key))
+        return hdr.offset if hdr.length else None
+
     async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bytes | None:
         """The value of ``key`` (any size up to the frame limit), or None."""
         hdr, body = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
@@ -580,7 +588,8 @@ class DataClient:
         bits = bytes(body or b"")
         if len(bits) != (len(keys) + 7) // 8:
             raise ProtocolError(f"KV_EXISTS answer of {len(bits)} bytes for {len(keys)} keys")
-        return [bool(bits[i >> 3] & (1 << (i & 7))) for i in range(len(keys))]
+        v = int.from_bytes(bits, "little")
+        return [bool((v >> i) & 1) for i in range(len(keys))]
 
     async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bool:
         hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, 0, 0), timeout, payload=memoryview(key))

@@ -32,6 +32,12 @@ KV ops reuse the header (``inode`` = pool id throughout):
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
                payload_crc the object's stored CRC32C (checked end to end).
+               fragment = KV_GET flags: KV_SIZE_ONLY asks for the size alone
+               (a cheap stat): the reply carries no payload, length = 1 hit /
+               0 miss and offset = the object's size in bytes (the request's
+               length is ignored; the object is read and CRC-checked like a
+               get, so a torn or corrupt one is a miss, and it counts as an
+               access for the pool's eviction policy).
     KV_EXISTS  payload = keys, each as u16 length + bytes; offset = count.
                Reply: payload = a bitmap, bit i set if key i is present:
                one request per target for a whole batch.
@@ -63,6 +69,7 @@ __all__ = [
     "KV_OPS",
     "KV_OVERWRITE",
     "KV_PIN_SHIFT",
+    "KV_SIZE_ONLY",
     "MAGIC",
     "MAX_KV_EXISTS_KEYS",
     "MAX_KV_KEY",
@@ -119,6 +126,8 @@ MAX_KV_EXISTS_KEYS = 4096
 #: KV_PUT flag bits (in the ``fragment`` field).
 KV_OVERWRITE = 0x1
 KV_PIN_SHIFT = 1  # two bits: 0 none, 1 soft, 2 hard
+#: KV_GET flag bit (in the ``fragment`` field): answer with the size only.
+KV_SIZE_ONLY = 0x1
 
 
 class Flag(enum.IntFlag):
@@ -243,15 +252,12 @@ class Limits:
             raise ConfigError(f"must be at least {HEADER_SIZE * 2}", field="shm_ring_bytes")
 
 
-def pack_keys(keys: list[bytes]) -> bytearray:
+def pack_keys(keys: list[bytes]) -> bytes:
     """KV_EXISTS payload: each key as a little-endian u16 length, then its bytes."""
-    out = bytearray()
     for k in keys:
         if not 0 < len(k) <= MAX_KV_KEY:
             raise ProtocolError(f"KV key of {len(k)} bytes (1..{MAX_KV_KEY})")
-        out += len(k).to_bytes(2, "little")
-        out += k
-    return out
+    return b"".join([len(k).to_bytes(2, "little") + k for k in keys])
 
 
 def unpack_keys(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]:

@@ -195,6 +195,8 @@ class StorageNode:
         self.kvstores: list[Any] = []
         self._kv_map_version = -1
         self._kv_pool_names: list[str] = []
+        self._kv_refresh_lock = asyncio.Lock()
+        self._kv_refreshed = 0.0
         self._target_ids = list(target_ids)
         self.server: Any = None
         self.meta: Any = None
@@ -306,6 +308,7 @@ class StorageNode:
         # Before ready: a restarted node serves its KV pools (and keeps the
         # objects on its disks) from its first request on.
         await self._refresh_kv_pools()
+        self.server.on_unknown_kv_pool = self._kv_pool_missing
         self.registered.set()
         # The repair queue first thing: a restarted node may hold positions
         # that degraded writes recorded missing while it was away.
@@ -380,7 +383,7 @@ class StorageNode:
                 reply = await self.meta.heartbeat(self.node_id, self.reports(), kv_usage=self.kv_reports())
                 self.counters["heartbeats"] += 1
                 if reply.map_version != self._kv_map_version:
-                    await self._refresh_kv_pools()
+                    await self._refresh_kv_pools(retry=False)
                 now = time.monotonic()
                 if missed or now - last_ok > 3 * self.cfg.heartbeat_interval + 1.0:
                     # Back after failed heartbeats or a freeze (SIGSTOP, a
@@ -400,19 +403,41 @@ class StorageNode:
                 log.warning("heartbeat failed: %s", err)
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
-    async def _refresh_kv_pools(self) -> None:
-        """Configure every target's KV store with the pools in the cluster map."""
-        from tierfs.storage.kvstore import KVPoolSpec
+    async def _kv_pool_missing(self, pool_id: int) -> None:
+        """A KV request named a pool this node has not configured: refresh
+        from the map (one refresh at a time, at most one every 0.2 s)."""
+        async with self._kv_refresh_lock:
+            if time.monotonic() - self._kv_refreshed < 0.2:
+                return
+            with contextlib.suppress(TierFSError):
+                cmap = await asyncio.wait_for(self.meta.get_cluster_map(), 2.0)
+                self._apply_kv_pools(cmap)
+            self._kv_refreshed = time.monotonic()
 
+    async def _refresh_kv_pools(self, *, retry: bool = True) -> None:
+        """Configure every target's KV store with the pools in the cluster
+        map. ``retry``: until meta answers (start-up); else try once (the
+        heartbeat loop must not stall: the next heartbeat tries again)."""
         delay = 0.2
         while True:
             try:
                 cmap = await self.meta.get_cluster_map()
                 break
             except TierFSError as err:
+                if not retry:
+                    log.warning("fetching the cluster map failed (%s); KV pools not refreshed", err)
+                    return
                 log.warning("fetching the cluster map failed (%s); retrying in %.1fs", err, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        self._apply_kv_pools(cmap)
+
+    def _apply_kv_pools(self, cmap: Any) -> None:
+        from tierfs.storage.kvstore import KVPoolSpec
+
+        if int(cmap.version) < self._kv_map_version:
+            return  # an older map (a lagging replica answered): it may lack pools we serve
+
         specs = [KVPoolSpec(pool_id=int(p.pool_id), name=p.name, memory_bytes=int(p.target_memory),
                             disk_bytes=int(p.target_disk), fsync=bool(p.fsync), pin_quota_bytes=int(p.pin_quota),
                             policy=p.policy or "lru")

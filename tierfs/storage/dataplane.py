@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tierfs.errors import (
@@ -40,6 +40,7 @@ from tierfs.net.protocol import (
     KV_OPS,
     KV_OVERWRITE,
     KV_PIN_SHIFT,
+    KV_SIZE_ONLY,
     MAX_KV_EXISTS_KEYS,
     MAX_KV_KEY,
     PAYLOAD_OPS,
@@ -322,6 +323,11 @@ class _ServerConnection(FrameProtocol):
             if kv is None:
                 raise UnavailableError(f"target {hdr.target} serves no KV store here")
             pool = hdr.inode
+            hook = self.server.on_unknown_kv_pool
+            if hook is not None and not kv.has_pool(pool):
+                # A pool created a moment ago: the daemon has not seen the map
+                # that names it yet. Look now rather than at the next heartbeat.
+                await hook(pool)
             if op == Op.KV_PUT:
                 self.counters["kv_puts"] += 1
                 if put is None:
@@ -347,6 +353,12 @@ class _ServerConnection(FrameProtocol):
                     self._reply(hdr, length=0)
                     return
                 view, crc = got
+                if hdr.fragment & KV_SIZE_ONLY:
+                    n = len(view)
+                    kv.release(view)
+                    self.counters["kv_hits"] += 1
+                    self._reply(hdr, length=1, offset=n)
+                    return
                 if len(view) > hdr.length or len(view) > self.limits.max_frame_bytes:
                     n = len(view)
                     kv.release(view)
@@ -362,10 +374,11 @@ class _ServerConnection(FrameProtocol):
                 except ProtocolError as exc:
                     raise InvalidArgumentError(str(exc)) from None
                 present = kv.contains(pool, keys)
-                bitmap = bytearray((len(keys) + 7) // 8)
+                bits = 0
                 for i, hit in enumerate(present):
                     if hit:
-                        bitmap[i >> 3] |= 1 << (i & 7)
+                        bits |= 1 << i
+                bitmap = bits.to_bytes((len(keys) + 7) // 8, "little")
                 self._reply(hdr, payload=memoryview(bitmap), store=_NOT_POOLED, length=len(keys))
             elif op == Op.KV_DELETE:
                 self.counters["kv_deletes"] += 1
@@ -392,7 +405,7 @@ class _ServerConnection(FrameProtocol):
             self._done(reserve)
 
     def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: _Releaser | None = None,
-               length: int = 0, payload_crc: int | None = None) -> None:
+               length: int = 0, payload_crc: int | None = None, offset: int | None = None) -> None:
         if self.closed:
             if payload is not None and store is not None:
                 store.release(payload)
@@ -402,7 +415,8 @@ class _ServerConnection(FrameProtocol):
             payload_crc = crc32c(payload) if payload is not None and n else 0
         head = bytearray(HEADER_SIZE)
         encode_header(head, hdr.op, hdr.request_id, flags=F_RESPONSE, target=hdr.target,
-                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion), offset=hdr.offset, length=length, payload_len=n,
+                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion),
+                      offset=hdr.offset if offset is None else offset, length=length, payload_len=n,
                       payload_crc=payload_crc)
         if payload is None or n == 0:
             if payload is not None and store is not None:
@@ -475,6 +489,9 @@ class DataPlaneServer:
         self.stores: dict[int, FragmentStore] = dict(stores)
         #: KV stores by target id (the daemon adds one per target).
         self.kvstores: dict[int, KVTargetStore] = dict(kvstores or {})
+        #: Called (and awaited) before a KV request for a pool the store does
+        #: not know: the daemon refreshes its pools from the cluster map.
+        self.on_unknown_kv_pool: Callable[[int], Awaitable[None]] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.host = ""

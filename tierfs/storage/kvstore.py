@@ -933,6 +933,11 @@ class KVStore:
 
     # -- index bookkeeping -------------------------------------------------------------
 
+    def has_pool(self, pool_id: int) -> bool:
+        """Whether ``pool_id`` is configured here (and not being dropped)."""
+        p = self._pools.get(pool_id)
+        return p is not None and not p.dead
+
     def _pool(self, pool_id: int) -> _Pool:
         self._check_open()
         p = self._pools.get(pool_id)

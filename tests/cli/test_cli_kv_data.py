@@ -1,0 +1,147 @@
+"""``tierfs kv put/get/stat/rm/stats/replay``, KV usage in ``tierfs status``
+and the storage daemons' Prometheus KV counters, against a real local
+cluster (1 meta replica, 3 storage daemons)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierfs.cli import run
+from tierfs.local import LocalCluster
+
+pytestmark = pytest.mark.timeout(180)
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def cli(meta: str, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={}, tty=False)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("kvcli"), n_meta=1, n_storage=3,
+                     extra_storage_args=["--metrics-addr=127.0.0.1:0"])
+    c.up(timeout=120)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def meta(cl: LocalCluster) -> str:
+    m = ",".join(cl.meta_addrs)
+    end = time.monotonic() + 30
+    while cli(m, "kv", "put", "warm-up", "/dev/null")[0] != 0:  # the default pool reaches every daemon
+        assert time.monotonic() < end, "default pool never served"
+        time.sleep(0.2)
+    return m
+
+
+def test_put_get_stat_rm(meta: str, tmp_path: Path) -> None:
+    src = tmp_path / "block.bin"
+    src.write_bytes(bytes(range(256)) * 400)
+    rc, out, err = cli(meta, "kv", "put", "blk-1", str(src))
+    assert rc == 0 and "stored in pool default" in out, err
+    rc, out, err = cli(meta, "kv", "put", "blk-1", str(src), "--json")
+    assert rc == 0 and json.loads(out)["stored"] is False  # a no-op: already there
+    dst = tmp_path / "back.bin"
+    rc, out, err = cli(meta, "kv", "get", "blk-1", str(dst))
+    assert rc == 0, err
+    assert dst.read_bytes() == src.read_bytes()
+    rc, out, err = cli(meta, "kv", "stat", "blk-1", "--json")
+    assert rc == 0, err
+    st = json.loads(out)
+    assert st["present"] and st["size"] == 102400 and len(st["held_by"]) == 1
+    rc, out, err = cli(meta, "kv", "rm", "blk-1")
+    assert rc == 0 and "deleted" in out, err
+    rc, out, err = cli(meta, "kv", "stat", "blk-1")
+    assert rc == 1 and "not in pool default" in out
+    rc, out, err = cli(meta, "kv", "get", "blk-1", str(dst))
+    assert rc == 1 and "no KV object 'blk-1'" in err and "Traceback" not in err
+    rc, out, err = cli(meta, "kv", "rm", "blk-1")
+    assert rc == 1 and "no KV object" in err
+
+
+def test_bad_input_errors(meta: str, tmp_path: Path) -> None:
+    rc, _, err = cli(meta, "kv", "put", "k", str(tmp_path / "missing"))
+    assert rc == 1 and "cannot read" in err
+    rc, _, err = cli(meta, "kv", "put", "x" * 600, "/dev/null")
+    assert rc == 1 and "exceeds the limit of 512" in err
+    rc, _, err = cli(meta, "kv", "get", "k", "--pool", "nope")
+    assert rc == 1 and "unknown KV pool 'nope'" in err
+    rc, _, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")
+    assert rc == 1 and "ttl must be > 0" in err
+
+
+def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -> None:
+    src = tmp_path / "v"
+    src.write_bytes(b"v" * 5000)
+    for i in range(12):
+        assert cli(meta, "kv", "put", f"s{i}", str(src))[0] == 0
+        assert cli(meta, "kv", "get", f"s{i}", str(tmp_path / "o"))[0] == 0
+    cli(meta, "kv", "get", "never", str(tmp_path / "o"))
+
+    def objects() -> int:
+        rc, out, err = cli(meta, "kv", "stats", "--pool", "default", "--json")
+        assert rc == 0, err
+        return int(json.loads(out)["pools"][0]["usage"]["objects"])
+    end = time.monotonic() + 20
+    while objects() < 12:  # heartbeats carry the usage to meta
+        assert time.monotonic() < end, "KV usage never reached meta"
+        time.sleep(0.3)
+    rc, out, _ = cli(meta, "kv", "stats")
+    assert rc == 0 and "pool default (replica:1)" in out and "  target " in out
+    _, out, _ = cli(meta, "status", "--json")
+    st = json.loads(out)
+    default = next(p for p in st["kv_pools"] if p["name"] == "default")
+    assert default["usage"]["objects"] >= 12 and default["usage"]["hits"] >= 12
+    assert len(default["targets"]) == 3
+    rc, out, _err = cli(meta, "status")
+    assert "KV POOL" in out and "default" in out
+    # The daemons' own Prometheus endpoints: per pool and target, hits, misses, evictions.
+    text = ""
+    for p in cl.procs:
+        if p.kind != "storage":
+            continue
+        ready = json.loads((cl.dir / "logs" / f"{p.name}.out").read_text().splitlines()[-1])
+        with urllib.request.urlopen(f"http://{ready['metrics']}/metrics", timeout=10) as resp:
+            text += resp.read().decode()
+    assert 'tierfs_kv_events_total{event="hits",pool="default"' in text
+    assert 'event="misses",pool="default"' in text and 'event="evictions",pool="default"' in text
+    assert "tierfs_kv_objects{" in text
+    hits = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('tierfs_kv_events_total{event="hits",pool="default"'))
+    assert hits >= 12
+
+
+def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = TRACE.read_text().splitlines()[:60]
+    trace.write_text("\n".join(lines) + "\n")
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--simulate", "--cluster", "20%", "--json")
+    assert rc == 0, err
+    sim = json.loads(out)
+    assert sim["requests"] == 60 and 0 <= sim["hit_ratio"]["total"] <= 1
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--dram", "50", "--cluster", "20%",
+                       "--block-size", "16KiB", "--json", "--prefill-tokens-per-s", "10000")
+    assert rc == 0, err
+    live = json.loads(out)
+    for field in ("requests", "blocks", "hit_ratio", "policy", "bytes_loaded", "load_latency_ms"):
+        assert field in live
+    assert live["requests"] == 60 and live["blocks"] == sim["blocks"]
+    assert set(live["hit_ratio"]) >= {"dram", "ssd", "cluster", "total"}
+    assert live["hit_ratio"]["total"] > 0 and live["bytes_loaded"] > 0
+    assert live["load_latency_ms"]["p50"] > 0
+    # the temporary pool is gone again
+    rc, out, err = cli(meta, "kv", "pool", "ls", "--json")
+    assert not [p for p in json.loads(out) if p["name"].startswith("replay-")]
+    rc, out, err = cli(meta, "kv", "replay", str(tmp_path / "nope.jsonl"), "--simulate")
+    assert rc == 1 and "Traceback" not in err
