@@ -199,7 +199,7 @@ def test_bad_input_changes_nothing(tmp_path: Path, pool: BufferPool) -> None:
         # a bad spec is refused as a whole
         with pytest.raises(InvalidArgumentError, match="watermarks"):
             s.configure([mem_pool(), mem_pool(3, high_watermark=0.5, low_watermark=0.9)])
-        with pytest.raises(InvalidArgumentError, match="unknown KV policy"):
+        with pytest.raises(InvalidArgumentError, match="unknown eviction policy"):
             s.configure([mem_pool(policy="nope")])
         with pytest.raises(InvalidArgumentError, match="listed twice"):
             s.configure([mem_pool(), mem_pool()])
