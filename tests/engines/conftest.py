@@ -1,0 +1,120 @@
+"""Fixtures for the engine-adapter tests (tests/engines), which run in
+.venv-engines (make engines): one real TierFS cluster for the whole session
+(3 meta replicas, 3 storage daemons on loopback), shared by the LMCache,
+SGLang and vLLM tests. A test that kills a daemon restarts it before it
+returns (``killed_storage``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults.harness import FAST_META
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+
+N_STORAGE = 3
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def pool_served(meta: list[str], name: str, timeout: float = 30.0) -> None:
+    """Wait until pool ``name`` has groups and every storage daemon serves it."""
+    async def served() -> bool:
+        async with MetaClient(meta) as mc:
+            r = await mc.list_kv_pools()
+        pool = next((p for p in r.pools if p.name == name), None)
+        if pool is None or not pool.groups:
+            return False
+        members = {t for g in pool.groups for t in g.target_ids}
+        return members <= {u.target_id for u in r.usage if u.pool_id == pool.pool_id}
+    wait_for(lambda: asyncio.run(served()), timeout, f"KV pool {name} to be served")
+
+
+def create_pool(meta: list[str], name: str, **kw: Any) -> None:
+    async def go() -> None:
+        async with MetaClient(meta) as mc:
+            await mc.create_kv_pool(name, **kw)
+    asyncio.run(go())
+    pool_served(meta, name)
+
+
+@pytest.fixture(scope="session")
+def tierfs_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("engines-cluster"), n_storage=N_STORAGE,
+                     extra_meta_args=list(FAST_META))
+    c.up(timeout=120)
+    pool_served(c.meta_addrs, "default")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def tierfs_meta(tierfs_cluster: LocalCluster) -> str:
+    """The cluster's meta addresses as TIERFS_META spells them."""
+    return ",".join(tierfs_cluster.meta_addrs)
+
+
+@pytest.fixture
+def tierfs_env(tierfs_meta: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """TIERFS_META set for this test (engines' subprocesses inherit it)."""
+    monkeypatch.setenv("TIERFS_META", tierfs_meta)
+    return tierfs_meta
+
+
+@pytest.fixture
+def fresh_pool(tierfs_cluster: LocalCluster, request: pytest.FixtureRequest) -> str:
+    """A new empty KV pool (replica:1) for this test, so tests never see
+    each other's keys; its name is returned."""
+    name = "t-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:40] + f"-{os.getpid()}"
+    create_pool(tierfs_cluster.meta_addrs, name, target_memory=256 << 20, target_disk=1 << 30)
+    return name
+
+
+@pytest.fixture
+def killed_storage(tierfs_cluster: LocalCluster) -> Iterator[Callable[[str], None]]:
+    """``kill("storage-1")`` SIGKILLs that daemon; it is started again, and
+    the cluster waited healthy, when the test ends."""
+    killed: list[str] = []
+
+    def kill(name: str) -> None:
+        tierfs_cluster.kill(name)
+        killed.append(name)
+
+    yield kill
+    if killed:
+        tierfs_cluster.start(names=killed, timeout=60)
+        asyncio.run(tierfs_cluster.wait_healthy(60))
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+REPO = Path(__file__).resolve().parents[2]

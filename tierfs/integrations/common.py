@@ -1,0 +1,92 @@
+"""What every engine adapter shares: where the cluster is, which pool, and a
+connection checked at start-up so that bad configuration fails there, with a
+message naming the setting, and never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierfs.client import Client
+from tierfs.errors import ConfigError, TierFSError
+
+#: How long start-up waits for the cluster's map before calling it unreachable.
+CONNECT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """The resolved cluster and pool of one adapter instance."""
+
+    meta: tuple[str, ...]
+    pool: str
+    #: The settings they came from, for error messages ("extra_config
+    #: 'remote_storage_plugin.tierfs.meta'", or "TIERFS_META").
+    meta_setting: str
+    pool_setting: str
+
+
+def resolve(config: Mapping[str, Any] | None, *, meta_key: str, pool_key: str,
+            where: str = "") -> Target:
+    """The meta addresses and pool from an engine's config: ``config[meta_key]``
+    (a list or a comma-separated string), else ``TIERFS_META``; the pool
+    from ``config[pool_key]``, else ``TIERFS_KV_POOL``, else ``default``.
+    ``where`` names the config in messages (e.g. "LMCache extra_config")."""
+    cfg = dict(config or {})
+    prefix = f"{where} " if where else ""
+    raw = cfg.get(meta_key)
+    meta_setting = f"{prefix}{meta_key!r}"
+    if raw in (None, "", []):
+        raw, meta_setting = os.environ.get("TIERFS_META", ""), "TIERFS_META"
+    if isinstance(raw, str):
+        meta = tuple(a.strip() for a in raw.split(",") if a.strip())
+    elif isinstance(raw, (list, tuple)) and all(isinstance(a, str) for a in raw):
+        meta = tuple(a.strip() for a in raw if a.strip())
+    else:
+        raise ConfigError(f"must be 'host:port,...' or a list of them, not {raw!r}", field=meta_setting)
+    if not meta:
+        raise ConfigError(f"no TierFS meta address: set {prefix}{meta_key!r} or TIERFS_META=host:port,...",
+                          field=meta_setting)
+    for a in meta:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"{a!r} is not host:port", field=meta_setting)
+    pool = cfg.get(pool_key)
+    pool_setting = f"{prefix}{pool_key!r}"
+    if pool in (None, ""):
+        pool, pool_setting = os.environ.get("TIERFS_KV_POOL", "") or "default", "TIERFS_KV_POOL"
+    if not isinstance(pool, str):
+        raise ConfigError(f"must be a pool name, not {pool!r}", field=pool_setting)
+    return Target(meta, pool, meta_setting, pool_setting)
+
+
+def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any) -> Client:
+    """A blocking :class:`Client` on ``target``, checked now: the cluster
+    answers within ``timeout`` and the pool exists. Failures raise
+    :class:`ConfigError` naming the setting; nothing is left open."""
+    options.setdefault("meta_deadline", timeout)
+    client = Client(list(target.meta), kv_pool=target.pool, **options)
+    try:
+        pools = client._run(_pools(client, timeout))
+    except (TierFSError, OSError, TimeoutError) as e:
+        client.close()
+        raise ConfigError(f"cannot reach the TierFS cluster at {','.join(target.meta)} within {timeout:g} s "
+                          f"({type(e).__name__}: {e})", field=target.meta_setting) from e
+    except BaseException:
+        client.close()
+        raise
+    if target.pool not in pools:
+        client.close()
+        raise ConfigError(f"unknown KV pool {target.pool!r} (pools: {', '.join(sorted(pools)) or 'none'}; "
+                          "create it with 'tierfs kv pool create')", field=target.pool_setting)
+    return client
+
+
+async def _pools(client: Client, timeout: float) -> set[str]:
+    ac = client.aclient
+    router = ac._parts()[2]
+    await asyncio.wait_for(router.refresh(force=True), timeout)
+    return set(router.kv_pools)
