@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= ./.tierfs
 PYTEST_ARGS ?=
 
-.PHONY: install system proto proto-check lint test run bench bench-deps soak clean down
+.PHONY: install system proto proto-check lint test run bench bench-deps soak clean down engines
 
 install: $(STAMP)
 
@@ -31,9 +31,34 @@ lint: install
 	$(BIN)/ruff check tierfs tests bench scripts
 	$(BIN)/mypy
 
-# Tests marked slow (the 200k-entry namespace growth) run in make soak.
-test: install lint proto-check
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+# The inference engines (vLLM, LMCache, SGLang) and CPU torch 2.13.0 in their
+# own venv: the engines' declared dependencies pull CUDA builds, so the engines
+# install with --no-deps (deploy/engines/engines.txt) and their dependencies
+# from an explicit list (requirements.txt), every version pinned by
+# constraints.txt; scripts/check_engines_venv.py then refuses a CUDA torch,
+# torchvision/torchaudio/torchcodec or triton. One venv holds all three: their
+# pins clash only on packages they do not use on CPU (docs/engines.md).
+# The first build takes about 4 minutes; the stamp caches it.
+ENGINES_VENV  := .venv-engines
+EBIN          := $(ENGINES_VENV)/bin
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+
+engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): $(STAMP) deploy/engines/requirements.txt deploy/engines/engines.txt deploy/engines/constraints.txt
+	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(EBIN)/python -m pip install -q --disable-pip-version-check \
+		-r deploy/engines/requirements.txt -c deploy/engines/constraints.txt
+	$(EBIN)/python -m pip install -q --disable-pip-version-check --no-deps -r deploy/engines/engines.txt
+	$(EBIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(EBIN)/python scripts/check_engines_venv.py
+	touch $@
+
+# Tests marked slow (the 200k-entry namespace growth) run in make soak. Then
+# tests/engines, in the engines venv: the real engines against a real cluster.
+test: install lint proto-check engines
+	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines $(PYTEST_ARGS)
+	$(EBIN)/python -m pytest tests/engines $(PYTEST_ARGS)
 
 run: install
 	$(BIN)/python -m tierfs.demo --data $(DATA)
@@ -76,4 +101,4 @@ soak: install
 	$(BIN)/python -m pytest -m slow -q -s tests/meta
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .stamp-bench-system .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(BENCH_VENV) $(ENGINES_VENV) .stamp-bench-system .mypy_cache .ruff_cache .pytest_cache .hypothesis
