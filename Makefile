@@ -57,8 +57,8 @@ $(ENGINES_STAMP): $(STAMP) deploy/engines/requirements.txt deploy/engines/engine
 # Tests marked slow (the 200k-entry namespace growth) run in make soak. Then
 # tests/engines, in the engines venv: the real engines against a real cluster.
 test: install lint proto-check engines
-	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines $(PYTEST_ARGS)
-	$(EBIN)/python -m pytest tests/engines $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines --durations=25 $(PYTEST_ARGS)
+	$(EBIN)/python -m pytest tests/engines --durations=15 $(PYTEST_ARGS)
 
 run: install
 	$(BIN)/python -m tierfs.demo --data $(DATA)
