@@ -7,6 +7,7 @@ returns (``killed_storage``)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -82,7 +83,10 @@ def tierfs_env(tierfs_meta: str, monkeypatch: pytest.MonkeyPatch) -> str:
 def fresh_pool(tierfs_cluster: LocalCluster, request: pytest.FixtureRequest) -> str:
     """A new empty KV pool (replica:1) for this test, so tests never see
     each other's keys; its name is returned."""
-    name = "t-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:40] + f"-{os.getpid()}"
+    # The node id's hash keeps parametrized tests whose names differ only
+    # past the cut apart.
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]
+    name = "t-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:32] + f"-{digest}-{os.getpid()}"
     create_pool(tierfs_cluster.meta_addrs, name, target_memory=256 << 20, target_disk=1 << 30)
     return name
 
