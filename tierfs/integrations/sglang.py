@@ -167,6 +167,8 @@ class TierFSHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         options: dict[str, Any] = {}
         if extra.get("timeout") is not None:
             options["kv_timeout"] = _seconds(extra, "timeout")
+        if extra.get("transport") is not None:
+            options["transport"] = extra["transport"]  # checked by ClientConfig
         connect_timeout = _seconds(extra, "connect_timeout") if extra.get("connect_timeout") is not None \
             else CONNECT_TIMEOUT
         self._client = connect(self.target, timeout=connect_timeout, **options)
