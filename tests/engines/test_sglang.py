@@ -401,6 +401,9 @@ def test_batch_exists_prefix(servers: tuple[Server, Server], fresh_pool: str) ->
     assert a.call("exists", "ex", keys) == 2
     dest = a.call("alloc", "ex", 5)
     assert a.call("get_v1", "ex", keys[:5], dest)["ok"] == [True, True, False, True, True]
+    # clear() removes what this server stored.
+    assert a.call("call", "ex", "clear") is True
+    assert a.call("exists", "ex", keys[:1]) == 0 and a.call("call", "ex", "exists", keys[4]) is False
 
 
 def test_controller_cross_server(servers: tuple[Server, Server],
