@@ -89,7 +89,8 @@ def _safe(s: str, limit: int = 96) -> str:
     clean = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "_"
     if clean == s and len(s) <= limit:
         return s
-    return f"{clean[: limit - 13]}~{hashlib.sha256(s.encode()).hexdigest()[:12]}"
+    # The tail of a path names the model; the digest keeps the whole unique.
+    return f"{clean[-(limit - 13):]}~{hashlib.sha256(s.encode()).hexdigest()[:12]}"
 
 
 def layout_of(spec: Any, block_size_bytes: int, key_layout: str, namespace: str | None) -> dict[str, Any]:
