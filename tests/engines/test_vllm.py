@@ -394,3 +394,20 @@ def test_page_size_not_matching_stored_objects_fails_at_start_up(engine_env: Non
                        kv_bytes_per_block=8192)
     assert "16384" in msg and "8192" in msg
     start_manager(cfg, kv_bytes_per_block=16384).shutdown()   # the matching engine still starts
+
+
+@pytest.mark.timeout(120)
+def test_engine_start_up_fails_naming_the_pool(llm: Any, reference: list[int], model_dir: str,
+                                               tierfs_meta: str) -> None:
+    """The whole engine, not just the spec: vllm.LLM with an unknown pool
+    fails while it starts, with TierFS's message; the running engine is fine."""
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:
+        make_llm(model_dir, tier_config(meta=tierfs_meta, pool="no-such-pool"))
+    assert time.monotonic() - t0 < 60
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    assert any("'pool'" in m and "unknown KV pool 'no-such-pool'" in m for m in chain), chain
+    assert generate(llm, PROMPT_A)[0] == reference
