@@ -317,7 +317,8 @@ def test_killed_storage_daemon_is_a_miss_and_recompute(llm: Any, reference: list
 
 # ---- bad configuration: vLLM's own spec factory builds the tier, as at engine start-up ----
 
-def spec_config(tier: dict[str, Any], *, kv_bytes_per_block: int = 16384, model: str = "cfg-model") -> Any:
+def spec_config(tier: dict[str, Any], *, kv_bytes_per_block: int = 16384, model: str = "cfg-model",
+                dtype: str = "bfloat16", block: int = BLOCK, tp: int = 1) -> Any:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -328,13 +329,13 @@ def spec_config(tier: dict[str, Any], *, kv_bytes_per_block: int = 16384, model:
 
     extra = kv_transfer_config(tier)["kv_connector_extra_config"]
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK, group_id=0,
+        groups=(OffloadingGroupConfig(tokens_per_block=block, group_id=0,
                                       layer_names=("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")),),
         worker_kv_bytes_per_block=kv_bytes_per_block, enable_kv_cache_events=False,
         extra_config={**extra, "cpu_bytes_to_use": 1 << 20}, engine_id=f"cfg-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=block, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
 
@@ -411,3 +412,30 @@ def test_engine_start_up_fails_naming_the_pool(llm: Any, reference: list[int], m
         err = err.__cause__ or err.__context__
     assert any("'pool'" in m and "unknown KV pool 'no-such-pool'" in m for m in chain), chain
     assert generate(llm, PROMPT_A)[0] == reference
+
+
+@pytest.mark.timeout(60)
+def test_keys_name_the_model_dtype_block_size_and_parallelism(engine_env: None, tierfs_meta: str,
+                                                              vllm_pool: str) -> None:
+    """vLLM's offload key is only a block hash and a group index: the same
+    tokens give the same key under any model. TierFS keys add the model (or
+    namespace), dtype, layout, chunk size and parallel layout."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    key = make_offload_key(bytes(range(32)), 0)
+    variants = {"base": {}, "model": {"model": "org/other-model"}, "dtype": {"dtype": "float16"},
+                "block": {"block": 64, "kv_bytes_per_block": 32768}, "tp": {"tp": 2}}
+    seen: dict[bytes, str] = {}
+    for name, kw in variants.items():
+        manager = start_manager(tier_config(meta=tierfs_meta, pool=vllm_pool), **kw)
+        (tier,) = manager.secondary_tiers
+        k = tier.key_of(key)
+        manager.shutdown()
+        assert k not in seen, f"{name} shares keys with {seen.get(k)}: {k!r}"
+        seen[k] = name
+        if name == "base":
+            assert k == (f"vllm/cfg-model/bfloat16-default-t{BLOCK}-tp1pp1r0/" + bytes(range(32)).hex() + ".0").encode()
+    # The same configuration names the same keys (another process computes them alike).
+    manager = start_manager(tier_config(meta=tierfs_meta, pool=vllm_pool))
+    assert manager.secondary_tiers[0].key_of(key) in seen and seen[manager.secondary_tiers[0].key_of(key)] == "base"
+    manager.shutdown()

@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 
 from tierfs.client import Client
 from tierfs.errors import ConfigError
-from tierfs.integrations.common import connect, resolve
+from tierfs.integrations.common import CONNECT_TIMEOUT, connect, resolve
 
 __all__ = ["KEY_LAYOUTS", "TierFSSecondaryTier", "layout_of"]
 
@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 KEY_LAYOUTS = ("v1",)
 
 _WHERE = "vLLM secondary_tiers[TierFSSecondaryTier]"
-_SETTINGS = ("meta", "pool", "namespace", "key_layout", "locality", "known_keys")
+_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "locality", "known_keys")
+_TRANSPORTS = ("tcp", "shm", "rdma", "auto")
 
 # Metric names (Prometheus, through vLLM's OffloadPromMetrics), labelled by pool.
 LOAD_FAILED_CHUNKS = "vllm:kv_offload_tierfs_load_failed_chunks"
@@ -173,6 +174,7 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, meta: str | list[str] | None = None,
                  pool: str | None = None, namespace: str | None = None, key_layout: str = "v1",
+                 transport: str | None = None, connect_timeout: float = CONNECT_TIMEOUT,
                  locality: str | None = None, known_keys: int = 65536, **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
@@ -181,6 +183,12 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if key_layout not in KEY_LAYOUTS:
             raise ConfigError(f"unknown key layout {key_layout!r} (this TierFS writes {', '.join(KEY_LAYOUTS)})",
                               field=f"{_WHERE} 'key_layout'")
+        if transport is not None and transport not in _TRANSPORTS:
+            raise ConfigError(f"must be one of {', '.join(_TRANSPORTS)}, not {transport!r}",
+                              field=f"{_WHERE} 'transport'")
+        if not isinstance(connect_timeout, (int, float)) or not 0 < connect_timeout <= 300:
+            raise ConfigError(f"must be seconds in (0, 300], not {connect_timeout!r}",
+                              field=f"{_WHERE} 'connect_timeout'")
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
             raise ConfigError(f"must be a non-empty string, not {namespace!r}", field=f"{_WHERE} 'namespace'")
         if locality is not None:
@@ -198,7 +206,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         # each transfer and released when it ends; shutdown() drops it.
         self._flat: memoryview | None = primary_kv_view.cast("B")
         self._rows = len(self._flat) // self.block_size_bytes
-        self._client: Client | None = connect(self._target)
+        options = {"transport": transport} if transport else {}
+        self._client: Client | None = connect(self._target, timeout=float(connect_timeout), **options)
         try:
             self._loop, aclient = self._client._ensure()
             self._akv = self._client._run(_on_loop(lambda: aclient.kv_pool(self.pool)))
