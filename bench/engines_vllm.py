@@ -243,6 +243,25 @@ class Bench:
         self._check()
         return t_primary, t_device
 
+    def direct_get(self) -> float:
+        """The transport's share: one ``batch_get_into`` of the same objects
+        into the same (now free) primary rows, without vLLM's machinery."""
+        self.manager.reset_cache()
+        tier = self.tier
+        bs = tier.block_size_bytes
+        keys = [tier.key_of(k) for k in self.keys]
+        views = [tier._flat[i * bs:(i + 1) * bs] for i in range(self.n)]
+        try:
+            t0 = time.perf_counter()
+            got = tier._kv.batch_get_into(keys, views)
+            elapsed = time.perf_counter() - t0
+        finally:
+            for v in views:
+                v.release()
+        assert got == [bs] * self.n
+        self.manager.reset_cache()
+        return elapsed
+
     def close(self) -> None:
         self.worker.shutdown()
         self.manager.shutdown()
@@ -284,9 +303,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bench.tierfs_hit()
                 cpu = [bench.cpu_hit() for _ in range(args.repeat)]
                 tfs = [bench.tierfs_hit() for _ in range(args.repeat)]
+                direct = [bench.direct_get() for _ in range(args.repeat)]
             finally:
                 bench.close()
-            runs[transport] = {"setup_s": t_setup, "store_s": store, "cpu": cpu, "tierfs": tfs}
+            runs[transport] = {"setup_s": t_setup, "store_s": store, "cpu": cpu, "tierfs": tfs, "direct": direct}
     finally:
         cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -307,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tierfs_to_primary_s": [t for t, _ in r["tierfs"]], "tierfs_to_primary_gbps": gbps(med_primary),
             "tierfs_to_device_s": [t for _, t in r["tierfs"]], "tierfs_to_device_gbps": gbps(med_device),
             "ttft_saved_s": {k: rc - med_device for k, rc in recompute.items()},
+            "batch_get_into_s": r["direct"], "batch_get_into_gbps": gbps(statistics.median(r["direct"])),
         }
     import torch
     import vllm
@@ -355,6 +376,8 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for transport, t in r["tierfs"].items():
         lines += [
+            f"| TierFS ({transport}) batch_get_into alone (the transport's share, no vLLM) | "
+            f"{_fmt_ms(statistics.median(t['batch_get_into_s']))} | {t['batch_get_into_gbps']:.2f} | |",
             f"| TierFS ({transport}) -> vLLM's CPU tier (lookups + promotion) | "
             f"{_fmt_ms(statistics.median(t['tierfs_to_primary_s']))} | {t['tierfs_to_primary_gbps']:.2f} | |",
             f"| TierFS ({transport}) -> KV cache (the above + the same copy) | "

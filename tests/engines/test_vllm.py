@@ -300,7 +300,6 @@ def test_killed_storage_daemon_is_a_miss_and_recompute(llm: Any, reference: list
     keys = order
     assert len(keys) == 14
     killed_storage("storage-1")
-    tier._known.clear()  # as a fresh instance: no memory of what it stored
     with Client(tierfs_meta.split(",")) as c:
         present = c.kv_pool(vllm_pool).batch_contains(keys)
     lead = next((i for i, p in enumerate(present) if not p), len(present))
@@ -310,6 +309,7 @@ def test_killed_storage_daemon_is_a_miss_and_recompute(llm: Any, reference: list
     elapsed = time.monotonic() - t0
     assert tokens == ref_c
     # Chunks up to the first one on the dead daemon load; the rest recompute.
+    # (With 14 chunks over 3 daemons, some land on storage-1 but for 1 run in 300.)
     assert cached == lead * BLOCK
     assert delta(metrics(llm), before, "vllm:external_prefix_cache_hits") == lead * BLOCK
     assert elapsed < 30, f"the request took {elapsed:.1f} s with a daemon down"
@@ -358,10 +358,12 @@ def fails_naming(setting: str, tier: dict[str, Any], *words: str, limit: float =
 
 @pytest.mark.timeout(60)
 def test_bad_cluster_and_pool_fail_at_start_up(engine_env: None, tierfs_meta: str) -> None:
-    fails_naming("'meta'", tier_config(meta="127.0.0.1:9", pool="default"), "cannot reach")
+    fails_naming("'meta'", tier_config(meta="127.0.0.1:9", pool="default", connect_timeout=3), "cannot reach",
+                 "within 3 s", limit=10)
     fails_naming("'pool'", tier_config(meta=tierfs_meta, pool="no-such-pool"), "unknown KV pool")
     fails_naming("'meta'", tier_config(meta="not-an-address"), "host:port")
     fails_naming("'colour'", tier_config(meta=tierfs_meta, colour="blue"), "unknown setting")
+    fails_naming("'transport'", tier_config(meta=tierfs_meta, transport="carrier-pigeon"), "tcp, shm")
 
 
 @pytest.mark.timeout(60)

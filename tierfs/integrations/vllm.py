@@ -282,6 +282,9 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
+        if not found and self._known:
+            # Gone from the pool (evicted, a daemon lost it): store it again.
+            self._known.pop(self.key_of(key), None)
         return LookupResult.HIT if found else LookupResult.MISS
 
     def _row_views(self, chunk_ids: Any) -> list[memoryview]:
