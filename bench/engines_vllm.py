@@ -244,8 +244,9 @@ class Bench:
         return t_primary, t_device
 
     def direct_get(self) -> float:
-        """The transport's share: one ``batch_get_into`` of the same objects
-        into the same (now free) primary rows, without vLLM's machinery."""
+        """The transport's share: ``batch_get_into`` of the same objects into
+        the same (now free) primary rows, batched as the tier batches, without
+        vLLM's machinery."""
         self.manager.reset_cache()
         tier = self.tier
         bs = tier.block_size_bytes
@@ -253,7 +254,9 @@ class Bench:
         views = [tier._flat[i * bs:(i + 1) * bs] for i in range(self.n)]
         try:
             t0 = time.perf_counter()
-            got = tier._kv.batch_get_into(keys, views)
+            got: list[int | None] = []
+            for r in tier._batches(self.n):   # the tier's own batching (its batch_bytes)
+                got += tier._kv.batch_get_into([keys[i] for i in r], [views[i] for i in r])
             elapsed = time.perf_counter() - t0
         finally:
             for v in views:

@@ -278,6 +278,37 @@ def test_new_process_reuses_what_another_instance_stored(llm: Any, reference: li
     assert got["cached"] == 6 * BLOCK and got["external"] == 6 * BLOCK
 
 
+@pytest.mark.timeout(120)
+def test_object_gone_between_lookup_and_load_is_recomputed(llm: Any, reference: list[int],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup saw all 6 chunks; the third is deleted from the pool just
+    before the load reads it (as an eviction would). vLLM keeps the chunks
+    that loaded (successful_keys), recomputes from the gap on, and the tokens
+    are unchanged; the chunk is stored again."""
+    tier = the_tier(llm)
+    reset(llm)
+    real = tier._akv.batch_get_into
+    gone: list[bytes] = []
+
+    async def evicting(keys: list[bytes], bufs: list[memoryview]) -> list[int | None]:
+        if not gone and len(keys) == 6:
+            gone.append(keys[2])
+            assert await tier._akv.delete(keys[2])
+        return list(await real(keys, bufs))
+
+    monkeypatch.setattr(tier._akv, "batch_get_into", evicting)
+    before = metrics(llm)
+    tokens, cached = generate(llm, PROMPT_A)
+    monkeypatch.undo()
+    after = metrics(llm)
+    assert gone and tokens == reference
+    assert cached == 2 * BLOCK
+    assert delta(after, before, "vllm:kv_offload_tierfs_load_failed_chunks") == 1
+    assert delta(after, before, "vllm:kv_offload_tiering_promotion_job_failures") == 1
+    reset(llm)      # drains the re-store of the recomputed chunks
+    assert tier._kv.batch_contains(gone) == [True]
+
+
 @pytest.mark.timeout(180)
 def test_killed_storage_daemon_is_a_miss_and_recompute(llm: Any, reference: list[int], killed_storage: Any,
                                                        tierfs_meta: str, vllm_pool: str,

@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 KEY_LAYOUTS = ("v1",)
 
 _WHERE = "vLLM secondary_tiers[TierFSSecondaryTier]"
-_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "locality", "known_keys")
+_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "batch_bytes", "locality",
+             "known_keys")
 _TRANSPORTS = ("tcp", "shm", "rdma", "auto")
 
 # Metric names (Prometheus, through vLLM's OffloadPromMetrics), labelled by pool.
@@ -175,7 +176,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                  backpressure_detector: Any = None, *, meta: str | list[str] | None = None,
                  pool: str | None = None, namespace: str | None = None, key_layout: str = "v1",
                  transport: str | None = None, connect_timeout: float = CONNECT_TIMEOUT,
-                 locality: str | None = None, known_keys: int = 65536, **unknown: Any) -> None:
+                 batch_bytes: int = 32 << 20, locality: str | None = None, known_keys: int = 65536,
+                 **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
             raise ConfigError(f"unknown setting(s) {', '.join(sorted(unknown))} (known: {', '.join(_SETTINGS)})",
@@ -189,6 +191,10 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if not isinstance(connect_timeout, (int, float)) or not 0 < connect_timeout <= 300:
             raise ConfigError(f"must be seconds in (0, 300], not {connect_timeout!r}",
                               field=f"{_WHERE} 'connect_timeout'")
+        if not isinstance(batch_bytes, int) or batch_bytes <= 0:
+            raise ConfigError(f"must be a positive number of bytes, not {batch_bytes!r}",
+                              field=f"{_WHERE} 'batch_bytes'")
+        self._batch_bytes = batch_bytes
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
             raise ConfigError(f"must be a non-empty string, not {namespace!r}", field=f"{_WHERE} 'namespace'")
         if locality is not None:
@@ -325,15 +331,40 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def _job_done(self, job_id: int, _future: concurrent.futures.Future[Any]) -> None:
         self._finished.put(job_id)  # on the loop thread; SimpleQueue is thread-safe
 
-    async def _store(self, tkeys: list[bytes], views: list[memoryview]) -> None:
-        if tkeys:
-            await self._akv.batch_put(tkeys, views)
+    def _batches(self, n: int) -> list[range]:
+        # A TierFS batch has one deadline (kv_timeout) for all its bytes, so a
+        # 512 MiB prefix in one call would need 256 MB/s to make it: bounded
+        # batches, one after another, keep every call well inside it.
+        per = max(1, self._batch_bytes // self.block_size_bytes)
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
-    async def _load(self, tkeys: list[bytes], views: list[memoryview]) -> list[int | None]:
-        if not tkeys:
-            return []
-        got: list[int | None] = await self._akv.batch_get_into(tkeys, views)
-        return got
+    async def _store(self, tkeys: list[bytes], views: list[memoryview]) -> tuple[list[bool], Exception | None]:
+        """Which keys the pool now has (stored, or there already), and the
+        last error: a failed batch does not stop the others."""
+        ok = [False] * len(tkeys)
+        error: Exception | None = None
+        for r in self._batches(len(tkeys)):
+            try:
+                await self._akv.batch_put([tkeys[i] for i in r], [views[i] for i in r])
+            except Exception as e:  # a cache: a failed store is a later miss
+                error = e
+                continue
+            for i in r:
+                ok[i] = True
+        return ok, error
+
+    async def _load(self, tkeys: list[bytes], views: list[memoryview]) -> tuple[list[int | None], Exception | None]:
+        sizes: list[int | None] = [None] * len(tkeys)
+        error: Exception | None = None
+        for r in self._batches(len(tkeys)):
+            try:
+                got = await self._akv.batch_get_into([tkeys[i] for i in r], [views[i] for i in r])
+            except Exception as e:  # a miss: vLLM recomputes it
+                error = e
+                continue
+            for i, n in zip(r, got, strict=True):
+                sizes[i] = n
+        return sizes, error
 
     def get_finished_jobs(self) -> Iterable[Any]:
         results = []
@@ -353,20 +384,23 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             # Still exported by a buffer the client holds: it goes with that.
             with contextlib.suppress(BufferError):
                 v.release()
-        error = job.future.exception()
+        raised = job.future.exception()
+        n = len(job.keys)
         if not job.is_load:
-            if error is not None:
-                log.warning("TierFS store of %d chunks to pool %r failed: %s", len(job.keys), self.pool, error)
-                self._stats.increase_counter(STORE_FAILED_CHUNKS, len(job.keys), self._label)
-                return JobResult(job_id=job_id, success=False, transfer_time=elapsed)
-            for k in job.keys:
-                self._remember(self.key_of(k))
-            return JobResult(job_id=job_id, success=True, transfer_time=elapsed,
-                             transfer_bytes=len(job.keys) * bs)
-        sizes = job.future.result() if error is None else [None] * len(job.keys)
+            stored, error = job.future.result() if raised is None else ([False] * n, raised)
+            for k, done in zip(job.keys, stored, strict=True):
+                if done:
+                    self._remember(self.key_of(k))
+            good = sum(stored)
+            if good < n:
+                log.warning("TierFS store of %d of %d chunks to pool %r failed: %s", n - good, n, self.pool, error)
+                self._stats.increase_counter(STORE_FAILED_CHUNKS, n - good, self._label)
+                return JobResult(job_id=job_id, success=False, transfer_time=elapsed, transfer_bytes=good * bs)
+            return JobResult(job_id=job_id, success=True, transfer_time=elapsed, transfer_bytes=n * bs)
+        sizes, error = job.future.result() if raised is None else ([None] * n, raised)
         if error is not None:
-            log.warning("TierFS load of %d chunks from pool %r failed: %s", len(job.keys), self.pool, error)
-        ok = [k for k, n in zip(job.keys, sizes, strict=True) if n == bs]
+            log.warning("TierFS load from pool %r failed for some of %d chunks: %s", self.pool, n, error)
+        ok = [k for k, got in zip(job.keys, sizes, strict=True) if got == bs]
         for k in ok:
             self._remember(self.key_of(k))
         if len(ok) == len(job.keys):
