@@ -174,10 +174,12 @@ def llm(engine_env: None, model_dir: str, tierfs_meta: str, vllm_pool: str) -> I
     engine = make_llm(model_dir, tier_config(meta=tierfs_meta, pool=vllm_pool))
     yield engine
     tier = the_tier(engine)
+    manager = engine.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+    mapping = manager.primary_tier._mmap_region.mmap_obj
     engine.llm_engine.engine_core.shutdown()
-    # shutdown() dropped the tier's views of the primary buffer (vLLM unmaps
-    # it right after; a live view would make that fail) and its client.
-    assert tier._flat is None and tier._client is None
+    # shutdown() dropped the tier's views of the primary buffer, so vLLM could
+    # unmap it (a live view makes mmap.close fail), and closed its client.
+    assert tier._flat is None and tier._client is None and mapping.closed
 
 
 @pytest.fixture(scope="module")
@@ -406,8 +408,11 @@ def test_wrong_key_layout_fails_at_start_up(engine_env: None, tierfs_meta: str, 
     manager = start_manager(good)
     (tier,) = manager.secondary_tiers
     mkey = tier.prefix + "manifest"
-    manager.shutdown()   # unmaps the primary buffer: the tier dropped its views
-    assert tier._flat is None
+    mapping = manager.primary_tier._mmap_region.mmap_obj
+    manager.shutdown()
+    # vLLM could unmap the primary buffer: no view of it was left (mmap.close
+    # refuses while one is exported, and vLLM only logs that).
+    assert tier._flat is None and mapping.closed
     # The namespace was written with another key layout (a later TierFS, say).
     with Client(tierfs_meta.split(",")) as c:
         kv = c.kv_pool(vllm_pool)
