@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= ./.tierfs
 PYTEST_ARGS ?=
 
-.PHONY: install system proto proto-check lint test run bench bench-deps soak clean down engines
+.PHONY: install system proto proto-check lint test run bench bench-deps bench-engines soak clean down engines
 
 install: $(STAMP)
 
@@ -86,8 +86,23 @@ $(BENCH_STAMP): bench/requirements-kv.txt bench/constraints-kv.txt
 		-r bench/requirements-kv.txt -c bench/constraints-kv.txt
 	touch $@
 
-bench: install bench-deps
+bench: install bench-deps bench-engines
 	$(BIN)/python -m bench.run
+
+# The engine adapters' benchmarks (bench/engines_*.py), in the engines venv:
+# each loads a 4,096-token 8B-layout prefix through TierFS and through the
+# alternative users have today (LMCache's Redis backend, SGLang's mooncake
+# backend, vLLM's CPU tier alone); results in bench/results/engines_*.
+ENGINES_BENCH_STAMP := $(ENGINES_VENV)/.bench-installed
+
+$(ENGINES_BENCH_STAMP): $(ENGINES_STAMP) deploy/engines/bench.txt
+	$(EBIN)/python -m pip install -q --disable-pip-version-check --no-deps -r deploy/engines/bench.txt
+	touch $@
+
+bench-engines: .stamp-bench-system $(ENGINES_BENCH_STAMP)
+	$(EBIN)/python -m bench.engines_vllm
+	$(EBIN)/python -m bench.engines_sglang
+	$(EBIN)/python -m bench.engines_lmcache
 
 # The randomized fault soak for 10 minutes (make test runs it for 30 s), then
 # the model-based checker's random walks for 10 minutes (make test runs a
