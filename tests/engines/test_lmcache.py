@@ -1,0 +1,301 @@
+"""LMCache 0.5.6 through TierFS: a real ``LMCacheEngine`` built by
+``LMCacheEngineBuilder`` from an ``LMCacheEngineConfig`` that names our
+plugin (``remote_storage_plugins: ["tierfs"]``), so LMCache's storage
+manager, its ``RemoteBackend``, its connector loader and its CPU backend's
+allocator are the ones that run; only the "GPU connector" (the copy between
+the serving engine's KV cache and LMCache's chunks) is ours, over CPU
+tensors, because LMCache 0.5.6 ships none for CPU (its MockGPUConnector
+copies nothing).
+
+The hot CPU cache is off (``local_cpu: False``), so every hit is a TierFS
+read; the tests also check the cluster holds the objects and that the bytes
+came back through the connector."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    # LMCache 0.5.6's logger setup uses opentelemetry-sdk's deprecated
+    # LoggingHandler (a DeprecationWarning at import; the suite makes warnings errors).
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    from tierfs.integrations.lmcache import META_KEY, POOL_KEY, TierFSConnector, object_key
+
+from tests.engines.conftest import create_pool, wait_for
+from tierfs.client import Client
+from tierfs.errors import ConfigError
+
+# A tiny layout: 4 layers x 2 KV heads x 16 dims, bf16, 16-token chunks
+# (512 bytes a token, 8 KiB a chunk).
+LAYERS, HEADS, DIM, CHUNK = 4, 2, 16, 16
+N_CHUNKS = 32
+TOKEN_BYTES = 2 * LAYERS * HEADS * DIM * 2
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    # LMCache's token database imports vLLM (for its hash functions), whose
+    # torch.jit and other imports warn on this torch.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+class CPUKVConnector(GPUConnectorInterface):  # type: ignore[misc]
+    """The serving engine's KV cache as one CPU tensor per request,
+    ``[2, layers, tokens, heads*dim]`` (LMCache's KV_2LTD chunk layout), passed
+    as ``kvcaches=`` to store/retrieve."""
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+        memory_obj.tensor.copy_(kw["kvcaches"][:, :, start:end])
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+        kw["kvcaches"][:, :, start:end].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+        for m, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(m, s, e, **kw)
+
+    def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kw: Any) -> None:
+        for m, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(m, s, e, **kw)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, LAYERS, num_tokens, HEADS * DIM])
+
+
+def plugin_config(**extra: Any) -> dict[str, Any]:
+    return {"remote_storage_plugin.tierfs.module_path": "tierfs.integrations.lmcache",
+            "remote_storage_plugin.tierfs.class_name": "TierFSConnector", **extra}
+
+
+def metadata() -> LMCacheMetadata:
+    return LMCacheMetadata(model_name="tiny-llama", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
+                           chunk_size=CHUNK)
+
+
+EngineFactory = Callable[..., Any]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[EngineFactory]:
+    """``make_engine(extra_config)``: a new LMCacheEngine (its own builder
+    instance id, so its own storage manager and empty CPU backend)."""
+    made: list[str] = []
+
+    def make(extra: dict[str, Any]) -> Any:
+        iid = f"tierfs-test-{len(made)}-{time.monotonic_ns()}"
+        cfg = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.03, remote_storage_plugins=["tierfs"],
+            extra_config=extra, lmcache_instance_id=iid)
+        engine = LMCacheEngineBuilder.get_or_create(iid, cfg, metadata(), CPUKVConnector(),
+                                                    lambda t, r: None, lambda o, r: o)
+        made.append(iid)
+        engine.post_init()
+        return engine
+
+    yield make
+    for iid in made:
+        engine = LMCacheEngineBuilder.get(iid)
+        LMCacheEngineBuilder.destroy(iid)
+        sm = getattr(engine, "storage_manager", None)
+        if sm is not None and not sm.thread.is_alive():
+            # LMCache stops its storage loop but never closes it (a
+            # ResourceWarning when it is collected, inside a later test).
+            sm.loop.close()
+
+
+def connector(engine: Any) -> TierFSConnector | None:
+    conn = engine.storage_manager.storage_backends["RemoteBackend-tierfs"].connection
+    return None if conn is None else conn.getWrappedConnector()
+
+
+def chunk_keys(engine: Any, tokens: torch.Tensor) -> list[str]:
+    conn = connector(engine)
+    assert conn is not None
+    return [object_key(k, conn.layout) for _, _, k in engine.token_database.process_tokens(tokens=tokens)]
+
+
+def tierfs_hits(engine: Any) -> int:
+    conn = connector(engine)
+    assert conn is not None
+    return int(conn.kv.stats()["cluster"]["hits"])
+
+
+@pytest.fixture(scope="module")
+def pool(tierfs_cluster: Any) -> str:
+    name = f"lmcache-{os.getpid()}"
+    create_pool(tierfs_cluster.meta_addrs, name, target_memory=64 << 20, target_disk=256 << 20)
+    return name
+
+
+@pytest.fixture(scope="module")
+def kv_client(tierfs_meta: str, pool: str) -> Iterator[Any]:
+    with Client(tierfs_meta) as c:
+        yield c.kv_pool(pool)
+
+
+def random_kv(n_tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, LAYERS, n_tokens, HEADS * DIM, generator=g).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def stored() -> dict[str, Any]:
+    """What the first test stored, for the tests after it."""
+    return {}
+
+
+def test_store_lookup_retrieve_through_tierfs(make_engine: EngineFactory, tierfs_meta: str, pool: str,
+                                              kv_client: Any, stored: dict[str, Any]) -> None:
+    engine = make_engine(plugin_config(**{META_KEY: tierfs_meta, POOL_KEY: pool}))
+    assert isinstance(connector(engine), TierFSConnector)
+    tokens = torch.arange(1000, 1000 + N_CHUNKS * CHUNK)
+    kv = random_kv(len(tokens), seed=1)
+    engine.store(tokens, kvcaches=kv)
+    keys = chunk_keys(engine, tokens)
+    assert len(keys) == N_CHUNKS
+    # The puts are asynchronous (LMCache's remote backend): wait for the cluster to hold them all.
+    wait_for(lambda: kv_client.batch_exists(keys) == N_CHUNKS, 20, "the chunks in the TierFS pool")
+    assert kv_client.get(keys[0]) == kv[:, :, :CHUNK].contiguous().view(torch.uint8).numpy().tobytes()
+
+    assert engine.lookup(tokens) == len(tokens)
+    cpu = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    first = next(iter(engine.token_database.process_tokens(tokens=tokens)))[2]
+    assert not cpu.contains(first), "the hot CPU cache is off: hits must come from TierFS"
+
+    hits = tierfs_hits(engine)
+    out = torch.zeros_like(kv)
+    mask = engine.retrieve(tokens, kvcaches=out)
+    assert int(mask.sum()) == len(tokens)
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16)), "retrieved KV differs from what was stored"
+    assert tierfs_hits(engine) - hits == N_CHUNKS
+    stored.update(tokens=tokens, kv=kv, keys=keys)
+
+
+def test_second_instance_reuses_what_the_first_stored(make_engine: EngineFactory, tierfs_env: str, pool: str,
+                                                      stored: dict[str, Any]) -> None:
+    if not stored:
+        pytest.skip("needs test_store_lookup_retrieve_through_tierfs")
+    # Cluster from TIERFS_META (the fallback), pool from extra_config.
+    engine = make_engine(plugin_config(**{POOL_KEY: pool}))
+    tokens, kv = stored["tokens"], stored["kv"]
+    assert engine.lookup(tokens) == len(tokens)
+    out = torch.zeros_like(kv)
+    mask = engine.retrieve(tokens, kvcaches=out)
+    assert int(mask.sum()) == len(tokens)
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    assert tierfs_hits(engine) == N_CHUNKS
+
+    # A request sharing the first 10 chunks and then diverging hits exactly those.
+    other = torch.cat([tokens[:10 * CHUNK], torch.arange(50_000, 50_000 + 6 * CHUNK)])
+    assert engine.lookup(other) == 10 * CHUNK
+    out2 = torch.zeros(2, LAYERS, len(other), HEADS * DIM, dtype=torch.bfloat16)
+    mask2 = engine.retrieve(other, kvcaches=out2)
+    assert int(mask2.sum()) == 10 * CHUNK and bool(mask2[:10 * CHUNK].all())
+    assert torch.equal(out2[:, :, :10 * CHUNK].view(torch.int16), kv[:, :, :10 * CHUNK].view(torch.int16))
+
+
+def test_wrong_sized_object_is_a_miss_not_wrong_bytes(make_engine: EngineFactory, tierfs_meta: str, pool: str,
+                                                      kv_client: Any) -> None:
+    engine = make_engine(plugin_config(**{META_KEY: tierfs_meta, POOL_KEY: pool}))
+    tokens = torch.arange(7000, 7000 + 4 * CHUNK)
+    keys = chunk_keys(engine, tokens)
+    kv = random_kv(len(tokens), seed=3)
+    # Chunks 0 and 1 are right; chunk 2 holds a size that is no whole number
+    # of tokens of this layout (someone else's bytes under the same name).
+    for i in (0, 1):
+        kv_client.put(keys[i], kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous().view(torch.uint8).numpy())
+    kv_client.put(keys[2], b"\x7f" * (TOKEN_BYTES * 3 + 100))
+    kv_client.put(keys[3], kv[:, :, 3 * CHUNK:].contiguous().view(torch.uint8).numpy())
+    assert engine.lookup(tokens) == len(tokens)  # present, by name
+    out = torch.zeros_like(kv)
+    mask = engine.retrieve(tokens, kvcaches=out)
+    assert int(mask.sum()) == 2 * CHUNK and bool(mask[:2 * CHUNK].all())
+    assert torch.equal(out[:, :, :2 * CHUNK].view(torch.int16), kv[:, :, :2 * CHUNK].view(torch.int16))
+    assert not out[:, :, 2 * CHUNK:].view(torch.int16).any(), "bytes of a mismatched object were written"
+
+
+def test_lookup_after_storage_daemon_killed_is_a_miss(make_engine: EngineFactory, tierfs_meta: str, pool: str,
+                                                      kv_client: Any, stored: dict[str, Any],
+                                                      killed_storage: Callable[[str], None]) -> None:
+    if not stored:
+        pytest.skip("needs test_store_lookup_retrieve_through_tierfs")
+    engine = make_engine(plugin_config(**{META_KEY: tierfs_meta, POOL_KEY: pool}))
+    tokens, kv, keys = stored["tokens"], stored["kv"], stored["keys"]
+    killed_storage("storage-1")
+    # replica:1, 32 chunks over 3 daemons: the dead one held some (chance of none: (2/3)^32).
+    present = kv_client.batch_contains(keys)
+    assert not all(present)
+    expect = present.index(False) * CHUNK
+    t0 = time.monotonic()
+    assert engine.lookup(tokens) == expect
+    out = torch.zeros_like(kv)
+    mask = engine.retrieve(tokens, kvcaches=out)
+    assert int(mask.sum()) == expect
+    assert torch.equal(out[:, :, :expect].view(torch.int16), kv[:, :, :expect].view(torch.int16))
+    # New chunks whose daemon is dead are failed puts that LMCache logs; the engine carries on.
+    fresh = torch.arange(90_000, 90_000 + 8 * CHUNK)
+    engine.store(fresh, kvcaches=random_kv(len(fresh), seed=4))
+    assert engine.lookup(fresh) <= len(fresh)
+    assert time.monotonic() - t0 < 20
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.timeout(45)
+@pytest.mark.parametrize("case", ["unreachable", "unknown-pool"])
+def test_bad_configuration_fails_at_start_up_naming_the_setting(
+        case: str, make_engine: EngineFactory, tierfs_meta: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERFS_META", raising=False)
+    if case == "unreachable":
+        extra, setting = {META_KEY: "127.0.0.1:1"}, META_KEY
+    else:
+        extra, setting = {META_KEY: tierfs_meta, POOL_KEY: "no-such-pool"}, POOL_KEY
+    remote_log = logging.getLogger("lmcache.v1.storage_backend.remote_backend")
+    records = _Records()
+    remote_log.addHandler(records)
+    t0 = time.monotonic()
+    try:
+        engine = make_engine(plugin_config(**extra))
+    finally:
+        remote_log.removeHandler(records)
+    took = time.monotonic() - t0
+    assert took < 25, f"start-up took {took:.1f} s"
+    # LMCache 0.5.6 logs a remote connector that fails to start and runs on
+    # without it (RemoteBackend.init_connection); the connector's error is
+    # what names the setting.
+    failed = [line for line in records.lines if "Failed to initialize" in line]
+    assert failed and setting in failed[0], records.lines
+    assert connector(engine) is None
+    tokens = torch.arange(64)
+    engine.store(tokens, kvcaches=random_kv(len(tokens), seed=5))
+    assert engine.lookup(tokens) == 0
+
+    if case == "unreachable":
+        return  # the direct check below would wait out the connect timeout a second time
+    # The connector itself, as LMCache's loader constructs it, raises ConfigError naming it.
+    cpu = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    with pytest.raises(ConfigError) as e:
+        TierFSConnector(loop=engine.storage_manager.loop, local_cpu_backend=cpu, config=cpu.config)
+    assert e.value.field.endswith(repr(setting))
