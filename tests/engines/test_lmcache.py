@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -31,8 +32,15 @@ with warnings.catch_warnings():
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.gpu_connector import GPUConnectorInterface
     from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector import CreateConnector
 
-    from tierfs.integrations.lmcache import META_KEY, POOL_KEY, TierFSConnector, object_key
+    from tierfs.integrations.lmcache import (
+        META_KEY,
+        POOL_KEY,
+        TIMEOUT_KEY,
+        TierFSConnector,
+        object_key,
+    )
 
 from tests.engines.conftest import create_pool, wait_for
 from tierfs.client import Client
@@ -43,6 +51,8 @@ from tierfs.errors import ConfigError
 LAYERS, HEADS, DIM, CHUNK = 4, 2, 16, 16
 N_CHUNKS = 32
 TOKEN_BYTES = 2 * LAYERS * HEADS * DIM * 2
+#: Free CPU memory of each engine is filled with this byte.
+POISON = 0x55
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -90,10 +100,12 @@ def metadata() -> LMCacheMetadata:
 EngineFactory = Callable[..., Any]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def make_engine() -> Iterator[EngineFactory]:
     """``make_engine(extra_config)``: a new LMCacheEngine (its own builder
-    instance id, so its own storage manager and empty CPU backend)."""
+    instance id, so its own storage manager and empty CPU backend), its free
+    CPU memory filled with a pattern so that a chunk whose bytes did not land
+    from TierFS shows. Destroyed when the module's tests are done."""
     made: list[str] = []
 
     def make(extra: dict[str, Any]) -> Any:
@@ -105,6 +117,7 @@ def make_engine() -> Iterator[EngineFactory]:
                                                     lambda t, r: None, lambda o, r: o)
         made.append(iid)
         engine.post_init()
+        cpu_backend(engine).memory_allocator.buffer.fill_(POISON)
         return engine
 
     yield make
@@ -116,6 +129,10 @@ def make_engine() -> Iterator[EngineFactory]:
             # LMCache stops its storage loop but never closes it (a
             # ResourceWarning when it is collected, inside a later test).
             sm.loop.close()
+
+
+def cpu_backend(engine: Any) -> Any:
+    return engine.storage_manager.storage_backends["LocalCPUBackend"]
 
 
 def connector(engine: Any) -> TierFSConnector | None:
@@ -135,6 +152,20 @@ def tierfs_hits(engine: Any) -> int:
     return int(conn.kv.stats()["cluster"]["hits"])
 
 
+def random_kv(n_tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, LAYERS, n_tokens, HEADS * DIM, generator=g).to(torch.bfloat16)
+
+
+def chunk_bytes(kv: torch.Tensor, i: int) -> bytes:
+    return bytes(kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (bf16 compared as int16: -0.0 and NaN patterns count)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.fixture(scope="module")
 def pool(tierfs_cluster: Any) -> str:
     name = f"lmcache-{os.getpid()}"
@@ -148,19 +179,18 @@ def kv_client(tierfs_meta: str, pool: str) -> Iterator[Any]:
         yield c.kv_pool(pool)
 
 
-def random_kv(n_tokens: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, LAYERS, n_tokens, HEADS * DIM, generator=g).to(torch.bfloat16)
+@dataclass
+class Stored:
+    engine: Any
+    tokens: torch.Tensor
+    kv: torch.Tensor
+    keys: list[str]
 
 
 @pytest.fixture(scope="module")
-def stored() -> dict[str, Any]:
-    """What the first test stored, for the tests after it."""
-    return {}
-
-
-def test_store_lookup_retrieve_through_tierfs(make_engine: EngineFactory, tierfs_meta: str, pool: str,
-                                              kv_client: Any, stored: dict[str, Any]) -> None:
+def stored(make_engine: EngineFactory, tierfs_meta: str, pool: str, kv_client: Any) -> Stored:
+    """Engine A (cluster and pool from extra_config) stored a 32-chunk prefix,
+    and the cluster holds every chunk."""
     engine = make_engine(plugin_config(**{META_KEY: tierfs_meta, POOL_KEY: pool}))
     assert isinstance(connector(engine), TierFSConnector)
     tokens = torch.arange(1000, 1000 + N_CHUNKS * CHUNK)
@@ -168,36 +198,40 @@ def test_store_lookup_retrieve_through_tierfs(make_engine: EngineFactory, tierfs
     engine.store(tokens, kvcaches=kv)
     keys = chunk_keys(engine, tokens)
     assert len(keys) == N_CHUNKS
-    # The puts are asynchronous (LMCache's remote backend): wait for the cluster to hold them all.
+    # LMCache's remote puts are asynchronous: wait for the pool to hold them all.
     wait_for(lambda: kv_client.batch_exists(keys) == N_CHUNKS, 20, "the chunks in the TierFS pool")
-    assert kv_client.get(keys[0]) == kv[:, :, :CHUNK].contiguous().view(torch.uint8).numpy().tobytes()
+    return Stored(engine, tokens, kv, keys)
+
+
+def test_store_lookup_retrieve_through_tierfs(stored: Stored, kv_client: Any) -> None:
+    engine, tokens, kv = stored.engine, stored.tokens, stored.kv
+    # The cluster holds each chunk's KV bytes, as LMCache's CPU MemoryObj held them.
+    assert kv_client.get(stored.keys[0]) == chunk_bytes(kv, 0)
+    assert kv_client.get(stored.keys[-1]) == chunk_bytes(kv, N_CHUNKS - 1)
 
     assert engine.lookup(tokens) == len(tokens)
-    cpu = engine.storage_manager.storage_backends["LocalCPUBackend"]
     first = next(iter(engine.token_database.process_tokens(tokens=tokens)))[2]
-    assert not cpu.contains(first), "the hot CPU cache is off: hits must come from TierFS"
+    assert not cpu_backend(engine).contains(first), "the hot CPU cache is off: hits must come from TierFS"
 
+    cpu_backend(engine).memory_allocator.buffer.fill_(POISON)  # the chunks the store left behind
     hits = tierfs_hits(engine)
     out = torch.zeros_like(kv)
     mask = engine.retrieve(tokens, kvcaches=out)
     assert int(mask.sum()) == len(tokens)
-    assert torch.equal(out.view(torch.int16), kv.view(torch.int16)), "retrieved KV differs from what was stored"
-    assert tierfs_hits(engine) - hits == N_CHUNKS
-    stored.update(tokens=tokens, kv=kv, keys=keys)
+    assert same(out, kv), "retrieved KV differs from what was stored"
+    assert tierfs_hits(engine) - hits == N_CHUNKS, "the chunks did not come from TierFS"
 
 
 def test_second_instance_reuses_what_the_first_stored(make_engine: EngineFactory, tierfs_env: str, pool: str,
-                                                      stored: dict[str, Any]) -> None:
-    if not stored:
-        pytest.skip("needs test_store_lookup_retrieve_through_tierfs")
+                                                      stored: Stored) -> None:
     # Cluster from TIERFS_META (the fallback), pool from extra_config.
     engine = make_engine(plugin_config(**{POOL_KEY: pool}))
-    tokens, kv = stored["tokens"], stored["kv"]
+    tokens, kv = stored.tokens, stored.kv
     assert engine.lookup(tokens) == len(tokens)
     out = torch.zeros_like(kv)
     mask = engine.retrieve(tokens, kvcaches=out)
     assert int(mask.sum()) == len(tokens)
-    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    assert same(out, kv)
     assert tierfs_hits(engine) == N_CHUNKS
 
     # A request sharing the first 10 chunks and then diverging hits exactly those.
@@ -206,7 +240,7 @@ def test_second_instance_reuses_what_the_first_stored(make_engine: EngineFactory
     out2 = torch.zeros(2, LAYERS, len(other), HEADS * DIM, dtype=torch.bfloat16)
     mask2 = engine.retrieve(other, kvcaches=out2)
     assert int(mask2.sum()) == 10 * CHUNK and bool(mask2[:10 * CHUNK].all())
-    assert torch.equal(out2[:, :, :10 * CHUNK].view(torch.int16), kv[:, :, :10 * CHUNK].view(torch.int16))
+    assert same(out2[:, :, :10 * CHUNK], kv[:, :, :10 * CHUNK])
 
 
 def test_wrong_sized_object_is_a_miss_not_wrong_bytes(make_engine: EngineFactory, tierfs_meta: str, pool: str,
@@ -215,30 +249,27 @@ def test_wrong_sized_object_is_a_miss_not_wrong_bytes(make_engine: EngineFactory
     tokens = torch.arange(7000, 7000 + 4 * CHUNK)
     keys = chunk_keys(engine, tokens)
     kv = random_kv(len(tokens), seed=3)
-    # Chunks 0 and 1 are right; chunk 2 holds a size that is no whole number
-    # of tokens of this layout (someone else's bytes under the same name).
-    for i in (0, 1):
-        kv_client.put(keys[i], kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous().view(torch.uint8).numpy())
+    # Chunks 0, 1 and 3 are right; chunk 2 holds a size that is no whole
+    # number of tokens of this layout (other bytes under the same name).
+    for i in (0, 1, 3):
+        kv_client.put(keys[i], chunk_bytes(kv, i))
     kv_client.put(keys[2], b"\x7f" * (TOKEN_BYTES * 3 + 100))
-    kv_client.put(keys[3], kv[:, :, 3 * CHUNK:].contiguous().view(torch.uint8).numpy())
     assert engine.lookup(tokens) == len(tokens)  # present, by name
     out = torch.zeros_like(kv)
     mask = engine.retrieve(tokens, kvcaches=out)
     assert int(mask.sum()) == 2 * CHUNK and bool(mask[:2 * CHUNK].all())
-    assert torch.equal(out[:, :, :2 * CHUNK].view(torch.int16), kv[:, :, :2 * CHUNK].view(torch.int16))
+    assert same(out[:, :, :2 * CHUNK], kv[:, :, :2 * CHUNK])
     assert not out[:, :, 2 * CHUNK:].view(torch.int16).any(), "bytes of a mismatched object were written"
 
 
 def test_lookup_after_storage_daemon_killed_is_a_miss(make_engine: EngineFactory, tierfs_meta: str, pool: str,
-                                                      kv_client: Any, stored: dict[str, Any],
+                                                      kv_client: Any, stored: Stored,
                                                       killed_storage: Callable[[str], None]) -> None:
-    if not stored:
-        pytest.skip("needs test_store_lookup_retrieve_through_tierfs")
     engine = make_engine(plugin_config(**{META_KEY: tierfs_meta, POOL_KEY: pool}))
-    tokens, kv, keys = stored["tokens"], stored["kv"], stored["keys"]
+    tokens, kv = stored.tokens, stored.kv
     killed_storage("storage-1")
     # replica:1, 32 chunks over 3 daemons: the dead one held some (chance of none: (2/3)^32).
-    present = kv_client.batch_contains(keys)
+    present = kv_client.batch_contains(stored.keys)
     assert not all(present)
     expect = present.index(False) * CHUNK
     t0 = time.monotonic()
@@ -246,7 +277,8 @@ def test_lookup_after_storage_daemon_killed_is_a_miss(make_engine: EngineFactory
     out = torch.zeros_like(kv)
     mask = engine.retrieve(tokens, kvcaches=out)
     assert int(mask.sum()) == expect
-    assert torch.equal(out[:, :, :expect].view(torch.int16), kv[:, :, :expect].view(torch.int16))
+    assert same(out[:, :, :expect], kv[:, :, :expect])
+    assert not out[:, :, expect:].view(torch.int16).any()
     # New chunks whose daemon is dead are failed puts that LMCache logs; the engine carries on.
     fresh = torch.arange(90_000, 90_000 + 8 * CHUNK)
     engine.store(fresh, kvcaches=random_kv(len(fresh), seed=4))
@@ -269,7 +301,7 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
         case: str, make_engine: EngineFactory, tierfs_meta: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TIERFS_META", raising=False)
     if case == "unreachable":
-        extra, setting = {META_KEY: "127.0.0.1:1"}, META_KEY
+        extra, setting = {META_KEY: "127.0.0.1:1", TIMEOUT_KEY: 3}, META_KEY
     else:
         extra, setting = {META_KEY: tierfs_meta, POOL_KEY: "no-such-pool"}, POOL_KEY
     remote_log = logging.getLogger("lmcache.v1.storage_backend.remote_backend")
@@ -281,7 +313,7 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
     finally:
         remote_log.removeHandler(records)
     took = time.monotonic() - t0
-    assert took < 25, f"start-up took {took:.1f} s"
+    assert took < 15, f"start-up took {took:.1f} s"
     # LMCache 0.5.6 logs a remote connector that fails to start and runs on
     # without it (RemoteBackend.init_connection); the connector's error is
     # what names the setting.
@@ -292,10 +324,27 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
     engine.store(tokens, kvcaches=random_kv(len(tokens), seed=5))
     assert engine.lookup(tokens) == 0
 
-    if case == "unreachable":
-        return  # the direct check below would wait out the connect timeout a second time
-    # The connector itself, as LMCache's loader constructs it, raises ConfigError naming it.
-    cpu = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    # LMCache's own loader, called directly, raises the connector's ConfigError.
+    cpu = cpu_backend(engine)
     with pytest.raises(ConfigError) as e:
-        TierFSConnector(loop=engine.storage_manager.loop, local_cpu_backend=cpu, config=cpu.config)
+        CreateConnector("plugin://tierfs", engine.storage_manager.loop, cpu, cpu.config, metadata(),
+                        plugin_name="tierfs")
     assert e.value.field.endswith(repr(setting))
+
+
+@pytest.mark.parametrize(("setting", "value"), [(TIMEOUT_KEY, "soon"), (META_KEY, "no-port"),
+                                                ("remote_serde", "cachegen"), ("use_layerwise", True)])
+def test_bad_setting_is_named(setting: str, value: Any, stored: Stored, tierfs_meta: str) -> None:
+    extra = plugin_config(**{META_KEY: tierfs_meta})
+    top: dict[str, Any] = {}
+    if setting.startswith("remote_storage_plugin."):
+        extra[setting] = value
+    else:
+        top[setting] = value
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.03,
+                                            remote_storage_plugins=["tierfs"], extra_config=extra, **top)
+    engine = stored.engine
+    with pytest.raises(ConfigError) as e:
+        CreateConnector("plugin://tierfs", engine.storage_manager.loop, cpu_backend(engine), cfg, metadata(),
+                        plugin_name="tierfs")
+    assert setting in e.value.field

@@ -27,7 +27,8 @@ TierFS failure (a dead daemon, a timeout) is a miss for reads and lookups; a
 failed put raises, and LMCache counts and logs it (RemoteBackend
 ``put_failed_count``). Bad configuration raises :class:`~tierfs.errors.ConfigError`
 naming the setting when LMCache creates the connector, within
-:data:`~tierfs.integrations.common.CONNECT_TIMEOUT`.
+``remote_storage_plugin.tierfs.connect_timeout`` seconds (default
+:data:`~tierfs.integrations.common.CONNECT_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from typing import Any, TypeVar
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from tierfs.errors import ConfigError, TierFSError
-from tierfs.integrations.common import connect, resolve
+from tierfs.integrations.common import CONNECT_TIMEOUT, connect, resolve
 
-__all__ = ["META_KEY", "POOL_KEY", "TierFSConnector", "object_key"]
+__all__ = ["META_KEY", "POOL_KEY", "TIMEOUT_KEY", "TierFSConnector", "object_key"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ T = TypeVar("T")
 
 META_KEY = "remote_storage_plugin.tierfs.meta"
 POOL_KEY = "remote_storage_plugin.tierfs.pool"
+TIMEOUT_KEY = "remote_storage_plugin.tierfs.connect_timeout"
 WHERE = "LMCache extra_config"
 
 #: TierFS keys are at most 512 bytes; longer ones (a very long model name) are hashed.
@@ -62,6 +64,17 @@ _MAX_KEY = 400
 _LIST_LIMIT = 65536
 #: Errors that are a miss (reads) or a failed put, never a crash of the engine.
 _IO_ERRORS = (TierFSError, OSError, TimeoutError, RuntimeError, ValueError)
+
+
+def _connect_timeout(extra: Any) -> float:
+    raw = (extra or {}).get(TIMEOUT_KEY, CONNECT_TIMEOUT)
+    try:
+        timeout = float(raw)
+    except (TypeError, ValueError):
+        timeout = -1.0
+    if not timeout > 0:
+        raise ConfigError(f"must be a number of seconds > 0, not {raw!r}", field=f"{WHERE} {TIMEOUT_KEY!r}")
+    return timeout
 
 
 def layout_tag(shapes: Sequence[Any], dtypes: Sequence[Any], fmt: Any) -> str:
@@ -106,7 +119,7 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
                               "(use 'naive')", field="remote_serde")
         super().__init__(local_cpu_backend.config, metadata)
         target = resolve(cfg.extra_config, meta_key=META_KEY, pool_key=POOL_KEY, where=WHERE)
-        self._client = connect(target)
+        self._client = connect(target, timeout=_connect_timeout(cfg.extra_config))
         self.target = target
         self.kv = self._client.kv_pool(target.pool)
         self.loop = loop
