@@ -9,6 +9,8 @@ LMCache loads it from its own config (docs/engines_lmcache.md)::
       remote_storage_plugin.tierfs.class_name: TierFSConnector
       remote_storage_plugin.tierfs.meta: "10.0.0.1:7100,10.0.0.2:7100"   # else TIERFS_META
       remote_storage_plugin.tierfs.pool: kv                               # else TIERFS_KV_POOL, "default"
+      remote_storage_plugin.tierfs.transport: shm      # optional: tcp (default), shm (same host), rdma, auto
+      remote_storage_plugin.tierfs.connect_timeout: 10 # optional: seconds start-up waits for the cluster
 
 Each LMCache chunk is one immutable TierFS object holding the chunk's KV bytes
 exactly as LMCache's CPU ``MemoryObj`` holds them. The object key is the
@@ -47,7 +49,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from tierfs.errors import ConfigError, TierFSError
 from tierfs.integrations.common import CONNECT_TIMEOUT, connect, resolve
 
-__all__ = ["META_KEY", "POOL_KEY", "TIMEOUT_KEY", "TierFSConnector", "object_key"]
+__all__ = ["META_KEY", "POOL_KEY", "TIMEOUT_KEY", "TRANSPORT_KEY", "TierFSConnector", "object_key"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ T = TypeVar("T")
 META_KEY = "remote_storage_plugin.tierfs.meta"
 POOL_KEY = "remote_storage_plugin.tierfs.pool"
 TIMEOUT_KEY = "remote_storage_plugin.tierfs.connect_timeout"
+TRANSPORT_KEY = "remote_storage_plugin.tierfs.transport"
+_TRANSPORTS = ("tcp", "shm", "rdma", "auto")
 WHERE = "LMCache extra_config"
 
 #: TierFS keys are at most 512 bytes; longer ones (a very long model name) are hashed.
@@ -75,6 +79,16 @@ def _connect_timeout(extra: Any) -> float:
     if not timeout > 0:
         raise ConfigError(f"must be a number of seconds > 0, not {raw!r}", field=f"{WHERE} {TIMEOUT_KEY!r}")
     return timeout
+
+
+def _client_options(extra: Any) -> dict[str, Any]:
+    transport = (extra or {}).get(TRANSPORT_KEY)
+    if transport is None:
+        return {}  # the client's own default (ClientConfig / TIERFS_TRANSPORT)
+    if transport not in _TRANSPORTS:
+        raise ConfigError(f"must be one of {', '.join(_TRANSPORTS)}, not {transport!r}",
+                          field=f"{WHERE} {TRANSPORT_KEY!r}")
+    return {"transport": transport}
 
 
 def layout_tag(shapes: Sequence[Any], dtypes: Sequence[Any], fmt: Any) -> str:
@@ -119,7 +133,8 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
                               "(use 'naive')", field="remote_serde")
         super().__init__(local_cpu_backend.config, metadata)
         target = resolve(cfg.extra_config, meta_key=META_KEY, pool_key=POOL_KEY, where=WHERE)
-        self._client = connect(target, timeout=_connect_timeout(cfg.extra_config))
+        self._client = connect(target, timeout=_connect_timeout(cfg.extra_config),
+                               **_client_options(cfg.extra_config))
         self.target = target
         self.kv = self._client.kv_pool(target.pool)
         self.loop = loop
