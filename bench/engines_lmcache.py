@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import os
 import platform
@@ -77,6 +78,9 @@ PREFILL_SOURCE = (
     "datasheet), so 10-20k tokens/s is 16-32% of peak, the range serving engines (vLLM, SGLang) reach in "
     "prefill of long prompts; 15k tokens/s is the headline rate here")
 BACKENDS = ("tierfs-tcp", "tierfs-shm", "redis", "resp")
+#: Seconds one backend may take (store, wait, loads) before it is reported hung.
+BACKEND_BUDGET_S = 90
+HUNG: list[str] = []
 
 
 class CPUKVConnector(GPUConnectorInterface):  # type: ignore[misc]
@@ -123,6 +127,7 @@ def engine(iid: str, cpu_gb: float, **cfg: Any) -> tuple[Any, CPUKVConnector]:
 
 def destroy(iid: str) -> None:
     e = LMCacheEngineBuilder.get(iid)
+    dropped = False
     for name, b in e.storage_manager.storage_backends.items():
         conn = getattr(b, "connection", None)
         if name.startswith("RemoteBackend") and any(c in repr(conn) for c in ("RedisConnector", "RESPConnector")):
@@ -132,9 +137,12 @@ def destroy(iid: str) -> None:
             # the connection makes RemoteBackend.close skip it (the sockets
             # close with the process).
             b.connection = None
+            dropped = True
     LMCacheEngineBuilder.destroy(iid)
     sm = getattr(e, "storage_manager", None)
-    if sm is not None and not sm.thread.is_alive():
+    # The dropped connector's queue tasks stay pending on its loop; closing
+    # that loop would only turn them into "Task was destroyed" noise.
+    if sm is not None and not sm.thread.is_alive() and not dropped:
         sm.loop.close()
 
 
@@ -152,12 +160,23 @@ def backend_config(name: str, meta: str, pool: str, redis_port: int) -> dict[str
             "extra_config": {"save_chunk_meta": False}}
 
 
+class Hung(Exception):
+    """A backend's call did not return within its budget."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    faulthandler.dump_traceback(all_threads=True)
+    raise Hung(f"no answer within {BACKEND_BUDGET_S} s (thread stacks on stderr)")
+
+
 def run_backend(name: str, cfg: dict[str, Any], tokens: torch.Tensor, kv: torch.Tensor, reps: int,
                 cpu_gb: float) -> dict[str, Any]:
     n = len(tokens)
     stamp = time.monotonic_ns()
     w_id, r_id = f"bench-w-{name}-{stamp}", f"bench-r-{name}-{stamp}"
     row: dict[str, Any] = {"backend": name, "tokens": n, "bytes": n * TOKEN_BYTES}
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(BACKEND_BUDGET_S)
     try:
         w, _ = engine(w_id, cpu_gb, **cfg)
         remote = [b for k, b in w.storage_manager.storage_backends.items() if k.startswith("RemoteBackend")]
@@ -207,9 +226,13 @@ def run_backend(name: str, cfg: dict[str, Any], tokens: torch.Tensor, kv: torch.
     except Exception as e:  # a backend that fails is reported, not hidden
         row["error"] = f"{type(e).__name__}: {e}"
     finally:
-        for iid in (w_id, r_id):
-            if LMCacheEngineBuilder.get(iid) is not None:
-                destroy(iid)
+        signal.alarm(0)
+    if isinstance(row.get("error"), str) and row["error"].startswith("Hung"):
+        HUNG.append(name)  # its threads are stuck: leave its engines, exit hard at the end
+        return row
+    for iid in (w_id, r_id):
+        if LMCacheEngineBuilder.get(iid) is not None:
+            destroy(iid)
     return row
 
 
@@ -238,6 +261,17 @@ def start_redis(tmp: Path, nbytes: int) -> tuple[subprocess.Popen[bytes] | None,
     wait_port(port, proc)
     version = subprocess.run([server, "--version"], capture_output=True, text=True).stdout.split()[2]
     return proc, port, version
+
+
+def stop_redis(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def create_pool(meta: list[str], name: str, memory: int) -> None:
@@ -316,6 +350,8 @@ def main() -> None:
     kv = torch.randint(-(1 << 15), 1 << 15, (2, LAYERS, ns.tokens, KV_HEADS * HEAD_DIM),
                        dtype=torch.int16).view(torch.bfloat16)
     tmp = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
+    # `timeout` and Ctrl-C stop the daemons and redis-server too (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res: dict[str, Any] = {
         "tokens": ns.tokens, "reps": ns.reps, "bytes": nbytes, "layout": {
             "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "chunk": CHUNK},
@@ -331,12 +367,14 @@ def main() -> None:
             cluster.up(timeout=120)
             meta = ",".join(cluster.meta_addrs)
         res["redis_version"] = "not run"
-        if {"redis", "resp"} & set(only):
-            redis_proc, port, res["redis_version"] = start_redis(tmp, nbytes)
         for b in only:
-            if b in ("redis", "resp") and redis_proc is None:
-                res["rows"].append({"backend": b, "error": res["redis_version"]})
-                continue
+            if b in ("redis", "resp"):
+                # A redis-server of its own for each: nothing of the previous run in it.
+                stop_redis(redis_proc)
+                redis_proc, port, res["redis_version"] = start_redis(tmp, nbytes)
+                if redis_proc is None:
+                    res["rows"].append({"backend": b, "error": res["redis_version"]})
+                    continue
             pool_b = f"lmcache-bench-{b}"
             if b.startswith("tierfs-"):
                 assert cluster is not None
@@ -348,12 +386,7 @@ def main() -> None:
             print(f"[{b}] {json.dumps(row)}", flush=True)
             res["rows"].append(row)
     finally:
-        if redis_proc is not None and redis_proc.poll() is None:
-            redis_proc.send_signal(signal.SIGTERM)
-            try:
-                redis_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                redis_proc.kill()
+        stop_redis(redis_proc)
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -361,6 +394,10 @@ def main() -> None:
     (RESULTS / "engines_lmcache.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "engines_lmcache.md").write_text(markdown(res))
     print(markdown(res))
+    if HUNG:
+        # A hung backend's LMCache threads never finish; the results are written.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
