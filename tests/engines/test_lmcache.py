@@ -13,7 +13,9 @@ came back through the connector."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing
 import os
 import time
 import warnings
@@ -108,6 +110,9 @@ def make_engine() -> Iterator[EngineFactory]:
     CPU memory filled with a pattern so that a chunk whose bytes did not land
     from TierFS shows. Destroyed when the module's tests are done."""
     made: list[str] = []
+    # LMCacheEngine() forces the "spawn" start method process-wide; other
+    # engines' tests in this session must not inherit that.
+    start_method = multiprocessing.get_start_method(allow_none=True)
 
     def make(extra: dict[str, Any]) -> Any:
         iid = f"tierfs-test-{len(made)}-{time.monotonic_ns()}"
@@ -130,6 +135,7 @@ def make_engine() -> Iterator[EngineFactory]:
             # LMCache stops its storage loop but never closes it (a
             # ResourceWarning when it is collected, inside a later test).
             sm.loop.close()
+    multiprocessing.set_start_method(start_method, force=True)
 
 
 def cpu_backend(engine: Any) -> Any:
@@ -221,6 +227,10 @@ def test_store_lookup_retrieve_through_tierfs(stored: Stored, kv_client: Any) ->
     assert int(mask.sum()) == len(tokens)
     assert same(out, kv), "retrieved KV differs from what was stored"
     assert tierfs_hits(engine) - hits == N_CHUNKS, "the chunks did not come from TierFS"
+    conn = connector(engine)
+    assert conn is not None
+    listed = asyncio.run_coroutine_threadsafe(conn.list(), engine.storage_manager.loop).result(10)
+    assert {k.split("|")[0] for k in stored.keys} <= set(listed)
 
 
 def test_second_instance_reuses_what_the_first_stored(make_engine: EngineFactory, tierfs_env: str, pool: str,
@@ -261,6 +271,11 @@ def test_wrong_sized_object_is_a_miss_not_wrong_bytes(make_engine: EngineFactory
     assert int(mask.sum()) == 2 * CHUNK and bool(mask[:2 * CHUNK].all())
     assert same(out[:, :, :2 * CHUNK], kv[:, :, :2 * CHUNK])
     assert not out[:, :, 2 * CHUNK:].view(torch.int16).any(), "bytes of a mismatched object were written"
+
+    # LMCache's clear() removes them from the pool (the connector's remove_sync).
+    assert engine.clear(tokens, locations=["RemoteBackend-tierfs"]) == 4
+    assert kv_client.batch_contains(keys) == [False] * 4
+    assert engine.lookup(tokens) == 0
 
 
 def test_lookup_after_storage_daemon_killed_is_a_miss(make_engine: EngineFactory, tierfs_meta: str, pool: str,
