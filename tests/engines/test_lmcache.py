@@ -245,6 +245,18 @@ def test_second_instance_reuses_what_the_first_stored(make_engine: EngineFactory
     assert same(out, kv)
     assert tierfs_hits(engine) == N_CHUNKS
 
+    # The async paths LMCache's lookup server and async loading use, through its RemoteBackend.
+    remote = engine.storage_manager.storage_backends["RemoteBackend-tierfs"]
+    cache_keys = [k for _, _, k in engine.token_database.process_tokens(tokens=tokens)]
+    loop = engine.storage_manager.loop
+    assert asyncio.run_coroutine_threadsafe(remote.batched_async_contains("l1", cache_keys), loop).result(10) \
+        == N_CHUNKS
+    objs = asyncio.run_coroutine_threadsafe(remote.batched_get_non_blocking("l1", cache_keys[:4]), loop).result(10)
+    assert len(objs) == 4
+    for i, obj in enumerate(objs):
+        assert same(obj.tensor, kv[:, :, i * CHUNK:(i + 1) * CHUNK])
+        obj.ref_count_down()
+
     # A request sharing the first 10 chunks and then diverging hits exactly those.
     other = torch.cat([tokens[:10 * CHUNK], torch.arange(50_000, 50_000 + 6 * CHUNK)])
     assert engine.lookup(other) == 10 * CHUNK

@@ -308,9 +308,13 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        await asyncio.get_running_loop().run_in_executor(None, self._client.close)
+        # Off LMCache's loop: in-flight calls finish (each within kv_timeout) first.
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
         log.info("TierFS LMCache connector closed")
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
 
     def __repr__(self) -> str:
         return f"<TierFSConnector pool={self.target.pool!r} meta={','.join(self.target.meta)}>"
