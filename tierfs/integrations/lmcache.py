@@ -158,8 +158,9 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _allocate(self) -> Any:
-        # busy_loop=False: this runs on LMCache's storage loop, the same loop
-        # whose finished puts free CPU memory; spinning here would wait on itself.
+        # busy_loop=False: this runs on the connector's threads, which the puts
+        # whose completion frees CPU memory need too; spinning here could wait
+        # on itself. A full buffer makes the rest of the batch misses instead.
         return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt,
                                                busy_loop=False)
 
