@@ -1,7 +1,7 @@
 """LMCache remote storage plugin: :class:`TierFSConnector`, an LMCache 0.5.6
 ``RemoteConnector`` over a TierFS KV pool.
 
-LMCache loads it from its own config (docs/engines_lmcache.md)::
+LMCache loads it from its own config (docs/engines.md, "LMCache")::
 
     remote_storage_plugins: ["tierfs"]
     extra_config:

@@ -26,7 +26,7 @@ Configure it in ``kv_transfer_config.kv_connector_extra_config``::
                           "meta": "10.0.0.1:7100,10.0.0.2:7100", "pool": "kv"}]}
 
 ``meta`` and ``pool`` fall back to ``TIERFS_META`` / ``TIERFS_KV_POOL`` /
-``default``. See docs/engines_vllm.md.
+``default``. See docs/engines.md, "vLLM".
 """
 
 from __future__ import annotations
