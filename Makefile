@@ -38,7 +38,7 @@ lint: install
 # constraints.txt; scripts/check_engines_venv.py then refuses a CUDA torch,
 # torchvision/torchaudio/torchcodec or triton. One venv holds all three: their
 # pins clash only on packages they do not use on CPU (docs/engines.md).
-# The first build takes about 4 minutes; the stamp caches it.
+# The first build took about 3 minutes here (pip's cache warm; 2.8 GB); the stamp caches it.
 ENGINES_VENV  := .venv-engines
 EBIN          := $(ENGINES_VENV)/bin
 ENGINES_STAMP := $(ENGINES_VENV)/.installed
