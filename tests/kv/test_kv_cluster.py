@@ -14,7 +14,7 @@ import pytest
 
 from tests.faults.harness import FAST_META
 from tierfs.client import Client
-from tierfs.errors import InvalidArgumentError, NotFoundError
+from tierfs.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 
@@ -414,3 +414,30 @@ def test_fresh_clients_see_each_others_objects(cl: LocalCluster, client: Client)
     with Client(cl.meta_addrs) as other:
         assert other.kv.get("shared-prefix") == b"system prompt"
         assert other.kv.batch_exists(["shared-prefix"]) == 1
+
+
+def test_large_batch_deadline_grows_with_its_bytes(cl: LocalCluster, client: Client) -> None:
+    """A batch's deadline is kv_timeout plus its bytes at kv_min_bandwidth:
+    64 MiB moves in one batch under a 10 ms kv_timeout, where a flat
+    deadline (kv_min_bandwidth=0) cuts the same batch off (misses)."""
+    pool_ready(client, "default")
+    keys = [f"deadline-{i}" for i in range(4)]
+    bufs = [payload(k, 16 * MiB) for k in keys]
+    with Client(cl.meta_addrs, kv_timeout=0.01, kv_min_bandwidth=0) as flat:
+        flat.kv.exists("warm-up")  # the map and connections, outside the timed requests
+        for k in keys:
+            flat.kv.delete(k)
+        with pytest.raises(UnavailableError, match="reached no target"):
+            flat.kv.batch_put(keys, bufs)
+    for k in keys:
+        client.kv.delete(k)
+    with Client(cl.meta_addrs, kv_timeout=0.01) as scaled:
+        scaled.kv.exists("warm-up")
+        assert scaled.kv.batch_put(keys, bufs) == [True] * 4
+        dests = [bytearray(16 * MiB) for _ in keys]
+        assert scaled.kv.batch_get_into(keys, dests) == [16 * MiB] * 4
+        assert all(bytes(d) == b for d, b in zip(dests, bufs, strict=True))
+    with Client(cl.meta_addrs, kv_timeout=0.01, kv_min_bandwidth=0) as flat:
+        flat.kv.exists("warm-up")
+        dests = [bytearray(16 * MiB) for _ in keys]
+        assert flat.kv.batch_get_into(keys, dests) != [16 * MiB] * 4, "a flat 10 ms deadline moved 64 MiB"

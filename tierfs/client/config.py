@@ -62,6 +62,10 @@ class ClientConfig(BaseConfig):
     kv_timeout: float = field(
         2.0, "Deadline of one KV data-plane request: a target that does not answer in time is a miss "
         "(a get) or a skipped copy (a put), never a hang.", kind="duration")
+    kv_min_bandwidth: int = field(
+        100 << 20, "Slowest rate (bytes/s) a KV request's bytes may move at: a request's deadline is "
+        "kv_timeout plus its bytes at this rate, so a large batch (an engine's whole prefix) is not cut off "
+        "for its size. 0: kv_timeout alone.", kind="size")
     kv_dram_bytes: int = field(
         0, "Client DRAM tier for KV objects (pre-allocated at first use); 0 = none. Leave it 0 behind an "
         "engine adapter: the engine's own CPU buffer is the DRAM tier.", kind="size")
@@ -95,7 +99,7 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
         if self.kv_timeout <= 0:
             raise ConfigError("must be > 0", field="kv_timeout")
-        for name in ("kv_dram_bytes", "kv_ssd_bytes", "kv_write_back_bytes"):
+        for name in ("kv_dram_bytes", "kv_ssd_bytes", "kv_write_back_bytes", "kv_min_bandwidth"):
             if getattr(self, name) < 0:
                 raise ConfigError("must be >= 0", field=name)
         if self.kv_ssd_bytes and not self.kv_ssd_path:

@@ -332,9 +332,10 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._finished.put(job_id)  # on the loop thread; SimpleQueue is thread-safe
 
     def _batches(self, n: int) -> list[range]:
-        # A TierFS batch has one deadline (kv_timeout) for all its bytes, so a
-        # 512 MiB prefix in one call would need 256 MB/s to make it: bounded
-        # batches, one after another, keep every call well inside it.
+        # A TierFS batch has one deadline for all its bytes (kv_timeout plus
+        # its bytes at kv_min_bandwidth): bounded batches, one after another,
+        # keep a stalled daemon's cost short and free rows for the engine as
+        # each batch lands.
         per = max(1, self._batch_bytes // self.block_size_bytes)
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 

@@ -82,21 +82,40 @@ class ClusterStats:
         return d
 
 
+def _nbytes(buf: Any) -> int:
+    n = getattr(buf, "nbytes", None)
+    return int(n) if n is not None else len(buf)
+
+
 class ClusterTier:
     """A KV pool on the cluster (the bottom tier)."""
 
     name = "cluster"
 
-    def __init__(self, router: Router, data: DataClient, pool: str, *, timeout: float) -> None:
+    def __init__(self, router: Router, data: DataClient, pool: str, *, timeout: float,
+                 min_bandwidth: int = 0) -> None:
         self.router = router
         self.data = data
         self.pool = pool
         self.timeout = timeout
+        #: Bytes/s a request's payload is allowed (ClientConfig.kv_min_bandwidth).
+        self.min_bandwidth = min_bandwidth
         self.counters = ClusterStats()
         self.on_evict = None  # the cluster evicts on its own; nothing is demoted below it
 
     async def route(self) -> KVPoolRoute:
         return await self.router.kv_pool(self.pool)
+
+    def _batch_deadline(self, items: Sequence[tuple[Any, ...]], at: int) -> float:
+        """The deadline of a batch whose items hold their buffer at ``at``."""
+        return self._deadline(sum(_nbytes(it[at]) for it in items))
+
+    def _deadline(self, nbytes: int) -> float:
+        """A request's deadline: ``timeout`` plus its bytes at the slowest
+        rate allowed, so a batch of hundreds of MiB is not a miss for its
+        size alone, while a dead target still costs one ``timeout``-scale
+        wait for a small request."""
+        return self.timeout + (nbytes / self.min_bandwidth if self.min_bandwidth > 0 else 0.0)
 
     def _targets(self, route: KVPoolRoute, key: bytes) -> tuple[int, ...]:
         if not route.groups:
@@ -145,7 +164,7 @@ class ClusterTier:
             flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
             try:
                 stored = await self.data.kv_put(t, route.pool_id, key, buf, flags=flags, ttl_ms=ttl_ms,
-                                                timeout=self.timeout)
+                                                timeout=self._deadline(len(buf)))
             except (InvalidArgumentError, NotFoundError, NoSpaceError):
                 self.counters.put_failures += 1
                 raise
@@ -182,7 +201,7 @@ class ClusterTier:
                     continue
                 items.append((t, route.pool_id, key, buf, crc, flags, ttl_ms))
                 owner.append(i)
-        res = await self.data.kv_put_batch(items, timeout=self.timeout) if pin_ttl_ms == 0 else \
+        res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3)) if pin_ttl_ms == 0 else \
             [await self._put_one(it, pin_ttl_ms) for it in items]
         stored = [False] * len(keys)
         reached = [False] * len(keys)
@@ -214,7 +233,7 @@ class ClusterTier:
                        pin_ttl_ms: int) -> bool | TierFSError:
         try:
             return await self.data.kv_put(it[0], it[1], it[2], it[3], crc=it[4], flags=it[5], ttl_ms=it[6],
-                                          pin_ttl_ms=pin_ttl_ms, timeout=self.timeout)
+                                          pin_ttl_ms=pin_ttl_ms, timeout=self._deadline(_nbytes(it[3])))
         except TierFSError as exc:
             return exc
 
@@ -227,7 +246,7 @@ class ClusterTier:
         # One key: one request on the lightest path (no batch grouping).
         for attempt, t in enumerate(self._read_order(self._targets(route, key))):
             try:
-                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self.timeout)
+                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)))
             except InvalidArgumentError:
                 self.counters.errors += 1
                 raise
@@ -258,7 +277,7 @@ class ClusterTier:
         too_small: InvalidArgumentError | None = None
         while todo:
             items = [(orders[i][attempt], route.pool_id, keys[i], dests[i]) for i in todo]
-            res = await self.data.kv_get_batch(items, timeout=self.timeout)
+            res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3))
             again: list[int] = []
             for i, r in zip(todo, res, strict=True):
                 if isinstance(r, TierFSError):
@@ -464,7 +483,7 @@ class ClusterTier:
                 body[:len(frag)] = frag
                 _LEN.pack_into(body, len(frag), n)
                 items.append((targets[j], route.pool_id, key, memoryview(body), None, flags, ttl_ms))
-            res = await self.data.kv_put_batch(items, timeout=self.timeout)
+            res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3))
             ok = [r for r in res if not isinstance(r, TierFSError)]
             for it, r in zip(items, res, strict=True):
                 if isinstance(r, TierFSError):
@@ -500,8 +519,8 @@ class ClusterTier:
             while len(got) < route.k and pos < len(order):
                 want = order[pos:pos + route.k - len(got)]
                 pos += len(want)
-                res = await self.data.kv_get_batch(
-                    [(targets[j], route.pool_id, key, bufs[j]) for j in want], timeout=self.timeout)
+                reqs = [(targets[j], route.pool_id, key, bufs[j]) for j in want]
+                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3))
                 for j, r in zip(want, res, strict=True):
                     if isinstance(r, InvalidArgumentError):
                         too_small = True
@@ -591,7 +610,8 @@ class ClusterKVTier(Tier):
         # A previous loop's client was closed by its keeper when that loop ended.
         client = AsyncClient(self.meta, config=self._config, **self._options)
         _, data, router = client._parts()
-        tier = ClusterTier(router, data, self.pool, timeout=client.config.kv_timeout)
+        tier = ClusterTier(router, data, self.pool, timeout=client.config.kv_timeout,
+                           min_bandwidth=client.config.kv_min_bandwidth)
         tier.counters = self.counters  # one set of counts across loops
         self._client, self._tier, self._loop = client, tier, loop
         self._keeper = loop.create_task(self._keep(client), name=f"kv tier {self.name}: client keeper")
