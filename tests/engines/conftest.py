@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,41 +17,14 @@ from typing import Any
 import pytest
 
 from tests.faults.harness import FAST_META
+from tests.kv.pools import define_pool, pool_served, wait_for  # noqa: F401 - wait_for: for the tests
 from tierfs.local import LocalCluster
-from tierfs.meta import MetaClient
 
 N_STORAGE = 3
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def pool_served(meta: list[str], name: str, timeout: float = 30.0) -> None:
-    """Wait until pool ``name`` has groups and every storage daemon serves it."""
-    async def served() -> bool:
-        async with MetaClient(meta) as mc:
-            r = await mc.list_kv_pools()
-        pool = next((p for p in r.pools if p.name == name), None)
-        if pool is None or not pool.groups:
-            return False
-        members = {t for g in pool.groups for t in g.target_ids}
-        return members <= {u.target_id for u in r.usage if u.pool_id == pool.pool_id}
-    wait_for(lambda: asyncio.run(served()), timeout, f"KV pool {name} to be served")
-
-
 def create_pool(meta: list[str], name: str, **kw: Any) -> None:
-    async def go() -> None:
-        async with MetaClient(meta) as mc:
-            await mc.create_kv_pool(name, **kw)
-    asyncio.run(go())
+    define_pool(meta, name, **kw)
     pool_served(meta, name)
 
 

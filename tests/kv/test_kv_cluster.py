@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.faults.harness import FAST_META
+from tests.kv.pools import define_pool, pool_served, wait_for
 from tierfs.client import Client
 from tierfs.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from tierfs.local import LocalCluster
@@ -28,36 +29,12 @@ def payload(key: str | bytes, n: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def create_pool(cl: LocalCluster, name: str, **kw: object) -> None:
-    async def go() -> None:
-        async with MetaClient(cl.meta_addrs) as mc:
-            await mc.create_kv_pool(name, **kw)  # type: ignore[arg-type]
-    asyncio.run(go())
+    define_pool(cl.meta_addrs, name, **kw)
 
 
 def pool_ready(client: Client, name: str) -> None:
-    """Wait until the pool has groups in the map and every storage daemon
-    serves it (reports usage for it: it has configured it from the map)."""
-    async def served() -> bool:
-        async with MetaClient(client.config.meta) as mc:
-            r = await mc.list_kv_pools()
-        pool = next((p for p in r.pools if p.name == name), None)
-        if pool is None or not pool.groups:
-            return False
-        members = {t for g in pool.groups for t in g.target_ids}
-        return members <= {u.target_id for u in r.usage if u.pool_id == pool.pool_id}
-    wait_for(lambda: asyncio.run(served()), 30, f"pool {name} to be served")
+    pool_served(client.config.meta, name)
 
 
 @pytest.fixture(scope="module")
