@@ -32,7 +32,10 @@ reused across repetitions) so that no GIL serializes the clients; they start
 each timed section together on a ``multiprocessing.Barrier``. Every byte
 written is read back and checked in the first repetition, and every reader
 of the first fan-out repetition checks the file's CRC32C; both outside the
-timing. Writes ``bench/results/training.md`` as well.
+timing. Writes ``bench/results/training.md`` as well. The full run keeps
+every repetition's files until the end (no deletes, so no garbage collection
+competes with a later run): about 12 GiB of disk under ``TIERFS_BENCH_DIR``
+(default: the system temp dir).
 
     python -m bench.bench_training [--quick]
 """
