@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= ./.tierfs
 PYTEST_ARGS ?=
 
-.PHONY: install system proto proto-check lint test run bench bench-deps bench-engines soak clean down engines
+.PHONY: install system proto proto-check lint test run bench bench-deps bench-engines bench-training soak clean down engines
 
 install: $(STAMP)
 
@@ -86,7 +86,7 @@ $(BENCH_STAMP): bench/requirements-kv.txt bench/constraints-kv.txt
 		-r bench/requirements-kv.txt -c bench/constraints-kv.txt
 	touch $@
 
-bench: install bench-deps bench-engines
+bench: install bench-deps bench-engines bench-training
 	$(BIN)/python -m bench.run
 
 # The engine adapters' benchmarks (bench/engines_*.py), in the engines venv:
@@ -103,6 +103,14 @@ bench-engines: .stamp-bench-system $(ENGINES_BENCH_STAMP)
 	$(EBIN)/python -m bench.engines_vllm
 	$(EBIN)/python -m bench.engines_sglang
 	$(EBIN)/python -m bench.engines_lmcache
+
+# The training benchmarks that need torch, in the engines venv: a ~1 GiB
+# safetensors load and a ~1 GiB DCP save/load with 4 ranks, each against the
+# local disk; results in bench/results/training_*. The checkpoint burst and
+# weights fan-out (bench/bench_training.py) run in make bench's bench.run.
+bench-training: $(ENGINES_STAMP)
+	$(EBIN)/python -m bench.training_safetensors
+	$(EBIN)/python -m bench.training_dcp
 
 # The randomized fault soak for 10 minutes (make test runs it for 30 s), then
 # the model-based checker's random walks for 10 minutes (make test runs a

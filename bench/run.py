@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         sections = []
         for path in sorted(RESULTS.glob("*.json")):
             result = json.loads(path.read_text())
+            if "name" not in result:
+                continue  # not a bench_*.py result (bench/engines_*.py write their own .md)
             md = to_markdown(result)
             when = f"{result.get('when', '?')}, {'quick' if result.get('quick') else 'full'}"
             sections.append(md.replace("\n", f"\n\n_run {when}_\n", 1))
