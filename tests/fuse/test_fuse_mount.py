@@ -210,6 +210,13 @@ def test_metadata_chmod_utimens_stat(mnt: Path, client: Client) -> None:
     assert os.readlink(d / "ln") == "f" and (d / "ln").read_bytes()[:3] == b"lon"
     with pytest.raises(PermissionError):
         os.link(p, d / "hard")
+    # Regular files by mknod; no FIFOs or device nodes; no xattrs.
+    os.mknod(d / "nod", 0o600 | stat.S_IFREG)
+    assert client.stat("/t/meta/nod").is_file
+    with pytest.raises(PermissionError):
+        os.mkfifo(d / "fifo")
+    with pytest.raises(OSError, match="not supported"):
+        os.setxattr(p, "user.k", b"v")
     vfs = os.statvfs(mnt)
     assert vfs.f_blocks > 0 and vfs.f_bavail > 0
 

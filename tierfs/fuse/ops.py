@@ -235,6 +235,15 @@ class TierFSOperations(pyfuse3.Operations):
         return self._entry(info.attr)
 
     @_fuse_errors
+    async def mknod(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if not _stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EPERM)  # no FIFOs, sockets or device nodes in TierFS
+        info = await self.client.meta.create((int(parent_inode), _name(name)), mode=mode & 0o7777,
+                                             uid=ctx.uid, gid=ctx.gid)
+        return self._entry(info.attr)
+
+    @_fuse_errors
     async def unlink(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
                      ctx: pyfuse3.RequestContext) -> None:
         await self.client.meta.unlink((int(parent_inode), _name(name)))
