@@ -69,8 +69,12 @@ def test_coreutils_cp_dd_sha256_find_mv(mnt: Path, client: Client, tmp_path: Pat
         # Closed files are durable and visible to another client at once.
         for n in SIZES:
             assert hashlib.sha256(client.read_bytes(f"/t/coreutils/{sub}/f{n}")).hexdigest() == want[f"f{n}"]
-    # dd out with odd reads and an offset; cp back out.
+    # cp over an existing, longer file (O_TRUNC).
     big = 16 * CHUNK + 17
+    _sh("cp", str(local / "f1"), str(d / "cp" / f"f{5 * CHUNK + 123}"))
+    assert client.read_bytes(f"/t/coreutils/cp/f{5 * CHUNK + 123}") == (local / "f1").read_bytes()
+    _sh("cp", str(local / f"f{5 * CHUNK + 123}"), str(d / "cp" / f"f{5 * CHUNK + 123}"))
+    # dd out with odd reads and an offset; cp back out.
     part = _sh_bytes("dd", f"if={d / 'dd' / f'f{big}'}", "bs=3000", "skip=7", "count=100", "status=none")
     assert part == (local / f"f{big}").read_bytes()[21000: 321000]
     _sh("cp", str(d / "cp" / f"f{big}"), str(tmp_path / "back"))
@@ -141,6 +145,36 @@ def test_python_open_modes(mnt: Path, client: Client) -> None:
     os.unlink(d / "sub" / "f")
     os.rmdir(d / "sub")
     assert sorted(os.listdir(d)) == ["x.bin"]
+
+
+@pytest.mark.timeout(60)
+def test_close_and_fsync_make_data_durable(mnt: Path, client: Client) -> None:
+    d = mnt / "t" / "durable"
+    d.mkdir()
+    p = d / "f"
+    data = random_bytes(2 * CHUNK + 9, 5)
+    # fsync: published while the descriptor stays open.
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        assert client.read_bytes("/t/durable/f") == data
+        os.write(fd, b"more")
+        os.fsync(fd)
+        assert client.read_bytes("/t/durable/f") == data + b"more"
+    finally:
+        os.close(fd)
+    # close: published by the close itself, not by the release of the last
+    # descriptor (another one stays open here).
+    keep = os.open(p, os.O_RDONLY)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+        os.write(fd, b"replaced")
+        os.close(fd)
+        assert client.read_bytes("/t/durable/f") == b"replaced"
+        assert os.pread(keep, 100, 0) == b"replaced"
+    finally:
+        os.close(keep)
 
 
 @pytest.mark.timeout(60)

@@ -330,9 +330,23 @@ class TierFSOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def open(self, inode: pyfuse3.InodeT, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        info = await self.client.meta.stat(int(inode))
-        FileView.of(f"inode {int(inode)}", info)  # EISDIR / EINVAL for what is not a regular file
-        return self._open_handle(int(inode), flags, info)
+        ino = int(inode)
+        info = await self.client.meta.stat(ino)
+        FileView.of(f"inode {ino}", info)  # EISDIR / EINVAL for what is not a regular file
+        node = self._nodes.get(ino)
+        dirty = node is not None and node.writer is not None
+        if (flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY
+                and (info.attr.size or len(info.chunks) or dirty)):
+            # libfuse asks for atomic O_TRUNC: the kernel sends no setattr
+            # for it, the open must truncate.
+            if node is not None:
+                async with node.lock:
+                    await self._commit(node)
+                    info = await self.client.meta.truncate(ino, 0)
+                    node.version += 1
+            else:
+                info = await self.client.meta.truncate(ino, 0)
+        return self._open_handle(ino, flags, info)
 
     @_fuse_errors
     async def create(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, mode: int, flags: int,
