@@ -67,7 +67,9 @@ class Mount:
         if r.returncode != 0:
             raise AssertionError(f"tierfs mount failed ({r.returncode}): {r.stderr}\nlog:\n{self.log_text()}")
         m = re.search(r"mounted .* pid (\d+)", self.log_text())
-        assert m, self.log_text()
+        if m is None:
+            subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True, timeout=30)
+            raise AssertionError(f"no pid in the mount log:\n{self.log_text()}")
         self.pid = int(m.group(1))
 
     def log_text(self) -> str:
