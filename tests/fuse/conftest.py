@@ -3,8 +3,6 @@ module, unmounted at teardown whatever happened."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +16,6 @@ from tierfs.local import LocalCluster
 #: The test directory's chunk size (the smallest TierFS allows): file sizes
 #: of a few hundred KiB cross several chunk boundaries.
 CHUNK = 64 * 1024
-
-if not (os.path.exists("/dev/fuse") and shutil.which("fusermount3")):
-    pytest.skip("needs /dev/fuse and fusermount3", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -27,6 +28,9 @@ from tierfs.cli.main import run as cli_run
 from tierfs.client import Client
 from tierfs.fuse import find_mount
 from tierfs.local import LocalCluster, free_ports
+
+if not (os.path.exists("/dev/fuse") and shutil.which("fusermount3")):
+    pytest.skip("needs /dev/fuse and fusermount3", allow_module_level=True)
 
 SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 123, 16 * CHUNK + 17]
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
 
@@ -110,6 +110,9 @@ class _Handle:
     reader_version: int = -1
     #: What open() looked up, for the first reader (saves a stat per open).
     info: pb.FileInfo | None = None
+    #: The kernel's read-ahead sends several reads of one handle at once; a
+    #: client file (its chunk cache and read-ahead) serves one at a time.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class TierFSOperations(pyfuse3.Operations):
@@ -386,6 +389,11 @@ class TierFSOperations(pyfuse3.Operations):
                 if node.writer is not None:
                     node.writer.seek(off)
                     return await node.writer.read(size)
+        async with h.lock:
+            return await self._read_handle(h, off, size)
+
+    async def _read_handle(self, h: _Handle, off: int, size: int) -> bytes:
+        node = h.node
         if h.reader is None or h.reader_version != node.version:
             if h.reader is not None:
                 await h.reader.close()
@@ -398,8 +406,13 @@ class TierFSOperations(pyfuse3.Operations):
             h.reader = AsyncFile(self.client, f"inode {node.inode}", "rb", info, readable=True, writable=False,
                                  append=False, session=None)
             h.reader_version = version
-        h.reader.seek(off)
-        return await h.reader.read(size)
+        r = h.reader
+        size = max(0, min(size, r.size - off))
+        buf = bytearray(size)
+        r.seek(off)
+        n = await r.readinto(buf)
+        # pyfuse3 takes any buffer: a view saves copying the bytes once more.
+        return cast(bytes, memoryview(buf)[:n])
 
     @_fuse_errors
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
