@@ -189,13 +189,18 @@ class TierFSOperations(pyfuse3.Operations):
     async def setattr(self, inode: pyfuse3.InodeT, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: pyfuse3.FileHandleT | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         ino = int(inode)
-        meta = self.client.meta
         node = self._nodes.get(ino)
-        if node is not None:
+        if node is None:
+            return await self._setattr(ino, attr, fields, None)
+        async with node.lock:
             # Meta refuses a truncate while a session is open, and a commit
             # would overwrite an mtime set now (cp -p sets it before close).
-            async with node.lock:
-                await self._commit(node)
+            await self._commit(node)
+            return await self._setattr(ino, attr, fields, node)
+
+    async def _setattr(self, ino: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                       node: _Node | None) -> pyfuse3.EntryAttributes:
+        meta = self.client.meta
         info: pb.FileInfo | None = None
         if fields.update_size:
             info = await meta.truncate(ino, attr.st_size)
@@ -360,7 +365,9 @@ class TierFSOperations(pyfuse3.Operations):
         except AlreadyExistsError:
             if flags & os.O_EXCL:
                 raise
+            # Created by another client since the kernel's lookup.
             info = await self.client.meta.lookup(int(parent_inode), _name(name))
+            return await self.open(info.attr.inode, flags, ctx), self._entry(info.attr)
         fi = self._open_handle(info.attr.inode, flags, None)
         return fi, self._entry(info.attr)
 
