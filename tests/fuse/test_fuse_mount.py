@@ -7,6 +7,7 @@ directory has 64 KiB chunks so small files cross chunk boundaries."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -255,6 +256,17 @@ def test_metadata_chmod_utimens_stat(mnt: Path, client: Client) -> None:
         os.mkfifo(d / "fifo")
     with pytest.raises(OSError, match="not supported"):
         os.setxattr(p, "user.k", b"v")
+    # One writer per file in the cluster: the mount's write waits for none.
+    with client.open("/t/meta/busy", "wb") as f:
+        f.write(b"sdk")
+        fd = os.open(d / "busy", os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as err:
+                os.write(fd, b"x")
+            assert err.value.errno == errno.EBUSY
+        finally:
+            os.close(fd)
+    assert (d / "busy").read_bytes() == b"sdk"
     vfs = os.statvfs(mnt)
     assert vfs.f_blocks > 0 and vfs.f_bavail > 0
 
