@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import kv
 
     kv.add_commands(cmd, lambda p: _common(p, top=False))
+    from tierfs.cli import mount
+
+    mount.add_commands(cmd)
     return ap
 
 
@@ -337,6 +340,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         from tierfs.cli import kv
 
         code = kv.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async, out=out)
+        if code is not None:
+            return code
+    if c in ("mount", "umount"):
+        from tierfs.cli import mount
+
+        code = mount.execute(ns, env, lambda: resolve_meta(ns.meta, ns.data, env), emit)
         if code is not None:
             return code
     if c in ("target", "node", "scrub"):
