@@ -287,6 +287,49 @@ class TierFSFileSystem(AsyncFileSystem):  # type: ignore[misc]
         infos = [_info(e, e.path) for e in entries]
         return infos if detail else [i["name"] for i in infos]
 
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+        """fsspec's ``find``, listing each level's directories at once
+        (fsspec's walks them one after another)."""
+        if maxdepth is not None and maxdepth < 1:
+            raise ValueError("maxdepth must be at least 1")
+        detail = kwargs.pop("detail", False)
+        path = self._strip_protocol(path)
+        c = await self._get_client()
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            st = await c.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is not None and not st.is_dir:
+            out[path] = _info(st, path)
+        elif st is not None:
+            if withdirs and path != "/":
+                out[path] = _info(st, path)
+            level, depth = [path], 1
+            sem = asyncio.Semaphore(RM_CONCURRENCY)
+
+            async def listing(d: str) -> list[FileStat]:
+                async with sem:
+                    try:
+                        return await c.ls(d, detail=True)
+                    except (FileNotFoundError, NotADirectoryError):
+                        return []  # gone meanwhile: left out, as fsspec's walk does
+
+            while level:
+                below: list[str] = []
+                for entries in await asyncio.gather(*(listing(d) for d in level)):
+                    for e in entries:
+                        if not e.is_dir:
+                            out[e.path] = _info(e, e.path)
+                            continue
+                        if withdirs:
+                            out[e.path] = _info(e, e.path)
+                        if maxdepth is None or depth < maxdepth:
+                            below.append(e.path)
+                level, depth = below, depth + 1
+        names = sorted(out)
+        return {n: out[n] for n in names} if detail else names
+
     async def _exists(self, path: str, **kwargs: Any) -> bool:
         try:
             await self._info(path)
