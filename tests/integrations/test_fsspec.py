@@ -11,6 +11,8 @@ import datetime
 import os
 import pickle
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -469,3 +471,25 @@ def test_fork(meta: str) -> None:
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
     assert fs.cat_file("/fork/child") == b"from the child"
+
+
+def test_clean_exit(meta: str) -> None:
+    """A process that used tierfs:// and exits without closing anything
+    exits at once and quietly (no warnings in development mode); the exit
+    hook closes the client the filesystem made (run here by hand, then again
+    by the interpreter)."""
+    code = ("import fsspec, tierfs.integrations.fsspec as m\n"
+            "fs = fsspec.filesystem('tierfs')\n"
+            "fs.pipe_file('/exit/f', b'bye')\n"
+            "f = fs.open('/exit/f', 'rb')\n"  # left open
+            "assert f.read(1) == b'b'\n"
+            "c = fs._client\n"
+            "m._at_exit()\n"
+            "assert c._closed and fs._client is None\n")
+    env = dict(os.environ, TIERFS_META=meta, PYTHONPATH=os.getcwd())
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-X", "dev", "-W", "error", "-c", code], env=env, capture_output=True,
+                       text=True, timeout=40)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    assert time.monotonic() - t0 < 30
