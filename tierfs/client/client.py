@@ -252,6 +252,14 @@ class AsyncClient:
         self._router.meta = self._meta
         await old.close()
 
+    async def before_fork(self) -> None:
+        """Close the metadata gRPC channels (the next call opens new ones).
+        Code that runs this client on its own loop thread calls it from an
+        ``os.register_at_fork(before=...)`` hook, as ``Client`` and the
+        fsspec filesystem do: gRPC cannot survive ``fork`` with live
+        channels."""
+        await self._drop_meta_channels()
+
     # ---- KV cache (tierfs.kv) ----------------------------------------------------
 
     @property
