@@ -1,24 +1,25 @@
 """One rank of the DCP tests (tests/engines/test_dcp.py), run as
-``python -m tests.engines.dcp_worker SCENARIO RANK WORLD PORT WORKDIR``
-with TIERFS_META set. Ranks form a gloo group on loopback; each uses its
-own TierFS Client. A tiny transformer's parameters are sharded with DTensor
-(Shard(0)) on a CPU mesh, one Adam step makes optimizer state, and the state
-dict (model, optimizer, extra bf16/int64 tensors, non-tensor values) goes
-through torch.distributed.checkpoint.
+``python -m tests.engines.dcp_worker RANK WORLD PORT WORKDIR`` with
+TIERFS_META and DCP_ROOT (the TierFS directory) set. Ranks form a gloo group
+on loopback; each uses its own TierFS Client. A tiny transformer's
+parameters are sharded with DTensor (Shard(0)) on a CPU mesh, one Adam step
+makes optimizer state, and the state dict (model, optimizer, extra bf16 /
+float32 / int64 tensors, non-tensor values) goes through
+torch.distributed.checkpoint. One launch runs three phases, each printing
+``OK <phase>`` (starting torch in 4 processes is most of the time):
 
-Scenarios (each prints ``OK <scenario>`` on success):
-
-* ``save4``: save to TierFS (twice to the same path: the second save
-  replaces the first) and to local disk with FileSystemWriter (TORCH_SAVE
-  and SAFETENSORS formats); rank 0 also writes the full tensors as
-  ``expected.pt``. Then loads back, bit-identical: TierFS -> TierFSStorageReader;
-  the TierFS checkpoint downloaded -> FileSystemReader; each local checkpoint
-  uploaded into TierFS -> TierFSStorageReader.
-* ``load2``: two ranks load the four-rank TierFS checkpoint (resharding) and
+* ``save``: save to TierFS twice to the same path (the second replaces the
+  first), and to local disk with FileSystemWriter (TORCH_SAVE and
+  SAFETENSORS formats); rank 0 writes the full tensors as ``expected.pt``.
+  Loads back, bit-identical: TierFS -> TierFSStorageReader (a fresh model
+  and optimizer, set_state_dict); the TierFS checkpoint downloaded ->
+  FileSystemReader; each local checkpoint uploaded into TierFS ->
+  TierFSStorageReader.
+* ``reshard``: ranks 0 and 1 load the 4-rank checkpoint on a 2-rank mesh and
   compare the full tensors with ``expected.pt``.
-* ``crash``: save v1, then save v2 to the same path while rank 2 SIGKILLs
-  itself inside write_data after some bytes. Survivors exit when the group
-  breaks.
+* ``crash``: the first phase's state dict is committed at crash/, then a
+  save of another one there loses rank 2, which SIGKILLs itself inside
+  write_data after 16 KiB; the survivors report the broken group and exit.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def state(model: nn.Module, opt: torch.optim.Optimizer, mesh: Any, seed: int) ->
         "model": msd, "optim": osd,
         "extra": {
             "bf16": distribute_tensor(torch.randn(96, 40, generator=g).to(torch.bfloat16), mesh, [Shard(0)]),
+            # Shards over 64 KiB: read straight into their destination.
+            "big_bf16": distribute_tensor(torch.randn(640, 256, generator=g).to(torch.bfloat16), mesh, [Shard(0)]),
+            "big_f32": distribute_tensor(torch.randn(640, 128, generator=g), mesh, [Shard(0)]),
             "ids": distribute_tensor(torch.randint(0, 1 << 40, (64, 8), generator=g), mesh, [Shard(0)]),
             "step": 100 + seed, "name": f"run-{seed}",
         },
@@ -162,7 +166,9 @@ def _zeroed(sd: Any) -> Any:
 def phase_save_and_interop(c: Client, mesh: Any, rank: int, root: str, workdir: Path) -> dict[str, Any]:
     model, opt = build(mesh, seed=1)
     sd1 = state(model, opt, mesh, seed=1)
+    log("built")
     dcp.save(sd1, storage_writer=TierFSStorageWriter(f"{root}/ckpt", client=c))
+    log("saved")
     model2, opt2 = build(mesh, seed=2)
     sd = state(model2, opt2, mesh, seed=2)
     # The second save to the same path replaces the first.
@@ -195,6 +201,7 @@ def phase_save_and_interop(c: Client, mesh: Any, rank: int, root: str, workdir: 
         dest = blank(sd)
         dcp.load(dest, storage_reader=rd)
         check(dest, sd, what)
+        log(what)
         if isinstance(rd, TierFSStorageReader):
             assert rd.stats.direct > 0, (what, rd.stats)
     return sd
@@ -205,6 +212,7 @@ def phase_reshard(c: Client, rank: int, root: str, workdir: Path) -> None:
     mesh2 = DeviceMesh("cpu", [0, 1])
     if rank < 2:
         model, opt, sd = fresh_state(mesh2)
+        log("built on 2 ranks")
         dcp.load(sd, storage_reader=TierFSStorageReader(f"{root}/ckpt", client=c),
                  process_group=mesh2.get_group())
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

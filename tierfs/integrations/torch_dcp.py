@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.planner import (  # type: ignore[import-not-fo
 from torch.distributed.checkpoint.storage import WriteResult  # type: ignore[import-not-found,unused-ignore]
 from torch.futures import Future  # type: ignore[import-not-found,unused-ignore]
 
-from tierfs.client import Client
+from tierfs.client import AsyncClient, Client
 from tierfs.client.client import FileView
 from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError, TierFSError
 from tierfs.integrations.common import CONNECT_TIMEOUT, resolve
@@ -91,7 +91,7 @@ HEAD_WINDOW = 4096
 #: The last read of a slice: the zip's central directory and end records.
 TAIL_WINDOW = 4096
 #: Slices up to this size are read whole in one request.
-SMALL_SLICE = 8 << 10
+SMALL_SLICE = 64 << 10
 
 
 def tierfs_path(path: str | os.PathLike[str]) -> str:
@@ -186,6 +186,15 @@ def _buckets(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
         out[j].append(item)
         sizes[j] += _item_nbytes(item)
     return [b for b in out if b]
+
+
+async def _rm_all(ac: AsyncClient, paths: list[str]) -> None:
+    """Remove ``paths`` at once (each is one metadata op); gone already is fine."""
+    async def rm(p: str) -> None:
+        with contextlib.suppress(NotFoundError):
+            await ac.rm(p)
+
+    await asyncio.gather(*(rm(p) for p in paths))
 
 
 class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
@@ -324,10 +333,8 @@ class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
         self.client.rename(tmp, final)  # the commit: replaces the old .metadata atomically
         # The previous checkpoint (and any save that died before its
         # commit) is garbage now.
-        for name in self.client.ls(self.path):
-            if _is_data_leftover(name) and name not in keep:
-                with contextlib.suppress(NotFoundError):
-                    self.client.rm(_join(self.path, name))
+        stale = [_join(self.path, n) for n in self.client.ls(self.path) if _is_data_leftover(n) and n not in keep]
+        self.client._run(_rm_all(self.client.aclient, stale))
 
     # ---- lifetime -------------------------------------------------------------
 
@@ -355,6 +362,9 @@ class ReadStats:
     #: Read into a scratch tensor, then copied (destination not contiguous,
     #: of another dtype, or the stored region not contiguous).
     copied: int = 0
+    #: Small slices (at most SMALL_SLICE bytes): read whole in one request,
+    #: the tensor copied out of that buffer.
+    small: int = 0
     #: Not a layout recognized here: the slice read whole and ``torch.load``ed.
     loaded: int = 0
     bytes_read: int = 0
@@ -375,6 +385,10 @@ class _Stored:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    #: A small slice held whole in memory (it starts at file offset
+    #: ``base``): the tensor is copied out of it, not read again.
+    raw: bytearray | None = None
+    base: int = 0
 
 
 class _StorageRef:
@@ -413,7 +427,7 @@ class _Unpickler(pickle.Unpickler):
         return pid
 
 
-def _zip_entries(tail: bytes, tail_start: int) -> dict[str, tuple[int, int]]:
+def _zip_entries(tail: bytes | bytearray, tail_start: int) -> dict[str, tuple[int, int]]:
     """Central directory of a zip whose last bytes are ``tail`` (starting at
     slice offset ``tail_start``): name -> (local header offset, size)."""
     eocd = tail.rfind(b"PK\x05\x06")
@@ -518,11 +532,11 @@ class _Snapshot:
                                        f"(the file is shorter than the checkpoint's metadata says)")
         self.reader.stats.bytes_read += n
 
-    async def read_bytes(self, offset: int, n: int) -> bytes:
+    async def read_bytes(self, offset: int, n: int) -> bytearray:
         buf = bytearray(n)
         if n:
             await self.read(offset, memoryview(buf))
-        return bytes(buf)
+        return buf
 
 
 class TierFSStorageReader(StorageReader):  # type: ignore[misc]
@@ -610,7 +624,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         fut.set_result(None)
         return fut
 
-    async def _read_all(self, jobs: list[tuple[ReadItem, Any]]) -> list[bytes | None]:
+    async def _read_all(self, jobs: list[tuple[ReadItem, Any]]) -> list[bytearray | None]:
         files: dict[str, _Snapshot] = {}
         parsed: dict[Any, asyncio.Future[Any]] = {}
         self._st_headers = {}
@@ -621,7 +635,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
                 files[rel] = _Snapshot(self, _join(self.path, rel))
             return files[rel]
 
-        async def one(req: ReadItem, target: Any) -> bytes | None:
+        async def one(req: ReadItem, target: Any) -> bytearray | None:
             info = self.storage_data[req.storage_index]
             f = snap(info.relative_path)
             async with slots:
@@ -636,20 +650,23 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
 
         return list(await asyncio.gather(*(one(r, t) for r, t in jobs)))
 
-    async def _locate(self, f: _Snapshot, info: Any, req: ReadItem) -> _Stored | bytes:
-        """Where the tensor of slice ``info`` lies, or the whole slice (small,
-        or a layout not parsed here) to ``torch.load``."""
+    async def _locate(self, f: _Snapshot, info: Any, req: ReadItem) -> _Stored | bytearray:
+        """Where the tensor of slice ``info`` lies, or the whole slice (a
+        layout not parsed here) to ``torch.load``. A small slice is read whole
+        in one request; a large one's head and tail at once, then its tensor
+        bytes go straight to the destination."""
         if getattr(info, "transform_descriptors", None):
             raise InvalidArgumentError(f"tierfs {f.path}: {req.storage_index.fqn} was saved through stream "
                                        f"transforms {info.transform_descriptors}, which this reader does not apply")
         small = info.length <= SMALL_SLICE
-        head = await f.read_bytes(info.offset, info.length if small else min(HEAD_WINDOW, info.length))
-        if not head.startswith(b"PK\x03\x04"):
-            return await self._locate_safetensors(f, info, req, head)
+        tail_start = 0 if small else max(0, info.length - TAIL_WINDOW)
         if small:
-            return head
-        tail_start = max(0, info.length - TAIL_WINDOW)
-        tail = await f.read_bytes(info.offset + tail_start, info.length - tail_start)
+            head = tail = await f.read_bytes(info.offset, info.length)
+        else:
+            head, tail = await asyncio.gather(f.read_bytes(info.offset, min(HEAD_WINDOW, info.length)),
+                                              f.read_bytes(info.offset + tail_start, info.length - tail_start))
+        if not head.startswith(b"PK\x03\x04"):
+            return await self._locate_safetensors(f, info, req, bytes(head[:HEAD_WINDOW]))
         try:
             entries = _zip_entries(tail, tail_start)
             pkl = [(n, e) for n, e in entries.items() if n.endswith("/data.pkl")]
@@ -677,15 +694,16 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
             d_off, d_size = await record(f"{prefix}data/{key}")
             if d_size != numel * torch._utils._element_size(sref.dtype):
                 raise _Unrecognized("storage size mismatch")
-            return _Stored(info.offset + d_off, int(numel), sref.dtype, ref.size, ref.stride, int(ref.storage_offset))
+            return _Stored(info.offset + d_off, int(numel), sref.dtype, ref.size, ref.stride, int(ref.storage_offset),
+                           raw=head if small else None, base=info.offset)
         except (_Unrecognized, struct.error, pickle.UnpicklingError, KeyError, ValueError, IndexError,
                 EOFError, TypeError):
-            return await f.read_bytes(info.offset, info.length)
+            return head if small else await f.read_bytes(info.offset, info.length)
 
     async def _st_header(self, f: _Snapshot, info: Any, head: bytes) -> Any:
         size = await f.size()
         if len(head) < 8:
-            head = await f.read_bytes(info.offset, min(8, size - info.offset))
+            head = bytes(await f.read_bytes(info.offset, min(8, size - info.offset)))
         if len(head) < 8:
             raise InvalidArgumentError(f"tierfs {f.path}: at offset {info.offset} is neither a torch.save "
                                        f"record nor a safetensors header (the file ends)")
@@ -693,7 +711,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         if 8 + n > size - info.offset:
             raise InvalidArgumentError(f"tierfs {f.path}: at offset {info.offset} is neither a torch.save "
                                        f"record nor a safetensors header")
-        raw = head[8:8 + n] if 8 + n <= len(head) else await f.read_bytes(info.offset + 8, n)
+        raw = head[8:8 + n] if 8 + n <= len(head) else bytes(await f.read_bytes(info.offset + 8, n))
         return parse_header(f.path, raw, size - info.offset)
 
     async def _locate_safetensors(self, f: _Snapshot, info: Any, req: ReadItem, head: bytes) -> _Stored:
@@ -717,12 +735,13 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         return _Stored(info.offset + t.begin, numel, dtype, tuple(t.shape),
                        _contiguous_strides(tuple(t.shape)), 0)
 
-    async def _read_tensor(self, f: _Snapshot, info: Any, req: ReadItem, target: Any, st: _Stored | bytes) -> None:
+    async def _read_tensor(self, f: _Snapshot, info: Any, req: ReadItem, target: Any,
+                           st: _Stored | bytearray) -> None:
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
         if tuple(target.shape) != lengths:
             raise InvalidArgumentError(f"tierfs {self.path}: {req.storage_index.fqn}: the destination has shape "
                                        f"{tuple(target.shape)} but the read is {lengths}")
-        if isinstance(st, bytes):
+        if isinstance(st, bytearray):
             t = torch.load(io.BytesIO(st), map_location="cpu", weights_only=True)
             for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
                 t = t.narrow(d, o, n)
@@ -730,6 +749,15 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
             self.stats.loaded += 1
             return
         itemsize = torch._utils._element_size(st.dtype)
+        if st.raw is not None:
+            if st.storage_numel and math.prod(lengths):
+                t = torch.frombuffer(st.raw, dtype=st.dtype, count=st.storage_numel, offset=st.data_offset - st.base)
+                t = t.as_strided(st.size, st.stride, st.storage_offset)
+                for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+                    t = t.narrow(d, o, n)
+                target.copy_(t)
+            self.stats.small += 1
+            return
         run = _region(st, offsets, lengths)
         if (run is not None and target.dtype == st.dtype and target.device.type == "cpu"
                 and target.is_contiguous()):
