@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.engines.conftest import REPO
 from tierfs.client import Client
-from tierfs.errors import ConfigError, NotFoundError
+from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError
 from tierfs.integrations.torch_dcp import TierFSStorageReader, TierFSStorageWriter, tierfs_path
 from tierfs.local import free_ports
 
@@ -66,7 +66,7 @@ def launch(world: int, root: str, workdir: Path, meta: str, timeout: float) -> l
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +163,27 @@ def test_missing_meta_config_names_tierfs_meta(monkeypatch: pytest.MonkeyPatch) 
     assert not TierFSStorageWriter.validate_checkpoint_id("s3://bucket/x")
     assert not TierFSStorageWriter.validate_checkpoint_id("relative/dir")
     assert TierFSStorageReader.validate_checkpoint_id("tierfs:///ckpt/step-1")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_single_process_views_overwrite_and_rank_local_metadata(tierfs_meta: str, root: str) -> None:
+    """Without a process group: a view into a larger storage and a
+    non-contiguous tensor are packed (counted) and load back equal;
+    overwrite=False and use_collectives=False are refused clearly."""
+    base = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    sd = {"rows": base[:8], "cols": base[:, ::2], "whole": torch.randn(128, 256), "n": 3}
+    with Client(tierfs_meta) as c:
+        w = TierFSStorageWriter(f"{root}/single", client=c)
+        dcp.save(sd, storage_writer=w, no_dist=True)
+        assert w.copied_tensors == 2
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+        dcp.load(got, storage_reader=TierFSStorageReader(f"{root}/single", client=c), no_dist=True)
+        for k, v in sd.items():
+            assert bits_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+        with pytest.raises(CheckpointException, match="already exists"):
+            dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/single", client=c, overwrite=False),
+                     no_dist=True)
+        with pytest.raises(InvalidArgumentError, match="use_collectives=True"):
+            dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/single2", client=c), no_dist=True,
+                     use_collectives=False)
