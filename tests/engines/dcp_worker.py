@@ -259,7 +259,7 @@ def main() -> None:
     rank, world, port, workdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     root = os.environ["DCP_ROOT"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
     log(f"rank {rank}: group up")
     with Client() as c:
