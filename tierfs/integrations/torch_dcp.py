@@ -90,8 +90,15 @@ READ_CONCURRENCY = 16
 HEAD_WINDOW = 4096
 #: The last read of a slice: the zip's central directory and end records.
 TAIL_WINDOW = 4096
-#: Slices up to this size are read whole in one request.
+#: Writes smaller than this are gathered (COALESCE bytes at most) before
+#: they go to the file.
+SMALL_WRITE = 64 << 10
+COALESCE = 1 << 20
+#: Slices up to this size are read whole, neighbours together: runs of at
+#: most RUN_MAX bytes, skipping gaps of at most RUN_GAP.
 SMALL_SLICE = 64 << 10
+RUN_MAX = 4 << 20
+RUN_GAP = 64 << 10
 
 
 def tierfs_path(path: str | os.PathLike[str]) -> str:
@@ -150,18 +157,41 @@ class _Prefix:
 
 
 class _Sink:
-    """The stream ``torch.save`` writes to: a TierFS file whose ``flush``
-    does nothing. torch flushes after every save; a TierFS flush makes the
-    partial chunk durable and has it sent again later, once per tensor."""
+    """The stream ``torch.save`` writes to: a TierFS file. Small writes (zip
+    records of a few dozen bytes, small tensors) are gathered into one
+    buffer, since each call to the file is a hop to the client's loop
+    thread; large ones (a tensor's storage) go to the file as they are,
+    from the tensor's memory. ``flush`` does nothing: torch flushes after
+    every save, and a TierFS flush would upload the partial chunk (and later
+    again) once per tensor. :meth:`drain` before closing."""
 
     def __init__(self, f: Any) -> None:
         self.f = f
+        self.pos = int(f.tell())
+        self.buf = bytearray()
 
     def write(self, data: Any) -> int:
-        return int(self.f.write(data))
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if n < SMALL_WRITE:
+            self.buf += view
+            if len(self.buf) >= COALESCE:
+                self.drain()
+        else:
+            self.drain()
+            self.f.write(view)
+        self.pos += n
+        return n
+
+    def drain(self) -> None:
+        if self.buf:
+            # The file copies or encodes what it is given before write
+            # returns, so the buffer is free again; a new one is simplest.
+            self.f.write(self.buf)
+            self.buf = bytearray()
 
     def tell(self) -> int:
-        return int(self.f.tell())
+        return self.pos
 
     def flush(self) -> None:
         pass
@@ -296,8 +326,8 @@ class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
                 with lock:
                     data = planner.resolve_data(item)
                 buf = data.getbuffer()
-                off = f.tell()
-                f.write(buf)
+                off = sink.tell()
+                sink.write(buf)
                 out.append(WriteResult(index=item.index, size_in_bytes=len(buf),
                                        storage_data=_StorageInfo(name, off, len(buf))))
             for item in items:
@@ -315,11 +345,12 @@ class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
                     t = t.clone()
                     with lock:
                         self.copied_tensors += 1
-                off = f.tell()
+                off = sink.tell()
                 torch.save(t, sink)  # the storage goes to f.write as one memoryview of its memory
-                length = f.tell() - off
+                length = sink.tell() - off
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, off, length)))
+            sink.drain()
         return out
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
@@ -506,6 +537,14 @@ def _region(st: _Stored, offsets: Sequence[int], lengths: Sequence[int]) -> tupl
     return first, math.prod(lengths)
 
 
+class _Run:
+    """Neighbouring small slices of one file, read in one request."""
+
+    def __init__(self, start: int, length: int) -> None:
+        self.start, self.length = start, length
+        self.task: asyncio.Future[bytearray] | None = None
+
+
 class _Snapshot:
     """One data file looked up once; every read sees that version."""
 
@@ -513,6 +552,30 @@ class _Snapshot:
         self.reader, self.path = reader, path
         self.view: FileView | None = None
         self._lock = asyncio.Lock()
+        #: Small slices (offset, length) to be read, and the run each is in.
+        self.wanted: list[tuple[int, int]] = []
+        self._runs: dict[tuple[int, int], _Run] = {}
+
+    def plan_runs(self) -> None:
+        """Group the wanted small slices into runs of at most RUN_MAX bytes
+        with gaps of at most RUN_GAP: a thousand small tensors of a file are
+        then a few reads, not a thousand."""
+        run: _Run | None = None
+        for off, n in sorted(set(self.wanted)):
+            if run is not None and off - (run.start + run.length) <= RUN_GAP and off + n - run.start <= RUN_MAX:
+                run.length = max(run.length, off + n - run.start)
+            else:
+                run = _Run(off, n)
+            self._runs[(off, n)] = run
+
+    async def small_bytes(self, offset: int, n: int) -> bytearray:
+        run = self._runs.get((offset, n))
+        if run is None:
+            return await self.read_bytes(offset, n)
+        if run.task is None:
+            run.task = asyncio.ensure_future(self.read_bytes(run.start, run.length))
+        buf = await run.task
+        return buf[offset - run.start: offset - run.start + n]
 
     async def _view(self) -> FileView:
         async with self._lock:
@@ -635,12 +698,19 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
                 files[rel] = _Snapshot(self, _join(self.path, rel))
             return files[rel]
 
+        for req, target in jobs:
+            info = self.storage_data[req.storage_index]
+            if target is None or info.length <= SMALL_SLICE:
+                snap(info.relative_path).wanted.append((info.offset, info.length))
+        for f in files.values():
+            f.plan_runs()
+
         async def one(req: ReadItem, target: Any) -> bytearray | None:
             info = self.storage_data[req.storage_index]
             f = snap(info.relative_path)
             async with slots:
                 if target is None:
-                    return await f.read_bytes(info.offset, info.length)
+                    return await f.small_bytes(info.offset, info.length)
                 key = req.storage_index
                 if key not in parsed:
                     parsed[key] = asyncio.ensure_future(self._locate(f, info, req))
@@ -661,7 +731,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         small = info.length <= SMALL_SLICE
         tail_start = 0 if small else max(0, info.length - TAIL_WINDOW)
         if small:
-            head = tail = await f.read_bytes(info.offset, info.length)
+            head = tail = await f.small_bytes(info.offset, info.length)
         else:
             head, tail = await asyncio.gather(f.read_bytes(info.offset, min(HEAD_WINDOW, info.length)),
                                               f.read_bytes(info.offset + tail_start, info.length - tail_start))
