@@ -187,3 +187,30 @@ def test_single_process_views_overwrite_and_rank_local_metadata(tierfs_meta: str
         with pytest.raises(InvalidArgumentError, match="use_collectives=True"):
             dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/single2", client=c), no_dist=True,
                      use_collectives=False)
+
+
+@pytest.mark.timeout(30)
+def test_region_is_one_run_exactly_when_the_box_is_contiguous() -> None:
+    """The reader reads a box of a stored tensor in place only when its
+    elements are one run; checked against torch on every box of a 3-d tensor."""
+    import itertools
+
+    from tierfs.integrations.torch_dcp import _region, _Stored
+
+    size = (4, 3, 5)
+    full = torch.arange(60).reshape(size)
+    st = _Stored(0, 60, torch.int64, size, (15, 5, 1), 0)
+    spans = [[(o, n) for o in range(s) for n in range(1, s - o + 1)] for s in size]
+    for box in itertools.product(*spans):
+        offsets, lengths = [o for o, _ in box], [n for _, n in box]
+        view = full
+        for d, (o, n) in enumerate(box):
+            view = view.narrow(d, o, n)
+        run = _region(st, offsets, lengths)
+        if view.is_contiguous():
+            assert run is not None, box
+            first, count = run
+            assert torch.equal(view.reshape(-1), torch.arange(first, first + count)), box
+        else:
+            assert run is None, box
+    assert _region(_Stored(0, 60, torch.int64, (5, 12), (1, 5), 0), [0, 0], [5, 12]) is None  # transposed
