@@ -48,11 +48,6 @@ from typing import Any
 
 import torch  # type: ignore[import-not-found,unused-ignore]
 from torch.distributed.checkpoint import (  # type: ignore[import-not-found,unused-ignore]
-    LoadPlan,
-    LoadPlanner,
-    Metadata,
-    SavePlan,
-    SavePlanner,
     StorageReader,
     StorageWriter,
 )
@@ -857,6 +852,3 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-# Names the type checker sees as used (torch's types are Any here).
-_ = (LoadPlan, LoadPlanner, Metadata, SavePlan, SavePlanner)
