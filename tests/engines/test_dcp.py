@@ -41,20 +41,26 @@ def launch(world: int, root: str, workdir: Path, meta: str, timeout: float) -> l
     port = free_ports(1)[0]
     env = {**os.environ, "TIERFS_META": meta, "DCP_ROOT": root, "PYTHONPATH": str(REPO),
            "OMP_NUM_THREADS": "1", "DCP_T0": str(time.time())}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.engines.dcp_worker", str(r), str(world), str(port),
-                               str(workdir)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    # Output to files, not pipes: a rank blocked on a full pipe would look hung.
+    logs = [workdir / f"rank{r}.log" for r in range(world)]
+    procs: list[subprocess.Popen[bytes]] = []
     outs: list[str] = []
     try:
+        for r in range(world):
+            with logs[r].open("w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.engines.dcp_worker", str(r), str(world),
+                                               str(port), str(workdir)], cwd=REPO, env=env, stdout=out,
+                                              stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
-        for p in procs:
+        for r, p in enumerate(procs):
+            note = ""
             try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
-                out += "\n[killed by the test: timed out]"
-            outs.append(out)
+                p.wait()
+                note = "\n[killed by the test: timed out]"
+            outs.append(logs[r].read_text() + note)
     finally:
         for p in procs:
             if p.poll() is None:
