@@ -1,0 +1,222 @@
+"""PyTorch Distributed Checkpoint through tierfs.integrations.torch_dcp, on
+the engines' session cluster: ranks are subprocesses (tests/engines/dcp_worker.py)
+in a gloo group on loopback, each with its own TierFS Client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.engines.conftest import REPO
+from tierfs.client import Client
+from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError
+from tierfs.integrations.torch_dcp import TierFSStorageReader, TierFSStorageWriter, tierfs_path
+from tierfs.local import free_ports
+
+WORLD = 4
+
+
+@dataclass
+class Run:
+    outs: list[str]
+    workdir: Path
+
+    def text(self, rank: int) -> str:
+        return f"rank {rank}:\n{self.outs[rank][-4000:]}"
+
+
+def launch(world: int, root: str, workdir: Path, meta: str, timeout: float) -> list[str]:
+    """Run ``world`` ranks of tests/engines/dcp_worker.py; every one is
+    killed by the end. Returns each rank's output."""
+    port = free_ports(1)[0]
+    env = {**os.environ, "TIERFS_META": meta, "DCP_ROOT": root, "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1", "DCP_T0": str(time.time())}
+    # Output to files, not pipes: a rank blocked on a full pipe would look hung.
+    logs = [workdir / f"rank{r}.log" for r in range(world)]
+    procs: list[subprocess.Popen[bytes]] = []
+    outs: list[str] = []
+    try:
+        for r in range(world):
+            with logs[r].open("w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.engines.dcp_worker", str(r), str(world),
+                                               str(port), str(workdir)], cwd=REPO, env=env, stdout=out,
+                                              stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        for r, p in enumerate(procs):
+            note = ""
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                note = "\n[killed by the test: timed out]"
+            outs.append(logs[r].read_text() + note)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    print(f"--- rank 0:\n{outs[0] if outs else ''}")
+    return outs
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def root(tierfs_meta: str) -> str:
+    """A directory of its own; small chunks, so that files and tensors
+    span several chunks and storage nodes."""
+    path = f"/dcp-{uuid.uuid4().hex[:8]}"
+    with Client(tierfs_meta) as c:
+        c.mkdir(path)
+        c.set_layout(path, chunk_size=64 << 10, redundancy="ec:2+1")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tierfs_meta: str, root: str, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One launch of 4 ranks for the three distributed tests (starting
+    torch in 4 processes is most of their time): save and interop, then
+    ranks 0-1 load resharded, then a save that loses rank 2."""
+    workdir = tmp_path_factory.mktemp("dcp")
+    return Run(launch(WORLD, root, workdir, tierfs_meta, timeout=170), workdir)
+
+
+@pytest.mark.timeout(200)  # the launch (the module fixture) runs inside this test's timeout
+def test_save_4_ranks_load_back_and_through_filesystem_reader(run: Run, tierfs_meta: str, root: str) -> None:
+    """4 ranks save a sharded transformer + Adam state (twice to one path),
+    and the same state dict with FileSystemWriter (torch_save and
+    safetensors formats) to local disk; it loads bit-identical through
+    either reader: TierFS, TierFS copied to disk, local uploaded to TierFS."""
+    for r in range(WORLD):
+        assert "OK save" in run.outs[r], run.text(r)
+    with Client(tierfs_meta) as c:
+        names = c.ls(f"{root}/ckpt")
+    # The first save's files went once the second committed.
+    tags = {n.split("_")[3] for n in names if n.endswith(".distcp")}
+    assert len(tags) == 1 and ".metadata" in names, names
+    assert not [n for n in names if n.endswith(".tmp")], names
+
+
+@pytest.mark.timeout(200)  # as above, when run alone
+def test_save_with_4_ranks_loads_with_2(run: Run) -> None:
+    for r in range(2):
+        assert "OK reshard" in run.outs[r], run.text(r)
+
+
+@pytest.mark.timeout(200)  # as above, when run alone
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rank_killed_mid_save_leaves_previous_checkpoint(run: Run, tierfs_meta: str, root: str) -> None:
+    assert "rank 2 dies mid-save" in run.outs[2], run.text(2)
+    for r in (0, 1, 3):
+        assert "OK crash" in run.outs[r], run.text(r)
+    expected = torch.load(run.workdir / "expected.pt", weights_only=True)
+    with Client(tierfs_meta) as c:
+        # A single process loads the full tensors of the committed checkpoint: v1.
+        want = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
+        # Every other small matrix and big_f32 land in transposed
+        # (non-contiguous) tensors: copies; big_bf16 is read in place.
+        got = {k: torch.empty(v.shape[::-1], dtype=v.dtype).t() if v.dim() == 2 and (
+            "big_f32" in k or (i % 2 and "big" not in k))
+               else torch.empty_like(v) for i, (k, v) in enumerate(want.items())}
+        reader = TierFSStorageReader(f"{root}/crash", client=c)
+        dcp.load(got, storage_reader=reader, no_dist=True)
+        for k, v in want.items():
+            assert bits_equal(got[k].contiguous(), v), k
+        assert reader.stats.direct and reader.stats.copied and reader.stats.small, reader.stats
+        # The dead save left data files of its own, unreferenced (the next
+        # committed save removes them).
+        names = c.ls(f"{root}/crash")
+        assert len({n.split("_")[3] for n in names if n.endswith(".distcp")}) == 2, names
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_incomplete_and_missing_checkpoints_are_clear_errors(tierfs_meta: str, root: str) -> None:
+    with Client(tierfs_meta) as c:
+        c.mkdir(f"{root}/partial", parents=True, exist_ok=True)
+        c.write_bytes(f"{root}/partial/__0_abc_0.distcp", b"x" * 100)
+        with pytest.raises(NotFoundError, match=r"incomplete.*no committed \.metadata"):
+            TierFSStorageReader(f"{root}/partial", client=c).read_metadata()
+        with pytest.raises(NotFoundError, match="does not exist"):
+            TierFSStorageReader(f"{root}/nonexistent", client=c).read_metadata()
+        with pytest.raises(CheckpointException, match="does not exist"):
+            dcp.load({"x": torch.zeros(2)}, storage_reader=TierFSStorageReader(f"{root}/nonexistent", client=c),
+                     no_dist=True)
+
+
+@pytest.mark.timeout(30)
+def test_missing_meta_config_names_tierfs_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERFS_META", raising=False)
+    with pytest.raises(ConfigError, match="TIERFS_META"):
+        TierFSStorageWriter("/x")
+    with pytest.raises(ConfigError, match="TIERFS_META"):
+        TierFSStorageReader("/x")
+    assert tierfs_path("tierfs:///a//b/") == tierfs_path("tierfs://a/b") == "/a/b"
+    assert not TierFSStorageWriter.validate_checkpoint_id("s3://bucket/x")
+    assert not TierFSStorageWriter.validate_checkpoint_id("relative/dir")
+    assert TierFSStorageReader.validate_checkpoint_id("tierfs:///ckpt/step-1")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_single_process_views_overwrite_and_rank_local_metadata(tierfs_meta: str, root: str) -> None:
+    """Without a process group: a view into a larger storage and a
+    non-contiguous tensor are packed (counted) and load back equal;
+    overwrite=False and use_collectives=False are refused clearly."""
+    base = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    sd = {"rows": base[:8], "cols": base[:, ::2], "whole": torch.randn(128, 256), "n": 3}
+    with Client(tierfs_meta) as c:
+        w = TierFSStorageWriter(f"{root}/single", client=c)
+        dcp.save(sd, storage_writer=w, no_dist=True)
+        assert w.copied_tensors == 2
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+        dcp.load(got, storage_reader=TierFSStorageReader(f"{root}/single", client=c), no_dist=True)
+        for k, v in sd.items():
+            assert bits_equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+        with pytest.raises(CheckpointException, match="already exists"):
+            dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/single", client=c, overwrite=False),
+                     no_dist=True)
+        with pytest.raises(InvalidArgumentError, match="use_collectives=True"):
+            dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/single2", client=c), no_dist=True,
+                     use_collectives=False)
+
+
+@pytest.mark.timeout(30)
+def test_region_is_one_run_exactly_when_the_box_is_contiguous() -> None:
+    """The reader reads a box of a stored tensor in place only when its
+    elements are one run; checked against torch on every box of a 3-d tensor."""
+    import itertools
+
+    from tierfs.integrations.torch_dcp import _region, _Stored
+
+    size = (4, 3, 5)
+    full = torch.arange(60).reshape(size)
+    st = _Stored(0, 60, torch.int64, size, (15, 5, 1), 0)
+    spans = [[(o, n) for o in range(s) for n in range(1, s - o + 1)] for s in size]
+    for box in itertools.product(*spans):
+        offsets, lengths = [o for o, _ in box], [n for _, n in box]
+        view = full
+        for d, (o, n) in enumerate(box):
+            view = view.narrow(d, o, n)
+        run = _region(st, offsets, lengths)
+        if view.is_contiguous():
+            assert run is not None, box
+            first, count = run
+            assert torch.equal(view.reshape(-1), torch.arange(first, first + count)), box
+        else:
+            assert run is None, box
+    assert _region(_Stored(0, 60, torch.int64, (5, 12), (1, 5), 0), [0, 0], [5, 12]) is None  # transposed
