@@ -116,12 +116,13 @@ bench-training: $(ENGINES_STAMP)
 # the model-based checker's random walks for 10 minutes (make test runs a
 # fixed set of seeds: tests/checker). TIERFS_CHECKER_SEEDS=1,2,3 runs those
 # seeds instead; TIERFS_CHECKER_STEPS sets the length of each walk. Then the
-# tests marked slow: the namespace grown to 200k entries through snapshots.
+# tests marked slow: the namespace grown to 200k entries through snapshots,
+# and the glob edge cases of fsspec's Get and Put suites (tests/integrations).
 soak: install
 	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} \
 	TIERFS_CHECKER_SECONDS=$${TIERFS_CHECKER_SECONDS:-600} \
 	$(BIN)/python -m pytest tests/soak -q -s
-	$(BIN)/python -m pytest -m slow -q -s tests/meta
+	$(BIN)/python -m pytest -m slow -q -s tests/meta tests/integrations
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(ENGINES_VENV) .stamp-bench-system .mypy_cache .ruff_cache .pytest_cache .hypothesis
