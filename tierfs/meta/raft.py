@@ -438,6 +438,8 @@ class RaftReplicator:
         self._loop_thread: int | None = None
         self._raft_state = 0
         self._applied_ops = 0
+        # The log index of the last op the state machine applied (loop thread).
+        self._sm_index = 0
         self._barrier_waiters: asyncio.Future[None] | None = None
         self._barrier_running = False
         self._bg_tasks: set[asyncio.Task[None]] = set()
@@ -639,7 +641,11 @@ class RaftReplicator:
             leader=self._leader_grpc(),
             term=node.raftCurrentTerm,
             commit_index=node.raftCommitIndex,
-            applied_index=node.raftLastApplied,
+            # pysyncobj counts an entry applied only after its result's
+            # callback ran, so a handler resumed by that result can see the
+            # count one short of the op it just applied: the state machine's
+            # own index covers that.
+            applied_index=max(node.raftLastApplied, self._sm_index),
             members=[self._addr_map.get(m, m) for m in members],
         )
 
@@ -797,6 +803,7 @@ class RaftReplicator:
                 log.exception("state machine raised applying index %d", index)
                 pending.exc = exc
             self._applied_ops += 1
+            self._sm_index = max(self._sm_index, index)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(run)
