@@ -596,7 +596,8 @@ class AsyncClient:
                             m: int) -> list[int | TierFSError]:
         """``read_batch`` with one request per fragment; those still running
         after ``hedge`` seconds (and three times as long as the slowest
-        answer so far: a busy client slows every node alike), when at most
+        answer so far, up to a quarter of the request timeout: a busy client
+        slows every node alike), when at most
         ``m`` (parity can stand in), are cancelled and come back as
         :class:`_Hedged`. A cancelled request never writes its buffer again
         (the data plane drops the connection if its payload was landing)."""
@@ -622,7 +623,11 @@ class AsyncClient:
             # A straggler lags its peers, not just the clock: when the others
             # themselves took long (bandwidth shared by many chunks in flight),
             # give it three times their time before reading parity instead.
-            while pending and len(pending) <= m and done and (wait := 3 * last - (loop.time() - t0)) > 0:
+            # Never past a quarter of the request timeout, though: on a loaded
+            # machine the peers can take long enough for three times their
+            # time to reach the timeout itself.
+            cap = max(hedge, timeout / 4)
+            while pending and len(pending) <= m and done and (wait := min(3 * last, cap) - (loop.time() - t0)) > 0:
                 more, pending = await asyncio.wait(pending, timeout=wait)
                 done |= more
             if pending and len(pending) > m:
