@@ -2348,9 +2348,51 @@ class TickRequest(_message.Message):
 Global___TickRequest: _TypeAlias = TickRequest  # noqa: Y015
 
 @_typing.final
+class Caller(_message.Message):
+    """Who submitted an op, as the leader's servicer authenticated the call
+    (tierfs.security.Identity). Stamped by the servicer, never taken from a
+    request. Absent (ops logged with security off): root.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    GID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    ADMIN_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    uid: _builtins.int
+    gid: _builtins.int
+    admin: _builtins.bool
+    kind: _builtins.str
+    """"admin" | "user" | "node" | "anonymous" """
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        uid: _builtins.int = ...,
+        gid: _builtins.int = ...,
+        groups: _abc.Iterable[_builtins.int] | None = ...,
+        admin: _builtins.bool = ...,
+        kind: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin", b"admin", "gid", b"gid", "groups", b"groups", "kind", b"kind", "name", b"name", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Caller: _TypeAlias = Caller  # noqa: Y015
+
+@_typing.final
 class MetaOp(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    CALLER_FIELD_NUMBER: _builtins.int
     NOW_NS_FIELD_NUMBER: _builtins.int
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -2393,6 +2435,8 @@ class MetaOp(_message.Message):
     this long after the op (0 = at once). Stamped by the leader from its
     configuration, so every replica computes the same ready times.
     """
+    @_builtins.property
+    def caller(self) -> Global___Caller: ...
     @_builtins.property
     def kv_default_pool(self) -> Global___CreateKVPoolRequest:
         """Stamped by the leader on RegisterNode ops from its configuration
@@ -2451,6 +2495,7 @@ class MetaOp(_message.Message):
     def __init__(
         self,
         *,
+        caller: Global___Caller | None = ...,
         now_ns: _builtins.int = ...,
         client_id: _builtins.str = ...,
         request_id: _builtins.int = ...,
@@ -2482,9 +2527,9 @@ class MetaOp(_message.Message):
         create_kv_pool: Global___CreateKVPoolRequest | None = ...,
         remove_kv_pool: Global___RemoveKVPoolRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
