@@ -27,6 +27,7 @@ ErrorCode = common_pb2.ErrorCode
 __all__ = [
     "AlreadyExistsError",
     "BusyError",
+    "CapabilityExpiredError",
     "ConfigError",
     "CorruptError",
     "CrossDeviceError",
@@ -48,6 +49,7 @@ __all__ = [
     "StaleVersionError",
     "TierFSError",
     "TimeoutError_",
+    "UnauthenticatedError",
     "UnavailableError",
     "UnsupportedError",
     "abort",
@@ -147,6 +149,24 @@ class NameTooLongError(TierFSError, OSError):
 
 class PermissionDeniedError(TierFSError, PermissionError):
     code = ErrorCode.ERROR_CODE_PERMISSION_DENIED
+    grpc_status = grpc.StatusCode.PERMISSION_DENIED
+    errno_value = _errno.EACCES
+
+
+class UnauthenticatedError(TierFSError, PermissionError):
+    """No valid credential: missing, malformed, unknown, revoked or expired
+    token (meta), missing or forged capability (data plane)."""
+
+    code = ErrorCode.ERROR_CODE_UNAUTHENTICATED
+    grpc_status = grpc.StatusCode.UNAUTHENTICATED
+    errno_value = _errno.EACCES
+
+
+class CapabilityExpiredError(TierFSError, PermissionError):
+    """A data-plane capability expired (or its key was rotated out): the
+    client asks meta for a fresh one and retries."""
+
+    code = ErrorCode.ERROR_CODE_CAPABILITY_EXPIRED
     grpc_status = grpc.StatusCode.PERMISSION_DENIED
     errno_value = _errno.EACCES
 

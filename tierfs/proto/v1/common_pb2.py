@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierfs/v1/common.proto\x12\ttierfs.v1\"L\n\x05\x45rror\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.tierfs.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t*\xb4\x05\n\tErrorCode\x12\x11\n\rERROR_CODE_OK\x10\x00\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x02\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x03\x12\x1d\n\x19\x45RROR_CODE_ALREADY_EXISTS\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_NOT_A_DIRECTORY\x10\x05\x12\x1d\n\x19\x45RROR_CODE_IS_A_DIRECTORY\x10\x06\x12\"\n\x1e\x45RROR_CODE_DIRECTORY_NOT_EMPTY\x10\x07\x12\x1c\n\x18\x45RROR_CODE_NAME_TOO_LONG\x10\x08\x12 \n\x1c\x45RROR_CODE_PERMISSION_DENIED\x10\t\x12\x19\n\x15\x45RROR_CODE_NOT_LEADER\x10\n\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0b\x12\x16\n\x12\x45RROR_CODE_TIMEOUT\x10\x0c\x12\x17\n\x13\x45RROR_CODE_NO_SPACE\x10\r\x12\x16\n\x12\x45RROR_CODE_CORRUPT\x10\x0e\x12\x1c\n\x18\x45RROR_CODE_STALE_VERSION\x10\x0f\x12\x13\n\x0f\x45RROR_CODE_BUSY\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_SESSION_EXPIRED\x10\x11\x12\x17\n\x13\x45RROR_CODE_PROTOCOL\x10\x12\x12\x15\n\x11\x45RROR_CODE_CONFIG\x10\x13\x12#\n\x1f\x45RROR_CODE_INSUFFICIENT_TARGETS\x10\x14\x12\x1a\n\x16\x45RROR_CODE_UNSUPPORTED\x10\x15\x12\x1b\n\x17\x45RROR_CODE_CROSS_DEVICE\x10\x16\x12\x1d\n\x19\x45RROR_CODE_INVALID_RENAME\x10\x17\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierfs/v1/common.proto\x12\ttierfs.v1\"L\n\x05\x45rror\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.tierfs.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06leader\x18\x03 \x01(\t*\xf7\x05\n\tErrorCode\x12\x11\n\rERROR_CODE_OK\x10\x00\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x02\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x03\x12\x1d\n\x19\x45RROR_CODE_ALREADY_EXISTS\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_NOT_A_DIRECTORY\x10\x05\x12\x1d\n\x19\x45RROR_CODE_IS_A_DIRECTORY\x10\x06\x12\"\n\x1e\x45RROR_CODE_DIRECTORY_NOT_EMPTY\x10\x07\x12\x1c\n\x18\x45RROR_CODE_NAME_TOO_LONG\x10\x08\x12 \n\x1c\x45RROR_CODE_PERMISSION_DENIED\x10\t\x12\x19\n\x15\x45RROR_CODE_NOT_LEADER\x10\n\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0b\x12\x16\n\x12\x45RROR_CODE_TIMEOUT\x10\x0c\x12\x17\n\x13\x45RROR_CODE_NO_SPACE\x10\r\x12\x16\n\x12\x45RROR_CODE_CORRUPT\x10\x0e\x12\x1c\n\x18\x45RROR_CODE_STALE_VERSION\x10\x0f\x12\x13\n\x0f\x45RROR_CODE_BUSY\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_SESSION_EXPIRED\x10\x11\x12\x17\n\x13\x45RROR_CODE_PROTOCOL\x10\x12\x12\x15\n\x11\x45RROR_CODE_CONFIG\x10\x13\x12#\n\x1f\x45RROR_CODE_INSUFFICIENT_TARGETS\x10\x14\x12\x1a\n\x16\x45RROR_CODE_UNSUPPORTED\x10\x15\x12\x1b\n\x17\x45RROR_CODE_CROSS_DEVICE\x10\x16\x12\x1d\n\x19\x45RROR_CODE_INVALID_RENAME\x10\x17\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x18\x12!\n\x1d\x45RROR_CODE_CAPABILITY_EXPIRED\x10\x19\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierfs.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ERRORCODE']._serialized_start=116
-  _globals['_ERRORCODE']._serialized_end=808
+  _globals['_ERRORCODE']._serialized_end=875
   _globals['_ERROR']._serialized_start=37
   _globals['_ERROR']._serialized_end=113
 # @@protoc_insertion_point(module_scope)

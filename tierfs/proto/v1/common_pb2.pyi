@@ -47,6 +47,12 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     ERROR_CODE_UNSUPPORTED: _ErrorCode.ValueType  # 21
     ERROR_CODE_CROSS_DEVICE: _ErrorCode.ValueType  # 22
     ERROR_CODE_INVALID_RENAME: _ErrorCode.ValueType  # 23
+    ERROR_CODE_UNAUTHENTICATED: _ErrorCode.ValueType  # 24
+    """No valid credential: a missing, malformed, unknown, revoked or expired
+    token; on the data plane a missing or forged capability.
+    """
+    ERROR_CODE_CAPABILITY_EXPIRED: _ErrorCode.ValueType  # 25
+    """A data-plane capability that was valid has expired: ask meta for a new one."""
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """Every TierFSError carries one of these. The Python exception tree in
@@ -79,6 +85,12 @@ ERROR_CODE_INSUFFICIENT_TARGETS: ErrorCode.ValueType  # 20
 ERROR_CODE_UNSUPPORTED: ErrorCode.ValueType  # 21
 ERROR_CODE_CROSS_DEVICE: ErrorCode.ValueType  # 22
 ERROR_CODE_INVALID_RENAME: ErrorCode.ValueType  # 23
+ERROR_CODE_UNAUTHENTICATED: ErrorCode.ValueType  # 24
+"""No valid credential: a missing, malformed, unknown, revoked or expired
+token; on the data plane a missing or forged capability.
+"""
+ERROR_CODE_CAPABILITY_EXPIRED: ErrorCode.ValueType  # 25
+"""A data-plane capability that was valid has expired: ask meta for a new one."""
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final
