@@ -43,6 +43,7 @@ __all__ = [
     "NotADirectoryError_",
     "NotFoundError",
     "NotLeaderError",
+    "NotPermittedError",
     "PermissionDeniedError",
     "ProtocolError",
     "SessionExpiredError",
@@ -151,6 +152,16 @@ class PermissionDeniedError(TierFSError, PermissionError):
     code = ErrorCode.ERROR_CODE_PERMISSION_DENIED
     grpc_status = grpc.StatusCode.PERMISSION_DENIED
     errno_value = _errno.EACCES
+
+
+class NotPermittedError(PermissionDeniedError):
+    """EPERM rather than EACCES: an operation reserved to an inode's owner or
+    root (chmod, chown, chgrp). Same wire code as its base; the message
+    starts with :attr:`PREFIX`, which is how :func:`error_from_code` tells
+    the two apart on the receiving side."""
+
+    errno_value = _errno.EPERM
+    PREFIX: ClassVar[str] = "operation not permitted: "
 
 
 class UnauthenticatedError(TierFSError, PermissionError):
@@ -289,6 +300,8 @@ def error_from_code(code: int, message: str, leader: str = "") -> TierFSError:
         return InternalError(f"unknown error code {code}: {message}")
     if cls is NotLeaderError:
         return NotLeaderError(message, leader=leader)
+    if cls is PermissionDeniedError and message.startswith(NotPermittedError.PREFIX):
+        return NotPermittedError(message)
     return cls(message)
 
 

@@ -110,6 +110,12 @@ class MetaConfig(BaseConfig):
     kv_default_target_memory: int = field(256 << 20, "Per-target memory budget of the default KV pool.", kind="size")
     kv_default_target_disk: int = field(1 << 30, "Per-target disk budget of the default KV pool.", kind="size")
 
+    root_squash: bool = field(
+        True,
+        "Judge a non-admin user whose uid is 0 as uid/gid 65534 (nobody) in permission checks, so a user "
+        "record made with uid 0 is not root over the namespace (admins are never squashed).",
+    )
+
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
     log_format: str = field("json", "json (one object per line) | text")

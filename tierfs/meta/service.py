@@ -76,9 +76,11 @@ from tierfs.meta.ops import (
     check_op_size,
     validate_op,
 )
+from tierfs.meta.perms import caller_pb, squash
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
+from tierfs.security import ANONYMOUS, Identity, current_identity
 
 __all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "MAX_REQUEST_BYTES", "REQUEST_ID_KEY", "MetaServicer",
            "add_meta_service"]
@@ -123,6 +125,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         gc_grace: float = DEFAULT_GC_GRACE,
         usage_interval: float = 30.0,
         kv_default_pool: pb.CreateKVPoolRequest | None = DEFAULT_POOL_REQUEST,
+        root_squash: bool = True,
         clock: Callable[[], int] = time.time_ns,
         monotonic: Callable[[], int] | None = None,
     ) -> None:
@@ -141,6 +144,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.gc_grace = gc_grace
         self.usage_interval = usage_interval
         self.kv_default_pool = kv_default_pool
+        self.root_squash = root_squash
         self._clock = clock
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
@@ -208,6 +212,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             now = state_clock
         return now
 
+    def identity(self) -> Identity:
+        """Who the request being handled runs as, for permissions: the
+        authenticated caller (``current_identity``), root-squashed as this
+        replica is configured. Ops carry it (``MetaOp.caller``), so the
+        squash of the leader that stamped an op holds on every replica."""
+        return squash(current_identity.get(), self.root_squash)
+
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
         # Field caps first (the clearer error), then the whole request as it
         # came, unknown fields included.
@@ -216,6 +227,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
                        lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))
         getattr(op, kind).CopyFrom(req)
+        ident = self.identity()
+        if ident != ANONYMOUS:  # absent = root: security off logs what it always did
+            op.caller.CopyFrom(caller_pb(ident))
         if kind == "register_node" and self.kv_default_pool is not None:
             op.kv_default_pool.CopyFrom(self.kv_default_pool)
         op.DiscardUnknownFields()  # what this version does not know does not go into the log
@@ -384,15 +398,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read(request)).lookup(request.parent, request.name)
+        return (await self._read(request)).lookup(request.parent, request.name, ident=self.identity())
 
     @grpc_errors
     async def Stat(self, request: pb.StatRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read(request)).stat(request.loc)
+        return (await self._read(request)).stat(request.loc, ident=self.identity())
 
     @grpc_errors
     async def Readdir(self, request: pb.ReaddirRequest, context: Ctx) -> pb.ReaddirReply:
-        return (await self._read(request)).readdir(request.loc, request.cursor, request.limit)
+        return (await self._read(request)).readdir(request.loc, request.cursor, request.limit,
+                                                   ident=self.identity())
 
     @grpc_errors
     async def Rename(self, request: pb.RenameRequest, context: Ctx) -> pb.Empty:
@@ -412,7 +427,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Readlink(self, request: pb.ReadlinkRequest, context: Ctx) -> pb.ReadlinkReply:
-        return pb.ReadlinkReply(target=(await self._read(request)).readlink(request.loc))
+        return pb.ReadlinkReply(target=(await self._read(request)).readlink(request.loc, ident=self.identity()))
 
     @grpc_errors
     async def SetAttr(self, request: pb.SetAttrRequest, context: Ctx) -> pb.FileInfo:
@@ -428,7 +443,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: Ctx) -> pb.LayoutReply:
-        return pb.LayoutReply(layout=(await self._read(request)).get_layout(request.loc))
+        return pb.LayoutReply(layout=(await self._read(request)).get_layout(request.loc, ident=self.identity()))
 
     # ---- write sessions ---------------------------------------------------------
 
@@ -575,7 +590,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
     lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
-    usage_interval, kv_default_pool, clock, monotonic) and register it on
+    usage_interval, kv_default_pool, root_squash, clock, monotonic) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

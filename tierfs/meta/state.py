@@ -74,10 +74,26 @@ from tierfs.meta.ops import (
     split_path,
     validate_op,
 )
+from tierfs.meta.perms import (
+    R,
+    W,
+    X,
+    access_ok,
+    check_chown,
+    chmod_mode,
+    chown_mode,
+    denied,
+    from_caller,
+    is_root,
+    may_delete,
+    new_owner,
+    not_permitted,
+)
 from tierfs.meta.placement import distinct_nodes, plan_groups
 from tierfs.meta.undo import Tracked, transaction
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.security import ANONYMOUS, ROOT, Identity
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -214,6 +230,11 @@ class MetaStateMachine(Tracked):
             ROOT_INODE: Inode(id=ROOT_INODE, type=DIR, mode=0o755, uid=0, gid=0, mtime=0, ctime=0,
                               nlink=2, parent=ROOT_INODE, layout=DEFAULT_LAYOUT),
         }
+        # file or symlink inode -> the directory holding it (directories
+        # know their parent): derived from the entries, not in snapshots;
+        # what lets an op that names a file by inode check search
+        # permission along its path.
+        self.holder: dict[int, int] = {}
         self.nodes: dict[int, Node] = {}
         self.targets: dict[int, Target] = {}
         self.groups: dict[int, list[int]] = {}
@@ -315,12 +336,15 @@ class MetaStateMachine(Tracked):
             raise NotFoundError(f"no inode {ino}")
         return node
 
-    def _resolve(self, path: str) -> Inode:
+    def _resolve(self, path: str, ident: Identity = ROOT, op: str = "") -> Inode:
         cur = self.inodes[ROOT_INODE]
         walked = ""
+        check = not is_root(ident)
         for name in split_path(path):
             if cur.type != DIR:
                 raise NotADirectoryError_(f"{walked or '/'} is not a directory")
+            if check:
+                self._need(ident, cur, X, op, path)
             child = cur.entries.get(name)
             walked += "/" + name
             if child is None:
@@ -333,25 +357,111 @@ class MetaStateMachine(Tracked):
             raise NotADirectoryError_(f"{what} is not a directory")
         return ino
 
-    def _get(self, loc: pb.Loc) -> Inode:
-        """The object a location names (path, parent+name or inode)."""
+    def _get(self, loc: pb.Loc, ident: Identity = ROOT, op: str = "") -> Inode:
+        """The object a location names (path, parent+name or inode), with
+        search permission on every directory above it checked for ``ident``
+        (by whichever form it is named: a directory chain is unique)."""
         if loc.path:
-            return self._resolve(loc.path)
+            return self._resolve(loc.path, ident, op)
         if loc.inode:
-            return self._inode(loc.inode)
+            n = self._inode(loc.inode)
+            self._search(ident, self._container(n), op, self._where(loc))
+            return n
         parent = self._dir(self._inode(loc.parent), f"inode {loc.parent}")
+        self._search(ident, parent, op, self._where(loc))
         child = parent.entries.get(loc.name)
         if child is None:
             raise NotFoundError(f"{loc.name!r} not found in directory inode {loc.parent}")
         return self.inodes[child]
 
-    def _entry(self, loc: pb.Loc) -> tuple[Inode, str]:
-        """The directory and name a location names (entry ops)."""
+    def _entry(self, loc: pb.Loc, ident: Identity = ROOT, op: str = "") -> tuple[Inode, str]:
+        """The directory and name a location names (entry ops), with search
+        permission on that directory and every one above it checked."""
         if loc.path:
             parts = split_path(loc.path)
-            parent = self._resolve("/" + "/".join(parts[:-1]))
-            return self._dir(parent, "/" + "/".join(parts[:-1])), parts[-1]
-        return self._dir(self._inode(loc.parent), f"inode {loc.parent}"), loc.name
+            parent = self._dir(self._resolve("/" + "/".join(parts[:-1]), ident, op), "/" + "/".join(parts[:-1]))
+            if not is_root(ident):
+                self._need(ident, parent, X, op, loc.path)
+            return parent, parts[-1]
+        parent = self._dir(self._inode(loc.parent), f"inode {loc.parent}")
+        self._search(ident, parent, op, self._where(loc))
+        return parent, loc.name
+
+    # ---- permissions (tierfs.meta.perms; docs/security-authz.md) -------------
+
+    def _container(self, n: Inode) -> Inode | None:
+        """The directory holding ``n`` (None for the root)."""
+        if n.id == ROOT_INODE:
+            return None
+        pid = n.parent if n.type == DIR else self.holder.get(n.id)
+        return None if pid is None else self.inodes.get(pid)
+
+    def _path_of(self, n: Inode) -> str:
+        """``n``'s path, for messages (only built for a denial)."""
+        parts: list[str] = []
+        cur = n
+        while cur.id != ROOT_INODE:
+            up = self._container(cur)
+            if up is None:
+                return f"inode {n.id}"
+            parts.append(next((k for k, v in up.entries.items() if v == cur.id), f"inode {cur.id}"))
+            cur = up
+        return "/" + "/".join(reversed(parts))
+
+    def _need(self, ident: Identity, n: Inode, want: int, op: str, where: str) -> None:
+        if not access_ok(ident, n.mode, n.uid, n.gid, want):
+            kind = "directory" if n.type == DIR else "file" if n.type == FILE else "symlink"
+            raise denied(op, where, ident, want, f"{kind} {self._path_of(n)}", n.mode, n.uid, n.gid)
+
+    def _unsearchable(self, ident: Identity, d: Inode | None) -> Inode | None:
+        """The topmost directory from ``d`` up to the root that ``ident``
+        may not search, or None."""
+        if is_root(ident):
+            return None
+        bad = None
+        while d is not None:
+            if not access_ok(ident, d.mode, d.uid, d.gid, X):
+                bad = d
+            d = None if d.id == ROOT_INODE else self.inodes[d.parent]
+        return bad
+
+    def _search(self, ident: Identity, d: Inode | None, op: str, where: str) -> None:
+        """Search (x) permission on ``d`` and every directory above it: what
+        a path walk to ``d``'s entries needs."""
+        bad = self._unsearchable(ident, d)
+        if bad is not None:
+            self._need(ident, bad, X, op, where)
+
+    def _sticky(self, ident: Identity, d: Inode, n: Inode, op: str, where: str) -> None:
+        if not may_delete(ident, d.mode, d.uid, n.uid):
+            raise not_permitted(op, where, ident, f"directory {self._path_of(d)} is sticky (mode {d.mode:04o}): only "
+                                                  f"the entry's owner (uid {n.uid}), the directory's owner "
+                                                  f"(uid {d.uid}) or root may remove or rename the entry")
+
+    def _session_writer(self, ident: Identity, f: Inode, op: str, sid: int) -> None:
+        """Who may renew, commit or abort a write session: root, the file's
+        owner, or whoever may write the file (the rights are judged again
+        at each call, so a chmod that takes write away ends a group
+        member's session at its next renewal)."""
+        if not (is_root(ident) or ident.uid == f.uid or access_ok(ident, f.mode, f.uid, f.gid, W)):
+            self._need(ident, f, W, op, f"session {sid}")
+
+    def access(self, ident: Identity, ino: int, want: int) -> bool:
+        """Whether ``ident`` may access inode ``ino`` as ``want`` asks
+        (:data:`tierfs.meta.perms.R`, ``W``, ``X``), search permission on
+        every directory above it included: the check behind capabilities."""
+        n = self.inodes.get(ino)
+        if n is None:
+            return False
+        if is_root(ident):
+            return True
+        if self._unsearchable(ident, self._container(n)) is not None:
+            return False
+        return access_ok(ident, n.mode, n.uid, n.gid, want)
+
+    def may_read(self, ident: Identity, ino: int) -> bool:
+        """Whether a read capability for ``ino`` may be minted to ``ident``."""
+        return self.access(ident, ino, R)
 
     @staticmethod
     def _where(loc: pb.Loc) -> str:
@@ -403,6 +513,13 @@ class MetaStateMachine(Tracked):
 
     def _touch(self, d: Inode) -> None:
         d.mtime = d.ctime = self.clock
+
+    @staticmethod
+    def _owner(ident: Identity, r: pb.MkdirRequest | pb.CreateRequest | pb.SymlinkRequest, mode: int,
+               is_dir: bool, parent: Inode) -> tuple[int, int, int]:
+        """(mode, uid, gid) of a new inode (tierfs.meta.perms.new_owner)."""
+        uid, gid, mode = new_owner(ident, r.uid, r.gid, mode, is_dir, parent.mode, parent.gid)
+        return mode, uid, gid
 
     def _gc_chunk(self, f: Inode, chunk: int, version: int) -> None:
         """Queue the fragments of ``chunk`` at ``version`` for deletion, once
@@ -458,15 +575,18 @@ class MetaStateMachine(Tracked):
                 self._drop_session(self.sessions[n.session], n)
             for c in sorted(n.chunks):
                 self._gc_chunk(n, c, self._pop_chunk(n, c).generation)
+        self.holder.pop(n.id, None)
         del self.inodes[n.id]
 
     # ---- namespace ops ------------------------------------------------------
 
     def _op_mkdir(self, op: pb.MetaOp, r: pb.MkdirRequest) -> Message:
-        parent, name = self._entry(r.loc)
+        ident = from_caller(op)
+        parent, name = self._entry(r.loc, ident, "mkdir")
         if name in parent.entries:
             raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
-        d = self._new_inode(DIR, r.mode or 0o755, r.uid, r.gid)
+        self._need(ident, parent, W | X, "mkdir", self._where(r.loc))
+        d = self._new_inode(DIR, *self._owner(ident, r, r.mode or 0o755, True, parent))
         d.nlink, d.parent = 2, parent.id
         parent.entries[name] = d.id
         parent.nlink += 1
@@ -474,9 +594,11 @@ class MetaStateMachine(Tracked):
         return self._info(d)
 
     def _op_create(self, op: pb.MetaOp, r: pb.CreateRequest) -> Message:
-        parent, name = self._entry(r.loc)
+        ident = from_caller(op)
+        parent, name = self._entry(r.loc, ident, "create")
         if name in parent.entries:
             raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
+        self._need(ident, parent, W | X, "create", self._where(r.loc))
         if r.map_version and r.map_version != self.map_version:
             raise StaleVersionError(f"cluster map version {r.map_version} is stale; current is {self.map_version}")
         base = self._effective_layout(parent)
@@ -484,28 +606,35 @@ class MetaStateMachine(Tracked):
         pending = self._plan_width(spec.width)
         groups = self._choose_groups(spec, self.next_inode, pending)
         self._commit_width(spec.width, pending)
-        f = self._new_inode(FILE, r.mode or 0o644, r.uid, r.gid)
+        f = self._new_inode(FILE, *self._owner(ident, r, r.mode or 0o644, False, parent))
         f.layout, f.groups = replace(spec, stripe_width=len(groups)), groups
         parent.entries[name] = f.id
+        self.holder[f.id] = parent.id
         self._touch(parent)
         return self._info(f)
 
     def _op_symlink(self, op: pb.MetaOp, r: pb.SymlinkRequest) -> Message:
-        parent, name = self._entry(r.loc)
+        ident = from_caller(op)
+        parent, name = self._entry(r.loc, ident, "symlink")
         if name in parent.entries:
             raise AlreadyExistsError(f"{self._where(r.loc)} already exists")
-        s = self._new_inode(SYMLINK, 0o777, r.uid, r.gid)
+        self._need(ident, parent, W | X, "symlink", self._where(r.loc))
+        s = self._new_inode(SYMLINK, *self._owner(ident, r, 0o777, False, parent))
         s.target, s.size = r.target, len(r.target.encode())
         parent.entries[name] = s.id
+        self.holder[s.id] = parent.id
         self._touch(parent)
         return self._info(s)
 
     def _op_unlink(self, op: pb.MetaOp, r: pb.UnlinkRequest) -> Message:
-        parent, name = self._entry(r.loc)
+        ident = from_caller(op)
+        parent, name = self._entry(r.loc, ident, "unlink")
         ino = parent.entries.get(name)
         if ino is None:
             raise NotFoundError(f"{self._where(r.loc)}: no such file or directory")
         n = self.inodes[ino]
+        self._need(ident, parent, W | X, "unlink", self._where(r.loc))
+        self._sticky(ident, parent, n, "unlink", self._where(r.loc))
         if n.type == DIR:
             raise IsADirectoryError_(f"{self._where(r.loc)} is a directory (use rmdir)")
         del parent.entries[name]
@@ -516,11 +645,14 @@ class MetaStateMachine(Tracked):
         return pb.Empty()
 
     def _op_rmdir(self, op: pb.MetaOp, r: pb.RmdirRequest) -> Message:
-        parent, name = self._entry(r.loc)
+        ident = from_caller(op)
+        parent, name = self._entry(r.loc, ident, "rmdir")
         ino = parent.entries.get(name)
         if ino is None:
             raise NotFoundError(f"{self._where(r.loc)}: no such file or directory")
         d = self.inodes[ino]
+        self._need(ident, parent, W | X, "rmdir", self._where(r.loc))
+        self._sticky(ident, parent, d, "rmdir", self._where(r.loc))
         if d.type != DIR:
             raise NotADirectoryError_(f"{self._where(r.loc)} is not a directory")
         if d.entries:
@@ -532,8 +664,9 @@ class MetaStateMachine(Tracked):
         return pb.Empty()
 
     def _op_rename(self, op: pb.MetaOp, r: pb.RenameRequest) -> Message:
-        sp, sname = self._entry(r.src)
-        dp, dname = self._entry(r.dst)
+        ident = from_caller(op)
+        sp, sname = self._entry(r.src, ident, "rename")
+        dp, dname = self._entry(r.dst, ident, "rename")
         sino = sp.entries.get(sname)
         if sino is None:
             raise NotFoundError(f"{self._where(r.src)}: no such file or directory")
@@ -541,6 +674,13 @@ class MetaStateMachine(Tracked):
         dino = dp.entries.get(dname)
         if dino == sino:
             return pb.Empty()  # same entry (or same inode): POSIX says do nothing
+        self._need(ident, sp, W | X, "rename", self._where(r.src))
+        self._sticky(ident, sp, src, "rename", self._where(r.src))
+        self._need(ident, dp, W | X, "rename", self._where(r.dst))
+        if dino is not None:
+            self._sticky(ident, dp, self.inodes[dino], "rename", self._where(r.dst))
+        if src.type == DIR and sp.id != dp.id:
+            self._need(ident, src, W, "rename", self._where(r.src))  # its ".." changes
         if src.type == DIR:
             # dp must not be src nor lie under it.
             cur = dp
@@ -572,6 +712,8 @@ class MetaStateMachine(Tracked):
                     self._release_inode(victim)
         del sp.entries[sname]
         dp.entries[dname] = src.id
+        if src.type != DIR:
+            self.holder[src.id] = dp.id
         if src.type == DIR and sp.id != dp.id:
             sp.nlink -= 1
             dp.nlink += 1
@@ -582,9 +724,25 @@ class MetaStateMachine(Tracked):
         return pb.Empty()
 
     def _op_setattr(self, op: pb.MetaOp, r: pb.SetAttrRequest) -> Message:
-        n = self._get(r.loc)
+        ident = from_caller(op)
+        where = self._where(r.loc)
+        n = self._get(r.loc, ident, "setattr")
+        # Every rule is decided before anything changes.
+        chown = r.set_uid or r.set_gid
+        if chown:
+            check_chown(ident, "chown", where, n.uid, n.gid, r.uid if r.set_uid else None,
+                        r.gid if r.set_gid else None)
+        mode = n.mode
         if r.set_mode:
-            n.mode = r.mode
+            mode = chmod_mode(ident, "chmod", where, n.uid, r.gid if r.set_gid else n.gid, r.mode)
+        elif chown:
+            mode = chown_mode(n.mode, n.type == DIR)
+        if r.set_mtime and not is_root(ident) and ident.uid != n.uid:
+            # A touch (UTIME_NOW) needs only write permission, an explicit
+            # time ownership; the request cannot tell them apart, so write
+            # permission is enough for both.
+            self._need(ident, n, W, "utimes", where)
+        n.mode = mode
         if r.set_uid:
             n.uid = r.uid
         if r.set_gid:
@@ -595,11 +753,13 @@ class MetaStateMachine(Tracked):
         return self._info(n)
 
     def _op_truncate(self, op: pb.MetaOp, r: pb.TruncateRequest) -> Message:
-        f = self._get(r.loc)
+        ident = from_caller(op)
+        f = self._get(r.loc, ident, "truncate")
         if f.type == DIR:
             raise IsADirectoryError_(f"{self._where(r.loc)} is a directory")
         if f.type != FILE:
             raise InvalidArgumentError(f"{self._where(r.loc)} is not a regular file")
+        self._need(ident, f, W, "truncate", self._where(r.loc))
         s = self._live_session(f)
         if s is not None:
             raise BusyError(f"{self._where(r.loc)} is being written (session {s.id}, owner {s.owner!r})")
@@ -623,7 +783,11 @@ class MetaStateMachine(Tracked):
         f.size = size
 
     def _op_set_layout(self, op: pb.MetaOp, r: pb.SetLayoutRequest) -> Message:
-        d = self._dir(self._get(r.loc), self._where(r.loc))
+        ident = from_caller(op)
+        d = self._dir(self._get(r.loc, ident, "set_layout"), self._where(r.loc))
+        if not ident.admin and ident.uid != d.uid:
+            raise not_permitted("set_layout", self._where(r.loc), ident,
+                                f"only the directory's owner (uid {d.uid}) or an admin may set its layout")
         spec = layout_from_pb(r.layout)
         parent_eff = self._effective_layout(self.inodes[d.parent]) if d.id != ROOT_INODE else DEFAULT_LAYOUT
         eff = spec.merged_over(parent_eff)
@@ -714,11 +878,17 @@ class MetaStateMachine(Tracked):
         return s, self.inodes[s.inode]
 
     def _op_open_write(self, op: pb.MetaOp, r: pb.OpenWriteRequest) -> Message:
-        f = self._get(r.loc)
+        ident = from_caller(op)
+        f = self._get(r.loc, ident, "open_write")
         if f.type == DIR:
             raise IsADirectoryError_(f"{self._where(r.loc)} is a directory")
         if f.type != FILE:
             raise InvalidArgumentError(f"{self._where(r.loc)} is not a regular file")
+        # The owner's first write of a file never written (its create): POSIX
+        # lets open(O_CREAT) write through the descriptor whatever the mode,
+        # and the client creates and opens in two ops.
+        if not (ident.uid == f.uid and f.data_version == 0 and f.size == 0):
+            self._need(ident, f, W, "open_write", self._where(r.loc))
         if r.map_version and r.map_version != self.map_version:
             raise StaleVersionError(f"cluster map version {r.map_version} is stale; current is {self.map_version}")
         if f.session:
@@ -737,6 +907,7 @@ class MetaStateMachine(Tracked):
 
     def _op_renew_lease(self, op: pb.MetaOp, r: pb.RenewLeaseRequest) -> Message:
         s, f = self._session(r.session_id)
+        self._session_writer(from_caller(op), f, "renew_lease", s.id)
         ups = self._check_uploads(s, f, r.uploads)
         recs = self._check_records(s, f, r.chunks, None)
         s.uploads.update(ups)
@@ -797,6 +968,7 @@ class MetaStateMachine(Tracked):
 
     def _op_commit_write(self, op: pb.MetaOp, r: pb.CommitWriteRequest) -> Message:
         s, f = self._session(r.session_id)
+        self._session_writer(from_caller(op), f, "commit_write", s.id)
         ups = self._check_uploads(s, f, r.uploads)
         recs = {**s.staged, **self._check_records(s, f, r.chunks, r.size)}
         for idx in sorted(s.staged):
@@ -818,6 +990,7 @@ class MetaStateMachine(Tracked):
         if s is None:
             raise SessionExpiredError(f"write session {r.session_id} is unknown, expired or already ended")
         f = self.inodes[s.inode]
+        self._session_writer(from_caller(op), f, "abort_write", s.id)
         s.uploads.update(self._check_uploads(s, f, r.uploads))
         self._drop_session(s, f)
         return pb.Empty()
@@ -1157,17 +1330,27 @@ class MetaStateMachine(Tracked):
                     return True
         return False
 
-    def stat(self, loc: pb.Loc) -> pb.FileInfo:
+    # Reads take the caller's identity (``ident``; the service passes the
+    # authenticated one) and check search permission along the path like
+    # the ops: stat, lookup, readlink and get_layout need nothing more (as
+    # stat(2)), readdir needs read permission on the directory.
+
+    def stat(self, loc: pb.Loc, *, ident: Identity = ANONYMOUS) -> pb.FileInfo:
         _check_read_loc(loc, "stat")
-        return self._info(self._get(loc))
+        return self._info(self._get(loc, ident, "stat"))
 
-    def lookup(self, parent: int, name: str) -> pb.FileInfo:
+    def lookup(self, parent: int, name: str, *, ident: Identity = ANONYMOUS) -> pb.FileInfo:
         _check_read_loc(pb.Loc(parent=parent, name=name), "lookup")
-        return self.stat(pb.Loc(parent=parent, name=name))
+        return self._info(self._get(pb.Loc(parent=parent, name=name), ident, "lookup"))
 
-    def readdir(self, loc: pb.Loc, cursor: str = "", limit: int = 0) -> pb.ReaddirReply:
+    def readdir(self, loc: pb.Loc, cursor: str = "", limit: int = 0, *,
+                ident: Identity = ANONYMOUS) -> pb.ReaddirReply:
         _check_read_loc(loc, "readdir")
-        d = self._dir(self._get(loc), self._where(loc))
+        d = self._dir(self._get(loc, ident, "readdir"), self._where(loc))
+        self._need(ident, d, R, "readdir", self._where(loc))
+        # Read without search permission lists names (and inode and type,
+        # as getdents does) but not attributes, which need a lookup.
+        attrs = access_ok(ident, d.mode, d.uid, d.gid, X)
         limit = min(limit or DEFAULT_READDIR_LIMIT, MAX_READDIR_LIMIT)
         # One more than the page tells whether another page follows, without
         # sorting the whole directory for every page.
@@ -1175,19 +1358,21 @@ class MetaStateMachine(Tracked):
         page = names[:limit]
         reply = pb.ReaddirReply(next_cursor=page[-1] if len(names) > limit else "")
         for name in page:
-            reply.entries.append(pb.DirEntry(name=name, attr=self._attr(self.inodes[d.entries[name]])))
+            n = self.inodes[d.entries[name]]
+            attr = self._attr(n) if attrs else pb.Attr(inode=n.id, type=n.type)  # type: ignore[arg-type]
+            reply.entries.append(pb.DirEntry(name=name, attr=attr))
         return reply
 
-    def readlink(self, loc: pb.Loc) -> str:
+    def readlink(self, loc: pb.Loc, *, ident: Identity = ANONYMOUS) -> str:
         _check_read_loc(loc, "readlink")
-        n = self._get(loc)
+        n = self._get(loc, ident, "readlink")
         if n.type != SYMLINK:
             raise InvalidArgumentError(f"{self._where(loc)} is not a symbolic link")
         return n.target
 
-    def get_layout(self, loc: pb.Loc) -> pb.Layout:
+    def get_layout(self, loc: pb.Loc, *, ident: Identity = ANONYMOUS) -> pb.Layout:
         _check_read_loc(loc, "get_layout")
-        n = self._get(loc)
+        n = self._get(loc, ident, "get_layout")
         if n.type == FILE:
             assert n.layout is not None
             return n.layout.to_pb(n.groups)
@@ -1349,6 +1534,8 @@ class MetaStateMachine(Tracked):
                                                for c, g, n, v, crc, miss in s[6]})
                          for s in doc["sessions"]}
         self.degraded = {(i, c) for i, n in self.inodes.items() for c, r in n.chunks.items() if r.missing}
+        self.holder = {c: i for i, n in self.inodes.items() if n.type == DIR for c in n.entries.values()
+                       if self.inodes[c].type != DIR}
         # GC items gained a ready time (7th field) and the dedup table an
         # activity order ("dedup" replaced "requests", sorted by client).
         self.gc = GCQueue.from_json(doc["gc"])
