@@ -165,6 +165,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.kv_cap_ttl = kv_cap_ttl
         self._cap_clock = cap_clock
         self._cap_keys: dict[int, bytes] = {}
+        self._cap_epoch = -1  # the epoch _cap_keys was made for
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
         # Per leadership (reset whenever this replica starts leading a term):
@@ -278,11 +279,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         assert self._secret is not None
         now_ms = self._cap_clock() // 1_000_000
         epoch = capmod.epoch_at(now_ms, self.cap_key_rotation)
-        key = self._cap_keys.get(epoch)
-        if key is None:
+        if epoch != self._cap_epoch:
             self._cap_keys = capmod.keys_around(self._secret, epoch)
-            key = self._cap_keys[epoch]
-        return epoch, key, now_ms
+            self._cap_epoch = epoch
+        return epoch, self._cap_keys[epoch], now_ms
 
     def cap_keys(self) -> list[pb.CapabilityKey]:
         """What storage daemons get in RegisterNodeReply/HeartbeatReply:
