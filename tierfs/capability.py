@@ -33,7 +33,12 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from tierfs.errors import CapabilityExpiredError, PermissionDeniedError, TierFSError, UnauthenticatedError
+from tierfs.errors import (
+    CapabilityExpiredError,
+    PermissionDeniedError,
+    TierFSError,
+    UnauthenticatedError,
+)
 from tierfs.security import derive
 
 __all__ = [
@@ -145,7 +150,7 @@ def decode(raw: bytes | bytearray | memoryview) -> Capability:
 class Keyring:
     """Capability keys by epoch (what a storage daemon holds)."""
 
-    __slots__ = ("keys", "oldest", "newest")
+    __slots__ = ("keys", "newest", "oldest")
 
     def __init__(self, keys: Mapping[int, bytes] | Iterable[tuple[int, bytes]] = ()) -> None:
         self.keys: dict[int, bytes] = dict(keys)

@@ -25,7 +25,15 @@ from tierfs.client import AsyncClient
 from tierfs.errors import ErrorCode
 from tierfs.local import LocalCluster
 from tierfs.meta.secret import load_secret
-from tierfs.net.protocol import HEADER_SIZE, Header, Op, crc32c, decode_header, encode_header, pack_keys
+from tierfs.net.protocol import (
+    HEADER_SIZE,
+    Header,
+    Op,
+    crc32c,
+    decode_header,
+    encode_header,
+    pack_keys,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

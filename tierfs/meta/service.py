@@ -71,7 +71,6 @@ from tierfs.errors import (
 )
 from tierfs.meta.interfaces import Replicator
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
-from tierfs.meta.perms import R, access_ok
 from tierfs.meta.ops import (
     MAX_GC_GRACE,
     MAX_OFFLINE_PER_TICK,
@@ -79,6 +78,7 @@ from tierfs.meta.ops import (
     check_op_size,
     validate_op,
 )
+from tierfs.meta.perms import R, access_ok
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc

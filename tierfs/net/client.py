@@ -13,6 +13,7 @@ UnavailableError, a missed deadline TimeoutError_.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -665,10 +666,8 @@ class DataClient:
             scopes.setdefault((r.key[0] if isinstance(r.key, tuple) else r.key.inode,
                                int(r.op in KV_OPS), int(r.op in _READ_OPS)), r)
         for r in scopes.values():
-            try:
+            with contextlib.suppress(TierFSError):  # the retry answers with the refusal again
                 await self._refresh_cap(r.op, r.key)
-            except TierFSError:
-                pass  # the retry answers with the refusal again
         again: list[_Req | TierFSError] = []
         for i in redo:
             r = reqs[i]

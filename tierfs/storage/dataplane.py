@@ -738,6 +738,9 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-verify", action="store_true",
                     help="memory targets skip their own CRC re-checks (network benchmarks)")
     ap.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
+    ap.add_argument("--cap-secret-file", default="",
+                    help="require capabilities, with the keys of the current hour-long epoch (and its "
+                         "neighbours) derived from this cluster secret (tests, benchmarks)")
     args = ap.parse_args(argv)
     stores: dict[int, FragmentStore] = {
         t: MemoryFragmentStore(t, verify=not args.no_verify) for t in args.memory_target}
@@ -777,6 +780,15 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
                                    transports=args.transports.split(","), kvstores=kvstores)
+    if args.cap_secret_file:
+        import time
+
+        from tierfs.capability import Keyring, epoch_at, keys_around
+        from tierfs.meta.secret import load_secret
+
+        secret = load_secret(args.cap_secret_file)
+        server.keyring = Keyring(keys_around(secret, epoch_at(int(time.time() * 1000), 3600.0)))
+        server.require_capabilities = True
     print(json.dumps({"port": server.port, "transports": list(server.listeners)}), flush=True)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
