@@ -41,6 +41,13 @@ Failure detection uses that memory; a new leader gives every node a full
 carries (per pool and target) lives only in that memory: ``ListKVPools``
 answers it, and the logged Heartbeat op is stripped of it.
 
+Data-plane capabilities (docs/security-caps.md): with a ``cluster_secret``
+the servicer mints them into its replies (a read capability into FileInfo
+when the caller may read the file, a write capability into OpenWrite and
+RenewLease replies, KV ones by ``GetKVCapability``) and hands storage
+daemons the keys of the epochs around now in RegisterNode and Heartbeat
+replies. Minting happens here, never in the state machine's apply.
+
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
