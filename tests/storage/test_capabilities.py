@@ -181,10 +181,17 @@ def _grew(before: dict[str, float], after: dict[str, float], reason: str, n: int
 def test_client_round_trip_under_capabilities(cluster: LocalCluster, world: dict[str, object]) -> None:
     async def go() -> None:
         async with AsyncClient(cluster.meta_addrs, request_timeout=10.0) as c:
-            assert await c.read_bytes("/caps/a") == b"A" * 70000
-            # past the capability's life (ROTATION s): the client refreshes it once and goes on
+            await c.write_bytes("/caps/c", b"C" * 5000)
+            assert await c.read_bytes("/caps/c") == b"C" * 5000
+        async with AsyncClient(cluster.meta_addrs, request_timeout=10.0) as c:
+            f = await c.open("/caps/a", "rb")  # stats once: its read capability comes with it
+            before = _refusals(cluster)
+            # past the capability's life (ROTATION s): the daemons answer
+            # CapabilityExpired, the client fetches a fresh one and retries once
             await asyncio.sleep(ROTATION + 0.5)
-            assert await c.read_bytes("/caps/a") == b"A" * 70000
+            assert await f.read() == b"A" * 70000
+            await f.close()
+            _grew(before, _refusals(cluster), "expired", 1)
             kv = c.kv_pool("caps-a")
             await kv.put("k1", b"v1")
             assert await kv.get("k1") == b"v1"
