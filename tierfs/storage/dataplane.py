@@ -91,6 +91,9 @@ _COUNTERS = (
 #: Counter of each refusal reason (Prometheus: tierfs_dataplane_cap_refusals).
 CAP_REFUSALS = ("missing", "forged", "expired", "scope", "op", "nokeys")
 _READ_OPS = frozenset({int(Op.READ), int(Op.STAT), int(Op.KV_GET), int(Op.KV_EXISTS)})
+#: op -> (capability kind, operation) it needs
+_NEEDS = {int(o): (KIND_KV if int(o) in KV_OPS else KIND_FILE, OP_READ if int(o) in _READ_OPS else OP_WRITE)
+          for o in Op}
 _TENANT_BYTES = 8
 
 
@@ -355,8 +358,7 @@ class _ServerConnection(FrameProtocol):
         if c.expiry_ms <= time.time() * 1000:
             counters["cap_refused_expired"] += 1
             return CapabilityExpiredError(f"{c.describe()} has expired; fetch a fresh one from meta"), 0
-        need = OP_READ if op in _READ_OPS else OP_WRITE
-        kind = KIND_KV if op in KV_OPS else KIND_FILE
+        kind, need = _NEEDS[op]
         if c.ops & need:
             if c.kind == kind and c.scope == hdr.inode and (kind == KIND_KV or c.lo <= hdr.chunk < c.hi):
                 return None, c.principal
