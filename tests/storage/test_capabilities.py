@@ -234,6 +234,11 @@ def test_fragment_ops_refused_without_a_valid_capability(cluster: LocalCluster, 
                 for slot, code in cases + ([(1, DENIED)] if op in FILE_WRITES else []):  # read cap used to write
                     hdr = _file_op(raw, op, target, key, slot)
                     assert hdr.status == code, (Op(op).name, slot, hdr.status)
+            # a refused WRITE of a fragment that did not exist stored nothing
+            fresh = (key[0], 9, key[2], key[3])
+            for slot in (0, 2, 3, 4, 1):
+                assert _file_op(raw, Op.WRITE, target, fresh, slot).status != 0
+            assert raw.call(Op.STAT, target, key=fresh, slot=1)[0].status == int(ErrorCode.ERROR_CODE_NOT_FOUND)
             # the connection still works (refused payloads were drained), nothing changed
             again, got = raw.read(target, key, 1)
             assert again.status == 0 and got == want
@@ -281,6 +286,9 @@ def test_kv_ops_refused_without_a_valid_capability(cluster: LocalCluster, world:
                 assert hdr.status == code, (Op(op).name, slot, hdr.status)
         hdr, got = raw.kv(Op.KV_GET, target, pa, b"key", 2)
         assert hdr.status == 0 and hdr.length == 1 and got == b"value"
+        for slot in (0, 3, 4, 5, 6, 2):  # a refused put of a new key stores nothing
+            assert raw.kv(Op.KV_PUT, target, pa, b"fresh", slot, value=b"EVIL")[0].status != 0
+        assert raw.kv(Op.KV_GET, target, pa, b"fresh", 1)[0].length == 0
         # not pinned by the refused KV_PINs: an unpin finds it but that is all we can see;
         # a refused delete left it, a refused put did not overwrite it (checked above)
     finally:
@@ -389,4 +397,25 @@ def test_meta_mints_by_permission_and_tenant(tmp_path: Path) -> None:
             assert len(keys) == 3 and keys[1].key == capmod.epoch_key(secret, keys[1].epoch)
             with pytest.raises(Exception, match="tenant"):
                 await mc.create_kv_pool("bad", target_memory=1 << 20, tenant="world")
+    asyncio.run(go())
+
+
+def test_capabilities_apply_over_shm(cluster: LocalCluster, world: dict[str, object]) -> None:
+    """shm is offered to this test (same uid as the daemons); it still needs capabilities."""
+    from tierfs.errors import UnauthenticatedError
+    from tierfs.net import DataClient
+    from tierfs.storage.api import FragmentKey
+
+    frags = world["frags"]
+    assert isinstance(frags, list)
+    target, addr, key = frags[0]
+
+    async def go() -> None:
+        async with DataClient(transport="shm", routes={target: addr}) as dc:
+            with pytest.raises(UnauthenticatedError, match="needs a capability"):
+                await dc.read(target, FragmentKey(*key))
+            async with AsyncClient(cluster.meta_addrs) as c:
+                info = await c.meta.stat("/caps/a")
+            dc.caps.add(info.capability)
+            assert len(await dc.read(target, FragmentKey(*key))) > 0
     asyncio.run(go())
