@@ -12,7 +12,12 @@ network-path number); plus a disk case through the chunk engine when
 * shm: a raw shared-memory copy loop (copy into a memfd ring, copy out,
   credits over a pipe) with the same ring size as the shm transport.
 
-    python -m bench.bench_dataplane [--quick]
+    python -m bench.bench_dataplane [--quick] [--security on|off|both]
+
+``--security`` (default both): each data-plane case against a server that
+requires capabilities (the client sends a file capability, verified once per
+connection, checked per request) and/or one that requires none; rows of the
+"on" runs end in "[caps]". The baselines are the same for both.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 
 import uvloop
 
+from tierfs import capability as capmod
+from tierfs.meta.secret import ensure_secret_file, load_secret
 from tierfs.net import DataClient, Limits
 from tierfs.storage.api import FragmentKey
 
@@ -310,9 +317,27 @@ def _raw_shm(total: int, chunk: int) -> float:
 # --- data plane ----------------------------------------------------------------------
 
 
-async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, total: int) -> float:
-    async with DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"},
-                          connections_per_peer=1 if depth == 1 else 4) as c:
+def _caps(secret_file: str) -> list[bytes]:
+    """File capabilities (read + write) for the inodes the cases use, as meta mints them."""
+    secret = load_secret(secret_file)
+    now = int(time.time() * 1000)
+    epoch = capmod.epoch_at(now, 3600.0)
+    key = capmod.epoch_key(secret, epoch)
+    return [capmod.encode(capmod.mint(key, kind=capmod.KIND_FILE, ops=capmod.OP_READ | capmod.OP_WRITE,
+                                      epoch=epoch, scope=inode, principal=1000, expiry_ms=now + 3_600_000))
+            for inode in (1, 2)]
+
+
+def _client(transport: str, port: int, conns: int, caps: list[bytes]) -> DataClient:
+    c = DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"}, connections_per_peer=conns)
+    for cap in caps:
+        c.caps.add(cap)
+    return c
+
+
+async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, total: int,
+                     caps: list[bytes] | None = None) -> float:
+    async with _client(transport, port, 1 if depth == 1 else 4, caps or []) as c:
         data = memoryview(bytearray(os.urandom(64)) * (size // 64))
         keys = [FragmentKey(1, i, 0, 1) for i in range(depth)]
         for k in keys:
@@ -338,10 +363,10 @@ async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, 
         return (count // depth) * depth * size / dt / 1e9
 
 
-async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int) -> float:
+async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int,
+                         caps: list[bytes] | None = None) -> float:
     """Small reads per second (KV-cache sized blobs)."""
-    async with DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"},
-                          connections_per_peer=1) as c:
+    async with _client(transport, port, 1, caps or []) as c:
         keys = [FragmentKey(2, i, 0, 1) for i in range(depth)]
         for k in keys:
             await c.write(1, k, os.urandom(size))
@@ -378,22 +403,32 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.stdout.close()
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, security: str = "both") -> dict[str, Any]:
     total = (256 if quick else 1024) * MiB
     reps = 1 if quick else 3  # best of: the machine is shared and noisy
     rows: list[dict[str, Any]] = []
+    modes = {"on": [True], "off": [False], "both": [False, True]}[security]
     raw_srv, raw_port = _spawn([sys.executable, __file__, "raw-tcp-server"])
+    secret_dir = tempfile.TemporaryDirectory(prefix="bench-dp-secret-")
+    secret_file = str(ensure_secret_file(os.path.join(secret_dir.name, "cluster.secret")))
+    caps = _caps(secret_file)
     dp_args = ["--memory-target", "1", "--no-verify"]
-    dp_srv, dp_port = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args])
+    # one server per security mode: (port, the capabilities the client sends)
+    servers: dict[bool, tuple[subprocess.Popen[bytes], int]] = {}
+    for on in modes:
+        servers[on] = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args,
+                              *(["--cap-secret-file", secret_file] if on else [])])
     disk_dir = None
-    disk_srv = None
+    disk_srvs: dict[bool, tuple[subprocess.Popen[bytes], int]] = {}
     notes = []
     try:
         import tierfs.storage.engine  # noqa: F401
 
         disk_dir = tempfile.TemporaryDirectory(prefix="bench-dp-", dir=os.environ.get("TIERFS_BENCH_DIR"))
-        disk_srv, disk_port = _spawn([sys.executable, "-m", "tierfs.storage.dataplane",
-                                      "--disk-target", f"1:{disk_dir.name}"])
+        for on in modes:
+            disk_srvs[on] = _spawn([sys.executable, "-m", "tierfs.storage.dataplane",
+                                    "--disk-target", f"1:{os.path.join(disk_dir.name, 'on' if on else 'off')}",
+                                    *(["--cap-secret-file", secret_file] if on else [])])
     except Exception as exc:  # the chunk engine is optional here
         notes.append(f"disk case skipped: {type(exc).__name__}: {exc}")
     try:
@@ -405,22 +440,28 @@ def run(quick: bool) -> dict[str, Any]:
                 return float(await raw_shm(total, size))
             return await _raw_tcp(raw_port, 0 if op == "read" else 1, total, size)
 
-        async def pair(transport: str, op: str, size: int, depth: int, port: int, n: int) -> tuple[float, float]:
+        async def pair(transport: str, op: str, size: int, depth: int, port: int, n: int,
+                       cc: list[bytes]) -> tuple[float, float]:
             # Baseline and case alternate, so both see the same machine load.
             base = v = 0.0
             for _ in range(reps):
                 base = max(base, await baseline(transport, op, size))
-                v = max(v, await _dataplane(port, transport, op, size, depth, n))
+                v = max(v, await _dataplane(port, transport, op, size, depth, n, cc))
             return v, base
 
         async def measure() -> None:
+            for on in modes:
+                await measure_mode(servers[on][1], disk_srvs[on][1] if on in disk_srvs else None,
+                                   caps if on else [], " [caps]" if on else "")
+
+        async def measure_mode(dp_port: int, disk_port: int | None, cc: list[bytes], tag: str) -> None:
             for transport in ("tcp", "shm"):
                 for op in ("read", "write"):
                     for size in (1 * MiB, 4 * MiB):
                         for depth in (1, 16):
-                            v, base = await pair(transport, op, size, depth, dp_port, total)
+                            v, base = await pair(transport, op, size, depth, dp_port, total, cc)
                             rows.append({
-                                "case": f"{transport} {op} {size // MiB} MiB x{depth} in flight (memory store)",
+                                "case": f"{transport} {op} {size // MiB} MiB x{depth} in flight (memory store){tag}",
                                 "value": round(v, 3), "unit": "GB/s", "baseline": round(base, 3),
                                 "baseline_name": "raw uvloop tcp stream" if transport == "tcp"
                                 else "raw shm ring copy loop",
@@ -431,27 +472,27 @@ def run(quick: bool) -> dict[str, Any]:
                     base = v = 0.0
                     for _ in range(reps):
                         base = max(base, await _raw_pingpong(raw_port, ops // 4, 4096))
-                        v = max(v, await _dataplane_ops(dp_port, transport, 4096, depth, ops))
+                        v = max(v, await _dataplane_ops(dp_port, transport, 4096, depth, ops, cc))
                     rows.append({
-                        "case": f"{transport} read 4 KiB x{depth} in flight (memory store)",
+                        "case": f"{transport} read 4 KiB x{depth} in flight (memory store){tag}",
                         "value": round(v), "unit": "ops/s", "baseline": round(base),
                         "baseline_name": "raw uvloop tcp request/response, 1 in flight",
                         "ratio": round(v / base, 3)})
-            if disk_srv is not None:
+            if disk_port is not None:
                 for op in ("write", "read"):
-                    v, base = await pair("tcp", op, 4 * MiB, 16, disk_port, min(total, 512 * MiB))
-                    rows.append({"case": f"tcp {op} 4 MiB x16 in flight (chunk engine on disk)",
+                    v, base = await pair("tcp", op, 4 * MiB, 16, disk_port, min(total, 512 * MiB), cc)
+                    rows.append({"case": f"tcp {op} 4 MiB x16 in flight (chunk engine on disk){tag}",
                                  "value": round(v, 3), "unit": "GB/s", "baseline": round(base, 3),
                                  "baseline_name": "raw uvloop tcp stream", "ratio": round(v / base, 3)})
 
         uvloop.run(measure())
     finally:
         _stop(raw_srv)
-        _stop(dp_srv)
-        if disk_srv is not None:
-            _stop(disk_srv)
+        for proc, _port in [*servers.values(), *disk_srvs.values()]:
+            _stop(proc)
         if disk_dir is not None:
             disk_dir.cleanup()
+        secret_dir.cleanup()
     notes.insert(0, f"{total // MiB} MiB per case, best of {reps}, each case alternating with its "
                     f"baseline; client and server are separate processes on "
                     f"{os.cpu_count()} CPUs; payload CRC32C computed and checked on both ends of "
@@ -465,7 +506,10 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "raw-shm-consumer":
         _shm_consumer(*(int(a) for a in sys.argv[2:6]))
     else:
-        res = run("--quick" in sys.argv)
+        sec = sys.argv[sys.argv.index("--security") + 1] if "--security" in sys.argv else "both"
+        if sec not in ("on", "off", "both"):
+            sys.exit("--security takes on, off or both")
+        res = run("--quick" in sys.argv, sec)
         for r in res["rows"]:
             print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}")
         print(res["notes"])

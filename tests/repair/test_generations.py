@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.repair.util import KiB, map_now, random_bytes, start, wait_map
+from tests.repair.util import KiB, grant_all, map_now, random_bytes, start, wait_map
 from tierfs.cli.main import run
 from tierfs.client import Client
 from tierfs.local import LocalCluster
@@ -84,7 +84,7 @@ async def _read_fragments(cl: LocalCluster, info: pb.FileInfo, chunk: int) -> di
     addr = {n.node_id: n.data_addr for n in cmap.nodes}
     routes = {t.target_id: addr[t.node_id] for t in cmap.targets if t.target_id in members}
     out: dict[int, bytes] = {}
-    async with DataClient(routes=routes, request_timeout=2.0, connect_timeout=1.0) as dc:
+    async with grant_all(DataClient(routes=routes, request_timeout=2.0, connect_timeout=1.0), cl) as dc:
         for j, t in enumerate(members):
             try:
                 out[j] = await dc.read(t, FragmentKey(info.attr.inode, chunk, j, gen))
@@ -273,7 +273,7 @@ def test_whole_chunk_scrub_finds_a_wrong_but_crc_valid_fragment(six: LocalCluste
         cmap = await map_now(cl)
         addr = {n.node_id: n.data_addr for n in cmap.nodes}
         routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
-        async with DataClient(routes=routes) as dc:
+        async with grant_all(DataClient(routes=routes), cl) as dc:
             for (chunk, j), payload in bad.items():
                 gen = next(r.generation for r in info.chunks if r.index == chunk)
                 await dc.write(_members(cmap, info, chunk)[j], FragmentKey(info.attr.inode, chunk, j, gen), payload)

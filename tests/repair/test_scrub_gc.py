@@ -23,6 +23,7 @@ from tests.repair.util import (
     digest,
     fragments,
     generations,
+    grant_all,
     map_now,
     random_bytes,
     start,
@@ -88,7 +89,7 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
         addr = cluster.proc(node).addr
         node_ids = [n.node_id for n in cmap.nodes if n.data_addr == addr]
         tid = next(t.target_id for t in cmap.targets if t.node_id in node_ids)
-        async with DataClient(routes={tid: addr}) as dc:
+        async with grant_all(DataClient(routes={tid: addr}), cluster) as dc:
             await dc.write(tid, FragmentKey(0xABCDEF, 0, 0, 1), b"orphan" * 1000)
             await dc.write(tid, FragmentKey(inode, chunk, 0, ver + 7), b"stale" * 1000)
 

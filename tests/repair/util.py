@@ -10,7 +10,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,8 +19,22 @@ from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["META_FAST", "STORAGE_FAST", "digest", "fragments", "generations", "map_now", "random_bytes", "start",
-           "wait_map", "write_files"]
+if TYPE_CHECKING:
+    from tierfs.net import DataClient
+
+__all__ = [
+    "META_FAST",
+    "STORAGE_FAST",
+    "digest",
+    "fragments",
+    "generations",
+    "grant_all",
+    "map_now",
+    "random_bytes",
+    "start",
+    "wait_map",
+    "write_files",
+]
 
 #: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced.
 META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2")
@@ -92,3 +106,20 @@ async def wait_map(cl: LocalCluster, cond: Callable[[pb.ClusterMap], bool], time
             if time.monotonic() > end:
                 raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; map: {cmap}")
             await asyncio.sleep(0.2)
+
+
+def grant_all(dc: DataClient, cl: LocalCluster, rotation: float = 3600.0) -> DataClient:
+    """Give a test's raw data client a node capability (read + write, every
+    inode) minted from the cluster secret, as a storage daemon mints its own
+    (``rotation``: meta's ``cap_key_rotation``). Tests use it to plant or
+    inspect fragments behind the EC client's back."""
+    from tierfs import capability as capmod
+    from tierfs.meta.secret import load_secret
+
+    now = int(time.time() * 1000)
+    epoch = capmod.epoch_at(now, rotation)
+    cap = capmod.mint(capmod.epoch_key(load_secret(cl.secret_file), epoch), kind=capmod.KIND_NODE,
+                      ops=capmod.OP_READ | capmod.OP_WRITE, epoch=epoch, scope=0, principal=0,
+                      expiry_ms=now + 600_000)
+    dc.caps.add(capmod.encode(cap))
+    return dc

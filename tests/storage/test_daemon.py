@@ -77,10 +77,13 @@ def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
         d.close()
 
 
-async def _client_round_trip(addr: str, target: int, key: FragmentKey, data: bytes) -> None:
+async def _client_round_trip(addr: str, target: int, key: FragmentKey, data: bytes,
+                             caps: tuple[bytes, ...] = ()) -> None:
     from tierfs.net import DataClient
 
     c = DataClient(transport="tcp", routes={target: addr})
+    for cap in caps:  # from meta's replies (a daemon registered with meta requires them)
+        c.caps.add(cap)
     try:
         await c.write(target, key, data)
         assert await c.read(target, key) == data
@@ -91,10 +94,12 @@ async def _client_round_trip(addr: str, target: int, key: FragmentKey, data: byt
         await c.close()
 
 
-async def _client_read(addr: str, target: int, key: FragmentKey) -> bytes:
+async def _client_read(addr: str, target: int, key: FragmentKey, caps: tuple[bytes, ...] = ()) -> bytes:
     from tierfs.net import DataClient
 
     c = DataClient(transport="tcp", routes={target: addr})
+    for cap in caps:
+        c.caps.add(cap)
     try:
         return await c.read(target, key)
     finally:
@@ -268,7 +273,8 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                 sess = await mc.open_write("/gc-me")
                 key = FragmentKey(f.attr.inode, 0, 0, generation(sess.data_version, 0))
                 payload = os.urandom(200_000)
-                await _client_round_trip(ready["data_addr"], tid, key, payload)
+                assert f.capability and sess.write_capability
+                await _client_round_trip(ready["data_addr"], tid, key, payload, (f.capability, sess.write_capability))
                 await mc.commit_write(sess.session_id, len(payload), [pb.ChunkRecord(
                     index=0, generation=key.version, length=len(payload), crc32c=crc32c(payload))])
 
@@ -286,7 +292,8 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                 deadline = time.monotonic() + 30
                 while True:
                     try:
-                        await _client_read(ready["data_addr"], tid, key)
+                        # a read capability outlives the unlink (it expires; docs/security-caps.md)
+                        await _client_read(ready["data_addr"], tid, key, (f.capability,))
                     except NotFoundError:
                         break
                     assert time.monotonic() < deadline, "GC never deleted the fragment"

@@ -58,7 +58,7 @@ def pool_summaries(reply: Any) -> list[dict[str, Any]]:
         out.append({
             "id": p.pool_id, "name": p.name, "redundancy": p.redundancy, "width": p.width,
             "target_memory": p.target_memory, "target_disk": p.target_disk, "fsync": p.fsync,
-            "pin_quota": p.pin_quota, "policy": p.policy, "created_ns": p.created_ns,
+            "pin_quota": p.pin_quota, "policy": p.policy, "tenant": p.tenant or "user", "created_ns": p.created_ns,
             "groups": [list(g.target_ids) for g in p.groups],
             # A pool without groups takes no objects: too few storage nodes.
             "placement": "ok" if p.groups else
@@ -70,14 +70,15 @@ def pool_summaries(reply: Any) -> list[dict[str, Any]]:
 
 async def pool_create(meta: Sequence[str], name: str, *, redundancy: str = "replica:1", target_memory: int = 0,
                       target_disk: int = 0, fsync: bool = False, pin_quota: int = 0, policy: str = "",
-                      timeout: float = 20.0) -> dict[str, Any]:
+                      tenant: str = "", timeout: float = 20.0) -> dict[str, Any]:
     """Define a KV pool; returns it as :func:`pool_summaries` describes pools."""
     from tierfs.meta import MetaClient
     from tierfs.proto.v1 import meta_pb2 as pb
 
     async with MetaClient(list(meta), deadline=timeout) as mc:
         pool = await mc.create_kv_pool(name, redundancy=redundancy, target_memory=target_memory,
-                                       target_disk=target_disk, fsync=fsync, pin_quota=pin_quota, policy=policy)
+                                       target_disk=target_disk, fsync=fsync, pin_quota=pin_quota, policy=policy,
+                                       tenant=tenant)
     return pool_summaries(pb.ListKVPoolsReply(pools=[pool]))[0]
 
 
@@ -147,6 +148,8 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser],
     c.add_argument("--pin-quota", type=parse_size_arg, default=0, metavar="SIZE",
                    help="hard-pinned bytes allowed per target (default 0)")
     c.add_argument("--policy", default="", metavar="NAME", help="eviction policy (default lru)")
+    c.add_argument("--tenant", default="", choices=["user", "group"],
+                   help="whose key namespace a caller uses: its uid (user, default) or its gid (group)")
     c = psub.add_parser("ls", help="list KV pools with their usage", description="list KV pools with their usage")
     common(c)
     c.add_argument("-l", dest="long", action="store_true", help="one row per target under each pool")
@@ -173,7 +176,7 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
         if ns.pool_cmd == "create":
             r = run(pool_create(meta, ns.name, redundancy=ns.redundancy, target_memory=ns.target_memory,
                                 target_disk=ns.target_disk, fsync=ns.fsync, pin_quota=ns.pin_quota,
-                                policy=ns.policy, timeout=ns.timeout))
+                                policy=ns.policy, tenant=ns.tenant, timeout=ns.timeout))
             placed = (f"{len(r['groups'])} placement groups)" if r["placement"] == "ok"
                       else f"{r['placement']}; it takes objects once they join)")
             emit(r, f"KV pool {r['name']!r} created (id {r['id']}, {r['redundancy']}, {placed}")

@@ -217,6 +217,9 @@ class AsyncClient:
         self.degraded_writes = 0
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
+        #: Open writers by inode: what renews a write capability (their lease).
+        self._cap_renewers: dict[int, Callable[[], Awaitable[Any]]] = {}
+        self._kv_caps: Any = None
 
     # ---- lifecycle ------------------------------------------------------------
 
@@ -231,7 +234,29 @@ class AsyncClient:
                                     request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
                                   failed_ttl=c.failed_target_ttl, max_age=c.map_max_age)
+            self._meta.capability_sink = self._data.caps.add
+            self._data.cap_refresher = self._refresh_cap
         return self._meta, self._data, self._router
+
+    async def _refresh_cap(self, kind: int, scope: int, op: int) -> None:
+        """A fresh capability from meta (the data client retries once after
+        it): KV ones by GetKVCapability, a file's read one by a stat, a
+        write one by renewing the writer's lease."""
+        from tierfs.capability import KIND_KV, OP_WRITE
+
+        meta, data, router = self._parts()
+        if kind == KIND_KV:
+            if self._kv_caps is None:
+                from tierfs.kv.cluster import KVCapabilities
+
+                self._kv_caps = KVCapabilities(lambda: self.meta, data, router)
+            await self._kv_caps.refresh(scope)
+        elif op == OP_WRITE:
+            renew = self._cap_renewers.get(scope)
+            if renew is not None:
+                await renew()
+        else:
+            await meta.stat(scope)
 
     @property
     def meta(self) -> MetaClient:
@@ -247,6 +272,8 @@ class AsyncClient:
         c = self.config
         self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
                                 backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+        if self._data is not None:
+            self._meta.capability_sink = self._data.caps.add
         # A new client id too: its request ids start again at 1 and must not
         # match the old ones in meta's retry de-duplication.
         self._router.meta = self._meta
@@ -296,6 +323,8 @@ class AsyncClient:
             await h.close()
         if self._kv_tiers is not None:
             await self._kv_tiers.close()
+        if self._kv_caps is not None:
+            await self._kv_caps.close()
         self._closed = True
         meta, data, router = self._meta, self._data, self._router
         self._meta = self._data = self._router = None

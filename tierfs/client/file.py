@@ -102,6 +102,8 @@ class AsyncFile:
         self._ahead: tuple[int, asyncio.Task[int], memoryview] | None = None  # read-ahead of the next chunk
         if session is not None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+            # A write capability that expires is renewed with the lease.
+            client._cap_renewers[info.attr.inode] = self._renew
 
     @classmethod
     async def open(cls, client: AsyncClient, path: str, mode: str) -> AsyncFile:
@@ -488,6 +490,8 @@ class AsyncFile:
 
     def _finish(self) -> None:
         self.closed = True
+        if self._client._cap_renewers.get(self.inode) == self._renew:
+            del self._client._cap_renewers[self.inode]
         pool = self._client.pool
         if self._cache is not None:
             pool.put(self._cache[1])

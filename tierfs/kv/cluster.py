@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from tierfs.client.routing import KVPoolRoute, Router
     from tierfs.net import DataClient
 
-__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "group_of"]
+__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of"]
 
 _LEN = struct.Struct("<Q")
 
@@ -85,6 +85,74 @@ class ClusterStats:
 def _nbytes(buf: Any) -> int:
     n = getattr(buf, "nbytes", None)
     return int(n) if n is not None else len(buf)
+
+
+class KVCapabilities:
+    """The KV capabilities of one client (docs/security-caps.md): fetched
+    from meta (``GetKVCapability``) the first time a storage daemon asks for
+    one, kept in the data client's capability cache, and renewed in the
+    background once half their life is gone, so requests never wait for
+    meta while the client is in use."""
+
+    def __init__(self, meta: Any, data: DataClient, router: Router) -> None:
+        self._meta = meta  # a callable returning the current MetaClient
+        self.data = data
+        self.router = router
+        #: pool id -> (pool name, expiry ms, lifetime ms)
+        self.held: dict[int, tuple[str, int, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._fetching: dict[int, asyncio.Task[None]] = {}
+
+    async def fetch(self, name: str) -> None:
+        import time
+
+        r = await self._meta().get_kv_capability(name)
+        if not r.capability:
+            return  # meta mints none (security off)
+        self.data.caps.add(r.capability)
+        now = int(time.time() * 1000)
+        self.held[int(r.pool_id)] = (name, int(r.expiry_ms), max(1, int(r.expiry_ms) - now))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._renew_loop(), name="kv-cap-renew")
+
+    async def refresh(self, pool_id: int) -> None:
+        """A fresh capability for pool ``pool_id`` (one fetch at a time per pool)."""
+        t = self._fetching.get(pool_id)
+        if t is None:
+            name = self.held.get(pool_id, ("",))[0] or next(
+                (n for n, r in self.router.kv_pools.items() if r.pool_id == pool_id), "")
+            if not name:
+                await self.router.refresh(force=True)
+                name = next((n for n, r in self.router.kv_pools.items() if r.pool_id == pool_id), "")
+            if not name:
+                raise NotFoundError(f"no KV pool with id {pool_id}")
+            t = self._fetching[pool_id] = asyncio.get_running_loop().create_task(self.fetch(name))
+            t.add_done_callback(lambda _t: self._fetching.pop(pool_id, None))
+        await asyncio.shield(t)
+
+    async def _renew_loop(self) -> None:
+        import time
+
+        while self.held:
+            now = int(time.time() * 1000)
+            due = [(pid, name) for pid, (name, exp, life) in self.held.items() if exp - now < life // 2]
+            for pid, name in due:
+                try:
+                    await self.fetch(name)
+                except TierFSError:
+                    # Meta unreachable or the pool gone: the next request
+                    # that needs it asks again.
+                    self.held.pop(pid, None)
+            nxt = min((exp - life // 2 for _, exp, life in self.held.values()), default=now + 1000)
+            await asyncio.sleep(min(30.0, max(0.2, (nxt - int(time.time() * 1000)) / 1000)))
+
+    async def close(self) -> None:
+        for t in [self._task, *self._fetching.values()]:
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        self._task = None
 
 
 class ClusterTier:

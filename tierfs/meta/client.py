@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import random
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -45,6 +45,18 @@ __all__ = ["MetaClient", "Where"]
 #: An existing object: absolute path, inode id, or (parent inode, name).
 Where = str | int | tuple[int, str]
 _R = TypeVar("_R", bound=Message)
+
+
+def _harvest(reply: Message, sink: Callable[[bytes], None]) -> None:
+    if isinstance(reply, pb.FileInfo):
+        if reply.capability:
+            sink(reply.capability)
+    elif isinstance(reply, pb.OpenWriteReply):
+        for raw in (reply.file.capability, reply.write_capability):
+            if raw:
+                sink(raw)
+    elif isinstance(reply, pb.RenewLeaseReply) and reply.write_capability:
+        sink(reply.write_capability)
 
 
 def _loc(where: Where) -> pb.Loc:
@@ -93,6 +105,9 @@ class MetaClient:
         self._stubs: dict[str, Any] = {}
         self._req = itertools.count(1)
         self._closed = False
+        #: Called with every data-plane capability a reply carries (FileInfo,
+        #: OpenWriteReply, RenewLeaseReply): the data client keeps them.
+        self.capability_sink: Callable[[bytes], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -150,6 +165,8 @@ class MetaClient:
                     req, timeout=min(remaining, attempt_timeout or self.attempt_timeout), metadata=md)
                 if addr is None:
                     self._leader = target
+                if self.capability_sink is not None:
+                    _harvest(reply, self.capability_sink)
                 return reply  # type: ignore[no-any-return]
             except grpc.RpcError as exc:
                 err = from_grpc(exc)
@@ -344,14 +361,20 @@ class MetaClient:
 
     async def create_kv_pool(self, name: str, *, redundancy: str = "replica:1", target_memory: int = 0,
                              target_disk: int = 0, fsync: bool = False, pin_quota: int = 0,
-                             policy: str = "") -> pb.KVPool:
+                             policy: str = "", tenant: str = "") -> pb.KVPool:
         """Define a KV pool (AlreadyExistsError if the name is taken,
         InvalidArgumentError for a bad name, redundancy or budget). The
         reply's ``groups`` is empty while fewer storage nodes than the
         pool's width have an online target."""
         req = pb.CreateKVPoolRequest(name=name, redundancy=redundancy, target_memory=target_memory,
-                                     target_disk=target_disk, fsync=fsync, pin_quota=pin_quota, policy=policy)
+                                     target_disk=target_disk, fsync=fsync, pin_quota=pin_quota, policy=policy,
+                                     tenant=tenant)
         return await self._call("CreateKVPool", req, pb.KVPool, mutating=True)
+
+    async def get_kv_capability(self, pool: str) -> pb.GetKVCapabilityReply:
+        """A short-lived KV capability for this caller's tenant of ``pool``
+        (empty when meta mints none: security off)."""
+        return await self._call("GetKVCapability", pb.GetKVCapabilityRequest(pool=pool), pb.GetKVCapabilityReply)
 
     async def list_kv_pools(self) -> pb.ListKVPoolsReply:
         """Every KV pool, with the per-(pool, target) usage last reported to the leader."""

@@ -115,12 +115,25 @@ class MetaConfig(BaseConfig):
         "Judge a non-admin user whose uid is 0 as uid/gid 65534 (nobody) in permission checks, so a user "
         "record made with uid 0 is not root over the namespace (admins are never squashed).",
     )
+    cap_key_rotation: float = field(
+        3600.0, "Length of a data-plane capability key epoch (keys rotate without restarts; docs/security-caps.md).",
+        kind="duration")
+    file_cap_ttl: float = field(600.0, "Lifetime of the file capabilities meta mints (at most cap_key_rotation).",
+                                kind="duration")
+    kv_cap_ttl: float = field(300.0, "Lifetime of KV capabilities (clients renew them in the background).",
+                              kind="duration")
 
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
     log_format: str = field("json", "json (one object per line) | text")
 
     def validate(self) -> None:
+        if self.cap_key_rotation < 1:
+            raise ConfigError("must be at least 1 second", field="cap_key_rotation")
+        for name in ("file_cap_ttl", "kv_cap_ttl"):
+            if not 0 < getattr(self, name) <= self.cap_key_rotation:
+                raise ConfigError("must be positive and at most cap_key_rotation (a capability must not outlive "
+                                  "the keys daemons hold)", field=name)
         split_addr(self.raft_addr, "raft_addr")
         split_addr(self.grpc_addr, "grpc_addr")
         if self.advertise_grpc_addr:

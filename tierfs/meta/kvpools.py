@@ -56,11 +56,14 @@ class KVPoolRecord(Tracked):
     created: int
     # Member target ids of each group; group i has id i + 1 (pool namespace).
     groups: list[list[int]] = field(default_factory=list)
+    # Whose namespace a caller's keys live in: "user" (uid) or "group" (gid).
+    tenant: str = "user"
 
     def to_pb(self) -> pb.KVPool:
         out = pb.KVPool(pool_id=self.id, name=self.name, redundancy=self.redundancy, target_memory=self.target_memory,
                         target_disk=self.target_disk, fsync=self.fsync, pin_quota=self.pin_quota,
-                        policy=self.policy, created_ns=self.created, width=self.width)
+                        policy=self.policy, created_ns=self.created, width=self.width,
+                        tenant=self.tenant)
         for i, members in enumerate(self.groups):
             out.groups.append(pb.PlacementGroup(group_id=i + 1, width=len(members), target_ids=members))
         return out
@@ -107,11 +110,13 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
 
 def pool_to_json(p: KVPoolRecord) -> list[Any]:
     return [p.id, p.name, p.redundancy, p.width, p.target_memory, p.target_disk, p.fsync, p.pin_quota, p.policy,
-            p.created, [list(g) for g in p.groups]]
+            p.created, [list(g) for g in p.groups], *([p.tenant] if p.tenant != "user" else [])]
 
 
 def pool_from_json(row: list[Any]) -> KVPoolRecord:
-    (pid, name, red, width, mem, disk, fsync, pin, policy, created, groups) = row
+    (pid, name, red, width, mem, disk, fsync, pin, policy, created, groups) = row[:11]
+    # The tenant mode came later: absent (older snapshots, and "user" pools) = "user".
+    tenant = row[11] if len(row) > 11 else "user"
     return KVPoolRecord(id=pid, name=name, redundancy=red, width=width, target_memory=mem, target_disk=disk,
                         fsync=fsync, pin_quota=pin, policy=policy, created=created,
-                        groups=[list(g) for g in groups])
+                        groups=[list(g) for g in groups], tenant=tenant)

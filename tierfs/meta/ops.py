@@ -303,6 +303,9 @@ def check_kv_pool_create(r: pb.CreateKVPoolRequest) -> tuple[str, int, str]:
     if not _KV_POLICY_RE.match(policy):
         raise InvalidArgumentError(f"create_kv_pool {r.name!r}: policy name {policy!r} must be 1 to 32 "
                                    f"characters of a-z, 0-9, '_' or '-'")
+    if r.tenant not in ("", "user", "group"):
+        raise InvalidArgumentError(f"create_kv_pool {r.name!r}: tenant {r.tenant[:40]!r} must be "
+                                   f"\"user\" or \"group\"")
     return format_redundancy(kind, k, m), k + m, policy
 
 

@@ -41,6 +41,13 @@ Failure detection uses that memory; a new leader gives every node a full
 carries (per pool and target) lives only in that memory: ``ListKVPools``
 answers it, and the logged Heartbeat op is stripped of it.
 
+Data-plane capabilities (docs/security-caps.md): with a ``cluster_secret``
+the servicer mints them into its replies (a read capability into FileInfo
+when the caller may read the file, a write capability into OpenWrite and
+RenewLease replies, KV ones by ``GetKVCapability``) and hands storage
+daemons the keys of the epochs around now in RegisterNode and Heartbeat
+replies. Minting happens here, never in the state machine's apply.
+
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
@@ -60,7 +67,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from tierfs import capability as capmod
 from tierfs.errors import (
+    NotFoundError,
     NotLeaderError,
     TierFSError,
     UnsupportedError,
@@ -128,8 +137,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         root_squash: bool = True,
         clock: Callable[[], int] = time.time_ns,
         monotonic: Callable[[], int] | None = None,
+        cluster_secret: bytes | None = None,
+        cap_key_rotation: float = 3600.0,
+        file_cap_ttl: float = 600.0,
+        kv_cap_ttl: float = 300.0,
+        cap_clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        """``clock`` is the wall clock (ns) used only to anchor time when this
+        """``cluster_secret``: the root of the data-plane capability keys
+        (None: no capabilities are minted and no keys handed out, so storage
+        daemons check none). ``cap_clock`` (wall ns) dates capabilities: the
+        daemons compare expiries with their own wall clocks.
+
+        ``clock`` is the wall clock (ns) used only to anchor time when this
         replica starts leading; ``monotonic`` (ns) measures time from there
         (default ``time.monotonic_ns``, or ``clock`` itself when a custom
         ``clock`` is given, so a test's fake clock drives both)."""
@@ -146,6 +165,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.kv_default_pool = kv_default_pool
         self.root_squash = root_squash
         self._clock = clock
+        if cluster_secret is not None and not 0 < max(file_cap_ttl, kv_cap_ttl) <= cap_key_rotation:
+            raise ValueError(f"capability lifetimes ({file_cap_ttl}, {kv_cap_ttl} s) must be positive and at most "
+                             f"cap_key_rotation ({cap_key_rotation} s)")
+        self._secret = cluster_secret
+        self.cap_key_rotation = cap_key_rotation
+        self.file_cap_ttl = file_cap_ttl
+        self.kv_cap_ttl = kv_cap_ttl
+        self._cap_clock = cap_clock
+        self._cap_keys: dict[int, bytes] = {}
+        self._cap_epoch = -1  # the epoch _cap_keys was made for
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
         # Per leadership (reset whenever this replica starts leading a term):
@@ -259,6 +288,64 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         await self._r.read_barrier(self.submit_timeout)
         return self.state
 
+    # ---- data-plane capabilities (docs/security-caps.md) ---------------------
+    #
+    # Minted here, on the replica that answers, never in the state machine:
+    # apply must stay deterministic, and a capability is a reply, not state.
+
+    def _epoch_key(self) -> tuple[int, bytes, int]:
+        """(epoch, its key, now in ms) for minting."""
+        assert self._secret is not None
+        now_ms = self._cap_clock() // 1_000_000
+        epoch = capmod.epoch_at(now_ms, self.cap_key_rotation)
+        if epoch != self._cap_epoch:
+            self._cap_keys = capmod.keys_around(self._secret, epoch)
+            self._cap_epoch = epoch
+        return epoch, self._cap_keys[epoch], now_ms
+
+    def cap_keys(self) -> list[pb.CapabilityKey]:
+        """What storage daemons get in RegisterNodeReply/HeartbeatReply:
+        the keys of epochs e-1, e and e+1 (none without a cluster secret)."""
+        if self._secret is None:
+            return []
+        self._epoch_key()
+        return [pb.CapabilityKey(epoch=e, key=k) for e, k in sorted(self._cap_keys.items())]
+
+    def _mint(self, kind: int, ops: int, scope: int, principal: int, ttl: float) -> bytes:
+        epoch, key, now_ms = self._epoch_key()
+        return capmod.encode(capmod.mint(key, kind=kind, ops=ops, epoch=epoch, scope=scope, principal=principal,
+                                         expiry_ms=now_ms + int(ttl * 1000)))
+
+    def _with_read_cap(self, info: pb.FileInfo) -> pb.FileInfo:
+        """``info`` with a read capability when it is a file the caller may read."""
+        a = info.attr
+        if self._secret is None or a.type != pb.INODE_TYPE_FILE:
+            return info
+        ident = self.identity()
+        if self.state.may_read(ident, a.inode):
+            info.capability = self._mint(capmod.KIND_FILE, capmod.OP_READ, a.inode, ident.uid, self.file_cap_ttl)
+        return info
+
+    def _write_cap(self, inode: int) -> bytes:
+        if self._secret is None:
+            return b""
+        return self._mint(capmod.KIND_FILE, capmod.OP_WRITE, inode, self.identity().uid, self.file_cap_ttl)
+
+    def kv_capability(self, pool_name: str) -> pb.GetKVCapabilityReply:
+        """A KV capability (read + write) for the caller's tenant of a pool."""
+        sm = self.state
+        pool = next((p for p in sm.kv_pools.values() if p.name == pool_name), None)
+        if pool is None:
+            raise NotFoundError(f"no KV pool {pool_name!r}")
+        ident = self.identity()
+        tenant = capmod.tenant_of(ident.uid, ident.gid, pool.tenant)
+        reply = pb.GetKVCapabilityReply(pool_id=pool.id, tenant=tenant)
+        if self._secret is not None:
+            raw = self._mint(capmod.KIND_KV, capmod.OP_READ | capmod.OP_WRITE, pool.id, tenant, self.kv_cap_ttl)
+            reply.capability = raw
+            reply.expiry_ms = capmod.decode(raw).expiry_ms
+        return reply
+
     # ---- the periodic tick --------------------------------------------------
 
     def _leading(self) -> bool:
@@ -306,6 +393,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._hb_seen[req.node_id] = mono
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
         self._remember_kv_usage(sm, req)
+        reply.cap_keys.extend(self.cap_keys())
         return reply
 
     def _remember_kv_usage(self, sm: MetaStateMachine, req: pb.HeartbeatRequest) -> None:
@@ -394,15 +482,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Create(self, request: pb.CreateRequest, context: Ctx) -> pb.FileInfo:
-        return await self._mutate(context, "create", request, pb.FileInfo)
+        return self._with_read_cap(await self._mutate(context, "create", request, pb.FileInfo))
 
     @grpc_errors
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read(request)).lookup(request.parent, request.name, ident=self.identity())
+        return self._with_read_cap((await self._read(request)).lookup(request.parent, request.name,
+                                                                     ident=self.identity()))
 
     @grpc_errors
     async def Stat(self, request: pb.StatRequest, context: Ctx) -> pb.FileInfo:
-        return (await self._read(request)).stat(request.loc, ident=self.identity())
+        return self._with_read_cap((await self._read(request)).stat(request.loc, ident=self.identity()))
 
     @grpc_errors
     async def Readdir(self, request: pb.ReaddirRequest, context: Ctx) -> pb.ReaddirReply:
@@ -431,11 +520,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def SetAttr(self, request: pb.SetAttrRequest, context: Ctx) -> pb.FileInfo:
-        return await self._mutate(context, "setattr", request, pb.FileInfo)
+        return self._with_read_cap(await self._mutate(context, "setattr", request, pb.FileInfo))
 
     @grpc_errors
     async def Truncate(self, request: pb.TruncateRequest, context: Ctx) -> pb.FileInfo:
-        return await self._mutate(context, "truncate", request, pb.FileInfo)
+        return self._with_read_cap(await self._mutate(context, "truncate", request, pb.FileInfo))
 
     @grpc_errors
     async def SetLayout(self, request: pb.SetLayoutRequest, context: Ctx) -> pb.LayoutReply:
@@ -449,15 +538,22 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def OpenWrite(self, request: pb.OpenWriteRequest, context: Ctx) -> pb.OpenWriteReply:
-        return await self._mutate(context, "open_write", request, pb.OpenWriteReply)
+        reply = await self._mutate(context, "open_write", request, pb.OpenWriteReply)
+        self._with_read_cap(reply.file)
+        reply.write_capability = self._write_cap(reply.file.attr.inode)
+        return reply
 
     @grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Ctx) -> pb.RenewLeaseReply:
-        return await self._mutate(context, "renew_lease", request, pb.RenewLeaseReply)
+        reply = await self._mutate(context, "renew_lease", request, pb.RenewLeaseReply)
+        s = self.state.sessions.get(request.session_id)
+        if s is not None:
+            reply.write_capability = self._write_cap(s.inode)
+        return reply
 
     @grpc_errors
     async def CommitWrite(self, request: pb.CommitWriteRequest, context: Ctx) -> pb.FileInfo:
-        return await self._mutate(context, "commit_write", request, pb.FileInfo)
+        return self._with_read_cap(await self._mutate(context, "commit_write", request, pb.FileInfo))
 
     @grpc_errors
     async def AbortWrite(self, request: pb.AbortWriteRequest, context: Ctx) -> pb.Empty:
@@ -469,6 +565,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Ctx) -> pb.RegisterNodeReply:
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
+        reply.cap_keys.extend(self.cap_keys())
         return reply
 
     @grpc_errors
@@ -534,6 +631,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self.kv_pools()
 
     @grpc_errors
+    async def GetKVCapability(self, request: pb.GetKVCapabilityRequest,
+                              context: Ctx) -> pb.GetKVCapabilityReply:
+        await self._read(request)
+        if not self._leadership():
+            raise NotLeaderError(leader=self._r.status().leader)
+        return self.kv_capability(request.pool)
+
+    @grpc_errors
     async def RemoveKVPool(self, request: pb.RemoveKVPoolRequest, context: Ctx) -> pb.Empty:
         return await self._mutate(context, "remove_kv_pool", request, pb.Empty)
 
@@ -590,7 +695,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
     lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
-    usage_interval, kv_default_pool, root_squash, clock, monotonic) and register it on
+    usage_interval, kv_default_pool, root_squash, clock, monotonic, cluster_secret,
+    cap_key_rotation, file_cap_ttl, kv_cap_ttl, cap_clock) and register it on
     ``server``. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)

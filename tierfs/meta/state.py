@@ -1222,7 +1222,7 @@ class MetaStateMachine(Tracked):
                                        f"remove one first (`tierfs kv pool rm NAME`)")
         pool = KVPoolRecord(id=self.next_kv_pool, name=r.name, redundancy=redundancy, width=width,
                             target_memory=r.target_memory, target_disk=r.target_disk, fsync=r.fsync,
-                            pin_quota=r.pin_quota, policy=policy, created=self.clock)
+                            pin_quota=r.pin_quota, policy=policy, created=self.clock, tenant=r.tenant or "user")
         self.next_kv_pool += 1
         pool.groups = replan_groups([], self._eligible(), width)
         self.kv_pools[pool.id] = pool

@@ -13,15 +13,19 @@ UnavailableError, a missed deadline TimeoutError_.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from tierfs.capability import KIND_FILE, KIND_KV, KIND_NODE, OP_READ, OP_WRITE, Capability, decode
 from tierfs.errors import (
+    CapabilityExpiredError,
     InvalidArgumentError,
     ProtocolError,
     TierFSError,
     TimeoutError_,
+    UnauthenticatedError,
     UnavailableError,
     error_from_code,
 )
@@ -31,7 +35,9 @@ from tierfs.net.protocol import (
     F_MORE,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_OPS,
     KV_SIZE_ONLY,
+    MAX_CAP_SLOTS,
     Header,
     Limits,
     Op,
@@ -42,7 +48,7 @@ from tierfs.net.shm import ShmRefusedError
 from tierfs.net.transport import Transport, get_transport
 from tierfs.storage.api import FragmentInfo, FragmentKey
 
-__all__ = ["Address", "DataClient", "KVGetItem", "KVPutItem", "ReadItem", "WriteItem", "parse_address"]
+__all__ = ["Address", "CapabilityCache", "DataClient", "KVGetItem", "KVPutItem", "ReadItem", "WriteItem", "parse_address"]
 
 Address = str | tuple[str, int]
 #: (target, key, dest, offset)
@@ -55,6 +61,66 @@ _ANSWER_PAYLOAD_OPS = frozenset({int(Op.READ), int(Op.KV_GET), int(Op.KV_EXISTS)
 _SENDS_PAYLOAD = frozenset({int(Op.WRITE), int(Op.KV_PUT)})
 _UNSET: Any = object()
 _LOOPBACK = ("127.", "localhost", "::1")
+_READ_OPS = frozenset({int(Op.READ), int(Op.STAT), int(Op.KV_GET), int(Op.KV_EXISTS)})
+#: Entries a CapabilityCache keeps before it drops expired ones (then the oldest).
+_CAP_CACHE_SOFT_LIMIT = 4096
+
+
+class CapabilityCache:
+    """The capabilities a data client holds (from meta's replies), by what
+    they cover: (kind, inode or pool, ops). A request picks the one for its
+    inode/pool and direction; fragment requests fall back to a node
+    capability (storage daemons' repair traffic)."""
+
+    def __init__(self) -> None:
+        self._by: dict[tuple[int, int, int], tuple[bytes, Capability]] = {}
+        self.node: bytes | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._by) or self.node is not None
+
+    def __len__(self) -> int:
+        return len(self._by) + (self.node is not None)
+
+    def add(self, raw: bytes) -> None:
+        """Keep ``raw`` (an encoded capability) unless one covering the same
+        thing lives longer already."""
+        c = decode(raw)
+        if c.kind == KIND_NODE:
+            self.node = bytes(raw)
+            return
+        k = (c.kind, c.scope, c.ops)
+        old = self._by.get(k)
+        if old is not None and old[1].expiry_ms > c.expiry_ms:
+            return
+        self._by.pop(k, None)
+        self._by[k] = (bytes(raw), c)
+        if len(self._by) > _CAP_CACHE_SOFT_LIMIT:
+            self._prune(c.expiry_ms - 600_000)
+
+    def _prune(self, before_ms: int) -> None:
+        for k in [k for k, (_, c) in self._by.items() if c.expiry_ms < before_ms]:
+            del self._by[k]
+        while len(self._by) > _CAP_CACHE_SOFT_LIMIT:
+            del self._by[next(iter(self._by))]
+
+    def lookup(self, op: int, scope: int) -> bytes | None:
+        """The capability for an ``op`` request on inode/pool ``scope``."""
+        need = OP_READ if op in _READ_OPS else OP_WRITE
+        kind = KIND_KV if op in KV_OPS else KIND_FILE
+        by = self._by
+        e = by.get((kind, scope, need)) or by.get((kind, scope, OP_READ | OP_WRITE))
+        if e is not None:
+            return e[0]
+        return self.node if kind == KIND_FILE else None
+
+    def forget(self, kind: int, scope: int) -> None:
+        for k in [k for k in self._by if k[0] == kind and k[1] == scope]:
+            del self._by[k]
+
+
+#: What a DataClient calls for a fresh capability: (kind, inode or pool, op).
+CapRefresher = Callable[[int, int, int], Awaitable[None]]
 
 
 def parse_address(addr: Address) -> tuple[str, int]:
@@ -76,7 +142,7 @@ def _expire(fut: asyncio.Future[Any]) -> None:
 
 
 class _Req:
-    __slots__ = ("crc", "dest", "key", "length", "offset", "op", "payload", "payload2", "target")
+    __slots__ = ("cap", "crc", "dest", "key", "length", "offset", "op", "payload", "payload2", "target")
 
     def __init__(self, op: Op, target: int, key: FragmentKey | tuple[int, int, int, int], *, offset: int = 0,
                  length: int = 0, payload: memoryview | None = None, dest: memoryview | None = None,
@@ -86,6 +152,7 @@ class _Req:
         # A payload in two pieces (a KV put: value, then key) and its CRC32C
         # when the caller has it already.
         self.payload2, self.crc = payload2, crc
+        self.cap: bytes | None = None
 
 
 #: (target, pool id, key, value, value CRC32C or None, put flags, TTL ms)
@@ -122,6 +189,9 @@ class _ClientConnection(FrameProtocol):
         self._ids = itertools.count(1)
         self._lost: asyncio.Future[None] | None = None
         self.reason = "connection closed"
+        # The capabilities this connection's peer holds, by slot (CAP frames).
+        self.slots: dict[bytes, int] = {}
+        self._slot_seq = 0
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -168,12 +238,46 @@ class _ClientConnection(FrameProtocol):
         if not p.abandoned and not p.fut.done():
             p.fut.set_result((hdr, payload))
 
+    def _cap_frame(self, cap: bytes, out: list[Any]) -> int:
+        """The slot of ``cap`` on this connection; a CAP frame for it goes
+        into ``out`` first if the peer does not hold it yet. Its answer is
+        not waited for: the server checks frames in order, and a refusal
+        answers the requests that name the slot too."""
+        slot = self.slots.get(cap)
+        if slot is not None:
+            return slot
+        if self._slot_seq >= MAX_CAP_SLOTS:
+            # Start over: a CAP for a slot in use replaces it, and requests
+            # already sent were checked under the old one.
+            self.slots.clear()
+            self._slot_seq = 0
+        self._slot_seq += 1
+        slot = self._slot_seq
+        rid = next(self._ids)
+        fut: asyncio.Future[tuple[Header, memoryview | None]] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = _Pending(fut, Op.CAP, None)
+        head = bytearray(HEADER_SIZE)
+        encode_header(head, Op.CAP, rid, status=slot, payload_len=len(cap), payload_crc=crc32c(cap))
+        self.slots[cap] = slot
+
+        def answered(f: asyncio.Future[tuple[Header, memoryview | None]]) -> None:
+            refused = f.cancelled() or f.exception() is not None or f.result()[0].status != 0
+            if refused and self.slots.get(cap) == slot:
+                del self.slots[cap]  # sent again with the next request that needs it
+
+        fut.add_done_callback(answered)
+        out.append(head)
+        out.append(cap)
+        return slot
+
     async def call(self, op: Op, target: int, key: FragmentKey | tuple[int, int, int, int] | None, *,
                    timeout: float, offset: int = 0, length: int = 0, payload: memoryview | None = None,
                    dest: memoryview | None = None, more: bool = False, payload2: memoryview | bytes | None = None,
-                   crc: int | None = None) -> tuple[Header, memoryview | None]:
+                   crc: int | None = None, cap: bytes | None = None) -> tuple[Header, memoryview | None]:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise UnavailableError(f"data-plane connection to {self.peer} is closed ({self.reason})")
+        pre: list[Any] = []
+        slot = 0 if cap is None else self._cap_frame(cap, pre)
         rid = next(self._ids)
         fut: asyncio.Future[tuple[Header, memoryview | None]] = asyncio.get_running_loop().create_future()
         p = _Pending(fut, op, dest)
@@ -182,10 +286,12 @@ class _ClientConnection(FrameProtocol):
         n2 = 0 if payload2 is None else len(payload2)
         if crc is None:
             crc = crc32c(payload) if payload is not None and n else 0
-        encode_header(head, op, rid, flags=F_MORE if more else 0, target=target, key=key,
+        encode_header(head, op, rid, flags=F_MORE if more else 0, target=target, key=key, status=slot,
                       offset=offset, length=length, payload_len=n + n2, payload_crc=crc)
         self.pending[rid] = p
-        if n2:
+        if pre:
+            self.transport.writelines([*pre, head, *(b for b in (payload, payload2) if b is not None and len(b))])
+        elif n2:
             self.transport.writelines([head, payload, payload2] if n else [head, payload2])
         elif n:
             self.transport.writelines([head, payload])
@@ -218,6 +324,7 @@ class _ClientConnection(FrameProtocol):
         out: list[memoryview] = []
         sent: list[tuple[int, _Pending]] = []
         for i, r in enumerate(reqs):
+            slot = 0 if r.cap is None else self._cap_frame(r.cap, out)
             rid = next(self._ids)
             head = heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
             size = 0 if r.payload is None else len(r.payload)
@@ -226,7 +333,7 @@ class _ClientConnection(FrameProtocol):
             if crc is None:
                 crc = crc32c(r.payload) if r.payload is not None and size else 0
             encode_header(head, r.op, rid, flags=F_MORE if i < n - 1 else 0, target=r.target,
-                          key=r.key, offset=r.offset, length=r.length, payload_len=size + size2,
+                          key=r.key, status=slot, offset=r.offset, length=r.length, payload_len=size + size2,
                           payload_crc=crc)
             p = _Pending(loop.create_future(), r.op, r.dest)
             self.pending[rid] = p
@@ -384,6 +491,12 @@ class DataClient:
         self.connect_timeout = connect_timeout
         self.limits = limits or Limits()
         self.routes: dict[int, tuple[str, int]] = {}
+        #: Capabilities sent with each request (docs/security-caps.md).
+        self.caps = CapabilityCache()
+        #: Fetches a fresh capability (into ``caps``) when a server answers
+        #: CapabilityExpiredError, or refuses a request sent without one;
+        #: the request is retried once after it.
+        self.cap_refresher: CapRefresher | None = None
         self._pools: dict[tuple[str, int], _PeerPool] = {}
         self._transports: dict[str, Transport] = {}
         if transport != "auto":
@@ -415,9 +528,36 @@ class DataClient:
             pool = self._pools[addr] = _PeerPool(self, *addr)
         return pool
 
+    def _cap_for(self, op: int, key: FragmentKey | tuple[int, int, int, int] | None) -> bytes | None:
+        if not self.caps or key is None or op == Op.PING:
+            return None
+        return self.caps.lookup(op, key[0] if isinstance(key, tuple) else key.inode)
+
+    def _retry_cap(self, exc: TierFSError, cap: bytes | None) -> bool:
+        return self.cap_refresher is not None and (
+            isinstance(exc, CapabilityExpiredError) or (cap is None and isinstance(exc, UnauthenticatedError)))
+
+    async def _refresh_cap(self, op: int, key: FragmentKey | tuple[int, int, int, int] | None) -> None:
+        assert self.cap_refresher is not None and key is not None
+        scope = key[0] if isinstance(key, tuple) else key.inode
+        kind = KIND_KV if op in KV_OPS else KIND_FILE
+        await self.cap_refresher(kind, scope, OP_READ if op in _READ_OPS else OP_WRITE)
+
     async def _call(self, target: int, op: Op, key: FragmentKey | tuple[int, int, int, int] | None,
                     timeout: float | None = None,
                     **kw: Any) -> tuple[Header, memoryview | None]:
+        cap = self._cap_for(op, key)
+        try:
+            return await self._call1(target, op, key, timeout, cap=cap, **kw)
+        except (CapabilityExpiredError, UnauthenticatedError) as exc:
+            if not self._retry_cap(exc, cap):
+                raise
+        await self._refresh_cap(op, key)
+        return await self._call1(target, op, key, timeout, cap=self._cap_for(op, key), **kw)
+
+    async def _call1(self, target: int, op: Op, key: FragmentKey | tuple[int, int, int, int] | None,
+                     timeout: float | None = None,
+                     **kw: Any) -> tuple[Header, memoryview | None]:
         t = self.request_timeout if timeout is None else timeout
         pool = self._pool(target)
         conn = pool.ready()
@@ -510,6 +650,35 @@ class DataClient:
         return [None if isinstance(r, Header) else r for r in res]
 
     async def _batch(self, reqs: list[_Req | TierFSError], timeout: float | None) -> list[Header | TierFSError]:
+        for r in reqs:
+            if isinstance(r, _Req):
+                r.cap = self._cap_for(r.op, r.key)
+        out = await self._batch1(reqs, timeout)
+        redo = [i for i, (r, res) in enumerate(zip(reqs, out, strict=True))
+                if isinstance(res, TierFSError) and isinstance(r, _Req) and self._retry_cap(res, r.cap)]
+        if not redo:
+            return out
+        # Expired (or never had one): one fresh capability per inode/pool, then those again.
+        scopes: dict[tuple[int, int, int], _Req] = {}
+        for i in redo:
+            r = reqs[i]
+            assert isinstance(r, _Req)
+            scopes.setdefault((r.key[0] if isinstance(r.key, tuple) else r.key.inode,
+                               int(r.op in KV_OPS), int(r.op in _READ_OPS)), r)
+        for r in scopes.values():
+            with contextlib.suppress(TierFSError):  # the retry answers with the refusal again
+                await self._refresh_cap(r.op, r.key)
+        again: list[_Req | TierFSError] = []
+        for i in redo:
+            r = reqs[i]
+            assert isinstance(r, _Req)
+            r.cap = self._cap_for(r.op, r.key)
+            again.append(r)
+        for i, res in zip(redo, await self._batch1(again, timeout), strict=True):
+            out[i] = res
+        return out
+
+    async def _batch1(self, reqs: list[_Req | TierFSError], timeout: float | None) -> list[Header | TierFSError]:
         t = self.request_timeout if timeout is None else timeout
         out: list[Header | TierFSError] = [r if isinstance(r, TierFSError) else _UNSET for r in reqs]
         groups: dict[tuple[str, int], list[int]] = {}

@@ -9,7 +9,8 @@ Layout (little-endian, ``struct`` format :data:`HEADER_FORMAT`)::
       6   2  flags        :class:`Flag` bits (RESPONSE on every reply)
       8   8  request_id   chosen by the client, echoed in the reply
      16   4  target       target id the request is for
-     20   4  status       0 = OK, else an ErrorCode (reply only)
+     20   4  status       reply: 0 = OK, else an ErrorCode; request: the
+                          capability slot it runs under (0 = none; see CAP)
      24   8  inode        \
      32   8  chunk         | FragmentKey
      40   8  fragment      |
@@ -45,6 +46,17 @@ KV ops reuse the header (``inode`` = pool id throughout):
     KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
                TTL ms. Reply: length = 1 found / 0 not.
 
+Capabilities (docs/security-caps.md): a storage daemon that requires them
+serves a request only under a capability meta signed.
+
+    CAP        payload = an encoded capability (tierfs.capability, 64 bytes);
+               status = the slot (1..MAX_CAP_SLOTS) to keep it in on this
+               connection. The server verifies it once (HMAC, expiry) and
+               answers status 0 or the refusal; a later request names the
+               slot in its own ``status`` field. A CAP for a slot in use
+               replaces it. Requests are checked in arrival order, so a CAP
+               may be pipelined right before the requests that use it.
+
 Everything here is pure: encoding into a caller-owned buffer and decoding
 from one, with no I/O.
 """
@@ -71,6 +83,8 @@ __all__ = [
     "KV_PIN_SHIFT",
     "KV_SIZE_ONLY",
     "MAGIC",
+    "MAX_CAP_PAYLOAD",
+    "MAX_CAP_SLOTS",
     "MAX_KV_EXISTS_KEYS",
     "MAX_KV_KEY",
     "PAYLOAD_OPS",
@@ -113,12 +127,18 @@ class Op(enum.IntEnum):
     KV_EXISTS = 8
     KV_DELETE = 9
     KV_PIN = 10
+    # A capability for the requests that follow (see "Capabilities").
+    CAP = 11
 
 
 #: Ops whose request carries a payload (the others' requests are bare headers).
-PAYLOAD_OPS = frozenset({2, 6, 7, 8, 9, 10})
+PAYLOAD_OPS = frozenset({2, 6, 7, 8, 9, 10, 11})
 #: KV ops (served by a target's KV store, not its chunk engine).
 KV_OPS = frozenset({6, 7, 8, 9, 10})
+#: Capability slots per connection: a request's ``status`` is 0 or 1..this.
+MAX_CAP_SLOTS = 1024
+#: Largest CAP payload a server receives (a capability is 64 bytes).
+MAX_CAP_PAYLOAD = 256
 #: Longest KV key, in bytes.
 MAX_KV_KEY = 512
 #: Most keys one KV_EXISTS request carries.

@@ -81,6 +81,10 @@ class StorageConfig(BaseConfig):
     max_inflight_requests: int = field(256, "Requests one data-plane connection may have in flight.")
     shm_ring_bytes: int = field(16 << 20, "Size of each direction's shared-memory ring (shm transport).", kind="size")
 
+    require_capabilities: bool = field(
+        True, "Serve a data-plane request only under a capability meta signed (docs/security-caps.md); off only "
+        "when meta runs with auth off. Without meta (--no-meta) nothing can be checked.")
+
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables; port 0 picks one).")
     log_level: str = field("info", "debug | info | warning | error")
 

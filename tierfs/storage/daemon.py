@@ -60,6 +60,10 @@ __all__ = ["StorageNode", "build_parser", "load_node_uuid", "main", "serve"]
 
 log = logging.getLogger("tierfs.storage")
 
+#: Lifetime of the node capability a daemon mints for its own repair reads
+#: (re-minted at every heartbeat).
+_NODE_CAP_TTL_MS = 300_000
+
 
 def load_node_uuid(data_dir: Path) -> str:
     """This node's persistent identity, created (durably) on first start."""
@@ -131,9 +135,17 @@ class _Collector:
         yield nc
         if node.server is not None:
             dp = GaugeMetricFamily("tierfs_dataplane", "Data-plane server counters", labels=["counter"])
-            for k, v in dict(node.server.counters).items():
+            counters = dict(node.server.counters)
+            for k, v in counters.items():
                 dp.add_metric([k], v)
             yield dp
+            from tierfs.storage.dataplane import CAP_REFUSALS
+
+            refused = CounterMetricFamily("tierfs_dataplane_cap_refusals",
+                                          "Data-plane requests refused for their capability", labels=["reason"])
+            for reason in CAP_REFUSALS:
+                refused.add_metric([reason], counters.get(f"cap_refused_{reason}", 0))
+            yield refused
         for prefix, src in (("tierfs_repair", node.repairer), ("tierfs_scrub", node.scrubber)):
             if src is not None:
                 c = CounterMetricFamily(prefix, f"{prefix.split('_')[1].capitalize()} counters", labels=["event"])
@@ -254,6 +266,9 @@ class StorageNode:
         known_kv = {e.target_id: kv for e, kv in zip(self.engines, self.kvstores, strict=True) if e.target_id}
         self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports,
                                             kvstores=known_kv)
+        # Until meta's keys arrive every request but PING is refused
+        # (Unavailable, retried by clients): never served unchecked.
+        self.server.require_capabilities = cfg.require_capabilities and self.use_meta
         if cfg.metrics_addr:
             self._start_metrics(cfg.metrics_addr)
         if self.use_meta:
@@ -266,6 +281,7 @@ class StorageNode:
             # Repair and scrub need meta (layouts, groups) and the peers.
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
                                      poll_interval=cfg.rebuild_interval)
+            self.repairer.data.cap_refresher = self._refresh_node_cap
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
             self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer,
                                                advertise_host=self.data_addr.rpartition(":")[0])
@@ -331,6 +347,7 @@ class StorageNode:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self.node_id = int(reply.node_id)
+        self._take_cap_keys(reply.cap_keys, first=True)
         by_path = {str(e.root.resolve()): e for e in self.engines}
         for t in reply.targets:
             eng = by_path.get(t.path)
@@ -346,6 +363,46 @@ class StorageNode:
             self.server.add_kvstore(int(t.target_id), kv)
         log.info("registered with meta as node %d: targets %s", self.node_id,
                  {str(e.root): e.target_id for e in self.engines})
+
+    def _take_cap_keys(self, keys: Any, *, first: bool = False) -> None:
+        """Install the capability keys meta sent (epochs e-1, e, e+1) and
+        mint this node's own capability for repair reads from its peers."""
+        from tierfs.capability import Keyring
+
+        if not keys:
+            if first and self.server.require_capabilities:
+                # A meta without a cluster secret mints no capabilities:
+                # nothing could pass a check.
+                log.warning("meta hands out no capability keys (no cluster secret): data-plane capabilities "
+                            "are not checked on this node")
+                self.server.require_capabilities = False
+            return
+        ring = Keyring((int(k.epoch), bytes(k.key)) for k in keys)
+        old = self.server.keyring
+        if old is None or old.keys != ring.keys:
+            log.info("capability keys: epochs %d..%d", ring.oldest, ring.newest,
+                     extra={"event": "storage.cap_keys", "oldest": ring.oldest, "newest": ring.newest})
+        self.server.keyring = ring
+        self._mint_node_cap()
+
+    def _mint_node_cap(self) -> None:
+        """A node capability (read, every inode) for the repairer's data
+        client, under the current epoch's key: whoever holds the keys can
+        mint anything, which is why they stay on storage nodes."""
+        from tierfs import capability as capmod
+
+        ring = self.server.keyring
+        if ring is None or self.repairer is None:
+            return
+        epochs = sorted(ring.keys)
+        epoch = epochs[len(epochs) // 2]  # meta sends e-1, e, e+1: the middle one is now
+        cap = capmod.mint(ring.keys[epoch], kind=capmod.KIND_NODE, ops=capmod.OP_READ, epoch=epoch,
+                          scope=self.node_id, principal=self.node_id,
+                          expiry_ms=int(time.time() * 1000) + _NODE_CAP_TTL_MS)
+        self.repairer.data.caps.add(capmod.encode(cap))
+
+    async def _refresh_node_cap(self, kind: int, scope: int, op: int) -> None:
+        self._mint_node_cap()
 
     def reports(self) -> list[Any]:
         from tierfs.proto.v1 import meta_pb2 as pb
@@ -382,6 +439,7 @@ class StorageNode:
             try:
                 reply = await self.meta.heartbeat(self.node_id, self.reports(), kv_usage=self.kv_reports())
                 self.counters["heartbeats"] += 1
+                self._take_cap_keys(reply.cap_keys)
                 if reply.map_version != self._kv_map_version:
                     await self._refresh_kv_pools(retry=False)
                 now = time.monotonic()

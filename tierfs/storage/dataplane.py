@@ -22,14 +22,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from tierfs.capability import (
+    KIND_FILE,
+    KIND_KV,
+    KIND_NODE,
+    OP_READ,
+    OP_WRITE,
+    Capability,
+    Keyring,
+    check_scope,
+    verify,
+)
 from tierfs.errors import (
+    CapabilityExpiredError,
     InternalError,
     InvalidArgumentError,
     ProtocolError,
     TierFSError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from tierfs.net.framing import FrameProtocol, log
@@ -41,6 +55,8 @@ from tierfs.net.protocol import (
     KV_OVERWRITE,
     KV_PIN_SHIFT,
     KV_SIZE_ONLY,
+    MAX_CAP_PAYLOAD,
+    MAX_CAP_SLOTS,
     MAX_KV_EXISTS_KEYS,
     MAX_KV_KEY,
     PAYLOAD_OPS,
@@ -66,7 +82,25 @@ _COUNTERS = (
     "connections_total", "connections_active", "protocol_violations", "requests_total",
     "requests_failed", "bytes_received", "bytes_sent", "reads", "writes", "deletes", "stats", "pings",
     "kv_puts", "kv_gets", "kv_hits", "kv_exists", "kv_deletes", "kv_pins",
+    # Capabilities (docs/security-caps.md): CAP frames, and requests refused
+    # by reason (no capability, forged/malformed, expired, another inode's or
+    # pool's, the wrong operation, no keys from meta yet).
+    "cap_frames", "cap_frames_refused", "cap_refused_missing", "cap_refused_forged", "cap_refused_expired",
+    "cap_refused_scope", "cap_refused_op", "cap_refused_nokeys",
 )
+#: Counter of each refusal reason (Prometheus: tierfs_dataplane_cap_refusals).
+CAP_REFUSALS = ("missing", "forged", "expired", "scope", "op", "nokeys")
+_READ_OPS = frozenset({int(Op.READ), int(Op.STAT), int(Op.KV_GET), int(Op.KV_EXISTS)})
+#: op -> (capability kind, operation) it needs
+_NEEDS = {int(o): (KIND_KV if int(o) in KV_OPS else KIND_FILE, OP_READ if int(o) in _READ_OPS else OP_WRITE)
+          for o in Op}
+_TENANT_BYTES = 8
+
+
+def tenant_key(tenant: int, key: bytes) -> bytes:
+    """A KV key as the store keeps it: the tenant (8 bytes, big-endian) of
+    the capability it was addressed with, then the user's key."""
+    return tenant.to_bytes(_TENANT_BYTES, "big") + key
 #: Largest key payload of a KV_GET / KV_DELETE / KV_PIN request.
 _MAX_KEY_PAYLOAD = MAX_KV_KEY
 #: Largest KV_EXISTS payload (every key at the longest).
@@ -101,6 +135,10 @@ class _ServerConnection(FrameProtocol):
         self._recv_kv: KVTargetStore | None = None
         self._recv_value: memoryview | None = None
         self._recv_key: memoryview | None = None
+        # Verified capabilities (or why the one sent was refused) by slot.
+        self.caps: dict[int, Capability | TierFSError] = {}
+        # The KV tenant of the frame being received (from its capability).
+        self._recv_tenant = 0
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -158,10 +196,14 @@ class _ServerConnection(FrameProtocol):
             limit = _MAX_EXISTS_PAYLOAD if hdr.op == Op.KV_EXISTS else _MAX_KEY_PAYLOAD
             if hdr.payload_len > limit:
                 raise ProtocolError(f"{Op(hdr.op).name} payload of {hdr.payload_len} bytes (at most {limit})")
+            if self._recv_error is not None:
+                return None
             return memoryview(bytearray(hdr.payload_len))
         klen = hdr.offset
         if not 0 < klen <= MAX_KV_KEY or klen > hdr.payload_len:
             raise ProtocolError(f"KV_PUT key length {klen} (1..{MAX_KV_KEY}, within a {hdr.payload_len}-byte payload)")
+        if self._recv_error is not None:
+            return None  # refused (capability): drained, nothing stored
         kv = self.server.kvstores.get(hdr.target)
         if kv is None:
             return None  # drained and answered with an error in _serve
@@ -181,8 +223,18 @@ class _ServerConnection(FrameProtocol):
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
         if hdr.op not in PAYLOAD_OPS:
             raise ProtocolError(f"op {Op(hdr.op).name} carries no payload, got {hdr.payload_len} bytes")
+        if hdr.op == Op.CAP:
+            if hdr.payload_len > MAX_CAP_PAYLOAD:
+                raise ProtocolError(f"CAP payload of {hdr.payload_len} bytes (at most {MAX_CAP_PAYLOAD})")
+            return memoryview(bytearray(hdr.payload_len))
+        # The capability is checked before anything is allocated from a
+        # store: a refused request's payload is drained and dropped.
+        self._recv_error, self._recv_tenant = self._authorize(hdr)
         if hdr.op in KV_OPS:
             return self._kv_header(hdr)
+        if self._recv_error is not None:
+            self._recv_store = None
+            return None
         store = self.server.stores.get(hdr.target)
         if store is None:
             self._recv_store = None
@@ -203,9 +255,17 @@ class _ServerConnection(FrameProtocol):
             raise ProtocolError(f"response frame (op {hdr.op}) sent to the server")
         if hdr.op not in PAYLOAD_OPS and hdr.payload_len:
             raise ProtocolError(f"op {hdr.op} carries no payload")
+        if hdr.op == Op.CAP:
+            self.counters["requests_total"] += 1
+            self._on_cap(hdr, payload)
+            return
+        if not hdr.payload_len:
+            # No payload, so _on_header did not run: check here.
+            self._recv_error, self._recv_tenant = self._authorize(hdr)
         store = self._recv_store
         self._recv_store = None
         error, self._recv_error = self._recv_error, None
+        tenant = self._recv_tenant
         kv_put: tuple[KVTargetStore, memoryview, memoryview] | None = None
         if hdr.op == Op.KV_PUT and self._recv_kv is not None:
             assert self._recv_value is not None and self._recv_key is not None
@@ -219,7 +279,8 @@ class _ServerConnection(FrameProtocol):
         self._inflight_requests += 1
         self._inflight_bytes += reserve
         if hdr.op in KV_OPS:
-            task = asyncio.get_running_loop().create_task(self._serve_kv(hdr, payload, kv_put, reserve, error))
+            task = asyncio.get_running_loop().create_task(
+                self._serve_kv(hdr, payload, kv_put, reserve, error, tenant))
         else:
             task = asyncio.get_running_loop().create_task(self._serve(hdr, payload, store, reserve, error))
         self.server._tasks.add(task)
@@ -244,6 +305,71 @@ class _ServerConnection(FrameProtocol):
         if self._paused and not self.closed and not self._over_limit():
             self._paused = False
             self.transport.resume_reading()
+
+    # --- capabilities ------------------------------------------------------------
+
+    def _on_cap(self, hdr: Header, payload: memoryview | None) -> None:
+        self.counters["cap_frames"] += 1
+        slot = hdr.status
+        server = self.server
+        try:
+            if not 1 <= slot <= MAX_CAP_SLOTS:
+                raise InvalidArgumentError(f"capability slot {slot} (1..{MAX_CAP_SLOTS})")
+            if not server.require_capabilities:
+                self._reply(hdr)  # nothing is checked here: accepted and ignored
+                return
+            if not server.keyring:
+                # Not stored: once the keys arrive, the client's next CAP works.
+                self.caps.pop(slot, None)
+                raise UnavailableError("this storage node has no capability keys from meta yet; retry shortly")
+            try:
+                cap = verify(server.keyring, int(time.time() * 1000), payload if payload is not None else b"")
+            except TierFSError as exc:
+                self.caps[slot] = exc  # the requests naming this slot get the same answer
+                raise
+            self.caps[slot] = cap
+            self._reply(hdr)
+        except TierFSError as exc:
+            self.counters["cap_frames_refused"] += 1
+            log.info("capability refused from %s: %s", self.peer, exc.message,
+                     extra={"event": "dataplane.cap_refused", "peer": self.peer, "reason": exc.message})
+            self._reply_error(hdr, exc)
+
+    def _authorize(self, hdr: Header) -> tuple[TierFSError | None, int]:
+        """Whether the capability in the request's slot allows it: (None,
+        KV tenant) or (the refusal, 0). A dict lookup and integer compares;
+        the HMAC was checked once, when the CAP frame came."""
+        server = self.server
+        op = hdr.op
+        if not server.require_capabilities or op == Op.PING:
+            return None, 0
+        c = self.caps.get(hdr.status) if hdr.status else None
+        counters = self.counters
+        if c is None:
+            if not server.keyring:
+                counters["cap_refused_nokeys"] += 1
+                return UnavailableError("this storage node has no capability keys from meta yet; retry shortly"), 0
+            counters["cap_refused_missing"] += 1
+            why = f"slot {hdr.status} holds none on this connection" if hdr.status else "none sent"
+            return UnauthenticatedError(f"{Op(op).name} needs a capability ({why})"), 0
+        if not isinstance(c, Capability):
+            counters["cap_refused_expired" if isinstance(c, CapabilityExpiredError) else "cap_refused_forged"] += 1
+            return c, 0
+        if c.expiry_ms <= time.time() * 1000:
+            counters["cap_refused_expired"] += 1
+            return CapabilityExpiredError(f"{c.describe()} has expired; fetch a fresh one from meta"), 0
+        kind, need = _NEEDS[op]
+        if c.ops & need:
+            if c.kind == kind and c.scope == hdr.inode and (kind == KIND_KV or c.lo <= hdr.chunk < c.hi):
+                return None, c.principal
+            if c.kind == KIND_NODE and kind == KIND_FILE:
+                return None, 0
+        err = check_scope(c, kind, hdr.inode, need, hdr.chunk)
+        if err is None:  # pragma: no cover - the fast path above accepts all of these
+            return None, c.principal
+        in_scope = check_scope(c, kind, hdr.inode, c.ops, hdr.chunk) is None
+        counters["cap_refused_op" if in_scope else "cap_refused_scope"] += 1
+        return err, 0
 
     # --- serve -----------------------------------------------------------------
 
@@ -314,7 +440,7 @@ class _ServerConnection(FrameProtocol):
 
     async def _serve_kv(self, hdr: Header, payload: memoryview | None,
                         put: tuple[KVTargetStore, memoryview, memoryview] | None, reserve: int,
-                        error: TierFSError | None = None) -> None:
+                        error: TierFSError | None = None, tenant: int = 0) -> None:
         op = hdr.op
         try:
             if error is not None:
@@ -340,7 +466,7 @@ class _ServerConnection(FrameProtocol):
                     raise InvalidArgumentError("KV_PUT value CRC32C does not match its payload")
                 put = None  # the store owns the value buffer from here on
                 flags = hdr.fragment
-                stored = await kv.put(pool, key, value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
+                stored = await kv.put(pool, tenant_key(tenant, key), value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
                                       ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length)
                 self._reply(hdr, length=1 if stored else 0)
                 return
@@ -348,7 +474,7 @@ class _ServerConnection(FrameProtocol):
                 raise InvalidArgumentError(f"{Op(op).name} without a key")
             if op == Op.KV_GET:
                 self.counters["kv_gets"] += 1
-                got = await kv.get(pool, bytes(payload))
+                got = await kv.get(pool, tenant_key(tenant, bytes(payload)))
                 if got is None:
                     self._reply(hdr, length=0)
                     return
@@ -373,7 +499,7 @@ class _ServerConnection(FrameProtocol):
                     keys = unpack_keys(payload, hdr.offset)
                 except ProtocolError as exc:
                     raise InvalidArgumentError(str(exc)) from None
-                present = kv.contains(pool, keys)
+                present = kv.contains(pool, [tenant_key(tenant, k) for k in keys])
                 bits = 0
                 for i, hit in enumerate(present):
                     if hit:
@@ -382,11 +508,11 @@ class _ServerConnection(FrameProtocol):
                 self._reply(hdr, payload=memoryview(bitmap), store=_NOT_POOLED, length=len(keys))
             elif op == Op.KV_DELETE:
                 self.counters["kv_deletes"] += 1
-                existed = await kv.delete(pool, bytes(payload))
+                existed = await kv.delete(pool, tenant_key(tenant, bytes(payload)))
                 self._reply(hdr, length=1 if existed else 0)
             elif op == Op.KV_PIN:  # pragma: no branch
                 self.counters["kv_pins"] += 1
-                key = bytes(payload)
+                key = tenant_key(tenant, bytes(payload))
                 found = kv.unpin(pool, key) if hdr.fragment == 0 else kv.pin(pool, key, hdr.fragment, hdr.length)
                 self._reply(hdr, length=1 if found else 0)
         except asyncio.CancelledError:
@@ -494,6 +620,11 @@ class DataPlaneServer:
         self.on_unknown_kv_pool: Callable[[int], Awaitable[None]] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        #: Whether every request needs a capability (the storage daemon's
+        #: ``require_capabilities``); off, every KV key is tenant 0's.
+        self.require_capabilities = False
+        #: Capability keys by epoch, from meta (None: none yet).
+        self.keyring: Keyring | None = None
         self.host = ""
         self.port = 0
         self.listeners: dict[str, Listener] = {}
@@ -609,6 +740,9 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-verify", action="store_true",
                     help="memory targets skip their own CRC re-checks (network benchmarks)")
     ap.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
+    ap.add_argument("--cap-secret-file", default="",
+                    help="require capabilities, with the keys of the current hour-long epoch (and its "
+                         "neighbours) derived from this cluster secret (tests, benchmarks)")
     args = ap.parse_args(argv)
     stores: dict[int, FragmentStore] = {
         t: MemoryFragmentStore(t, verify=not args.no_verify) for t in args.memory_target}
@@ -648,6 +782,15 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
                                    transports=args.transports.split(","), kvstores=kvstores)
+    if args.cap_secret_file:
+        import time
+
+        from tierfs.capability import Keyring, epoch_at, keys_around
+        from tierfs.meta.secret import load_secret
+
+        secret = load_secret(args.cap_secret_file)
+        server.keyring = Keyring(keys_around(secret, epoch_at(int(time.time() * 1000), 3600.0)))
+        server.require_capabilities = True
     print(json.dumps({"port": server.port, "transports": list(server.listeners)}), flush=True)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()

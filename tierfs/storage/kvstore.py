@@ -82,7 +82,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_BYTES = 512
+#: A stored key: the data plane's 8-byte tenant prefix, then the user's key
+#: of at most MAX_KV_KEY (512) bytes (docs/security-caps.md, "KV tenants").
+MAX_KEY_BYTES = 512 + 8
 PIN_NONE, PIN_SOFT, PIN_HARD = 0, 1, 2
 #: a soft pin asked for without a TTL lasts this long
 DEFAULT_SOFT_PIN_TTL_MS = 60_000

@@ -339,10 +339,15 @@ class FileInfo(_message.Message):
     SYMLINK_TARGET_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
     WRITING_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     symlink_target: _builtins.str
     """symlinks only"""
     writing: _builtins.bool
     """a write session is open"""
+    capability: _builtins.bytes
+    """Files: a read capability for the data plane (tierfs.capability), when
+    the caller may read the file; empty otherwise.
+    """
     @_builtins.property
     def attr(self) -> Global___Attr: ...
     @_builtins.property
@@ -361,10 +366,11 @@ class FileInfo(_message.Message):
         symlink_target: _builtins.str = ...,
         chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
         writing: _builtins.bool = ...,
+        capability: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "chunks", b"chunks", "layout", b"layout", "symlink_target", b"symlink_target", "writing", b"writing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "capability", b"capability", "chunks", b"chunks", "layout", b"layout", "symlink_target", b"symlink_target", "writing", b"writing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -884,10 +890,13 @@ class OpenWriteReply(_message.Message):
     LEASE_EXPIRY_NS_FIELD_NUMBER: _builtins.int
     DATA_VERSION_FIELD_NUMBER: _builtins.int
     FILE_FIELD_NUMBER: _builtins.int
+    WRITE_CAPABILITY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     lease_expiry_ns: _builtins.int
     data_version: _builtins.int
     """Generations of this session's uploads are (data_version << 20) | sequence."""
+    write_capability: _builtins.bytes
+    """A write capability (write + delete, every chunk) for the file's inode."""
     @_builtins.property
     def file(self) -> Global___FileInfo: ...
     def __init__(
@@ -897,10 +906,11 @@ class OpenWriteReply(_message.Message):
         lease_expiry_ns: _builtins.int = ...,
         data_version: _builtins.int = ...,
         file: Global___FileInfo | None = ...,
+        write_capability: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["file", b"file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_version", b"data_version", "file", b"file", "lease_expiry_ns", b"lease_expiry_ns", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_version", b"data_version", "file", b"file", "lease_expiry_ns", b"lease_expiry_ns", "session_id", b"session_id", "write_capability", b"write_capability"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -948,15 +958,19 @@ class RenewLeaseReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_EXPIRY_NS_FIELD_NUMBER: _builtins.int
+    WRITE_CAPABILITY_FIELD_NUMBER: _builtins.int
     lease_expiry_ns: _builtins.int
+    write_capability: _builtins.bytes
+    """A fresh write capability for the session's inode."""
     def __init__(
         self,
         *,
         lease_expiry_ns: _builtins.int = ...,
+        write_capability: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_expiry_ns", b"lease_expiry_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_expiry_ns", b"lease_expiry_ns", "write_capability", b"write_capability"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1109,24 +1123,54 @@ class RegisterNodeReply(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     MAP_VERSION_FIELD_NUMBER: _builtins.int
+    CAP_KEYS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     map_version: _builtins.int
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisteredTarget]: ...
+    @_builtins.property
+    def cap_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapabilityKey]:
+        """Capability keys (epochs e-1, e, e+1) the node verifies capabilities with."""
+
     def __init__(
         self,
         *,
         node_id: _builtins.int = ...,
         targets: _abc.Iterable[Global___RegisteredTarget] | None = ...,
         map_version: _builtins.int = ...,
+        cap_keys: _abc.Iterable[Global___CapabilityKey] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "map_version", b"map_version", "node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterNodeReply: _TypeAlias = RegisterNodeReply  # noqa: Y015
+
+@_typing.final
+class CapabilityKey(_message.Message):
+    """A data-plane capability key (tierfs.capability.epoch_key) and its epoch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    key: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CapabilityKey: _TypeAlias = CapabilityKey  # noqa: Y015
 
 @_typing.final
 class TargetReport(_message.Message):
@@ -1195,17 +1239,21 @@ class HeartbeatReply(_message.Message):
 
     MAP_VERSION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    CAP_KEYS_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     state: Global___NodeState.ValueType
+    @_builtins.property
+    def cap_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapabilityKey]: ...
     def __init__(
         self,
         *,
         map_version: _builtins.int = ...,
         state: Global___NodeState.ValueType = ...,
+        cap_keys: _abc.Iterable[Global___CapabilityKey] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "map_version", b"map_version", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1420,6 +1468,7 @@ class KVPool(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     CREATED_NS_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.int
     """> 0, never reused"""
     name: _builtins.str
@@ -1439,6 +1488,8 @@ class KVPool(_message.Message):
     created_ns: _builtins.int
     width: _builtins.int
     """members per group (copies or K+M)"""
+    tenant: _builtins.str
+    """"user" (keys namespaced by uid) or "group" (by gid)"""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementGroup]:
         """The pool's own placement groups, in their own id space: group_id is the
@@ -1463,10 +1514,11 @@ class KVPool(_message.Message):
         groups: _abc.Iterable[Global___PlacementGroup] | None = ...,
         created_ns: _builtins.int = ...,
         width: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ns", b"created_ns", "fsync", b"fsync", "groups", b"groups", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "pool_id", b"pool_id", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ns", b"created_ns", "fsync", b"fsync", "groups", b"groups", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "pool_id", b"pool_id", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "tenant", b"tenant", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1483,6 +1535,7 @@ class CreateKVPoolRequest(_message.Message):
     FSYNC_FIELD_NUMBER: _builtins.int
     PIN_QUOTA_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     redundancy: _builtins.str
     """"" = "replica:1" """
@@ -1494,6 +1547,8 @@ class CreateKVPoolRequest(_message.Message):
     """<= target_memory + target_disk"""
     policy: _builtins.str
     """"" = "lru" """
+    tenant: _builtins.str
+    """"" = "user"; or "group" """
     def __init__(
         self,
         *,
@@ -1504,14 +1559,64 @@ class CreateKVPoolRequest(_message.Message):
         fsync: _builtins.bool = ...,
         pin_quota: _builtins.int = ...,
         policy: _builtins.str = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fsync", b"fsync", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fsync", b"fsync", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CreateKVPoolRequest: _TypeAlias = CreateKVPoolRequest  # noqa: Y015
+
+@_typing.final
+class GetKVCapabilityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """pool name"""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVCapabilityRequest: _TypeAlias = GetKVCapabilityRequest  # noqa: Y015
+
+@_typing.final
+class GetKVCapabilityReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    EXPIRY_MS_FIELD_NUMBER: _builtins.int
+    capability: _builtins.bytes
+    """KV capability (read + write) for the caller's tenant"""
+    pool_id: _builtins.int
+    tenant: _builtins.int
+    expiry_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        capability: _builtins.bytes = ...,
+        pool_id: _builtins.int = ...,
+        tenant: _builtins.int = ...,
+        expiry_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "expiry_ms", b"expiry_ms", "pool_id", b"pool_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetKVCapabilityReply: _TypeAlias = GetKVCapabilityReply  # noqa: Y015
 
 @_typing.final
 class RemoveKVPoolRequest(_message.Message):

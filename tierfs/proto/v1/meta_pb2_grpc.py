@@ -199,6 +199,11 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GetKVCapability = channel.unary_unary(
+                '/tierfs.v1.MetaService/GetKVCapability',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityReply.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tierfs.v1.MetaService/GetStatus',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
@@ -431,6 +436,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVCapability(self, request, context):
+        """A short-lived KV capability for the caller's tenant of a pool (leader).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Answered locally by any replica (no leader needed).
         """
@@ -633,6 +645,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.RemoveKVPool,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'GetKVCapability': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVCapability,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -1551,6 +1568,33 @@ class MetaService:
             '/tierfs.v1.MetaService/RemoveKVPool',
             tierfs_dot_v1_dot_meta__pb2.RemoveKVPoolRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVCapability(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/GetKVCapability',
+            tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.GetKVCapabilityReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,6 +77,8 @@ class MetaServiceStub:
     """KV pools: definitions (replicated) and usage (leader memory, from heartbeats)."""
     ListKVPools: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListKVPoolsReply]
     RemoveKVPool: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveKVPoolRequest, _meta_pb2.Empty]
+    GetKVCapability: _grpc.UnaryUnaryMultiCallable[_meta_pb2.GetKVCapabilityRequest, _meta_pb2.GetKVCapabilityReply]
+    """A short-lived KV capability for the caller's tenant of a pool (leader)."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]
     """Answered locally by any replica (no leader needed)."""
     Digest: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]
@@ -130,6 +132,8 @@ class MetaServiceAsyncStub(MetaServiceStub):
     """KV pools: definitions (replicated) and usage (leader memory, from heartbeats)."""
     ListKVPools: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListKVPoolsReply]  # type: ignore[assignment]
     RemoveKVPool: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveKVPoolRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    GetKVCapability: _aio.UnaryUnaryMultiCallable[_meta_pb2.GetKVCapabilityRequest, _meta_pb2.GetKVCapabilityReply]  # type: ignore[assignment]
+    """A short-lived KV capability for the caller's tenant of a pool (leader)."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.GetStatusReply]  # type: ignore[assignment]
     """Answered locally by any replica (no leader needed)."""
     Digest: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.DigestReply]  # type: ignore[assignment]
@@ -378,6 +382,14 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.RemoveKVPoolRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def GetKVCapability(
+        self,
+        request: _meta_pb2.GetKVCapabilityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.GetKVCapabilityReply, _abc.Awaitable[_meta_pb2.GetKVCapabilityReply]]:
+        """A short-lived KV capability for the caller's tenant of a pool (leader)."""
 
     @_abc_1.abstractmethod
     def GetStatus(

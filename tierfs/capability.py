@@ -1,0 +1,202 @@
+"""Data-plane capabilities: what meta signs so that a storage daemon serves a
+request (docs/security-caps.md).
+
+A capability is 64 bytes: a 48-byte body, then a 16-byte HMAC-SHA256 tag
+(truncated) of the body under the capability key of the body's epoch::
+
+    off size field
+      0   1  version     1
+      1   1  kind        KIND_FILE | KIND_KV | KIND_NODE
+      2   1  ops         OP_READ | OP_WRITE (write includes delete, KV pin)
+      3   1  reserved    0
+      4   4  epoch       key epoch (u32)
+      8   8  scope       inode (file), pool id (KV), node id (node)
+     16   8  lo          first chunk covered (file); 0 otherwise
+     24   8  hi          chunk bound, exclusive (file); ALL_CHUNKS = every chunk
+     32   8  principal   uid (file), tenant (KV: uid, or GROUP_TENANT | gid), node id
+     40   8  expiry_ms   ms since the Unix epoch, meta's clock
+     48  16  mac
+
+The key of epoch ``e`` is ``derive(cluster_secret, f"cap/{e}")``
+(:func:`epoch_key`); an epoch lasts ``rotation`` seconds. Meta hands storage
+daemons the keys of e-1, e and e+1; a capability of an older epoch is
+refused as expired.
+
+Everything here is pure: no clock is read (``now_ms`` is an argument), no
+I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tierfs.errors import (
+    CapabilityExpiredError,
+    PermissionDeniedError,
+    TierFSError,
+    UnauthenticatedError,
+)
+from tierfs.security import derive
+
+__all__ = [
+    "ALL_CHUNKS",
+    "CAP_SIZE",
+    "GROUP_TENANT",
+    "KIND_FILE",
+    "KIND_KV",
+    "KIND_NODE",
+    "OP_READ",
+    "OP_WRITE",
+    "Capability",
+    "Keyring",
+    "check_scope",
+    "decode",
+    "encode",
+    "epoch_at",
+    "epoch_key",
+    "keys_around",
+    "mint",
+    "tenant_of",
+    "verify",
+]
+
+VERSION = 1
+KIND_FILE, KIND_KV, KIND_NODE = 1, 2, 3
+_KINDS = {KIND_FILE: "file", KIND_KV: "kv", KIND_NODE: "node"}
+OP_READ, OP_WRITE = 1, 2
+_OPS = OP_READ | OP_WRITE
+ALL_CHUNKS = (1 << 64) - 1
+#: set in a KV principal for a group tenant (the rest is the gid)
+GROUP_TENANT = 1 << 32
+_BODY = struct.Struct("<BBBBIQQQQQ")
+BODY_SIZE = _BODY.size
+MAC_SIZE = 16
+CAP_SIZE = BODY_SIZE + MAC_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    kind: int
+    ops: int
+    epoch: int
+    scope: int
+    lo: int
+    hi: int
+    principal: int
+    expiry_ms: int
+    mac: bytes = b""
+
+    def body(self) -> bytes:
+        return _BODY.pack(VERSION, self.kind, self.ops, 0, self.epoch, self.scope, self.lo, self.hi,
+                          self.principal, self.expiry_ms)
+
+    def describe(self) -> str:
+        what = {KIND_FILE: f"inode {self.scope}", KIND_KV: f"KV pool {self.scope}",
+                KIND_NODE: f"node {self.scope}"}.get(self.kind, f"scope {self.scope}")
+        ops = "+".join(n for b, n in ((OP_READ, "read"), (OP_WRITE, "write")) if self.ops & b) or "none"
+        return f"{_KINDS.get(self.kind, '?')} capability ({ops}) for {what}"
+
+
+def epoch_key(secret: bytes, epoch: int) -> bytes:
+    return derive(secret, f"cap/{epoch}")
+
+
+def epoch_at(now_ms: int, rotation_s: float) -> int:
+    return int(now_ms // int(rotation_s * 1000))
+
+
+def keys_around(secret: bytes, epoch: int) -> dict[int, bytes]:
+    """The keys meta hands daemons at ``epoch``: e-1, e and e+1."""
+    return {e: epoch_key(secret, e) for e in (epoch - 1, epoch, epoch + 1) if e >= 0}
+
+
+def tenant_of(uid: int, gid: int, tenant_mode: str) -> int:
+    """A KV pool's tenant of a caller: its uid, or GROUP_TENANT | gid for a
+    pool created with ``tenant = "group"``."""
+    return GROUP_TENANT | gid if tenant_mode == "group" else uid
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()[:MAC_SIZE]
+
+
+def mint(key: bytes, *, kind: int, ops: int, epoch: int, scope: int, principal: int, expiry_ms: int,
+         lo: int = 0, hi: int = ALL_CHUNKS) -> Capability:
+    """A capability signed with ``key`` (the key of ``epoch``)."""
+    if kind not in _KINDS or not ops or ops & ~_OPS:
+        raise ValueError(f"bad capability kind {kind} / ops {ops}")
+    cap = Capability(kind, ops, epoch, scope, lo, hi, principal, expiry_ms)
+    return Capability(kind, ops, epoch, scope, lo, hi, principal, expiry_ms, _mac(key, cap.body()))
+
+
+def encode(cap: Capability) -> bytes:
+    return cap.body() + cap.mac
+
+
+def decode(raw: bytes | bytearray | memoryview) -> Capability:
+    """Parse (not verify) a capability; UnauthenticatedError if malformed."""
+    if len(raw) != CAP_SIZE:
+        raise UnauthenticatedError(f"a capability is {CAP_SIZE} bytes, got {len(raw)}")
+    b = bytes(raw)
+    version, kind, ops, _res, epoch, scope, lo, hi, principal, expiry = _BODY.unpack_from(b, 0)
+    if version != VERSION or kind not in _KINDS or not ops or ops & ~_OPS:
+        raise UnauthenticatedError(f"malformed capability (version {version}, kind {kind}, ops {ops})")
+    return Capability(kind, ops, epoch, scope, lo, hi, principal, expiry, b[BODY_SIZE:])
+
+
+class Keyring:
+    """Capability keys by epoch (what a storage daemon holds)."""
+
+    __slots__ = ("keys", "newest", "oldest")
+
+    def __init__(self, keys: Mapping[int, bytes] | Iterable[tuple[int, bytes]] = ()) -> None:
+        self.keys: dict[int, bytes] = dict(keys)
+        self.oldest = min(self.keys, default=0)
+        self.newest = max(self.keys, default=-1)
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def verify(keyring: Keyring, now_ms: int, cap: Capability | bytes | bytearray | memoryview) -> Capability:
+    """Check a capability's tag (constant time) and expiry; the capability,
+    or UnauthenticatedError (malformed, forged, unknown epoch) or
+    CapabilityExpiredError (past its expiry, or of a retired key epoch)."""
+    c = cap if isinstance(cap, Capability) else decode(cap)
+    key = keyring.keys.get(c.epoch)
+    if key is None:
+        if keyring and c.epoch < keyring.oldest:
+            raise CapabilityExpiredError(f"{c.describe()}: key epoch {c.epoch} is retired "
+                                         f"(this node holds epochs {keyring.oldest}..{keyring.newest}); "
+                                         "fetch a fresh one from meta")
+        raise UnauthenticatedError(f"{c.describe()}: unknown key epoch {c.epoch}")
+    if not hmac.compare_digest(_mac(key, c.body()), c.mac):
+        raise UnauthenticatedError(f"{c.describe()}: signature does not verify (forged or corrupted)")
+    if c.expiry_ms <= now_ms:
+        raise CapabilityExpiredError(f"{c.describe()} expired {now_ms - c.expiry_ms} ms ago; "
+                                     "fetch a fresh one from meta")
+    return c
+
+
+def check_scope(c: Capability, kind: int, scope: int, op: int, chunk: int = 0) -> TierFSError | None:
+    """Whether a verified capability covers one request: None, or the
+    PermissionDeniedError saying why not. Node capabilities cover every
+    inode (fragment ops only)."""
+    if c.kind == KIND_NODE and kind == KIND_FILE:
+        pass
+    elif c.kind != kind:
+        return PermissionDeniedError(f"{c.describe()} does not cover a {_KINDS.get(kind, '?')} request")
+    elif c.scope != scope:
+        return PermissionDeniedError(f"{c.describe()} does not cover "
+                                     f"{'inode' if kind == KIND_FILE else 'KV pool'} {scope}")
+    elif kind == KIND_FILE and not c.lo <= chunk < c.hi:
+        return PermissionDeniedError(f"{c.describe()} covers chunks [{c.lo}, {c.hi}), not chunk {chunk}")
+    if not c.ops & op:
+        return PermissionDeniedError(f"{c.describe()} does not allow {'write' if op == OP_WRITE else 'read'}")
+    return None
