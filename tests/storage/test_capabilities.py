@@ -377,12 +377,14 @@ def test_meta_mints_by_permission_and_tenant(tmp_path: Path) -> None:
             await mc.register_node("n0", "h", "127.0.0.1:1", [("/t", 1 << 40)])
             await mc.create_kv_pool("u", target_memory=1 << 20)
             await mc.create_kv_pool("g", target_memory=1 << 20, tenant="group")
-            info = pb.FileInfo(attr=pb.Attr(inode=5, type=pb.INODE_TYPE_FILE, mode=0o600, uid=1000, gid=100))
+            # A real file (the check includes search permission along its path).
+            made = await mc.create("/alices", 0o600, 1000, 100, redundancy="replica:1")
+            info = pb.FileInfo(attr=made.attr)
             tok = current_identity.set(alice)
             try:
                 got = svc._with_read_cap(pb.FileInfo(attr=info.attr))
                 c = capmod.decode(got.capability)
-                assert (c.kind, c.scope, c.ops, c.principal) == (capmod.KIND_FILE, 5, capmod.OP_READ, 1000)
+                assert (c.kind, c.scope, c.ops, c.principal) == (capmod.KIND_FILE, made.attr.inode, capmod.OP_READ, 1000)
                 assert capmod.decode(svc.kv_capability("u").capability).principal == 1000
                 assert capmod.decode(svc.kv_capability("g").capability).principal == capmod.GROUP_TENANT | 100
             finally:
