@@ -46,6 +46,7 @@ from tierfs.errors import (
     TimeoutError_,
     UnavailableError,
 )
+from tierfs.meta.auth import resolve_token
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -205,6 +206,9 @@ class AsyncClient:
         if not config.meta:
             raise ConfigError("no meta address: pass meta=[...] or set TIERFS_META=host:port,...", field="meta")
         self.config = config
+        # Chosen once, here: the MetaClient is made later, maybe on another
+        # thread ("" = no credential, never a second lookup).
+        self._token = resolve_token(config.token, config.token_file, config.data_dir) or ""
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._meta: MetaClient | None = None
         self._data: DataClient | None = None
@@ -226,7 +230,7 @@ class AsyncClient:
         if self._meta is None or self._data is None or self._router is None:
             c = self.config
             self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
             self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
                                     request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
@@ -246,7 +250,7 @@ class AsyncClient:
             return
         c = self.config
         self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
         # A new client id too: its request ids start again at 1 and must not
         # match the old ones in meta's retry de-duplication.
         self._router.meta = self._meta

@@ -27,8 +27,10 @@ Client side: :func:`bearer` is the metadata entry a client adds, and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,7 @@ __all__ = [
     "Authenticator",
     "bearer",
     "check_allowed",
+    "default_token",
     "resolve_token",
     "token_from_metadata",
 ]
@@ -164,8 +167,26 @@ def check_allowed(method: str, ident: Identity) -> None:
 
 
 def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata a client call carries for ``token`` (none for None)."""
-    return () if token is None else ((AUTH_KEY, f"Bearer {token}"),)
+    """The metadata a client call carries for ``token`` (none for None or
+    "": meta then answers "no credential")."""
+    return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
+
+
+# A default the CLI sets for every client it makes in one command (its
+# --token-file, its own environment, its --data): (token,) or None.
+_default: contextvars.ContextVar[tuple[str | None] | None] = contextvars.ContextVar("tierfs_default_token",
+                                                                                    default=None)
+
+
+@contextlib.contextmanager
+def default_token(token: str | None) -> Iterator[None]:
+    """Within the block, clients made without a token of their own use
+    ``token`` (None: none) instead of looking in the environment."""
+    reset = _default.set((token,))
+    try:
+        yield
+    finally:
+        _default.reset(reset)
 
 
 def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None,
@@ -174,12 +195,16 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] |
     """The token a client uses, from the first of: ``token`` (given, even
     "" or wrong: used as is), ``token_file``, ``$TIERFS_TOKEN`` (set, even
     empty), ``$TIERFS_TOKEN_FILE``, ``DATA_DIR/admin.token`` when that file
-    exists (a local cluster). None: no credential (fine with security off)."""
-    env = os.environ if env is None else env
+    exists (a local cluster). Inside :func:`default_token` its token
+    replaces the last three. None: no credential (fine with security off)."""
     if token is not None:
         return token
     if token_file:
         return load_token_file(token_file)
+    chosen = _default.get()
+    if chosen is not None:
+        return chosen[0]
+    env = os.environ if env is None else env
     if TOKEN_ENV in env:
         return env[TOKEN_ENV]
     if env.get(TOKEN_FILE_ENV):
