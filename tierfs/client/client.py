@@ -207,8 +207,11 @@ class AsyncClient:
             raise ConfigError("no meta address: pass meta=[...] or set TIERFS_META=host:port,...", field="meta")
         self.config = config
         # Chosen once, here: the MetaClient is made later, maybe on another
-        # thread ("" = no credential, never a second lookup).
-        self._token = resolve_token(config.token, config.token_file, config.data_dir) or ""
+        # thread ("" = no credential, never a second lookup). A token given
+        # here as "" stays "" (the config loader would read "" as unset).
+        given = options.get("token")
+        self._token = resolve_token(given if isinstance(given, str) else config.token, config.token_file,
+                                    config.data_dir) or ""
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._meta: MetaClient | None = None
         self._data: DataClient | None = None

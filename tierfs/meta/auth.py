@@ -65,6 +65,7 @@ __all__ = [
     "default_token",
     "resolve_token",
     "token_from_metadata",
+    "write_credentials",
 ]
 
 AUTH_KEY = "authorization"
@@ -214,3 +215,41 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] |
         if p.exists():
             return load_token_file(p, "admin token")
     return None
+
+
+def write_credentials(secret_file: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Write ``out_dir/admin.token`` and ``out_dir/node.key`` (mode 0600),
+    derived from the cluster secret in ``secret_file``; returns their paths."""
+    from tierfs.meta.secret import load_secret
+    from tierfs.security import NODE_KEY_FILE, write_private_file
+
+    secret = load_secret(secret_file)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return (write_private_file(out / ADMIN_TOKEN_FILE, admin_token(secret) + "\n", overwrite=True),
+            write_private_file(out / NODE_KEY_FILE, node_key(secret) + "\n", overwrite=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tierfs.meta.auth SECRET_FILE OUT_DIR``: write the admin
+    token and the node key derived from the cluster secret (deploy files)."""
+    import sys
+
+    from tierfs.errors import ConfigError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or any(a.startswith("-") for a in args):
+        print("usage: python -m tierfs.meta.auth SECRET_FILE OUT_DIR   (writes OUT_DIR/admin.token and "
+              "OUT_DIR/node.key, mode 0600)", file=sys.stderr)
+        return 2
+    try:
+        admin, node = write_credentials(args[0], args[1])
+    except ConfigError as exc:
+        print(f"tierfs.meta.auth: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {admin} and {node}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
