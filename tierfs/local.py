@@ -211,6 +211,15 @@ class LocalCluster:
         """The cluster's admin token (from its secret, which :meth:`start` makes)."""
         return admin_token(load_secret(self.secret_file))
 
+    def export_token(self) -> str:
+        """Make the credentials now and put the admin token in this process's
+        TIERFS_TOKEN (benchmarks: their clients and worker processes then use
+        this cluster's token). Returns it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_credentials()
+        os.environ["TIERFS_TOKEN"] = tok = self.admin_token()
+        return tok
+
     def _write_credentials(self) -> None:
         given = os.environ.get(SECRET_ENV, "")
         if given and not self.secret_file.exists():
