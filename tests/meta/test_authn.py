@@ -318,3 +318,42 @@ def test_auth_needs_the_cluster_secret(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "tierfs.meta.daemon", "--data-dir", str(tmp_path / "d"),
                           "--insecure-no-cluster-secret"], capture_output=True, env=env, timeout=30)
     assert res.returncode == 2 and b"auth = true needs the cluster secret" in res.stderr, res.stderr
+
+
+def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> None:
+    import io
+
+    from tierfs.cli import run
+
+    def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        rc = run([*args, "--meta", meta.addresses[0]], stdout=out, stderr=err,
+                 env={"TIERFS_TOKEN": ADMIN} if env is None else env, tty=False)
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,2", "--expires", "30d")
+    assert rc == 0, err
+    token = out.splitlines()[0]
+    assert token.startswith("tfu1.hank.") and "shown once" in out
+    rc, out, _ = cli("user", "ls")
+    assert rc == 0 and "hank" in out and "8001" in out
+    f = write_private_file(tmp_path / "hank.token", token + "\n")
+    rc, out, err = cli("whoami", "--token-file", str(f))
+    assert rc == 0 and out.startswith("hank (user): uid 8001 gid 8002 groups 1,2"), (out, err)
+    rc, _, err = cli("user", "ls", "--token-file", str(f))
+    assert rc == 1 and "ListUsers is an admin operation" in err
+    # a wrong token given explicitly is not replaced by TIERFS_TOKEN
+    wrong = write_private_file(tmp_path / "wrong.token", "tfa1.wrong\n")
+    rc, _, err = cli("ls", "/", "--token-file", str(wrong))
+    assert rc == 1 and "invalid admin token" in err
+    # no credential at all (no TIERFS_TOKEN, no --data admin.token)
+    rc, _, err = cli("ls", "/", "--data", str(tmp_path), env={})
+    assert rc == 1 and "no credential" in err
+    rc, out, _ = cli("status")
+    assert "security: on" in out
+    rc, out, _ = cli("user", "revoke", "hank", "--all")
+    assert rc == 0 and "revoked 1 token" in out
+    rc, _, err = cli("whoami", "--token-file", str(f))
+    assert rc == 1 and "revoked" in err
+    rc, out, _ = cli("user", "rm", "hank")
+    assert rc == 0

@@ -199,6 +199,7 @@ class AsyncClient:
         meta_list: list[str] | None = None
         if meta is not None:
             meta_list = [a.strip() for a in meta.split(",") if a.strip()] if isinstance(meta, str) else list(meta)
+        explicit_config = config is not None
         if config is None:
             config = load(ClientConfig, overrides={**options, **({"meta": meta_list} if meta_list else {})})
         elif meta_list is not None or options:
@@ -209,9 +210,17 @@ class AsyncClient:
         # Chosen once, here: the MetaClient is made later, maybe on another
         # thread ("" = no credential, never a second lookup). A token given
         # here as "" stays "" (the config loader would read "" as unset).
-        given = options.get("token")
-        self._token = resolve_token(given if isinstance(given, str) else config.token, config.token_file,
-                                    config.data_dir) or ""
+        # A config built here from the environment holds TIERFS_TOKEN as its
+        # token: that must not outrank token_file= or the CLI's --token-file,
+        # so only what the caller handed over counts as given.
+        if "token" in options or "token_file" in options:
+            given = options.get("token")
+            self._token = resolve_token(given if isinstance(given, str) else None, options.get("token_file"),
+                                        config.data_dir) or ""
+        elif explicit_config:
+            self._token = resolve_token(config.token, config.token_file, config.data_dir) or ""
+        else:
+            self._token = resolve_token(None, None, config.data_dir) or ""
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._meta: MetaClient | None = None
         self._data: DataClient | None = None
