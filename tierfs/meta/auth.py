@@ -74,10 +74,12 @@ TOKEN_FILE_ENV = "TIERFS_TOKEN_FILE"
 #: what a storage daemon's node key stands for
 NODE = Identity("node", 0, 0, (), False, "node")
 
-#: What the node key may call (everything else is refused to it).
+#: What the node key may call (everything else is refused to it). Stat:
+#: the repair and scrub workers read a chunk's records (CRC, generation,
+#: missing fragments) by inode.
 NODE_RPCS = frozenset({
     "RegisterNode", "Heartbeat", "GetClusterMap", "ListGC", "AckGC", "ListRepairs", "MarkFragments",
-    "FinishRebuild", "ListGroupChunks", "GetStatus", "Digest", "WhoAmI",
+    "FinishRebuild", "ListGroupChunks", "GetStatus", "Digest", "WhoAmI", "Stat",
 })
 #: Storage-node calls that change state: the node key or an admin only (a
 #: user acking GC or finishing a rebuild could lose data).
