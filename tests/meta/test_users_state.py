@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from meta_helpers import SEC, Driver
 
-from tierfs.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnauthenticatedError
+from tierfs.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnauthenticatedError,
+)
 from tierfs.meta import MetaStateMachine
 from tierfs.meta.auth import Authenticator
 from tierfs.meta.users import MAX_TOKENS_PER_USER
