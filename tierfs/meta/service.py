@@ -41,6 +41,15 @@ Failure detection uses that memory; a new leader gives every node a full
 carries (per pool and target) lives only in that memory: ``ListKVPools``
 answers it, and the logged Heartbeat op is stripped of it.
 
+Authentication: :func:`add_meta_service` registers every MetaService
+method behind an auth layer (:class:`_Guarded`, built from the service
+descriptor): the call's ``authorization: Bearer`` token becomes an Identity
+(:mod:`tierfs.meta.auth`), the method is checked against who may call it,
+and ``tierfs.security.current_identity`` holds the caller while the handler
+runs; :meth:`MetaServicer._op` stamps it into ``MetaOp.caller``. Without an
+``auth`` (security off) every caller is ANONYMOUS. User tokens are made
+here (AddUser, IssueToken): only their hash goes into the op.
+
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
