@@ -87,10 +87,13 @@ def session_credentials() -> Path:
     if d and (Path(d) / SECRET_FILE_NAME).exists():
         path = Path(d)
     else:
+        import atexit
+        import shutil
         import tempfile
 
         path = Path(tempfile.mkdtemp(prefix="tierfs-test-creds-"))
         os.environ[_CRED_DIR_ENV] = str(path)
+        atexit.register(shutil.rmtree, path, True)  # the process that made it cleans it up
     secret = load_secret(ensure_secret_file(path / SECRET_FILE_NAME))
     write_private_file(path / "admin.token", admin_token(secret) + "\n")
     write_private_file(path / "node.key", node_key(secret) + "\n")
