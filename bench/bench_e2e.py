@@ -145,6 +145,7 @@ def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
         # What a storage target must do per fragment: new file, O_DIRECT write, fdatasync, rename, dir fsync.
         _, _, disk_durable = _raw(disk_dir, MiB, 32, min(size, 512 * MiB) // MiB)
         cl = LocalCluster(Path(tmp) / "cluster", n_storage=6)
+        cl.export_token()  # security on: this cluster's admin token
         try:
             t0 = time.perf_counter()
             cl.start(timeout=120)

@@ -115,6 +115,7 @@ def run(quick: bool) -> dict[str, Any]:
     res: dict[str, list[float]] = {k: [] for k in ("mw", "mr", "sw", "sr")}
     with tempfile.TemporaryDirectory(prefix="bench-fuse-", dir=base) as tmp:
         cl = LocalCluster(Path(tmp) / "cluster", n_storage=6)
+        cl.export_token()  # security on: this cluster's admin token
         mnt = Path(tmp) / "mnt"
         mnt.mkdir()
         mounted = False

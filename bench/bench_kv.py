@@ -369,6 +369,7 @@ def run_tierfs(plan: Plan, tmp: Path, logdir: Path, transports: tuple[str, ...],
     from tierfs.local import LocalCluster
 
     cl = LocalCluster(tmp / "cluster", n_meta=3, n_storage=2, extra_meta_args=["--heartbeat-timeout=3"])
+    cl.export_token()  # security on: this cluster's admin token
     out: dict[str, dict[str, Any]] = {}
     behaviour: list[dict[str, Any]] = []
     try:

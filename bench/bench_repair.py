@@ -148,6 +148,7 @@ def run(quick: bool) -> dict[str, Any]:
                           extra_storage_args=["--rebuild-rate=0", "--rebuild-interval=0.1", "--scrub-rate=0",
                                               "--heartbeat-interval=0.5",
                                               "--metrics-addr=127.0.0.1:0"])
+        cl.export_token()  # security on: this cluster's admin token
         try:
             cl.start(timeout=120)
             asyncio.run(cl.wait_healthy(120))

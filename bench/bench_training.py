@@ -371,6 +371,7 @@ def run(quick: bool) -> dict[str, Any]:
         local = Path(tmp) / "local"
         local.mkdir()
         cl = LocalCluster(Path(tmp) / "cluster", n_meta=3, n_storage=6)
+        cl.export_token()  # security on: this cluster's admin token
         pool: _Pool | None = None
         try:
             t0 = time.monotonic()

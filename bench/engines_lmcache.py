@@ -364,6 +364,7 @@ def main() -> None:
         meta, port = "", 0
         if any(b.startswith("tierfs-") for b in only):
             cluster = LocalCluster(tmp / "cluster", n_meta=1, n_storage=3)
+            cluster.export_token()  # security on: this cluster's admin token
             cluster.up(timeout=120)
             meta = ",".join(cluster.meta_addrs)
         res["redis_version"] = "not run"

@@ -163,6 +163,7 @@ def run_tierfs(tmp: Path, tokens: int, reps: int) -> list[dict[str, Any]]:
     from tierfs.meta import MetaClient
 
     cl = LocalCluster(tmp / "tierfs", n_meta=1, n_storage=2)
+    cl.export_token()  # security on: this cluster's admin token
     rows: list[dict[str, Any]] = []
     try:
         cl.up(timeout=120)

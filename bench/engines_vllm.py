@@ -283,6 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     load1 = os.getloadavg()[0]
     cluster = LocalCluster(tmp / "cluster", n_storage=3)
+    cluster.export_token()  # security on: this cluster's admin token
     t_up = time.perf_counter()
     cluster.up(timeout=120)
     t_up = time.perf_counter() - t_up

@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-dcp-"))
     cluster = LocalCluster(tmp / "cluster", n_meta=1, n_storage=6)
+    cluster.export_token()  # security on: this cluster's admin token
     procs: list[subprocess.Popen[str]] = []
     try:
         cluster.up(timeout=120)

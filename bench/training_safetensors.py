@@ -167,6 +167,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {"tierfs": [], "cold": [], "warm": [], "cold_returned": []}
     residue = 0
     cluster = LocalCluster(tmp / "cluster", n_meta=1, n_storage=6)
+    cluster.export_token()  # security on: this cluster's admin token
     try:
         safetensors.torch.save_file(tensors, str(local))
         fd = os.open(local, os.O_RDONLY)

@@ -32,14 +32,25 @@ import pytest
 
 from tierfs.errors import NotLeaderError, TierFSError, TimeoutError_, UnavailableError, from_grpc
 from tierfs.local import free_ports
-from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file
+from tierfs.meta.auth import AUTH_KEY
+from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file, load_secret
 from tierfs.proto.v1 import kv_debug_pb2 as kvpb
 from tierfs.proto.v1 import kv_debug_pb2_grpc, meta_pb2_grpc
 from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.security import admin_token, node_key, write_private_file
 
 __all__ = [
-    "MetaCluster", "Replica", "free_ports", "kv_get", "kv_put", "meta_cluster_from_env", "replica_call",
-    "replica_status", "wait_for",
+    "MetaCluster",
+    "Replica",
+    "auth_channel",
+    "free_ports",
+    "kv_get",
+    "kv_put",
+    "meta_cluster_from_env",
+    "replica_call",
+    "replica_status",
+    "session_credentials",
+    "wait_for",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,19 +73,68 @@ def wait_for(cond: Callable[[], T | None], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
-def replica_call(addr: str, call: Callable[[grpc.Channel], T]) -> T:
+_CRED_DIR_ENV = "TIERFS_TEST_CREDENTIALS"
+
+
+def session_credentials() -> Path:
+    """The session's credentials directory (made once, shared with every
+    subprocess through the environment): ``cluster.secret``,
+    ``admin.token`` and ``node.key``. Exports TIERFS_TOKEN (the admin token),
+    TIERFS_STORAGE_NODE_KEY_FILE and TIERFS_CLUSTER_SECRET_FILE (adopted by
+    new LocalClusters). Idempotent; a pytest-xdist worker or a nested run
+    reuses what its parent made."""
+    d = os.environ.get(_CRED_DIR_ENV)
+    if d and (Path(d) / SECRET_FILE_NAME).exists():
+        path = Path(d)
+    else:
+        import atexit
+        import shutil
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="tierfs-test-creds-"))
+        os.environ[_CRED_DIR_ENV] = str(path)
+        atexit.register(shutil.rmtree, path, True)  # the process that made it cleans it up
+    secret = load_secret(ensure_secret_file(path / SECRET_FILE_NAME))
+    write_private_file(path / "admin.token", admin_token(secret) + "\n")
+    write_private_file(path / "node.key", node_key(secret) + "\n")
+    os.environ["TIERFS_TOKEN"] = admin_token(secret)
+    os.environ["TIERFS_STORAGE_NODE_KEY_FILE"] = str(path / "node.key")
+    os.environ["TIERFS_CLUSTER_SECRET_FILE"] = str(path / SECRET_FILE_NAME)
+    return path
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._md = (AUTH_KEY, f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        md = [*(details.metadata or ()), self._md]
+        return continuation(details._replace(metadata=md), request)
+
+
+def auth_channel(addr: str, token: str | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A blocking channel to ``addr`` whose every call carries ``token``
+    (default: $TIERFS_TOKEN, the session's admin token)."""
+    ch = grpc.insecure_channel(addr, options=list(options))
+    tok = os.environ.get("TIERFS_TOKEN", "") if token is None else token
+    return grpc.intercept_channel(ch, _Bearer(tok)) if tok else ch
+
+
+def replica_call(addr: str, call: Callable[[grpc.Channel], T], token: str | None = None) -> T:
     """Run ``call`` with a channel to one replica (no retries, no leader
-    following); a failed RPC raises its TierFSError."""
-    with grpc.insecure_channel(addr) as ch:
+    following; ``token``, default the session's admin token); a failed RPC
+    raises its TierFSError."""
+    with auth_channel(addr, token) as ch:
         try:
             return call(ch)
         except grpc.RpcError as exc:
             raise from_grpc(exc) from None
 
 
-def replica_status(addr: str, timeout: float = 5.0) -> pb.GetStatusReply:
+def replica_status(addr: str, timeout: float = 5.0, token: str | None = None) -> pb.GetStatusReply:
     """``MetaService.GetStatus`` of one replica (``.raft`` holds the Raft internals)."""
-    return replica_call(addr, lambda ch: meta_pb2_grpc.MetaServiceStub(ch).GetStatus(pb.Empty(), timeout=timeout))
+    return replica_call(addr, lambda ch: meta_pb2_grpc.MetaServiceStub(ch).GetStatus(pb.Empty(), timeout=timeout),
+                        token)
 
 
 def kv_put(addr: str, key: str, value: str, timeout: float = 5.0) -> kvpb.KVPutReply:
@@ -101,6 +161,9 @@ class Replica:
     extra_args: list[str] = field(default_factory=list)
     #: extra environment of this replica's process (e.g. TIERFS_TEST_CLOCK_OFFSET)
     env: dict[str, str] = field(default_factory=dict)
+    #: the token calls to this replica carry (None: the session's admin
+    #: token); a replica started with another secret needs its own
+    token: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     _log_file: Any = None
@@ -144,8 +207,11 @@ class MetaCluster:
         self.data_root = data_root or self.root
         self.root.mkdir(parents=True, exist_ok=True)
         #: the cluster secret every replica is started with (a replica's own
-        #: ``--cluster-secret-file`` in its extra_args wins: argparse keeps the last)
-        self.secret_file = ensure_secret_file(self.root / SECRET_FILE_NAME)
+        #: ``--cluster-secret-file`` in its extra_args wins: argparse keeps the
+        #: last): the session's, so that TIERFS_TOKEN is its admin token
+        self.secret_file = write_private_file(
+            self.root / SECRET_FILE_NAME, load_secret(session_credentials() / SECRET_FILE_NAME).decode() + "\n",
+            overwrite=True)
         ports = free_ports(2 * n)
         rafts = [f"127.0.0.1:{p}" for p in ports[:n]]
         grpcs = [f"127.0.0.1:{p}" for p in ports[n:]]
@@ -189,7 +255,7 @@ class MetaCluster:
             "--data-dir", str(r.data_dir), "--node-id", f"meta{r.index}",
             "--state-machine", self.state_machine, "--log-format", "text",
             *(["--cluster-secret-file", str(self.secret_file)] if self.cluster_secret
-              else ["--insecure-no-cluster-secret"]),
+              else ["--insecure-no-cluster-secret", "--insecure-no-auth"]),
         ]
         for p in r.peers:
             cmd += ["--peer", p]
@@ -215,7 +281,7 @@ class MetaCluster:
     def _answers(self, r: Replica) -> bool:
         if r.proc is not None and r.proc.poll() is not None:
             raise AssertionError(f"replica {r.index} exited with {r.proc.returncode}; log:\n{self.log(r.index)}")
-        replica_status(r.grpc_addr, timeout=1.0)
+        replica_status(r.grpc_addr, timeout=1.0, token=r.token)
         return True
 
     def _reap(self, r: Replica, timeout: float) -> None:
@@ -283,12 +349,15 @@ class MetaCluster:
 
     # --- queries -------------------------------------------------------------------
 
+    def _token(self, i: int) -> str | None:
+        return self.replicas[i].token if i < len(self.replicas) else None
+
     def status(self, i: int) -> pb.GetStatusReply:
-        return replica_status(self.addresses[i], timeout=2.0)
+        return replica_status(self.addresses[i], timeout=2.0, token=self._token(i))
 
     def meta_stub_call(self, i: int, call: Callable[[meta_pb2_grpc.MetaServiceStub], T]) -> T:
         """Run ``call`` with a ``MetaService`` stub for replica ``i``."""
-        return replica_call(self.addresses[i], lambda ch: call(meta_pb2_grpc.MetaServiceStub(ch)))
+        return replica_call(self.addresses[i], lambda ch: call(meta_pb2_grpc.MetaServiceStub(ch)), self._token(i))
 
     def add_member(self, i: int, new: int, timeout: float = 20.0) -> None:
         """Ask replica ``i`` (the leader) to add replica ``new`` (started by :meth:`add_replica`)."""

@@ -19,7 +19,14 @@ if str(REPO) not in sys.path:
 # engines; make test runs it there); the core venv has none of them.
 collect_ignore = [] if importlib.util.find_spec("torch") is not None else ["engines"]
 
-from tests.cluster import MetaCluster, meta_cluster_from_env  # noqa: E402
+from tests.cluster import MetaCluster, meta_cluster_from_env, session_credentials  # noqa: E402
+
+# Security is on by default: one cluster secret for the whole session, its
+# admin token exported as TIERFS_TOKEN (this process and every daemon, CLI
+# and benchmark it starts), its node key as every storage daemon's
+# node_key_file, and the secret adopted by every new LocalCluster
+# (docs/security.md, docs/testing.md).
+session_credentials()
 from tests.faults import LazyFS  # noqa: E402
 from tests.faults.lazyfs import _mounted  # noqa: E402
 from tests.skip_policy import (  # noqa: E402, F401 - hooks: a skip not allowed here fails

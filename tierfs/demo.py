@@ -231,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
              f"in {time.perf_counter() - t0:.1f} s")
         import uvloop
 
-        figures = uvloop.run(demo(cl, ns.size, step))
+        from tierfs.meta.auth import default_token
+
+        with default_token(cl.admin_token()):  # the cluster's own credential, whatever --data is
+            figures = uvloop.run(demo(cl, ns.size, step))
         _say("\nThroughput on this machine (client and all 9 daemons share its CPUs):")
         for k, v in figures.items():
             _say(f"    {k:<20} {v:>8,.2f}" if k.endswith(" s") else f"    {k:<20} {v:>8,.0f}")

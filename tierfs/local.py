@@ -5,6 +5,8 @@
 
     DIR/cluster.toml        addresses, ports and pids (rewritten on each start)
     DIR/cluster.secret      the Raft cluster secret (mode 0600, made on the first start)
+    DIR/admin.token         the admin token, derived from the secret (0600; the CLI's default credential)
+    DIR/node.key            the node key the storage daemons present to meta (0600)
     DIR/meta-<i>/           a meta replica's journal and snapshots
     DIR/storage-<i>/        a storage node's identity; targets in t<j>/
     DIR/logs/<name>.log     stderr (structured logs); <name>.out: stdout
@@ -33,11 +35,20 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
-from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file
+from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file, load_secret
+from tierfs.security import (
+    ADMIN_TOKEN_FILE,
+    NODE_KEY_FILE,
+    admin_token,
+    node_key,
+    write_private_file,
+)
 
 __all__ = ["LocalCluster", "ProcInfo", "free_ports", "pid_alive"]
 
 STATE_FILE = "cluster.toml"
+#: A cluster secret file a new local cluster adopts instead of making one.
+SECRET_ENV = "TIERFS_CLUSTER_SECRET_FILE"
 
 
 @dataclass
@@ -187,6 +198,40 @@ class LocalCluster:
         return self.dir / SECRET_FILE_NAME
 
     @property
+    def admin_token_file(self) -> Path:
+        """The admin token (derived from the secret; written by :meth:`start`)."""
+        return self.dir / ADMIN_TOKEN_FILE
+
+    @property
+    def node_key_file(self) -> Path:
+        """The node key every storage daemon is started with."""
+        return self.dir / NODE_KEY_FILE
+
+    def admin_token(self) -> str:
+        """The cluster's admin token (from its secret, which :meth:`start` makes)."""
+        return admin_token(load_secret(self.secret_file))
+
+    def export_token(self) -> str:
+        """Make the credentials now and put the admin token in this process's
+        TIERFS_TOKEN (benchmarks: their clients and worker processes then use
+        this cluster's token). Returns it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_credentials()
+        os.environ["TIERFS_TOKEN"] = tok = self.admin_token()
+        return tok
+
+    def _write_credentials(self) -> None:
+        given = os.environ.get(SECRET_ENV, "")
+        if given and not self.secret_file.exists():
+            # A new cluster adopts the secret named there (tests share one;
+            # an operator may bring their own) instead of making one.
+            write_private_file(self.secret_file, load_secret(given).decode() + "\n")
+        secret = load_secret(ensure_secret_file(self.secret_file))
+        # Rewritten each start: they follow the secret if an operator replaced it.
+        write_private_file(self.admin_token_file, admin_token(secret) + "\n", overwrite=True)
+        write_private_file(self.node_key_file, node_key(secret) + "\n", overwrite=True)
+
+    @property
     def meta_addrs(self) -> list[str]:
         return [p.addr for p in self.procs if p.kind == "meta"]
 
@@ -273,6 +318,8 @@ class LocalCluster:
             # Here rather than in the plan: a cluster.toml written before the
             # secret existed gets it too.
             extra = [f"--cluster-secret-file={self.secret_file}", *extra]
+        if p.kind == "storage" and not any(a.startswith("--node-key-file") for a in [*p.argv, *extra]):
+            extra = [f"--node-key-file={self.node_key_file}", *extra]
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -313,7 +360,7 @@ class LocalCluster:
         """Start every daemon that is not running (meta first: storage nodes
         register with meta before they report ready). Returns the names started."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        ensure_secret_file(self.secret_file)
+        self._write_credentials()
         deadline = time.monotonic() + timeout
         started: list[str] = []
         for kind in ("meta", "storage"):
@@ -395,7 +442,8 @@ class LocalCluster:
 
         alive = self.running()
         out: dict[str, Any] = {"meta": [], "storage": [], "groups": 0, "map_version": 0}
-        async with MetaClient(self.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3)) as mc:
+        async with MetaClient(self.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3),
+                              token=self.admin_token()) as mc:
             for p in self.procs:
                 if p.kind != "meta":
                     continue

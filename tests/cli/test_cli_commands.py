@@ -47,7 +47,7 @@ class Run:
         out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
         err = io.StringIO()
         argv = [*args, "--meta", self.meta] if cluster else list(args)
-        rc = run(argv, stdout=out, stderr=err, env={}, tty=tty)
+        rc = run(argv, stdout=out, stderr=err, env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=tty)
         out.buffer.seek(0)
         text = out.buffer.read().decode(errors="replace")
         out.close()

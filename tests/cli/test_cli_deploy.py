@@ -26,8 +26,10 @@ import pytest
 from tierfs.cli import cluster_status
 from tierfs.client.config import ClientConfig
 from tierfs.config import load
+from tierfs.meta.auth import default_token, write_credentials
 from tierfs.meta.config import MetaConfig
 from tierfs.meta.secret import ensure_secret_file
+from tierfs.security import load_token_file
 from tierfs.storage.config import StorageConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -100,14 +102,16 @@ def test_daemons_configured_only_by_environment_with_host_names(tmp_path: Path) 
     from tests.cluster import free_ports, wait_for
 
     raft, grpc_port, data = free_ports(3)
+    secret = ensure_secret_file(tmp_path / "cluster.secret")
+    admin, node = write_credentials(secret, tmp_path / "creds")  # security on, as deployed
     meta_env = {"TIERFS_META_NODE_ID": "meta-0", "TIERFS_META_RAFT_ADDR": f"localhost:{raft}",
                 "TIERFS_META_GRPC_ADDR": f"localhost:{grpc_port}", "TIERFS_META_DATA_DIR": str(tmp_path / "meta"),
                 "TIERFS_META_LOG_FORMAT": "json",
-                "TIERFS_META_CLUSTER_SECRET_FILE": str(ensure_secret_file(tmp_path / "cluster.secret"))}
+                "TIERFS_META_CLUSTER_SECRET_FILE": str(secret)}
     st_env = {"TIERFS_STORAGE_DATA_DIR": str(tmp_path / "storage"),
               "TIERFS_STORAGE_META_ADDRS": f"localhost:{grpc_port}", "TIERFS_STORAGE_HOST": "0.0.0.0",
               "TIERFS_STORAGE_PORT": str(data), "TIERFS_STORAGE_ADVERTISE_HOST": "localhost",
-              "TIERFS_STORAGE_TRANSPORTS": "tcp"}
+              "TIERFS_STORAGE_TRANSPORTS": "tcp", "TIERFS_STORAGE_NODE_KEY_FILE": str(node)}
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIERFS_")}
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -118,7 +122,8 @@ def test_daemons_configured_only_by_environment_with_host_names(tmp_path: Path) 
                                           stdout=subprocess.DEVNULL, stderr=logs[-1]))
 
         def healthy() -> dict[str, object] | None:
-            st = asyncio.run(cluster_status([f"localhost:{grpc_port}"], timeout=2))
+            with default_token(load_token_file(admin)):
+                st = asyncio.run(cluster_status([f"localhost:{grpc_port}"], timeout=2))
             return st if st["healthy"] and st["storage"] else None
 
         st = wait_for(healthy, 40, "env-configured cluster healthy", interval=0.3)

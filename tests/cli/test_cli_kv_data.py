@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "moon
 
 def cli(meta: str, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={}, tty=False)
+    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=False)
     return rc, out.getvalue(), err.getvalue()
 
 

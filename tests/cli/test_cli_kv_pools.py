@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ MiB = 1 << 20
 
 def cli(meta: str, *args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={}, tty=False)
+    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=False)
     return rc, out.getvalue(), err.getvalue()
 
 

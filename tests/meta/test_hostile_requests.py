@@ -12,6 +12,7 @@ one never caught up again."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from meta_helpers import unknown_field as _unknown_field
 from tests.cluster import MetaCluster
 from tierfs.errors import InvalidArgumentError, NameTooLongError, TierFSError, from_grpc
 from tierfs.meta import MetaClient, ops
+from tierfs.meta.auth import bearer
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
@@ -115,9 +117,9 @@ def test_hostile_large_requests_get_errors_and_cause_no_election(tmp_path: Path)
                         if isinstance(req, bytes):
                             call = ch.unary_unary(f"/tierfs.v1.MetaService/{rpc}", request_serializer=lambda b: b,
                                                   response_deserializer=pb.FileInfo.FromString)
-                            await call(req, timeout=20)
+                            await call(req, timeout=20, metadata=bearer(os.environ["TIERFS_TOKEN"]))
                         else:
-                            await getattr(stub, rpc)(req, timeout=20)
+                            await getattr(stub, rpc)(req, timeout=20, metadata=bearer(os.environ["TIERFS_TOKEN"]))
                     except grpc.RpcError as exc:
                         return from_grpc(exc)
                     return None

@@ -28,6 +28,7 @@ from tests.cluster import REPO, MetaCluster, meta_cluster_from_env, wait_for
 from tierfs.errors import ConfigError
 from tierfs.meta.config import MetaConfig
 from tierfs.meta.secret import ensure_secret_file, load_secret
+from tierfs.security import admin_token
 
 
 class _Exploit:
@@ -155,6 +156,7 @@ def test_replica_with_another_secret_cannot_join(tmp_path: Path) -> None:
     c = MetaCluster(tmp_path, n=3, start=False)
     with c:
         c.replicas[2].extra_args = ["--cluster-secret-file", str(other)]
+        c.replicas[2].token = admin_token(load_secret(other))  # its admin token is another one too
         for i in range(3):
             c.start(i)
         leader = c.wait_leader()
@@ -176,6 +178,7 @@ def test_replica_with_another_secret_cannot_join(tmp_path: Path) -> None:
         # control: the same replica with the cluster's secret catches up
         c.stop(2)
         c.replicas[2].extra_args = []
+        c.replicas[2].token = None
         c.start(2)
         c.wait_converged(30)
         assert c.get_many(["k0", "k19"], i=2, stale=True) == {"k0": "v", "k19": "v"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.cluster import MetaCluster, meta_cluster_from_env, replica_status, wait_for
+from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
 from tierfs.errors import NotLeaderError, from_grpc
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -45,7 +45,7 @@ def test_sigkill_leader_mid_stream_loses_nothing_and_fails_over_fast(tmp_path: P
         wait_for(lambda: replica_status(c.addresses[follower]).leader == c.addresses[leader], 15,
                  "the follower to learn the leader")
         # A follower refuses mutations and names the leader's gRPC address.
-        with grpc.insecure_channel(c.addresses[follower]) as ch:
+        with auth_channel(c.addresses[follower]) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
             with pytest.raises(grpc.RpcError) as ei:
                 stub.Mkdir(pb.MkdirRequest(loc=pb.Loc(path="/x"), mode=0o755), timeout=5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.cluster import MetaCluster, kv_get, kv_put, meta_cluster_from_env, wait_for
+from tests.cluster import MetaCluster, auth_channel, kv_get, kv_put, meta_cluster_from_env, wait_for
 from tierfs.errors import NotLeaderError, TierFSError, from_grpc
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -34,7 +34,7 @@ def test_follower_refuses_linearizable_read(meta_cluster: MetaCluster) -> None:
     follower = next(i for i in c.live() if i != leader)
     # The mkdir needed only one follower: this one may not have heard from the leader yet.
     wait_for(lambda: c.status(follower).leader == c.addresses[leader], 20, "the follower to know the leader")
-    with grpc.insecure_channel(c.addresses[follower]) as ch:
+    with auth_channel(c.addresses[follower]) as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
         with pytest.raises(grpc.RpcError) as ei:
             stub.Stat(pb.StatRequest(loc=pb.Loc(path="/read-me")), timeout=5)

@@ -39,6 +39,9 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
         "reused": cl.reused,
         "counts": cl.counts,
         "cluster_secret": str(cl.secret_file),  # made on the first up (docs/raft.md)
+        # Derived from the secret, mode 0600 (docs/security.md)
+        "admin_token": str(cl.admin_token_file),
+        "node_key": str(cl.node_key_file),
         "export": f"export TIERFS_META={meta}",
     }
 
@@ -62,7 +65,7 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
                 "leader": "", "members": [], "term": None}
     return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
             "members": list(st.members), "term": st.term, "commit_index": st.commit_index,
-            "applied_index": st.applied_index}
+            "applied_index": st.applied_index, "auth": st.auth}
 
 
 async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
@@ -167,8 +170,11 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         and all(g["state"] == "healthy" for g in groups_out)
         and repairs == 0
     )
+    auth = {r.get("auth") for r in replicas if r["state"] == "up"}
     return {
         "healthy": healthy,
+        # "on", "off" (--insecure-no-auth), or "mixed" while replicas disagree
+        "security": "mixed" if len(auth) > 1 else ("on" if auth == {True} else "off"),
         "leader": next(iter(leaders)) if len(leaders) == 1 else None,
         "map_version": cmap.version,
         "meta": meta_out,

@@ -55,7 +55,10 @@ def _common(p: argparse.ArgumentParser, *, top: bool, meta: bool = True) -> None
         g.add_argument("--meta", default=d(None), metavar="HOST:PORT,...",
                        help="meta replica addresses (default: $TIERFS_META, else DATA/cluster.toml)")
     g.add_argument("--data", default=d(None), metavar="DIR",
-                   help=f"local cluster directory (up/down; status pids; default {DEFAULT_DATA})")
+                   help=f"local cluster directory (up/down; status pids; its admin.token is the default "
+                        f"credential; default {DEFAULT_DATA})")
+    g.add_argument("--token-file", default=d(None), metavar="FILE",
+                   help="credential for meta (default: $TIERFS_TOKEN, $TIERFS_TOKEN_FILE, else DATA/admin.token)")
     g.add_argument("--json", action="store_true", default=d(False), help="print JSON for scripts")
     g.add_argument("--timeout", type=float, default=d(20.0), metavar="SECONDS",
                    help="give up on an unreachable cluster after this long (default 20)")
@@ -117,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import mount
 
     mount.add_commands(cmd)
+    from tierfs.cli import users
+
+    users.add_commands(cmd)
     return ap
 
 
@@ -127,6 +133,11 @@ def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
     out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
            f"{human_size(st['used'])} used of {human_size(st['capacity'])})", ""]
+    if st.get("security", "on") != "on":
+        out[-1:] = [f"security: {st['security'].upper()} (meta runs with --insecure-no-auth on "
+                    f"{'some replicas' if st['security'] == 'mixed' else 'every replica'}: any caller is admin)", ""]
+    else:
+        out[-1:] = ["security: on (every meta call authenticated)", ""]
     if st.get("repairs_pending"):
         out[-1:] = [f"fragments awaiting repair: {st['repairs_pending']} (missing since a degraded write or "
                     "found bad by scrub; the nodes holding their positions rebuild them)", ""]
@@ -273,6 +284,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
             else:
                 err.write(f"started {len(r['started'])} daemons ({shape}) in {time.perf_counter() - t0:.1f} s; "
                           f"healthy. Stop with: tierfs down --data {data_dir}\n")
+            err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
+                      f"{r['cluster_secret']} (mode 0600; commands run here use the admin token)\n")
         emit(r, r["export"])
         return EXIT_OK
     if c == "down":
@@ -348,6 +361,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         code = mount.execute(ns, env, lambda: resolve_meta(ns.meta, ns.data, env), emit)
         if code is not None:
             return code
+    if c in ("user", "whoami"):
+        from tierfs.cli import users
+
+        code = users.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
     if c in ("target", "node", "scrub"):
         from tierfs.cli import repair
 
@@ -378,7 +397,13 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
         if ns.cmd is None:
             err.write(build_parser().format_help())
             return EXIT_USAGE
-        return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
+        # One credential for every client this command makes (up/down make
+        # their own from the cluster's files).
+        from tierfs.meta.auth import default_token, resolve_token
+
+        token = resolve_token(None, getattr(ns, "token_file", None), ns.data or DEFAULT_DATA, env)
+        with default_token(token):
+            return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
     except _UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE

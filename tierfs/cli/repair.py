@@ -75,11 +75,15 @@ async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.
 async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
     import grpc
 
+    from tierfs.meta.auth import bearer, resolve_token
     from tierfs.proto.v1 import storage_control_pb2_grpc as sg
 
+    # The node checks an admin operation's token with meta (StorageControl.Scrub).
+    md = bearer(resolve_token())
     async with grpc.aio.insecure_channel(addr) as ch:
         try:
-            return await getattr(sg.StorageControlStub(ch), method)(req, timeout=timeout)  # type: ignore[no-untyped-call]
+            return await getattr(sg.StorageControlStub(ch), method)(req, timeout=timeout,  # type: ignore[no-untyped-call]
+                                                                    metadata=md)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
 

@@ -46,6 +46,7 @@ from tierfs.errors import (
     TimeoutError_,
     UnavailableError,
 )
+from tierfs.meta.auth import resolve_token
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -198,6 +199,7 @@ class AsyncClient:
         meta_list: list[str] | None = None
         if meta is not None:
             meta_list = [a.strip() for a in meta.split(",") if a.strip()] if isinstance(meta, str) else list(meta)
+        explicit_config = config is not None
         if config is None:
             config = load(ClientConfig, overrides={**options, **({"meta": meta_list} if meta_list else {})})
         elif meta_list is not None or options:
@@ -205,6 +207,20 @@ class AsyncClient:
         if not config.meta:
             raise ConfigError("no meta address: pass meta=[...] or set TIERFS_META=host:port,...", field="meta")
         self.config = config
+        # Chosen once, here: the MetaClient is made later, maybe on another
+        # thread ("" = no credential, never a second lookup). A token given
+        # here as "" stays "" (the config loader would read "" as unset).
+        # A config built here from the environment holds TIERFS_TOKEN as its
+        # token: that must not outrank token_file= or the CLI's --token-file,
+        # so only what the caller handed over counts as given.
+        if "token" in options or "token_file" in options:
+            given = options.get("token")
+            self._token = resolve_token(given if isinstance(given, str) else None, options.get("token_file"),
+                                        config.data_dir) or ""
+        elif explicit_config:
+            self._token = resolve_token(config.token, config.token_file, config.data_dir) or ""
+        else:
+            self._token = resolve_token(None, None, config.data_dir) or ""
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._meta: MetaClient | None = None
         self._data: DataClient | None = None
@@ -229,7 +245,7 @@ class AsyncClient:
         if self._meta is None or self._data is None or self._router is None:
             c = self.config
             self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
             self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
                                     request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
@@ -271,7 +287,7 @@ class AsyncClient:
             return
         c = self.config
         self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
         if self._data is not None:
             self._meta.capability_sink = self._data.caps.add
         # A new client id too: its request ids start again at 1 and must not

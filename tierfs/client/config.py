@@ -18,6 +18,12 @@ class ClientConfig(BaseConfig):
     SECTION: ClassVar[str] = ""
 
     meta: list[str] = field([], "gRPC addresses (host:port) of the meta replicas; any subset will do.")
+    token: str | None = field(
+        None, "Credential every meta call carries (a user or admin token). Given, even empty or wrong, it is "
+        "used as is; unset: token_file, else $TIERFS_TOKEN, else $TIERFS_TOKEN_FILE, else "
+        "data_dir/admin.token of a local cluster (docs/security.md).")
+    token_file: str | None = field(None, "File holding the token (one line, mode 0600).")
+    data_dir: str = field("./.tierfs", "Local cluster directory whose admin.token is the last-resort credential.")
     transport: str = field("tcp", "Data-plane transport: tcp, shm (same host), rdma, or auto (shm on loopback).")
     connections_per_peer: int = field(2, "Data-plane connections per storage node.")
     request_timeout: float = field(10.0, "Deadline of one data-plane request (one attempt).", kind="duration")

@@ -27,13 +27,18 @@ class Target:
     #: 'remote_storage_plugin.tierfs.meta'", or "TIERFS_META").
     meta_setting: str
     pool_setting: str
+    #: ``config[token_key]`` when given (None: the client's own lookup,
+    #: TIERFS_TOKEN and the rest; docs/security.md)
+    token: str | None = None
 
 
 def resolve(config: Mapping[str, Any] | None, *, meta_key: str, pool_key: str,
-            where: str = "") -> Target:
+            where: str = "", token_key: str | None = None) -> Target:
     """The meta addresses and pool from an engine's config: ``config[meta_key]``
     (a list or a comma-separated string), else ``TIERFS_META``; the pool
-    from ``config[pool_key]``, else ``TIERFS_KV_POOL``, else ``default``.
+    from ``config[pool_key]``, else ``TIERFS_KV_POOL``, else ``default``;
+    the token from ``config[token_key]`` (default: ``meta_key`` with its
+    trailing "meta" replaced by "token"), else the client's own lookup.
     ``where`` names the config in messages (e.g. "LMCache extra_config")."""
     cfg = dict(config or {})
     prefix = f"{where} " if where else ""
@@ -60,7 +65,12 @@ def resolve(config: Mapping[str, Any] | None, *, meta_key: str, pool_key: str,
         pool, pool_setting = os.environ.get("TIERFS_KV_POOL", "") or "default", "TIERFS_KV_POOL"
     if not isinstance(pool, str):
         raise ConfigError(f"must be a pool name, not {pool!r}", field=pool_setting)
-    return Target(meta, pool, meta_setting, pool_setting)
+    if token_key is None:
+        token_key = meta_key[: -len("meta")] + "token" if meta_key.endswith("meta") else "token"
+    token = cfg.get(token_key)
+    if token is not None and not isinstance(token, str):
+        raise ConfigError("must be a token string", field=f"{prefix}{token_key!r}")
+    return Target(meta, pool, meta_setting, pool_setting, token)
 
 
 def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any) -> Client:
@@ -68,6 +78,8 @@ def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any)
     answers within ``timeout`` and the pool exists. Failures raise
     :class:`ConfigError` naming the setting; nothing is left open."""
     options.setdefault("meta_deadline", timeout)
+    if target.token is not None:
+        options.setdefault("token", target.token)
     client = Client(list(target.meta), kv_pool=target.pool, **options)
     try:
         pools = client._run(_pools(client, timeout))

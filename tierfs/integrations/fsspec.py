@@ -154,6 +154,7 @@ class TierFSFileSystem(AsyncFileSystem):  # type: ignore[misc]
                                   f"{', '.join(sorted(overrides)) or 'timeout'}) without it", field="client")
             cfg = client.config
         else:
+            # token= (a ClientConfig field) is among the overrides.
             target = resolve({"meta": meta}, meta_key="meta", pool_key="kv_pool", where="tierfs:// storage option")
             base = config if config is not None else load(ClientConfig)
             cfg = base.replace(meta=list(target.meta), **overrides)

@@ -36,6 +36,7 @@ from tierfs.errors import (
     UnavailableError,
     from_grpc,
 )
+from tierfs.meta.auth import bearer, resolve_token
 from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -92,7 +93,13 @@ class MetaClient:
         client_id: str | None = None,
         backoff_initial: float = 0.05,
         backoff_max: float = 1.0,
+        token: str | None = None,
+        token_file: str | None = None,
+        data_dir: str | None = "./.tierfs",
     ) -> None:
+        """``token``/``token_file``/``data_dir``: the credential every call
+        carries, chosen by :func:`tierfs.meta.auth.resolve_token` (a token
+        given, even "" or a wrong one, is used as is)."""
         if not addrs:
             raise InvalidArgumentError("MetaClient needs at least one meta address")
         self.addrs: list[str] = list(dict.fromkeys(addrs))
@@ -108,6 +115,7 @@ class MetaClient:
         #: Called with every data-plane capability a reply carries (FileInfo,
         #: OpenWriteReply, RenewLeaseReply): the data client keeps them.
         self.capability_sink: Callable[[bytes], None] | None = None
+        self.token = resolve_token(token, token_file, data_dir)
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -142,12 +150,13 @@ class MetaClient:
     # ---- the retry loop -------------------------------------------------------
 
     async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
-                    addr: str | None = None, attempt_timeout: float | None = None) -> _R:
+                    addr: str | None = None, attempt_timeout: float | None = None,
+                    token: str | None = None) -> _R:
         loop = asyncio.get_running_loop()
         end = loop.time() + self.deadline
-        md: tuple[tuple[str, str], ...] = ()
+        md = bearer(self.token if token is None else token)
         if mutating:
-            md = ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(next(self._req))))
+            md += ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(next(self._req))))
         target = addr or self._leader
         tried: list[str] = []
         last = ""
@@ -431,3 +440,34 @@ class MetaClient:
     async def remove_member(self, raft_addr: str, grpc_addr: str) -> None:
         await self._call("RemoveMetaMember", pb.MetaMemberRequest(raft_addr=raft_addr, grpc_addr=grpc_addr),
                          pb.Empty, mutating=True, attempt_timeout=self.deadline)
+
+    # ---- users and tokens (admin only) -----------------------------------------
+
+    async def add_user(self, name: str, uid: int, gid: int, groups: Iterable[int] = (), *, admin: bool = False,
+                       expires: float = 0.0) -> pb.UserTokenReply:
+        """Add a user with a first token (``expires``: seconds it lasts, 0 =
+        never); the reply holds the token in clear, this once."""
+        req = pb.AddUserRequest(name=name, uid=uid, gid=gid, groups=list(groups), admin=admin,
+                                expires_ms=int(expires * 1000))
+        return await self._call("AddUser", req, pb.UserTokenReply, mutating=True)
+
+    async def list_users(self) -> list[pb.User]:
+        return list((await self._call("ListUsers", pb.Empty(), pb.ListUsersReply)).users)
+
+    async def remove_user(self, name: str) -> None:
+        """Forget a user: every token of it stops working at once."""
+        await self._call("RemoveUser", pb.RemoveUserRequest(name=name), pb.Empty, mutating=True)
+
+    async def issue_token(self, name: str, *, expires: float = 0.0) -> pb.UserTokenReply:
+        """Another token for ``name`` (shown in the reply, this once)."""
+        return await self._call("IssueToken", pb.IssueTokenRequest(name=name, expires_ms=int(expires * 1000)),
+                                pb.UserTokenReply, mutating=True)
+
+    async def revoke_token(self, name: str, token_id: int = 0, *, all: bool = False) -> int:
+        """Revoke one token of ``name`` (or ``all``); returns how many."""
+        req = pb.RevokeTokenRequest(name=name, token_id=token_id, all=all)
+        return (await self._call("RevokeToken", req, pb.RevokeTokenReply, mutating=True)).revoked
+
+    async def whoami(self, token: str | None = None) -> pb.Caller:
+        """Who meta takes this client (or ``token``) for."""
+        return await self._call("WhoAmI", pb.Empty(), pb.Caller, token=token)

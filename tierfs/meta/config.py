@@ -65,6 +65,12 @@ class MetaConfig(BaseConfig):
         "Run without a cluster secret: the Raft port then unpickles whatever it receives, so anyone "
         "who can reach it runs code as this user. Only for throwaway tests on a trusted host.",
     )
+    auth: bool = field(
+        True,
+        "Authenticate every meta RPC (admin token, node key or user token; docs/security.md). Needs the "
+        "cluster secret. false (--insecure-no-auth): every caller is anonymous root with admin rights, as "
+        "`tierfs status` shows. Only for throwaway tests on a trusted host.",
+    )
     state_machine: str = field("meta", "'meta' (the namespace) or 'kv' (a toy key-value store for tests and benchmarks).")
 
     heartbeat_interval: float = field(0.05, "Leader's AppendEntries period.", kind="duration")
@@ -202,6 +208,14 @@ class MetaConfig(BaseConfig):
                               "--insecure-no-cluster-secret runs without (see docs/raft.md)",
                               field="cluster_secret_file")
         return load_secret(self.cluster_secret_file)
+
+    def check_auth(self, secret: bytes | None) -> None:
+        """ConfigError when authentication is on without a cluster secret
+        (the admin token and node key are derived from it)."""
+        if self.auth and secret is None:
+            raise ConfigError("auth = true needs the cluster secret (the admin token and the node key are derived "
+                              "from it): give --cluster-secret-file, or turn authentication off too with "
+                              "--insecure-no-auth (auth = false)", field="auth")
 
     def kv_default_pool_request(self) -> pb.CreateKVPoolRequest:
         """The default KV pool this replica stamps on registrations while it leads."""

@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from tierfs.config import load
 from tierfs.errors import ErrorCode, TierFSError, error_from_code, grpc_errors
+from tierfs.meta.auth import Authenticator
 from tierfs.meta.config import MetaConfig, split_addr
 from tierfs.meta.interfaces import Replicator, StateMachine
 from tierfs.meta.raft import RaftReplicator, RaftTimings
@@ -179,6 +180,9 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
     secret = cfg.cluster_secret()
+    cfg.check_auth(secret)
+    if not cfg.auth:
+        log.warning("authentication is OFF (--insecure-no-auth): every caller is anonymous root with admin rights")
     sm = _make_state_machine(cfg)
     rep = RaftReplicator(
         sm,
@@ -208,6 +212,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,
         kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
+        auth=Authenticator(secret) if cfg.auth and secret is not None else None,
     )
     # The namespace's periodic tick only makes sense for the namespace.
     ticking = cfg.state_machine == "meta"
@@ -263,8 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["json", "text"], help=docs["log_format"])
     p.add_argument("--insecure-no-cluster-secret", dest="insecure_no_cluster_secret", action="store_const",
                    const="true", help=docs["insecure_no_cluster_secret"])
+    p.add_argument("--insecure-no-auth", dest="auth", action="store_const", const="false", help=docs["auth"])
+    p.add_argument("--auth", dest="auth", action="store_const", const="true", help=argparse.SUPPRESS)
     for name, doc in docs.items():
-        if name in ("peers", "fsync", "state_machine", "log_format", "insecure_no_cluster_secret"):
+        if name in ("peers", "fsync", "state_machine", "log_format", "insecure_no_cluster_secret", "auth"):
             continue
         p.add_argument("--" + name.replace("_", "-"), dest=name, help=doc.replace("%", "%%"))
     return p
@@ -275,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     try:
         cfg: MetaConfig = load(MetaConfig, args.config, overrides=overrides)
-        cfg.cluster_secret()  # refuse to start without one, before anything binds
+        cfg.check_auth(cfg.cluster_secret())  # refuse to start without one, before anything binds
     except TierFSError as err:
         print(f"tierfs-meta: {err}", file=sys.stderr)
         return 2

@@ -135,6 +135,7 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("ListGCRequest", "target_ids"): MAX_GC_TARGETS,
     ("Layout", "groups"): MAX_STRIPE_WIDTH,  # refused when set anyway: meta picks groups
     ("HeartbeatRequest", "kv_usage"): MAX_KV_USAGE,
+    ("AddUserRequest", "groups"): 64,  # tierfs.meta.users.MAX_GROUPS
 }
 #: Most UTF-8 bytes a string field may hold, by (message, field); others get
 #: MAX_STRING_BYTES. Names and paths over their cap are NameTooLongError.
@@ -158,6 +159,11 @@ STRING_CAPS: dict[tuple[str, str], int] = {
     ("CreateKVPoolRequest", "redundancy"): 64,
     ("CreateKVPoolRequest", "policy"): 64,
     ("RemoveKVPoolRequest", "name"): 64,
+    # user names: tierfs.security.USER_NAME_RE (at most 64)
+    ("AddUserRequest", "name"): 64,
+    ("RemoveUserRequest", "name"): 64,
+    ("IssueTokenRequest", "name"): 64,
+    ("RevokeTokenRequest", "name"): 64,
 }
 #: Largest page a read may ask for, by (message, field); 0 means the default.
 LIMIT_CAPS: dict[tuple[str, str], int] = {

@@ -48,6 +48,15 @@ RenewLease replies, KV ones by ``GetKVCapability``) and hands storage
 daemons the keys of the epochs around now in RegisterNode and Heartbeat
 replies. Minting happens here, never in the state machine's apply.
 
+Authentication: :func:`add_meta_service` registers every MetaService
+method behind an auth layer (:class:`_Guarded`, built from the service
+descriptor): the call's ``authorization: Bearer`` token becomes an Identity
+(:mod:`tierfs.meta.auth`), the method is checked against who may call it,
+and ``tierfs.security.current_identity`` holds the caller while the handler
+runs; :meth:`MetaServicer._op` stamps it into ``MetaOp.caller``. Without an
+``auth`` (security off) every caller is ANONYMOUS. User tokens are made
+here (AddUser, IssueToken): only their hash goes into the op.
+
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
@@ -69,13 +78,17 @@ from google.protobuf.message import Message
 
 from tierfs import capability as capmod
 from tierfs.errors import (
+    InternalError,
     NotFoundError,
     NotLeaderError,
     TierFSError,
+    UnauthenticatedError,
     UnsupportedError,
+    abort,
     error_from_code,
     grpc_errors,
 )
+from tierfs.meta.auth import Authenticator, check_allowed, token_from_metadata
 from tierfs.meta.interfaces import Replicator
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import (
@@ -89,7 +102,14 @@ from tierfs.meta.perms import caller_pb, squash
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
-from tierfs.security import ANONYMOUS, Identity, current_identity
+from tierfs.security import (
+    ANONYMOUS,
+    USER_NAME_RE,
+    Identity,
+    current_identity,
+    hash_token,
+    new_user_token,
+)
 
 __all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "MAX_REQUEST_BYTES", "REQUEST_ID_KEY", "MetaServicer",
            "add_meta_service"]
@@ -142,6 +162,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         file_cap_ttl: float = 600.0,
         kv_cap_ttl: float = 300.0,
         cap_clock: Callable[[], int] = time.time_ns,
+        auth: Authenticator | None = None,
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
@@ -151,7 +172,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         ``clock`` is the wall clock (ns) used only to anchor time when this
         replica starts leading; ``monotonic`` (ns) measures time from there
         (default ``time.monotonic_ns``, or ``clock`` itself when a custom
-        ``clock`` is given, so a test's fake clock drives both)."""
+        ``clock`` is given, so a test's fake clock drives both). ``auth``:
+        check every call's token (:mod:`tierfs.meta.auth`); None is security
+        off, every caller anonymous root."""
         if not 0 <= gc_grace <= MAX_GC_GRACE:
             raise ValueError(f"gc_grace {gc_grace} must be between 0 and {MAX_GC_GRACE:.0f} seconds")
         self._r = replicator
@@ -177,6 +200,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._cap_epoch = -1  # the epoch _cap_keys was made for
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
+        self.auth = auth
         # Per leadership (reset whenever this replica starts leading a term):
         self._lead_term: int | None = None
         self._lead_since = 0  # monotonic ns
@@ -248,6 +272,29 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         squash of the leader that stamped an op holds on every replica."""
         return squash(current_identity.get(), self.root_squash)
 
+    def authenticate(self, method: str, context: Ctx) -> Identity:
+        """The caller of ``method`` (UnauthenticatedError, or
+        PermissionDeniedError when it may not call it); ANONYMOUS with
+        security off."""
+        if self.auth is None:
+            return ANONYMOUS
+        token = token_from_metadata(context.invocation_metadata())
+        sm = self._r.state_machine
+        users = sm.users if isinstance(sm, MetaStateMachine) else {}
+        try:
+            ident = self.auth.identify(token, users, lambda: self.now_ns() if self._leading() else self._clock())
+        except UnauthenticatedError:
+            # A follower may not have applied a user (or token) the leader
+            # just made: send leader work there rather than refuse it here.
+            # The leader decides; replica-local calls are decided here.
+            if method not in _LOCAL_RPCS and token.startswith("tfu1.") and not self._leading():
+                leader = self._r.status().leader
+                if leader:
+                    raise NotLeaderError(leader=leader) from None
+            raise
+        check_allowed(method, ident)
+        return ident
+
     def _op(self, kind: str, req: Message, client: str = "", request_id: int = 0) -> pb.MetaOp:
         # Field caps first (the clearer error), then the whole request as it
         # came, unknown fields included.
@@ -256,8 +303,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
                        lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))
         getattr(op, kind).CopyFrom(req)
+        # Who the leader authenticated (set by the auth layer for this call),
+        # root-squashed, never the request. Absent = root: security off (and
+        # the periodic tick, which runs as ANONYMOUS) logs what it always did.
         ident = self.identity()
-        if ident != ANONYMOUS:  # absent = root: security off logs what it always did
+        if ident != ANONYMOUS:
             op.caller.CopyFrom(caller_pb(ident))
         if kind == "register_node" and self.kv_default_pool is not None:
             op.kv_default_pool.CopyFrom(self.kv_default_pool)
@@ -649,7 +699,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         st = self._r.status()
         reply = pb.GetStatusReply(id=st.id, role=st.role, leader=st.leader, term=st.term,
                                   commit_index=st.commit_index, applied_index=st.applied_index,
-                                  members=st.members, pid=os.getpid())
+                                  members=st.members, pid=os.getpid(), auth=self.auth is not None)
         details = getattr(self._r, "details", None)  # RaftReplicator only
         if details is not None:
             d = details()
@@ -691,14 +741,90 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def RemoveMetaMember(self, request: pb.MetaMemberRequest, context: Ctx) -> pb.Empty:
         return await self._membership("remove_member", request)
 
+    # ---- users and tokens (tierfs.meta.users; admin only, see tierfs.meta.auth) ----
+
+    async def _with_token(self, context: Ctx, kind: str, req: pb.AddUserRequest | pb.IssueTokenRequest,
+                          name: str) -> pb.UserTokenReply:
+        # A bad name gets a dummy hash here and its clear refusal from the state machine.
+        token = new_user_token(name) if USER_NAME_RE.match(name) else ""
+        req.token_hash = hash_token(token)  # whatever the client sent is replaced
+        reply = await self._mutate(context, kind, req, pb.UserTokenReply)
+        u = self.state.users.get(reply.user.name)
+        rec = next((t for t in u.tokens if t.id == reply.token_id), None) if u is not None else None
+        if rec is None or rec.hash != req.token_hash:
+            # The answer of an earlier attempt of this request (its reply was
+            # lost): that attempt's token was never shown; this one is not it.
+            raise InternalError(f"{kind}: the token was issued by an earlier attempt of this request whose "
+                                f"reply was lost; revoke token {reply.token_id} and issue a new one")
+        reply.token = token
+        return reply
+
+    @grpc_errors
+    async def AddUser(self, request: pb.AddUserRequest, context: Ctx) -> pb.UserTokenReply:
+        return await self._with_token(context, "add_user", request, request.name)
+
+    @grpc_errors
+    async def ListUsers(self, request: pb.Empty, context: Ctx) -> pb.ListUsersReply:
+        return pb.ListUsersReply(users=(await self._read(request)).user_list())
+
+    @grpc_errors
+    async def RemoveUser(self, request: pb.RemoveUserRequest, context: Ctx) -> pb.Empty:
+        return await self._mutate(context, "remove_user", request, pb.Empty)
+
+    @grpc_errors
+    async def IssueToken(self, request: pb.IssueTokenRequest, context: Ctx) -> pb.UserTokenReply:
+        return await self._with_token(context, "issue_token", request, request.name)
+
+    @grpc_errors
+    async def RevokeToken(self, request: pb.RevokeTokenRequest, context: Ctx) -> pb.RevokeTokenReply:
+        return await self._mutate(context, "revoke_token", request, pb.RevokeTokenReply)
+
+    @grpc_errors
+    async def WhoAmI(self, request: pb.Empty, context: Ctx) -> pb.Caller:
+        me = current_identity.get()
+        return pb.Caller(name=me.name, uid=me.uid, gid=me.gid, groups=me.groups, admin=me.admin, kind=me.kind)
+
+
+#: Answered by any replica from its own state (no leader involved).
+_LOCAL_RPCS = frozenset({"GetStatus", "Digest", "ForceSnapshot", "WhoAmI"})
+_METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["MetaService"].methods)
+
+
+class _Guarded:
+    """What is registered with gRPC: every MetaService method of the
+    servicer behind the auth layer (:meth:`MetaServicer.authenticate`), which
+    sets ``current_identity`` for the handler. Built from the service
+    descriptor, so a new RPC cannot be left unauthenticated."""
+
+    def __init__(self, svc: MetaServicer) -> None:
+        self._svc = svc
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._svc, name)
+        if name not in _METHODS:
+            return fn
+
+        async def guarded(request: Message, context: Ctx) -> Any:
+            try:
+                ident = self._svc.authenticate(name, context)
+            except TierFSError as err:
+                await abort(context, err)
+            token = current_identity.set(ident)
+            try:
+                return await fn(request, context)
+            finally:
+                current_identity.reset(token)
+
+        return guarded
+
 
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
     lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
     usage_interval, kv_default_pool, root_squash, clock, monotonic, cluster_secret,
-    cap_key_rotation, file_cap_ttl, kv_cap_ttl, cap_clock) and register it on
-    ``server``. Call ``await servicer.start()`` once the server runs, to
+    cap_key_rotation, file_cap_ttl, kv_cap_ttl, cap_clock, auth) and register it
+    on ``server``, every method behind the auth layer. Call ``await servicer.start()`` once the server runs, to
     start the periodic tick, and ``await servicer.stop()`` before shutdown."""
     servicer = MetaServicer(replicator, **opts)
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(servicer, server)
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(_Guarded(servicer), server)  # type: ignore[arg-type]
     return servicer

@@ -51,6 +51,7 @@ from tierfs.errors import (
     StaleVersionError,
     TierFSError,
 )
+from tierfs.meta import users as users_mod
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
 from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.kvpools import (
@@ -91,6 +92,7 @@ from tierfs.meta.perms import (
 )
 from tierfs.meta.placement import distinct_nodes, plan_groups
 from tierfs.meta.undo import Tracked, transaction
+from tierfs.meta.users import UserRecord
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.security import ANONYMOUS, ROOT, Identity
@@ -256,6 +258,8 @@ class MetaStateMachine(Tracked):
         # Whether the default pool was made (or found made) once: removed by
         # an operator, it is not made again.
         self.kv_default_done = False
+        # Users and their token hashes (tierfs.meta.users), by name.
+        self.users: dict[str, UserRecord] = {}
 
     # ---- StateMachine protocol ---------------------------------------------
 
@@ -1264,6 +1268,26 @@ class MetaStateMachine(Tracked):
     def kv_pool_list(self) -> list[pb.KVPool]:
         return [self.kv_pools[p].to_pb() for p in sorted(self.kv_pools)]
 
+    # ---- users (tierfs.meta.users) -------------------------------------------
+
+    def _op_add_user(self, op: pb.MetaOp, r: pb.AddUserRequest) -> Message:
+        u, tok = users_mod.add_user(self.users, r, self.clock)
+        return pb.UserTokenReply(user=u.to_pb(), token_id=tok.id)
+
+    def _op_remove_user(self, op: pb.MetaOp, r: pb.RemoveUserRequest) -> Message:
+        users_mod.remove_user(self.users, r.name)
+        return pb.Empty()
+
+    def _op_issue_token(self, op: pb.MetaOp, r: pb.IssueTokenRequest) -> Message:
+        u, tok = users_mod.issue_token(self.users, r, self.clock)
+        return pb.UserTokenReply(user=u.to_pb(), token_id=tok.id)
+
+    def _op_revoke_token(self, op: pb.MetaOp, r: pb.RevokeTokenRequest) -> Message:
+        return pb.RevokeTokenReply(revoked=users_mod.revoke_token(self.users, r))
+
+    def user_list(self) -> list[pb.User]:
+        return [self.users[n].to_pb() for n in sorted(self.users)]
+
     def _drop_gc_for(self, tids: set[int]) -> None:
         self.gc.drop_targets(tids)
 
@@ -1499,6 +1523,9 @@ class MetaStateMachine(Tracked):
             "dedup": self.requests.to_json(),
             "kv": {"next_pool": self.next_kv_pool, "default_done": self.kv_default_done,
                    "pools": [pool_to_json(self.kv_pools[p]) for p in sorted(self.kv_pools)]},
+            # Only when there are users: a cluster without any keeps the
+            # digest it had before users existed.
+            **({"users": users_mod.users_to_json(self.users)} if self.users else {}),
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -1548,6 +1575,7 @@ class MetaStateMachine(Tracked):
         self.next_kv_pool = kv.get("next_pool", 1)
         self.kv_default_done = kv.get("default_done", False)
         self.kv_pools = {row[0]: pool_from_json(row) for row in kv.get("pools", [])}
+        self.users = users_mod.users_from_json(doc.get("users", []))
 
 
 def _check_read_loc(loc: pb.Loc, what: str) -> None:

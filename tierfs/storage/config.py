@@ -38,6 +38,9 @@ class StorageConfig(BaseConfig):
         "and its target.json identity.",
     )
     meta_addrs: list[str] = field([], "gRPC addresses (host:port) of the meta replicas; empty runs without meta.")
+    node_key_file: str = field(
+        "", "File holding the cluster's node key (tfn1..., mode 0600; `tierfs up` writes DATA/node.key): "
+        "meta refuses registrations and heartbeats without it when authentication is on.")
     host: str = field("127.0.0.1", "Address the data plane listens on.")
     port: int = field(0, "Data-plane TCP port (0 picks a free one).")
     advertise_host: str = field("", "Host other nodes use to reach this one (default: host).")

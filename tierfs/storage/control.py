@@ -5,15 +5,24 @@ registers with meta: ``Scrub`` runs one scrub pass now and returns its
 report; ``RepairStatus`` tells how far this node's rebuilds and its
 repair-queue worker have come. Bytes
 never travel here; that is the data plane's job.
+
+``Scrub`` is an admin operation. The daemon holds only the node key, so it
+asks meta who the caller's token stands for (``MetaService.WhoAmI`` with the
+caller's own ``authorization`` metadata) and refuses anyone but an admin;
+with meta's authentication off meta answers "anonymous admin" and every
+caller may scrub. ``RepairStatus`` (read-only progress) is open.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from tierfs.errors import grpc_errors
+from tierfs.errors import PermissionDeniedError, UnauthenticatedError, grpc_errors
+from tierfs.meta.auth import token_from_metadata
+from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import storage_control_pb2 as spb
 from tierfs.proto.v1 import storage_control_pb2_grpc as spb_grpc
 from tierfs.storage.repair import Repairer
@@ -24,13 +33,29 @@ __all__ = ["ControlServer", "start_control"]
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
+WhoAmI = Callable[[str | None], Awaitable[pb.Caller]]
+
+
 class _Servicer(spb_grpc.StorageControlServicer):
-    def __init__(self, scrubber: Scrubber, repairer: Repairer) -> None:
+    def __init__(self, scrubber: Scrubber, repairer: Repairer, whoami: WhoAmI | None) -> None:
         self.scrubber = scrubber
         self.repairer = repairer
+        self.whoami = whoami
+
+    async def _admin(self, what: str, context: Ctx) -> None:
+        if self.whoami is None:
+            return
+        try:
+            token = token_from_metadata(context.invocation_metadata())
+        except UnauthenticatedError:
+            token = ""  # meta decides: refused with authentication on, anonymous admin with it off
+        caller = await self.whoami(token)
+        if not caller.admin:
+            raise PermissionDeniedError(f"{what} is an admin operation; {caller.kind} {caller.name!r} is not an admin")
 
     @grpc_errors
     async def Scrub(self, request: spb.ScrubRequest, context: Ctx) -> spb.ScrubReport:
+        await self._admin("Scrub", context)
         rep = await self.scrubber.scrub(rate=request.rate, repair=request.repair,
                                         delete_orphans=request.delete_orphans)
         return rep.to_pb()  # type: ignore[no-any-return]
@@ -60,11 +85,12 @@ class ControlServer:
 
 
 async def start_control(host: str, port: int, scrubber: Scrubber, repairer: Repairer, *,
-                        advertise_host: str = "") -> ControlServer:
+                        advertise_host: str = "", whoami: WhoAmI | None = None) -> ControlServer:
     """Serve StorageControl on ``host:port`` (0: a free port); the returned
-    address names ``advertise_host`` (default ``host``)."""
+    address names ``advertise_host`` (default ``host``). ``whoami``: asks
+    meta who a token stands for (None: no admin check)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    spb_grpc.add_StorageControlServicer_to_server(_Servicer(scrubber, repairer), server)  # type: ignore[no-untyped-call]
+    spb_grpc.add_StorageControlServicer_to_server(_Servicer(scrubber, repairer, whoami), server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the control address {host}:{port}")

@@ -273,18 +273,24 @@ class StorageNode:
             self._start_metrics(cfg.metrics_addr)
         if self.use_meta:
             from tierfs.meta.client import MetaClient
+
+            # The node key or nothing: a storage daemon never falls back to a
+            # client's credential lookup (TIERFS_TOKEN, ./.tierfs).
+            from tierfs.security import load_token_file
             from tierfs.storage.control import start_control
             from tierfs.storage.repair import Repairer
             from tierfs.storage.scrub import Scrubber
 
-            self.meta = MetaClient(list(cfg.meta_addrs))
+            node_key = load_token_file(cfg.node_key_file, "node key") if cfg.node_key_file else ""
+            self.meta = MetaClient(list(cfg.meta_addrs), token=node_key)
             # Repair and scrub need meta (layouts, groups) and the peers.
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
                                      poll_interval=cfg.rebuild_interval)
             self.repairer.data.cap_refresher = self._refresh_node_cap
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
             self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer,
-                                               advertise_host=self.data_addr.rpartition(":")[0])
+                                               advertise_host=self.data_addr.rpartition(":")[0],
+                                               whoami=self.meta.whoami)
             self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
         else:
             missing = [str(e.root) for e in self.engines if not e.target_id]

@@ -2222,6 +2222,7 @@ class GetStatusReply(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     RAFT_FIELD_NUMBER: _builtins.int
+    AUTH_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     role: _builtins.str
     leader: _builtins.str
@@ -2231,6 +2232,10 @@ class GetStatusReply(_message.Message):
     applied_index: _builtins.int
     pid: _builtins.int
     """process id of the answering replica"""
+    auth: _builtins.bool
+    """Whether this replica authenticates callers (meta config `auth`; false:
+    --insecure-no-auth, every caller is anonymous root). docs/security.md.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """gRPC addresses"""
@@ -2251,10 +2256,11 @@ class GetStatusReply(_message.Message):
         members: _abc.Iterable[_builtins.str] | None = ...,
         pid: _builtins.int = ...,
         raft: Global___RaftStatus | None = ...,
+        auth: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["raft", b"raft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "commit_index", b"commit_index", "id", b"id", "leader", b"leader", "members", b"members", "pid", b"pid", "raft", b"raft", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "auth", b"auth", "commit_index", b"commit_index", "id", b"id", "leader", b"leader", "members", b"members", "pid", b"pid", "raft", b"raft", "role", b"role", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2528,6 +2534,10 @@ class MetaOp(_message.Message):
     MARK_FRAGMENTS_FIELD_NUMBER: _builtins.int
     CREATE_KV_POOL_FIELD_NUMBER: _builtins.int
     REMOVE_KV_POOL_FIELD_NUMBER: _builtins.int
+    ADD_USER_FIELD_NUMBER: _builtins.int
+    REMOVE_USER_FIELD_NUMBER: _builtins.int
+    ISSUE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVOKE_TOKEN_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -2597,6 +2607,16 @@ class MetaOp(_message.Message):
     def create_kv_pool(self) -> Global___CreateKVPoolRequest: ...
     @_builtins.property
     def remove_kv_pool(self) -> Global___RemoveKVPoolRequest: ...
+    @_builtins.property
+    def add_user(self) -> Global___AddUserRequest:
+        """Users and tokens (authn; docs/security.md)."""
+
+    @_builtins.property
+    def remove_user(self) -> Global___RemoveUserRequest: ...
+    @_builtins.property
+    def issue_token(self) -> Global___IssueTokenRequest: ...
+    @_builtins.property
+    def revoke_token(self) -> Global___RevokeTokenRequest: ...
     def __init__(
         self,
         *,
@@ -2631,16 +2651,277 @@ class MetaOp(_message.Message):
         mark_fragments: Global___MarkFragmentsRequest | None = ...,
         create_kv_pool: Global___CreateKVPoolRequest | None = ...,
         remove_kv_pool: Global___RemoveKVPoolRequest | None = ...,
+        add_user: Global___AddUserRequest | None = ...,
+        remove_user: Global___RemoveUserRequest | None = ...,
+        issue_token: Global___IssueTokenRequest | None = ...,
+        revoke_token: Global___RevokeTokenRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___MetaOp: _TypeAlias = MetaOp  # noqa: Y015
+
+@_typing.final
+class UserToken(_message.Message):
+    """---- users and tokens (docs/security.md) -----------------------------------
+    Users live in the replicated state; a token is random, made by the leader's
+    servicer (tierfs.security.new_user_token) and shown once: only its SHA-256
+    reaches the log, the snapshots and the state.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CREATED_NS_FIELD_NUMBER: _builtins.int
+    EXPIRES_NS_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """per user, from 1, never reused"""
+    created_ns: _builtins.int
+    expires_ns: _builtins.int
+    """0 = never"""
+    revoked: _builtins.bool
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        created_ns: _builtins.int = ...,
+        expires_ns: _builtins.int = ...,
+        revoked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ns", b"created_ns", "expires_ns", b"expires_ns", "id", b"id", "revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UserToken: _TypeAlias = UserToken  # noqa: Y015
+
+@_typing.final
+class User(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    GID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    ADMIN_FIELD_NUMBER: _builtins.int
+    CREATED_NS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tierfs.security.USER_NAME_RE"""
+    uid: _builtins.int
+    gid: _builtins.int
+    admin: _builtins.bool
+    created_ns: _builtins.int
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___UserToken]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        uid: _builtins.int = ...,
+        gid: _builtins.int = ...,
+        groups: _abc.Iterable[_builtins.int] | None = ...,
+        admin: _builtins.bool = ...,
+        created_ns: _builtins.int = ...,
+        tokens: _abc.Iterable[Global___UserToken] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin", b"admin", "created_ns", b"created_ns", "gid", b"gid", "groups", b"groups", "name", b"name", "tokens", b"tokens", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___User: _TypeAlias = User  # noqa: Y015
+
+@_typing.final
+class AddUserRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    GID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    ADMIN_FIELD_NUMBER: _builtins.int
+    EXPIRES_MS_FIELD_NUMBER: _builtins.int
+    TOKEN_HASH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    uid: _builtins.int
+    """0 (root) only with admin"""
+    gid: _builtins.int
+    admin: _builtins.bool
+    expires_ms: _builtins.int
+    """lifetime of the first token; 0 = never expires"""
+    token_hash: _builtins.bytes
+    """set by meta (what a client sends is replaced)"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        uid: _builtins.int = ...,
+        gid: _builtins.int = ...,
+        groups: _abc.Iterable[_builtins.int] | None = ...,
+        admin: _builtins.bool = ...,
+        expires_ms: _builtins.int = ...,
+        token_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin", b"admin", "expires_ms", b"expires_ms", "gid", b"gid", "groups", b"groups", "name", b"name", "token_hash", b"token_hash", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddUserRequest: _TypeAlias = AddUserRequest  # noqa: Y015
+
+@_typing.final
+class RemoveUserRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveUserRequest: _TypeAlias = RemoveUserRequest  # noqa: Y015
+
+@_typing.final
+class IssueTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    EXPIRES_MS_FIELD_NUMBER: _builtins.int
+    TOKEN_HASH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    expires_ms: _builtins.int
+    """0 = never expires"""
+    token_hash: _builtins.bytes
+    """set by meta (what a client sends is replaced)"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        expires_ms: _builtins.int = ...,
+        token_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_ms", b"expires_ms", "name", b"name", "token_hash", b"token_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueTokenRequest: _TypeAlias = IssueTokenRequest  # noqa: Y015
+
+@_typing.final
+class RevokeTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    token_id: _builtins.int
+    """the token to revoke (0: give all)"""
+    all: _builtins.bool
+    """every token of the user"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        token_id: _builtins.int = ...,
+        all: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "name", b"name", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokenRequest: _TypeAlias = RevokeTokenRequest  # noqa: Y015
+
+@_typing.final
+class RevokeTokenReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVOKED_FIELD_NUMBER: _builtins.int
+    revoked: _builtins.int
+    def __init__(
+        self,
+        *,
+        revoked: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokenReply: _TypeAlias = RevokeTokenReply  # noqa: Y015
+
+@_typing.final
+class UserTokenReply(_message.Message):
+    """AddUser / IssueToken: the user and the new token, in clear, this once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USER_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    token: _builtins.str
+    @_builtins.property
+    def user(self) -> Global___User: ...
+    def __init__(
+        self,
+        *,
+        user: Global___User | None = ...,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["user", b"user"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token", "token_id", b"token_id", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UserTokenReply: _TypeAlias = UserTokenReply  # noqa: Y015
+
+@_typing.final
+class ListUsersReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def users(self) -> _containers.RepeatedCompositeFieldContainer[Global___User]: ...
+    def __init__(
+        self,
+        *,
+        users: _abc.Iterable[Global___User] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["users", b"users"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUsersReply: _TypeAlias = ListUsersReply  # noqa: Y015
 
 @_typing.final
 class MetaResult(_message.Message):

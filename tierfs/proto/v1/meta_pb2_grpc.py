@@ -229,6 +229,36 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.MetaMemberRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
                 _registered_method=True)
+        self.AddUser = channel.unary_unary(
+                '/tierfs.v1.MetaService/AddUser',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.AddUserRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.UserTokenReply.FromString,
+                _registered_method=True)
+        self.ListUsers = channel.unary_unary(
+                '/tierfs.v1.MetaService/ListUsers',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.ListUsersReply.FromString,
+                _registered_method=True)
+        self.RemoveUser = channel.unary_unary(
+                '/tierfs.v1.MetaService/RemoveUser',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveUserRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
+        self.IssueToken = channel.unary_unary(
+                '/tierfs.v1.MetaService/IssueToken',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.IssueTokenRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.UserTokenReply.FromString,
+                _registered_method=True)
+        self.RevokeToken = channel.unary_unary(
+                '/tierfs.v1.MetaService/RevokeToken',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.RevokeTokenRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.RevokeTokenReply.FromString,
+                _registered_method=True)
+        self.WhoAmI = channel.unary_unary(
+                '/tierfs.v1.MetaService/WhoAmI',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Caller.FromString,
+                _registered_method=True)
 
 
 class MetaServiceServicer:
@@ -478,6 +508,45 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddUser(self, request, context):
+        """Users and tokens (admin only; docs/security.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUsers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveUser(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IssueToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WhoAmI(self, request, context):
+        """Who the caller's token says it is (any valid token). Storage daemons
+        check an operator's token for StorageControl.Scrub with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -675,6 +744,36 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.RemoveMetaMember,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.MetaMemberRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'AddUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddUser,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.AddUserRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.UserTokenReply.SerializeToString,
+            ),
+            'ListUsers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUsers,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.ListUsersReply.SerializeToString,
+            ),
+            'RemoveUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveUser,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveUserRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'IssueToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueToken,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.IssueTokenRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.UserTokenReply.SerializeToString,
+            ),
+            'RevokeToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeToken,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.RevokeTokenRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.RevokeTokenReply.SerializeToString,
+            ),
+            'WhoAmI': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhoAmI,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Caller.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1730,6 +1829,168 @@ class MetaService:
             '/tierfs.v1.MetaService/RemoveMetaMember',
             tierfs_dot_v1_dot_meta__pb2.MetaMemberRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/AddUser',
+            tierfs_dot_v1_dot_meta__pb2.AddUserRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.UserTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUsers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/ListUsers',
+            tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.ListUsersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/RemoveUser',
+            tierfs_dot_v1_dot_meta__pb2.RemoveUserRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/IssueToken',
+            tierfs_dot_v1_dot_meta__pb2.IssueTokenRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.UserTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/RevokeToken',
+            tierfs_dot_v1_dot_meta__pb2.RevokeTokenRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.RevokeTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhoAmI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/WhoAmI',
+            tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Caller.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,16 @@ class MetaServiceStub:
     first hands leadership over, then answers NOT_LEADER naming the new one.
     """
     RemoveMetaMember: _grpc.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]
+    AddUser: _grpc.UnaryUnaryMultiCallable[_meta_pb2.AddUserRequest, _meta_pb2.UserTokenReply]
+    """Users and tokens (admin only; docs/security.md)."""
+    ListUsers: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListUsersReply]
+    RemoveUser: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveUserRequest, _meta_pb2.Empty]
+    IssueToken: _grpc.UnaryUnaryMultiCallable[_meta_pb2.IssueTokenRequest, _meta_pb2.UserTokenReply]
+    RevokeToken: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RevokeTokenRequest, _meta_pb2.RevokeTokenReply]
+    WhoAmI: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.Caller]
+    """Who the caller's token says it is (any valid token). Storage daemons
+    check an operator's token for StorageControl.Scrub with it.
+    """
 
 @_typing.type_check_only
 class MetaServiceAsyncStub(MetaServiceStub):
@@ -146,6 +156,16 @@ class MetaServiceAsyncStub(MetaServiceStub):
     first hands leadership over, then answers NOT_LEADER naming the new one.
     """
     RemoveMetaMember: _aio.UnaryUnaryMultiCallable[_meta_pb2.MetaMemberRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    AddUser: _aio.UnaryUnaryMultiCallable[_meta_pb2.AddUserRequest, _meta_pb2.UserTokenReply]  # type: ignore[assignment]
+    """Users and tokens (admin only; docs/security.md)."""
+    ListUsers: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.ListUsersReply]  # type: ignore[assignment]
+    RemoveUser: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveUserRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    IssueToken: _aio.UnaryUnaryMultiCallable[_meta_pb2.IssueTokenRequest, _meta_pb2.UserTokenReply]  # type: ignore[assignment]
+    RevokeToken: _aio.UnaryUnaryMultiCallable[_meta_pb2.RevokeTokenRequest, _meta_pb2.RevokeTokenReply]  # type: ignore[assignment]
+    WhoAmI: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.Caller]  # type: ignore[assignment]
+    """Who the caller's token says it is (any valid token). Storage daemons
+    check an operator's token for StorageControl.Scrub with it.
+    """
 
 class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -432,5 +452,51 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.MetaMemberRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def AddUser(
+        self,
+        request: _meta_pb2.AddUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.UserTokenReply, _abc.Awaitable[_meta_pb2.UserTokenReply]]:
+        """Users and tokens (admin only; docs/security.md)."""
+
+    @_abc_1.abstractmethod
+    def ListUsers(
+        self,
+        request: _meta_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.ListUsersReply, _abc.Awaitable[_meta_pb2.ListUsersReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveUser(
+        self,
+        request: _meta_pb2.RemoveUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def IssueToken(
+        self,
+        request: _meta_pb2.IssueTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.UserTokenReply, _abc.Awaitable[_meta_pb2.UserTokenReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeToken(
+        self,
+        request: _meta_pb2.RevokeTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.RevokeTokenReply, _abc.Awaitable[_meta_pb2.RevokeTokenReply]]: ...
+
+    @_abc_1.abstractmethod
+    def WhoAmI(
+        self,
+        request: _meta_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Caller, _abc.Awaitable[_meta_pb2.Caller]]:
+        """Who the caller's token says it is (any valid token). Storage daemons
+        check an operator's token for StorageControl.Scrub with it.
+        """
 
 def add_MetaServiceServicer_to_server(servicer: MetaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,360 @@
+"""Authentication of every meta RPC, admin gating, users and tokens, the
+node key, and the client's credential rules - against real ``tierfs-meta``
+and ``tierfs-storage`` processes (docs/security.md).
+
+Each refusal is checked to change nothing: the state digest (RPC sweep),
+or the state the refused call would have changed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.cluster import REPO, MetaCluster, session_credentials, wait_for
+from tierfs.client import AsyncClient
+from tierfs.errors import (
+    PermissionDeniedError,
+    TierFSError,
+    UnauthenticatedError,
+    from_grpc,
+)
+from tierfs.meta import MetaClient
+from tierfs.meta.auth import ADMIN_RPCS, NODE_ONLY_RPCS, bearer, resolve_token
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import storage_control_pb2 as spb
+from tierfs.proto.v1 import storage_control_pb2_grpc as spb_grpc
+from tierfs.security import admin_token, node_key, write_private_file
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN = os.environ.get("TIERFS_TOKEN", "")
+METHODS = pb.DESCRIPTOR.services_by_name["MetaService"].methods
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaCluster]:
+    with MetaCluster(tmp_path_factory.mktemp("authn"), n=1, state_machine="meta") as c:
+        c.wait_leader()
+        yield c
+
+
+def _mc(c: MetaCluster, token: str | None) -> MetaClient:
+    return MetaClient(c.addresses, deadline=10, token=token)
+
+
+def _call(addr: str, method: Any, token: str | None, metadata: tuple[tuple[str, str], ...] | None = None) -> None:
+    """One raw call of ``method`` with an empty request; raises its TierFSError."""
+    req_cls = getattr(pb, method.input_type.name)
+    rep_cls = getattr(pb, method.output_type.name)
+    with grpc.insecure_channel(addr) as ch:
+        fn = ch.unary_unary(f"/tierfs.v1.MetaService/{method.name}", request_serializer=req_cls.SerializeToString,
+                            response_deserializer=rep_cls.FromString)
+        try:
+            fn(req_cls(), timeout=5, metadata=metadata if metadata is not None else bearer(token))
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from None
+
+
+async def _users(c: MetaCluster) -> tuple[str, str, str]:
+    """A user with a revoked token, one with an expired token, one with a good one."""
+    async with _mc(c, ADMIN) as mc:
+        revoked = (await mc.add_user("rev", 2001, 2001)).token
+        await mc.revoke_token("rev", all=True)
+        expired = (await mc.add_user("exp", 2002, 2002, expires=0.5)).token
+        good = (await mc.add_user("carol", 3001, 3001, [3002])).token
+    return revoked, expired, good
+
+
+def test_every_rpc_refuses_bad_credentials_and_changes_nothing(meta: MetaCluster) -> None:
+    revoked, expired, good = asyncio.run(_users(meta))
+    addr = meta.addresses[0]
+    # the expiry is judged by the leader's op clock: wait until it has passed
+    wait_for(lambda: _refused(addr, expired), 20, "the token to expire")
+    digest = meta.wait_converged()
+    other = admin_token(b"x" * 32)  # an admin token of another cluster
+    bad: dict[str, tuple[str | None, tuple[tuple[str, str], ...] | None, str]] = {
+        "no token": (None, None, "no credential"),
+        "revoked": (revoked, None, "was revoked"),
+        "expired": (expired, None, "expired"),
+        "another cluster's": (other, None, "invalid admin token"),
+        "malformed": (None, (("authorization", "Basic abc"),), "malformed credential"),
+        "garbage": ("tfu1.nobody.short", None, "malformed user token"),
+    }
+    assert len(METHODS) >= 40
+    for m in METHODS:
+        for what, (tok, md, msg) in bad.items():
+            with pytest.raises(UnauthenticatedError) as ei:
+                _call(addr, m, tok, md)
+            assert msg in str(ei.value), (m.name, what, str(ei.value))
+    assert meta.wait_converged() == digest
+    # control: a good token gets past the auth layer on every RPC (whatever the
+    # empty request then earns: not UNAUTHENTICATED)
+    for m in METHODS:
+        if m.name in ("AddMetaMember", "RemoveMetaMember"):
+            continue  # an empty membership change waits out its timeout
+        try:
+            _call(addr, m, ADMIN)
+        except TierFSError as err:
+            assert not isinstance(err, UnauthenticatedError), (m.name, err)
+    assert good
+
+
+def _refused(addr: str, token: str) -> bool:
+    try:
+        _call(addr, METHODS[0], token)
+    except UnauthenticatedError as err:
+        return "expired" in str(err)
+    except TierFSError:
+        return False
+    return False
+
+
+def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> None:
+    async def go() -> None:
+        async with _mc(meta, ADMIN) as mc:
+            tok = (await mc.add_user("dave", 4001, 4002, [4003, 4004])).token
+            await mc.create_kv_pool("keep", redundancy="replica:1", target_memory=1 << 20)
+            users_before = [u.SerializeToString() for u in await mc.list_users()]
+            pools_before = (await mc.list_kv_pools()).pools
+        async with _mc(meta, tok) as user:
+            me = await user.whoami()
+            assert (me.name, me.uid, me.gid, list(me.groups), me.admin, me.kind) == \
+                ("dave", 4001, 4002, [4003, 4004], False, "user")
+            refused = {
+                "DrainNode": user.drain_node(1), "RemoveNode": user.remove_node(1),
+                "RemoveTarget": user.remove_target(1),
+                "CreateKVPool": user.create_kv_pool("mine", target_memory=1 << 20),
+                "RemoveKVPool": user.remove_kv_pool("keep"), "AddUser": user.add_user("eve", 5, 5),
+                "ListUsers": user.list_users(), "RemoveUser": user.remove_user("dave"),
+                "IssueToken": user.issue_token("dave"), "RevokeToken": user.revoke_token("dave", all=True),
+                "ForceSnapshot": user.force_snapshot(),
+                "AddMetaMember": user.add_member("127.0.0.1:1", "127.0.0.1:2"),
+                "AckGC": user.ack_gc([(1, 1)]), "FinishRebuild": user.finish_rebuild(1, 1),
+                "Heartbeat": user.heartbeat(1, []),
+                "RegisterNode": user.register_node("u", "h", "127.0.0.1:1", [("/x", 1)]),
+            }
+            assert ADMIN_RPCS - {"RemoveMetaMember"} | NODE_ONLY_RPCS - {"MarkFragments"} <= set(refused)
+            for name, coro in refused.items():
+                with pytest.raises(PermissionDeniedError) as ei:
+                    await coro
+                assert name in str(ei.value), str(ei.value)
+            # a user's ordinary work is fine
+            await user.mkdir("/dave-dir")
+        async with _mc(meta, ADMIN) as mc:
+            assert [u.SerializeToString() for u in await mc.list_users()] == users_before
+            assert (await mc.list_kv_pools()).pools == pools_before
+            await mc.remove_kv_pool("keep")
+            await mc.remove_user("dave")
+        # removed: its token stops working at once
+        async with _mc(meta, tok) as user:
+            with pytest.raises(UnauthenticatedError, match="unknown user"):
+                await user.stat("/")
+
+    asyncio.run(go())
+
+
+def test_node_key_only_node_rpcs(meta: MetaCluster) -> None:
+    secret = (meta.secret_file.read_text().strip()).encode()
+    nk = node_key(secret)
+
+    async def go() -> None:
+        async with _mc(meta, nk) as node:
+            assert (await node.whoami()).kind == "node"
+            await node.get_cluster_map()
+            await node.stat(1)  # the repair worker reads chunk records by inode
+            for coro in (node.lookup(1, "x"), node.mkdir("/node-dir"), node.list_users(), node.drain_node(1)):
+                with pytest.raises(PermissionDeniedError, match="node key"):
+                    await coro
+
+    asyncio.run(go())
+
+
+def test_tokens_issue_and_revoke(meta: MetaCluster) -> None:
+    async def go() -> None:
+        async with _mc(meta, ADMIN) as mc:
+            first = await mc.add_user("frank", 6001, 6001)
+            second = await mc.issue_token("frank", expires=3600)
+            assert second.token_id == first.token_id + 1 and second.token != first.token
+            u = next(u for u in await mc.list_users() if u.name == "frank")
+            assert [(t.id, t.revoked, bool(t.expires_ns)) for t in u.tokens] == [(1, False, False), (2, False, True)]
+            assert b"tfu1" not in u.SerializeToString()  # only hashes are kept, never shown
+            assert await mc.revoke_token("frank", first.token_id) == 1
+        async with _mc(meta, first.token) as a, _mc(meta, second.token) as b:
+            with pytest.raises(UnauthenticatedError, match="revoked"):
+                await a.stat("/")
+            assert (await b.whoami()).name == "frank"
+
+    asyncio.run(go())
+
+
+def _storage(tmp: Path, c: MetaCluster, key_file: str | None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TIERFS_TOKEN", "TIERFS_STORAGE_NODE_KEY_FILE")}
+    env["PYTHONPATH"] = str(REPO)
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "tierfs.storage.daemon", "--data-dir", str(tmp), "--io-backend", "posix",
+            "--meta", c.addresses[0], "--heartbeat-interval", "0.2", "--reserved-bytes", "0"]
+    if key_file is not None:
+        args += ["--node-key-file", key_file]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp))
+
+
+def test_rogue_storage_daemon_cannot_register(meta: MetaCluster, tmp_path: Path) -> None:
+    """Without the node key, or with another cluster's, a storage daemon
+    never registers (and so never heartbeats); with it, it does."""
+    wrong = write_private_file(tmp_path / "wrong.key", node_key(b"y" * 32) + "\n")
+    procs = [_storage(tmp_path / "nokey", meta, None), _storage(tmp_path / "wrong", meta, str(wrong))]
+    good: subprocess.Popen[str] | None = None
+    try:
+        def nodes() -> list[str]:
+            async def go() -> list[str]:
+                async with _mc(meta, ADMIN) as mc:
+                    return [n.data_addr for n in (await mc.get_cluster_map()).nodes]
+            return asyncio.run(go())
+
+        before = nodes()
+        good = _storage(tmp_path / "good", meta, str(session_credentials() / "node.key"))
+        assert good.stdout is not None
+        ready = json.loads(good.stdout.readline())
+        assert ready["node_id"]
+        wait_for(lambda: len(nodes()) == len(before) + 1, 20, "the good daemon to register")
+        for p in procs:
+            assert p.poll() is None  # still trying, refused
+        assert len(nodes()) == len(before) + 1
+        for p in procs:
+            p.terminate()
+            _, err = p.communicate(timeout=20)
+            assert "registering with meta failed" in err and ("no credential" in err or "invalid node key" in err), err
+        # Scrub: admin only, checked with meta through WhoAmI
+        control = ready["control"]
+
+        async def scrub(token: str | None) -> spb.ScrubReport:
+            async with grpc.aio.insecure_channel(control) as ch:
+                try:
+                    return await spb_grpc.StorageControlStub(ch).Scrub(  # type: ignore[no-untyped-call,no-any-return]
+                        spb.ScrubRequest(repair=False), timeout=20, metadata=bearer(token))
+                except grpc.RpcError as exc:
+                    raise from_grpc(exc) from None
+
+        async def user_token() -> str:
+            async with _mc(meta, ADMIN) as mc:
+                return (await mc.add_user("gina", 7001, 7001)).token
+
+        tok = asyncio.run(user_token())
+        with pytest.raises(PermissionDeniedError, match="Scrub is an admin operation"):
+            asyncio.run(scrub(tok))
+        with pytest.raises(UnauthenticatedError):
+            asyncio.run(scrub(None))
+        assert asyncio.run(scrub(ADMIN)).node_id == ready["node_id"]
+    finally:
+        for p in [*procs, *([good] if good else [])]:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=20)
+
+
+def test_default_credential_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_private_file(data / "admin.token", "tfa1.fromfile\n")
+    write_private_file(tmp_path / "t", "tfu1.bob.fromtokenfile\n")
+    env: dict[str, str] = {}
+    assert resolve_token(data_dir=data, env=env) == "tfa1.fromfile"
+    assert resolve_token(token_file=tmp_path / "t", data_dir=data, env=env) == "tfu1.bob.fromtokenfile"
+    assert resolve_token(data_dir=data, env={"TIERFS_TOKEN_FILE": str(tmp_path / "t")}) == "tfu1.bob.fromtokenfile"
+    assert resolve_token(data_dir=data, env={"TIERFS_TOKEN": "tfa1.env"}) == "tfa1.env"
+    # given, even empty or wrong: never replaced by a default
+    assert resolve_token("", data_dir=data, env={"TIERFS_TOKEN": "tfa1.env"}) == ""
+    assert resolve_token("wrong", data_dir=data, env=env) == "wrong"
+    assert resolve_token(data_dir=tmp_path / "none", env=env) is None
+
+
+def test_explicit_wrong_token_is_not_replaced(meta: MetaCluster) -> None:
+    """TIERFS_TOKEN holds the working admin token; a client given "" or a
+    wrong token still fails instead of falling back to it."""
+    assert os.environ["TIERFS_TOKEN"] == ADMIN
+
+    async def go() -> None:
+        for tok in ("", "tfa1.wrong"):
+            async with AsyncClient(meta.addresses, token=tok, meta_deadline=5) as client:
+                with pytest.raises(UnauthenticatedError):
+                    await client.meta.stat("/")
+        async with AsyncClient(meta.addresses, meta_deadline=5) as client:  # the default: TIERFS_TOKEN
+            assert (await client.meta.whoami()).kind == "admin"
+
+    asyncio.run(go())
+
+
+def test_status_shows_security(meta: MetaCluster) -> None:
+    assert meta.status(0).auth is True
+
+
+@pytest.mark.timeout(60)
+def test_insecure_no_auth_is_anonymous_and_visible(tmp_path: Path) -> None:
+    with MetaCluster(tmp_path, n=1, state_machine="meta", extra_args=["--insecure-no-auth"]) as c:
+        c.wait_leader()
+        assert c.status(0).auth is False
+
+        async def go() -> None:
+            async with _mc(c, "") as anon:
+                me = await anon.whoami()
+                assert (me.kind, me.admin) == ("anonymous", True)
+                await anon.create_kv_pool("anyone", target_memory=1 << 20)
+
+        asyncio.run(go())
+        assert "authentication is OFF" in c.log(0)
+
+
+def test_auth_needs_the_cluster_secret(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFS_META_")}
+    env["PYTHONPATH"] = str(REPO)
+    res = subprocess.run([sys.executable, "-m", "tierfs.meta.daemon", "--data-dir", str(tmp_path / "d"),
+                          "--insecure-no-cluster-secret"], capture_output=True, env=env, timeout=30)
+    assert res.returncode == 2 and b"auth = true needs the cluster secret" in res.stderr, res.stderr
+
+
+def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> None:
+    import io
+
+    from tierfs.cli import run
+
+    def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        rc = run([*args, "--meta", meta.addresses[0]], stdout=out, stderr=err,
+                 env={"TIERFS_TOKEN": ADMIN} if env is None else env, tty=False)
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,2", "--expires", "30d")
+    assert rc == 0, err
+    token = out.splitlines()[0]
+    assert token.startswith("tfu1.hank.") and "shown once" in out
+    rc, out, _ = cli("user", "ls")
+    assert rc == 0 and "hank" in out and "8001" in out
+    f = write_private_file(tmp_path / "hank.token", token + "\n")
+    rc, out, err = cli("whoami", "--token-file", str(f))
+    assert rc == 0 and out.startswith("hank (user): uid 8001 gid 8002 groups 1,2"), (out, err)
+    rc, _, err = cli("user", "ls", "--token-file", str(f))
+    assert rc == 1 and "ListUsers is an admin operation" in err
+    # a wrong token given explicitly is not replaced by TIERFS_TOKEN
+    wrong = write_private_file(tmp_path / "wrong.token", "tfa1.wrong\n")
+    rc, _, err = cli("ls", "/", "--token-file", str(wrong))
+    assert rc == 1 and "invalid admin token" in err
+    # no credential at all (no TIERFS_TOKEN, no --data admin.token)
+    rc, _, err = cli("ls", "/", "--data", str(tmp_path), env={})
+    assert rc == 1 and "no credential" in err
+    rc, out, _ = cli("status")
+    assert "security: on" in out
+    rc, out, _ = cli("user", "revoke", "hank", "--all")
+    assert rc == 0 and "revoked 1 token" in out
+    rc, _, err = cli("whoami", "--token-file", str(f))
+    assert rc == 1 and "revoked" in err
+    rc, out, _ = cli("user", "rm", "hank")
+    assert rc == 0
