@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from tierfs.buffers import BufferPool
 from tierfs.chunk import ChunkRecord, chunk_crc, fragment_size, parity_size, valid_bytes
 from tierfs.client.codec import Codec, codec_for
-from tierfs.client.config import ClientConfig
+from tierfs.client.config import ClientConfig, client_tls
 from tierfs.client.fanout import first_error, ordered
 from tierfs.client.routing import Router
 from tierfs.config import load
@@ -225,10 +225,12 @@ class AsyncClient:
             raise UnavailableError("the client is closed")
         if self._meta is None or self._data is None or self._router is None:
             c = self.config
+            tls = client_tls(c)
             self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, tls=tls)
             self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
-                                    request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
+                                    request_timeout=c.request_timeout, connect_timeout=c.connect_timeout,
+                                    tls=tls.client_ssl_context() if tls is not None else None)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
                                   failed_ttl=c.failed_target_ttl, max_age=c.map_max_age)
         return self._meta, self._data, self._router
@@ -246,7 +248,7 @@ class AsyncClient:
             return
         c = self.config
         self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max)
+                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, tls=old.tls)
         # A new client id too: its request ids start again at 1 and must not
         # match the old ones in meta's retry de-duplication.
         self._router.meta = self._meta

@@ -24,7 +24,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -39,6 +39,7 @@ from tierfs.errors import (
 from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
+from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls
 
 __all__ = ["MetaClient", "Where"]
 
@@ -80,7 +81,11 @@ class MetaClient:
         client_id: str | None = None,
         backoff_initial: float = 0.05,
         backoff_max: float = 1.0,
+        tls: TlsFiles | Literal["auto"] | None = "auto",
     ) -> None:
+        """``tls``: the CA (and client certificate) to dial the replicas
+        with; "auto": :func:`tierfs.tls.resolve_client_tls` (TIERFS_TLS_CA,
+        a local cluster's tls/ca.pem); None: plaintext."""
         if not addrs:
             raise InvalidArgumentError("MetaClient needs at least one meta address")
         self.addrs: list[str] = list(dict.fromkeys(addrs))
@@ -93,6 +98,7 @@ class MetaClient:
         self._stubs: dict[str, Any] = {}
         self._req = itertools.count(1)
         self._closed = False
+        self.tls: TlsFiles | None = resolve_client_tls() if tls == "auto" else tls
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -119,7 +125,7 @@ class MetaClient:
             raise UnavailableError("MetaClient is closed")
         stub = self._stubs.get(addr)
         if stub is None:
-            ch = grpc.aio.insecure_channel(addr, options=[("grpc.enable_retries", 0)])
+            ch = grpc_channel(addr, self.tls, options=[("grpc.enable_retries", 0)])
             self._channels[addr] = ch
             stub = self._stubs[addr] = meta_pb2_grpc.MetaServiceStub(ch)
         return stub

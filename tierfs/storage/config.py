@@ -10,6 +10,7 @@ from typing import ClassVar
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
 from tierfs.meta.ops import MAX_GC_PAGE
+from tierfs.tls import TlsFiles
 
 __all__ = ["StorageConfig"]
 
@@ -81,10 +82,21 @@ class StorageConfig(BaseConfig):
     max_inflight_requests: int = field(256, "Requests one data-plane connection may have in flight.")
     shm_ring_bytes: int = field(16 << 20, "Size of each direction's shared-memory ring (shm transport).", kind="size")
 
+    tls_cert: str = field(
+        "", "PEM certificate this daemon serves TLS with (its gRPC and data-plane ports then speak TLS only) and "
+        "presents when it dials another daemon. '' = plaintext (docs/security-tls.md).")
+    tls_key: str = field("", "PEM private key of tls_cert (keep it mode 0600).")
+    tls_ca: str = field("", "PEM CA certificate(s) this daemon verifies peers with (servers it dials, client "
+                        "certificates presented to it).")
+    tls_require_client_cert: bool = field(
+        False, "Require every client to present a certificate signed by tls_ca (mutual TLS for all clients, "
+        "daemons included). Off: TLS authenticates the server only; clients authenticate with their token.")
+
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables; port 0 picks one).")
     log_level: str = field("info", "debug | info | warning | error")
 
     def validate(self) -> None:
+        TlsFiles.from_config(self, load=False)
         if not 0 <= self.port < 65536:
             raise ConfigError("must be in 0..65535", field="port")
         for a in self.meta_addrs:

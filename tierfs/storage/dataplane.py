@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -550,15 +551,16 @@ async def start_dataplane(
     limits: Limits | None = None,
     transports: Sequence[str] = ("tcp", "shm"),
     kvstores: Mapping[int, KVTargetStore] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> DataPlaneServer:
     """Start serving ``stores`` (and ``kvstores``) on ``host:port`` (TCP; 0
     picks a port) and on the other ``transports`` that are available here.
-    Run it on uvloop."""
+    ``tls``: the TCP port then speaks TLS only (tierfs.tls). Run it on uvloop."""
     server = DataPlaneServer(stores, limits or Limits(), kvstores)
     names = list(dict.fromkeys(["tcp", *transports]))
     try:
         for name in names:
-            transport = get_transport(name)
+            transport = get_transport(name, tls=tls)
             if not transport.available():
                 log.info("dataplane transport %s not available here", name,
                          extra={"event": "dataplane.transport_unavailable", "transport": name})
