@@ -57,6 +57,7 @@ __all__ = [
     "STRING_CAPS",
     "LayoutSpec",
     "cap",
+    "check_addr",
     "check_caps",
     "check_kv_pool_create",
     "check_kv_pool_name",
@@ -370,6 +371,20 @@ def _short(value: str, what: str, *, required: bool = True) -> None:
         raise InvalidArgumentError(f"{what} exceeds {MAX_ID_STRING} bytes")
     if "\0" in value:
         raise InvalidArgumentError(f"{what} contains a NUL byte")
+
+
+def check_addr(value: str, what: str, *, required: bool = True) -> None:
+    """A ``host:port`` address (``[v6]:port`` too) that a peer can dial:
+    anything else would be stored and handed to every client or replica."""
+    _short(value, what, required=required)
+    if not value:
+        return
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+            or any(c.isspace() or c in "/[]" for c in host)):
+        raise InvalidArgumentError(f"{what}: not a host:port address: {value[:80]!r}")
 
 
 def cap(field_name: str, count: int, limit: int) -> None:
