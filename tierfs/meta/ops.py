@@ -519,4 +519,6 @@ def validate_op(op: pb.MetaOp) -> None:
         for rep in op.heartbeat.targets:
             if rep.state not in (pb.TARGET_STATE_UNSPECIFIED, pb.TARGET_STATE_ONLINE,
                                pb.TARGET_STATE_FAILED, pb.TARGET_STATE_READ_ONLY):
-                raise InvalidArgumentError(f"heartbeat: a node cannot report its target as {pb.TargetState.Name(rep.state)}")
+                # An unknown number has no name: naming it must not fail itself.
+                name = pb.TargetState.Name(rep.state) if rep.state in pb.TargetState.values() else str(rep.state)
+                raise InvalidArgumentError(f"heartbeat: a node cannot report its target as {name}")
