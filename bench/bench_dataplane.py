@@ -12,7 +12,12 @@ network-path number); plus a disk case through the chunk engine when
 * shm: a raw shared-memory copy loop (copy into a memfd ring, copy out,
   credits over a pipe) with the same ring size as the shm transport.
 
-    python -m bench.bench_dataplane [--quick]
+With ``--tls`` the tcp cases also run against a second server that serves
+TLS (a throwaway CA and certificates, mutual TLS as ``tierfs up --tls``
+runs it), in the same run, as "tcp+tls" rows next to the plaintext ones;
+``--tls-only`` runs just those; ``--mib N`` sets the bytes per case.
+
+    python -m bench.bench_dataplane [--quick] [--tls | --tls-only] [--mib N]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import mmap
 import os
 import select
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -310,9 +316,10 @@ def _raw_shm(total: int, chunk: int) -> float:
 # --- data plane ----------------------------------------------------------------------
 
 
-async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, total: int) -> float:
+async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, total: int,
+                     tls: ssl.SSLContext | None = None) -> float:
     async with DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"},
-                          connections_per_peer=1 if depth == 1 else 4) as c:
+                          connections_per_peer=1 if depth == 1 else 4, tls=tls) as c:
         data = memoryview(bytearray(os.urandom(64)) * (size // 64))
         keys = [FragmentKey(1, i, 0, 1) for i in range(depth)]
         for k in keys:
@@ -338,10 +345,11 @@ async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, 
         return (count // depth) * depth * size / dt / 1e9
 
 
-async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int) -> float:
+async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int,
+                         tls: ssl.SSLContext | None = None) -> float:
     """Small reads per second (KV-cache sized blobs)."""
     async with DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"},
-                          connections_per_peer=1) as c:
+                          connections_per_peer=1, tls=tls) as c:
         keys = [FragmentKey(2, i, 0, 1) for i in range(depth)]
         for k in keys:
             await c.write(1, k, os.urandom(size))
@@ -378,8 +386,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.stdout.close()
 
 
-def run(quick: bool) -> dict[str, Any]:
-    total = (256 if quick else 1024) * MiB
+def _tls_files(d: str) -> tuple[list[str], ssl.SSLContext]:
+    """Server flags and a client context of a throwaway local CA in ``d``."""
+    from tierfs.tls import TlsFiles, issue, make_local_ca
+
+    ca = str(make_local_ca(d))
+    cert, key = issue(d, "server", ["127.0.0.1"])
+    ccert, ckey = issue(d, "client")
+    flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", ca, "--tls-require-client-cert"]
+    return flags, TlsFiles(ca=ca, cert=str(ccert), key=str(ckey)).client_ssl_context()
+
+
+def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) -> dict[str, Any]:
+    total = (mib or (256 if quick else 1024)) * MiB
     reps = 1 if quick else 3  # best of: the machine is shared and noisy
     rows: list[dict[str, Any]] = []
     raw_srv, raw_port = _spawn([sys.executable, __file__, "raw-tcp-server"])
@@ -388,6 +407,14 @@ def run(quick: bool) -> dict[str, Any]:
     disk_dir = None
     disk_srv = None
     notes = []
+    tls_srv = None
+    tls_port = 0
+    tls_ctx: ssl.SSLContext | None = None
+    tls_dir = tempfile.TemporaryDirectory(prefix="bench-dp-tls-") if tls else None
+    if tls_dir is not None:
+        flags, tls_ctx = _tls_files(tls_dir.name)
+        tls_srv, tls_port = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args,
+                                    "--transports", "tcp", *flags])
     try:
         import tierfs.storage.engine  # noqa: F401
 
@@ -405,15 +432,43 @@ def run(quick: bool) -> dict[str, Any]:
                 return float(await raw_shm(total, size))
             return await _raw_tcp(raw_port, 0 if op == "read" else 1, total, size)
 
-        async def pair(transport: str, op: str, size: int, depth: int, port: int, n: int) -> tuple[float, float]:
+        async def pair(transport: str, op: str, size: int, depth: int, port: int, n: int,
+                       ctx: ssl.SSLContext | None = None) -> tuple[float, float]:
             # Baseline and case alternate, so both see the same machine load.
             base = v = 0.0
             for _ in range(reps):
                 base = max(base, await baseline(transport, op, size))
-                v = max(v, await _dataplane(port, transport, op, size, depth, n))
+                v = max(v, await _dataplane(port, transport, op, size, depth, n, ctx))
             return v, base
 
         async def measure() -> None:
+            if tls_ctx is not None:
+                for op in ("read", "write"):
+                    for size in (1 * MiB, 4 * MiB):
+                        for depth in (1, 16):
+                            # Plaintext and TLS alternate too: the cost of TLS is their ratio.
+                            plain = sealed = base = 0.0
+                            for _ in range(reps):
+                                base = max(base, await baseline("tcp", op, size))
+                                plain = max(plain, await _dataplane(dp_port, "tcp", op, size, depth, total))
+                                sealed = max(sealed, await _dataplane(tls_port, "tcp", op, size, depth, total,
+                                                                      tls_ctx))
+                            rows.append({
+                                "case": f"tcp+tls {op} {size // MiB} MiB x{depth} in flight (memory store)",
+                                "value": round(sealed, 3), "unit": "GB/s", "baseline": round(plain, 3),
+                                "baseline_name": "the same case over plaintext tcp",
+                                "ratio": round(sealed / plain, 3), "raw_tcp": round(base, 3)})
+                for depth in (1, 32):
+                    plain = sealed = 0.0
+                    for _ in range(reps):
+                        plain = max(plain, await _dataplane_ops(dp_port, "tcp", 4096, depth, 5000))
+                        sealed = max(sealed, await _dataplane_ops(tls_port, "tcp", 4096, depth, 5000, tls_ctx))
+                    rows.append({
+                        "case": f"tcp+tls read 4 KiB x{depth} in flight (memory store)",
+                        "value": round(sealed), "unit": "ops/s", "baseline": round(plain),
+                        "baseline_name": "the same case over plaintext tcp", "ratio": round(sealed / plain, 3)})
+                if tls_only:
+                    return
             for transport in ("tcp", "shm"):
                 for op in ("read", "write"):
                     for size in (1 * MiB, 4 * MiB):
@@ -452,6 +507,10 @@ def run(quick: bool) -> dict[str, Any]:
             _stop(disk_srv)
         if disk_dir is not None:
             disk_dir.cleanup()
+        if tls_srv is not None:
+            _stop(tls_srv)
+        if tls_dir is not None:
+            tls_dir.cleanup()
     notes.insert(0, f"{total // MiB} MiB per case, best of {reps}, each case alternating with its "
                     f"baseline; client and server are separate processes on "
                     f"{os.cpu_count()} CPUs; payload CRC32C computed and checked on both ends of "
@@ -465,7 +524,9 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "raw-shm-consumer":
         _shm_consumer(*(int(a) for a in sys.argv[2:6]))
     else:
-        res = run("--quick" in sys.argv)
+        mib = int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else 0
+        res = run("--quick" in sys.argv, tls="--tls" in sys.argv or "--tls-only" in sys.argv, mib=mib,
+                  tls_only="--tls-only" in sys.argv)
         for r in res["rows"]:
             print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}")
         print(res["notes"])

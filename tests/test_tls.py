@@ -174,3 +174,7 @@ def test_client_tls_resolution(tmp_path: Path) -> None:
     # The environment beats the local directory; an explicit "" means plaintext.
     assert resolve_client_tls(data_dir=tmp_path, env={"TIERFS_TLS_CA": "/e/ca.pem"}) == TlsFiles(ca="/e/ca.pem")
     assert resolve_client_tls("", data_dir=tmp_path, env={"TIERFS_TLS_CA": "/e/ca.pem"}) is None
+    # With the addresses about to be dialled: only for that local cluster's own.
+    (tmp_path / "cluster.toml").write_text('[cluster]\nmeta = ["127.0.0.1:7000"]\n')
+    assert resolve_client_tls(data_dir=tmp_path, addrs=["127.0.0.1:7000"], env={}) == found
+    assert resolve_client_tls(data_dir=tmp_path, addrs=["10.0.0.1:7000"], env={}) is None

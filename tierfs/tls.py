@@ -158,20 +158,37 @@ class TlsFiles:
         return TlsFiles(ca=self.ca, cert=self.cert, key=self.key)
 
 
+def _local_addrs(data_dir: Path) -> set[str]:
+    """Addresses a local cluster's cluster.toml names (meta and storage)."""
+    import tomllib
+
+    try:
+        doc = tomllib.loads((data_dir / "cluster.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return set()
+    meta = doc.get("cluster", {}).get("meta", [])
+    procs = [p.get("addr", "") for p in doc.get("process", []) if isinstance(p, dict)]
+    return {str(a) for a in [*meta, *procs] if a}
+
+
 def resolve_client_tls(ca: str | None = None, cert: str | None = None, key: str | None = None, *,
-                       data_dir: str | os.PathLike[str] | None = None,
+                       data_dir: str | os.PathLike[str] | None = None, addrs: Sequence[str] | None = None,
                        env: Mapping[str, str] | None = None) -> TlsFiles | None:
     """The TLS files a client uses, or None for plaintext. The first of:
     ``ca`` given (``""`` means plaintext, never replaced by a default),
     ``TIERFS_TLS_CA``, ``DATA/tls/ca.pem`` of a local cluster (``data_dir``,
-    default :data:`default_data_dir`) when that file exists. The client
-    certificate likewise: ``cert``/``key``, ``TIERFS_TLS_CERT``/``_KEY``,
+    default :data:`default_data_dir`) when that file exists and, if
+    ``addrs`` (the addresses about to be dialled) is given, the cluster's
+    cluster.toml names one of them: a TLS cluster in ./.tierfs must not
+    turn TLS on for a client of another cluster. The client certificate
+    likewise: ``cert``/``key``, ``TIERFS_TLS_CERT``/``_KEY``,
     ``DATA/tls/client.pem``/``.key`` next to a local CA."""
     env = os.environ if env is None else env
     local = Path(data_dir if data_dir is not None else default_data_dir.get()) / TLS_DIR
     if ca is None:
         ca = env.get("TIERFS_TLS_CA")
-        if ca is None and (local / CA_FILE).is_file():
+        if (ca is None and (local / CA_FILE).is_file()
+                and (addrs is None or not _local_addrs(local.parent).isdisjoint(addrs))):
             ca = str(local / CA_FILE)
             if cert is None and "TIERFS_TLS_CERT" not in env and (local / f"{CLIENT_NAME}.pem").is_file():
                 cert, key = str(local / f"{CLIENT_NAME}.pem"), str(local / f"{CLIENT_NAME}.key")

@@ -260,3 +260,26 @@ def test_hostile_inputs(target: Target, rpc: str) -> None:
             parse_address(node.data_addr)
 
     one()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("rpc", "req"), [
+    # Accepted before: the address then sat in every client's cluster map and
+    # every client's next map refresh failed on it.
+    ("RegisterNode", pb.RegisterNodeRequest(node_uuid="u", hostname="h", data_addr="nowhere",
+                                            targets=[pb.TargetSpec(path="/t", capacity=1)])),
+    ("RegisterNode", pb.RegisterNodeRequest(node_uuid="u", hostname="h", data_addr="127.0.0.1:1",
+                                            control_addr="h:99999", targets=[pb.TargetSpec(path="/t")])),
+    # INTERNAL before (a ValueError deep in the replicator).
+    ("AddMetaMember", pb.MetaMemberRequest(raft_addr="")),
+    ("AddMetaMember", pb.MetaMemberRequest(raft_addr="a b:1")),
+    ("RemoveMetaMember", pb.MetaMemberRequest(raft_addr="127.0.0.1:1", grpc_addr="x")),
+    # INTERNAL before: the error message named the state with a name it does not have.
+    ("Heartbeat", pb.HeartbeatRequest(node_id=1, targets=[pb.TargetReport(target_id=1, state=99)])),
+])
+def test_found_bugs_stay_fixed(target: Target, rpc: str, req: Message) -> None:
+    before = target.digest()
+    with pytest.raises(grpc.RpcError) as info:
+        target.call(SERVICE.methods_by_name[rpc], req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value  # type: ignore[attr-defined]
+    assert target.digest() == before

@@ -127,4 +127,4 @@ class ClientConfig(BaseConfig):
 def client_tls(c: ClientConfig) -> TlsFiles | None:
     """The TLS files of a client built from ``c`` (None: plaintext), by
     :func:`tierfs.tls.resolve_client_tls`'s precedence."""
-    return resolve_client_tls(c.tls_ca or None, c.tls_cert or None, c.tls_key or None)
+    return resolve_client_tls(c.tls_ca or None, c.tls_cert or None, c.tls_key or None, addrs=c.meta)

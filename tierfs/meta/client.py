@@ -85,7 +85,8 @@ class MetaClient:
     ) -> None:
         """``tls``: the CA (and client certificate) to dial the replicas
         with; "auto": :func:`tierfs.tls.resolve_client_tls` (TIERFS_TLS_CA,
-        a local cluster's tls/ca.pem); None: plaintext."""
+        the tls/ca.pem of the local cluster these addresses belong to);
+        None: plaintext."""
         if not addrs:
             raise InvalidArgumentError("MetaClient needs at least one meta address")
         self.addrs: list[str] = list(dict.fromkeys(addrs))
@@ -98,7 +99,7 @@ class MetaClient:
         self._stubs: dict[str, Any] = {}
         self._req = itertools.count(1)
         self._closed = False
-        self.tls: TlsFiles | None = resolve_client_tls() if tls == "auto" else tls
+        self.tls: TlsFiles | None = resolve_client_tls(addrs=self.addrs) if tls == "auto" else tls
 
     # ---- lifecycle ----------------------------------------------------------
 

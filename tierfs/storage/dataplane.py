@@ -611,7 +611,15 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-verify", action="store_true",
                     help="memory targets skip their own CRC re-checks (network benchmarks)")
     ap.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
+    ap.add_argument("--tls-cert", default="", help="serve TLS on tcp with this PEM certificate (and --tls-key)")
+    ap.add_argument("--tls-key", default="")
+    ap.add_argument("--tls-ca", default="", help="verify client certificates against this CA")
+    ap.add_argument("--tls-require-client-cert", action="store_true")
     args = ap.parse_args(argv)
+    from tierfs.tls import TlsFiles
+
+    tls = TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                   require_client_cert=args.tls_require_client_cert) if args.tls_cert else None
     stores: dict[int, FragmentStore] = {
         t: MemoryFragmentStore(t, verify=not args.no_verify) for t in args.memory_target}
     closers: list[Any] = []
@@ -649,7 +657,8 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     limits = Limits(max_frame_bytes=args.max_frame_bytes,
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
-                                   transports=args.transports.split(","), kvstores=kvstores)
+                                   transports=args.transports.split(","), kvstores=kvstores,
+                                   tls=tls.server_ssl_context() if tls is not None else None)
     print(json.dumps({"port": server.port, "transports": list(server.listeners)}), flush=True)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
