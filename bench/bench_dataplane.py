@@ -106,9 +106,10 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, n)
 
 
-async def _raw_tcp_server() -> None:
+async def _raw_tcp_server(tls: ssl.SSLContext | None = None) -> None:
     """Child: on each connection, read ``mode, total, chunk``; mode 0: stream
-    ``total`` bytes out; mode 1: sink ``total`` bytes then send one byte."""
+    ``total`` bytes out; mode 1: sink ``total`` bytes then send one byte.
+    ``tls``: the same over TLS (the raw baseline of the tcp+tls rows)."""
     loop = asyncio.get_running_loop()
 
     class Conn(asyncio.Protocol):
@@ -152,16 +153,17 @@ async def _raw_tcp_server() -> None:
                     sink.done.add_done_callback(lambda _: self.transport.write(b"!"))
                 self.buf = bytearray()
 
-    server = await loop.create_server(Conn, "127.0.0.1", 0)
+    server = await loop.create_server(Conn, "127.0.0.1", 0, ssl=tls)
     print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
     await loop.run_in_executor(None, sys.stdin.read)
     server.close()
 
 
-async def _raw_tcp(port: int, mode: int, total: int, chunk: int) -> float:
+async def _raw_tcp(port: int, mode: int, total: int, chunk: int, tls: ssl.SSLContext | None = None) -> float:
     loop = asyncio.get_running_loop()
     sink = _Sink(chunk)
-    transport, _ = await loop.create_connection(lambda: sink, "127.0.0.1", port)
+    transport, _ = await loop.create_connection(lambda: sink, "127.0.0.1", port, ssl=tls,
+                                                server_hostname="127.0.0.1" if tls is not None else None)
     _tune(transport.get_extra_info("socket"))
     t0 = time.perf_counter()
     transport.write(struct.pack("<QQQ", mode, total, chunk))
@@ -407,14 +409,15 @@ def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) ->
     disk_dir = None
     disk_srv = None
     notes = []
-    tls_srv = None
-    tls_port = 0
+    tls_srv = raw_tls_srv = None
+    tls_port = raw_tls_port = 0
     tls_ctx: ssl.SSLContext | None = None
     tls_dir = tempfile.TemporaryDirectory(prefix="bench-dp-tls-") if tls else None
     if tls_dir is not None:
         flags, tls_ctx = _tls_files(tls_dir.name)
         tls_srv, tls_port = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args,
                                     "--transports", "tcp", *flags])
+        raw_tls_srv, raw_tls_port = _spawn([sys.executable, __file__, "raw-tcp-server", *flags[:4]])
     try:
         import tierfs.storage.engine  # noqa: F401
 
@@ -449,7 +452,8 @@ def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) ->
                             # Plaintext and TLS alternate too: the cost of TLS is their ratio.
                             plain = sealed = base = 0.0
                             for _ in range(reps):
-                                base = max(base, await baseline("tcp", op, size))
+                                base = max(base, await _raw_tcp(raw_tls_port, 0 if op == "read" else 1, total,
+                                                                size, tls_ctx))
                                 plain = max(plain, await _dataplane(dp_port, "tcp", op, size, depth, total))
                                 sealed = max(sealed, await _dataplane(tls_port, "tcp", op, size, depth, total,
                                                                       tls_ctx))
@@ -457,7 +461,7 @@ def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) ->
                                 "case": f"tcp+tls {op} {size // MiB} MiB x{depth} in flight (memory store)",
                                 "value": round(sealed, 3), "unit": "GB/s", "baseline": round(plain, 3),
                                 "baseline_name": "the same case over plaintext tcp",
-                                "ratio": round(sealed / plain, 3), "raw_tcp": round(base, 3)})
+                                "ratio": round(sealed / plain, 3), "raw_tls_stream": round(base, 3)})
                 for depth in (1, 32):
                     plain = sealed = 0.0
                     for _ in range(reps):
@@ -509,6 +513,7 @@ def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) ->
             disk_dir.cleanup()
         if tls_srv is not None:
             _stop(tls_srv)
+            _stop(raw_tls_srv)
         if tls_dir is not None:
             tls_dir.cleanup()
     notes.insert(0, f"{total // MiB} MiB per case, best of {reps}, each case alternating with its "
@@ -520,7 +525,11 @@ def run(quick: bool, tls: bool = False, mib: int = 0, tls_only: bool = False) ->
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "raw-tcp-server":
-        uvloop.run(_raw_tcp_server())
+        ctx = None
+        if "--tls-cert" in sys.argv:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(sys.argv[sys.argv.index("--tls-cert") + 1], sys.argv[sys.argv.index("--tls-key") + 1])
+        uvloop.run(_raw_tcp_server(ctx))
     elif len(sys.argv) > 1 and sys.argv[1] == "raw-shm-consumer":
         _shm_consumer(*(int(a) for a in sys.argv[2:6]))
     else:
@@ -528,5 +537,7 @@ if __name__ == "__main__":
         res = run("--quick" in sys.argv, tls="--tls" in sys.argv or "--tls-only" in sys.argv, mib=mib,
                   tls_only="--tls-only" in sys.argv)
         for r in res["rows"]:
-            print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}")
+            raw = f"  raw tls stream {r['raw_tls_stream']:.3f}" if "raw_tls_stream" in r else ""
+            print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}"
+                  + raw)
         print(res["notes"])

@@ -47,6 +47,7 @@ __all__ = [
     "issue",
     "make_local_ca",
     "resolve_client_tls",
+    "unreachable_hint",
 ]
 
 #: Subdirectory of a local cluster's data dir holding its CA and certificates.
@@ -197,6 +198,25 @@ def resolve_client_tls(ca: str | None = None, cert: str | None = None, key: str 
     if cert is None:
         cert, key = env.get("TIERFS_TLS_CERT", ""), env.get("TIERFS_TLS_KEY", "")
     return TlsFiles(ca=ca, cert=cert or "", key=key or "")
+
+
+def unreachable_hint(last_error: str, tls: TlsFiles | None) -> str:
+    """What to add to "cluster unreachable" when the last error looks like
+    a TLS mismatch (gRPC says only "Socket closed" when the server drops a
+    plaintext client or one without a certificate)."""
+    if "handshake failed" in last_error.lower() or "CERTIFICATE_VERIFY_FAILED" in last_error:
+        ca = tls.ca if tls is not None else "-"
+        return (f"; TLS handshake failed: the client's CA ({ca}) did not sign the server's certificate, or the "
+                "address dialled is not in it")
+    if "Socket closed" not in last_error:
+        return ""
+    if tls is None:
+        return ("; the server closed the connection at once: if the cluster serves TLS, give the client its CA "
+                "(TIERFS_TLS_CA, ClientConfig.tls_ca; `tierfs --data DIR` for a `tierfs up --tls` cluster)")
+    if not tls.cert:
+        return ("; the server closed the connection at once: if the cluster requires client certificates, "
+                "give the client one (TIERFS_TLS_CERT, TIERFS_TLS_KEY)")
+    return ""
 
 
 def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:

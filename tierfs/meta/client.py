@@ -39,7 +39,7 @@ from tierfs.errors import (
 from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
-from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls
+from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint
 
 __all__ = ["MetaClient", "Where"]
 
@@ -149,7 +149,8 @@ class MetaClient:
             remaining = end - loop.time()
             if remaining <= 0:
                 raise UnavailableError(f"cluster unreachable: tried {', '.join(tried) or target}"
-                                       + (f" (last error: {last})" if last else ""))
+                                       + (f" (last error: {last}{unreachable_hint(last, self.tls)})"
+                                          if last else ""))
             if target not in tried:
                 tried.append(target)
             try:
