@@ -133,6 +133,82 @@ def messages(desc: Descriptor, depth: int = 0, small: bool = False) -> st.Search
     return st.fixed_dictionaries({}, optional=fields).map(lambda kw: _build(cls, kw))
 
 
+def _p(path: str) -> pb.Loc:
+    return pb.Loc(path=path)
+
+
+#: A request each RPC would accept (or nearly) in the fixture's state, to
+#: mutate one or two fields of: hostile values that get past the first
+#: check reach the state machine.
+BASES: dict[str, Message] = {
+    "Mkdir": pb.MkdirRequest(loc=_p("/d/new"), mode=0o755),
+    "Create": pb.CreateRequest(loc=_p("/d/new-file"), mode=0o644),
+    "Lookup": pb.LookupRequest(parent=2, name="f"),
+    "Stat": pb.StatRequest(loc=_p("/d/f")),
+    "Readdir": pb.ReaddirRequest(loc=_p("/d")),
+    "Rename": pb.RenameRequest(src=_p("/d/f"), dst=_p("/d/g")),
+    "Unlink": pb.UnlinkRequest(loc=_p("/d/f")),
+    "Rmdir": pb.RmdirRequest(loc=_p("/d/sub")),
+    "Symlink": pb.SymlinkRequest(loc=_p("/d/s2"), target="/d/f"),
+    "Readlink": pb.ReadlinkRequest(loc=_p("/d/s")),
+    "SetAttr": pb.SetAttrRequest(loc=_p("/d/f"), set_mode=True, mode=0o600),
+    "Truncate": pb.TruncateRequest(loc=_p("/d/f"), size=0),
+    "SetLayout": pb.SetLayoutRequest(loc=_p("/d/sub"), layout=pb.Layout(redundancy="ec:2+1", chunk_size=1 << 20)),
+    "GetLayout": pb.GetLayoutRequest(loc=_p("/d")),
+    "OpenWrite": pb.OpenWriteRequest(loc=_p("/d/f"), owner="w", lease_ms=60_000),
+    "RenewLease": pb.RenewLeaseRequest(session_id=1, lease_ms=60_000, uploads=[pb.ChunkUpload(index=0, generation=1)]),
+    "CommitWrite": pb.CommitWriteRequest(session_id=1, size=10, chunks=[pb.ChunkRecord(
+        index=0, generation=(1 << 20) | 1, length=10)]),
+    "AbortWrite": pb.AbortWriteRequest(session_id=1),
+    "Heartbeat": pb.HeartbeatRequest(node_id=1, targets=[pb.TargetReport(target_id=1, used=1, capacity=1 << 40)]),
+    "RegisterNode": pb.RegisterNodeRequest(node_uuid="n9", hostname="h9", data_addr="127.0.0.1:9100",
+                                           targets=[pb.TargetSpec(path="/t0", capacity=1 << 40)]),
+    "CreateKVPool": pb.CreateKVPoolRequest(name="p", target_memory=1 << 20),
+    "RemoveKVPool": pb.RemoveKVPoolRequest(name="p"),
+    "MarkFragments": pb.MarkFragmentsRequest(),
+}
+
+
+def _leaves(desc: Descriptor, depth: int = 0) -> list[tuple[FieldDescriptor, ...]]:
+    """Field paths of ``desc`` down to singular sub-messages (Loc.path, layout.chunk_size)."""
+    out: list[tuple[FieldDescriptor, ...]] = []
+    for fd in desc.fields:
+        out.append((fd,))
+        if fd.type == FD.TYPE_MESSAGE and not fd.is_repeated and depth < 2 \
+                and not fd.message_type.GetOptions().map_entry:
+            out += [(fd, *rest) for rest in _leaves(fd.message_type, depth + 1)]
+    return out
+
+
+def mutated(base: Message) -> st.SearchStrategy[Message]:
+    """``base`` with one or two of its fields (nested ones too) set hostile."""
+    leaves = _leaves(base.DESCRIPTOR)
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Message:
+        msg = type(base)()
+        msg.CopyFrom(base)
+        for _ in range(draw(st.integers(1, 2))):
+            path = draw(st.sampled_from(leaves))
+            holder = msg
+            for fd in path[:-1]:
+                holder = getattr(holder, fd.name)
+            fd = path[-1]
+            elem: st.SearchStrategy[Any] = (messages(fd.message_type, 1) if fd.type == FD.TYPE_MESSAGE
+                                            else _scalar(fd, False))
+            if fd.is_repeated:
+                value = draw(st.lists(elem, max_size=3))
+                del getattr(holder, fd.name)[:]
+                getattr(holder, fd.name).extend(value)
+            elif fd.type == FD.TYPE_MESSAGE:
+                getattr(holder, fd.name).CopyFrom(draw(elem))
+            else:
+                setattr(holder, fd.name, draw(elem))
+        return msg
+
+    return build()
+
+
 def _build(cls: type[Message], kw: dict[str, Any]) -> Message:
     msg = cls()
     for name, value in kw.items():
@@ -195,13 +271,15 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     with MetaCluster(root, n=1, state_machine="meta", extra_args=["--tick-interval=3600"]) as c:
         c.wait_leader()
         t = Target(c)
-        # Something to aim at: six storage nodes (ids 1-6), inodes 2 and 3 (/d, /d/f) besides the root.
+        # Something to aim at: six storage nodes (ids 1-6), /d (inode 2), /d/f (3), /d/sub, /d/s.
         for i in range(6):
             t.call(SERVICE.methods_by_name["RegisterNode"], pb.RegisterNodeRequest(
                 node_uuid=f"n{i}", hostname=f"h{i}", data_addr=f"127.0.0.1:{9000 + i}",
                 targets=[pb.TargetSpec(path="/t0", capacity=1 << 40)]))
         t.call(SERVICE.methods_by_name["Mkdir"], pb.MkdirRequest(loc=pb.Loc(path="/d"), mode=0o755))
         t.call(SERVICE.methods_by_name["Create"], pb.CreateRequest(loc=pb.Loc(path="/d/f"), mode=0o644))
+        t.call(SERVICE.methods_by_name["Mkdir"], pb.MkdirRequest(loc=pb.Loc(path="/d/sub"), mode=0o755))
+        t.call(SERVICE.methods_by_name["Symlink"], pb.SymlinkRequest(loc=pb.Loc(path="/d/s"), target="/d/f"))
         yield t
         t.channel.close()
         assert c.replicas[0].alive, "the replica died"
@@ -229,7 +307,10 @@ def test_every_rpc_is_covered() -> None:
 @pytest.mark.parametrize("rpc", [m.name for m in SERVICE.methods])
 def test_hostile_inputs(target: Target, rpc: str) -> None:
     method = SERVICE.methods_by_name[rpc]
+    base = BASES.get(rpc, _class(method.input_type)())
     requests = messages(method.input_type)
+    if base.DESCRIPTOR.fields:
+        requests = st.one_of(requests, mutated(base))
     if rpc in _NEVER_SUCCEED:
         requests = requests.filter(lambda r: not _dialable(r.raft_addr))
     counts = target.outcomes.setdefault(rpc, {"ok": 0, "refused": 0})
