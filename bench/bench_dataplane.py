@@ -12,12 +12,18 @@ network-path number); plus a disk case through the chunk engine when
 * shm: a raw shared-memory copy loop (copy into a memfd ring, copy out,
   credits over a pipe) with the same ring size as the shm transport.
 
-    python -m bench.bench_dataplane [--quick] [--security on|off|both]
+    python -m bench.bench_dataplane [--quick] [--security on|off|both] [--tls | --tls-only] [--mib N]
 
 ``--security`` (default both): each data-plane case against a server that
 requires capabilities (the client sends a file capability, verified once per
 connection, checked per request) and/or one that requires none; rows of the
 "on" runs end in "[caps]". The baselines are the same for both.
+
+With ``--tls`` the tcp cases also run against a second server that serves
+TLS (a throwaway CA and certificates, mutual TLS as ``tierfs up --tls``
+runs it), in the same run, as "tcp+tls" rows next to the plaintext ones
+(both without capabilities); ``--tls-only`` runs just those; ``--mib N``
+sets the bytes per case.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import mmap
 import os
 import select
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -107,9 +114,10 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, n)
 
 
-async def _raw_tcp_server() -> None:
+async def _raw_tcp_server(tls: ssl.SSLContext | None = None) -> None:
     """Child: on each connection, read ``mode, total, chunk``; mode 0: stream
-    ``total`` bytes out; mode 1: sink ``total`` bytes then send one byte."""
+    ``total`` bytes out; mode 1: sink ``total`` bytes then send one byte.
+    ``tls``: the same over TLS (the raw baseline of the tcp+tls rows)."""
     loop = asyncio.get_running_loop()
 
     class Conn(asyncio.Protocol):
@@ -153,16 +161,17 @@ async def _raw_tcp_server() -> None:
                     sink.done.add_done_callback(lambda _: self.transport.write(b"!"))
                 self.buf = bytearray()
 
-    server = await loop.create_server(Conn, "127.0.0.1", 0)
+    server = await loop.create_server(Conn, "127.0.0.1", 0, ssl=tls)
     print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
     await loop.run_in_executor(None, sys.stdin.read)
     server.close()
 
 
-async def _raw_tcp(port: int, mode: int, total: int, chunk: int) -> float:
+async def _raw_tcp(port: int, mode: int, total: int, chunk: int, tls: ssl.SSLContext | None = None) -> float:
     loop = asyncio.get_running_loop()
     sink = _Sink(chunk)
-    transport, _ = await loop.create_connection(lambda: sink, "127.0.0.1", port)
+    transport, _ = await loop.create_connection(lambda: sink, "127.0.0.1", port, ssl=tls,
+                                                server_hostname="127.0.0.1" if tls is not None else None)
     _tune(transport.get_extra_info("socket"))
     t0 = time.perf_counter()
     transport.write(struct.pack("<QQQ", mode, total, chunk))
@@ -328,16 +337,16 @@ def _caps(secret_file: str) -> list[bytes]:
             for inode in (1, 2)]
 
 
-def _client(transport: str, port: int, conns: int, caps: list[bytes]) -> DataClient:
-    c = DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"}, connections_per_peer=conns)
+def _client(transport: str, port: int, conns: int, caps: list[bytes], tls: ssl.SSLContext | None = None) -> DataClient:
+    c = DataClient(transport=transport, routes={1: f"127.0.0.1:{port}"}, connections_per_peer=conns, tls=tls)
     for cap in caps:
         c.caps.add(cap)
     return c
 
 
 async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, total: int,
-                     caps: list[bytes] | None = None) -> float:
-    async with _client(transport, port, 1 if depth == 1 else 4, caps or []) as c:
+                     caps: list[bytes] | None = None, tls: ssl.SSLContext | None = None) -> float:
+    async with _client(transport, port, 1 if depth == 1 else 4, caps or [], tls) as c:
         data = memoryview(bytearray(os.urandom(64)) * (size // 64))
         keys = [FragmentKey(1, i, 0, 1) for i in range(depth)]
         for k in keys:
@@ -364,9 +373,9 @@ async def _dataplane(port: int, transport: str, op: str, size: int, depth: int, 
 
 
 async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count: int,
-                         caps: list[bytes] | None = None) -> float:
+                         caps: list[bytes] | None = None, tls: ssl.SSLContext | None = None) -> float:
     """Small reads per second (KV-cache sized blobs)."""
-    async with _client(transport, port, 1, caps or []) as c:
+    async with _client(transport, port, 1, caps or [], tls) as c:
         keys = [FragmentKey(2, i, 0, 1) for i in range(depth)]
         for k in keys:
             await c.write(1, k, os.urandom(size))
@@ -403,8 +412,20 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.stdout.close()
 
 
-def run(quick: bool, security: str = "both") -> dict[str, Any]:
-    total = (256 if quick else 1024) * MiB
+def _tls_files(d: str) -> tuple[list[str], ssl.SSLContext]:
+    """Server flags and a client context of a throwaway local CA in ``d``."""
+    from tierfs.tls import TlsFiles, issue, make_local_ca
+
+    ca = str(make_local_ca(d))
+    cert, key = issue(d, "server", ["127.0.0.1"])
+    ccert, ckey = issue(d, "client")
+    flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", ca, "--tls-require-client-cert"]
+    return flags, TlsFiles(ca=ca, cert=str(ccert), key=str(ckey)).client_ssl_context()
+
+
+def run(quick: bool, security: str = "both", tls: bool = False, mib: int = 0,
+        tls_only: bool = False) -> dict[str, Any]:
+    total = (mib or (256 if quick else 1024)) * MiB
     reps = 1 if quick else 3  # best of: the machine is shared and noisy
     rows: list[dict[str, Any]] = []
     modes = {"on": [True], "off": [False], "both": [False, True]}[security]
@@ -415,12 +436,21 @@ def run(quick: bool, security: str = "both") -> dict[str, Any]:
     dp_args = ["--memory-target", "1", "--no-verify"]
     # one server per security mode: (port, the capabilities the client sends)
     servers: dict[bool, tuple[subprocess.Popen[bytes], int]] = {}
-    for on in modes:
+    for on in sorted(set(modes) | ({False} if tls else set())):  # TLS rows compare with plaintext, no caps
         servers[on] = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args,
                               *(["--cap-secret-file", secret_file] if on else [])])
     disk_dir = None
     disk_srvs: dict[bool, tuple[subprocess.Popen[bytes], int]] = {}
     notes = []
+    tls_srv = raw_tls_srv = None
+    tls_port = raw_tls_port = 0
+    tls_ctx: ssl.SSLContext | None = None
+    tls_dir = tempfile.TemporaryDirectory(prefix="bench-dp-tls-") if tls else None
+    if tls_dir is not None:
+        flags, tls_ctx = _tls_files(tls_dir.name)
+        tls_srv, tls_port = _spawn([sys.executable, "-m", "tierfs.storage.dataplane", *dp_args,
+                                    "--transports", "tcp", *flags])
+        raw_tls_srv, raw_tls_port = _spawn([sys.executable, __file__, "raw-tcp-server", *flags[:4]])
     try:
         import tierfs.storage.engine  # noqa: F401
 
@@ -450,9 +480,41 @@ def run(quick: bool, security: str = "both") -> dict[str, Any]:
             return v, base
 
         async def measure() -> None:
+            if tls_ctx is not None:
+                await measure_tls(servers[False][1])
+                if tls_only:
+                    return
             for on in modes:
                 await measure_mode(servers[on][1], disk_srvs[on][1] if on in disk_srvs else None,
                                    caps if on else [], " [caps]" if on else "")
+
+        async def measure_tls(plain_port: int) -> None:
+            if tls_ctx is not None:
+                for op in ("read", "write"):
+                    for size in (1 * MiB, 4 * MiB):
+                        for depth in (1, 16):
+                            # Plaintext and TLS alternate too: the cost of TLS is their ratio.
+                            plain = sealed = base = 0.0
+                            for _ in range(reps):
+                                base = max(base, await _raw_tcp(raw_tls_port, 0 if op == "read" else 1, total,
+                                                                size, tls_ctx))
+                                plain = max(plain, await _dataplane(plain_port, "tcp", op, size, depth, total))
+                                sealed = max(sealed, await _dataplane(tls_port, "tcp", op, size, depth, total,
+                                                                      None, tls_ctx))
+                            rows.append({
+                                "case": f"tcp+tls {op} {size // MiB} MiB x{depth} in flight (memory store)",
+                                "value": round(sealed, 3), "unit": "GB/s", "baseline": round(plain, 3),
+                                "baseline_name": "the same case over plaintext tcp",
+                                "ratio": round(sealed / plain, 3), "raw_tls_stream": round(base, 3)})
+                for depth in (1, 32):
+                    plain = sealed = 0.0
+                    for _ in range(reps):
+                        plain = max(plain, await _dataplane_ops(plain_port, "tcp", 4096, depth, 5000))
+                        sealed = max(sealed, await _dataplane_ops(tls_port, "tcp", 4096, depth, 5000, None, tls_ctx))
+                    rows.append({
+                        "case": f"tcp+tls read 4 KiB x{depth} in flight (memory store)",
+                        "value": round(sealed), "unit": "ops/s", "baseline": round(plain),
+                        "baseline_name": "the same case over plaintext tcp", "ratio": round(sealed / plain, 3)})
 
         async def measure_mode(dp_port: int, disk_port: int | None, cc: list[bytes], tag: str) -> None:
             for transport in ("tcp", "shm"):
@@ -493,6 +555,11 @@ def run(quick: bool, security: str = "both") -> dict[str, Any]:
         if disk_dir is not None:
             disk_dir.cleanup()
         secret_dir.cleanup()
+        if tls_srv is not None:
+            _stop(tls_srv)
+            _stop(raw_tls_srv)
+        if tls_dir is not None:
+            tls_dir.cleanup()
     notes.insert(0, f"{total // MiB} MiB per case, best of {reps}, each case alternating with its "
                     f"baseline; client and server are separate processes on "
                     f"{os.cpu_count()} CPUs; payload CRC32C computed and checked on both ends of "
@@ -502,14 +569,22 @@ def run(quick: bool, security: str = "both") -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "raw-tcp-server":
-        uvloop.run(_raw_tcp_server())
+        ctx = None
+        if "--tls-cert" in sys.argv:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(sys.argv[sys.argv.index("--tls-cert") + 1], sys.argv[sys.argv.index("--tls-key") + 1])
+        uvloop.run(_raw_tcp_server(ctx))
     elif len(sys.argv) > 1 and sys.argv[1] == "raw-shm-consumer":
         _shm_consumer(*(int(a) for a in sys.argv[2:6]))
     else:
         sec = sys.argv[sys.argv.index("--security") + 1] if "--security" in sys.argv else "both"
         if sec not in ("on", "off", "both"):
             sys.exit("--security takes on, off or both")
-        res = run("--quick" in sys.argv, sec)
+        mib = int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else 0
+        res = run("--quick" in sys.argv, sec, tls="--tls" in sys.argv or "--tls-only" in sys.argv, mib=mib,
+                  tls_only="--tls-only" in sys.argv)
         for r in res["rows"]:
-            print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}")
+            raw = f"  raw tls stream {r['raw_tls_stream']:.3f}" if "raw_tls_stream" in r else ""
+            print(f"{r['case']:<60} {r['value']:10.3f} {r['unit']:<6} base {r['baseline']:10.3f}  {r['ratio']:.0%}"
+                  + raw)
         print(res["notes"])

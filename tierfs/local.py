@@ -7,6 +7,7 @@
     DIR/cluster.secret      the Raft cluster secret (mode 0600, made on the first start)
     DIR/admin.token         the admin token, derived from the secret (0600; the CLI's default credential)
     DIR/node.key            the node key the storage daemons present to meta (0600)
+    DIR/tls/                with ``tls=True``: ca.pem (+ ca.key), <daemon>.pem/.key, client.pem/.key
     DIR/meta-<i>/           a meta replica's journal and snapshots
     DIR/storage-<i>/        a storage node's identity; targets in t<j>/
     DIR/logs/<name>.log     stderr (structured logs); <name>.out: stdout
@@ -43,6 +44,7 @@ from tierfs.security import (
     node_key,
     write_private_file,
 )
+from tierfs.tls import CA_FILE, CLIENT_NAME, TLS_DIR, TlsFiles, issue, make_local_ca
 
 __all__ = ["LocalCluster", "ProcInfo", "free_ports", "pid_alive"]
 
@@ -147,11 +149,17 @@ class LocalCluster:
         extra_meta_args: Sequence[str] = (),
         extra_storage_args: Sequence[str] = (),
         gc_grace: float | None = None,
+        tls: bool = False,
     ) -> None:
         """``gc_grace``: seconds before meta lists replaced fragments for
         deletion (``tierfs-meta --gc-grace``; None: the daemon's default,
         300 s). Tests that wait for GC pass a short one. Like the extra
-        arguments it applies to the daemons this object starts."""
+        arguments it applies to the daemons this object starts.
+
+        ``tls``: make a local CA and certificates under DIR/tls/ and run
+        every daemon with TLS and client certificates required (mutual TLS;
+        docs/security-tls.md). A directory that has DIR/tls/ca.pem stays a
+        TLS cluster whatever is passed here."""
         self.dir = Path(data_dir).resolve()
         self.python = python
         self.host = host
@@ -159,6 +167,7 @@ class LocalCluster:
         if gc_grace is not None:
             self._extra_meta.append(f"--gc-grace={gc_grace}")
         self._extra_storage = list(extra_storage_args)
+        self.tls = tls or (self.tls_dir / CA_FILE).exists()
         state = self._load_state()
         #: True when the directory already held a cluster (its plan is reused
         #: and the counts passed here are ignored).
@@ -230,6 +239,28 @@ class LocalCluster:
         # Rewritten each start: they follow the secret if an operator replaced it.
         write_private_file(self.admin_token_file, admin_token(secret) + "\n", overwrite=True)
         write_private_file(self.node_key_file, node_key(secret) + "\n", overwrite=True)
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.dir / TLS_DIR
+
+    def client_tls(self) -> TlsFiles | None:
+        """What a client of this cluster dials with (None: plaintext)."""
+        if not self.tls:
+            return None
+        d = self.tls_dir
+        return TlsFiles(ca=str(d / CA_FILE), cert=str(d / f"{CLIENT_NAME}.pem"), key=str(d / f"{CLIENT_NAME}.key"))
+
+    def _make_certs(self) -> None:
+        make_local_ca(self.tls_dir)
+        issue(self.tls_dir, CLIENT_NAME)
+        for p in self.procs:
+            issue(self.tls_dir, p.name, [p.addr.rpartition(":")[0]])
+
+    def _tls_flags(self, p: ProcInfo) -> list[str]:
+        d = self.tls_dir
+        return [f"--tls-cert={d / (p.name + '.pem')}", f"--tls-key={d / (p.name + '.key')}",
+                f"--tls-ca={d / CA_FILE}", "--tls-require-client-cert=true"]
 
     @property
     def meta_addrs(self) -> list[str]:
@@ -320,6 +351,8 @@ class LocalCluster:
             extra = [f"--cluster-secret-file={self.secret_file}", *extra]
         if p.kind == "storage" and not any(a.startswith("--node-key-file") for a in [*p.argv, *extra]):
             extra = [f"--node-key-file={self.node_key_file}", *extra]
+        if self.tls:
+            extra = [*self._tls_flags(p), *extra]
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -361,6 +394,8 @@ class LocalCluster:
         register with meta before they report ready). Returns the names started."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_credentials()
+        if self.tls:
+            self._make_certs()
         deadline = time.monotonic() + timeout
         started: list[str] = []
         for kind in ("meta", "storage"):
@@ -443,7 +478,7 @@ class LocalCluster:
         alive = self.running()
         out: dict[str, Any] = {"meta": [], "storage": [], "groups": 0, "map_version": 0}
         async with MetaClient(self.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3),
-                              token=self.admin_token()) as mc:
+                              token=self.admin_token(), tls=self.client_tls()) as mc:
             for p in self.procs:
                 if p.kind != "meta":
                     continue

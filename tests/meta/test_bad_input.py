@@ -144,6 +144,9 @@ CASES: list[tuple[str, str, Message, type[TierFSError]]] = [
     ("heartbeat-claims-offline", "heartbeat", pb.HeartbeatRequest(node_id=1, targets=[pb.TargetReport(
         target_id=1, state=pb.TARGET_STATE_OFFLINE)]), InvalidArgumentError),
     ("heartbeat-unknown-node", "heartbeat", pb.HeartbeatRequest(node_id=99), NotFoundError),
+    # A state number this version has no name for (found by test_hostile_inputs: was a ValueError).
+    ("heartbeat-unknown-state", "heartbeat", pb.HeartbeatRequest(node_id=1, targets=[pb.TargetReport(
+        target_id=1, state=99)]), InvalidArgumentError),
 ]
 
 

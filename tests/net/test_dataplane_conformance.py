@@ -1,19 +1,25 @@
 """One conformance suite for every data-plane transport that runs here.
 
 Each test starts a real server (tcp + shm listeners) on 127.0.0.1:0 and a
-real client over the parametrized transport, in one uvloop loop."""
+real client over the parametrized transport, in one uvloop loop. "tcp+tls"
+is tcp with mutual TLS (certificates of a throwaway local CA)."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import os
+import shutil
+import ssl
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from dataplane_helpers import FaultyStore, arun, disk_store, wait_for
+from dataplane_helpers import TRANSPORTS, FaultyStore, arun, disk_store, wait_for
 
 from tierfs.errors import (
     CorruptError,
@@ -27,8 +33,36 @@ from tierfs.errors import (
 from tierfs.net import DataClient, Limits, MemoryFragmentStore
 from tierfs.storage.api import FragmentKey, FragmentStore
 from tierfs.storage.dataplane import DataPlaneServer, start_dataplane
+from tierfs.tls import TlsFiles, issue, make_local_ca
 
 SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, 64 << 20]
+
+
+@pytest.fixture(params=[*TRANSPORTS, "tcp+tls"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _base(transport: str) -> str:
+    return "tcp" if transport == "tcp+tls" else transport
+
+
+@functools.cache
+def _ca_dir() -> str:
+    d = tempfile.mkdtemp(prefix="tierfs-conformance-tls-")
+    atexit.register(shutil.rmtree, d, True)
+    make_local_ca(d)
+    issue(d, "server", ["127.0.0.1"])
+    issue(d, "client")
+    return d
+
+
+def _tls(transport: str, side: str) -> ssl.SSLContext | None:
+    if transport != "tcp+tls":
+        return None
+    d = _ca_dir()
+    files = TlsFiles(ca=f"{d}/ca.pem", cert=f"{d}/{side}.pem", key=f"{d}/{side}.key", require_client_cert=True)
+    return files.server_ssl_context() if side == "server" else files.client_side().client_ssl_context()
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -41,8 +75,8 @@ def pattern(n: int, seed: int) -> bytes:
 async def served(transport: str, *stores: FragmentStore, limits: Limits | None = None,
                  **client_kw: object) -> AsyncIterator[tuple[DataPlaneServer, DataClient]]:
     server = await start_dataplane({s.target_id: s for s in stores}, "127.0.0.1", 0,
-                                   limits=limits, transports=("tcp", transport))
-    client = DataClient(transport=transport, routes={s.target_id: server.address for s in stores},
+                                   limits=limits, transports=("tcp", _base(transport)), tls=_tls(transport, "server"))
+    client = DataClient(transport=_base(transport), tls=_tls(transport, "client"), routes={s.target_id: server.address for s in stores},
                         limits=limits, **client_kw)  # type: ignore[arg-type]
     try:
         yield server, client
@@ -210,10 +244,10 @@ class TestTransportConformance:
 
     def test_connect_failure_is_unavailable(self, transport: str) -> None:
         async def body() -> None:
-            server = await start_dataplane({}, "127.0.0.1", 0, transports=("tcp", transport))
+            server = await start_dataplane({}, "127.0.0.1", 0, transports=("tcp", _base(transport)), tls=_tls(transport, "server"))
             addr = server.address
             await server.close()
-            async with DataClient(transport=transport, routes={1: addr}, connect_timeout=5) as c:
+            async with DataClient(transport=_base(transport), tls=_tls(transport, "client"), routes={1: addr}, connect_timeout=5) as c:
                 with pytest.raises(UnavailableError):
                     await c.ping(1)
 
@@ -222,8 +256,8 @@ class TestTransportConformance:
     def test_server_close_fails_inflight_with_unavailable(self, transport: str) -> None:
         async def body() -> None:
             store = FaultyStore(1)
-            server = await start_dataplane({1: store}, "127.0.0.1", 0, transports=("tcp", transport))
-            async with DataClient(transport=transport, routes={1: server.address}) as c:
+            server = await start_dataplane({1: store}, "127.0.0.1", 0, transports=("tcp", _base(transport)), tls=_tls(transport, "server"))
+            async with DataClient(transport=_base(transport), tls=_tls(transport, "client"), routes={1: server.address}) as c:
                 await c.write(1, FragmentKey(1, 1, 1, 1), b"z")
                 store.gate = asyncio.Event()
                 pending = asyncio.ensure_future(c.stat(1, FragmentKey(1, 1, 1, 1)))

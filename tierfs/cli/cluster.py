@@ -22,13 +22,14 @@ def _state(enum_name: str, prefix: str) -> str:
 
 
 def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_per_node: int = 1,
-               timeout: float = 90.0) -> dict[str, Any]:
+               timeout: float = 90.0, tls: bool = False) -> dict[str, Any]:
     """Start (or reuse) the local cluster in ``data_dir`` and wait until it is
     healthy. A directory that already holds a cluster keeps its plan (ports,
     counts, data); daemons already running are left alone, so a second ``up``
     is a no-op. If start-up fails, the daemons this call started are stopped
-    again."""
-    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage, targets_per_node=targets_per_node)
+    again. ``tls``: every daemon serves mutual TLS with certificates of a
+    local CA under DATA/tls/ (a cluster made with it stays TLS)."""
+    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage, targets_per_node=targets_per_node, tls=tls)
     started = cl.up(timeout=timeout)
     meta = ",".join(cl.meta_addrs)
     return {
@@ -42,6 +43,8 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
         # Derived from the secret, mode 0600 (docs/security.md)
         "admin_token": str(cl.admin_token_file),
         "node_key": str(cl.node_key_file),
+        # Clients find DATA/tls/ca.pem (and client.pem) by themselves; elsewhere: TIERFS_TLS_CA etc.
+        "tls_ca": str(cl.tls_dir / "ca.pem") if cl.tls else "",
         "export": f"export TIERFS_META={meta}",
     }
 

@@ -23,6 +23,7 @@ from tierfs.cli.fs import LocalFileError
 from tierfs.cli.util import DEFAULT_DATA, human_rate, human_size, parse_size_arg, resolve_meta
 from tierfs.cli.util import table as _table
 from tierfs.errors import TierFSError, UnavailableError
+from tierfs.tls import default_data_dir
 
 __all__ = ["EXIT_DEGRADED", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main", "render_status", "run"]
 
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", "-s", dest="n_storage", type=int, default=6, metavar="N",
                    help="storage daemons (default 6: ec:4+2 on distinct nodes)")
     p.add_argument("--targets-per-node", "-t", type=int, default=1, metavar="N", help="targets per daemon")
+    p.add_argument("--tls", action="store_true",
+                   help="make a local CA under DATA/tls/ and run every daemon with mutual TLS (a cluster made "
+                        "with it stays TLS; off by default on loopback)")
     cmd("down", "stop the local cluster (its data stays)", meta=False)
     p = cmd("status", "daemons, targets and placement groups; exit 3 if degraded")
     p = cmd("put", "copy a local file (- for stdin) into TierFS")
@@ -271,7 +275,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
             err.flush()
         t0 = time.perf_counter()
         r = cluster.cluster_up(data_dir, n_meta=ns.n_meta, n_storage=ns.n_storage,
-                               targets_per_node=ns.targets_per_node, timeout=max(ns.timeout, 60.0))
+                               targets_per_node=ns.targets_per_node, timeout=max(ns.timeout, 60.0),
+                               tls=ns.tls)
         if not ns.json:
             k = r["counts"]
             shape = f"{k['meta']} meta, {k['storage']} storage x {k['targets_per_node']} target(s)"
@@ -286,6 +291,9 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                           f"healthy. Stop with: tierfs down --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
                       f"{r['cluster_secret']} (mode 0600; commands run here use the admin token)\n")
+            if r["tls_ca"]:
+                err.write(f"TLS: CA {r['tls_ca']} (clients under --data {data_dir} use it and its client.pem; "
+                          "elsewhere set TIERFS_TLS_CA, TIERFS_TLS_CERT, TIERFS_TLS_KEY)\n")
         emit(r, r["export"])
         return EXIT_OK
     if c == "down":
@@ -398,12 +406,18 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
             err.write(build_parser().format_help())
             return EXIT_USAGE
         # One credential for every client this command makes (up/down make
-        # their own from the cluster's files).
+        # their own from the cluster's files); a command on `--data DIR`
+        # dials with DIR/tls/ (a `tierfs up --tls` cluster) when it is there.
         from tierfs.meta.auth import default_token, resolve_token
 
         token = resolve_token(None, getattr(ns, "token_file", None), ns.data or DEFAULT_DATA, env)
-        with default_token(token):
-            return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
+        scope = default_data_dir.set(ns.data) if ns.data else None
+        try:
+            with default_token(token):
+                return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
+        finally:
+            if scope is not None:
+                default_data_dir.reset(scope)
     except _UsageError as exc:
         err.write(f"{exc}\n")
         return EXIT_USAGE

@@ -77,10 +77,11 @@ async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
 
     from tierfs.meta.auth import bearer, resolve_token
     from tierfs.proto.v1 import storage_control_pb2_grpc as sg
+    from tierfs.tls import grpc_channel, resolve_client_tls
 
     # The node checks an admin operation's token with meta (StorageControl.Scrub).
     md = bearer(resolve_token())
-    async with grpc.aio.insecure_channel(addr) as ch:
+    async with grpc_channel(addr, resolve_client_tls()) as ch:
         try:
             return await getattr(sg.StorageControlStub(ch), method)(req, timeout=timeout,  # type: ignore[no-untyped-call]
                                                                     metadata=md)

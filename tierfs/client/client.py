@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from tierfs.buffers import BufferPool
 from tierfs.chunk import ChunkRecord, chunk_crc, fragment_size, parity_size, valid_bytes
 from tierfs.client.codec import Codec, codec_for
-from tierfs.client.config import ClientConfig
+from tierfs.client.config import ClientConfig, client_tls
 from tierfs.client.fanout import first_error, ordered
 from tierfs.client.routing import Router
 from tierfs.config import load
@@ -244,10 +244,13 @@ class AsyncClient:
             raise UnavailableError("the client is closed")
         if self._meta is None or self._data is None or self._router is None:
             c = self.config
+            tls = client_tls(c)
             self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
+                                    backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token,
+                                    tls=tls)
             self._data = DataClient(transport=c.transport, connections_per_peer=c.connections_per_peer,
-                                    request_timeout=c.request_timeout, connect_timeout=c.connect_timeout)
+                                    request_timeout=c.request_timeout, connect_timeout=c.connect_timeout,
+                                    tls=tls.client_ssl_context() if tls is not None else None)
             self._router = Router(self._meta, self._data, min_interval=c.map_refresh_interval,
                                   failed_ttl=c.failed_target_ttl, max_age=c.map_max_age)
             self._meta.capability_sink = self._data.caps.add
@@ -287,7 +290,8 @@ class AsyncClient:
             return
         c = self.config
         self._meta = MetaClient(c.meta, deadline=c.meta_deadline, attempt_timeout=c.meta_attempt_timeout,
-                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token)
+                                backoff_initial=c.backoff_initial, backoff_max=c.backoff_max, token=self._token,
+                                tls=old.tls)
         if self._data is not None:
             self._meta.capability_sink = self._data.caps.add
         # A new client id too: its request ids start again at 1 and must not

@@ -9,8 +9,9 @@ from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
+from tierfs.tls import TlsFiles, resolve_client_tls
 
-__all__ = ["ClientConfig"]
+__all__ = ["ClientConfig", "client_tls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,12 @@ class ClientConfig(BaseConfig):
         "position. 0: K+1 for ec:K+M (one more failure survivable before repair), 2 for replica:N with "
         "N >= 2 (two durable copies), 1 for replica:1; never fewer than K, never more than K+M.")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
+    tls_ca: str = field(
+        "", "PEM CA that meta and storage daemons' certificates are checked against: set, every connection is "
+        "TLS (docs/security-tls.md). '': TIERFS_TLS_CA, else ./.tierfs/tls/ca.pem of a local `tierfs up --tls` "
+        "cluster when it exists, else plaintext.")
+    tls_cert: str = field("", "PEM client certificate, for clusters that require one (tls_require_client_cert).")
+    tls_key: str = field("", "PEM private key of tls_cert.")
     # --- KV cache (tierfs.kv; see docs/kv.md) ---
     kv_pool: str = field("default", "KV pool that client.kv names.")
     kv_timeout: float = field(
@@ -119,3 +126,11 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 0 (0: the default for the layout)", field="min_write_fragments")
         if self.failed_target_ttl < 0 or self.map_refresh_interval < 0 or self.buffer_pool_bytes < 0:
             raise ConfigError("must be >= 0", field="failed_target_ttl")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together", field="tls_cert")
+
+
+def client_tls(c: ClientConfig) -> TlsFiles | None:
+    """The TLS files of a client built from ``c`` (None: plaintext), by
+    :func:`tierfs.tls.resolve_client_tls`'s precedence."""
+    return resolve_client_tls(c.tls_ca or None, c.tls_cert or None, c.tls_key or None, addrs=c.meta)

@@ -24,7 +24,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -40,6 +40,7 @@ from tierfs.meta.auth import bearer, resolve_token
 from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
+from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint
 
 __all__ = ["MetaClient", "Where"]
 
@@ -96,10 +97,14 @@ class MetaClient:
         token: str | None = None,
         token_file: str | None = None,
         data_dir: str | None = "./.tierfs",
+        tls: TlsFiles | Literal["auto"] | None = "auto",
     ) -> None:
         """``token``/``token_file``/``data_dir``: the credential every call
         carries, chosen by :func:`tierfs.meta.auth.resolve_token` (a token
-        given, even "" or a wrong one, is used as is)."""
+        given, even "" or a wrong one, is used as is). ``tls``: the CA (and
+        client certificate) to dial the replicas with; "auto":
+        :func:`tierfs.tls.resolve_client_tls` (TIERFS_TLS_CA, the tls/ca.pem
+        of the local cluster these addresses belong to); None: plaintext."""
         if not addrs:
             raise InvalidArgumentError("MetaClient needs at least one meta address")
         self.addrs: list[str] = list(dict.fromkeys(addrs))
@@ -116,6 +121,7 @@ class MetaClient:
         #: OpenWriteReply, RenewLeaseReply): the data client keeps them.
         self.capability_sink: Callable[[bytes], None] | None = None
         self.token = resolve_token(token, token_file, data_dir)
+        self.tls: TlsFiles | None = resolve_client_tls(addrs=self.addrs) if tls == "auto" else tls
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -142,7 +148,7 @@ class MetaClient:
             raise UnavailableError("MetaClient is closed")
         stub = self._stubs.get(addr)
         if stub is None:
-            ch = grpc.aio.insecure_channel(addr, options=[("grpc.enable_retries", 0)])
+            ch = grpc_channel(addr, self.tls, options=[("grpc.enable_retries", 0)])
             self._channels[addr] = ch
             stub = self._stubs[addr] = meta_pb2_grpc.MetaServiceStub(ch)
         return stub
@@ -166,7 +172,8 @@ class MetaClient:
             remaining = end - loop.time()
             if remaining <= 0:
                 raise UnavailableError(f"cluster unreachable: tried {', '.join(tried) or target}"
-                                       + (f" (last error: {last})" if last else ""))
+                                       + (f" (last error: {last}{unreachable_hint(last, self.tls)})"
+                                          if last else ""))
             if target not in tried:
                 tried.append(target)
             try:

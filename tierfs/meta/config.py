@@ -12,6 +12,7 @@ from tierfs.errors import ConfigError, TierFSError
 from tierfs.meta.ops import MAX_GC_GRACE, check_kv_pool_create
 from tierfs.meta.secret import load_secret
 from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.tls import TlsFiles
 
 __all__ = ["MetaConfig", "parse_peer", "split_addr"]
 
@@ -128,6 +129,15 @@ class MetaConfig(BaseConfig):
                                 kind="duration")
     kv_cap_ttl: float = field(300.0, "Lifetime of KV capabilities (clients renew them in the background).",
                               kind="duration")
+    tls_cert: str = field(
+        "", "PEM certificate this replica serves gRPC over TLS with (the port then speaks TLS only; the Raft port "
+        "keeps its sealed frames, not TLS). '' = plaintext (docs/security-tls.md).")
+    tls_key: str = field("", "PEM private key of tls_cert (keep it mode 0600).")
+    tls_ca: str = field("", "PEM CA certificate(s) this daemon verifies peers with (servers it dials, client "
+                        "certificates presented to it).")
+    tls_require_client_cert: bool = field(
+        False, "Require every client to present a certificate signed by tls_ca (mutual TLS for all clients, "
+        "daemons included). Off: TLS authenticates the server only; clients authenticate with their token.")
 
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
     log_level: str = field("info", "debug | info | warning | error")
@@ -140,6 +150,7 @@ class MetaConfig(BaseConfig):
             if not 0 < getattr(self, name) <= self.cap_key_rotation:
                 raise ConfigError("must be positive and at most cap_key_rotation (a capability must not outlive "
                                   "the keys daemons hold)", field=name)
+        TlsFiles.from_config(self, load=False)
         split_addr(self.raft_addr, "raft_addr")
         split_addr(self.grpc_addr, "grpc_addr")
         if self.advertise_grpc_addr:

@@ -50,6 +50,7 @@ from tierfs.meta.service import MAX_REQUEST_BYTES, add_meta_service
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import kv_debug_pb2 as kvpb
 from tierfs.proto.v1 import kv_debug_pb2_grpc
+from tierfs.tls import TlsFiles
 
 __all__ = ["KVDebugServicer", "KVStateMachine", "build_parser", "main", "serve"]
 
@@ -219,7 +220,11 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     if isinstance(sm, KVStateMachine):
         kv_debug_pb2_grpc.add_KVDebugServicer_to_server(KVDebugServicer(rep, cfg.submit_timeout), server)
     host, _ = split_addr(cfg.grpc_addr, "grpc_addr")
-    port = server.add_insecure_port(cfg.grpc_addr)
+    tls = TlsFiles.from_config(cfg)
+    if tls is None:
+        port = server.add_insecure_port(cfg.grpc_addr)
+    else:
+        port = server.add_secure_port(cfg.grpc_addr, tls.grpc_server_credentials())
     if port == 0:
         raise OSError(f"cannot bind gRPC address {cfg.grpc_addr}")
     rep.grpc_addr = cfg.advertise_grpc_addr or f"{host}:{port}"
@@ -236,9 +241,11 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         metrics_server, _thread = start_http_server(mport, addr=mhost)
         metrics = f"{mhost}:{metrics_server.server_port}"
     ready = {"event": "ready", "node": rep.node_id, "raft": cfg.raft_addr, "grpc": rep.grpc_addr,
-             "metrics": metrics, "pid": os.getpid(), "data_dir": str(cfg.data_dir)}
+             "metrics": metrics, "pid": os.getpid(), "data_dir": str(cfg.data_dir),
+             "tls": "off" if tls is None else ("mutual" if tls.require_client_cert else "server")}
     print(json.dumps(ready), flush=True)
-    log.info("tierfs-meta ready: raft %s grpc %s metrics %s", cfg.raft_addr, rep.grpc_addr, metrics or "off")
+    log.info("tierfs-meta ready: raft %s grpc %s (tls %s) metrics %s", cfg.raft_addr, rep.grpc_addr,
+             ready["tls"], metrics or "off")
     try:
         await stop.wait()
     finally:
@@ -283,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg: MetaConfig = load(MetaConfig, args.config, overrides=overrides)
         cfg.check_auth(cfg.cluster_secret())  # refuse to start without one, before anything binds
+        TlsFiles.from_config(cfg)  # and with unreadable TLS files
     except TierFSError as err:
         print(f"tierfs-meta: {err}", file=sys.stderr)
         return 2

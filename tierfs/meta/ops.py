@@ -57,6 +57,7 @@ __all__ = [
     "STRING_CAPS",
     "LayoutSpec",
     "cap",
+    "check_addr",
     "check_caps",
     "check_kv_pool_create",
     "check_kv_pool_name",
@@ -381,6 +382,20 @@ def _short(value: str, what: str, *, required: bool = True) -> None:
         raise InvalidArgumentError(f"{what} contains a NUL byte")
 
 
+def check_addr(value: str, what: str, *, required: bool = True) -> None:
+    """A ``host:port`` address (``[v6]:port`` too) that a peer can dial:
+    anything else would be stored and handed to every client or replica."""
+    _short(value, what, required=required)
+    if not value:
+        return
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+            or any(c.isspace() or c in "/[]" for c in host)):
+        raise InvalidArgumentError(f"{what}: not a host:port address: {value[:80]!r}")
+
+
 def cap(field_name: str, count: int, limit: int) -> None:
     """Refuse a list of ``count`` items where at most ``limit`` are allowed."""
     if count > limit:
@@ -513,4 +528,6 @@ def validate_op(op: pb.MetaOp) -> None:
         for rep in op.heartbeat.targets:
             if rep.state not in (pb.TARGET_STATE_UNSPECIFIED, pb.TARGET_STATE_ONLINE,
                                pb.TARGET_STATE_FAILED, pb.TARGET_STATE_READ_ONLY):
-                raise InvalidArgumentError(f"heartbeat: a node cannot report its target as {pb.TargetState.Name(rep.state)}")
+                # An unknown number has no name: naming it must not fail itself.
+                name = pb.TargetState.Name(rep.state) if rep.state in pb.TargetState.values() else str(rep.state)
+                raise InvalidArgumentError(f"heartbeat: a node cannot report its target as {name}")

@@ -94,6 +94,7 @@ from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import (
     MAX_GC_GRACE,
     MAX_OFFLINE_PER_TICK,
+    check_addr,
     check_caps,
     check_op_size,
     validate_op,
@@ -613,6 +614,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Ctx) -> pb.RegisterNodeReply:
+        # Here, not in validate_op: the log may hold registrations from before
+        # the check, and replaying them must give what it gave then. An
+        # address that is not host:port would be in every client's cluster
+        # map, and every client's map refresh would fail on it.
+        check_caps(request, "register_node")
+        check_addr(request.data_addr, "register_node: data_addr")
+        check_addr(request.control_addr, "register_node: control_addr", required=False)
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
         reply.cap_keys.extend(self.cap_keys())
@@ -728,6 +736,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         fn = getattr(self._r, name, None)
         if fn is None:
             raise UnsupportedError(f"this meta replica ({type(self._r).__name__}) cannot change membership")
+        check_caps(request, name)
+        check_addr(request.raft_addr, f"{name}: raft_addr")
+        check_addr(request.grpc_addr, f"{name}: grpc_addr", required=False)
         # A change waits for this term's no-op and any previous change to
         # apply (BusyError retries inside): allow more than one commit's time.
         await fn(request.raft_addr, request.grpc_addr, timeout=2 * self.submit_timeout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -482,6 +483,7 @@ class DataClient:
         connect_timeout: float = 5.0,
         limits: Limits | None = None,
         routes: Mapping[int, Address] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if connections_per_peer < 1:
             raise InvalidArgumentError("connections_per_peer must be at least 1")
@@ -499,8 +501,10 @@ class DataClient:
         self.cap_refresher: CapRefresher | None = None
         self._pools: dict[tuple[str, int], _PeerPool] = {}
         self._transports: dict[str, Transport] = {}
+        #: TLS of tcp connections (tierfs.tls; None: plaintext).
+        self.tls = tls
         if transport != "auto":
-            self._transports[transport] = get_transport(transport)
+            self._transports[transport] = get_transport(transport, tls=tls)
         for target, addr in (routes or {}).items():
             self.set_route(target, addr)
 
@@ -513,7 +517,7 @@ class DataClient:
     def _transport_named(self, name: str) -> Transport:
         t = self._transports.get(name)
         if t is None:
-            t = self._transports[name] = get_transport(name)
+            t = self._transports[name] = get_transport(name, tls=self.tls)
         return t
 
     def set_route(self, target: int, address: Address) -> None:

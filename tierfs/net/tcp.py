@@ -3,11 +3,16 @@
 The protocol object is handed to ``loop.create_connection``/``create_server``
 directly; uvloop recognises ``BufferedProtocol`` and ``recv``s into the buffer
 the protocol names, so payloads land in their destination without a copy.
+With an :class:`ssl.SSLContext` the same protocol runs over TLS (uvloop
+decrypts into the protocol's buffer; one copy more, measured in
+docs/security-tls.md): a server then speaks TLS only, and a client verifies
+the server's certificate against the context's CA and the host it dialled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 from tierfs.errors import UnavailableError
 from tierfs.net.framing import FrameProtocol
@@ -29,8 +34,16 @@ class TcpListener(Listener):
         await self.server.wait_closed()
 
 
+#: A client that connects and never completes the TLS handshake (a
+#: plaintext peer, a scanner) is dropped after this long.
+TLS_HANDSHAKE_TIMEOUT = 10.0
+
+
 class TcpTransport(Transport):
     name = "tcp"
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
 
     async def connect(
         self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits, timeout: float
@@ -38,13 +51,22 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                _, proto = await loop.create_connection(factory, host, port)
+                if self.tls is None:
+                    _, proto = await loop.create_connection(factory, host, port)
+                else:
+                    _, proto = await loop.create_connection(factory, host, port, ssl=self.tls,
+                                                            server_hostname=host)
         except (OSError, TimeoutError) as exc:
-            raise UnavailableError(f"cannot connect to {host}:{port} over tcp: {exc or 'timeout'}") from None
+            over = "tcp+tls" if self.tls is not None else "tcp"
+            raise UnavailableError(f"cannot connect to {host}:{port} over {over}: {exc or 'timeout'}") from None
         return proto
 
     async def listen(self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits) -> Listener:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+        if self.tls is None:
+            server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+        else:
+            server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024, ssl=self.tls,
+                                              ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
         bound = server.sockets[0].getsockname()[1]
         return TcpListener(server, host, int(bound))

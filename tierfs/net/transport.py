@@ -13,6 +13,7 @@ it is the same for tcp, shm and rdma. Transports are looked up by name with
 from __future__ import annotations
 
 import abc
+import ssl
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -69,8 +70,15 @@ def transport_names() -> list[str]:
     return list(_registry())
 
 
-def get_transport(name: str) -> Transport:
+def get_transport(name: str, *, tls: ssl.SSLContext | None = None) -> Transport:
+    """A transport by name. ``tls``: the TLS context of a tcp transport
+    (server or client side); shm and rdma never leave the host or the
+    fabric and ignore it (docs/security-tls.md)."""
     cls = _registry().get(name)
     if cls is None:
         raise ConfigError(f"unknown transport {name!r} (known: {', '.join(_registry())})", field="transport")
+    if name == "tcp":
+        from tierfs.net.tcp import TcpTransport
+
+        return TcpTransport(tls)
     return cls()

@@ -10,6 +10,7 @@ from typing import ClassVar
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError
 from tierfs.meta.ops import MAX_GC_PAGE
+from tierfs.tls import TlsFiles
 
 __all__ = ["StorageConfig"]
 
@@ -87,11 +88,21 @@ class StorageConfig(BaseConfig):
     require_capabilities: bool = field(
         True, "Serve a data-plane request only under a capability meta signed (docs/security-caps.md); off only "
         "when meta runs with auth off. Without meta (--no-meta) nothing can be checked.")
+    tls_cert: str = field(
+        "", "PEM certificate this daemon serves TLS with (its gRPC and data-plane ports then speak TLS only) and "
+        "presents when it dials another daemon. '' = plaintext (docs/security-tls.md).")
+    tls_key: str = field("", "PEM private key of tls_cert (keep it mode 0600).")
+    tls_ca: str = field("", "PEM CA certificate(s) this daemon verifies peers with (servers it dials, client "
+                        "certificates presented to it).")
+    tls_require_client_cert: bool = field(
+        False, "Require every client to present a certificate signed by tls_ca (mutual TLS for all clients, "
+        "daemons included). Off: TLS authenticates the server only; clients authenticate with their token.")
 
     metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables; port 0 picks one).")
     log_level: str = field("info", "debug | info | warning | error")
 
     def validate(self) -> None:
+        TlsFiles.from_config(self, load=False)
         if not 0 <= self.port < 65536:
             raise ConfigError("must be in 0..65535", field="port")
         for a in self.meta_addrs:

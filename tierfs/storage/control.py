@@ -27,6 +27,7 @@ from tierfs.proto.v1 import storage_control_pb2 as spb
 from tierfs.proto.v1 import storage_control_pb2_grpc as spb_grpc
 from tierfs.storage.repair import Repairer
 from tierfs.storage.scrub import Scrubber
+from tierfs.tls import TlsFiles
 
 __all__ = ["ControlServer", "start_control"]
 
@@ -85,13 +86,18 @@ class ControlServer:
 
 
 async def start_control(host: str, port: int, scrubber: Scrubber, repairer: Repairer, *,
-                        advertise_host: str = "", whoami: WhoAmI | None = None) -> ControlServer:
+                        advertise_host: str = "", whoami: WhoAmI | None = None,
+                        tls: TlsFiles | None = None) -> ControlServer:
     """Serve StorageControl on ``host:port`` (0: a free port); the returned
     address names ``advertise_host`` (default ``host``). ``whoami``: asks
-    meta who a token stands for (None: no admin check)."""
+    meta who a token stands for (None: no admin check). ``tls``: serve TLS
+    only (tierfs.tls), as the data plane does."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     spb_grpc.add_StorageControlServicer_to_server(_Servicer(scrubber, repairer, whoami), server)  # type: ignore[no-untyped-call]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.grpc_server_credentials())
     if bound == 0:
         raise OSError(f"cannot bind the control address {host}:{port}")
     await server.start()

@@ -55,6 +55,7 @@ from tierfs.storage.config import StorageConfig
 from tierfs.storage.engine import ChunkEngine, TargetState
 from tierfs.storage.io import IOBackend, open_backend
 from tierfs.storage.kvstore import KVStore
+from tierfs.tls import TlsFiles
 
 __all__ = ["StorageNode", "build_parser", "load_node_uuid", "main", "serve"]
 
@@ -218,6 +219,7 @@ class StorageNode:
         self.registered = asyncio.Event()
         self.repairer: Any = None
         self.scrubber: Any = None
+        self.tls: TlsFiles | None = None
         self.control: Any = None
         self._catchup: asyncio.Task[Any] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
@@ -264,8 +266,11 @@ class StorageNode:
         )
         known = {e.target_id: e for e in self.engines if e.target_id}
         known_kv = {e.target_id: kv for e, kv in zip(self.engines, self.kvstores, strict=True) if e.target_id}
+        tls = TlsFiles.from_config(cfg)
+        self.tls = tls
         self.server = await start_dataplane(known, cfg.host, cfg.port, limits=limits, transports=cfg.transports,
-                                            kvstores=known_kv)
+                                            kvstores=known_kv,
+                                            tls=tls.server_ssl_context() if tls is not None else None)
         # Until meta's keys arrive every request but PING is refused
         # (Unavailable, retried by clients): never served unchecked.
         self.server.require_capabilities = cfg.require_capabilities and self.use_meta
@@ -282,15 +287,18 @@ class StorageNode:
             from tierfs.storage.scrub import Scrubber
 
             node_key = load_token_file(cfg.node_key_file, "node key") if cfg.node_key_file else ""
-            self.meta = MetaClient(list(cfg.meta_addrs), token=node_key)
+            # As a client (of meta, of peers in repair) the daemon presents its own certificate.
+            dial = tls.client_side() if tls is not None else None
+            self.meta = MetaClient(list(cfg.meta_addrs), token=node_key, tls=dial)
             # Repair and scrub need meta (layouts, groups) and the peers.
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
-                                     poll_interval=cfg.rebuild_interval)
+                                     poll_interval=cfg.rebuild_interval,
+                                     tls=dial.client_ssl_context() if dial is not None else None)
             self.repairer.data.cap_refresher = self._refresh_node_cap
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
             self.control = await start_control(cfg.host, cfg.control_port, self.scrubber, self.repairer,
                                                advertise_host=self.data_addr.rpartition(":")[0],
-                                               whoami=self.meta.whoami)
+                                               whoami=self.meta.whoami, tls=tls)
             self._tasks.append(asyncio.create_task(self._meta_main(), name="storage-meta"))
         else:
             missing = [str(e.root) for e in self.engines if not e.target_id]
@@ -321,6 +329,7 @@ class StorageNode:
             "targets": {str(e.root): e.target_id for e in self.engines},
             "meta": self.use_meta, "metrics": self.metrics_addr,
             "control": self.control.addr if self.control else "",
+            "tls": "off" if self.tls is None else ("mutual" if self.tls.require_client_cert else "server"),
         }
 
     # -- meta -----------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -681,15 +682,16 @@ async def start_dataplane(
     limits: Limits | None = None,
     transports: Sequence[str] = ("tcp", "shm"),
     kvstores: Mapping[int, KVTargetStore] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> DataPlaneServer:
     """Start serving ``stores`` (and ``kvstores``) on ``host:port`` (TCP; 0
     picks a port) and on the other ``transports`` that are available here.
-    Run it on uvloop."""
+    ``tls``: the TCP port then speaks TLS only (tierfs.tls). Run it on uvloop."""
     server = DataPlaneServer(stores, limits or Limits(), kvstores)
     names = list(dict.fromkeys(["tcp", *transports]))
     try:
         for name in names:
-            transport = get_transport(name)
+            transport = get_transport(name, tls=tls)
             if not transport.available():
                 log.info("dataplane transport %s not available here", name,
                          extra={"event": "dataplane.transport_unavailable", "transport": name})
@@ -743,7 +745,15 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--cap-secret-file", default="",
                     help="require capabilities, with the keys of the current hour-long epoch (and its "
                          "neighbours) derived from this cluster secret (tests, benchmarks)")
+    ap.add_argument("--tls-cert", default="", help="serve TLS on tcp with this PEM certificate (and --tls-key)")
+    ap.add_argument("--tls-key", default="")
+    ap.add_argument("--tls-ca", default="", help="verify client certificates against this CA")
+    ap.add_argument("--tls-require-client-cert", action="store_true")
     args = ap.parse_args(argv)
+    from tierfs.tls import TlsFiles
+
+    tls = TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                   require_client_cert=args.tls_require_client_cert) if args.tls_cert else None
     stores: dict[int, FragmentStore] = {
         t: MemoryFragmentStore(t, verify=not args.no_verify) for t in args.memory_target}
     closers: list[Any] = []
@@ -781,10 +791,9 @@ async def _amain(argv: Sequence[str] | None = None) -> None:
     limits = Limits(max_frame_bytes=args.max_frame_bytes,
                     max_inflight_bytes=max(Limits().max_inflight_bytes, args.max_frame_bytes))
     server = await start_dataplane(stores, args.host, args.port, limits=limits,
-                                   transports=args.transports.split(","), kvstores=kvstores)
+                                   transports=args.transports.split(","), kvstores=kvstores,
+                                   tls=tls.server_ssl_context() if tls is not None else None)
     if args.cap_secret_file:
-        import time
-
         from tierfs.capability import Keyring, epoch_at, keys_around
         from tierfs.meta.secret import load_secret
 

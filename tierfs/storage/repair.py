@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -249,7 +250,8 @@ class Repairer:
     targets (by id, looked up at call time so newly registered ids count)."""
 
     def __init__(self, meta: Any, engines: Any, *, rate: int = 0, concurrency: int = 4,
-                 poll_interval: float = 2.0, request_timeout: float = 10.0) -> None:
+                 poll_interval: float = 2.0, request_timeout: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         from tierfs.net import DataClient
 
         self.meta = meta
@@ -258,7 +260,8 @@ class Repairer:
         self.concurrency = max(1, concurrency)
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout
-        self.data = DataClient(transport="tcp", request_timeout=request_timeout)
+        # tls: this daemon's client context (its CA, its certificate) for peers' TLS data ports.
+        self.data = DataClient(transport="tcp", request_timeout=request_timeout, tls=tls)
         # Fragments rebuilt at once, over all groups (each fetches K peers).
         self._sem = asyncio.Semaphore(self.concurrency)
         self.cmap: Any = None

@@ -1,0 +1,203 @@
+"""TLS end to end: a local cluster made with ``tls=True`` (``tierfs up
+--tls``: a local CA, one certificate per daemon, mutual TLS on the meta and
+storage-control gRPC ports and on the TCP data plane) serves the client and
+the CLI that find DIR/tls/ by themselves, and refuses a plaintext client, a
+client trusting another CA and a client without a certificate. A plaintext
+frame thrown at a TLS data port gets nothing served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierfs.cli import run
+from tierfs.client import AsyncClient
+from tierfs.errors import UnavailableError
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.net import MAGIC, DataClient, Op, encode_header
+from tierfs.net.protocol import HEADER_SIZE
+from tierfs.storage.api import FragmentKey
+from tierfs.tls import TlsFiles, make_local_ca, resolve_client_tls
+
+KiB = 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cl = LocalCluster(tmp_path_factory.mktemp("tls") / "cluster", n_meta=1, n_storage=3, tls=True)
+    try:
+        cl.up(timeout=60)
+        yield cl
+    finally:
+        cl.stop()
+
+
+def _client(cl: LocalCluster, **kw: str) -> AsyncClient:
+    tls = cl.client_tls()
+    assert tls is not None
+    opts = {"tls_ca": tls.ca, "tls_cert": tls.cert, "tls_key": tls.key, **kw}
+    return AsyncClient(cl.meta_addrs, transport="tcp", meta_deadline=3.0, meta_attempt_timeout=1.0,
+                       connect_timeout=2.0, **opts)
+
+
+@pytest.mark.timeout(30)
+def test_local_ca_files(cluster: LocalCluster) -> None:
+    d = cluster.tls_dir
+    names = {"ca", "client", *(p.name for p in cluster.procs)}
+    for name in names:
+        assert (d / f"{name}.pem").is_file()
+        assert stat.S_IMODE((d / f"{name}.key").stat().st_mode) == 0o600, name
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    # Reopening the directory keeps it a TLS cluster (and keeps the CA).
+    ca = (d / "ca.pem").read_bytes()
+    again = LocalCluster(cluster.dir)
+    assert again.tls and again.client_tls() == cluster.client_tls()
+    assert (d / "ca.pem").read_bytes() == ca
+    # Every daemon said it serves mutual TLS.
+    for p in cluster.procs:
+        assert '"tls": "mutual"' in (cluster.dir / "logs" / f"{p.name}.out").read_text(), p.name
+
+
+@pytest.mark.timeout(40)
+def test_client_writes_and_reads_over_tls(cluster: LocalCluster) -> None:
+    async def go() -> None:
+        data = os.urandom(300 * KiB)
+        async with _client(cluster) as c:
+            await c.mkdir("/tls", exist_ok=True)
+            await c.set_layout("/tls", chunk_size=64 * KiB, redundancy="ec:2+1")
+            await c.write_bytes("/tls/a", data)
+            assert await c.read_bytes("/tls/a") == data
+            assert c._data is not None and c._data.tls is not None  # the data plane, not only meta
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(40)
+def test_cli_finds_the_local_ca(cluster: LocalCluster, tmp_path: Path) -> None:
+    src = tmp_path / "in.bin"
+    src.write_bytes(os.urandom(100 * KiB))
+
+    def cli(*args: str) -> tuple[int, str]:
+        err = io.StringIO()
+        rc = run([*args, "--data", str(cluster.dir)], stdout=io.StringIO(), stderr=err, env={}, tty=False)
+        return rc, err.getvalue()
+
+    assert cli("mkdir", "-p", "/tls-cli")[0] == 0
+    rc, err = cli("set-layout", "/tls-cli", "--redundancy", "ec:2+1")
+    assert rc == 0, err
+    rc, err = cli("put", str(src), "/tls-cli/f.bin")
+    assert rc == 0, err
+    rc, err = cli("get", "/tls-cli/f.bin", str(tmp_path / "out.bin"))
+    assert rc == 0, err
+    assert (tmp_path / "out.bin").read_bytes() == src.read_bytes()
+    # The same cluster, named by --meta alone and not --data: no CA found, plaintext refused.
+    err_io = io.StringIO()
+    rc = run(["ls", "/", "--meta", cluster.meta_addrs[0], "--timeout", "2"], stdout=io.StringIO(),
+             stderr=err_io, env={}, tty=False)
+    assert rc != 0 and "unreachable" in err_io.getvalue()
+
+
+@pytest.mark.timeout(40)
+def test_wrong_clients_are_refused(cluster: LocalCluster, tmp_path: Path) -> None:
+    tls = cluster.client_tls()
+    assert tls is not None
+    other_ca = str(make_local_ca(tmp_path / "other"))
+
+    async def refused(with_tls: TlsFiles | None) -> str:
+        async with MetaClient(cluster.meta_addrs, deadline=2.0, attempt_timeout=1.0, tls=with_tls) as mc:
+            with pytest.raises(UnavailableError) as info:
+                await mc.get_cluster_map()
+        return str(info.value)
+
+    async def go() -> None:
+        # Plaintext to a TLS port, a server certificate no trusted CA signed,
+        # no client certificate where one is required: none gets an answer.
+        msg = await refused(None)
+        assert "cluster unreachable" in msg and "give the client its CA" in msg, msg
+        msg = await refused(TlsFiles(ca=other_ca))
+        assert "CERTIFICATE_VERIFY_FAILED" in msg and f"client's CA ({other_ca})" in msg, msg
+        msg = await refused(TlsFiles(ca=tls.ca))
+        assert "give the client one (TIERFS_TLS_CERT" in msg, msg
+        # The data plane likewise: the client checks the server against its CA.
+        async with MetaClient(cluster.meta_addrs, deadline=5.0, tls=tls) as mc:
+            cmap = await mc.get_cluster_map()
+        node = cmap.nodes[0]
+        route = {node.target_ids[0]: node.data_addr}
+        target = node.target_ids[0]
+        async with DataClient(transport="tcp", routes=route, connect_timeout=2.0, request_timeout=2.0,
+                              tls=TlsFiles(ca=other_ca).client_ssl_context()) as dc:
+            with pytest.raises(UnavailableError, match="certificate verify failed"):
+                await dc.ping(target)
+        # The server's certificate is fine, but the client has none to show.
+        async with DataClient(transport="tcp", routes=route, connect_timeout=2.0, request_timeout=2.0,
+                              tls=TlsFiles(ca=tls.ca).client_ssl_context()) as dc:
+            with pytest.raises(UnavailableError):
+                await dc.ping(target)
+        async with DataClient(transport="tcp", routes=route, connect_timeout=2.0,
+                              tls=tls.client_ssl_context()) as dc:
+            await dc.ping(target)
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(30)
+def test_plaintext_frame_to_a_tls_data_port_gets_nothing(cluster: LocalCluster) -> None:
+    storage = next(p for p in cluster.procs if p.kind == "storage")
+    host, _, port = storage.addr.rpartition(":")
+    buf = bytearray(HEADER_SIZE)
+    encode_header(buf, Op.PING, 1, key=FragmentKey(0, 0, 0, 0))
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(bytes(buf))
+        s.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 16):
+                got += chunk
+    # At most a TLS alert; never a frame.
+    assert MAGIC not in got, got[:64]
+
+
+@pytest.mark.timeout(10)
+def test_client_tls_resolution(tmp_path: Path) -> None:
+    (tmp_path / "tls").mkdir()
+    assert resolve_client_tls(data_dir=tmp_path, env={}) is None
+    (tmp_path / "tls" / "ca.pem").write_text("x")
+    found = resolve_client_tls(data_dir=tmp_path, env={})
+    assert found == TlsFiles(ca=str(tmp_path / "tls" / "ca.pem"))
+    # The environment beats the local directory; an explicit "" means plaintext.
+    assert resolve_client_tls(data_dir=tmp_path, env={"TIERFS_TLS_CA": "/e/ca.pem"}) == TlsFiles(ca="/e/ca.pem")
+    assert resolve_client_tls("", data_dir=tmp_path, env={"TIERFS_TLS_CA": "/e/ca.pem"}) is None
+    # With the addresses about to be dialled: only for that local cluster's own.
+    (tmp_path / "cluster.toml").write_text('[cluster]\nmeta = ["127.0.0.1:7000"]\n')
+    assert resolve_client_tls(data_dir=tmp_path, addrs=["127.0.0.1:7000"], env={}) == found
+    assert resolve_client_tls(data_dir=tmp_path, addrs=["10.0.0.1:7000"], env={}) is None
+
+
+@pytest.mark.timeout(40)
+def test_scrub_over_tls(cluster: LocalCluster) -> None:
+    """`tierfs scrub`: the CLI dials every node's control port (gRPC over TLS)
+    and the nodes check whole chunks by fetching their peers' fragments
+    (daemon to daemon, mutual TLS on the data plane)."""
+    async def write() -> None:
+        async with _client(cluster) as c:
+            await c.mkdir("/scrub", exist_ok=True)
+            await c.set_layout("/scrub", chunk_size=64 * KiB, redundancy="ec:2+1")
+            await c.write_bytes("/scrub/a", os.urandom(200 * KiB))
+
+    asyncio.run(write())
+    out, err = io.StringIO(), io.StringIO()
+    rc = run(["scrub", "--json", "--data", str(cluster.dir)], stdout=out, stderr=err, env={}, tty=False)
+    assert rc == 0, (out.getvalue(), err.getvalue())
+    total = json.loads(out.getvalue())["total"]
+    assert total["unreachable"] == 0 and total["errors"] == 0, total
+    assert total["chunks_verified"] >= 4, total
