@@ -122,6 +122,7 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
     async def go() -> None:
         async with _mc(meta, ADMIN) as mc:
             tok = (await mc.add_user("dave", 4001, 4002, [4003, 4004])).token
+            await mc.mkdir("/dave-home", 0o755, 4001, 4002)  # / is root's 0755: dave works in his own
             await mc.create_kv_pool("keep", redundancy="replica:1", target_memory=1 << 20)
             users_before = [u.SerializeToString() for u in await mc.list_users()]
             pools_before = (await mc.list_kv_pools()).pools
@@ -147,8 +148,9 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
                 with pytest.raises(PermissionDeniedError) as ei:
                     await coro
                 assert name in str(ei.value), str(ei.value)
-            # a user's ordinary work is fine
-            await user.mkdir("/dave-dir")
+            # a user's ordinary work is fine, and runs as him (the op's caller)
+            made = await user.mkdir("/dave-home/d")
+            assert (made.attr.uid, made.attr.gid) == (4001, 4002)
         async with _mc(meta, ADMIN) as mc:
             assert [u.SerializeToString() for u in await mc.list_users()] == users_before
             assert (await mc.list_kv_pools()).pools == pools_before

@@ -1,12 +1,12 @@
 """POSIX permissions end to end: MetaClient -> gRPC -> MetaServicer ->
-state machine, with two users and root.
+state machine.
 
-The servicer judges a request by ``tierfs.security.current_identity``,
-which the server's auth layer sets from the caller's token. Here a stand-in
-layer (:class:`AsIdentity`, a server interceptor) sets a fixed identity for
-every call to one server; three servers share one replicator (one state),
-so a client of each is user A, user B and root. With user tokens (authn),
-this becomes one server and one client per token; the assertions stay.
+test_two_users_over_grpc runs the real auth layer: users A and B made with
+AddUser call with their own tokens, root with the admin token. The root
+squash test needs a non-admin identity with uid 0, which AddUser refuses to
+make (tierfs.meta.users), so it uses a stand-in layer (:class:`AsIdentity`,
+a server interceptor) on servers with auth off, where the servicer takes the
+identity the context holds: three servers share one replicator (one state).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from tierfs.meta import (
     MetaStateMachine,
     add_meta_service,
 )
+from tierfs.meta.auth import Authenticator
 from tierfs.meta.perms import NOBODY
-from tierfs.security import ANONYMOUS, Identity, current_identity
+from tierfs.security import ANONYMOUS, Identity, admin_token, current_identity
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,9 +87,32 @@ async def servers(*idents: Identity, **opts: Any) -> AsyncIterator[tuple[MetaSta
             await s.stop(None)
 
 
+@contextlib.asynccontextmanager
+async def with_tokens() -> AsyncIterator[tuple[MetaStateMachine, list[MetaClient]]]:
+    """One server with the real auth layer; clients of the admin token and
+    of users A and B (made by AddUser, their tokens from its reply)."""
+    secret = b"s" * 32
+    sm = MetaStateMachine()
+    server = grpc.aio.server()
+    add_meta_service(server, LocalReplicator(sm), auth=Authenticator(secret))
+    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    clients = [MetaClient([addr], deadline=5.0, token=admin_token(secret))]
+    try:
+        for u in (A, B):
+            tok = (await clients[0].add_user(u.name, u.uid, u.gid)).token
+            clients.append(MetaClient([addr], deadline=5.0, token=tok))
+        yield sm, clients
+    finally:
+        for c in clients:
+            await c.close()
+        await server.stop(None)
+
+
 def test_two_users_over_grpc() -> None:
+    """Users A and B with their own tokens, root with the admin token."""
     async def main() -> None:
-        async with servers(ANONYMOUS, A, B) as (sm, (root, a, b), _):
+        async with with_tokens() as (sm, (root, a, b)):
             await register_async(root)
             await root.mkdir("/home")
             await root.mkdir("/home/b", uid=B.uid, gid=B.gid)
