@@ -100,8 +100,8 @@ def _check_hash(h: bytes, what: str) -> None:
 
 def validate_add_user(r: pb.AddUserRequest) -> None:
     check_name(r.name, "add_user")
-    if r.uid == 0 and not r.admin:
-        raise InvalidArgumentError("add_user: uid 0 is root; only an admin user may have it (give --admin)")
+    # uid 0 without --admin is allowed: meta's root_squash decides what it
+    # is worth (nobody by default; root for permissions, never admin, off).
     if len(r.groups) > MAX_GROUPS:
         raise InvalidArgumentError(f"add_user: {len(r.groups)} groups exceed the cap of {MAX_GROUPS}")
     _check_expires(r.expires_ms, "add_user")
