@@ -391,6 +391,23 @@ async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count
         return (count // depth) * depth / (time.perf_counter() - t0)
 
 
+async def _latency(port: int, transport: str, count: int, caps: list[bytes] | None = None) -> tuple[float, float]:
+    """p50 and p99 (microseconds) of 4 KiB reads, one in flight."""
+    async with _client(transport, port, 1, caps or []) as c:
+        key = FragmentKey(3, 0, 0, 1)
+        await c.write(1, key, os.urandom(4096))
+        buf = memoryview(bytearray(4096))
+        for _ in range(200):
+            await c.read_into(1, key, buf)
+        lat = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await c.read_into(1, key, buf)
+            lat.append(time.perf_counter() - t0)
+        lat.sort()
+        return lat[len(lat) // 2] * 1e6, lat[int(0.99 * (len(lat) - 1))] * 1e6
+
+
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
@@ -487,6 +504,22 @@ def run(quick: bool, security: str = "both", tls: bool = False, mib: int = 0,
             for on in modes:
                 await measure_mode(servers[on][1], disk_srvs[on][1] if on in disk_srvs else None,
                                    caps if on else [], " [caps]" if on else "")
+            if len(modes) == 2:
+                # What the per-request check adds to latency: on and off alternate.
+                n = 2000 if quick else 10000
+                for transport in ("tcp", "shm"):
+                    best: dict[bool, tuple[float, float]] = {}
+                    for _ in range(reps):
+                        for on in modes:
+                            p50, p99 = await _latency(servers[on][1], transport, n, caps if on else [])
+                            old = best.get(on)
+                            best[on] = (p50, p99) if old is None else (min(old[0], p50), min(old[1], p99))
+                    for i, q in ((0, "p50"), (1, "p99")):
+                        rows.append({
+                            "case": f"{transport} read 4 KiB latency {q}, 1 in flight [caps]",
+                            "value": round(best[True][i], 1), "unit": "us", "baseline": round(best[False][i], 1),
+                            "baseline_name": "the same reads from a server checking no capability",
+                            "ratio": round(best[True][i] / best[False][i], 3)})
 
         async def measure_tls(plain_port: int) -> None:
             if tls_ctx is not None:
@@ -555,9 +588,9 @@ def run(quick: bool, security: str = "both", tls: bool = False, mib: int = 0,
         if disk_dir is not None:
             disk_dir.cleanup()
         secret_dir.cleanup()
-        if tls_srv is not None:
-            _stop(tls_srv)
-            _stop(raw_tls_srv)
+        for srv in (tls_srv, raw_tls_srv):
+            if srv is not None:
+                _stop(srv)
         if tls_dir is not None:
             tls_dir.cleanup()
     notes.insert(0, f"{total // MiB} MiB per case, best of {reps}, each case alternating with its "

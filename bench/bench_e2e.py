@@ -22,7 +22,12 @@ Limits measured in the same run, as ratios:
   what every storage target does per fragment, compared with the bytes the
   cluster stores (1.5x or 3x the file).
 
-    python -m bench.bench_e2e [--quick] [--profile read|write|degraded]
+    python -m bench.bench_e2e [--quick] [--profile read|write|degraded] [--security on|off|both]
+
+``--security`` (default both): the cases run on a cluster with security on
+(token auth on meta, capabilities checked by the storage daemons) and on one
+with it off, in the same run; rows of the latter end in "[security off]",
+and "security on vs off" rows give the ratios.
 """
 
 from __future__ import annotations
@@ -123,8 +128,9 @@ async def _cases(cl: LocalCluster, size: int, profile: str | None) -> dict[str, 
     return out
 
 
-def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
+def run(quick: bool, profile: str | None = None, security: str = "both") -> dict[str, Any]:
     size = (256 if quick else 2048) * MiB
+    modes = {"on": [True], "off": [False], "both": [True, False]}[security]
     base = os.environ.get("TIERFS_BENCH_DIR")
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-", dir=base) as tmp:
@@ -144,18 +150,41 @@ def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
         _, disk_read, _ = _raw(disk_dir, 4 * MiB, 16, size // (4 * MiB))
         # What a storage target must do per fragment: new file, O_DIRECT write, fdatasync, rename, dir fsync.
         _, _, disk_durable = _raw(disk_dir, MiB, 32, min(size, 512 * MiB) // MiB)
-        cl = LocalCluster(Path(tmp) / "cluster", n_storage=6)
-        cl.export_token()  # security on: this cluster's admin token
-        try:
-            t0 = time.perf_counter()
-            cl.start(timeout=120)
-            uvloop.run(cl.wait_healthy(120))
-            notes.append(f"cluster start {time.perf_counter() - t0:.1f} s")
-            res = uvloop.run(_cases(cl, size, profile))
-        finally:
-            cl.stop()
+        results: dict[bool, dict[str, float]] = {}
+        for on in modes:
+            # Off: meta without authentication and storage daemons that
+            # check no capability (the client still sends the ones meta mints).
+            cl = LocalCluster(Path(tmp) / f"cluster-{'on' if on else 'off'}", n_storage=6,
+                              extra_meta_args=[] if on else ["--insecure-no-auth"],
+                              extra_storage_args=[] if on else ["--require-capabilities=false"])
+            cl.export_token()  # this cluster's admin token
+            try:
+                t0 = time.perf_counter()
+                cl.start(timeout=120)
+                uvloop.run(cl.wait_healthy(120))
+                notes.append(f"cluster (security {'on' if on else 'off'}) start {time.perf_counter() - t0:.1f} s")
+                results[on] = uvloop.run(_cases(cl, size, profile))
+            finally:
+                cl.stop()
+    rows: list[dict[str, Any]] = []
+    for on, res in results.items():
+        tag = "" if on else " [security off]"
+        rows += [dict(r, case=r["case"] + tag) for r in _rows(res, tcp_send, tcp_recv, disk_read, disk_durable)]
+    if len(results) == 2:
+        for case in ("write ec:4+2", "read ec:4+2", "write replica:3", "read replica:3"):
+            rows.append(_row(f"{case}: security on vs off", results[True][case], results[False][case],
+                             "the same case with security off"))
+    notes.append(f"file {size // MiB} MiB, 4 MiB chunks, 6 storage daemons + 3 meta replicas and the "
+                 f"client on {os.cpu_count()} CPUs; writes include the commit; every byte read is checked "
+                 f"(outside the timing); security on = token auth on meta and capabilities checked by every "
+                 f"storage daemon (plaintext, no TLS)")
+    return {"name": "e2e", "rows": rows, "notes": "; ".join(notes)}
+
+
+def _rows(res: dict[str, float], tcp_send: float, tcp_recv: float, disk_read: float,
+          disk_durable: float) -> list[dict[str, Any]]:
     tcp_r, tcp_w = "raw uvloop TCP receive", "raw uvloop TCP send"
-    rows = [
+    return [
         _row("write ec:4+2 (file bytes)", res["write ec:4+2"], tcp_send, tcp_w),
         _row("read ec:4+2", res["read ec:4+2"], tcp_recv, tcp_r),
         _row("read ec:4+2 vs disk", res["read ec:4+2"], disk_read, "raw O_DIRECT read"),
@@ -168,14 +197,13 @@ def run(quick: bool, profile: str | None = None) -> dict[str, Any]:
         _row("read replica:3", res["read replica:3"], tcp_recv, tcp_r),
         _row("read replica:3 vs disk", res["read replica:3"], disk_read, "raw O_DIRECT read"),
     ]
-    notes.append(f"file {size // MiB} MiB, 4 MiB chunks, 6 storage daemons + 3 meta replicas and the "
-                 f"client on {os.cpu_count()} CPUs; writes include the commit; every byte read is checked "
-                 f"(outside the timing)")
-    return {"name": "e2e", "rows": rows, "notes": "; ".join(notes)}
 
 
 if __name__ == "__main__":
     import json
 
     prof = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
-    print(json.dumps(run("--quick" in sys.argv, prof), indent=2))
+    sec = sys.argv[sys.argv.index("--security") + 1] if "--security" in sys.argv else "both"
+    if sec not in ("on", "off", "both"):
+        sys.exit("--security takes on, off or both")
+    print(json.dumps(run("--quick" in sys.argv, prof, sec), indent=2))
