@@ -88,11 +88,13 @@ def test_delayed_node_is_hedged(fc: FaultCluster, px: FaultProxy) -> None:
           f"{n_hedged} fetches hedged")
     assert unhedged[-1] >= DELAY, "the proxy did not delay the reads"  # the test can fail
     assert n_hedged >= 1
-    # One of the nine may still pay the delay: a straggler is given three
+    # Two of the nine may still pay the delay: a straggler is given three
     # times its peers' time before parity stands in, and on a busy 2-CPU
     # machine the peers themselves can take that long (CI saw one 625 ms
-    # read among nine of 19 ms). Without hedging every read pays it.
-    assert hedged[-2] < DELAY, _ms(hedged)
+    # read among nine of 19 ms, and once two of 828 ms). Without hedging
+    # nearly every read pays it (the slow node holds a data fragment of
+    # most files), so the median and the third-slowest still tell.
+    assert hedged[-3] < DELAY, _ms(hedged)
     assert hedged[len(hedged) // 2] < DELAY / 2, _ms(hedged)
 
 

@@ -22,8 +22,9 @@ from tierfs.meta.config import MetaConfig
 from tierfs.meta.daemon import KVStateMachine
 from tierfs.meta.journal import DurableJournal
 from tierfs.meta.raft import SNAPSHOT_FILE, RaftReplicator
-from tierfs.meta.secret import ensure_secret_file
+from tierfs.meta.secret import ensure_secret_file, load_secret
 from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.security import admin_token
 
 
 def test_config_precedence_and_validation(tmp_path: Path) -> None:
@@ -59,13 +60,15 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
            "--grpc-addr", f"127.0.0.1:{grpc_port}", "--data-dir", str(tmp_path / "d"),
            "--state-machine", "kv", "--metrics-addr", f"127.0.0.1:{metrics}",
            "--cluster-secret-file", str(ensure_secret_file(tmp_path / "cluster.secret"))]
+    # Its own secret, so not the session's TIERFS_TOKEN: the admin token derived from it.
+    token = admin_token(load_secret(tmp_path / "cluster.secret"))
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO) as p:
         try:
             assert p.stdout is not None
             ready = json.loads(p.stdout.readline())
             assert ready["event"] == "ready" and ready["grpc"] == f"127.0.0.1:{grpc_port}"
             assert ready["metrics"] == f"127.0.0.1:{metrics}"
-            wait_for(lambda: replica_status(ready["grpc"]).role == "leader", 20, "single-node leader")
+            wait_for(lambda: replica_status(ready["grpc"], token=token).role == "leader", 20, "single-node leader")
             for i in range(5):
                 kv_put(ready["grpc"], f"k{i}", "v")
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
