@@ -394,7 +394,7 @@ async def _dataplane_ops(port: int, transport: str, size: int, depth: int, count
 async def _latency(port: int, transport: str, count: int, caps: list[bytes] | None = None) -> tuple[float, float]:
     """p50 and p99 (microseconds) of 4 KiB reads, one in flight."""
     async with _client(transport, port, 1, caps or []) as c:
-        key = FragmentKey(3, 0, 0, 1)
+        key = FragmentKey(2, 1000, 0, 1)  # inode 2: the capabilities of _caps cover inodes 1 and 2
         await c.write(1, key, os.urandom(4096))
         buf = memoryview(bytearray(4096))
         for _ in range(200):
