@@ -12,8 +12,8 @@ every eligible target should end with the same share of slots, a rack's and a
 node's *demand* is what their targets still lack, and each slot goes to the
 rack with the largest demand (then that rack's node with the largest demand,
 then that node's least-used target). Ties between equal demands are broken by
-a hash of the candidate and the number of times it was chosen before, so that
-equal racks are drawn in a fresh pseudo-random order every round: groups mix
+a draw from a fixed 64-bit LCG taken each time a candidate is put back, so that
+equal racks come out in a fresh pseudo-random order every round: groups mix
 all racks and a failed target's groups have many distinct peers (rebuild
 fan-out) instead of repeating a few fixed blocks. Racks, nodes and targets sit
 in heaps keyed by demand, so a group costs ``O(width log racks)``, not a scan.
@@ -124,14 +124,6 @@ def rule_violations(members: Sequence[int], node_of: Mapping[int, int], cap: int
     return bad
 
 
-def _mix(x: int) -> int:
-    """splitmix64: a fixed integer hash (Python's ``hash`` is salted per process)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
 def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: int, want: int,
                 *, racks: Mapping[int, str] | None = None) -> list[list[int]]:
     """Up to ``want`` new groups of ``width`` targets.
@@ -149,12 +141,13 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
     tids = sorted(targets)
     ntg = len(tids)
     usage = {t: 0 for t in tids}
-    rot = {t: 0 for t in tids}  # the position a target should take next
+    pos = {t: [0] * width for t in tids}  # how often a target held each position
     for grp in existing:
         for j, t in enumerate(grp):
             if t in usage:
                 usage[t] += 1
-                rot[t] = j + 1
+                if j < width:
+                    pos[t][j] += 1
     # Demands are scaled by the number of targets so that uneven shares stay
     # integers (exact, so every replica orders candidates the same way).
     total = sum(usage.values()) + want * width
@@ -171,54 +164,81 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
         rd[node_rack[n]] += nd[n]
         rack_nodes[node_rack[n]].append(n)
     lim = [min(cap, len(ns)) for ns in rack_nodes]
-    r_epoch = [0] * len(rack_names)
-    n_epoch = dict.fromkeys(node_tg, 0)
-    rack_heap = [(-rd[r], _mix(r << 32), r) for r in range(len(rack_names))]
+    # Ties between equal demands go by a draw from a fixed 64-bit LCG, a new
+    # one each time a rack or node is put back: equal racks come out in a
+    # fresh order every round, so groups mix them (rebuild fan-out).
+    seed = 0x2545F4914F6CDD1D
+
+    def draw() -> int:
+        nonlocal seed
+        seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
+        return seed
+
+    rack_heap = [(-rd[r], draw(), r) for r in range(len(rack_names))]
     heapq.heapify(rack_heap)
-    node_heaps = [[(-nd[n], _mix(n << 32), n) for n in ns] for ns in rack_nodes]
+    node_heaps = [[(-nd[n], draw(), n) for n in ns] for ns in rack_nodes]
     for h in node_heaps:
         heapq.heapify(h)
     tg_heaps = {n: [(usage[t], t) for t in ts] for n, ts in node_tg.items()}
     for th in tg_heaps.values():
         heapq.heapify(th)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    spread = all(x == 1 for x in lim)  # one member per rack: no rack is revisited within a group
     out: list[list[int]] = []
     for _ in range(want):
         chosen: list[int] = []
-        held_racks: list[int] = []
-        held_nodes: list[int] = []
-        count: dict[int, int] = {}
-        while len(chosen) < width:
-            _, _, r = pop(rack_heap)
-            _, _, n = pop(node_heaps[r])
-            th = tg_heaps[n]
-            u, t = th[0]
-            heapq.heapreplace(th, (u + 1, t))
-            usage[t] = u + 1
-            nd[n] -= ntg
-            rd[r] -= ntg
-            chosen.append(t)
-            held_nodes.append(n)
-            c = count[r] = count.get(r, 0) + 1
-            if c < lim[r]:
-                push(rack_heap, (-rd[r], _mix(r << 32 | r_epoch[r]), r))
-            else:
-                held_racks.append(r)
-        for r in held_racks:
-            r_epoch[r] += 1
-            push(rack_heap, (-rd[r], _mix(r << 32 | r_epoch[r]), r))
-        for n in held_nodes:
-            n_epoch[n] += 1
-            push(node_heaps[node_rack[n]], (-nd[n], _mix(n << 32 | n_epoch[n]), n))
-        # Each target takes its turn at every position: a target always
-        # placed first would serve more of the reads that need no decode.
-        ordered: list[int] = [-1] * width
-        for t in chosen:
-            p = rot[t] % width
-            while ordered[p] != -1:
-                p = (p + 1) % width
-            ordered[p] = t
-            rot[t] = p + 1
+        if spread:
+            picked = [pop(rack_heap)[2] for _ in range(width)]
+            for r in picked:
+                nh = node_heaps[r]
+                n = nh[0][2]
+                th = tg_heaps[n]
+                u, t = th[0]
+                replace(th, (u + 1, t))
+                nd[n] -= ntg
+                rd[r] -= ntg
+                seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
+                replace(nh, (-nd[n], seed, n))
+                chosen.append(t)
+            for r in picked:
+                seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
+                push(rack_heap, (-rd[r], seed, r))
+        else:
+            held_racks: list[int] = []
+            held_nodes: list[int] = []
+            count: dict[int, int] = {}
+            while len(chosen) < width:
+                _, _, r = pop(rack_heap)
+                _, _, n = pop(node_heaps[r])
+                th = tg_heaps[n]
+                u, t = th[0]
+                replace(th, (u + 1, t))
+                nd[n] -= ntg
+                rd[r] -= ntg
+                chosen.append(t)
+                held_nodes.append(n)
+                c = count[r] = count.get(r, 0) + 1
+                if c < lim[r]:
+                    push(rack_heap, (-rd[r], draw(), r))
+                else:
+                    held_racks.append(r)
+            for r in held_racks:
+                push(rack_heap, (-rd[r], draw(), r))
+            for n in held_nodes:
+                push(node_heaps[node_rack[n]], (-nd[n], draw(), n))
+        # Each target takes its turn at every position (as evenly as a greedy
+        # pass gets it): a target always placed first would serve more of the
+        # reads that need no decode.
+        ordered: list[int] = []
+        for j in range(width):
+            best, bv = -1, 0
+            for t in chosen:
+                v = pos[t][j]
+                if best < 0 or v < bv or (v == bv and t < best):
+                    best, bv = t, v
+            chosen.remove(best)
+            pos[best][j] = bv + 1
+            ordered.append(best)
         out.append(ordered)
     return out
 
@@ -272,72 +292,107 @@ class _Loads:
 
 
 class _Groups:
-    """The groups with the nodes/racks their members use, for validity checks."""
+    """The groups (copied on first change), with every known target's node
+    and rack as small integers for the validity checks."""
 
-    def __init__(self, groups: Mapping[int, list[int]], node_of: Mapping[int, int],
-                 racks: Mapping[int, str] | None, caps: Mapping[int, int]) -> None:
-        self.members = {g: list(groups[g]) for g in sorted(groups)}
+    def __init__(self, targets: Mapping[int, int], groups: Mapping[int, list[int]],
+                 all_targets: Mapping[int, int] | None, racks: Mapping[int, str] | None) -> None:
+        node_of: dict[int, int] = dict(all_targets or {})
+        node_of.update(targets)
         self.node_of = node_of
-        self.racks = racks
-        self.caps = caps
+        names: dict[str, int] = {}
+        for n in sorted(set(node_of.values())):
+            names.setdefault(rack_of(n, racks), len(names))
+        node_rk = {n: names[rack_of(n, racks)] for n in set(node_of.values())}
+        self.rack = {t: node_rk[n] for t, n in node_of.items()}
+        self.gids = sorted(groups)
+        self.members = dict(groups)  # the lists are copied when first changed
+        self._copied: dict[int, bool] = {}
+        self.caps = {w: max(domain_cap(targets, w, racks), 1) for w in sorted({len(m) for m in groups.values()})}
+
+    def set(self, g: int, pos: int, new: int) -> None:
+        if not self._copied.get(g):
+            self.members[g] = list(self.members[g])
+            self._copied[g] = True
+        self.members[g][pos] = new
+
+    def bad(self, g: int) -> list[int]:
+        """Positions of ``g`` that break the rule (repeated node, or beyond the
+        cap in a rack), in order."""
+        ms = self.members[g]
+        rk, no = self.rack, self.node_of
+        known = [t for t in ms if t in no]
+        if len({rk[t] for t in known}) == len(known):
+            return []  # every member in its own rack: the common case, checked fast
+        cap = self.caps.get(len(ms), 1)
+        seen_n: dict[int, int] = {}
+        seen_r: dict[int, int] = {}
+        out = []
+        for j, t in enumerate(ms):
+            if t not in no:
+                continue
+            n, r = no[t], rk[t]
+            seen_n[n] = seen_n.get(n, 0) + 1
+            seen_r[r] = seen_r.get(r, 0) + 1
+            if seen_n[n] > 1 or seen_r[r] > cap:
+                out.append(j)
+        return out
 
     def can_take(self, g: int, pos: int, new: int) -> bool:
         """Whether ``new`` may replace the member at ``pos`` of group ``g``."""
         ms = self.members[g]
         if new in ms:
             return False
-        nn = self.node_of[new]
-        nr = rack_of(nn, self.racks)
+        no, rk = self.node_of, self.rack
+        nn, nr = no[new], rk[new]
         cap = self.caps.get(len(ms), 1)
         in_rack = 0
         for j, t in enumerate(ms):
-            if j == pos:
+            if j == pos or t not in no:
                 continue
-            n = self.node_of.get(t)
-            if n is None:
-                continue
-            if n == nn:
+            if no[t] == nn:
                 return False
-            if rack_of(n, self.racks) == nr:
+            if rk[t] == nr:
                 in_rack += 1
                 if in_rack >= cap:
                     return False
         return True
 
 
-def _loads(targets: Mapping[int, int], groups: Mapping[int, list[int]],
-           group_bytes: Mapping[int, int]) -> dict[int, int]:
+def _scan(targets: Mapping[int, int], gs: _Groups, group_bytes: Mapping[int, int]
+          ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
+    """Bytes per eligible target, and the (group, position) pairs of each
+    eligible target in groups that hold bytes, in group order."""
     load = {t: 0 for t in sorted(targets)}
-    for g in sorted(groups):
+    member_of: dict[int, list[tuple[int, int]]] = {t: [] for t in load}
+    members = gs.members
+    for g in gs.gids:
         b = group_bytes.get(g, 0)
-        for t in groups[g]:
+        if b <= 0:
+            continue
+        for j, t in enumerate(members[g]):
             if t in load:
                 load[t] += b
-    return load
+                member_of[t].append((g, j))
+    return load, member_of
 
 
-def _caps(targets: Mapping[int, int], groups: Mapping[int, list[int]],
-          racks: Mapping[int, str] | None) -> dict[int, int]:
-    return {w: max(domain_cap(targets, w, racks), 1) for w in sorted({len(m) for m in groups.values()})}
-
-
-def _place(gs: _Groups, loads: _Loads, g: int, pos: int, exclude: int = -1) -> int | None:
+def _place(gs: _Groups, loads: _Loads, g: int, pos: int) -> int | None:
     """The least loaded target that may take ``pos`` of ``g`` (None: none may)."""
     k = 16
     while True:
         cands = loads.lowest(k)
         for t in cands:
-            if t != exclude and gs.can_take(g, pos, t):
+            if gs.can_take(g, pos, t):
                 return t
         if len(cands) < k:
-            break
+            return None
         if k >= 256:
             for t in loads.iter_lowest()[k:]:
-                if t != exclude and gs.can_take(g, pos, t):
+                if gs.can_take(g, pos, t):
                     return t
             return None
         k *= 4
-    return None
 
 
 def replace_members(targets: Mapping[int, int], groups: Mapping[int, list[int]],
@@ -348,20 +403,18 @@ def replace_members(targets: Mapping[int, int], groups: Mapping[int, list[int]],
     racks allow: what repair or drain would do. Several positions of one group
     may move. ``all_targets`` (target -> node for every target, eligible or
     not) lets the rule count the nodes of members being replaced."""
-    node_of: dict[int, int] = dict(all_targets or {})
-    node_of.update(targets)
-    gs = _Groups(groups, node_of, racks, _caps(targets, groups, racks))
-    loads = _Loads(_loads(targets, groups, group_bytes))
+    gs = _Groups(targets, groups, all_targets, racks)
+    load, _ = _scan(targets, gs, group_bytes)
+    loads = _Loads(load)
     out: list[Move] = []
-    for g, ms in gs.members.items():
-        for pos in range(len(ms)):
-            old = ms[pos]
+    for g in gs.gids:
+        for pos, old in enumerate(list(gs.members[g])):
             if old in targets:
                 continue
             new = _place(gs, loads, g, pos)
             if new is None:
                 continue
-            ms[pos] = new
+            gs.set(g, pos, new)
             loads.add(new, group_bytes.get(g, 0))
             out.append(Move(g, pos, old, new))
     return out
@@ -376,73 +429,51 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
 
     ``targets``: eligible target -> node; ``groups``: every group (gid ->
     members, any width); ``group_bytes``: bytes each member of a group holds.
-    Rule violations are fixed first. Never two moves in one group; members
-    that are not eligible are left to repair/drain; ``max_moves`` 0: no cap.
-    ``all_targets`` (optional, every target -> node) lets the rule see the
-    nodes of members that are not eligible.
+    Rule violations are fixed first (empty groups too: new data must not
+    land there). Never two moves in one group; members that are not eligible
+    are left to repair/drain; ``max_moves`` 0: no cap. ``all_targets``
+    (optional, every target -> node) lets the rule see the nodes of members
+    that are not eligible.
     """
     if not targets:
         return []
-    node_of: dict[int, int] = dict(all_targets or {})
-    node_of.update(targets)
-    caps = _caps(targets, groups, racks)
-    gs = _Groups(groups, node_of, racks, caps)
-    loads = _Loads(_loads(targets, groups, group_bytes))
+    gs = _Groups(targets, groups, all_targets, racks)
+    load, member_of = _scan(targets, gs, group_bytes)
+    loads = _Loads(load)
     moved: dict[int, bool] = {}
     out: list[Move] = []
 
     def full() -> bool:
         return bool(max_moves) and len(out) >= max_moves
 
-    # 1. groups that break the rule (a label changed, or they predate racks)
-    for g, ms in gs.members.items():
+    # 1. groups that break the rule (a label changed, or they predate racks):
+    # move the most loaded eligible member among those in breach.
+    for g in gs.gids:
+        bad = gs.bad(g)
+        if not bad:
+            continue
         if full():
             return out
-        cap = caps.get(len(ms), 1)
-        if rule_violations(ms, node_of, cap, racks) == 0:
-            continue
-        # Move the most loaded eligible member among those in breach.
-        seen_n: dict[int, int] = {}
-        seen_r: dict[str, int] = {}
-        culprits: list[int] = []
-        for j, t in enumerate(ms):
-            n = node_of.get(t)
-            if n is None:
-                continue
-            r = rack_of(n, racks)
-            seen_n[n] = seen_n.get(n, 0) + 1
-            seen_r[r] = seen_r.get(r, 0) + 1
-            if (seen_n[n] > 1 or seen_r[r] > cap) and t in targets:
-                culprits.append(j)
-        culprits.sort(key=lambda j: (-loads.load[ms[j]], j))
-        for j in culprits:
+        ms = gs.members[g]
+        for j in sorted((j for j in bad if ms[j] in targets), key=lambda j: (-loads.load[ms[j]], j)):
             new = _place(gs, loads, g, j)
             if new is not None:
                 b = group_bytes.get(g, 0)
                 loads.add(ms[j], -b)
                 loads.add(new, b)
                 out.append(Move(g, j, ms[j], new))
-                ms[j] = new
+                gs.set(g, j, new)
                 moved[g] = True
                 break
 
-    # 2. balance bytes
+    # 2. balance bytes, most loaded to least loaded, until all are in the band
     n_el = len(loads.load)
     total = sum(loads.load.values())
     lo = int(total * (1.0 - tolerance) / n_el)
     hi = int(total * (1.0 + tolerance) / n_el)
-    member_of: dict[int, list[tuple[int, int]]] = {t: [] for t in loads.load}
-    for g, ms in gs.members.items():
-        if moved.get(g) or group_bytes.get(g, 0) <= 0:
-            continue
-        for j, t in enumerate(ms):
-            if t in member_of:
-                member_of[t].append((g, j))
     while not full():
         srcs = loads.highest(8)
         dsts = loads.lowest(8)
-        if not srcs or not dsts:
-            break
         if loads.load[srcs[0]] <= hi and loads.load[dsts[0]] >= lo:
             break
         best: tuple[int, int, int, int] | None = None
@@ -458,7 +489,7 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
                     if moved.get(g):
                         continue
                     b = group_bytes.get(g, 0)
-                    if b >= ls - ld:  # would not even the pair out
+                    if b >= ls - ld:  # would not even the pair out (and could loop)
                         continue
                     fit = abs(b - need)
                     if (pick is None or fit < pick[0]) and gs.can_take(g, j, d):
@@ -476,7 +507,7 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
         b = group_bytes.get(g, 0)
         loads.add(s, -b)
         loads.add(d, b)
-        gs.members[g][j] = d
+        gs.set(g, j, d)
         moved[g] = True
         out.append(Move(g, j, s, d))
     return out
