@@ -471,36 +471,53 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
     total = sum(loads.load.values())
     lo = int(total * (1.0 - tolerance) / n_el)
     hi = int(total * (1.0 + tolerance) / n_el)
+    def fit(s: int, d: int) -> tuple[int, int] | None:
+        """The (group, position) of ``s`` that ``d`` may take whose bytes best
+        fit what the pair needs (None: none evens the pair out)."""
+        ls, ld = loads.load[s], loads.load[d]
+        need = max(lo - ld, ls - hi, 1)
+        pick: tuple[int, int, int] | None = None
+        for g, j in member_of[s]:
+            if moved.get(g):
+                continue
+            b = group_bytes.get(g, 0)
+            if b >= ls - ld:  # would not even the pair out (and could loop)
+                continue
+            f = abs(b - need)
+            if (pick is None or f < pick[0]) and gs.can_take(g, j, d):
+                pick = (f, g, j)
+                if f == 0:
+                    break
+        return None if pick is None else (pick[1], pick[2])
+
     while not full():
         srcs = loads.highest(8)
         dsts = loads.lowest(8)
         if loads.load[srcs[0]] <= hi and loads.load[dsts[0]] >= lo:
             break
         best: tuple[int, int, int, int] | None = None
-        for s in srcs:
-            ls = loads.load[s]
-            for d in dsts:
-                ld = loads.load[d]
-                if ld >= lo and ls <= hi:
-                    continue
-                need = max(lo - ld, ls - hi, 1)
-                pick: tuple[int, int, int] | None = None
-                for g, j in member_of[s]:
-                    if moved.get(g):
+        # The most loaded sources and least loaded destinations first; when
+        # the rule rules those pairs out (a new node in a rack every group
+        # already uses), widen the search on the side that is out of band.
+        k = 8
+        while best is None:
+            for s in srcs:
+                for d in dsts:
+                    if loads.load[d] >= lo and loads.load[s] <= hi:
                         continue
-                    b = group_bytes.get(g, 0)
-                    if b >= ls - ld:  # would not even the pair out (and could loop)
-                        continue
-                    fit = abs(b - need)
-                    if (pick is None or fit < pick[0]) and gs.can_take(g, j, d):
-                        pick = (fit, g, j)
-                        if fit == 0:
-                            break
-                if pick is not None:
-                    best = (s, d, pick[1], pick[2])
+                    got = fit(s, d)
+                    if got is not None:
+                        best = (s, d, got[0], got[1])
+                        break
+                if best is not None:
                     break
-            if best is not None:
+            if best is not None or k >= n_el:
                 break
+            k *= 8
+            if loads.load[dsts[0]] < lo:
+                srcs, dsts = loads.highest(k), dsts[:1]
+            else:
+                srcs, dsts = srcs[:1], loads.lowest(k)
         if best is None:
             break
         s, d, g, j = best
