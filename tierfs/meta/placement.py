@@ -471,10 +471,16 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
     total = sum(loads.load.values())
     lo = int(total * (1.0 - tolerance) / n_el)
     hi = int(total * (1.0 + tolerance) / n_el)
+    by_rack: dict[int, list[int]] = {}
+    for t in loads.load:
+        by_rack.setdefault(gs.rack[t], []).append(t)
+
     def fit(s: int, d: int) -> tuple[int, int] | None:
         """The (group, position) of ``s`` that ``d`` may take whose bytes best
         fit what the pair needs (None: none evens the pair out)."""
         ls, ld = loads.load[s], loads.load[d]
+        if ls <= ld:
+            return None
         need = max(lo - ld, ls - hi, 1)
         pick: tuple[int, int, int] | None = None
         for g, j in member_of[s]:
@@ -499,7 +505,7 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
         # The most loaded sources and least loaded destinations first; when
         # the rule rules those pairs out (a new node in a rack every group
         # already uses), widen the search on the side that is out of band.
-        k = 8
+        stage = 0
         while best is None:
             for s in srcs:
                 for d in dsts:
@@ -511,13 +517,23 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
                         break
                 if best is not None:
                     break
-            if best is not None or k >= n_el:
+            if best is not None or stage == 3:
                 break
-            k *= 8
+            # The rule ruled those pairs out (say a new node in a rack that
+            # every group already uses: only its rack-mates' positions fit).
+            # Widen the search on the side that is out of band: rack-mates
+            # first, then more of the cluster, then all of it.
+            stage += 1
             if loads.load[dsts[0]] < lo:
-                srcs, dsts = loads.highest(k), dsts[:1]
+                d = dsts[0]
+                srcs = (sorted(by_rack[gs.rack[d]], key=lambda t: (-loads.load[t], t))[:64] if stage == 1
+                        else loads.highest(256 if stage == 2 else n_el))
+                dsts = [d]
             else:
-                srcs, dsts = srcs[:1], loads.lowest(k)
+                s = srcs[0]
+                dsts = (sorted(by_rack[gs.rack[s]], key=lambda t: (loads.load[t], t))[:64] if stage == 1
+                        else loads.lowest(256 if stage == 2 else n_el))
+                srcs = [s]
         if best is None:
             break
         s, d, g, j = best
