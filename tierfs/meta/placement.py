@@ -183,26 +183,64 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
     for th in tg_heaps.values():
         heapq.heapify(th)
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    spread = all(x == 1 for x in lim)  # one member per rack: no rack is revisited within a group
+    spread = all(x == 1 for x in lim)
+    # How often each target shared a group with each node (saturating bytes:
+    # targets x nodes, 10 MB for 10,000 x 1,000).
+    nix = {n: i for i, n in enumerate(sorted(node_tg))}
+    co = {t: bytearray(len(nix)) for t in tids} if spread else {}
+    for grp in existing if spread else []:
+        gn = [nix[targets[t]] for t in grp if t in targets]
+        for t in grp:
+            if t in co:
+                c = co[t]
+                for x in gn:
+                    c[x] = min(c[x] + 1, 255)  # one member per rack: no rack is revisited within a group
     out: list[list[int]] = []
     for _ in range(want):
         chosen: list[int] = []
         if spread:
             picked = [pop(rack_heap)[2] for _ in range(width)]
+            seen: list[bytearray] = []
             for r in picked:
                 nh = node_heaps[r]
-                n = nh[0][2]
+                top = pop(nh)
+                if seen and nh:
+                    # Pair affinity: of the rack's nodes tied at the top
+                    # demand, the one least often grouped with the members
+                    # chosen so far, so that a failed target's groups read
+                    # from many distinct peers (and no peer serves many).
+                    best, score = top, sum(c[nix[top[2]]] for c in seen)
+                    alts = []
+                    while score and nh and len(alts) < 3 and nh[0][0] == top[0]:
+                        e = pop(nh)
+                        alts.append(e)
+                        sc = sum(c[nix[e[2]]] for c in seen)
+                        if sc < score:
+                            best, score = e, sc
+                    for e in alts if best is top else [top, *alts]:
+                        if e is not best:
+                            push(nh, e)
+                    n = best[2]
+                else:
+                    n = top[2]
                 th = tg_heaps[n]
                 u, t = th[0]
                 replace(th, (u + 1, t))
                 nd[n] -= ntg
                 rd[r] -= ntg
                 seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
-                replace(nh, (-nd[n], seed, n))
+                push(nh, (-nd[n], seed, n))
                 chosen.append(t)
+                seen.append(co[t])
             for r in picked:
                 seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
                 push(rack_heap, (-rd[r], seed, r))
+            cn = [nix[targets[t]] for t in chosen]
+            for c in seen:
+                for x in cn:
+                    v = c[x]
+                    if v < 255:
+                        c[x] = v + 1
         else:
             held_racks: list[int] = []
             held_nodes: list[int] = []
