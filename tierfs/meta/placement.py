@@ -192,9 +192,9 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
         gn = [nix[targets[t]] for t in grp if t in targets]
         for t in grp:
             if t in co:
-                c = co[t]
+                row = co[t]
                 for x in gn:
-                    c[x] = min(c[x] + 1, 255)  # one member per rack: no rack is revisited within a group
+                    row[x] = min(row[x] + 1, 255)  # one member per rack: no rack is revisited within a group
     out: list[list[int]] = []
     for _ in range(want):
         chosen: list[int] = []
@@ -209,18 +209,18 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
                     # demand, the one least often grouped with the members
                     # chosen so far, so that a failed target's groups read
                     # from many distinct peers (and no peer serves many).
-                    best, score = top, sum(c[nix[top[2]]] for c in seen)
-                    alts = []
+                    win, score = top, sum(row[nix[top[2]]] for row in seen)
+                    alts: list[tuple[int, int, int]] = []
                     while score and nh and len(alts) < 3 and nh[0][0] == top[0]:
-                        e = pop(nh)
-                        alts.append(e)
-                        sc = sum(c[nix[e[2]]] for c in seen)
+                        ent = pop(nh)
+                        alts.append(ent)
+                        sc = sum(row[nix[ent[2]]] for row in seen)
                         if sc < score:
-                            best, score = e, sc
-                    for e in alts if best is top else [top, *alts]:
-                        if e is not best:
-                            push(nh, e)
-                    n = best[2]
+                            win, score = ent, sc
+                    for ent in alts if win is top else [top, *alts]:
+                        if ent is not win:
+                            push(nh, ent)
+                    n = win[2]
                 else:
                     n = top[2]
                 th = tg_heaps[n]
@@ -236,11 +236,11 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
                 seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
                 push(rack_heap, (-rd[r], seed, r))
             cn = [nix[targets[t]] for t in chosen]
-            for c in seen:
+            for row in seen:
                 for x in cn:
-                    v = c[x]
+                    v = row[x]
                     if v < 255:
-                        c[x] = v + 1
+                        row[x] = v + 1
         else:
             held_racks: list[int] = []
             held_nodes: list[int] = []
