@@ -15,7 +15,10 @@ then that node's least-used target). Ties between equal demands are broken by
 a draw from a fixed 64-bit LCG taken each time a candidate is put back, so that
 equal racks come out in a fresh pseudo-random order every round: groups mix
 all racks and a failed target's groups have many distinct peers (rebuild
-fan-out) instead of repeating a few fixed blocks. Racks, nodes and targets sit
+fan-out) instead of repeating a few fixed blocks. Among a rack's nodes tied at
+the top demand, the one least often grouped with the members already chosen
+wins (pair affinity, counted per target x node), so no peer of a failed node
+serves many of its groups. Racks, nodes and targets sit
 in heaps keyed by demand, so a group costs ``O(width log racks)``, not a scan.
 Each target then takes its turn at every position (fragments ``0..K-1`` are
 the ones read without decoding).
