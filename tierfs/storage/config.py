@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import ClassVar
 
-from tierfs.config import BaseConfig, field
+from tierfs.config import BaseConfig, field, parse_size
 from tierfs.errors import ConfigError
 from tierfs.meta.ops import MAX_GC_PAGE
 from tierfs.tls import TlsFiles
@@ -79,6 +79,10 @@ class StorageConfig(BaseConfig):
 
     max_fragment_size: int = field(64 << 20, "Largest fragment a target accepts.", kind="size")
     reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
+    min_free: str = field(
+        "64MiB", "Free space (beyond reserved_bytes) under which a target reports READ_ONLY to meta: still read, "
+        "skipped by writes and placement until space returns. A size (64MiB) or a percentage of the file "
+        "system (1%).")
 
     max_frame_bytes: int = field(128 << 20, "Largest data-plane frame payload.", kind="size")
     max_inflight_bytes: int = field(512 << 20, "Payload bytes one data-plane connection may hold in flight.", kind="size")
@@ -142,6 +146,7 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be at least max_frame_bytes and buffer_pool_bytes", field="buffer_pool_max_bytes")
         if self.reserved_bytes < 0:
             raise ConfigError("must be >= 0", field="reserved_bytes")
+        self.min_free_limit()
         if not 0 < self.max_fragment_size <= self.max_frame_bytes:
             raise ConfigError("must be positive and at most max_frame_bytes", field="max_fragment_size")
         if self.max_inflight_bytes < self.max_frame_bytes:
@@ -153,6 +158,23 @@ class StorageConfig(BaseConfig):
         dirs = [str(Path(t).resolve()) for t in self.target_dirs()]
         if len(set(dirs)) != len(dirs):
             raise ConfigError("a directory is listed twice", field="targets")
+
+    def min_free_limit(self) -> tuple[int, float]:
+        """``min_free`` as (bytes, fraction of the file system); one is 0."""
+        raw = self.min_free.strip()
+        try:
+            if raw.endswith("%"):
+                pct = float(raw[:-1])
+                if not 0 <= pct < 100:
+                    raise ValueError
+                return 0, pct / 100
+            n = parse_size(raw)
+            if n < 0:
+                raise ValueError
+            return n, 0.0
+        except ValueError:
+            raise ConfigError(f"not a size or a percentage below 100: {self.min_free!r} (examples: 64MiB, 1%)",
+                              field="min_free") from None
 
     def target_dirs(self) -> list[Path]:
         return [Path(t) for t in self.targets] or [Path(self.data_dir) / "target0"]

@@ -61,7 +61,7 @@ from tierfs.errors import (
     TierFSError,
 )
 from tierfs.storage.api import FragmentKey
-from tierfs.storage.engine import ChunkEngine
+from tierfs.storage.engine import ChunkEngine, TargetState
 
 __all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError", "find_bad_fragments",
            "reencode_chunk", "solve_chunk"]
@@ -522,7 +522,9 @@ class Repairer:
         which treats listed positions the same way. Returns (rebuilt,
         failed)."""
         await self.refresh_map()
-        ours = self.engines
+        # A full (READ_ONLY) target is left alone: rebuilding onto it would
+        # eat its reserve; its items wait until space returns.
+        ours = {t: e for t, e in self.engines.items() if e.state() != TargetState.READ_ONLY}
         if not ours:
             return 0, 0
         reply = await self.meta.list_repairs(sorted(ours), limit=limit)
