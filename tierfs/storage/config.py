@@ -62,6 +62,9 @@ class StorageConfig(BaseConfig):
         256 << 20, "Bytes per second the rebuild worker fetches from peers (0: unlimited).", kind="size"
     )
     rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild.", kind="duration")
+    rebuild_concurrency: int = field(
+        16, "Fragments this node rebuilds at once, over all groups and the repair queue (each holds K fetched "
+        "fragments in pooled buffers meanwhile: 16 x 5 x 1.25 MiB for ec:4+2 with 4 MiB chunks).")
     repair_interval: float = field(
         2.0, "How often the repair-queue worker asks meta for fragments of ours known missing or bad (degraded "
         "writes, scrub findings) and rebuilds them; it also asks at once at start and when heartbeats resume.",
@@ -136,6 +139,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be >= 0", field="rebuild_rate")
         if self.rebuild_interval <= 0:
             raise ConfigError("must be positive", field="rebuild_interval")
+        if not 1 <= self.rebuild_concurrency <= 4096:
+            raise ConfigError("must be in 1..4096", field="rebuild_concurrency")
         if self.repair_interval <= 0:
             raise ConfigError("must be positive", field="repair_interval")
         if not 0 <= self.control_port < 65536:

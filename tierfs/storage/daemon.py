@@ -296,7 +296,7 @@ class StorageNode:
             self.meta = MetaClient(list(cfg.meta_addrs), token=node_key, tls=dial)
             # Repair and scrub need meta (layouts, groups) and the peers.
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
-                                     poll_interval=cfg.rebuild_interval,
+                                     concurrency=cfg.rebuild_concurrency, poll_interval=cfg.rebuild_interval,
                                      tls=dial.client_ssl_context() if dial is not None else None)
             self.repairer.data.cap_refresher = self._refresh_node_cap
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
