@@ -131,3 +131,48 @@ def test_no_tick_entries_while_no_replacement_is_possible() -> None:
     # A seventh node makes the replacement possible: now it is due.
     d.register(1, 1, prefix="spare")
     assert d.sm.tick_due(d.now, 5000, 1000)
+
+
+def test_read_only_target_is_readable_but_never_placed_nor_replaced() -> None:
+    # A full target (docs/storage.md, "Full disk"): its node heartbeats it
+    # READ_ONLY. It stays in its groups (readable, never replaced however
+    # long it lasts), but no new group, replacement or file placement picks it.
+    d = Driver()
+    regs = d.register(7, 1)
+    full = regs[3].targets[0].target_id
+    v = d.sm.cluster_map().version
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=regs[3].node_id, targets=[
+        pb.TargetReport(target_id=full, state=pb.TARGET_STATE_READ_ONLY)]))
+    cmap = d.sm.cluster_map()
+    assert cmap.version > v
+    assert next(t for t in cmap.targets if t.target_id == full).state == pb.TARGET_STATE_READ_ONLY
+    held = {g.group_id for g in cmap.groups if full in g.target_ids}
+    assert held
+    for _ in range(3):
+        d.advance(2.0)
+        for r in regs:
+            d.do("heartbeat", pb.HeartbeatRequest(node_id=r.node_id, targets=[pb.TargetReport(
+                target_id=r.targets[0].target_id,
+                state=pb.TARGET_STATE_READ_ONLY if r is regs[3] else pb.TARGET_STATE_ONLINE)]))
+        d.do("tick", pb.TickRequest(heartbeat_timeout_ms=5000, replace_after_ms=1000))
+    groups = _groups(d)
+    assert {g for g, pg in groups.items() if full in pg.target_ids} == held  # not replaced
+    assert not any(pg.rebuilding for pg in groups.values())
+    # A new width's groups, and a file of that width, leave it out.
+    d.mkdir("/n")
+    d.do("set_layout", pb.SetLayoutRequest(loc=pb.Loc(path="/n"), layout=pb.Layout(
+        kind=pb.REDUNDANCY_KIND_EC, data_shards=2, parity_shards=1)), pb.LayoutReply)
+    narrow = [pg for pg in _groups(d).values() if len(pg.target_ids) == 3]
+    assert narrow and all(full not in pg.target_ids for pg in narrow)
+    info = d.create("/n/f")
+    assert all(full not in _groups(d)[g].target_ids for g in info.layout.groups)
+    # Groups with the full member count as degraded: new 6-wide files avoid them while others exist.
+    info6 = d.create("/g6")
+    healthy6 = [g for g, pg in _groups(d).items() if len(pg.target_ids) == 6 and full not in pg.target_ids]
+    if healthy6:
+        assert all(g in healthy6 for g in info6.layout.groups)
+    # Space back: ONLINE, eligible again.
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=regs[3].node_id, targets=[
+        pb.TargetReport(target_id=full, state=pb.TARGET_STATE_ONLINE)]))
+    assert full in d.sm._eligible()
+    _same_after_restore(d)

@@ -111,3 +111,32 @@ def test_full_target_refuses_writes_and_keeps_serving(
             await be.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_min_free_sets_read_only_without_refusing_writes(tmp_path: Path, pool: BufferPool) -> None:
+    # min_free above the disk's free space: READ_ONLY (clients and placement
+    # skip it) although a write still fits; a percentage works the same way.
+    from tierfs.storage.io.posix import PosixBackend
+
+    async def main() -> None:
+        be = PosixBackend(pool, threads=2)
+        free = shutil.disk_usage(tmp_path).free
+        eng = ChunkEngine(tmp_path / "t", 4, be, pool, reserved_bytes=0, min_free=free + (1 << 40))
+        await eng.open()
+        try:
+            assert eng.state() == TargetState.READ_ONLY
+            data = b"still fits" * 100
+            await eng.write(FragmentKey(1, 0, 0, 1), memoryview(data), crc32c(data))
+            assert await _read(eng, FragmentKey(1, 0, 0, 1)) == data
+            eng.min_free = 0
+            assert eng.state() == TargetState.ONLINE
+            eng.min_free_fraction = 0.9999  # all but 0.01% of the file system must be free
+            assert eng.state() == TargetState.READ_ONLY
+            eng.min_free_fraction = 0.0
+            assert eng.state() == TargetState.ONLINE
+        finally:
+            await eng.close()
+            await be.aclose()
+
+    asyncio.run(main())

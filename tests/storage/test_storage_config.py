@@ -42,9 +42,19 @@ def test_precedence(tmp_path: Path) -> None:
         ({"scrub_rate": -1}, "scrub_rate"),
         ({"metrics_addr": "localhost"}, "metrics_addr"),
         ({"reserved_bytes": "lots"}, "reserved_bytes"),
+        ({"min_free": "lots"}, "min_free"),
+        ({"min_free": "150%"}, "min_free"),
+        ({"rebuild_concurrency": 0}, "rebuild_concurrency"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as ei:
         load(StorageConfig, env={}, overrides=overrides)
     assert ei.value.field == field
+
+
+def test_min_free_is_a_size_or_a_percentage() -> None:
+    assert load(StorageConfig, env={}).min_free_limit() == (64 << 20, 0.0)
+    assert load(StorageConfig, env={}, overrides={"min_free": "2MiB"}).min_free_limit() == (2 << 20, 0.0)
+    assert load(StorageConfig, env={}, overrides={"min_free": "1%"}).min_free_limit() == (0, 0.01)
+    assert load(StorageConfig, env={"TIERFS_STORAGE_MIN_FREE": "0"}).min_free_limit() == (0, 0.0)

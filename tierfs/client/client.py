@@ -39,6 +39,7 @@ from tierfs.errors import (
     InsufficientTargetsError,
     InvalidArgumentError,
     IsADirectoryError_,
+    NoSpaceError,
     NotADirectoryError_,
     NotFoundError,
     StaleVersionError,
@@ -870,9 +871,10 @@ class AsyncClient:
         """Store the K+M fragments of chunk ``idx`` (tagged ``version``) on its
         group, all in parallel. Degraded writes: the chunk counts as stored
         once ``min_write_fragments`` of them are durable. A position whose
-        target the map shows offline is not tried (while the others can still
-        reach the minimum); one that fails is retried like any other and
-        then left missing: the storage scrubber's missing-fragment step
+        target the map shows offline or read-only (full) is not tried (while
+        the others can still reach the minimum), nor, after its first
+        NoSpace answer, a target that is full; one that fails otherwise is
+        retried like any other and then left missing: the storage scrubber's missing-fragment step
         rebuilds it from the committed version. Fragments are keyed by
         version, so an older fragment on a returning node is never read as
         this one. Returns the positions not stored (recorded in meta at
@@ -885,7 +887,7 @@ class AsyncClient:
         if len(targets) != width:
             raise StaleVersionError(f"group {gid} has {len(targets)} targets, {view.codec!r} needs {width}")
         need = self.min_write_fragments(view.codec)
-        if any(router.down(t) for t in targets):
+        if any(router.write_skip(t) for t in targets):
             # About to skip a member: make sure the map is current (it may be
             # back), else the chunk loses redundancy for nothing. Rate-limited,
             # and a cheap version check when nothing changed.
@@ -898,16 +900,17 @@ class AsyncClient:
         done: set[int] = set()
 
         def plan(cands: Sequence[int]) -> list[int]:
-            # Targets the map shows down are skipped: no retry storm while a
-            # node is known to be away. (Not those that merely failed a
-            # request recently: that would leave fragments missing on a
+            # Targets the map shows down or full are skipped: no retry storm
+            # while a node is known to be away. (Not those that merely failed
+            # a request recently: that would leave fragments missing on a
             # healthy node and need a repair for nothing.)
-            up = [j for j in cands if not router.down(targets[j])]
+            why = {j: router.write_skip(targets[j]) for j in cands}
+            up = [j for j in cands if not why[j]]
             if len(done) + len(up) < need:
                 return list(cands)  # the map may be stale: try them all rather than fail unasked
             for j in cands:
                 if j not in up:
-                    errors.setdefault(j, UnavailableError(f"target {targets[j]} is offline in the cluster map"))
+                    errors.setdefault(j, UnavailableError(f"target {targets[j]} is {why[j]}"))
             return up
 
         pending = plan(range(width))
@@ -923,6 +926,11 @@ class AsyncClient:
                     errors.pop(j, None)
                     continue
                 errors[j] = r
+                if isinstance(r, NoSpaceError):
+                    # Full: like an offline member, the position is left
+                    # missing (not retried, not fatal while `need` others store it).
+                    router.mark_full(targets[j])
+                    continue
                 self._note(targets[j], r)
                 if not isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
                     raise type(r)(f"{view.path}: chunk {idx}: fragment {j} on target {targets[j]}: {r}")
@@ -939,6 +947,10 @@ class AsyncClient:
                 await router.refresh()
             fresh = await router.targets(gid)
             again = set(failed) | {j for j in range(width) if j not in done and j not in errors}
+            if len(done) + len(again) < need:
+                # Too many full members for this group: try them once more
+                # (space may have come back) rather than fail unasked.
+                again |= {j for j in range(width) if j not in done and isinstance(errors.get(j), NoSpaceError)}
             if fresh != targets and len(fresh) == len(targets):
                 moved = {j for j in range(width) if fresh[j] != targets[j]}
                 done -= moved

@@ -69,6 +69,7 @@ class Router:
         self.state: dict[int, int] = {}
         self._failed: dict[int, float] = {}
         self._slow: dict[int, float] = {}
+        self._full: dict[int, float] = {}
         # group id -> {member still being rebuilt: the member it replaced
         # when that one is still readable, else 0}
         self.rebuilding: dict[int, dict[int, int]] = {}
@@ -211,6 +212,24 @@ class Router:
     def down(self, target: int) -> bool:
         """Offline (or failed) in the cluster map: a write skips it."""
         return self.state.get(target) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED)
+
+    def write_skip(self, target: int) -> str:
+        """Why a write skips ``target`` ('' if it does not): offline or
+        failed in the map, READ_ONLY (full: still read) in the map, or
+        answered NoSpace within ``failed_ttl`` (before the map says so)."""
+        st = self.state.get(target)
+        if st in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED):
+            return "offline in the cluster map"
+        if st == pb.TARGET_STATE_READ_ONLY:
+            return "read-only (full) in the cluster map"
+        if self._within(self._full, target):
+            return "full (it answered NoSpace just now)"
+        return ""
+
+    def mark_full(self, target: int) -> None:
+        """``target`` answered NoSpace: writes skip it for ``failed_ttl``
+        (its daemon reports READ_ONLY to meta meanwhile)."""
+        self._full[target] = time.monotonic() + max(self.failed_ttl, 1.0)
 
     def mark_ok(self, target: int) -> None:
         # Not the slow mark: a slow node does answer, only late.

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import ClassVar
 
-from tierfs.config import BaseConfig, field
+from tierfs.config import BaseConfig, field, parse_size
 from tierfs.errors import ConfigError
 from tierfs.meta.ops import MAX_GC_PAGE
 from tierfs.tls import TlsFiles
@@ -62,6 +62,9 @@ class StorageConfig(BaseConfig):
         256 << 20, "Bytes per second the rebuild worker fetches from peers (0: unlimited).", kind="size"
     )
     rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild.", kind="duration")
+    rebuild_concurrency: int = field(
+        16, "Fragments this node rebuilds at once, over all groups and the repair queue (each holds K fetched "
+        "fragments in pooled buffers meanwhile: 16 x 5 x 1.25 MiB for ec:4+2 with 4 MiB chunks).")
     repair_interval: float = field(
         2.0, "How often the repair-queue worker asks meta for fragments of ours known missing or bad (degraded "
         "writes, scrub findings) and rebuilds them; it also asks at once at start and when heartbeats resume.",
@@ -79,6 +82,10 @@ class StorageConfig(BaseConfig):
 
     max_fragment_size: int = field(64 << 20, "Largest fragment a target accepts.", kind="size")
     reserved_bytes: int = field(256 << 20, "Free space kept on each target's file system; writes past it get NoSpace.", kind="size")
+    min_free: str = field(
+        "64MiB", "Free space (beyond reserved_bytes) under which a target reports READ_ONLY to meta: still read, "
+        "skipped by writes and placement until space returns. A size (64MiB) or a percentage of the file "
+        "system (1%).")
 
     max_frame_bytes: int = field(128 << 20, "Largest data-plane frame payload.", kind="size")
     max_inflight_bytes: int = field(512 << 20, "Payload bytes one data-plane connection may hold in flight.", kind="size")
@@ -132,6 +139,8 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be >= 0", field="rebuild_rate")
         if self.rebuild_interval <= 0:
             raise ConfigError("must be positive", field="rebuild_interval")
+        if not 1 <= self.rebuild_concurrency <= 4096:
+            raise ConfigError("must be in 1..4096", field="rebuild_concurrency")
         if self.repair_interval <= 0:
             raise ConfigError("must be positive", field="repair_interval")
         if not 0 <= self.control_port < 65536:
@@ -142,6 +151,7 @@ class StorageConfig(BaseConfig):
             raise ConfigError("must be at least max_frame_bytes and buffer_pool_bytes", field="buffer_pool_max_bytes")
         if self.reserved_bytes < 0:
             raise ConfigError("must be >= 0", field="reserved_bytes")
+        self.min_free_limit()
         if not 0 < self.max_fragment_size <= self.max_frame_bytes:
             raise ConfigError("must be positive and at most max_frame_bytes", field="max_fragment_size")
         if self.max_inflight_bytes < self.max_frame_bytes:
@@ -153,6 +163,23 @@ class StorageConfig(BaseConfig):
         dirs = [str(Path(t).resolve()) for t in self.target_dirs()]
         if len(set(dirs)) != len(dirs):
             raise ConfigError("a directory is listed twice", field="targets")
+
+    def min_free_limit(self) -> tuple[int, float]:
+        """``min_free`` as (bytes, fraction of the file system); one is 0."""
+        raw = self.min_free.strip()
+        try:
+            if raw.endswith("%"):
+                pct = float(raw[:-1])
+                if not 0 <= pct < 100:
+                    raise ValueError
+                return 0, pct / 100
+            n = parse_size(raw)
+            if n < 0:
+                raise ValueError
+            return n, 0.0
+        except ValueError:
+            raise ConfigError(f"not a size or a percentage below 100: {self.min_free!r} (examples: 64MiB, 1%)",
+                              field="min_free") from None
 
     def target_dirs(self) -> list[Path]:
         return [Path(t) for t in self.targets] or [Path(self.data_dir) / "target0"]

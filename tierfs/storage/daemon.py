@@ -222,6 +222,7 @@ class StorageNode:
         self.tls: TlsFiles | None = None
         self.control: Any = None
         self._catchup: asyncio.Task[Any] | None = None
+        self._hb_wake = asyncio.Event()
         self.counters: dict[str, int] = dict.fromkeys(
             ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
              "scrub_bytes", "catch_ups"), 0
@@ -248,12 +249,15 @@ class StorageNode:
         dirs = cfg.target_dirs()
         if self._target_ids and len(self._target_ids) != len(dirs):
             raise ConfigError(f"{len(self._target_ids)} target ids for {len(dirs)} targets", field="target_ids")
+        min_free, min_free_fraction = cfg.min_free_limit()
         for i, d in enumerate(dirs):
             tid = self._target_ids[i] if self._target_ids else 0
             eng = ChunkEngine(
                 d, tid, self.backend, self.pool,
                 reserved_bytes=cfg.reserved_bytes, max_fragment_size=cfg.max_fragment_size,
+                min_free=min_free, min_free_fraction=min_free_fraction,
             )
+            eng.on_full = self._heartbeat_now
             await eng.open()
             self.engines.append(eng)
             kv = KVStore(eng.root, target_id=tid, pool=self.pool, backend=self.backend)
@@ -292,7 +296,7 @@ class StorageNode:
             self.meta = MetaClient(list(cfg.meta_addrs), token=node_key, tls=dial)
             # Repair and scrub need meta (layouts, groups) and the peers.
             self.repairer = Repairer(self.meta, lambda: self.engines, rate=cfg.rebuild_rate,
-                                     poll_interval=cfg.rebuild_interval,
+                                     concurrency=cfg.rebuild_concurrency, poll_interval=cfg.rebuild_interval,
                                      tls=dial.client_ssl_context() if dial is not None else None)
             self.repairer.data.cap_refresher = self._refresh_node_cap
             self.scrubber = Scrubber(self.repairer, orphan_grace=cfg.orphan_grace, node_id=lambda: self.node_id)
@@ -447,13 +451,31 @@ class StorageNode:
                     bytes_in=u.bytes_in, bytes_out=u.bytes_out))
         return out
 
+    def _heartbeat_now(self) -> None:
+        """A target just found itself full: report READ_ONLY now, not at the
+        next beat, so clients and placement skip it sooner."""
+        self._hb_wake.set()
+
     async def _heartbeat_loop(self) -> None:
+        from tierfs.proto.v1 import meta_pb2 as pb
+
         last_ok = time.monotonic()
         missed = False
+        sent: dict[int, int] = {}
         while True:
+            self._hb_wake.clear()
             try:
-                reply = await self.meta.heartbeat(self.node_id, self.reports(), kv_usage=self.kv_reports())
+                reports = self.reports()
+                reply = await self.meta.heartbeat(self.node_id, reports, kv_usage=self.kv_reports())
                 self.counters["heartbeats"] += 1
+                back = [r.target_id for r in reports if r.state == pb.TARGET_STATE_ONLINE
+                        and sent.get(r.target_id) == pb.TARGET_STATE_READ_ONLY]
+                sent = {r.target_id: r.state for r in reports}
+                if back and self.repairer is not None:
+                    # Space returned: the positions degraded writes skipped
+                    # while it was full are in meta's repair queue.
+                    log.info("target(s) %s writable again", back)
+                    self.repairer.wake()
                 self._take_cap_keys(reply.cap_keys)
                 if reply.map_version != self._kv_map_version:
                     await self._refresh_kv_pools(retry=False)
@@ -474,7 +496,8 @@ class StorageNode:
                 self.counters["heartbeat_errors"] += 1
                 missed = True
                 log.warning("heartbeat failed: %s", err)
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hb_wake.wait(), self.cfg.heartbeat_interval)
 
     async def _kv_pool_missing(self, pool_id: int) -> None:
         """A KV request named a pool this node has not configured: refresh

@@ -54,7 +54,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +97,8 @@ _U32 = struct.Struct("<I")
 # CRC work above this size runs in a worker thread (the C code drops the GIL)
 # when other operations are in flight
 _CRC_THREAD_MIN = 1 << 20
-# below this much free space the target reports READ_ONLY (still serves reads)
+# below this much free space (after the reserve) the target reports
+# READ_ONLY (still serves reads); the storage config's ``min_free`` overrides it
 _FULL_BELOW = 1 << 20
 
 
@@ -276,6 +277,8 @@ class ChunkEngine:
         *,
         reserved_bytes: int = 0,
         max_fragment_size: int = 256 << 20,
+        min_free: int = _FULL_BELOW,
+        min_free_fraction: float = 0.0,
     ) -> None:
         self.root = Path(root)
         self._root_str = str(self.root)
@@ -284,6 +287,11 @@ class ChunkEngine:
         self.pool = pool
         self.reserved_bytes = reserved_bytes
         self.max_fragment_size = max_fragment_size
+        self.min_free = min_free
+        self.min_free_fraction = min_free_fraction
+        #: Called (no arguments) when a write finds the target full, so the
+        #: daemon can tell meta at once rather than at the next heartbeat.
+        self.on_full: Callable[[], None] | None = None
         self._index: dict[FragmentKey, _Entry] = {}
         self._used = 0
         self._locks = _KeyLocks()
@@ -291,6 +299,11 @@ class ChunkEngine:
         self._known_dirs: set[str] = set()
         self._failed: str | None = None
         self._full = False
+        # Free bytes the target needs again after a write hit ENOSPC (or the
+        # reserve) before it reports ONLINE: min_free alone could flap when
+        # the fragment that did not fit is larger than min_free.
+        self._full_need = 0
+        self._last_need = 0
         self._busy = 0  # reads + writes in progress
         self._suspects: set[FragmentKey] = set()
         self._opened = False
@@ -474,6 +487,7 @@ class ChunkEngine:
         hdr_len = header_length(size)
         padded = round_up(size)
         file_len = hdr_len + padded
+        self._last_need = file_len
         self._check_space(file_len)
 
         hdr = self.pool.get(hdr_len)
@@ -665,12 +679,37 @@ class ChunkEngine:
         if self._failed is not None:
             return TargetState.FAILED
         try:
-            free = self._free_bytes()
+            st = os.statvfs(self.root)
         except OSError as exc:
             self._fail(f"statvfs failed: {exc}")
             return TargetState.FAILED
-        self._full = free < _FULL_BELOW
-        return TargetState.READ_ONLY if self._full else TargetState.ONLINE
+        free = int(st.f_bavail * st.f_frsize) - self.reserved_bytes
+        full = free < max(self.min_free_bytes(int(st.f_blocks * st.f_frsize)), self._full_need)
+        if not full:
+            self._full_need = 0  # space came back (files deleted, a bigger volume)
+        self._full = full
+        return TargetState.READ_ONLY if full else TargetState.ONLINE
+
+    def min_free_bytes(self, fs_bytes: int) -> int:
+        """Free bytes (after the reserve) under which the target is READ_ONLY."""
+        return max(self.min_free, int(self.min_free_fraction * max(0, fs_bytes - self.reserved_bytes)))
+
+    def _mark_full(self, need: int, free: int | None = None) -> None:
+        was, self._full = self._full, True
+        self.counters["no_space"] += 1
+        try:
+            st = os.statvfs(self.root)
+            if free is None:
+                free = int(st.f_bavail * st.f_frsize) - self.reserved_bytes
+            floor = self.min_free_bytes(int(st.f_blocks * st.f_frsize))
+        except OSError:
+            free, floor = free or 0, self.min_free
+        # READ_ONLY until space really returns: more free than when the
+        # write failed, by the write's size (at most min_free), so that a
+        # target which refused one large fragment does not flap back at once.
+        self._full_need = max(self._full_need, max(free, 0) + min(need + 2 * ALIGN, max(floor, ALIGN)))
+        if not was and self.on_full is not None:
+            self.on_full()
 
     def stats(self) -> TargetStats:
         state = self.state()
@@ -727,8 +766,7 @@ class ChunkEngine:
             raise self._io_error("statvfs", self.root, exc) from exc
         # headroom for the directory blocks a new fragment may need
         if free < need + 2 * ALIGN:
-            self._full = True
-            self.counters["no_space"] += 1
+            self._mark_full(need, free)
             raise NoSpaceError(
                 f"target {self.target_id} is full: {max(free, 0)} bytes free (after a reserve of "
                 f"{self.reserved_bytes}), fragment needs {need}"
@@ -909,8 +947,7 @@ class ChunkEngine:
 
     def _io_error(self, op: str, path: Path | str, exc: OSError) -> TierFSError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            self._full = True
-            self.counters["no_space"] += 1
+            self._mark_full(self._last_need)
             return NoSpaceError(f"target {self.target_id} is full ({op} {path}: {exc.strerror})")
         self.counters["io_errors"] += 1
         if exc.errno in (errno.EIO, errno.EROFS, errno.ENODEV, errno.ENXIO):

@@ -61,7 +61,7 @@ from tierfs.errors import (
     TierFSError,
 )
 from tierfs.storage.api import FragmentKey
-from tierfs.storage.engine import ChunkEngine
+from tierfs.storage.engine import ChunkEngine, TargetState
 
 __all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError", "find_bad_fragments",
            "reencode_chunk", "solve_chunk"]
@@ -214,6 +214,16 @@ def solve_chunk(f: _File, rec: ChunkRecord, have: dict[int, bytes] | dict[int, m
     return out
 
 
+def _solve_one(f: _File, rec: ChunkRecord, have: dict[int, memoryview], j: int) -> tuple[memoryview, int]:
+    """Fragment ``j`` rebuilt (see :func:`solve_chunk`) and its CRC32C."""
+    if j in have:
+        raise InvalidArgumentError(f"fragment {j} is one of the sources")
+    # Reconstructed, so a view of the codec's output: it outlives the
+    # (pooled) source buffers in ``have``.
+    payload = solve_chunk(f, rec, have, [j])[j]
+    return payload, crc32c(payload)
+
+
 def reencode_chunk(f: _File, rec: ChunkRecord, data: dict[int, memoryview]) -> list[memoryview]:
     """All fragments of a chunk re-encoded from its K data fragments."""
     codec = _codec(f.k, f.m)
@@ -249,7 +259,7 @@ class Repairer:
     ``meta``: a :class:`tierfs.meta.MetaClient`; ``engines``: this node's
     targets (by id, looked up at call time so newly registered ids count)."""
 
-    def __init__(self, meta: Any, engines: Any, *, rate: int = 0, concurrency: int = 4,
+    def __init__(self, meta: Any, engines: Any, *, rate: int = 0, concurrency: int = 16,
                  poll_interval: float = 2.0, request_timeout: float = 10.0,
                  tls: ssl.SSLContext | None = None) -> None:
         from tierfs.net import DataClient
@@ -337,6 +347,18 @@ class Repairer:
             cache[inode] = f
         return f
 
+    async def load_files(self, inodes: Iterable[int], cache: dict[int, _File | None]) -> None:
+        """:meth:`file` of every inode not in ``cache`` yet, a few at once:
+        one meta round trip per file, before its chunks are rebuilt in
+        parallel (which would otherwise each miss the cache and ask)."""
+        sem = asyncio.Semaphore(8)
+
+        async def one(ino: int) -> None:
+            async with sem:
+                await self.file(ino, cache)
+
+        await asyncio.gather(*(one(i) for i in sorted(set(inodes)) if i not in cache))
+
     # ---- fetching and solving one chunk -------------------------------------------
 
     async def _fetch(self, key: FragmentKey, members: Sequence[int], positions: Iterable[int],
@@ -361,6 +383,36 @@ class Repairer:
                 errs[i] = r
             else:
                 raise r  # type: ignore[misc]
+        return have, errs
+
+    async def _fetch_pooled(self, eng: ChunkEngine, key: FragmentKey, where: dict[int, int], sizes: Sequence[int],
+                            held: list[memoryview]) -> tuple[dict[int, memoryview], dict[int, TierFSError]]:
+        """Fragments of ``key``'s chunk and generation (position -> target
+        in ``where``) read straight into buffers of ``eng``'s pool, all in one
+        batch (one frame train per peer), each checked against its stored
+        length: one byte more than that is asked, so a longer fragment is
+        caught too. Every buffer is appended to ``held``; the caller
+        releases them (``eng.release``) once it is done with the views."""
+        pos = list(where)
+        bufs = [eng.alloc(sizes[i] + 1) for i in pos]
+        held.extend(bufs)
+        res = await self.data.read_batch(
+            [(where[i], FragmentKey(key.inode, key.chunk, i, key.version), b, 0) for i, b in zip(pos, bufs, strict=True)],
+            timeout=self.request_timeout)
+        have: dict[int, memoryview] = {}
+        errs: dict[int, TierFSError] = {}
+        for i, b, r in zip(pos, bufs, res, strict=True):
+            if isinstance(r, int):
+                self.counters["bytes_fetched"] += min(r, sizes[i])
+                if r == sizes[i]:
+                    have[i] = b[:r]
+                else:
+                    got = f"more than {sizes[i]}" if r > sizes[i] else str(r)
+                    errs[i] = WrongLengthError(f"{got} bytes, its chunk record gives it {sizes[i]}")
+            elif isinstance(r, TierFSError):
+                errs[i] = r
+            else:
+                raise r
         return have, errs
 
     async def check_chunk(self, key: FragmentKey, f: _File, rec: ChunkRecord, members: Sequence[int],
@@ -426,43 +478,60 @@ class Repairer:
         sizes = f.sizes(rec)
         if source and source != eng.target_id and j not in rec.missing:
             # A drained (still healthy) member: copy its fragment, no decode.
-            with contextlib.suppress(TierFSError):
-                data = await self.data.read(source, key, timeout=self.request_timeout)
-                await self.limiter.take(len(data))
-                self.counters["bytes_fetched"] += len(data)
-                if len(data) == sizes[j] and (not f.replicated or crc32c(data) == rec.crc):
-                    await eng.write(key, memoryview(data), crc32c(data))
-                    self.counters["fragments_copied"] += 1
-                    return len(data), True
+            # The pooled buffer goes to the engine as is (no copy).
+            held: list[memoryview] = []
+            try:
+                with contextlib.suppress(TierFSError):
+                    got, _ = await self._fetch_pooled(eng, key, {j: source}, sizes, held)
+                    data = got.get(j)
+                    if data is not None:
+                        await self.limiter.take(len(data))
+                        c = await asyncio.to_thread(crc32c, data)
+                        if not f.replicated or c == rec.crc:
+                            await eng.write(key, data, c)
+                            self.counters["fragments_copied"] += 1
+                            return len(data), True
+            finally:
+                for b in held:
+                    eng.release(b)
         skip = set(rec.missing) | {j}
         others = [i for i in range(width) if i not in skip and members[i] != eng.target_id]
         # Readable members first, data fragments before parity.
         order = sorted(others, key=lambda i: (not self.readable(members[i]), i))
         if f.replicated:
             return await self._restore_copy(eng, key, rec, members, order, sizes[j])
-        have: dict[int, bytes] = {}
+        have: dict[int, memoryview] = {}
         t0 = time.perf_counter()
         errs: dict[int, TierFSError] = {}
         pos = 0
-        while len(have) < f.k and pos < len(order):
-            pick = order[pos: pos + f.k - len(have)]
-            pos += len(pick)
-            got, bad = await self._fetch(key, members, pick, sizes)
-            have.update(got)
-            errs.update(bad)
-        if len(have) < f.k:
-            detail = "; ".join(f"fragment {i} on target {members[i]}: {type(e).__name__}: {e}"
-                               for i, e in sorted(errs.items()))
-            raise InsufficientTargetsError(f"{key}: only {len(have)} of the {f.k} fragments needed: {detail}")
-        await self.limiter.take(sum(len(v) for v in have.values()))
-        t1 = time.perf_counter()
+        bufs: list[memoryview] = []
         try:
-            payload = (await asyncio.to_thread(solve_chunk, f, rec, have, [j]))[j]
-        except CorruptError as exc:
-            self.counters["crc_mismatches"] += 1
-            raise CorruptError(f"{key}: {exc}; nothing written") from exc
+            while len(have) < f.k and pos < len(order):
+                pick = order[pos: pos + f.k - len(have)]
+                pos += len(pick)
+                got, bad = await self._fetch_pooled(eng, key, {i: members[i] for i in pick}, sizes, bufs)
+                have.update(got)
+                errs.update(bad)
+            if len(have) < f.k:
+                detail = "; ".join(f"fragment {i} on target {members[i]}: {type(e).__name__}: {e}"
+                                   for i, e in sorted(errs.items()))
+                raise InsufficientTargetsError(f"{key}: only {len(have)} of the {f.k} fragments needed: {detail}")
+            await self.limiter.take(sum(len(v) for v in have.values()))
+            t1 = time.perf_counter()
+            try:
+                # Decode, the chunk CRC check and the payload's CRC in one
+                # worker-thread hop (the loop keeps the other fetches going).
+                payload, crc = await asyncio.to_thread(_solve_one, f, rec, have, j)
+            except CorruptError as exc:
+                self.counters["crc_mismatches"] += 1
+                raise CorruptError(f"{key}: {exc}; nothing written") from exc
+        finally:
+            # The rebuilt payload is the codec's own buffer: the sources can go back now.
+            have.clear()
+            for b in bufs:
+                eng.release(b)
         t2 = time.perf_counter()
-        await eng.write(key, payload, crc32c(payload))
+        await eng.write(key, payload, crc)
         # Where a decode rebuild's time goes (Prometheus tierfs_repair_total).
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["decode_us"] += int((t2 - t1) * 1e6)
@@ -522,13 +591,16 @@ class Repairer:
         which treats listed positions the same way. Returns (rebuilt,
         failed)."""
         await self.refresh_map()
-        ours = self.engines
+        # A full (READ_ONLY) target is left alone: rebuilding onto it would
+        # eat its reserve; its items wait until space returns.
+        ours = {t: e for t, e in self.engines.items() if e.state() != TargetState.READ_ONLY}
         if not ours:
             return 0, 0
         reply = await self.meta.list_repairs(sorted(ours), limit=limit)
         self.queue_pending = int(reply.pending)
         self.counters["queue_rounds"] += 1
         files: dict[int, _File | None] = {}
+        await self.load_files((int(it.inode) for it in reply.items), files)
         done: list[FragmentKey] = []
         failed: list[str] = []
 
@@ -614,6 +686,7 @@ class Repairer:
             prog.total = len(todo)
             prog.done = 0
         files: dict[int, _File | None] = {}
+        await self.load_files((c[0] for c in todo), files)
         errors: list[str] = []
         listed: list[FragmentKey] = []
         restored = 0
