@@ -13,8 +13,8 @@ measures, from the kill:
 then restarts the killed replica and waits until it has caught up. The
 baseline, in the same run: the same cluster with ``--leader-lost-election 0``
 (followers wait a whole election timeout after the leader's connection
-closed, as before), and the configured election timeout. Target: failover
-under 1 s.
+closed, as before; forwarding and the client's fast path stay), and the
+configured election timeout. Target: failover under 1 s.
 
     python -m bench.bench_failover [--quick]
 """
@@ -141,7 +141,7 @@ def run(quick: bool) -> dict[str, Any]:
     rows = [
         row("failover p50 (SIGKILL of leader -> first acked write)", _pct(fast, 0.5), TARGET_S, "target"),
         row("failover max", max(fast), TARGET_S, "target"),
-        row("failover p50, leader_lost_election=0 (before)", _pct(slow, 0.5), TARGET_S, "target"),
+        row("failover p50, leader_lost_election=0 (election waits its timeout)", _pct(slow, 0.5), TARGET_S, "target"),
         row("failover p50 vs before", _pct(fast, 0.5), _pct(slow, 0.5), "leader_lost_election=0, same run"),
         row("SIGKILL -> new leader elected, p50", _pct(fast_el, 0.5) if fast_el else float("nan"),
             cfg.election_timeout_min, "configured election timeout (min)"),
