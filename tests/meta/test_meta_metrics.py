@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster import wait_for
+from tierfs.errors import NotFoundError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 
@@ -63,6 +64,8 @@ def test_meta_metrics_endpoint_live(tmp_path: Path) -> None:
             async with MetaClient(cl.meta_addrs, deadline=20.0, data_dir=str(cl.dir)) as mc:
                 for i in range(3):
                     await mc.mkdir(f"/m{i}")
+                with pytest.raises(NotFoundError):
+                    await mc.stat("/not-there")
 
         asyncio.run(mkdirs())
         after = _scrape(metrics[lead])
@@ -71,6 +74,9 @@ def test_meta_metrics_endpoint_live(tmp_path: Path) -> None:
             assert _get(after, "tierfs_meta_rpcs_total", method="Mkdir", code="OK") >= 1
             buckets = [v for (name, _), v in after.items() if name == "tierfs_meta_commit_seconds_bucket"]
             assert max(buckets) == _get(after, "tierfs_meta_commit_seconds_count")
+        # errors are counted by their gRPC status
+        assert sum(_get(_scrape(a), "tierfs_meta_rpcs_total", method="Stat", code="NOT_FOUND") > 0
+                   for a in metrics.values()) >= 1
     finally:
         cl.stop()
 

@@ -950,18 +950,21 @@ class _Guarded:
                 await abort(context, err)
             return await fn(request, context) if reply is None else reply
 
+        # Bound once per method (gRPC looks each handler up once).
+        seconds, ok = RPC_SECONDS.labels(name), RPCS.labels(name, "OK")
+
         async def guarded(request: Message, context: Ctx) -> Any:
             t0 = time.perf_counter()
-            code = "OK"
             try:
-                return await checked(request, context)
+                reply = await checked(request, context)
             except BaseException:
                 c = context.code()
-                code = c.name if isinstance(c, grpc.StatusCode) else "UNKNOWN"
+                RPCS.labels(name, c.name if isinstance(c, grpc.StatusCode) else "UNKNOWN").inc()
                 raise
             finally:
-                RPCS.labels(name, code).inc()
-                RPC_SECONDS.labels(name).observe(time.perf_counter() - t0)
+                seconds.observe(time.perf_counter() - t0)
+            ok.inc()
+            return reply
 
         async def checked(request: Message, context: Ctx) -> Any:
             if svc.auth is None:
