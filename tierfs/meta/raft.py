@@ -53,6 +53,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from prometheus_client import Counter, Gauge, Histogram
 from pysyncobj import FAIL_REASON, SERIALIZER_STATE, SyncObj, SyncObjConf, replicated
+from pysyncobj.monotonic import monotonic as _raft_clock
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
@@ -352,12 +353,15 @@ class _Node(SyncObj):  # type: ignore[misc]
         if delay <= 0 or self.tfs_owner.recovering or self._SyncObj__raftState != 0 or leader is None \
                 or leader.id != getattr(node, "id", None):
             return
-        soon = time.monotonic() + random.uniform(delay / 5, delay)
+        # pysyncobj's deadlines are on its own clock (CLOCK_MONOTONIC_RAW),
+        # which drifts from time.monotonic (seen: ~0.2 s after 15 h).
+        now = _raft_clock()
+        soon = now + random.uniform(delay / 5, delay)
         deadline: float = getattr(self, "_SyncObj__raftElectionDeadline", 0.0)
         if soon < deadline:
             self._SyncObj__raftElectionDeadline = soon
             log.info("raft %s: connection to the leader %s closed; campaigning in %.0f ms unless it is back",
-                     self.tfs_owner.node_id, leader.id, (soon - time.monotonic()) * 1000)
+                     self.tfs_owner.node_id, leader.id, (soon - now) * 1000)
 
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
     def tfs_apply(self, op: bytes) -> _Pending:
