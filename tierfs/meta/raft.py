@@ -603,7 +603,7 @@ class RaftReplicator:
             self.recovering = False
             log.info("raft %s: caught up with the leader after journal recovery; voting again", self.node_id)
             return
-        node._SyncObj__raftElectionDeadline = time.monotonic() + 10 * self._timings.election_max
+        node._SyncObj__raftElectionDeadline = _raft_clock() + 10 * self._timings.election_max
 
     async def stop(self) -> None:
         """Stop the tick thread and close the journal (everything synced)."""
