@@ -943,12 +943,23 @@ class _Guarded:
 
         svc = self._svc
 
-        async def forwarded(request: Message, context: Ctx) -> Any:
+        async def forwarded(request: Message, context: Ctx, *, unchecked: bool = False) -> Any:
             try:
                 reply = await svc.forward(name, request, context)
+                if reply is not None:
+                    return reply
+                if not unchecked:
+                    return await fn(request, context)
+                # This replica became the leader while it held a call whose
+                # caller it could not identify: identify it now, as the
+                # leader, never run it as whoever the context holds.
+                token = current_identity.set(svc.authenticate(name, context))
             except TierFSError as err:
                 await abort(context, err)
-            return await fn(request, context) if reply is None else reply
+            try:
+                return await fn(request, context)
+            finally:
+                current_identity.reset(token)
 
         # Bound once per method (gRPC looks each handler up once).
         seconds, ok = RPC_SECONDS.labels(name), RPCS.labels(name, "OK")
@@ -980,7 +991,7 @@ class _Guarded:
                 # applied here): the leader decides.
                 if not svc.should_forward(name, context):
                     await abort(context, err)
-                return await forwarded(request, context)
+                return await forwarded(request, context, unchecked=True)
             except TierFSError as err:
                 await abort(context, err)
             token = current_identity.set(ident)
