@@ -25,6 +25,7 @@ from tierfs.proto.v1 import common_pb2
 ErrorCode = common_pb2.ErrorCode
 
 __all__ = [
+    "ERROR_CODE_KEY",
     "AlreadyExistsError",
     "BusyError",
     "CapabilityExpiredError",
@@ -308,6 +309,8 @@ def error_from_code(code: int, message: str, leader: str = "") -> TierFSError:
 # --- gRPC: the one place errors cross it -----------------------------------
 
 _MD_CODE = "tierfs-code"
+#: The trailing metadata key that marks a TierFS error (its ErrorCode).
+ERROR_CODE_KEY = _MD_CODE
 _MD_LEADER = "tierfs-leader"
 
 

@@ -266,6 +266,12 @@ class LocalCluster:
     def meta_addrs(self) -> list[str]:
         return [p.addr for p in self.procs if p.kind == "meta"]
 
+    @property
+    def metrics_addrs(self) -> dict[str, str]:
+        """Prometheus endpoint of each meta replica (name -> host:port;
+        a cluster planned before meta had one has none)."""
+        return {p.name: p.extra["metrics"] for p in self.procs if p.kind == "meta" and p.extra.get("metrics")}
+
     def proc(self, name: str) -> ProcInfo:
         for p in self.procs:
             if p.name == name:
@@ -273,18 +279,20 @@ class LocalCluster:
         raise KeyError(f"no process {name!r} in {self.dir}")
 
     def _plan(self, n_meta: int, n_storage: int, tpn: int) -> list[ProcInfo]:
-        ports = free_ports(2 * n_meta + n_storage)
+        ports = free_ports(3 * n_meta + n_storage)
         h = self.host
         raft = [f"{h}:{ports[i]}" for i in range(n_meta)]
         grpc = [f"{h}:{ports[n_meta + i]}" for i in range(n_meta)]
+        metrics = [f"{h}:{ports[2 * n_meta + n_storage + i]}" for i in range(n_meta)]
         procs: list[ProcInfo] = []
         for i in range(n_meta):
             peers = [f"--peer={raft[j]}={grpc[j]}" for j in range(n_meta) if j != i]
             argv = [
                 "-m", "tierfs.meta.daemon", f"--node-id=meta-{i}", f"--raft-addr={raft[i]}",
                 f"--grpc-addr={grpc[i]}", f"--data-dir={self.dir / f'meta-{i}'}", *peers,
+                f"--metrics-addr={metrics[i]}",
             ]
-            procs.append(ProcInfo(f"meta-{i}", "meta", argv, grpc[i], extra={"raft": raft[i]}))
+            procs.append(ProcInfo(f"meta-{i}", "meta", argv, grpc[i], extra={"raft": raft[i], "metrics": metrics[i]}))
         meta_flags = [f"--meta={a}" for a in grpc]
         for i in range(n_storage):
             port = ports[2 * n_meta + i]

@@ -7,12 +7,11 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
-from tierfs.errors import NotLeaderError, from_grpc
 from tierfs.meta import MetaClient
+from tierfs.meta.service import LEADER_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
@@ -44,14 +43,11 @@ def test_sigkill_leader_mid_stream_loses_nothing_and_fails_over_fast(tmp_path: P
         # The follower learns who leads from the leader's first heartbeat.
         wait_for(lambda: replica_status(c.addresses[follower]).leader == c.addresses[leader], 15,
                  "the follower to learn the leader")
-        # A follower refuses mutations and names the leader's gRPC address.
+        # A follower forwards mutations to the leader and names it.
         with auth_channel(c.addresses[follower]) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
-            with pytest.raises(grpc.RpcError) as ei:
-                stub.Mkdir(pb.MkdirRequest(loc=pb.Loc(path="/x"), mode=0o755), timeout=5)
-        err = from_grpc(ei.value)
-        assert isinstance(err, NotLeaderError)
-        assert err.leader == c.addresses[leader]
+            _, call = stub.Mkdir.with_call(pb.MkdirRequest(loc=pb.Loc(path="/x"), mode=0o755), timeout=10)
+        assert (LEADER_KEY, c.addresses[leader]) in tuple(call.trailing_metadata() or ())
         assert replica_status(c.addresses[follower]).leader == c.addresses[leader]
 
         async def scenario() -> tuple[list[str], float, float]:

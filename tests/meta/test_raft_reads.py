@@ -1,5 +1,5 @@
-"""Linearizable reads: followers refuse them, and a deposed leader that does
-not know it yet (SIGSTOPped while the others elected a new one) never
+"""Linearizable reads: followers forward them to the leader (and name it),
+and a deposed leader that does not know it yet (SIGSTOPped while the others elected a new one) never
 answers with stale state."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import grpc
 import pytest
 
 from tests.cluster import MetaCluster, auth_channel, kv_get, kv_put, meta_cluster_from_env, wait_for
-from tierfs.errors import NotLeaderError, TierFSError, from_grpc
+from tierfs.errors import NotFoundError, NotLeaderError, TierFSError, from_grpc
 from tierfs.meta import MetaClient
+from tierfs.meta.service import LEADER_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
 
 @pytest.mark.timeout(120)
-def test_follower_refuses_linearizable_read(meta_cluster: MetaCluster) -> None:
+def test_follower_forwards_linearizable_read(meta_cluster: MetaCluster) -> None:
     """Runs against TIERFS_TEST_META too (nothing is killed)."""
     c = meta_cluster
 
@@ -36,10 +37,15 @@ def test_follower_refuses_linearizable_read(meta_cluster: MetaCluster) -> None:
     wait_for(lambda: c.status(follower).leader == c.addresses[leader], 20, "the follower to know the leader")
     with auth_channel(c.addresses[follower]) as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
+        # The leader answers (after its read barrier); the follower passes
+        # the reply on and names the leader in the trailing metadata.
+        info, call = stub.Stat.with_call(pb.StatRequest(loc=pb.Loc(path="/read-me")), timeout=10)
+        assert info.attr.type == pb.INODE_TYPE_DIRECTORY
+        assert (LEADER_KEY, c.addresses[leader]) in tuple(call.trailing_metadata() or ())
+        # An error of the leader comes back as it is.
         with pytest.raises(grpc.RpcError) as ei:
-            stub.Stat(pb.StatRequest(loc=pb.Loc(path="/read-me")), timeout=5)
-    err = from_grpc(ei.value)
-    assert isinstance(err, NotLeaderError) and err.leader == c.addresses[leader]
+            stub.Stat(pb.StatRequest(loc=pb.Loc(path="/not-there")), timeout=10)
+    assert isinstance(from_grpc(ei.value), NotFoundError)
 
 
 @pytest.mark.timeout(120)

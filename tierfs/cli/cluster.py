@@ -45,6 +45,8 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
         "node_key": str(cl.node_key_file),
         # Clients find DATA/tls/ca.pem (and client.pem) by themselves; elsewhere: TIERFS_TLS_CA etc.
         "tls_ca": str(cl.tls_dir / "ca.pem") if cl.tls else "",
+        # Prometheus endpoints of the meta replicas (deploy/grafana/tierfs.json)
+        "metrics": cl.metrics_addrs,
         "export": f"export TIERFS_META={meta}",
     }
 

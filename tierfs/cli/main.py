@@ -294,6 +294,9 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                           f"healthy. Stop with: tierfs down --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
                       f"{r['cluster_secret']} (mode 0600; commands run here use the admin token)\n")
+            if r["metrics"]:
+                err.write("meta metrics (Prometheus): " + ", ".join(f"{n} http://{a}/metrics"
+                                                                  for n, a in r["metrics"].items()) + "\n")
             if r["tls_ca"]:
                 err.write(f"TLS: CA {r['tls_ca']} (clients under --data {data_dir} use it and its client.pem; "
                           "elsewhere set TIERFS_TLS_CA, TIERFS_TLS_CERT, TIERFS_TLS_KEY)\n")

@@ -37,7 +37,7 @@ from tierfs.errors import (
     from_grpc,
 )
 from tierfs.meta.auth import bearer, resolve_token
-from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
+from tierfs.meta.service import CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint
@@ -113,6 +113,11 @@ class MetaClient:
         self.client_id = client_id or uuid.uuid4().hex
         self._backoff = (backoff_initial, backoff_max)
         self._leader = self.addrs[0]
+        #: replicas that failed to answer (unavailable, timed out): loop
+        #: time until which they are not preferred
+        self._unreachable: dict[str, float] = {}
+        #: seconds a replica that did not answer is passed over
+        self.unreachable_for = 5.0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Any] = {}
         self._req = itertools.count(1)
@@ -177,10 +182,13 @@ class MetaClient:
             if target not in tried:
                 tried.append(target)
             try:
-                reply = await getattr(self._stub(target), method)(
+                call = getattr(self._stub(target), method)(
                     req, timeout=min(remaining, attempt_timeout or self.attempt_timeout), metadata=md)
+                reply = await call
                 if addr is None:
                     self._leader = target
+                    self._unreachable.pop(target, None)
+                    self._prefer_leader(target, await call.trailing_metadata())
                 if self.capability_sink is not None:
                     _harvest(reply, self.capability_sink)
                 return reply  # type: ignore[no-any-return]
@@ -188,7 +196,8 @@ class MetaClient:
                 err = from_grpc(exc)
             if isinstance(err, NotLeaderError) and addr is None:
                 last = str(err)
-                if err.leader and err.leader != target and hops < 2 * len(self.addrs) + 2:
+                if err.leader and err.leader != target and hops < 2 * len(self.addrs) + 2 \
+                        and not self._is_unreachable(err.leader):
                     # Follow the hint at once; bounded so two replicas that
                     # disagree during an election cannot ping-pong us forever.
                     hops += 1
@@ -200,16 +209,47 @@ class MetaClient:
             elif isinstance(err, (UnavailableError, TimeoutError_)):
                 last = str(err)
                 if addr is None:
+                    self._unreachable[target] = loop.time() + self.unreachable_for
                     target = self._next(target)
             else:
                 raise err
+            if addr is None and target not in tried:
+                # A replica not asked yet in this call: at once (a dead
+                # leader's survivors hold the call until the next leader is
+                # elected, then forward it: no sleep needed to find it).
+                continue
             await asyncio.sleep(min(delay, max(0.0, end - loop.time())) * random.uniform(0.5, 1.0))
             delay = min(delay * 2, self._backoff[1])
             hops = 0
 
+    def _is_unreachable(self, addr: str) -> bool:
+        until = self._unreachable.get(addr)
+        if until is None:
+            return False
+        if asyncio.get_running_loop().time() >= until:
+            del self._unreachable[addr]
+            return False
+        return True
+
+    def _prefer_leader(self, target: str, trailing: Any) -> None:
+        """A follower that forwarded the call names the leader: go there
+        directly next time, unless it did not answer us lately (then the
+        follower that forwards is the way in)."""
+        for item in trailing or ():
+            if item[0] == LEADER_KEY:
+                leader = item[1] if isinstance(item[1], str) else bytes(item[1]).decode()
+                if leader and leader != target and not self._is_unreachable(leader):
+                    if leader not in self.addrs:
+                        self.addrs.append(leader)
+                    self._leader = leader
+                return
+
     def _next(self, addr: str) -> str:
+        """The replica after ``addr``, skipping those that did not answer
+        lately (unless all of them did not)."""
         i = self.addrs.index(addr) if addr in self.addrs else -1
-        return self.addrs[(i + 1) % len(self.addrs)]
+        order = [self.addrs[(i + k) % len(self.addrs)] for k in range(1, len(self.addrs) + 1)]
+        return next((a for a in order if not self._is_unreachable(a)), order[0])
 
     # ---- namespace --------------------------------------------------------------
 

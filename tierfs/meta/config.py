@@ -80,6 +80,10 @@ class MetaConfig(BaseConfig):
     connection_timeout: float = field(1.0, "A Raft connection silent this long is dropped (>= election_timeout_max).", kind="duration")
     connection_retry: float = field(0.5, "Delay between reconnection attempts to a peer.", kind="duration")
     leader_step_down: float = field(1.5, "A leader without a majority's answers this long steps down.", kind="duration")
+    leader_lost_election: float = field(
+        0.25, "A follower whose connection to the leader closes (the leader process died) campaigns after a random "
+        "delay up to this instead of a whole election timeout (0: wait the election timeout; docs/raft.md).",
+        kind="duration")
 
     snapshot_min_entries: int = field(10000, "Take a snapshot (and compact the journal) once it holds this many entries.")
     snapshot_min_interval: float = field(600.0, "... or this long after the previous snapshot.", kind="duration")
@@ -139,7 +143,11 @@ class MetaConfig(BaseConfig):
         False, "Require every client to present a certificate signed by tls_ca (mutual TLS for all clients, "
         "daemons included). Off: TLS authenticates the server only; clients authenticate with their token.")
 
-    metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables).")
+    forward_to_leader: bool = field(
+        True, "A follower forwards every leader call (mutations, linearizable reads) to the leader with the "
+        "caller's own credentials and returns its answer, so a client that reaches only a follower works "
+        "(docs/meta.md, 'Followers forward'). false: it answers NotLeaderError naming the leader.")
+    metrics_addr: str = field("", "host:port of the Prometheus endpoint ('' disables; port 0 picks one).")
     log_level: str = field("info", "debug | info | warning | error")
     log_format: str = field("json", "json (one object per line) | text")
 
@@ -179,6 +187,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be >= election_timeout_max", field="connection_timeout")
         if self.connection_retry < 0:
             raise ConfigError("must be >= 0", field="connection_retry")
+        if not 0 <= self.leader_lost_election <= self.election_timeout_max:
+            raise ConfigError("must be between 0 and election_timeout_max", field="leader_lost_election")
         if self.leader_step_down <= self.heartbeat_interval:
             raise ConfigError("must exceed heartbeat_interval", field="leader_step_down")
         if self.snapshot_min_entries < 2:

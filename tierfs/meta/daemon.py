@@ -195,6 +195,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
             heartbeat=cfg.heartbeat_interval, election_min=cfg.election_timeout_min,
             election_max=cfg.election_timeout_max, connection_timeout=cfg.connection_timeout,
             connection_retry=cfg.connection_retry, step_down=cfg.leader_step_down,
+            leader_lost=cfg.leader_lost_election,
         ),
         snapshot_min_entries=cfg.snapshot_min_entries,
         snapshot_min_interval=cfg.snapshot_min_interval,
@@ -204,6 +205,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         cluster_secret=secret,
         journal_recovery=cfg.journal_recovery,
     )
+    tls = TlsFiles.from_config(cfg)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     svc = add_meta_service(
@@ -214,13 +216,14 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
         auth=Authenticator(secret) if cfg.auth and secret is not None else None,
+        forward=cfg.forward_to_leader, peer_tls=tls.client_side() if tls is not None else None,
     )
+    rep.export_metrics()
     # The namespace's periodic tick only makes sense for the namespace.
     ticking = cfg.state_machine == "meta"
     if isinstance(sm, KVStateMachine):
         kv_debug_pb2_grpc.add_KVDebugServicer_to_server(KVDebugServicer(rep, cfg.submit_timeout), server)
     host, _ = split_addr(cfg.grpc_addr, "grpc_addr")
-    tls = TlsFiles.from_config(cfg)
     if tls is None:
         port = server.add_insecure_port(cfg.grpc_addr)
     else:
@@ -253,6 +256,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         t0 = time.monotonic()
         await svc.stop()
         await server.stop(1.0)
+        await svc.close_peers()
         await rep.stop()
         if metrics_server is not None:
             metrics_server.shutdown()

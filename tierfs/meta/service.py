@@ -75,13 +75,16 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from prometheus_client import Counter, Histogram
 
 from tierfs import capability as capmod
 from tierfs.errors import (
+    ERROR_CODE_KEY,
     InternalError,
     NotFoundError,
     NotLeaderError,
     TierFSError,
+    TimeoutError_,
     UnauthenticatedError,
     UnsupportedError,
     abort,
@@ -111,14 +114,23 @@ from tierfs.security import (
     hash_token,
     new_user_token,
 )
+from tierfs.tls import TlsFiles, grpc_channel
 
-__all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "MAX_REQUEST_BYTES", "REQUEST_ID_KEY", "MetaServicer",
-           "add_meta_service"]
+__all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "FORWARDED_KEY", "LEADER_KEY", "MAX_REQUEST_BYTES",
+           "REQUEST_ID_KEY", "MetaServicer", "add_meta_service"]
 
 log = logging.getLogger("tierfs.meta.service")
 
 CLIENT_ID_KEY = "tierfs-client-id"
 REQUEST_ID_KEY = "tierfs-request-id"
+#: Set by a follower on a call it forwards to the leader (gRPC address of the
+#: follower): the receiver never forwards it again.
+FORWARDED_KEY = "tierfs-forwarded"
+#: Trailing metadata of a reply a follower forwarded: the leader's gRPC
+#: address, so the client can go there directly next time.
+LEADER_KEY = "tierfs-leader-addr"
+#: The caller's metadata a follower passes on when it forwards.
+_FORWARD_MD = ("authorization", CLIENT_ID_KEY, REQUEST_ID_KEY)
 #: Fragments of replaced chunk versions stay readable this long (seconds).
 DEFAULT_GC_GRACE = 300.0
 #: gRPC refuses a request larger than this before decoding it (set it as the
@@ -164,6 +176,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         kv_cap_ttl: float = 300.0,
         cap_clock: Callable[[], int] = time.time_ns,
         auth: Authenticator | None = None,
+        forward: bool = True,
+        forward_wait: float = 2.0,
+        peer_tls: TlsFiles | None = None,
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
@@ -175,7 +190,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         (default ``time.monotonic_ns``, or ``clock`` itself when a custom
         ``clock`` is given, so a test's fake clock drives both). ``auth``:
         check every call's token (:mod:`tierfs.meta.auth`); None is security
-        off, every caller anonymous root."""
+        off, every caller anonymous root.
+
+        ``forward``: a follower forwards every leader call to the leader
+        (:meth:`forward`) instead of answering NotLeaderError;
+        ``forward_wait``: how long it holds a call while no leader is known
+        (an election); ``peer_tls``: the TLS files it dials the leader with
+        (its own certificate and CA; None: plaintext)."""
         if not 0 <= gc_grace <= MAX_GC_GRACE:
             raise ValueError(f"gc_grace {gc_grace} must be between 0 and {MAX_GC_GRACE:.0f} seconds")
         self._r = replicator
@@ -202,6 +223,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._mono = monotonic or (time.monotonic_ns if clock is time.time_ns else clock)
         self._ticker: asyncio.Task[None] | None = None
         self.auth = auth
+        self.forward_enabled = forward
+        self.forward_wait = forward_wait
+        self._peer_tls = peer_tls
+        self._peer_stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
         # Per leadership (reset whenever this replica starts leading a term):
         self._lead_term: int | None = None
         self._lead_since = 0  # monotonic ns
@@ -338,6 +363,100 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_op_size(request.ByteSize(), request.DESCRIPTOR.name)
         await self._r.read_barrier(self.submit_timeout)
         return self.state
+
+    # ---- forwarding to the leader (docs/meta.md, "Followers forward") ----------
+
+    def _is_leader(self) -> bool:
+        fn = getattr(self._r, "is_leader", None)  # RaftReplicator; LocalReplicator always leads
+        return True if fn is None else bool(fn())
+
+    def should_forward(self, method: str, context: Ctx) -> bool:
+        """Whether this call goes to the leader instead of being answered
+        here: a leader call on a follower, not already forwarded once."""
+        if not self.forward_enabled or method not in _FORWARDABLE or self._is_leader():
+            return False
+        return not any(item[0] == FORWARDED_KEY for item in context.invocation_metadata() or ())
+
+    def _forward_addr(self) -> str:
+        fn = getattr(self._r, "forward_addr", None)
+        return str(fn()) if fn is not None else self._r.status().leader
+
+    def _peer_stub(self, addr: str) -> Any:
+        entry = self._peer_stubs.get(addr)
+        if entry is None:
+            ch = grpc_channel(addr, self._peer_tls, options=[("grpc.enable_retries", 0),
+                                                             ("grpc.max_send_message_length", MAX_REQUEST_BYTES)])
+            entry = self._peer_stubs[addr] = (ch, meta_pb2_grpc.MetaServiceStub(ch))
+        return entry[1]
+
+    async def close_peers(self) -> None:
+        peers, self._peer_stubs = self._peer_stubs, {}
+        for ch, _ in peers.values():
+            await ch.close(None)
+
+    async def forward(self, method: str, request: Message, context: Ctx) -> Message | None:
+        """Forward one call to the leader and return its reply unchanged (a
+        failure is passed on with the leader's status, message and trailing
+        metadata). The caller's own metadata goes along (its token: the
+        leader authenticates it again; its client and request ids: a retry
+        of the same call is deduplicated there), with the caller's deadline.
+
+        While no leader is known, or the leader this replica knows does not
+        answer (it died; an election is under way), the call is held up to
+        ``forward_wait`` for the next leader and then sent there, which makes
+        a failover cost the client no retry round. Returns None when this
+        replica itself became the leader meanwhile (answer it here)."""
+        left = context.time_remaining()
+        end = time.monotonic() + (left - 0.05 if left is not None else 2 * self.submit_timeout)
+        hold = min(end, time.monotonic() + self.forward_wait)
+        md = tuple((str(k), v) for k, v in (context.invocation_metadata() or ()) if k in _FORWARD_MD)
+        md += ((FORWARDED_KEY, getattr(self._r, "grpc_addr", "") or "follower"),)
+        failed: set[str] = set()
+        last = ""
+        while True:
+            addr = self._forward_addr()
+            while not addr or addr in failed:
+                if self._is_leader():
+                    return None
+                if time.monotonic() >= hold:
+                    hint = self._r.status().leader
+                    msg = f"not the leader, and the leader {hint} does not answer from here ({last})" \
+                        if hint and last else ""
+                    raise NotLeaderError(msg, leader=hint)
+                await asyncio.sleep(0.01)
+                addr = self._forward_addr()
+            timeout = end - time.monotonic()
+            if timeout <= 0:
+                raise TimeoutError_(f"{method}: no time left to forward to the leader {addr}")
+            call = getattr(self._peer_stub(addr), method)(request, timeout=timeout, metadata=md)
+            try:
+                reply: Message = await call
+            except grpc.RpcError as exc:
+                raw: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+                trailing: tuple[tuple[str, str | bytes], ...] = tuple((str(item[0]), item[1]) for item in raw or ())
+                if any(k == ERROR_CODE_KEY for k, _ in trailing):
+                    # The leader's answer (an error of the call itself): as it came.
+                    await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError_(f"{method} forwarded to the leader {addr}: no answer in time "
+                                        "(outcome unknown; retry with the same request id)") from None
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
+                # Not reachable (dead, or cut off from here): wait for another
+                # leader. A resend is safe: the same request id is deduplicated.
+                failed.add(addr)
+                last = f"{exc.code().name}: {exc.details()}"
+                # A fresh channel next time: gRPC would wait out its reconnect
+                # backoff (up to minutes) once the address answers again.
+                entry = self._peer_stubs.pop(addr, None)
+                if entry is not None:
+                    await entry[0].close(None)
+                continue
+            hint = self._r.status().leader
+            if hint:
+                context.set_trailing_metadata(((LEADER_KEY, hint),))
+            FORWARDED.labels(method).inc()
+            return reply
 
     # ---- data-plane capabilities (docs/security-caps.md) ---------------------
     #
@@ -799,6 +918,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 #: Answered by any replica from its own state (no leader involved).
 _LOCAL_RPCS = frozenset({"GetStatus", "Digest", "ForceSnapshot", "WhoAmI"})
 _METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["MetaService"].methods)
+#: What a follower forwards to the leader: every call but the replica-local ones.
+_FORWARDABLE = _METHODS - _LOCAL_RPCS
+FORWARDED = Counter("tierfs_meta_forwarded_total", "Calls this follower forwarded to the leader", ["method"])
+RPCS = Counter("tierfs_meta_rpcs_total", "MetaService calls answered, by method and gRPC status", ["method", "code"])
+RPC_SECONDS = Histogram("tierfs_meta_rpc_seconds", "MetaService call latency on this replica (forwarding included)",
+                        ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                             2.5, 5.0))
 
 
 class _Guarded:
@@ -815,17 +941,64 @@ class _Guarded:
         if name not in _METHODS:
             return fn
 
+        svc = self._svc
+
+        async def forwarded(request: Message, context: Ctx, *, unchecked: bool = False) -> Any:
+            try:
+                reply = await svc.forward(name, request, context)
+                if reply is not None:
+                    return reply
+                if not unchecked:
+                    return await fn(request, context)
+                # This replica became the leader while it held a call whose
+                # caller it could not identify: identify it now, as the
+                # leader, never run it as whoever the context holds.
+                token = current_identity.set(svc.authenticate(name, context))
+            except TierFSError as err:
+                await abort(context, err)
+            try:
+                return await fn(request, context)
+            finally:
+                current_identity.reset(token)
+
+        # Bound once per method (gRPC looks each handler up once).
+        seconds, ok = RPC_SECONDS.labels(name), RPCS.labels(name, "OK")
+
         async def guarded(request: Message, context: Ctx) -> Any:
-            if self._svc.auth is None:
+            t0 = time.perf_counter()
+            try:
+                reply = await checked(request, context)
+            except BaseException:
+                c = context.code()
+                RPCS.labels(name, c.name if isinstance(c, grpc.StatusCode) else "UNKNOWN").inc()
+                raise
+            finally:
+                seconds.observe(time.perf_counter() - t0)
+            ok.inc()
+            return reply
+
+        async def checked(request: Message, context: Ctx) -> Any:
+            if svc.auth is None:
                 # Security off: whoever the context says (ANONYMOUS, unless a
                 # server embedding the servicer set one).
+                if svc.should_forward(name, context):
+                    return await forwarded(request, context)
                 return await fn(request, context)
             try:
-                ident = self._svc.authenticate(name, context)
+                ident = svc.authenticate(name, context)
+            except NotLeaderError as err:
+                # A user token this follower cannot check yet (its user not
+                # applied here): the leader decides.
+                if not svc.should_forward(name, context):
+                    await abort(context, err)
+                return await forwarded(request, context, unchecked=True)
             except TierFSError as err:
                 await abort(context, err)
             token = current_identity.set(ident)
             try:
+                # Checked here too (refused early), and again by the leader.
+                if svc.should_forward(name, context):
+                    return await forwarded(request, context)
                 return await fn(request, context)
             finally:
                 current_identity.reset(token)
