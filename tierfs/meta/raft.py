@@ -99,7 +99,7 @@ _BATCH_OP_OVERHEAD = 16
 #: Entries a leader keeps uncommitted before further ops wait (and so join
 #: the next entry). 1 would stall the log while a batch is applied and
 #: answered; more makes entries smaller.
-MAX_INFLIGHT_ENTRIES = int(os.environ.get("TIERFS_RAFT_INFLIGHT", "2"))
+MAX_INFLIGHT_ENTRIES = 2
 
 COMMIT_LATENCY = Histogram(
     "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
