@@ -19,7 +19,7 @@ from tierfs.meta.service import CLIENT_ID_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
 
 N = 48
 
