@@ -68,8 +68,11 @@ def test_concurrent_ops_share_entries_and_replicas_agree(tmp_path: Path) -> None
         assert isinstance(results[N], AlreadyExistsError)  # the repeated name: its own error
         # the same request twice: applied once, both answered with its result
         assert len(dups) == 2 and dups[0].attr.inode == dups[1].attr.inode
-        # N + 4 ops (plus the periodic tick) in far fewer entries than ops
-        assert grown <= N // 2, f"{N + 4} concurrent ops took {grown} log entries"
+        # N + 4 ops (plus the periodic tick) in fewer entries than ops. How
+        # many share an entry depends on how fast gRPC hands the requests
+        # over (~2 per entry on a host loaded far beyond its cores): one
+        # entry per op, as before group commit, fails here.
+        assert grown <= 3 * (N + 4) // 4, f"{N + 4} concurrent ops took {grown} log entries"
         c.wait_converged()
 
         # The batched entries replay from every journal after a full restart.

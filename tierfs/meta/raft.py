@@ -606,16 +606,18 @@ class RaftReplicator:
                                        "for one Raft log entry")
         self._require_leader()
         t0 = time.perf_counter()
-        fut: asyncio.Future[_Pending] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_Pending] = loop.create_future()
         self._queue_op(op, fut)
+        # A timer rather than asyncio.wait_for, which makes a task per op.
+        expiry = loop.call_later(timeout, _expire, fut, timeout)
         try:
-            try:
-                pending = await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                raise TimeoutError_(f"not committed within {timeout:.1f}s (outcome unknown)") from None
+            pending = await fut
         except TierFSError as err:
             OPS.labels(type(err).__name__).inc()
             raise
+        finally:
+            expiry.cancel()
         COMMIT_LATENCY.observe(time.perf_counter() - t0)
         OPS.labels("ok").inc()
         if pending.exc is not None:
@@ -1177,6 +1179,11 @@ class RaftReplicator:
         self._addr_map[self._raft_addr] = self._grpc_addr
         log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
         return snap.last, snap.prev, [TCPNode(m) for m in snap.members]
+
+
+def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError_(f"not committed within {timeout:.1f}s (outcome unknown)"))
 
 
 def _join_tick_thread(node: SyncObj) -> None:
