@@ -97,9 +97,11 @@ _APPEND_BATCH_BYTES = 4 * MAX_ENTRY_BYTES
 MAX_BATCH_OPS = 256
 _BATCH_OP_OVERHEAD = 16
 #: Entries a leader keeps uncommitted before further ops wait (and so join
-#: the next entry). 1 would stall the log while a batch is applied and
-#: answered; more makes entries smaller.
-MAX_INFLIGHT_ENTRIES = 2
+#: the next entry). With 1, the next entry goes out as soon as the previous
+#: one is applied, so its commit overlaps the replies; 2 made entries half
+#: as large (2 ops instead of 4 for 16 callers) and cost more CPU per op on
+#: this CPU-bound host (docs/raft.md, "Group commit, measured").
+MAX_INFLIGHT_ENTRIES = 1
 
 COMMIT_LATENCY = Histogram(
     "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
