@@ -194,3 +194,24 @@ def test_deepcopy_of_tracked_state_is_equal() -> None:
     state = State()
     run(state, [("set", 1, 2), ("rec_new", 3, 4), ("rec_items", 3, 5)])
     assert plain(vars(copy.deepcopy(state))) == plain(vars(state))
+
+
+def test_a_failed_create_leaves_no_trace_of_the_new_inode() -> None:
+    # new_object() skips recording a new inode's own fields: the rollback
+    # must still drop it, and undo what was changed once it was stored.
+    from tierfs.meta.state import MetaStateMachine
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    sm = MetaStateMachine()
+
+    def mkdir(path: str, rid: int) -> pb.MetaResult:
+        op = pb.MetaOp(now_ns=10**18 + rid, client_id="c", request_id=rid, mkdir=pb.MkdirRequest(loc=pb.Loc(path=path)))
+        return pb.MetaResult.FromString(sm.apply(op.SerializeToString(deterministic=True)))
+
+    assert not mkdir("/a", 1).error.code
+    before, inodes, nxt = sm.digest(), set(sm.inodes), sm.next_inode
+    sm._fail_marker = b"boom"
+    assert mkdir("/a/boom", 2).error.code
+    assert (sm.digest(), set(sm.inodes), sm.next_inode) == (before, inodes, nxt)
+    sm._fail_marker = b""
+    assert not mkdir("/a/boom", 3).error.code and sm.next_inode == nxt + 1

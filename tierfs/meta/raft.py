@@ -94,6 +94,16 @@ MAX_ENTRY_BYTES = 256 * 1024
 #: entry of MAX_ENTRY_BYTES makes (at most twice that), so that path is never
 #: taken. It also bounds how much one AppendEntries bundles (plus one entry).
 _APPEND_BATCH_BYTES = 4 * MAX_ENTRY_BYTES
+#: Group commit: at most this many ops share one entry (and together at most
+#: MAX_ENTRY_BYTES, counting _BATCH_OP_OVERHEAD each for their pickling).
+MAX_BATCH_OPS = 256
+_BATCH_OP_OVERHEAD = 16
+#: Entries a leader keeps uncommitted before further ops wait (and so join
+#: the next entry). With 1, the next entry goes out as soon as the previous
+#: one is applied, so its commit overlaps the replies; 2 made entries half
+#: as large (2 ops instead of 4 for 16 callers) and cost more CPU per op on
+#: this CPU-bound host (docs/raft.md, "Group commit, measured").
+MAX_INFLIGHT_ENTRIES = 1
 
 COMMIT_LATENCY = Histogram(
     "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
@@ -118,6 +128,11 @@ LEADER_CHANGES = Counter("tierfs_meta_leader_changes_total",
 FRAMES_REFUSED = Counter("tierfs_meta_raft_frames_refused_total",
                          "Raft-port frames dropped (with their connection) because they were not "
                          "sealed with this cluster's secret")
+
+ENTRY_OPS = Histogram(
+    "tierfs_meta_entry_ops", "Ops per Raft entry submitted by this leader (group commit)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 
 _RAFT_ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 _SER_IDLE: int = SERIALIZER_STATE.NOT_SERIALIZING
@@ -368,6 +383,14 @@ class _Node(SyncObj):  # type: ignore[misc]
         return self.tfs_owner._apply_committed(op, self.raftLastApplied + 1)
 
     @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def tfs_submit_batch(self, ops: list[bytes]) -> list[_Pending]:
+        # Several ops in one entry (group commit). pysyncobj numbers the
+        # replicated methods in name order, and logs carry those numbers:
+        # this name sorts after the older ones so their numbers stay put
+        # (tests/meta/test_raft_batch.py checks them).
+        return self.tfs_owner._apply_committed_batch(ops, self.raftLastApplied + 1)
+
+    @replicated  # type: ignore[misc,untyped-decorator,unused-ignore]
     def tfs_barrier(self) -> None:
         return None
 
@@ -497,6 +520,13 @@ class RaftReplicator:
         self._barrier_waiters: asyncio.Future[None] | None = None
         self._barrier_running = False
         self._bg_tasks: set[asyncio.Task[None]] = set()
+        # group commit (loop thread): ops waiting for an entry, their bytes,
+        # entries handed to pysyncobj and not yet resolved
+        self._batch: collections.deque[tuple[bytes, asyncio.Future[_Pending]]] = collections.deque()
+        self._batch_bytes = 0
+        self._inflight: dict[int, tuple[int, float]] = {}  # entry seq -> (term, monotonic start)
+        self._entry_seq = 0
+        self._flush_scheduled = False
         #: see _check_append; TIERFS_RAFT_STOCK_TRUNCATION=1 turns the fix off
         #: (only to demonstrate the problem in tests)
         self._fix_truncation = os.environ.get("TIERFS_RAFT_STOCK_TRUNCATION", "") != "1"
@@ -618,6 +648,10 @@ class RaftReplicator:
             self._journal.close()
         if self._barrier_waiters is not None and not self._barrier_waiters.done():
             self._barrier_waiters.set_exception(UnavailableError("replica stopped"))
+        while self._batch:
+            _, fut = self._batch.popleft()
+            if not fut.done():
+                fut.set_exception(UnavailableError("replica stopped"))
         log.info("raft replica %s stopped", self.node_id)
 
     # --- Replicator API ------------------------------------------------------
@@ -626,19 +660,122 @@ class RaftReplicator:
         if len(op) > MAX_ENTRY_BYTES:
             raise InvalidArgumentError(f"op of {len(op)} bytes exceeds the cap of {MAX_ENTRY_BYTES} bytes "
                                        "for one Raft log entry")
-        node = self._require_leader()
+        self._require_leader()
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_Pending] = loop.create_future()
+        self._queue_op(op, fut)
+        # A timer rather than asyncio.wait_for, which makes a task per op.
+        expiry = loop.call_later(timeout, _expire, fut, timeout)
         try:
-            pending = await self._call(lambda cb: node.tfs_apply(op, callback=cb), timeout)
+            pending = await fut
         except TierFSError as err:
             OPS.labels(type(err).__name__).inc()
             raise
+        finally:
+            expiry.cancel()
         COMMIT_LATENCY.observe(time.perf_counter() - t0)
         OPS.labels("ok").inc()
-        assert isinstance(pending, _Pending)
         if pending.exc is not None:
             raise InternalError(f"state machine failed to apply: {pending.exc!r}")
         return pending.result
+
+    # --- group commit (loop thread) ---------------------------------------------
+    #
+    # Ops that wait while earlier entries are in flight go into ONE Raft entry
+    # (docs/raft.md, "Group commit"): one log append, one fdatasync per
+    # replica, one replication round and one hop to the loop for all of them,
+    # instead of one each. Every replica applies the ops of an entry in their
+    # order, each with its own result (and its own dedup record).
+
+    def _queue_op(self, op: bytes, fut: asyncio.Future[_Pending]) -> None:
+        self._batch.append((op, fut))
+        self._batch_bytes += len(op) + _BATCH_OP_OVERHEAD
+        if self._batch_bytes >= MAX_ENTRY_BYTES or len(self._batch) >= MAX_BATCH_OPS:
+            self._flush_batch(force=True)
+        elif not self._flush_scheduled and self._inflight_entries() < MAX_INFLIGHT_ENTRIES:
+            # Flushed after the callbacks already queued on the loop ran, so
+            # requests that arrived together share the entry.
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush_batch)
+
+    def _flush_batch(self, force: bool = False) -> None:
+        """Hand the queued ops to pysyncobj: one entry, or as many as the
+        size caps need. Waits (the ops stay queued) while MAX_INFLIGHT_ENTRIES
+        entries are uncommitted, unless ``force`` (the queue is full)."""
+        if not force:
+            self._flush_scheduled = False
+        while self._batch and (force or self._inflight_entries() < MAX_INFLIGHT_ENTRIES):
+            force = False
+            take: list[tuple[bytes, asyncio.Future[_Pending]]] = []
+            size = 0
+            while self._batch and len(take) < MAX_BATCH_OPS:
+                op, fut = self._batch[0]
+                if take and size + len(op) + _BATCH_OP_OVERHEAD > MAX_ENTRY_BYTES:
+                    break
+                self._batch.popleft()
+                self._batch_bytes -= len(op) + _BATCH_OP_OVERHEAD
+                if fut.done():  # timed out (or cancelled) while queued: never submitted
+                    continue
+                take.append((op, fut))
+                size += len(op) + _BATCH_OP_OVERHEAD
+            if take:
+                self._submit_entry(take)
+
+    def _inflight_entries(self) -> int:
+        """Uncommitted entries this leader submitted in its current term.
+        An entry of an earlier term (or one stuck for long) resolves only
+        when its index is applied, which can take a while: it does not hold
+        new ops back."""
+        node = self._node
+        term = node.raftCurrentTerm if node is not None else -1
+        old = time.monotonic() - 2 * self._timings.step_down
+        for seq, (t, since) in list(self._inflight.items()):
+            if t != term or since < old:
+                del self._inflight[seq]
+        return len(self._inflight)
+
+    def _submit_entry(self, take: list[tuple[bytes, asyncio.Future[_Pending]]]) -> None:
+        futs = [f for _, f in take]
+        try:
+            node = self._require_leader()
+        except TierFSError as err:
+            for f in futs:
+                if not f.done():
+                    f.set_exception(err)
+            return
+        loop = self._loop
+        assert loop is not None
+        self._entry_seq += 1
+        seq = self._entry_seq
+        self._inflight[seq] = (node.raftCurrentTerm, time.monotonic())
+        ENTRY_OPS.observe(len(take))
+
+        def resolve(res: Any, err: int) -> None:  # loop thread
+            self._inflight.pop(seq, None)
+            if err == FAIL_REASON.SUCCESS:
+                results = res if isinstance(res, list) else [res]
+                for f, pending in zip(futs, results, strict=True):
+                    if not f.done():
+                        f.set_result(pending)
+            else:
+                exc = self._fail_error(err)
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(exc)
+            if self._batch and not self._flush_scheduled:
+                self._flush_batch()
+
+        def callback(res: Any, err: int) -> None:  # tick thread
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
+                loop.call_soon_threadsafe(resolve, res, err)
+
+        if len(take) == 1:
+            # The entry format of a single op is unchanged (old logs replay).
+            node.tfs_apply(take[0][0], callback=callback)
+        else:
+            node.tfs_submit_batch([op for op, _ in take], callback=callback)
 
     async def read_barrier(self, timeout: float) -> None:
         self._require_leader()
@@ -887,20 +1024,27 @@ class RaftReplicator:
 
     def _apply_committed(self, op: bytes, index: int) -> _Pending:
         """Tick thread: queue a committed op for the loop thread, in log order."""
-        pending = _Pending()
+        return self._apply_committed_batch([op], index)[0]
+
+    def _apply_committed_batch(self, ops: list[bytes], index: int) -> list[_Pending]:
+        """Tick thread: queue the ops of one committed entry for the loop
+        thread, in log order; they are applied in one callback, in order."""
+        pendings = [_Pending() for _ in ops]
+        sm = self._sm
 
         def run() -> None:
-            try:
-                pending.result = self._sm.apply(op)
-            except Exception as exc:  # the SM contract says never; keep replicas alike
-                log.exception("state machine raised applying index %d", index)
-                pending.exc = exc
-            self._applied_ops += 1
+            for op, pending in zip(ops, pendings, strict=True):
+                try:
+                    pending.result = sm.apply(op)
+                except Exception as exc:  # the SM contract says never; keep replicas alike
+                    log.exception("state machine raised applying index %d", index)
+                    pending.exc = exc
+            self._applied_ops += len(ops)
             self._sm_index = max(self._sm_index, index)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(run)
-        return pending
+        return pendings
 
     def _on_journal_error(self, exc: BaseException) -> None:
         # After a failed fsync the page cache can no longer be trusted
@@ -1130,6 +1274,11 @@ class RaftReplicator:
         self._addr_map[self._raft_addr] = self._grpc_addr
         log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
         return snap.last, snap.prev, [TCPNode(m) for m in snap.members]
+
+
+def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError_(f"not committed within {timeout:.1f}s (outcome unknown)"))
 
 
 def _join_tick_thread(node: SyncObj) -> None:

@@ -91,7 +91,7 @@ from tierfs.meta.perms import (
     not_permitted,
 )
 from tierfs.meta.placement import distinct_nodes, plan_groups
-from tierfs.meta.undo import Tracked, transaction
+from tierfs.meta.undo import Tracked, new_object, transaction
 from tierfs.meta.users import UserRecord
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -509,8 +509,8 @@ class MetaStateMachine(Tracked):
         return info
 
     def _new_inode(self, kind: int, mode: int, uid: int, gid: int) -> Inode:
-        ino = Inode(id=self.next_inode, type=kind, mode=mode, uid=uid, gid=gid,
-                    mtime=self.clock, ctime=self.clock)
+        ino = new_object(lambda: Inode(id=self.next_inode, type=kind, mode=mode, uid=uid, gid=gid,
+                                       mtime=self.clock, ctime=self.clock))
         self.next_inode += 1
         self.inodes[ino.id] = ino
         return ino
