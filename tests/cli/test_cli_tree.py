@@ -50,7 +50,7 @@ def _tree(root: Path) -> dict[str, int]:
         "top.txt": b"hello\n",
         "a/empty": b"",
         "a/b/mid.bin": os.urandom(300_001),
-        "a/b/c/big.bin": os.urandom(9 * MiB + 4321),  # three 4 MiB chunks, the last partial
+        "a/b/c/big.bin": os.urandom(5 * MiB + 4321),  # two 4 MiB chunks, the last partial
         "a/b/c/four.bin": os.urandom(4 * MiB),
     }
     for rel, data in files.items():
@@ -189,13 +189,13 @@ def test_du_sums_sizes_and_df_adds_up(meta: str, tmp_path: Path) -> None:
     # ec:4+2 with 4 MiB chunks: data once, plus 2 parity fragments of 1 MiB per full chunk
     assert stored_bytes(4 * MiB, "ec:4+2", 4 * MiB) == 6 * MiB
     assert stored_bytes(6, "ec:4+2", 4 * MiB) == 6 + 2 * 6
-    assert by_path["/du/a/b/c"]["stored"] == (4 * MiB + 2 * MiB) + (9 * MiB + 4321 + 3 * 2 * MiB)
+    assert by_path["/du/a/b/c"]["stored"] == (4 * MiB + 2 * MiB) + (5 * MiB + 4321 + 2 * 2 * MiB)
     assert by_path["/du"]["stored"] == sum(stored_bytes(s, "ec:4+2", 4 * MiB) or 0 for s in sizes.values())
     rc, out, _ = cli(meta, "du", "-s", "-h", "/du", "/du/a/b/c")
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].split() == ["SIZE", "STORED", "FILES", "PATH"] and lines[1].endswith("/du")
-    assert lines[2].split()[:4] == ["13.0", "MiB", "21.0", "MiB"] and lines[-1].endswith("total")
+    assert lines[2].split()[:4] == ["9.0", "MiB", "15.0", "MiB"] and lines[-1].endswith("total")
     rc, _, err = cli(meta, "du", "/du/nope")
     assert rc == 1 and "no such file" in err
 
