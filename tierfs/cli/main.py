@@ -331,7 +331,8 @@ def _tree(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bool,
 
     if ns.jobs < 1:
         raise _UsageError(f"tierfs {ns.cmd}: --jobs must be at least 1, got {ns.jobs}")
-    label = f"{ns.cmd} -r {os.path.basename(os.path.normpath(ns.local if ns.cmd == 'put' else ns.remote))}"
+    src = ns.local if ns.cmd == "put" else ns.remote
+    label = f"{ns.cmd} -r {os.path.basename(os.path.normpath(src)) or src}"
     shown: Any = None
     if not ns.quiet and not ns.json:
         shown = _TreeBar(label, err) if tty else _TreeLines(label, err)

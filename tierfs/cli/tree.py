@@ -242,7 +242,8 @@ async def put_tree(client: AsyncClient, local: str, remote: str, *, jobs: int = 
         dst = _join(remote, e.rel)
         try:
             if e.kind == "dir":
-                await client.mkdir(dst, exist_ok=True, mode=e.mode or 0o755)
+                # Owner-writable while files go in; the source's own mode is set at the end.
+                await client.mkdir(dst, exist_ok=True, mode=(e.mode | 0o700) if preserve else 0o755)
             elif e.kind == "link":
                 await _put_link(client, dst, e.target)
         except UnavailableError:
