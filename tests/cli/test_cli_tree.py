@@ -41,7 +41,7 @@ def cli(meta: str, *args: str) -> tuple[int, str, str]:
     return rc, text, err.getvalue()
 
 
-def _tree(root: Path) -> dict[str, int]:
+def _tree(root: Path, big: int = 5 * MiB + 4321) -> dict[str, int]:
     """A tree with nested and empty directories, empty and odd-sized files, a
     file over two chunks, and symbolic links; returns file -> size."""
     (root / "a" / "b" / "c").mkdir(parents=True)
@@ -50,7 +50,7 @@ def _tree(root: Path) -> dict[str, int]:
         "top.txt": b"hello\n",
         "a/empty": b"",
         "a/b/mid.bin": os.urandom(300_001),
-        "a/b/c/big.bin": os.urandom(5 * MiB + 4321),  # two 4 MiB chunks, the last partial
+        "a/b/c/big.bin": os.urandom(big),  # by default two 4 MiB chunks, the last partial
         "a/b/c/four.bin": os.urandom(4 * MiB),
     }
     for rel, data in files.items():
@@ -101,22 +101,24 @@ def test_put_r_get_r_round_trip_with_progress_and_layouts(meta: str, tmp_path: P
     assert by_name["top.txt"]["mode"] == "0o100755" and by_name["dangling"]["type"] == "symlink"
     assert by_name["a"]["redundancy"] == ""
     # into an existing directory: the tree lands under its own name (cp -r)
+    small = tmp_path / "small"
+    small_sizes = _tree(small, big=10)
     assert cli(meta, "mkdir", "/t2")[0] == 0
-    rc, out, err = cli(meta, "put", "-r", "-q", str(src), "/t2", "--json")
+    rc, out, err = cli(meta, "put", "-r", "-q", str(small), "/t2", "--json")
     assert rc == 0 and err == "", err
     r = json.loads(out)
-    assert r["dst"] == "/t2/src" and r["files"] == 5 and r["bytes"] == sum(sizes.values()) and r["errors"] == []
-    assert r["dirs"] == 5 and r["symlinks"] == 2
+    assert r["dst"] == "/t2/small" and r["files"] == 5 and r["bytes"] == sum(small_sizes.values())
+    assert r["errors"] == [] and r["dirs"] == 5 and r["symlinks"] == 2
     back = tmp_path / "back"
     rc, out, err = cli(meta, "get", "-r", "/t1", str(back))
     assert rc == 0, err
     assert "get -r t1: 5/5 files" in err and "5 of 5 files" in out
     _compare(src, back)
     assert os.stat(back / "a/b/c/big.bin").st_mtime == 1_600_000_000
-    # again, into the now existing directory: back/t1
-    rc, _, err = cli(meta, "get", "-r", "-q", "/t2/src", str(back))
+    # into the now existing directory: back/small
+    rc, _, err = cli(meta, "get", "-r", "-q", "/t2/small", str(back))
     assert rc == 0 and err == "", err
-    _compare(src, back / "src")
+    _compare(small, back / "small")
 
 
 @pytest.mark.timeout(60)
@@ -135,7 +137,7 @@ def test_ls_l_shows_replica_layout(meta: str, tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_tree_copy_errors_are_reported_and_the_rest_copied(meta: str, tmp_path: Path) -> None:
     src = tmp_path / "src"
-    _tree(src)
+    _tree(src, big=1000)
     # destination is an existing file: refused, nothing made
     (tmp_path / "f").write_bytes(b"x")
     assert cli(meta, "put", str(tmp_path / "f"), "/efile")[0] == 0
@@ -162,7 +164,8 @@ def test_tree_copy_errors_are_reported_and_the_rest_copied(meta: str, tmp_path: 
     failed = {e["path"]: e["error"] for e in r["errors"]}  # named by their source, as put -r does
     assert str(dst / "a/b/c/big.bin") in failed["/e1/src/a/b/c/big.bin"]
     assert r["files"] == 2 and r["files_total"] == 3  # empty, four.bin
-    assert (dst / "a/b/c/four.bin").stat().st_size == 4 * MiB and (dst / "a/empty").exists()
+    assert (dst / "a/b/c/four.bin").read_bytes() == (src / "a/b/c/four.bin").read_bytes()
+    assert (dst / "a/empty").exists()
     assert "get -r: /e1/src/a/b/c/big.bin: cannot write local file" in err
     if os.geteuid() != 0:
         assert str(dst / "a/b/mid.bin") in failed and "Permission denied" in err, err
