@@ -359,7 +359,7 @@ def _du_text(r: dict[str, Any], human: bool) -> str:
     size: Callable[[int], str] = human_size if human else str
     rows = [[size(x["bytes"]), size(x["stored"]) + ("+?" if x["unknown"] else ""), x["files"], x["path"]]
             for x in r["rows"]]
-    if len(r["rows"]) > 1:
+    if len(r["paths"]) > 1:
         t = r["total"]
         rows.append([size(t["bytes"]), size(t["stored"]) + ("+?" if t["unknown"] else ""), t["files"], "total"])
     return _table(rows, ["SIZE", "STORED", "FILES", "PATH"])

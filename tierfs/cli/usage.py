@@ -106,7 +106,7 @@ async def du(client: AsyncClient, paths: Sequence[str], *, summarize: bool = Fal
         if summarize and st.is_dir:
             rows.append(top)
         tops.append(top)
-    return {"rows": rows, "errors": errors,
+    return {"rows": rows, "errors": errors, "paths": [t["path"] for t in tops],
             "total": {f: sum(t[f] for t in tops) for f in ("bytes", "stored", "files", "dirs", "unknown")}}
 
 
