@@ -18,7 +18,6 @@ sockets, devices) are skipped and listed in ``skipped``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import posixpath
 import stat as _stat
@@ -259,15 +258,18 @@ async def put_tree(client: AsyncClient, local: str, remote: str, *, jobs: int = 
         await put(client, _local_join(local, e.rel), _join(remote, e.rel), progress=step, into_dir=False,
                   preserve=preserve)
 
-    try:
-        await _run_files(copy, todo, jobs, prog, progress, one, lambda e: _local_join(local, e.rel))
-    finally:
-        if preserve:
-            # Bottom-up, after the files: writing into a directory changes its mtime.
-            for e in reversed(copy.entries):
-                if e.kind == "dir" and not under_bad(e.rel):
-                    with contextlib.suppress(TierFSError):
-                        await client.meta.setattr(_join(remote, e.rel), mode=e.mode, mtime_ns=e.mtime_ns)
+    # Raises only when the cluster stopped answering: then directory attributes are not tried either.
+    await _run_files(copy, todo, jobs, prog, progress, one, lambda e: _local_join(local, e.rel))
+    if preserve:
+        # Bottom-up, after the files: writing into a directory changes its mtime.
+        for e in reversed(copy.entries):
+            if e.kind == "dir" and not under_bad(e.rel):
+                try:
+                    await client.meta.setattr(_join(remote, e.rel), mode=e.mode, mtime_ns=e.mtime_ns)
+                except UnavailableError:
+                    raise
+                except TierFSError as exc:
+                    copy.fail(_join(remote, e.rel), f"cannot set mode and mtime: {exc}")
     return _summary(local, remote, copy, prog)
 
 
@@ -348,7 +350,7 @@ async def get_tree(client: AsyncClient, remote: str, local: str, *, jobs: int = 
         try:
             if e.kind == "dir":
                 # Owner-writable while the copy runs; the real mode is set at the end.
-                os.makedirs(dst, mode=0o700 | e.mode, exist_ok=True)
+                os.makedirs(dst, mode=(0o700 | e.mode) if preserve else 0o777, exist_ok=True)
                 if not os.path.isdir(dst):
                     raise LocalFileError(f"{dst} exists and is not a directory")
             elif e.kind == "link":
@@ -372,11 +374,14 @@ async def get_tree(client: AsyncClient, remote: str, local: str, *, jobs: int = 
     try:
         await _run_files(copy, todo, jobs, prog, progress, one, lambda e: _join(remote, e.rel))
     finally:
+        # Also when the copy stopped: directories left owner-only (0700) would surprise.
         if preserve:
             for e in reversed(copy.entries):
                 if e.kind == "dir" and not under_bad(e.rel):
                     dst = _local_join(local, e.rel)
-                    with contextlib.suppress(OSError):
+                    try:
                         os.chmod(dst, e.mode)
                         os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))
+                    except OSError as exc:
+                        copy.fail(dst, f"cannot set mode and mtime: {exc.strerror}")
     return _summary(remote, local, copy, prog)
