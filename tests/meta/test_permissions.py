@@ -202,6 +202,7 @@ def test_search_permission_along_the_path(d: Users) -> None:
     ents = d.sm.readdir(L("/home/b/priv"), ident=A).entries
     assert [(e.name, e.attr.inode, e.attr.type, e.attr.mode) for e in ents] == [
         ("f", ino(d, "/home/b/priv/f"), pb.INODE_TYPE_FILE, 0), ("pub", pub, pb.INODE_TYPE_DIRECTORY, 0)]
+    assert not any(e.HasField("layout") for e in ents)
     with pytest.raises(PermissionDeniedError):
         d.sm.stat(L("/home/b/priv/f"), ident=A)
     # The index behind inode-named checks follows renames across directories.

@@ -77,6 +77,22 @@ def test_mkdir_create_stat_lookup(d: Driver) -> None:
     assert sub.attr.mode == 0o700 and d.stat("/a/sub").attr.parent == a.attr.inode
 
 
+def test_readdir_entries_carry_file_layouts(d: Driver) -> None:
+    # `ls -l` and `du` read each file's layout from the listing, not a stat per file.
+    d.mkdir("/lay")
+    d.do("set_layout", pb.SetLayoutRequest(loc=pb.Loc(path="/lay"), layout=pb.Layout(redundancy="replica:3")),
+         pb.Layout)
+    d.create("/lay/r")
+    d.create("/lay/e", redundancy="ec:4+2", chunk_size=MiB)
+    d.mkdir("/lay/sub")
+    ents = {e.name: e for e in d.sm.readdir(pb.Loc(path="/lay")).entries}
+    assert (ents["r"].layout.redundancy, ents["e"].layout.redundancy) == ("replica:3", "ec:4+2")
+    assert ents["e"].layout.chunk_size == MiB and ents["e"].layout.data_shards == 4
+    assert not ents["e"].layout.groups  # Stat has them; a listing stays small
+    assert d.stat("/lay/e").layout.groups
+    assert not ents["sub"].HasField("layout")
+
+
 def test_readdir_pages_in_name_order(d: Driver) -> None:
     d.mkdir("/d")
     want = sorted(f"f{i:03d}" for i in range(25))

@@ -71,13 +71,15 @@ def _local_error(what: str, path: str, exc: OSError) -> LocalFileError:
 
 
 async def put(client: AsyncClient, local: str, remote: str, *, progress: Progress | None = None,
-              stdin: IO[bytes] | None = None) -> dict[str, Any]:
+              stdin: IO[bytes] | None = None, into_dir: bool = True, preserve: bool = False) -> dict[str, Any]:
     """Copy local file ``local`` (``-``: standard input) to ``remote`` (a
-    directory, or a path ending in ``/``, receives the local file's name).
+    directory, or a path ending in ``/``, receives the local file's name;
+    ``into_dir=False``: ``remote`` is the file's own path, unchecked).
     The data lands under a temporary name and is renamed over ``remote`` at
     the end: readers see the old file or the whole new one, and a failed
-    put leaves nothing behind."""
-    if remote.endswith("/") or await _is_dir(client, remote):
+    put leaves nothing behind. ``preserve``: the copy keeps the local file's
+    permission bits and modification time."""
+    if into_dir and (remote.endswith("/") or await _is_dir(client, remote)):
         if local == "-":
             raise InvalidArgumentError(f"{remote} is a directory: name the file to write from standard input")
         remote = posixpath.join(remote, os.path.basename(local))
@@ -88,8 +90,10 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
         src: IO[bytes] = (stdin or sys.stdin.buffer) if local == "-" else open(local, "rb")  # noqa: SIM115
     except OSError as exc:
         raise _local_error("cannot read local file", local, exc) from None
-    total = None if local == "-" else os.fstat(src.fileno()).st_size
-    buf = bytearray(BLOCK)
+    lst = None if local == "-" else os.fstat(src.fileno())
+    total = None if lst is None else lst.st_size
+    # A small file does not need a whole block of buffer (put -r runs several at once).
+    buf = bytearray(BLOCK if total is None else min(BLOCK, max(total, 1)))
     view = memoryview(buf)
     done = 0
     t0 = time.perf_counter()
@@ -114,6 +118,9 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
             with contextlib.suppress(TierFSError):
                 await f.abort()
             raise
+        if preserve and lst is not None:
+            # After close: the commit stamps the file's mtime.
+            await client.meta.setattr(tmp, mode=lst.st_mode & 0o7777, mtime_ns=lst.st_mtime_ns)
         await client.rename(tmp, remote)
     except BaseException:
         with contextlib.suppress(TierFSError):
@@ -128,7 +135,7 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
 
 
 async def _stream(client: AsyncClient, remote: str, sink: Callable[[memoryview], Any],
-                  progress: Progress | None) -> int:
+                  progress: Progress | None) -> tuple[int, FileStat]:
     """Read ``remote`` block by block; the next block is fetched while the
     previous one is handed to ``sink`` (in a thread: local writes block)."""
     st = await client.stat(remote)
@@ -162,14 +169,16 @@ async def _stream(client: AsyncClient, remote: str, sink: Callable[[memoryview],
             with contextlib.suppress(BaseException):
                 await pending
         await f.close()
-    return done
+    return done, st
 
 
-async def get(client: AsyncClient, remote: str, local: str, *, progress: Progress | None = None) -> dict[str, Any]:
+async def get(client: AsyncClient, remote: str, local: str, *, progress: Progress | None = None,
+              into_dir: bool = True, preserve: bool = False) -> dict[str, Any]:
     """Copy ``remote`` to local file ``local`` (a directory receives the
-    remote file's name). Written to ``local.part`` and renamed at the end, so
-    ``local`` is never a torn copy."""
-    if os.path.isdir(local):
+    remote file's name unless ``into_dir=False``). Written to ``local.part``
+    and renamed at the end, so ``local`` is never a torn copy. ``preserve``:
+    the copy keeps the remote file's permission bits and modification time."""
+    if into_dir and os.path.isdir(local):
         local = os.path.join(local, posixpath.basename(remote.rstrip("/")))
     part = f"{local}.part"
     t0 = time.perf_counter()
@@ -185,8 +194,18 @@ async def get(client: AsyncClient, remote: str, local: str, *, progress: Progres
                 except OSError as exc:
                     raise _local_error("cannot write local file", local, exc) from None
 
-            done = await _stream(client, remote, sink, progress)
-        os.replace(part, local)
+            done, st = await _stream(client, remote, sink, progress)
+        if preserve:
+            try:
+                os.chmod(part, st.mode & 0o7777)
+                mt = int(st.mtime * 1e9)
+                os.utime(part, ns=(mt, mt))
+            except OSError as exc:
+                raise _local_error("cannot set attributes of local file", local, exc) from None
+        try:
+            os.replace(part, local)
+        except OSError as exc:  # e.g. a directory is in the way
+            raise _local_error("cannot write local file", local, exc) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(part)
@@ -203,7 +222,7 @@ async def cat(client: AsyncClient, remote: str, out: IO[bytes]) -> dict[str, Any
         out.write(v)
         out.flush()
 
-    done = await _stream(client, remote, sink, None)
+    done, _ = await _stream(client, remote, sink, None)
     return {"remote": remote, "bytes": done, "seconds": time.perf_counter() - t0}
 
 

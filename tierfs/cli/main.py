@@ -10,6 +10,7 @@ degraded; 130 interrupted. Expected errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -20,6 +21,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any, TextIO, TypeVar
 
 from tierfs.cli.fs import LocalFileError
+from tierfs.cli.tree import DEFAULT_JOBS, TreeProgress
 from tierfs.cli.util import DEFAULT_DATA, human_rate, human_size, parse_size_arg, resolve_meta
 from tierfs.cli.util import table as _table
 from tierfs.errors import TierFSError, UnavailableError
@@ -71,10 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ap, top=True)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
 
-    def cmd(name: str, help: str, meta: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def cmd(name: str, help: str, meta: bool = True, **kw: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, **kw)
         _common(p, top=False, meta=meta)
         return p
+
+    def tree_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-r", "--recursive", action="store_true",
+                       help="copy a directory tree (cp -r: into DEST if it is a directory, else as DEST)")
+        p.add_argument("-j", "--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
+                       help=f"files copied at once with -r (default {DEFAULT_JOBS})")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+        p.add_argument("--no-preserve", dest="preserve", action="store_false",
+                       help="with -r: do not keep permission bits and modification times")
 
     # For `up`, --meta is the number of replicas to start (there are no addresses yet).
     p = cmd("up", "start a local cluster in the background (or reuse a running one)", meta=False)
@@ -88,12 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "with it stays TLS; off by default on loopback)")
     cmd("down", "stop the local cluster (its data stays)", meta=False)
     p = cmd("status", "daemons, targets and placement groups; exit 3 if degraded")
-    p = cmd("put", "copy a local file (- for stdin) into TierFS")
+    p = cmd("put", "copy a local file (- for stdin), or a tree with -r, into TierFS")
     p.add_argument("local")
     p.add_argument("remote")
-    p = cmd("get", "copy a TierFS file to a local file (- for stdout)")
+    tree_opts(p)
+    p.add_argument("-L", "--dereference", action="store_true",
+                   help="with -r: copy what symbolic links point to (default: copy the links as links)")
+    p = cmd("get", "copy a TierFS file to a local file (- for stdout), or a tree with -r")
     p.add_argument("remote")
     p.add_argument("local")
+    tree_opts(p)
+    # -h is "human-readable" here, as in du(1)/df(1); --help still helps.
+    p = cmd("du", "logical and stored (with redundancy) sizes of trees", add_help=False)
+    p.add_argument("paths", nargs="*", default=["/"], metavar="PATH")
+    p.add_argument("-s", "--summarize", action="store_true", help="one line per PATH (default: every directory)")
+    p.add_argument("-h", "--human-readable", dest="human", action="store_true", help="sizes as KiB, MiB, ...")
+    p.add_argument("--help", action="help", help="show this help message and exit")
+    p = cmd("df", "capacity, use and free space per target, node, file groups and KV pool", add_help=False)
+    p.add_argument("-h", "--human-readable", dest="human", action="store_true", help="sizes as KiB, MiB, ...")
+    p.add_argument("--help", action="help", help="show this help message and exit")
     p = cmd("cat", "write a TierFS file to standard output")
     p.add_argument("remote")
     p = cmd("ls", "list a directory")
@@ -187,7 +211,7 @@ def _ls_long(entries: list[dict[str, Any]]) -> str:
         rows.append([_stat.filemode(int(e["mode"], 8)), e["size"], mtime, e["redundancy"] or "",
                      e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")])
     header = ["MODE", "SIZE", "MODIFIED", "LAYOUT", "NAME"]
-    if not any(r[3] for r in rows):  # directory listings carry no layouts; `stat` shows them
+    if not any(r[3] for r in rows):  # only files carry a layout; none here
         rows = [r[:3] + r[4:] for r in rows]
         header = header[:3] + header[4:]
     return _table(rows, header) if rows else ""
@@ -236,6 +260,143 @@ class _Bar:
 
     def __call__(self, done: int, total: int | None) -> None:
         self._p.update(self._task, completed=done, total=total)
+
+
+class _TreeLines:
+    """Tree-copy progress as a line on stderr at most once a second (for logs
+    and pipes), and a last line when the copy ends."""
+
+    def __init__(self, label: str, stream: TextIO, interval: float = 1.0) -> None:
+        self._label, self._stream, self._interval = label, stream, interval
+        self._next = 0.0
+        self._last: TreeProgress | None = None
+
+    def line(self, p: TreeProgress) -> str:
+        return (f"{self._label}: {p.files_done}/{p.files_total} files, {human_size(p.bytes_done)} / "
+                f"{human_size(p.bytes_total)}, {human_rate(p.bytes_done, p.seconds)}"
+                + (f", {p.errors} failed" if p.errors else ""))
+
+    def __enter__(self) -> _TreeLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._last is not None:
+            self._stream.write(self.line(self._last) + "\n")
+            self._stream.flush()
+
+    def __call__(self, p: TreeProgress) -> None:
+        self._last = p
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self._interval
+            self._stream.write(self.line(p) + "\n")
+            self._stream.flush()
+
+
+class _TreeBar:
+    """Tree-copy progress as a rich bar on a terminal: bytes, rate, time
+    left, and files done of the total."""
+
+    def __init__(self, label: str, stream: TextIO) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                           TransferSpeedColumn(), TextColumn("{task.fields[files]}"), TimeRemainingColumn(),
+                           console=Console(file=stream), transient=True)
+        self._task = self._p.add_task(label, total=None, files="")
+
+    def __enter__(self) -> _TreeBar:
+        self._p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._p.stop()
+
+    def __call__(self, p: TreeProgress) -> None:
+        self._p.update(self._task, completed=p.bytes_done, total=p.bytes_total or None,
+                       files=f"{p.files_done}/{p.files_total} files" + (f", {p.errors} failed" if p.errors else ""))
+
+
+def _tree(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bool,
+          emit: Callable[[Any, str | None], None]) -> int:
+    """``put -r`` / ``get -r``: progress on stderr (a bar on a terminal, else
+    a line a second; none with -q or --json), then the summary; exit 1 if any
+    file failed (each is named on stderr)."""
+    from tierfs.cli import tree
+
+    if ns.jobs < 1:
+        raise _UsageError(f"tierfs {ns.cmd}: --jobs must be at least 1, got {ns.jobs}")
+    src = ns.local if ns.cmd == "put" else ns.remote
+    label = f"{ns.cmd} -r {os.path.basename(os.path.normpath(src)) or src}"
+    shown: Any = None
+    if not ns.quiet and not ns.json:
+        shown = _TreeBar(label, err) if tty else _TreeLines(label, err)
+    if ns.cmd == "put":
+        fn: Callable[..., Any] = tree.put_tree
+        args: tuple[str, str] = (ns.local, ns.remote)
+        kw: dict[str, Any] = {"follow_symlinks": ns.dereference}
+    else:
+        fn, args, kw = tree.get_tree, (ns.remote, ns.local), {}
+    with shown if shown is not None else contextlib.nullcontext():
+        r = _client_call(ns, env, fn, *args, jobs=ns.jobs, progress=shown, preserve=ns.preserve, **kw)
+    for e in r["errors"]:
+        err.write(f"tierfs: {ns.cmd} -r: {e['path']}: {e['error']}\n")
+    if not ns.quiet:
+        for e in r["skipped"]:
+            err.write(f"tierfs: {ns.cmd} -r: skipped {e['path']}: {e['reason']}\n")
+    emit(r, f"{r['src']} -> {r['dst']}: {r['files']} of {r['files_total']} files, {r['dirs']} directories, "
+            f"{r['symlinks']} symlinks, {human_size(r['bytes'])} in {r['seconds']:.2f} s "
+            f"({human_rate(r['bytes'], r['seconds'])})" + (f"; {len(r['errors'])} FAILED" if r["errors"] else ""))
+    return EXIT_FAILED if r["errors"] else EXIT_OK
+
+
+def _du_text(r: dict[str, Any], human: bool) -> str:
+    size: Callable[[int], str] = human_size if human else str
+    rows = [[size(x["bytes"]), size(x["stored"]) + ("+?" if x["unknown"] else ""), x["files"], x["path"]]
+            for x in r["rows"]]
+    if len(r["paths"]) > 1:
+        t = r["total"]
+        rows.append([size(t["bytes"]), size(t["stored"]) + ("+?" if t["unknown"] else ""), t["files"], "total"])
+    return _table(rows, ["SIZE", "STORED", "FILES", "PATH"])
+
+
+def _df_text(r: dict[str, Any], human: bool) -> str:
+    size: Callable[[int], str] = human_size if human else str
+
+    def pct(used: int, cap: int) -> str:
+        return f"{100 * used / cap:.0f}%" if cap else "-"
+
+    racks = any(t["rack"] for t in r["targets"])
+    rows = []
+    for t in r["targets"]:
+        rows.append([t["id"], t["node"], t["hostname"] or None] + ([t["rack"] or None] if racks else [])
+                    + [t["state"] if t["node_state"] == "online" else f"{t['state']} (node {t['node_state']})",
+                       size(t["capacity"]), size(t["used"]), size(t["free"]), pct(t["used"], t["capacity"]),
+                       t["path"]])
+    tot = r["total"]
+    rows.append(["total", "", ""] + ([""] if racks else []) + [
+        f"{tot['targets']} targets", size(tot["capacity"]), size(tot["used"]), size(tot["free"]),
+        pct(tot["used"], tot["capacity"]), ""])
+    out = [_table(rows, ["TARGET", "NODE", "HOST"] + (["RACK"] if racks else [])
+                  + ["STATE", "SIZE", "USED", "FREE", "USE%", "PATH"])]
+    fg = r["file_groups"]
+    out += ["", f"files: {fg['groups']} placement groups"
+            + (" (" + ", ".join(f"{c} of width {w}" for w, c in fg["by_width"].items()) + ")" if fg["groups"] else "")]
+    if r["kv_pools"]:
+        out += ["", _table([[p["name"], p["redundancy"], p["targets"], size(p["memory_budget"]),
+                             size(p["memory_used"]), size(p["disk_budget"]), size(p["disk_used"]), p["objects"]]
+                            for p in r["kv_pools"]],
+                           ["KV POOL", "REDUNDANCY", "TARGETS", "MEM BUDGET", "MEM USED", "DISK BUDGET",
+                            "DISK USED", "OBJECTS"])]
+    return "\n".join(out)
 
 
 # ---- running ---------------------------------------------------------------------
@@ -317,8 +478,24 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         return EXIT_OK if st["healthy"] else EXIT_DEGRADED
     if c == "get" and ns.local == "-":
         c = "cat"  # `get REMOTE -`: to standard output
+    if c in ("put", "get") and ns.recursive:
+        return _tree(ns, out, err, env, tty, emit)
+    if c == "du":
+        from tierfs.cli import usage
+
+        r = _client_call(ns, env, usage.du, ns.paths, summarize=ns.summarize)
+        emit(r, _du_text(r, ns.human))
+        for e in r["errors"]:
+            err.write(f"tierfs: du: {e['path']}: {e['error']}\n")
+        return EXIT_FAILED if r["errors"] else EXIT_OK
+    if c == "df":
+        from tierfs.cli import usage
+
+        r = _run_async(usage.df(resolve_meta(ns.meta, ns.data, env), timeout=ns.timeout))
+        emit(r, _df_text(r, ns.human))
+        return EXIT_OK
     if c in ("put", "get"):
-        show = tty and not ns.json
+        show = tty and not ns.json and not ns.quiet
         label = os.path.basename(ns.local if c == "put" else ns.remote.rstrip("/")) or ns.remote
         bar = _Bar(f"{c} {label}", err) if show else None
         fn = fs.put if c == "put" else fs.get

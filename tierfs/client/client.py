@@ -391,7 +391,8 @@ class AsyncClient:
         meta = self.meta
         out: list[Any] = []
         async for e in meta.iterdir(_norm(path)):
-            out.append(_to_stat(_join(path, e.name), e.attr, None) if detail else e.name)
+            out.append(_to_stat(_join(path, e.name), e.attr, e.layout if e.HasField("layout") else None)
+                       if detail else e.name)
         out.sort(key=lambda x: x.path if detail else x)
         return out
 

@@ -1384,7 +1384,9 @@ class MetaStateMachine(Tracked):
         for name in page:
             n = self.inodes[d.entries[name]]
             attr = self._attr(n) if attrs else pb.Attr(inode=n.id, type=n.type)  # type: ignore[arg-type]
-            reply.entries.append(pb.DirEntry(name=name, attr=attr))
+            e = reply.entries.add(name=name, attr=attr)
+            if attrs and n.type == FILE and n.layout is not None:
+                e.layout.CopyFrom(n.layout.to_pb())
         return reply
 
     def readlink(self, loc: pb.Loc, *, ident: Identity = ANONYMOUS) -> str:

@@ -382,18 +382,26 @@ class DirEntry(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     ATTR_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     @_builtins.property
     def attr(self) -> Global___Attr: ...
+    @_builtins.property
+    def layout(self) -> Global___Layout:
+        """Files, when attr is filled: the file's layout without its groups list
+        (what `ls -l` and `du` need; Stat gives the groups). Unset otherwise.
+        """
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         attr: Global___Attr | None = ...,
+        layout: Global___Layout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attr", b"attr", "layout", b"layout", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

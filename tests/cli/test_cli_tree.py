@@ -1,0 +1,225 @@
+"""``tierfs put -r`` / ``get -r`` (trees, progress, errors), ``du``, ``df``
+and the layout column of ``ls -l``, through ``run`` in-process against one
+local cluster (1 meta replica, 6 storage daemons: ec:4+2 fits)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierfs.cli import cluster_down, cluster_up, run
+from tierfs.cli.usage import stored_bytes
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data = tmp_path_factory.mktemp("treecli") / "cluster"
+    try:
+        info = cluster_up(str(data), n_meta=1, n_storage=6, timeout=90)
+        yield ",".join(info["meta"])
+    finally:
+        if (data / "cluster.toml").exists():
+            cluster_down(str(data))
+
+
+def cli(meta: str, *args: str) -> tuple[int, str, str]:
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.StringIO()
+    rc = run([*args, "--meta", meta], stdout=out, stderr=err, env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]},
+             tty=False)
+    out.buffer.seek(0)
+    text = out.buffer.read().decode()
+    out.close()
+    return rc, text, err.getvalue()
+
+
+def _tree(root: Path, big: int = 5 * MiB + 4321) -> dict[str, int]:
+    """A tree with nested and empty directories, empty and odd-sized files, a
+    file over two chunks, and symbolic links; returns file -> size."""
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "empty-dir").mkdir()
+    files = {
+        "top.txt": b"hello\n",
+        "a/empty": b"",
+        "a/b/mid.bin": os.urandom(300_001),
+        "a/b/c/big.bin": os.urandom(big),  # by default two 4 MiB chunks, the last partial
+        "a/b/c/four.bin": os.urandom(4 * MiB),
+    }
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    os.chmod(root / "a/b/mid.bin", 0o600)
+    os.chmod(root / "top.txt", 0o755)
+    os.utime(root / "a/b/c/big.bin", (1_600_000_000, 1_600_000_000))
+    os.symlink("../top.txt", root / "a" / "link-to-top")
+    os.symlink("nowhere/at/all", root / "dangling")
+    return {k: len(v) for k, v in files.items()}
+
+
+def _compare(a: Path, b: Path) -> None:
+    """Same names, kinds, bytes, links and permission bits; file mtimes within a microsecond."""
+    names_a = sorted(str(p.relative_to(a)) for p in a.rglob("*"))
+    names_b = sorted(str(p.relative_to(b)) for p in b.rglob("*"))
+    assert names_a == names_b
+    for rel in names_a:
+        pa, pb_ = a / rel, b / rel
+        sa, sb = os.lstat(pa), os.lstat(pb_)
+        assert stat.S_IFMT(sa.st_mode) == stat.S_IFMT(sb.st_mode), rel
+        if pa.is_symlink():
+            assert os.readlink(pa) == os.readlink(pb_), rel
+            continue
+        assert stat.S_IMODE(sa.st_mode) == stat.S_IMODE(sb.st_mode), rel
+        if pa.is_file():
+            assert pa.read_bytes() == pb_.read_bytes(), rel
+            assert abs(sa.st_mtime_ns - sb.st_mtime_ns) < 1000, rel
+
+
+@pytest.mark.timeout(90)
+def test_put_r_get_r_round_trip_with_progress_and_layouts(meta: str, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    sizes = _tree(src)
+    rc, out, err = cli(meta, "put", "-r", str(src), "/t1", "-j", "3")
+    assert rc == 0, err
+    # progress (not a terminal: one line a second and a last one) on stderr, the summary on stdout
+    assert f"put -r src: 5/5 files, {sum(sizes.values()) / MiB:.1f} MiB / " in err, err
+    assert "5 of 5 files" in out and "2 symlinks" in out and "MB/s" in out
+    # ls -l shows each file's layout; the listing has no temporary names left
+    rc, out, _ = cli(meta, "ls", "-l", "/t1/a/b/c")
+    assert rc == 0 and "LAYOUT" in out
+    lines = {ln.split()[-1]: ln for ln in out.splitlines()[1:]}
+    assert set(lines) == {"big.bin", "four.bin"} and all("ec:4+2" in ln for ln in lines.values())
+    rc, out, _ = cli(meta, "ls", "-l", "/t1", "--json")
+    by_name = {e["path"].rsplit("/", 1)[-1]: e for e in json.loads(out)}
+    assert by_name["top.txt"]["redundancy"] == "ec:4+2" and by_name["top.txt"]["chunk_size"] == 4 * MiB
+    assert by_name["top.txt"]["mode"] == "0o100755" and by_name["dangling"]["type"] == "symlink"
+    assert by_name["a"]["redundancy"] == ""
+    # into an existing directory: the tree lands under its own name (cp -r)
+    small = tmp_path / "small"
+    small_sizes = _tree(small, big=10)
+    assert cli(meta, "mkdir", "/t2")[0] == 0
+    rc, out, err = cli(meta, "put", "-r", "-q", str(small), "/t2", "--json")
+    assert rc == 0 and err == "", err
+    r = json.loads(out)
+    assert r["dst"] == "/t2/small" and r["files"] == 5 and r["bytes"] == sum(small_sizes.values())
+    assert r["errors"] == [] and r["dirs"] == 5 and r["symlinks"] == 2
+    back = tmp_path / "back"
+    rc, out, err = cli(meta, "get", "-r", "/t1", str(back))
+    assert rc == 0, err
+    assert "get -r t1: 5/5 files" in err and "5 of 5 files" in out
+    _compare(src, back)
+    assert os.stat(back / "a/b/c/big.bin").st_mtime == 1_600_000_000
+    # into the now existing directory: back/small
+    rc, _, err = cli(meta, "get", "-r", "-q", "/t2/small", str(back))
+    assert rc == 0 and err == "", err
+    _compare(small, back / "small")
+
+
+@pytest.mark.timeout(60)
+def test_ls_l_shows_replica_layout(meta: str, tmp_path: Path) -> None:
+    (tmp_path / "r").write_bytes(os.urandom(300_000))
+    assert cli(meta, "mkdir", "/rep")[0] == 0
+    assert cli(meta, "set-layout", "/rep", "--redundancy", "replica:3", "--chunk-size", "1MiB")[0] == 0
+    assert cli(meta, "put", str(tmp_path / "r"), "/rep/r")[0] == 0
+    rc, out, _ = cli(meta, "ls", "-l", "/rep")
+    assert rc == 0 and "replica:3" in out.splitlines()[1]
+    rc, out, _ = cli(meta, "du", "-s", "/rep", "--json")
+    assert rc == 0 and json.loads(out)["total"] == {"bytes": 300_000, "stored": 900_000, "files": 1, "dirs": 0,
+                                                    "unknown": 0}
+
+
+@pytest.mark.timeout(60)
+def test_tree_copy_errors_are_reported_and_the_rest_copied(meta: str, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    _tree(src, big=1000)
+    # destination is an existing file: refused, nothing made
+    (tmp_path / "f").write_bytes(b"x")
+    assert cli(meta, "put", str(tmp_path / "f"), "/efile")[0] == 0
+    rc, out, err = cli(meta, "put", "-r", str(src), "/efile", "--json")
+    assert rc == 1 and "exists and is not a directory" in err
+    assert json.loads(out)["error"]["code"] == "ERROR_CODE_NOT_A_DIRECTORY"
+    # a remote directory where a file should go: that file fails, the others are copied
+    assert cli(meta, "mkdir", "-p", "/e1/src/a/b/mid.bin")[0] == 0
+    rc, out, err = cli(meta, "put", "-r", str(src), "/e1", "-q")  # /e1 exists: into /e1/src
+    assert rc == 1
+    assert "a/b/mid.bin" in err and "1 FAILED" in out and "4 of 5 files" in out, (out, err)
+    assert cli(meta, "stat", "/e1/src/a/b/c/big.bin")[0] == 0
+    # locally: a directory where a file should go, and (not as root) a directory we may not write
+    dst = tmp_path / "dst"
+    (dst / "a" / "b" / "c" / "big.bin").mkdir(parents=True)
+    if os.geteuid() != 0:
+        os.chmod(dst / "a" / "b", 0o555)  # mkdir of b/mid.bin fails; b/c is there already
+    try:
+        rc, out, err = cli(meta, "get", "-r", "/e1/src/a", str(dst), "--json")
+    finally:
+        os.chmod(dst / "a" / "b", 0o755)
+    assert rc == 1, err
+    r = json.loads(out)
+    failed = {e["path"]: e["error"] for e in r["errors"]}  # named by their source, as put -r does
+    assert str(dst / "a/b/c/big.bin") in failed["/e1/src/a/b/c/big.bin"]
+    assert r["files"] == 2 and r["files_total"] == 3  # empty, four.bin
+    assert (dst / "a/b/c/four.bin").read_bytes() == (src / "a/b/c/four.bin").read_bytes()
+    assert (dst / "a/empty").exists()
+    assert "get -r: /e1/src/a/b/c/big.bin: cannot write local file" in err
+    if os.geteuid() != 0:
+        assert str(dst / "a/b/mid.bin") in failed and "Permission denied" in err, err
+    rc, out, err = cli(meta, "get", "-r", "/nothing-here", str(dst / "x"))
+    assert rc == 1 and "no such file" in err and not (dst / "x").exists()
+    # a local source that does not exist
+    rc, _, err = cli(meta, "put", "-r", str(tmp_path / "missing"), "/e2")
+    assert rc == 1 and "cannot read local directory" in err
+
+
+@pytest.mark.timeout(60)
+def test_du_sums_sizes_and_df_adds_up(meta: str, tmp_path: Path) -> None:
+    src = tmp_path / "du"
+    sizes = _tree(src)
+    assert cli(meta, "put", "-r", "-q", str(src), "/du")[0] == 0
+    rc, out, err = cli(meta, "du", "/du", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    by_path = {x["path"]: x for x in r["rows"]}
+    assert set(by_path) == {"/du", "/du/a", "/du/a/b", "/du/a/b/c", "/du/empty-dir"}
+    assert r["rows"][-1]["path"] == "/du"  # post-order, as du(1)
+    assert by_path["/du"]["bytes"] == sum(sizes.values()) == r["total"]["bytes"]
+    assert by_path["/du/a/b/c"]["bytes"] == sizes["a/b/c/big.bin"] + sizes["a/b/c/four.bin"]
+    # ec:4+2 with 4 MiB chunks: data once, plus 2 parity fragments of 1 MiB per full chunk
+    assert stored_bytes(4 * MiB, "ec:4+2", 4 * MiB) == 6 * MiB
+    assert stored_bytes(6, "ec:4+2", 4 * MiB) == 6 + 2 * 6
+    assert by_path["/du/a/b/c"]["stored"] == (4 * MiB + 2 * MiB) + (5 * MiB + 4321 + 2 * 2 * MiB)
+    assert by_path["/du"]["stored"] == sum(stored_bytes(s, "ec:4+2", 4 * MiB) or 0 for s in sizes.values())
+    rc, out, _ = cli(meta, "du", "-s", "-h", "/du", "/du/a/b/c")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["SIZE", "STORED", "FILES", "PATH"] and lines[1].endswith("/du")
+    assert lines[2].split()[:4] == ["9.0", "MiB", "15.0", "MiB"] and lines[-1].endswith("total")
+    rc, _, err = cli(meta, "du", "/du/nope")
+    assert rc == 1 and "no such file" in err
+
+    rc, out, err = cli(meta, "df", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert len(d["targets"]) == 6 == d["total"]["targets"] and len(d["nodes"]) == 6
+    for t in d["targets"]:
+        assert t["state"] == "online" and t["capacity"] > 0 and t["free"] == t["capacity"] - t["used"]
+        assert t["node_state"] == "online" and t["hostname"]
+    for f in ("capacity", "used", "free"):
+        assert d["total"][f] == sum(t[f] for t in d["targets"]) == sum(n[f] for n in d["nodes"])
+    assert d["file_groups"]["groups"] >= 1 and "6" in d["file_groups"]["by_width"]
+    pool = next(p for p in d["kv_pools"] if p["name"] == "default")
+    assert pool["targets"] == 6 and pool["memory_budget"] == 6 * 256 * MiB and pool["disk_budget"] == 6 << 30
+    rc, out, _ = cli(meta, "df", "-h")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["TARGET", "NODE", "HOST"] and "USE%" in lines[0]
+    assert sum(1 for ln in lines if ln.split() and ln.split()[0].isdigit()) == 6
+    assert any(ln.startswith("total") and "6 targets" in ln and "iB " in ln for ln in lines)
+    assert any(ln.startswith("default") for ln in lines) and "placement groups" in out
+    rc, out, _ = cli(meta, "df", "--help")
+    assert rc == 0
