@@ -2,10 +2,10 @@
 all follow (one rule, one place).
 
 A node's rack is its label (storage config ``rack``, ``tierfs node label``);
-an unlabelled node is its own failure domain, ``node-<id>``. A group of
-``width`` members may put at most :func:`per_rack` of them in one rack:
-one when the eligible targets span at least ``width`` racks, otherwise as
-evenly as the racks allow (``ceil(width / racks)``).
+an unlabelled node is its own failure domain, ``node-<id>`` (the same name
+:func:`tierfs.meta.placement.rack_of` gives it). How many members of one
+group may share a rack is :func:`tierfs.meta.placement.domain_cap`, the one
+place that rule is computed; this module only counts and words it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-__all__ = ["domain", "domain_line", "per_rack", "rack_counts", "violates"]
+__all__ = ["domain", "domain_line", "rack_counts"]
 
 
 def domain(node: int, label: str) -> str:
@@ -21,30 +21,16 @@ def domain(node: int, label: str) -> str:
     return label or f"node-{node}"
 
 
-def per_rack(width: int, racks: int) -> int:
-    """Most members of one group of ``width`` allowed in one rack, with
-    ``racks`` failure domains holding eligible targets."""
-    if racks <= 0 or width <= 0:
-        return max(width, 1)
-    return 1 if racks >= width else -(-width // racks)
-
-
 def rack_counts(members: Iterable[int], target_rack: Mapping[int, str]) -> Counter[str]:
     return Counter(target_rack[m] for m in members if m in target_rack)
 
 
-def violates(members: Iterable[int], target_rack: Mapping[int, str], racks: int) -> bool:
-    """Whether a group breaks the rule (more members in one rack than allowed)."""
-    ms = list(members)
-    counts = rack_counts(ms, target_rack)
-    return bool(counts) and max(counts.values()) > per_rack(len(ms), racks)
-
-
-def domain_line(labelled: bool, racks: int, nodes: int, width: int) -> str:
-    """The ``tierfs status`` sentence about failure domains."""
+def domain_line(labelled: bool, racks: int, nodes: int, width: int, cap: int) -> str:
+    """The ``tierfs status`` sentence about failure domains (``cap``:
+    :func:`tierfs.meta.placement.domain_cap` for ``width``)."""
     if not labelled:
         return f"failure domain: node (no rack labels; {nodes} nodes)"
     if racks >= width:
         return f"failure domain: rack ({racks} racks)"
     return (f"failure domain: node (only {racks} racks for width {width}: "
-            f"up to {per_rack(width, racks)} fragments per rack)")
+            f"up to {cap} fragments per rack)")

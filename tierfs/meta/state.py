@@ -28,7 +28,7 @@ import hashlib
 import heapq
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from tierfs.errors import (
 )
 from tierfs.meta import users as users_mod
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
-from tierfs.meta.domains import domain, domain_line, per_rack, rack_counts
+from tierfs.meta.domains import domain, domain_line, rack_counts
 from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.kvpools import (
     DEFAULT_POOL_NAME,
@@ -91,7 +91,7 @@ from tierfs.meta.perms import (
     new_owner,
     not_permitted,
 )
-from tierfs.meta.placement import distinct_nodes
+from tierfs.meta.placement import distinct_nodes, domain_cap
 from tierfs.meta.undo import Tracked, transaction
 from tierfs.meta.users import UserRecord
 from tierfs.proto.v1 import common_pb2
@@ -889,7 +889,20 @@ class MetaStateMachine(Tracked):
         except TierFSError:
             return 0
 
-    def _check_group(self, members: list[int], eligible: dict[int, int], racks: int, what: str) -> None:
+    def _caps(self, eligible: dict[int, int]) -> Callable[[int], int]:
+        """width -> members of one group allowed in one rack now
+        (placement.domain_cap; a width the nodes cannot fill has no rack
+        limit beyond its width)."""
+        racks = self.node_racks()
+        memo: dict[int, int] = {}
+
+        def cap(width: int) -> int:
+            if width not in memo:
+                memo[width] = domain_cap(eligible, width, racks) or width
+            return memo[width]
+        return cap
+
+    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str) -> None:
         if len(set(members)) != len(members):
             raise InvalidArgumentError(f"{what}: members {members} repeat a target")
         for m in members:
@@ -898,9 +911,9 @@ class MetaStateMachine(Tracked):
         if len({eligible[m] for m in members}) != len(members):
             raise InvalidArgumentError(f"{what}: two members of {members} share a node")
         counts = rack_counts(members, self.target_domains())
-        if counts and max(counts.values()) > per_rack(len(members), racks):
-            raise InvalidArgumentError(f"{what}: {members} puts more than {per_rack(len(members), racks)} "
-                                       f"member(s) in one rack ({racks} racks)")
+        if counts and max(counts.values()) > cap:
+            raise InvalidArgumentError(f"{what}: {members} puts more than {cap} member(s) in one rack "
+                                       f"({self.eligible_domains()} racks)")
 
     def _op_add_groups(self, op: pb.MetaOp, r: pb.AddGroupsRequest) -> Message:
         """Groups the leader computed at ``map_version``: checked (members
@@ -911,7 +924,7 @@ class MetaStateMachine(Tracked):
                                     f"{self.map_version}")
         w = r.width
         eligible = self._eligible()
-        racks = self.eligible_domains()
+        cap = self._caps(eligible)(w)
         have = sum(len(g) == w for g in self.groups.values())
         if have + len(r.groups) > max(len(eligible), 1):
             raise InvalidArgumentError(f"add_groups: {have} groups of width {w} exist; {len(r.groups)} more exceed "
@@ -921,7 +934,7 @@ class MetaStateMachine(Tracked):
             members = list(g.target_ids)
             if len(members) != w:
                 raise InvalidArgumentError(f"add_groups: group {i} has {len(members)} members, not {w}")
-            self._check_group(members, eligible, racks, f"add_groups: group {i}")
+            self._check_group(members, eligible, cap, f"add_groups: group {i}")
             new.append(members)
         self._commit_width(w, new)
         return pb.Empty()
@@ -943,7 +956,7 @@ class MetaStateMachine(Tracked):
         serves that position's reads until FinishRebuild. The others are
         skipped (the leader plans again)."""
         eligible = self._eligible()
-        racks = self.eligible_domains()
+        cap = self._caps(eligible)
         doms = self.target_domains()
         reply = pb.RebalanceMovesReply()
         seen: set[int] = set()
@@ -956,7 +969,7 @@ class MetaStateMachine(Tracked):
                 assert members is not None
                 others = [m for j, m in enumerate(members) if j != mv.position]
                 ok = (eligible[mv.new_target] not in {self.targets[m].node for m in others}
-                      and rack_counts(others, doms)[doms[mv.new_target]] < per_rack(len(members), racks))
+                      and rack_counts(others, doms)[doms[mv.new_target]] < cap(len(members)))
             if not ok:
                 reply.skipped.append(mv.group_id)
                 continue
@@ -982,12 +995,13 @@ class MetaStateMachine(Tracked):
         return out
 
     def rule_violations(self) -> int:
-        racks = self.eligible_domains()
+        """Groups with more members in one rack than the rule allows."""
+        cap = self._caps(self._eligible())
         doms = self.target_domains()
         bad = 0
         for g in self.groups.values():
             counts = rack_counts(g, doms)
-            if counts and max(counts.values()) > per_rack(len(g), racks):
+            if counts and max(counts.values()) > cap(len(g)):
                 bad += 1
         return bad
 
@@ -996,7 +1010,7 @@ class MetaStateMachine(Tracked):
         eligible = self._eligible()
         width = max((len(g) for g in self.groups.values()), default=max(self.widths, default=0))
         return domain_line(any(n.rack for n in self.nodes.values()), self.eligible_domains(),
-                           len(set(eligible.values())), width)
+                           len(set(eligible.values())), width, self._caps(eligible)(width) if width else 0)
 
     def _commit_width(self, width: int, new: list[list[int]]) -> None:
         self.widths.add(width)
@@ -1288,7 +1302,7 @@ class MetaStateMachine(Tracked):
         Returns the groups left unchanged for want of a candidate."""
         eligible = self._eligible()
         doms = self.target_domains()
-        racks = self.eligible_domains()
+        cap = self._caps(eligible)
         usage: dict[int, int] = {}
         for members in self.groups.values():
             for m in members:
@@ -1300,7 +1314,7 @@ class MetaStateMachine(Tracked):
                 members = self.groups[gid]
                 if tid not in members:
                     continue
-                limit = per_rack(len(members), racks)
+                limit = cap(len(members))
                 used_nodes = {self.targets[m].node for m in members if m != tid}
                 cands = [c for c in sorted(eligible) if eligible[c] not in used_nodes and c not in members]
                 if not cands:
