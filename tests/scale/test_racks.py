@@ -122,8 +122,8 @@ async def label_moves(cl: Any, label: Callable[[int, str], None], timeout: float
             by_rack.setdefault(n.rack, []).append(n.node_id)
         # A seventh rack (one node of the big one), then r1's node joins
         # r2: still 6 racks, and every group holding both nodes breaks the rule.
-        label(by_rack["big"][0], "r6")
-        label(by_rack["r1"][0], "r2")
+        await asyncio.to_thread(label, by_rack["big"][0], "r6")
+        await asyncio.to_thread(label, by_rack["r1"][0], "r2")
         cmap = await mc.get_cluster_map()
         assert any(c["r2"] == 2 for c in rack_members(cmap).values())
         end = time.monotonic() + timeout
