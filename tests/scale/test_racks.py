@@ -34,7 +34,7 @@ RACKS = ["big", "big", "big", "r1", "r2", "r3", "r4", "r5"]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cl = LocalCluster(tmp_path_factory.mktemp("racks") / "c", n_meta=1, n_storage=len(RACKS), racks=RACKS,
-                      extra_meta_args=[*META_FAST, "--rebalance-interval=0.5"], gc_grace=0.5,
+                      extra_meta_args=[*META_FAST, "--rebalance=true", "--rebalance-interval=0.5"], gc_grace=0.5,
                       extra_storage_args=list(STORAGE_FAST))
     cl.up(timeout=120)
     try:

@@ -28,7 +28,7 @@ from tierfs.proto.v1 import meta_pb2 as pb
 
 KiB = 1024
 CHUNK = 128 * KiB
-REBALANCE = ("--rebalance-interval=0.5", "--rebalance-max-moving=4")
+REBALANCE = ("--rebalance=true", "--rebalance-interval=0.5", "--rebalance-max-moving=4")
 
 
 @pytest.fixture
