@@ -71,3 +71,36 @@ def test_commit_with_an_older_map_marks_moved_positions_missing() -> None:
                                                       chunks=recs(s.data_version, [0]),
                                                       map_version=d.sm.map_version), pb.FileInfo)
     assert not info.chunks[0].missing
+
+
+@pytest.mark.timeout(60)
+def test_service_tops_up_groups_labels_and_reports() -> None:
+    """Over a real gRPC service: a registration returns with its groups
+    (planned by the servicer, committed by add_groups), a SetLayout of a new
+    width can be written at once, LabelNode and GetRebalanceStatus work."""
+    import asyncio
+
+    from tests.meta.meta_helpers import meta_server
+
+    async def main() -> None:
+        async with meta_server() as (mc, svc, _):
+            await svc.start()
+            for i in range(6):
+                rep = await mc.register_node(f"n{i}", f"h{i}", f"127.0.0.1:{9000 + i}", [("/t", 1 << 30)],
+                                             rack=f"r{i % 3}")
+            cmap = await mc.get_cluster_map()
+            assert rep.node_id == 6 and len(cmap.groups) == 6 and {n.rack for n in cmap.nodes} == {"r0", "r1", "r2"}
+            # 3 racks for width 6: up to 2 members per rack
+            st = await mc.rebalance_status()
+            assert st.failure_domain == "failure domain: node (only 3 racks for width 6: up to 2 fragments per rack)"
+            assert st.rule_violations == 0 and st.targets == 6
+            await mc.mkdir("/r")
+            await mc.set_layout("/r", pb.Layout(kind=pb.REDUNDANCY_KIND_REPLICA, data_shards=1, parity_shards=2))
+            assert any(g.width == 3 for g in (await mc.get_cluster_map()).groups)
+            await mc.create("/r/f")  # no InsufficientTargets: the width has groups already
+            await mc.label_node(1, "r9")
+            assert next(n for n in (await mc.get_cluster_map()).nodes if n.node_id == 1).rack == "r9"
+            st = await mc.rebalance_status()
+            assert st.racks == 4 and st.rule_violations == 0, st
+
+    asyncio.run(main())
