@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import rebalance
 
     rebalance.add_commands(cmd)
+    from tierfs.cli import placement
+
+    placement.add_commands(cmd)
     return ap
 
 
@@ -390,6 +393,15 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         from tierfs.cli import rebalance
 
         code = rebalance.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
+    if c == "placement":
+        from tierfs.cli import placement
+
+        try:
+            code = placement.execute(ns, emit, err)
+        except placement.SimulateError as exc:
+            raise _UsageError(f"tierfs placement simulate: {exc}") from None
         if code is not None:
             return code
     if c in ("target", "node", "scrub"):

@@ -15,7 +15,10 @@ then that node's least-used target). Ties between equal demands are broken by
 a draw from a fixed 64-bit LCG taken each time a candidate is put back, so that
 equal racks come out in a fresh pseudo-random order every round: groups mix
 all racks and a failed target's groups have many distinct peers (rebuild
-fan-out) instead of repeating a few fixed blocks. Racks, nodes and targets sit
+fan-out) instead of repeating a few fixed blocks. Among a rack's nodes tied at
+the top demand, the one least often grouped with the members already chosen
+wins (pair affinity, counted per target x node), so no peer of a failed node
+serves many of its groups. Racks, nodes and targets sit
 in heaps keyed by demand, so a group costs ``O(width log racks)``, not a scan.
 Each target then takes its turn at every position (fragments ``0..K-1`` are
 the ones read without decoding).
@@ -183,26 +186,64 @@ def plan_groups(targets: Mapping[int, int], existing: list[list[int]], width: in
     for th in tg_heaps.values():
         heapq.heapify(th)
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    spread = all(x == 1 for x in lim)  # one member per rack: no rack is revisited within a group
+    spread = all(x == 1 for x in lim)
+    # How often each target shared a group with each node (saturating bytes:
+    # targets x nodes, 10 MB for 10,000 x 1,000).
+    nix = {n: i for i, n in enumerate(sorted(node_tg))}
+    co = {t: bytearray(len(nix)) for t in tids} if spread else {}
+    for grp in existing if spread else []:
+        gn = [nix[targets[t]] for t in grp if t in targets]
+        for t in grp:
+            if t in co:
+                row = co[t]
+                for x in gn:
+                    row[x] = min(row[x] + 1, 255)  # one member per rack: no rack is revisited within a group
     out: list[list[int]] = []
     for _ in range(want):
         chosen: list[int] = []
         if spread:
             picked = [pop(rack_heap)[2] for _ in range(width)]
+            seen: list[bytearray] = []
             for r in picked:
                 nh = node_heaps[r]
-                n = nh[0][2]
+                top = pop(nh)
+                if seen and nh:
+                    # Pair affinity: of the rack's nodes tied at the top
+                    # demand, the one least often grouped with the members
+                    # chosen so far, so that a failed target's groups read
+                    # from many distinct peers (and no peer serves many).
+                    win, score = top, sum(row[nix[top[2]]] for row in seen)
+                    alts: list[tuple[int, int, int]] = []
+                    while score and nh and len(alts) < 3 and nh[0][0] == top[0]:
+                        ent = pop(nh)
+                        alts.append(ent)
+                        sc = sum(row[nix[ent[2]]] for row in seen)
+                        if sc < score:
+                            win, score = ent, sc
+                    for ent in alts if win is top else [top, *alts]:
+                        if ent is not win:
+                            push(nh, ent)
+                    n = win[2]
+                else:
+                    n = top[2]
                 th = tg_heaps[n]
                 u, t = th[0]
                 replace(th, (u + 1, t))
                 nd[n] -= ntg
                 rd[r] -= ntg
                 seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
-                replace(nh, (-nd[n], seed, n))
+                push(nh, (-nd[n], seed, n))
                 chosen.append(t)
+                seen.append(co[t])
             for r in picked:
                 seed = (seed * 6364136223846793005 + 1442695040888963407) & _M64
                 push(rack_heap, (-rd[r], seed, r))
+            cn = [nix[targets[t]] for t in chosen]
+            for row in seen:
+                for x in cn:
+                    v = row[x]
+                    if v < 255:
+                        row[x] = v + 1
         else:
             held_racks: list[int] = []
             held_nodes: list[int] = []
@@ -471,36 +512,69 @@ def plan_rebalance(targets: Mapping[int, int], groups: Mapping[int, list[int]],
     total = sum(loads.load.values())
     lo = int(total * (1.0 - tolerance) / n_el)
     hi = int(total * (1.0 + tolerance) / n_el)
+    by_rack: dict[int, list[int]] = {}
+    for t in loads.load:
+        by_rack.setdefault(gs.rack[t], []).append(t)
+
+    def fit(s: int, d: int) -> tuple[int, int] | None:
+        """The (group, position) of ``s`` that ``d`` may take whose bytes best
+        fit what the pair needs (None: none evens the pair out)."""
+        ls, ld = loads.load[s], loads.load[d]
+        if ls <= ld:
+            return None
+        need = max(lo - ld, ls - hi, 1)
+        pick: tuple[int, int, int] | None = None
+        for g, j in member_of[s]:
+            if moved.get(g):
+                continue
+            b = group_bytes.get(g, 0)
+            if b >= ls - ld:  # would not even the pair out (and could loop)
+                continue
+            f = abs(b - need)
+            if (pick is None or f < pick[0]) and gs.can_take(g, j, d):
+                pick = (f, g, j)
+                if f == 0:
+                    break
+        return None if pick is None else (pick[1], pick[2])
+
     while not full():
         srcs = loads.highest(8)
         dsts = loads.lowest(8)
         if loads.load[srcs[0]] <= hi and loads.load[dsts[0]] >= lo:
             break
         best: tuple[int, int, int, int] | None = None
-        for s in srcs:
-            ls = loads.load[s]
-            for d in dsts:
-                ld = loads.load[d]
-                if ld >= lo and ls <= hi:
-                    continue
-                need = max(lo - ld, ls - hi, 1)
-                pick: tuple[int, int, int] | None = None
-                for g, j in member_of[s]:
-                    if moved.get(g):
+        # The most loaded sources and least loaded destinations first; when
+        # the rule rules those pairs out (a new node in a rack every group
+        # already uses), widen the search on the side that is out of band.
+        stage = 0
+        while best is None:
+            for s in srcs:
+                for d in dsts:
+                    if loads.load[d] >= lo and loads.load[s] <= hi:
                         continue
-                    b = group_bytes.get(g, 0)
-                    if b >= ls - ld:  # would not even the pair out (and could loop)
-                        continue
-                    fit = abs(b - need)
-                    if (pick is None or fit < pick[0]) and gs.can_take(g, j, d):
-                        pick = (fit, g, j)
-                        if fit == 0:
-                            break
-                if pick is not None:
-                    best = (s, d, pick[1], pick[2])
+                    got = fit(s, d)
+                    if got is not None:
+                        best = (s, d, got[0], got[1])
+                        break
+                if best is not None:
                     break
-            if best is not None:
+            if best is not None or stage == 3:
                 break
+            # The rule ruled those pairs out (say a new node in a rack that
+            # every group already uses: only its rack-mates' positions fit).
+            # Widen the search on the side that is out of band: rack-mates
+            # first, then more of the cluster, then all of it.
+            stage += 1
+            if loads.load[dsts[0]] < lo:
+                d = dsts[0]
+                srcs = (sorted(by_rack[gs.rack[d]], key=lambda t: (-loads.load[t], t))[:64] if stage == 1
+                        else loads.highest(256 if stage == 2 else n_el))
+                dsts = [d]
+            else:
+                s = srcs[0]
+                dsts = (sorted(by_rack[gs.rack[s]], key=lambda t: (loads.load[t], t))[:64] if stage == 1
+                        else loads.lowest(256 if stage == 2 else n_el))
+                srcs = [s]
         if best is None:
             break
         s, d, g, j = best
