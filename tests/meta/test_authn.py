@@ -132,7 +132,7 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
                 ("dave", 4001, 4002, [4003, 4004], False, "user")
             refused = {
                 "DrainNode": user.drain_node(1), "RemoveNode": user.remove_node(1),
-                "RemoveTarget": user.remove_target(1),
+                "RemoveTarget": user.remove_target(1), "LabelNode": user.label_node(1, "r"),
                 "CreateKVPool": user.create_kv_pool("mine", target_memory=1 << 20),
                 "RemoveKVPool": user.remove_kv_pool("keep"), "AddUser": user.add_user("eve", 5, 5),
                 "ListUsers": user.list_users(), "RemoveUser": user.remove_user("dave"),
