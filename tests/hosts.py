@@ -278,7 +278,7 @@ class HostCluster:
                 cases.append(f'  *" {key} "*) exec ip netns exec {h.ns} {sys.executable} "$@" ;;\n')
         tmp = self._wrapper.with_suffix(".tmp")
         tmp.write_text("#!/bin/sh\n" 'case " $* " in\n' + "".join(cases)
-                       + f'  *) echo "no host for: $*" >&2; exit 97 ;;\nesac\n')
+                       + '  *) echo "no host for: $*" >&2; exit 97 ;;\nesac\n')
         tmp.chmod(0o755)
         os.replace(tmp, self._wrapper)
 
@@ -344,7 +344,7 @@ class HostCluster:
                 if lead and lead not in exclude:
                     return lead
                 last = lead
-            except Exception as exc:  # noqa: BLE001 - any failure is "not yet"; the last one is reported
+            except Exception as exc:  # any failure is "not yet"; the last one is reported
                 last = exc
             time.sleep(0.2)
         raise AssertionError(f"no meta leader outside {list(exclude)} after {timeout:.0f}s (last: {last!r})")
@@ -440,7 +440,7 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
             if v:
                 return v
             last = v
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline; reported then
+        except Exception as exc:  # retried until the deadline; reported then
             last = exc
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not after {timeout:.0f}s (last: {last!r})")

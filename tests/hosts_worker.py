@@ -5,6 +5,7 @@ client gets them). Prints one JSON object on its last stdout line.
 
     write  --dir D --files N --size S --seed X   write N files, read each back
     verify --manifest FILE                       read every file of a manifest
+    netns                                        which network namespace this runs in
     loop   --dir D --size S --stop FILE --max-seconds T
            write then read back file after file until FILE exists (or T);
            one JSON line per operation (kept in the answer too)
@@ -48,7 +49,7 @@ def _write(args: argparse.Namespace) -> dict[str, Any]:
             if got != data:
                 raise SystemExit(f"{path}: read back {len(got)} bytes that differ from the {len(data)} written")
             files[path] = hashlib.sha256(data).hexdigest()
-    return {"files": files, "host": os.uname().nodename}
+    return {"files": files}
 
 
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,9 +91,13 @@ def _loop(args: argparse.Namespace) -> dict[str, Any]:
     return {"files": files, "ops": ops}
 
 
+def _netns(args: argparse.Namespace) -> dict[str, Any]:
+    return {"netns": os.readlink("/proc/self/ns/net")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hosts_worker")
-    p.add_argument("cmd", choices=["write", "verify", "loop"])
+    p.add_argument("cmd", choices=["write", "verify", "loop", "netns"])
     p.add_argument("--dir", default="/hosts")
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--size", type=int, default=1 << 20)
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=2.0)
     p.add_argument("--lease-ms", type=int, default=6000)
     args = p.parse_args(argv)
-    out = {"write": _write, "verify": _verify, "loop": _loop}[args.cmd](args)
+    out = {"write": _write, "verify": _verify, "loop": _loop, "netns": _netns}[args.cmd](args)
+    out["netns"] = os.readlink("/proc/self/ns/net")  # where it ran: the test checks it is not its own
     print(json.dumps(out), flush=True)
     return 0
 
