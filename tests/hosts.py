@@ -69,10 +69,14 @@ from tests.faults.harness import FAST_GC_GRACE, FAST_META
 from tierfs.client import Client
 from tierfs.local import LocalCluster, ProcInfo, pid_alive
 
-__all__ = ["Host", "HostCluster", "hosts_unavailable", "rack_label_supported"]
+__all__ = ["DEPLOY_RACKS", "Host", "HostCluster", "hosts_unavailable", "rack_label_supported", "wait_until"]
 
 REPO = Path(__file__).resolve().parent.parent
+#: The deployment's ports (deploy/docker-compose.yml, deploy/k8s/): each host has its own port space.
 META_GRPC, META_RAFT, STORAGE_PORT = 7000, 7100, 7200
+#: The racks of the deployed topology (compose: 6 storage nodes, one rack each;
+#: tests/cli/test_deploy_topology.py keeps deploy/ in step with this).
+DEPLOY_RACKS = tuple(f"rack-{i}" for i in range(6))
 _LOCK = Path("/tmp/tierfs-hosts.lock")
 _counter = itertools.count()
 _live: weakref.WeakSet[HostCluster] = weakref.WeakSet()
