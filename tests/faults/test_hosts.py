@@ -5,8 +5,8 @@ client programs on a client host of their own, as deployed.
 One cluster for the module: 3 meta hosts, 9 storage hosts in 6 racks
 (``--rack r0`` .. ``r5``; r0..r2 hold two hosts each), one client host. In order:
 
-* a client in its own namespace writes and reads real files, and they read
-  back the same from the test's namespace;
+* a client in its own namespace writes and reads back real files, and they
+  read back the same from the test's namespace;
 * a storage host is partitioned while a client on the client host writes
   and reads file after file: every acknowledged file reads back exactly
   while it is cut off (decoded around it), meta marks it offline, new files
@@ -89,15 +89,12 @@ def _verify_manifest(hc: HostCluster, files: dict[str, str]) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_client_in_its_own_namespace_writes_and_reads(hc: HostCluster, tmp_path: Path) -> None:
+def test_client_in_its_own_namespace_writes_and_reads(hc: HostCluster) -> None:
     out = hc.run_client("client-0", "write", "--dir", "/c", "--files", "3", "--size", str(2 * MiB + 7))
     assert len(out["files"]) == 3
     # It really ran elsewhere: another network namespace than this process's.
     assert out["netns"] != os.readlink("/proc/self/ns/net")
     _verify_manifest(hc, out["files"])  # from the test's namespace, through the bridge
-    (tmp_path / "m.json").write_text(json.dumps(out))
-    back = hc.run_client("client-0", "verify", "--manifest", str(tmp_path / "m.json"))
-    assert (back["checked"], back["bad"]) == (3, {})
 
 
 @pytest.mark.timeout(120)
@@ -109,20 +106,20 @@ def test_storage_host_partitioned_mid_write_then_heal(hc: HostCluster, tmp_path:
     with hc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
         client.mkdir("/p")
         client.set_layout("/p", chunk_size=MiB)
-        for i in range(3):
-            assert ledger.write(client, f"/p/f{i}", random_bytes(6 * MiB + i, seed=600 + i)), ledger.errors
+        for i in range(2):
+            assert ledger.write(client, f"/p/f{i}", random_bytes(4 * MiB + i, seed=600 + i)), ledger.errors
         loop = hc.start_client("client-0", "loop", "--dir", "/pl", "--size", str(3 * MiB // 2), "--seed", "40",
                                "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "1.0", out=out)
         try:
             wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
             before = len(fragment_files(hc.cl, victim))
             degraded0 = client.aclient.degraded_writes
-            big = random_bytes(14 * MiB + 3, seed=601)
+            big = random_bytes(10 * MiB + 3, seed=601)
             with client.open("/p/big", "wb") as f:
-                f.write(big[: 3 * MiB])
+                f.write(big[: 2 * MiB])
                 hc.partition(victim)  # mid-write: the file's groups were chosen with the victim online
                 cut = time.time()
-                f.write(big[3 * MiB:])
+                f.write(big[2 * MiB:])
             ledger.acked["/p/big"] = big
             # The file stripes over many groups, most with a member on the
             # victim: chunks written after the cut commit without it.
@@ -134,7 +131,7 @@ def test_storage_host_partitioned_mid_write_then_heal(hc: HostCluster, tmp_path:
             offline_after = wait_addr_state(hc.meta_addrs, addr, "offline", 30)
             assert ledger.write(client, "/p/during", random_bytes(2 * MiB, seed=10)), ledger.errors
             wait_until(lambda: _acked_since(out, cut) >= 2, 45, "client host's writes while a storage host is cut off")
-            print(f"\nstorage host partitioned mid-write: verify 32 MiB took {first:.2f}s; offline after {offline_after:.1f}s "
+            print(f"\nstorage host partitioned mid-write: verify 20 MiB took {first:.2f}s; offline after {offline_after:.1f}s "
                   f"more; the client host kept writing")
             assert first < 30
 
