@@ -150,6 +150,7 @@ class LocalCluster:
         extra_storage_args: Sequence[str] = (),
         gc_grace: float | None = None,
         tls: bool = False,
+        racks: Sequence[str] = (),
     ) -> None:
         """``gc_grace``: seconds before meta lists replaced fragments for
         deletion (``tierfs-meta --gc-grace``; None: the daemon's default,
@@ -159,7 +160,10 @@ class LocalCluster:
         ``tls``: make a local CA and certificates under DIR/tls/ and run
         every daemon with TLS and client certificates required (mutual TLS;
         docs/security-tls.md). A directory that has DIR/tls/ca.pem stays a
-        TLS cluster whatever is passed here."""
+        TLS cluster whatever is passed here.
+
+        ``racks``: the rack label of each storage daemon of a new plan, in
+        order (``--rack``; missing or "" = unlabelled)."""
         self.dir = Path(data_dir).resolve()
         self.python = python
         self.host = host
@@ -181,7 +185,7 @@ class LocalCluster:
                 raise ConfigError("must be >= 1", field="storage")
             if targets_per_node < 1:
                 raise ConfigError("must be >= 1", field="targets_per_node")
-            self.procs = self._plan(n_meta, n_storage, targets_per_node)
+            self.procs = self._plan(n_meta, n_storage, targets_per_node, racks)
 
     @classmethod
     def open(cls, data_dir: str | os.PathLike[str], **kw: Any) -> LocalCluster:
@@ -272,7 +276,7 @@ class LocalCluster:
                 return p
         raise KeyError(f"no process {name!r} in {self.dir}")
 
-    def _plan(self, n_meta: int, n_storage: int, tpn: int) -> list[ProcInfo]:
+    def _plan(self, n_meta: int, n_storage: int, tpn: int, racks: Sequence[str] = ()) -> list[ProcInfo]:
         ports = free_ports(2 * n_meta + n_storage)
         h = self.host
         raft = [f"{h}:{ports[i]}" for i in range(n_meta)]
@@ -285,17 +289,46 @@ class LocalCluster:
                 f"--grpc-addr={grpc[i]}", f"--data-dir={self.dir / f'meta-{i}'}", *peers,
             ]
             procs.append(ProcInfo(f"meta-{i}", "meta", argv, grpc[i], extra={"raft": raft[i]}))
-        meta_flags = [f"--meta={a}" for a in grpc]
         for i in range(n_storage):
-            port = ports[2 * n_meta + i]
-            node_dir = self.dir / f"storage-{i}"
-            targets = [f"--target={node_dir / f't{j}'}" for j in range(tpn)]
-            argv = [
-                "-m", "tierfs.storage.daemon", f"--data-dir={node_dir}", *targets, *meta_flags,
-                f"--host={h}", f"--port={port}",
-            ]
-            procs.append(ProcInfo(f"storage-{i}", "storage", argv, f"{h}:{port}"))
+            procs.append(self._storage_proc(i, ports[2 * n_meta + i], tpn, grpc, racks[i] if i < len(racks) else ""))
         return procs
+
+    def _storage_proc(self, i: int, port: int, tpn: int, meta: Sequence[str], rack: str) -> ProcInfo:
+        h = self.host
+        node_dir = self.dir / f"storage-{i}"
+        targets = [f"--target={node_dir / f't{j}'}" for j in range(tpn)]
+        argv = [
+            "-m", "tierfs.storage.daemon", f"--data-dir={node_dir}", *targets, *[f"--meta={a}" for a in meta],
+            f"--host={h}", f"--port={port}", *([f"--rack={rack}"] if rack else []),
+        ]
+        return ProcInfo(f"storage-{i}", "storage", argv, f"{h}:{port}")
+
+    def grow(self, n_storage: int, racks: Sequence[str] = ()) -> list[str]:
+        """Plan storage daemons up to ``n_storage`` (``tierfs up --storage
+        N`` on an existing cluster): the new ones get fresh ports, the
+        plan's targets per node and ``racks[i]`` for the i-th new one; the
+        daemons planned already are untouched. Fewer than planned is refused
+        (drain and remove nodes instead). Returns the new names; :meth:`start`
+        (or :meth:`up`) starts them."""
+        have = [p for p in self.procs if p.kind == "storage"]
+        if n_storage < len(have):
+            raise ConfigError(f"the cluster has {len(have)} storage daemons; --storage {n_storage} would remove "
+                              f"some (drain them: `tierfs node drain ID`, then `tierfs node rm ID`)", field="storage")
+        tpn = self.counts["targets_per_node"] or 1
+        first = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in have), default=-1)
+        ports = free_ports(n_storage - len(have))
+        used = {p.addr for p in self.procs}
+        new: list[ProcInfo] = []
+        for k, port in enumerate(ports):
+            p = self._storage_proc(first + k, port, tpn, self.meta_addrs, racks[k] if k < len(racks) else "")
+            if p.addr in used:  # a port of a daemon not running now: planned already
+                raise UnavailableError(f"port {port} is planned for another daemon; try again")
+            new.append(p)
+        self.procs += new
+        if new:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._save_state()
+        return [p.name for p in new]
 
     def _load_state(self) -> list[ProcInfo] | None:
         path = self.dir / STATE_FILE

@@ -20,6 +20,7 @@ from tierfs.meta import (
     MetaStateMachine,
     add_meta_service,
 )
+from tierfs.meta.rebalance import plan_top_up, top_up_input
 from tierfs.proto.v1 import meta_pb2 as pb
 
 R = TypeVar("R", bound=Message)
@@ -37,17 +38,39 @@ class Driver:
         self.log: list[bytes] = []
         #: stamped into every op, as the service stamps its gc_grace
         self.gc_grace_ms = 0
+        #: act as the leader's service does: top up placement groups after
+        #: every op (False: only the ops a test applies)
+        self.leader = True
 
     def advance(self, seconds: float) -> None:
         self.now += int(seconds * SEC)
 
     def raw(self, kind: str, req: Message, *, client: str = "", rid: int = 0, lease_ms: int = 0) -> bytes:
+        if kind == "create" and self.leader:
+            assert isinstance(req, pb.CreateRequest)
+            w = self.sm.create_width(req.loc, req.layout if req.has_layout else None)
+            if w and w not in self.sm.widths:
+                self.top_up(w)
+        out = self._apply(kind, req, client=client, rid=rid, lease_ms=lease_ms)
+        if self.leader and kind not in ("add_groups", "rebalance_moves"):
+            self.top_up()
+        return out
+
+    def _apply(self, kind: str, req: Message, *, client: str = "", rid: int = 0, lease_ms: int = 0) -> bytes:
         op = pb.MetaOp(now_ns=self.now, client_id=client, request_id=rid, lease_ms=lease_ms,
                        gc_grace_ms=self.gc_grace_ms)
         getattr(op, kind).CopyFrom(req)
         data = op.SerializeToString(deterministic=True)
         self.log.append(data)
         return self.sm.apply(data)
+
+    def top_up(self, extra_width: int = 0) -> None:
+        """What the leader's service does after an op (tierfs.meta.rebalance):
+        plan the groups the widths lack and commit them as AddGroups ops."""
+        for req in plan_top_up(top_up_input(self.sm, extra_width)):
+            res = pb.MetaResult.FromString(self._apply("add_groups", req))
+            if res.error.code:
+                break
 
     def do(self, kind: str, req: Message, reply_cls: type[R] = pb.Empty, **kw: Any) -> R:  # type: ignore[assignment]
         res = pb.MetaResult.FromString(self.raw(kind, req, **kw))

@@ -21,15 +21,20 @@ def _state(enum_name: str, prefix: str) -> str:
     return enum_name.removeprefix(prefix).lower()
 
 
-def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_per_node: int = 1,
+def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, targets_per_node: int = 1,
                timeout: float = 90.0, tls: bool = False) -> dict[str, Any]:
     """Start (or reuse) the local cluster in ``data_dir`` and wait until it is
     healthy. A directory that already holds a cluster keeps its plan (ports,
     counts, data); daemons already running are left alone, so a second ``up``
     is a no-op. If start-up fails, the daemons this call started are stopped
     again. ``tls``: every daemon serves mutual TLS with certificates of a
-    local CA under DATA/tls/ (a cluster made with it stays TLS)."""
-    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage, targets_per_node=targets_per_node, tls=tls)
+    local CA under DATA/tls/ (a cluster made with it stays TLS).
+
+    ``n_storage`` (default 6) on a directory that holds a cluster grows it:
+    storage daemons are added up to that many (the running ones are left
+    alone; placement then rebalances onto the new ones)."""
+    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage or 6, targets_per_node=targets_per_node, tls=tls)
+    added = cl.grow(n_storage) if cl.reused and n_storage and n_storage > cl.counts["storage"] else []
     started = cl.up(timeout=timeout)
     meta = ",".join(cl.meta_addrs)
     return {
@@ -37,6 +42,7 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int = 6, targets_pe
         "meta": cl.meta_addrs,
         "started": started,
         "already_running": not started,
+        "added": added,
         "reused": cl.reused,
         "counts": cl.counts,
         "cluster_secret": str(cl.secret_file),  # made on the first up (docs/raft.md)
@@ -108,6 +114,12 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         # findings) that the repair queue has not rebuilt yet.
         repairs = (await mc.list_repairs([], limit=1)).pending
         kv_reply = await mc.list_kv_pools()
+        try:
+            from tierfs.cli.rebalance import status_dict
+
+            rebalance: dict[str, Any] | None = status_dict(await mc.rebalance_status())
+        except TierFSError:
+            rebalance = None  # an older leader, or no leader this moment: status shows the rest
 
     leaders = {r["leader"] for r in replicas if r["state"] == "up" and r["leader"]}
     meta_out = []
@@ -140,7 +152,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         storage_out.append({
             "id": n.node_id, "addr": n.control_addr or n.data_addr, "data_addr": n.data_addr,
             "hostname": n.hostname, "name": names.get(n.data_addr), "state": state, "pid": pid,
-            "draining": n.draining,
+            "draining": n.draining, "rack": n.rack,
             "targets": [targets[t] for t in n.target_ids if t in targets],
         })
     if local:
@@ -186,6 +198,8 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         "repairs_pending": repairs,
         # Definitions and the usage storage nodes last reported (zeros where none).
         "kv_pools": pool_summaries(kv_reply),
+        # The leader's rebalance progress and the failure-domain sentence (docs/rebalance.md).
+        "rebalance": rebalance,
         "capacity": sum(t["capacity"] for t in targets.values()),
         "used": sum(t["used"] for t in targets.values()),
     }

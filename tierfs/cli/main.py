@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("up", "start a local cluster in the background (or reuse a running one)", meta=False)
     p.add_argument("--meta", "--meta-replicas", "-m", dest="n_meta", type=int, default=3, metavar="N",
                    help="meta replicas (odd; default 3)")
-    p.add_argument("--storage", "-s", dest="n_storage", type=int, default=6, metavar="N",
-                   help="storage daemons (default 6: ec:4+2 on distinct nodes)")
+    p.add_argument("--storage", "-s", dest="n_storage", type=int, default=None, metavar="N",
+                   help="storage daemons (default 6: ec:4+2 on distinct nodes); on a running cluster, adds "
+                        "daemons up to N")
     p.add_argument("--targets-per-node", "-t", type=int, default=1, metavar="N", help="targets per daemon")
     p.add_argument("--tls", action="store_true",
                    help="make a local CA under DATA/tls/ and run every daemon with mutual TLS (a cluster made "
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import users
 
     users.add_commands(cmd)
+    from tierfs.cli import rebalance
+
+    rebalance.add_commands(cmd)
     return ap
 
 
@@ -170,6 +174,10 @@ def render_status(st: dict[str, Any]) -> str:
         if rb:
             out.append(f"  group {g['id']}: rebuilding target(s) {rb['targets']}: {rb['done']}/{rb['total']} chunks, "
                        f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else ""))
+    if st.get("rebalance"):
+        from tierfs.cli.rebalance import rebalance_line
+
+        out += [rebalance_line(st["rebalance"]), st["rebalance"]["failure_domain"]]
     if "kv_pools" in st:
         from tierfs.cli.kv import render_pools
 
@@ -280,8 +288,11 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         if not ns.json:
             k = r["counts"]
             shape = f"{k['meta']} meta, {k['storage']} storage x {k['targets_per_node']} target(s)"
-            if r["reused"] and (k["meta"], k["storage"], k["targets_per_node"]) != (
-                    ns.n_meta, ns.n_storage, ns.targets_per_node):
+            if r["added"]:
+                err.write(f"added storage daemons {', '.join(r['added'])}; placement rebalances onto them "
+                          f"(`tierfs rebalance status`)\n")
+            elif r["reused"] and (k["meta"], k["storage"], k["targets_per_node"]) != (
+                    ns.n_meta, ns.n_storage or k["storage"], ns.targets_per_node):
                 err.write(f"note: {r['data_dir']} already holds a cluster ({shape}); it is reused as planned "
                           "(remove the directory for a different shape)\n")
             if r["already_running"]:
@@ -373,6 +384,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         from tierfs.cli import users
 
         code = users.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
+    if c == "rebalance" or (c == "node" and ns.action == "label"):
+        from tierfs.cli import rebalance
+
+        code = rebalance.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
         if code is not None:
             return code
     if c in ("target", "node", "scrub"):

@@ -238,10 +238,12 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p = cmd("target", "storage targets: rm (declare dead, rebuild its fragments elsewhere)")
     p.add_argument("action", choices=["rm"])
     p.add_argument("id", type=int)
-    p = cmd("node", "storage nodes: drain (move all fragments off) or rm (forget a drained node)")
-    p.add_argument("action", choices=["drain", "rm"])
+    p = cmd("node", "storage nodes: drain (move all fragments off), rm (forget a drained node) or label "
+                    "(--rack R: its failure domain)")
+    p.add_argument("action", choices=["drain", "rm", "label"])
     p.add_argument("id", type=int)
     p.add_argument("--wait", action="store_true", help="drain: wait until every fragment has moved")
+    p.add_argument("--rack", default=None, help="label: the node's rack ('' clears it)")
     p = cmd("scrub", "verify every fragment and every chunk on every node now, repair what is bad, delete stale "
                      "fragments and orphans")
     p.add_argument("--rate", type=parse_size_arg, default=0, help="bytes/s per node (default: unthrottled)")

@@ -86,7 +86,7 @@ NODE_RPCS = frozenset({
 NODE_ONLY_RPCS = frozenset({"RegisterNode", "Heartbeat", "AckGC", "MarkFragments", "FinishRebuild"})
 #: Admin operations.
 ADMIN_RPCS = frozenset({
-    "DrainNode", "RemoveNode", "RemoveTarget", "CreateKVPool", "RemoveKVPool", "AddMetaMember",
+    "DrainNode", "RemoveNode", "RemoveTarget", "LabelNode", "CreateKVPool", "RemoveKVPool", "AddMetaMember",
     "RemoveMetaMember", "ForceSnapshot", "AddUser", "ListUsers", "RemoveUser", "IssueToken", "RevokeToken",
 })
 _HOW = ("set TIERFS_TOKEN or TIERFS_TOKEN_FILE, pass --token-file (CLI) or ClientConfig(token=...); "

@@ -332,10 +332,10 @@ class MetaClient:
 
     async def register_node(self, node_uuid: str, hostname: str, data_addr: str,
                             targets: Sequence[tuple[str, int]] | Sequence[pb.TargetSpec],
-                            control_addr: str = "") -> pb.RegisterNodeReply:
+                            control_addr: str = "", rack: str = "") -> pb.RegisterNodeReply:
         specs = [t if isinstance(t, pb.TargetSpec) else pb.TargetSpec(path=t[0], capacity=t[1]) for t in targets]
         req = pb.RegisterNodeRequest(node_uuid=node_uuid, hostname=hostname, data_addr=data_addr,
-                                     control_addr=control_addr, targets=specs)
+                                     control_addr=control_addr, targets=specs, rack=rack)
         return await self._call("RegisterNode", req, pb.RegisterNodeReply, mutating=True)
 
     async def heartbeat(self, node_id: int, targets: Sequence[pb.TargetReport],
@@ -368,6 +368,15 @@ class MetaClient:
     async def drain_node(self, node_id: int) -> pb.ReplaceReply:
         """Move every fragment off a healthy node (its targets leave every group)."""
         return await self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id), pb.ReplaceReply, mutating=True)
+
+    async def label_node(self, node_id: int, rack: str) -> None:
+        """Set a node's failure domain ("" clears it); groups that then
+        break the rack rule are moved by the rebalancer."""
+        await self._call("LabelNode", pb.LabelNodeRequest(node_id=node_id, rack=rack), pb.Empty, mutating=True)
+
+    async def rebalance_status(self) -> pb.RebalanceStatus:
+        """The leader's rebalance progress (docs/rebalance.md)."""
+        return await self._call("GetRebalanceStatus", pb.Empty(), pb.RebalanceStatus)
 
     async def remove_node(self, node_id: int) -> None:
         """Forget a node no group needs any more (BusyError otherwise)."""

@@ -108,6 +108,17 @@ class MetaConfig(BaseConfig):
         kind="duration",
     )
 
+    rebalance: bool = field(
+        True,
+        "Move placement-group members so that every eligible target holds its share of bytes (within 10% of "
+        "the mean) when nodes join or come back, and fix groups that break the rack rule after a label "
+        "change (docs/rebalance.md). Off: new nodes only get new groups.",
+    )
+    rebalance_interval: float = field(5.0, "How often the leader plans a rebalance round (also at once when a node "
+                                      "registers, a label changes or a move finishes).", kind="duration")
+    rebalance_max_moving: int = field(
+        4, "Most placement groups the rebalancer moves at once (each copies under the storage rebuild_rate).")
+
     kv_default_pool: bool = field(
         True,
         "Create the 'default' KV pool once the cluster has storage targets (with the kv_default_* settings "
@@ -169,6 +180,10 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be 'refuse' or 'resync'", field="journal_recovery")
         if self.state_machine not in ("meta", "kv"):
             raise ConfigError("must be 'meta' or 'kv'", field="state_machine")
+        if self.rebalance_max_moving < 1:
+            raise ConfigError("must be >= 1", field="rebalance_max_moving")
+        if self.rebalance_interval <= 0:
+            raise ConfigError("must be > 0", field="rebalance_interval")
         if self.heartbeat_interval <= 0:
             raise ConfigError("must be > 0", field="heartbeat_interval")
         if self.election_timeout_min <= 3 * self.heartbeat_interval:

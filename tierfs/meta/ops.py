@@ -505,6 +505,7 @@ def validate_op(op: pb.MetaOp) -> None:
         _short(r.hostname, "register_node: hostname")
         _short(r.data_addr, "register_node: data_addr")
         _short(r.control_addr, "register_node: control_addr", required=False)
+        _short(r.rack, "register_node: rack", required=False)
         if not r.targets:
             raise InvalidArgumentError("register_node: a node must offer at least one target")
         paths = [t.path for t in r.targets]
@@ -516,6 +517,13 @@ def validate_op(op: pb.MetaOp) -> None:
         check_kv_pool_create(op.create_kv_pool)
     elif kind == "remove_kv_pool":
         check_kv_pool_name(op.remove_kv_pool.name, "remove_kv_pool")
+    elif kind == "label_node":
+        if not op.label_node.node_id:
+            raise InvalidArgumentError("label_node: node_id is 0")
+        _short(op.label_node.rack, "label_node: rack", required=False)
+    elif kind == "add_groups":
+        if not op.add_groups.width:
+            raise InvalidArgumentError("add_groups: width is 0")
     elif kind == "finish_rebuild":
         if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
             raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")

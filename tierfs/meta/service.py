@@ -57,6 +57,13 @@ runs; :meth:`MetaServicer._op` stamps it into ``MetaOp.caller``. Without an
 ``auth`` (security off) every caller is ANONYMOUS. User tokens are made
 here (AddUser, IssueToken): only their hash goes into the op.
 
+Placement (docs/rebalance.md): the heavy placement code never runs inside
+apply. The servicer's :class:`tierfs.meta.rebalance.Rebalancer` computes new
+groups and rebalance moves from the leader's state and commits the result
+(``AddGroups``, ``RebalanceMoves``); RegisterNode, a Heartbeat that brings
+targets back, SetLayout and a Create of a new width wait for the groups
+before they reply, so the cluster behaves as when apply planned them.
+
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
@@ -100,6 +107,7 @@ from tierfs.meta.ops import (
     validate_op,
 )
 from tierfs.meta.perms import caller_pb, squash
+from tierfs.meta.rebalance import Rebalancer
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -164,6 +172,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         kv_cap_ttl: float = 300.0,
         cap_clock: Callable[[], int] = time.time_ns,
         auth: Authenticator | None = None,
+        rebalance: bool = True,
+        rebalance_interval: float = 5.0,
+        rebalance_max_moving: int = 4,
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
@@ -211,6 +222,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._usage_logged: dict[int, int] = {}  # node id -> monotonic ns usage was last committed
         # node id -> {(pool id, target id): latest KV usage reported}
         self._kv_used: dict[int, dict[tuple[int, int], pb.KVTargetUsage]] = {}
+        self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
+                                     enabled=rebalance, interval=rebalance_interval,
+                                     max_moving=rebalance_max_moving)
+
+    async def _background_op(self, kind: str, req: object, reply_cls: type) -> object:
+        """Commit an op the leader made itself (placement work)."""
+        assert isinstance(req, Message)
+        return await self.submit(self._op(kind, req), reply_cls)
 
     # ---- plumbing -----------------------------------------------------------
 
@@ -439,6 +458,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             # its messages; everything else is a state change to commit.
             reply = await self.submit(op, pb.HeartbeatReply)
             self._usage_logged[req.node_id] = mono
+            await self.rebalancer.top_up()  # targets back online get their groups
+            self.rebalancer.wake()
         else:
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
@@ -514,11 +535,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 log.debug("tick failed: %s", err)
 
     async def start(self) -> None:
-        """Start the periodic tick task (idempotent)."""
+        """Start the periodic tick task and the rebalancer (idempotent)."""
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="meta-tick")
+        if isinstance(self._r.state_machine, MetaStateMachine):
+            self.rebalancer.start()
 
     async def stop(self) -> None:
+        await self.rebalancer.stop()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -533,6 +557,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def Create(self, request: pb.CreateRequest, context: Ctx) -> pb.FileInfo:
+        sm = self.state
+        w = sm.create_width(request.loc, request.layout if request.has_layout else None)
+        if w and w not in sm.widths and self._leadership():
+            await self.rebalancer.top_up(w)  # a new width: its groups before the file
         return self._with_read_cap(await self._mutate(context, "create", request, pb.FileInfo))
 
     @grpc_errors
@@ -579,7 +607,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def SetLayout(self, request: pb.SetLayoutRequest, context: Ctx) -> pb.LayoutReply:
-        return await self._mutate(context, "set_layout", request, pb.LayoutReply)
+        reply = await self._mutate(context, "set_layout", request, pb.LayoutReply)
+        await self.rebalancer.top_up()  # a new width can be written at once
+        return reply
 
     @grpc_errors
     async def GetLayout(self, request: pb.GetLayoutRequest, context: Ctx) -> pb.LayoutReply:
@@ -623,6 +653,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_addr(request.control_addr, "register_node: control_addr", required=False)
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
+        await self.rebalancer.top_up()  # the node's targets get groups before it is answered
+        self.rebalancer.wake()
         reply.cap_keys.extend(self.cap_keys())
         return reply
 
@@ -641,7 +673,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def FinishRebuild(self, request: pb.FinishRebuildRequest, context: Ctx) -> pb.Empty:
-        return await self._mutate(context, "finish_rebuild", request, pb.Empty)
+        reply = await self._mutate(context, "finish_rebuild", request, pb.Empty)
+        self.rebalancer.wake()  # a move done: room for the next batch
+        return reply
 
     @grpc_errors
     async def RemoveTarget(self, request: pb.RemoveTargetRequest, context: Ctx) -> pb.ReplaceReply:
@@ -654,6 +688,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @grpc_errors
     async def RemoveNode(self, request: pb.RemoveNodeRequest, context: Ctx) -> pb.Empty:
         return await self._mutate(context, "remove_node", request, pb.Empty)
+
+    @grpc_errors
+    async def LabelNode(self, request: pb.LabelNodeRequest, context: Ctx) -> pb.Empty:
+        reply = await self._mutate(context, "label_node", request, pb.Empty)
+        self.rebalancer.wake()  # groups that now break the rack rule move
+        return reply
+
+    @grpc_errors
+    async def GetRebalanceStatus(self, request: pb.Empty, context: Ctx) -> pb.RebalanceStatus:
+        await self._read(request)
+        if not self._leadership():
+            raise NotLeaderError(leader=self._r.status().leader)
+        return self.rebalancer.status()
 
     # ---- garbage collection ---------------------------------------------------------
 

@@ -28,13 +28,13 @@ import hashlib
 import heapq
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
-from tierfs.chunk import ChunkRecord, session_version
+from tierfs.chunk import ChunkRecord, parity_size, session_version
 from tierfs.errors import (
     AlreadyExistsError,
     BusyError,
@@ -53,6 +53,7 @@ from tierfs.errors import (
 )
 from tierfs.meta import users as users_mod
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
+from tierfs.meta.domains import domain, domain_line, rack_counts
 from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.kvpools import (
     DEFAULT_POOL_NAME,
@@ -90,7 +91,7 @@ from tierfs.meta.perms import (
     new_owner,
     not_permitted,
 )
-from tierfs.meta.placement import distinct_nodes, plan_groups
+from tierfs.meta.placement import distinct_nodes, domain_cap
 from tierfs.meta.undo import Tracked, transaction
 from tierfs.meta.users import UserRecord
 from tierfs.proto.v1 import common_pb2
@@ -161,6 +162,7 @@ class Node(Tracked):
     last_hb: int
     targets: list[int] = field(default_factory=list)
     draining: bool = False  # `tierfs node drain`: its targets leave every group
+    rack: str = ""  # failure domain label; "" = the node is its own (tierfs.meta.domains)
 
 
 @dataclass(slots=True)
@@ -246,6 +248,18 @@ class MetaStateMachine(Tracked):
         # readable (a drain) so the rebuild can copy instead of decode}
         self.rebuild_sources: dict[int, dict[int, int]] = {}
         self.widths: set[int] = {DEFAULT_LAYOUT.width}
+        # Per-group chunk inventory, derived from the chunk records (not in
+        # snapshots; rebuilt on restore): group id -> {inode: (chunks, bytes
+        # each member holds)}, and group id -> bytes each member holds.
+        # What list_group_chunks and the rebalancer read instead of
+        # scanning every inode.
+        self.ginv: dict[int, dict[int, tuple[int, int]]] = {}
+        self.gbytes: dict[int, int] = {}
+        # Rebalance moves not finished: group id -> (new member, old member
+        # it copies from, bytes), and the totals of the finished ones.
+        self.moving: dict[int, tuple[int, int, int]] = {}
+        self.moves_done = 0
+        self.bytes_moved = 0
         self.sessions: dict[int, Session] = {}
         # (inode, chunk) of committed chunks with fragments known missing or
         # bad (derived from the chunk records: not in snapshots)
@@ -547,7 +561,38 @@ class MetaStateMachine(Tracked):
                 if rec is None or rec.generation != gen:
                     self._gc_chunk(f, c, gen)
 
+    def _member_bytes(self, f: Inode, rec: ChunkRecord) -> int:
+        """Bytes one member of the chunk's group stores for ``rec`` (a
+        parity fragment's length for EC: the most any member holds)."""
+        lay = f.layout
+        assert lay is not None
+        if lay.kind == pb.REDUNDANCY_KIND_REPLICA:
+            return rec.length
+        return parity_size(lay.k, lay.chunk_size, rec.length)
+
+    def _inventory(self, f: Inode, idx: int, rec: ChunkRecord | None, sign: int) -> None:
+        if rec is None or not f.groups:
+            return
+        gid = f.groups[idx % len(f.groups)]
+        b = self._member_bytes(f, rec)
+        per = self.ginv.setdefault(gid, {})
+        n, tot = per.get(f.id, (0, 0))
+        n, tot = n + sign, tot + sign * b
+        if n:
+            per[f.id] = (n, tot)
+        else:
+            per.pop(f.id, None)
+            if not per:
+                del self.ginv[gid]
+        left = self.gbytes.get(gid, 0) + sign * b
+        if left:
+            self.gbytes[gid] = left
+        else:
+            self.gbytes.pop(gid, None)
+
     def _set_chunk(self, f: Inode, idx: int, rec: ChunkRecord) -> None:
+        self._inventory(f, idx, f.chunks.get(idx), -1)
+        self._inventory(f, idx, rec, +1)
         f.chunks[idx] = rec
         if rec.missing:
             self.degraded.add((f.id, idx))
@@ -556,7 +601,9 @@ class MetaStateMachine(Tracked):
 
     def _pop_chunk(self, f: Inode, idx: int) -> ChunkRecord:
         self.degraded.discard((f.id, idx))
-        return f.chunks.pop(idx)
+        rec = f.chunks.pop(idx)
+        self._inventory(f, idx, rec, -1)
+        return rec
 
     def _live_session(self, f: Inode) -> Session | None:
         """The file's session if its lease has not run out; an expired one is
@@ -607,7 +654,8 @@ class MetaStateMachine(Tracked):
             raise StaleVersionError(f"cluster map version {r.map_version} is stale; current is {self.map_version}")
         base = self._effective_layout(parent)
         spec = layout_from_pb(r.layout).merged_over(base) if r.has_layout else base
-        pending = self._plan_width(spec.width)
+        # Groups are planned by the leader's service (add_groups), never here.
+        pending: list[list[int]] = []
         groups = self._choose_groups(spec, self.next_inode, pending)
         self._commit_width(spec.width, pending)
         f = self._new_inode(FILE, *self._owner(ident, r, r.mode or 0o644, False, parent))
@@ -797,7 +845,9 @@ class MetaStateMachine(Tracked):
         eff = spec.merged_over(parent_eff)
         d.layout = spec if d.id != ROOT_INODE else eff
         d.ctime = self.clock
-        self._commit_width(eff.width, self._plan_width(eff.width))
+        # A new width gets its groups from the leader's service (add_groups,
+        # submitted before the reply): planning is not done inside apply.
+        self.widths.add(eff.width)
         return pb.LayoutReply(layout=self._effective_layout(d).to_pb())
 
     # ---- placement ----------------------------------------------------------
@@ -813,11 +863,154 @@ class MetaStateMachine(Tracked):
         return {t.id: t.node for t in self.targets.values()
                 if self._target_state(t) == ONLINE and not self.nodes[t.node].draining}
 
-    def _plan_width(self, width: int) -> list[list[int]]:
-        """New groups a width would get now (nothing is changed)."""
+    def node_racks(self) -> dict[int, str]:
+        """Node id -> rack label ("" = none) for placement's ``racks=``."""
+        return {n.id: n.rack for n in self.nodes.values()}
+
+    def target_domains(self) -> dict[int, str]:
+        """Target id -> failure domain (tierfs.meta.domains.domain)."""
+        return {t.id: domain(t.node, self.nodes[t.node].rack) for t in self.targets.values()}
+
+    def eligible_domains(self) -> int:
+        """How many failure domains hold an eligible target."""
+        return len({domain(n, self.nodes[n].rack) for n in self._eligible().values()})
+
+    def eligible_targets(self) -> dict[int, int]:
+        """Target id -> node id of the targets placement may choose."""
+        return self._eligible()
+
+    def create_width(self, loc: pb.Loc, layout: pb.Layout | None) -> int:
+        """The width a Create at ``loc`` would use (0 if it cannot be told:
+        apply then gives the real error)."""
+        try:
+            parent, _ = self._entry(loc)
+            base = self._effective_layout(parent)
+            return (layout_from_pb(layout).merged_over(base) if layout is not None else base).width
+        except TierFSError:
+            return 0
+
+    def _caps(self, eligible: dict[int, int]) -> Callable[[int], int]:
+        """width -> members of one group allowed in one rack now
+        (placement.domain_cap; a width the nodes cannot fill has no rack
+        limit beyond its width)."""
+        racks = self.node_racks()
+        memo: dict[int, int] = {}
+
+        def cap(width: int) -> int:
+            if width not in memo:
+                memo[width] = domain_cap(eligible, width, racks) or width
+            return memo[width]
+        return cap
+
+    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str) -> None:
+        if len(set(members)) != len(members):
+            raise InvalidArgumentError(f"{what}: members {members} repeat a target")
+        for m in members:
+            if m not in eligible:
+                raise InvalidArgumentError(f"{what}: target {m} is not eligible for placement")
+        if len({eligible[m] for m in members}) != len(members):
+            raise InvalidArgumentError(f"{what}: two members of {members} share a node")
+        counts = rack_counts(members, self.target_domains())
+        if counts and max(counts.values()) > cap:
+            raise InvalidArgumentError(f"{what}: {members} puts more than {cap} member(s) in one rack "
+                                       f"({self.eligible_domains()} racks)")
+
+    def _op_add_groups(self, op: pb.MetaOp, r: pb.AddGroupsRequest) -> Message:
+        """Groups the leader computed at ``map_version``: checked (members
+        eligible, on distinct nodes, the rack rule) and written; refused
+        when the map moved since (the leader plans again)."""
+        if r.map_version != self.map_version:
+            raise StaleVersionError(f"add_groups: planned at map version {r.map_version}, the map is now at "
+                                    f"{self.map_version}")
+        w = r.width
         eligible = self._eligible()
-        existing = [self.groups[g] for g in sorted(self.groups) if len(self.groups[g]) == width]
-        return plan_groups(eligible, existing, width, len(eligible) - len(existing))
+        cap = self._caps(eligible)(w)
+        have = sum(len(g) == w for g in self.groups.values())
+        if have + len(r.groups) > max(len(eligible), 1):
+            raise InvalidArgumentError(f"add_groups: {have} groups of width {w} exist; {len(r.groups)} more exceed "
+                                       f"one per eligible target ({len(eligible)})")
+        new = []
+        for i, g in enumerate(r.groups):
+            members = list(g.target_ids)
+            if len(members) != w:
+                raise InvalidArgumentError(f"add_groups: group {i} has {len(members)} members, not {w}")
+            self._check_group(members, eligible, cap, f"add_groups: group {i}")
+            new.append(members)
+        self._commit_width(w, new)
+        return pb.Empty()
+
+    def _op_label_node(self, op: pb.MetaOp, r: pb.LabelNodeRequest) -> Message:
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            raise NotFoundError(f"no storage node {r.node_id} (`tierfs status` lists them)")
+        if node.rack != r.rack:
+            node.rack = r.rack
+            self.map_version += 1
+        return pb.Empty()
+
+    def _op_rebalance_moves(self, op: pb.MetaOp, r: pb.RebalanceMovesRequest) -> Message:
+        """Moves the leader planned (tierfs.meta.rebalance): each one still
+        valid (the group is not rebuilding, the old member still holds the
+        position, the new one is eligible, on a node and rack the rule
+        allows) makes the new member rebuild by copy from the old one, which
+        serves that position's reads until FinishRebuild. The others are
+        skipped (the leader plans again)."""
+        eligible = self._eligible()
+        cap = self._caps(eligible)
+        doms = self.target_domains()
+        reply = pb.RebalanceMovesReply()
+        seen: set[int] = set()
+        for mv in r.moves:
+            members = self.groups.get(mv.group_id)
+            ok = (members is not None and mv.group_id not in seen and mv.group_id not in self.rebuilding
+                  and mv.position < len(members) and members[mv.position] == mv.old_target
+                  and mv.new_target in eligible and mv.new_target not in members)
+            if ok:
+                assert members is not None
+                others = [m for j, m in enumerate(members) if j != mv.position]
+                ok = (eligible[mv.new_target] not in {self.targets[m].node for m in others}
+                      and rack_counts(others, doms)[doms[mv.new_target]] < cap(len(members)))
+            if not ok:
+                reply.skipped.append(mv.group_id)
+                continue
+            assert members is not None
+            seen.add(mv.group_id)
+            members[mv.position] = mv.new_target
+            self.rebuilding.setdefault(mv.group_id, set()).add(mv.new_target)
+            self.rebuild_sources.setdefault(mv.group_id, {})[mv.new_target] = mv.old_target
+            self.moving[mv.group_id] = (mv.new_target, mv.old_target, mv.bytes)
+            reply.applied += 1
+        if reply.applied:
+            self.map_version += 1
+        return reply
+
+    def target_bytes(self) -> dict[int, int]:
+        """Bytes each target holds by the inventory (every group member
+        counted with its group's bytes per member)."""
+        out = {t: 0 for t in self.targets}
+        for gid, b in self.gbytes.items():
+            for m in self.groups.get(gid, ()):
+                if m in out:
+                    out[m] += b
+        return out
+
+    def rule_violations(self) -> int:
+        """Groups with more members in one rack than the rule allows."""
+        cap = self._caps(self._eligible())
+        doms = self.target_domains()
+        bad = 0
+        for g in self.groups.values():
+            counts = rack_counts(g, doms)
+            if counts and max(counts.values()) > cap(len(g)):
+                bad += 1
+        return bad
+
+    def failure_domain(self) -> str:
+        """The ``tierfs status`` sentence (tierfs.meta.domains.domain_line)."""
+        eligible = self._eligible()
+        width = max((len(g) for g in self.groups.values()), default=max(self.widths, default=0))
+        return domain_line(any(n.rack for n in self.nodes.values()), self.eligible_domains(),
+                           len(set(eligible.values())), width, self._caps(eligible)(width) if width else 0)
 
     def _commit_width(self, width: int, new: list[list[int]]) -> None:
         self.widths.add(width)
@@ -826,10 +1019,6 @@ class MetaStateMachine(Tracked):
             self.next_group += 1
         if new:
             self.map_version += 1
-
-    def _top_up(self) -> None:
-        for w in sorted(self.widths):
-            self._commit_width(w, self._plan_width(w))
 
     def _choose_groups(self, spec: LayoutSpec, ino: int, pending: list[list[int]]) -> list[int]:
         w = spec.width
@@ -1061,9 +1250,13 @@ class MetaStateMachine(Tracked):
                 self.targets[tid].present = False
         if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
             changed = True
+        if r.rack and node.rack != r.rack:
+            # An empty rack leaves the label as is (it may come from `tierfs node label`).
+            node.rack = r.rack
+            changed = True
         if changed:
+            # New groups come from the leader's service (add_groups).
             self.map_version += 1
-            self._top_up()
         self._refresh_down()
         if op.HasField("kv_default_pool") and not self.kv_default_done and self.targets:
             self._kv_make_default(op.kv_default_pool)
@@ -1085,7 +1278,6 @@ class MetaStateMachine(Tracked):
             t.reported = rep.state or ONLINE
         if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
             self.map_version += 1
-            self._top_up()
         self._refresh_down()
         return pb.HeartbeatReply(map_version=self.map_version, state=node.state)  # type: ignore[arg-type]
 
@@ -1109,6 +1301,8 @@ class MetaStateMachine(Tracked):
         source when ``source``: a drain, the old member still serves).
         Returns the groups left unchanged for want of a candidate."""
         eligible = self._eligible()
+        doms = self.target_domains()
+        cap = self._caps(eligible)
         usage: dict[int, int] = {}
         for members in self.groups.values():
             for m in members:
@@ -1120,12 +1314,16 @@ class MetaStateMachine(Tracked):
                 members = self.groups[gid]
                 if tid not in members:
                     continue
+                limit = cap(len(members))
                 used_nodes = {self.targets[m].node for m in members if m != tid}
                 cands = [c for c in sorted(eligible) if eligible[c] not in used_nodes and c not in members]
                 if not cands:
                     stuck.append(gid)
                     continue  # nowhere to go: the group stays degraded
-                new = min(cands, key=lambda c: (usage.get(c, 0), c))
+                # The rack rule first (a rack over its share is a worse
+                # failure than a slightly fuller target), then usage.
+                in_rack = rack_counts([m for m in members if m != tid], doms)
+                new = min(cands, key=lambda c: (in_rack[doms[c]] >= limit, usage.get(c, 0), c))
                 members[members.index(tid)] = new
                 usage[new] = usage.get(new, 0) + 1
                 usage[tid] -= 1
@@ -1139,6 +1337,9 @@ class MetaStateMachine(Tracked):
                 src = inherited or (tid if source else 0)
                 if src:
                     self.rebuild_sources.setdefault(gid, {})[new] = src
+                mv = self.moving.get(gid)
+                if mv is not None and mv[0] == tid:
+                    self.moving[gid] = (new, mv[1], mv[2])  # the move's copy goes on to the replacement
                 if gid in self.rebuild_sources and not self.rebuild_sources[gid]:
                     del self.rebuild_sources[gid]
                 changed = True
@@ -1160,6 +1361,11 @@ class MetaStateMachine(Tracked):
             srcs.pop(r.target_id, None)
             if not srcs:
                 del self.rebuild_sources[r.group_id]
+        mv = self.moving.get(r.group_id)
+        if mv is not None and mv[0] == r.target_id:
+            del self.moving[r.group_id]
+            self.moves_done += 1
+            self.bytes_moved += mv[2]
         self.map_version += 1
         return pb.Empty()
 
@@ -1413,7 +1619,7 @@ class MetaStateMachine(Tracked):
             out.nodes.append(pb.ClusterNode(
                 node_id=n.id, node_uuid=n.uuid, hostname=n.hostname, data_addr=n.data_addr,
                 control_addr=n.control_addr, state=n.state, last_heartbeat_ns=n.last_hb,  # type: ignore[arg-type]
-                target_ids=n.targets, draining=n.draining))
+                target_ids=n.targets, draining=n.draining, rack=n.rack))
         for tid in sorted(self.targets):
             t = self.targets[tid]
             out.targets.append(pb.ClusterTarget(target_id=t.id, node_id=t.node, path=t.path, capacity=t.capacity,
@@ -1434,10 +1640,10 @@ class MetaStateMachine(Tracked):
             raise NotFoundError(f"no placement group {group_id}")
         limit = limit or 10_000
         reply = pb.ListGroupChunksReply()
-        for ino in sorted(i for i in self.inodes if i > after_inode):
+        # The inventory names the files with chunks in the group: no scan
+        # of the namespace.
+        for ino in sorted(i for i in self.ginv.get(group_id, {}) if i > after_inode):
             f = self.inodes[ino]
-            if f.type != FILE or group_id not in f.groups:
-                continue
             n = len(f.groups)
             slots = {k for k, g in enumerate(f.groups) if g == group_id}
             for c in sorted(f.chunks):
@@ -1526,6 +1732,13 @@ class MetaStateMachine(Tracked):
             # Only when there are users: a cluster without any keeps the
             # digest it had before users existed.
             **({"users": users_mod.users_to_json(self.users)} if self.users else {}),
+            # Rack labels and rebalance moves, likewise only when there are
+            # any (an unlabelled cluster that never moved keeps its digest).
+            **({"racks": [[n.id, n.rack] for _, n in sorted(self.nodes.items()) if n.rack]}
+               if any(n.rack for n in self.nodes.values()) else {}),
+            **({"rebalance": {"moving": [[g, *self.moving[g]] for g in sorted(self.moving)],
+                              "done": self.moves_done, "bytes": self.bytes_moved}}
+               if self.moving or self.moves_done else {}),
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -1576,6 +1789,17 @@ class MetaStateMachine(Tracked):
         self.kv_default_done = kv.get("default_done", False)
         self.kv_pools = {row[0]: pool_from_json(row) for row in kv.get("pools", [])}
         self.users = users_mod.users_from_json(doc.get("users", []))
+        for nid, rack in doc.get("racks", []):
+            self.nodes[nid].rack = rack
+        reb = doc.get("rebalance", {})
+        self.moving = {row[0]: (row[1], row[2], row[3]) for row in reb.get("moving", [])}
+        self.moves_done = reb.get("done", 0)
+        self.bytes_moved = reb.get("bytes", 0)
+        # The per-group inventory is derived from the chunk records.
+        for ino in sorted(self.inodes):
+            f = self.inodes[ino]
+            for c in sorted(f.chunks):
+                self._inventory(f, c, f.chunks[c], +1)
 
 
 def _check_read_loc(loc: pb.Loc, what: str) -> None:

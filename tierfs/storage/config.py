@@ -42,6 +42,9 @@ class StorageConfig(BaseConfig):
     node_key_file: str = field(
         "", "File holding the cluster's node key (tfn1..., mode 0600; `tierfs up` writes DATA/node.key): "
         "meta refuses registrations and heartbeats without it when authentication is on.")
+    rack: str = field(
+        "", "Failure domain of this node (a rack, a power domain): placement never puts two fragments of one group "
+        "in one rack when there are enough racks. '' = the node is its own failure domain (docs/rebalance.md).")
     host: str = field("127.0.0.1", "Address the data plane listens on.")
     port: int = field(0, "Data-plane TCP port (0 picks a free one).")
     advertise_host: str = field("", "Host other nodes use to reach this one (default: host).")

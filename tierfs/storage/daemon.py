@@ -355,7 +355,8 @@ class StorageNode:
             try:
                 specs = [(str(e.root.resolve()), e.stats().capacity) for e in self.engines]
                 reply = await self.meta.register_node(self.node_uuid, socket.gethostname(), self.data_addr, specs,
-                                                      control_addr=self.control.addr if self.control else "")
+                                                      control_addr=self.control.addr if self.control else "",
+                                                      rack=self.cfg.rack)
                 break
             except TierFSError as err:
                 log.warning("registering with meta failed (%s); retrying in %.1fs", err, delay)

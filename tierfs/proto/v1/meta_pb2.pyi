@@ -1070,11 +1070,16 @@ class RegisterNodeRequest(_message.Message):
     DATA_ADDR_FIELD_NUMBER: _builtins.int
     CONTROL_ADDR_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
+    RACK_FIELD_NUMBER: _builtins.int
     node_uuid: _builtins.str
     """Persisted by the storage node; the same uuid gets the same ids back."""
     hostname: _builtins.str
     data_addr: _builtins.str
     control_addr: _builtins.str
+    rack: _builtins.str
+    """Failure domain (storage config `rack`); "" = the node is its own.
+    Each registration sets it again (`tierfs node label` changes it too).
+    """
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___TargetSpec]: ...
     def __init__(
@@ -1085,10 +1090,11 @@ class RegisterNodeRequest(_message.Message):
         data_addr: _builtins.str = ...,
         control_addr: _builtins.str = ...,
         targets: _abc.Iterable[Global___TargetSpec] | None = ...,
+        rack: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "hostname", b"hostname", "node_uuid", b"node_uuid", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "hostname", b"hostname", "node_uuid", b"node_uuid", "rack", b"rack", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1272,6 +1278,7 @@ class ClusterNode(_message.Message):
     LAST_HEARTBEAT_NS_FIELD_NUMBER: _builtins.int
     TARGET_IDS_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    RACK_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     node_uuid: _builtins.str
     hostname: _builtins.str
@@ -1281,6 +1288,8 @@ class ClusterNode(_message.Message):
     last_heartbeat_ns: _builtins.int
     draining: _builtins.bool
     """`tierfs node drain`: its targets are being moved out of every group."""
+    rack: _builtins.str
+    """Failure domain label ("" = none: the node is its own failure domain)."""
     @_builtins.property
     def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1295,10 +1304,11 @@ class ClusterNode(_message.Message):
         last_heartbeat_ns: _builtins.int = ...,
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
         draining: _builtins.bool = ...,
+        rack: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "draining", b"draining", "hostname", b"hostname", "last_heartbeat_ns", b"last_heartbeat_ns", "node_id", b"node_id", "node_uuid", b"node_uuid", "state", b"state", "target_ids", b"target_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_addr", b"control_addr", "data_addr", b"data_addr", "draining", b"draining", "hostname", b"hostname", "last_heartbeat_ns", b"last_heartbeat_ns", "node_id", b"node_id", "node_uuid", b"node_uuid", "rack", b"rack", "state", b"state", "target_ids", b"target_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1794,6 +1804,235 @@ class DrainNodeRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class LabelNodeRequest(_message.Message):
+    """`tierfs node label ID --rack R`: set a node's failure domain ("" clears
+    it). Bumps the map; the rebalancer then moves groups that break the rule.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    RACK_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    rack: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        rack: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "rack", b"rack"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LabelNodeRequest: _TypeAlias = LabelNodeRequest  # noqa: Y015
+
+@_typing.final
+class GroupMembers(_message.Message):
+    """Placement groups computed by the leader's service (not inside apply) at
+    `map_version`; applied only while the map is still at that version.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        target_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_ids", b"target_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupMembers: _TypeAlias = GroupMembers  # noqa: Y015
+
+@_typing.final
+class AddGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    map_version: _builtins.int
+    width: _builtins.int
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupMembers]: ...
+    def __init__(
+        self,
+        *,
+        map_version: _builtins.int = ...,
+        width: _builtins.int = ...,
+        groups: _abc.Iterable[Global___GroupMembers] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "map_version", b"map_version", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddGroupsRequest: _TypeAlias = AddGroupsRequest  # noqa: Y015
+
+@_typing.final
+class RebalanceMove(_message.Message):
+    """One rebalance move: `new_target` takes `position` of `group_id` from
+    `old_target`, rebuilding by copy from it (the drain mechanism).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    OLD_TARGET_FIELD_NUMBER: _builtins.int
+    NEW_TARGET_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.int
+    position: _builtins.int
+    old_target: _builtins.int
+    new_target: _builtins.int
+    bytes: _builtins.int
+    """what the move copies (for progress)"""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.int = ...,
+        position: _builtins.int = ...,
+        old_target: _builtins.int = ...,
+        new_target: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "group_id", b"group_id", "new_target", b"new_target", "old_target", b"old_target", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceMove: _TypeAlias = RebalanceMove  # noqa: Y015
+
+@_typing.final
+class RebalanceMovesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
+    map_version: _builtins.int
+    """the map the moves were planned on"""
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___RebalanceMove]: ...
+    def __init__(
+        self,
+        *,
+        map_version: _builtins.int = ...,
+        moves: _abc.Iterable[Global___RebalanceMove] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "moves", b"moves"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceMovesRequest: _TypeAlias = RebalanceMovesRequest  # noqa: Y015
+
+@_typing.final
+class RebalanceMovesReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    applied: _builtins.int
+    @_builtins.property
+    def skipped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """groups whose move no longer applied"""
+
+    def __init__(
+        self,
+        *,
+        applied: _builtins.int = ...,
+        skipped: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "skipped", b"skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceMovesReply: _TypeAlias = RebalanceMovesReply  # noqa: Y015
+
+@_typing.final
+class RebalanceStatus(_message.Message):
+    """Progress of the rebalancer (the leader's; `tierfs rebalance status`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    MOVES_PLANNED_FIELD_NUMBER: _builtins.int
+    MOVES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    MOVES_DONE_FIELD_NUMBER: _builtins.int
+    BYTES_TO_MOVE_FIELD_NUMBER: _builtins.int
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    BALANCE_MAX_OVER_MEAN_FIELD_NUMBER: _builtins.int
+    BYTES_MAX_FIELD_NUMBER: _builtins.int
+    BYTES_MEAN_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    RACKS_FIELD_NUMBER: _builtins.int
+    FAILURE_DOMAIN_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    RULE_VIOLATIONS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    moves_planned: _builtins.int
+    """planned, not submitted yet"""
+    moves_in_flight: _builtins.int
+    """submitted, copy not finished"""
+    moves_done: _builtins.int
+    bytes_to_move: _builtins.int
+    """planned + in flight"""
+    bytes_moved: _builtins.int
+    balance_max_over_mean: _builtins.float
+    """bytes per eligible target"""
+    bytes_max: _builtins.int
+    bytes_mean: _builtins.int
+    targets: _builtins.int
+    """eligible targets counted"""
+    racks: _builtins.int
+    """failure domains with eligible targets"""
+    failure_domain: _builtins.str
+    """the `tierfs status` sentence"""
+    last_error: _builtins.str
+    rule_violations: _builtins.int
+    """groups with more members in one rack than the rule allows"""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        moves_planned: _builtins.int = ...,
+        moves_in_flight: _builtins.int = ...,
+        moves_done: _builtins.int = ...,
+        bytes_to_move: _builtins.int = ...,
+        bytes_moved: _builtins.int = ...,
+        balance_max_over_mean: _builtins.float = ...,
+        bytes_max: _builtins.int = ...,
+        bytes_mean: _builtins.int = ...,
+        targets: _builtins.int = ...,
+        racks: _builtins.int = ...,
+        failure_domain: _builtins.str = ...,
+        last_error: _builtins.str = ...,
+        rule_violations: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance_max_over_mean", b"balance_max_over_mean", "bytes_max", b"bytes_max", "bytes_mean", b"bytes_mean", "bytes_moved", b"bytes_moved", "bytes_to_move", b"bytes_to_move", "enabled", b"enabled", "failure_domain", b"failure_domain", "last_error", b"last_error", "moves_done", b"moves_done", "moves_in_flight", b"moves_in_flight", "moves_planned", b"moves_planned", "racks", b"racks", "rule_violations", b"rule_violations", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceStatus: _TypeAlias = RebalanceStatus  # noqa: Y015
 
 @_typing.final
 class ReplaceReply(_message.Message):
@@ -2538,6 +2777,9 @@ class MetaOp(_message.Message):
     REMOVE_USER_FIELD_NUMBER: _builtins.int
     ISSUE_TOKEN_FIELD_NUMBER: _builtins.int
     REVOKE_TOKEN_FIELD_NUMBER: _builtins.int
+    LABEL_NODE_FIELD_NUMBER: _builtins.int
+    ADD_GROUPS_FIELD_NUMBER: _builtins.int
+    REBALANCE_MOVES_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -2617,6 +2859,14 @@ class MetaOp(_message.Message):
     def issue_token(self) -> Global___IssueTokenRequest: ...
     @_builtins.property
     def revoke_token(self) -> Global___RevokeTokenRequest: ...
+    @_builtins.property
+    def label_node(self) -> Global___LabelNodeRequest:
+        """Scale-out (docs/rebalance.md): computed on the leader, committed here."""
+
+    @_builtins.property
+    def add_groups(self) -> Global___AddGroupsRequest: ...
+    @_builtins.property
+    def rebalance_moves(self) -> Global___RebalanceMovesRequest: ...
     def __init__(
         self,
         *,
@@ -2655,12 +2905,15 @@ class MetaOp(_message.Message):
         remove_user: Global___RemoveUserRequest | None = ...,
         issue_token: Global___IssueTokenRequest | None = ...,
         revoke_token: Global___RevokeTokenRequest | None = ...,
+        label_node: Global___LabelNodeRequest | None = ...,
+        add_groups: Global___AddGroupsRequest | None = ...,
+        rebalance_moves: Global___RebalanceMovesRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

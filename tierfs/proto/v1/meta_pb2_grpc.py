@@ -164,6 +164,16 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
                 _registered_method=True)
+        self.LabelNode = channel.unary_unary(
+                '/tierfs.v1.MetaService/LabelNode',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.LabelNodeRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetRebalanceStatus = channel.unary_unary(
+                '/tierfs.v1.MetaService/GetRebalanceStatus',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.RebalanceStatus.FromString,
+                _registered_method=True)
         self.ListGC = channel.unary_unary(
                 '/tierfs.v1.MetaService/ListGC',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.ListGCRequest.SerializeToString,
@@ -417,6 +427,18 @@ class MetaServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RemoveNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LabelNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRebalanceStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -679,6 +701,16 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.RemoveNode,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'LabelNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.LabelNode,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.LabelNodeRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            ),
+            'GetRebalanceStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRebalanceStatus,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.RebalanceStatus.SerializeToString,
             ),
             'ListGC': grpc.unary_unary_rpc_method_handler(
                     servicer.ListGC,
@@ -1478,6 +1510,60 @@ class MetaService:
             '/tierfs.v1.MetaService/RemoveNode',
             tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LabelNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/LabelNode',
+            tierfs_dot_v1_dot_meta__pb2.LabelNodeRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRebalanceStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/GetRebalanceStatus',
+            tierfs_dot_v1_dot_meta__pb2.Empty.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.RebalanceStatus.FromString,
             options,
             channel_credentials,
             insecure,

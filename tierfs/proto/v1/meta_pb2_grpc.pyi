@@ -68,6 +68,8 @@ class MetaServiceStub:
     """Failure handling by operators (tierfs target rm, node drain, node rm)."""
     DrainNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]
     RemoveNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]
+    LabelNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.LabelNodeRequest, _meta_pb2.Empty]
+    GetRebalanceStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.RebalanceStatus]
     ListGC: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]
     ListRepairs: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ListRepairsRequest, _meta_pb2.ListRepairsReply]
     """The repair queue (degraded writes, scrub findings)."""
@@ -133,6 +135,8 @@ class MetaServiceAsyncStub(MetaServiceStub):
     """Failure handling by operators (tierfs target rm, node drain, node rm)."""
     DrainNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
     RemoveNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    LabelNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.LabelNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
+    GetRebalanceStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.RebalanceStatus]  # type: ignore[assignment]
     ListGC: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListGCRequest, _meta_pb2.ListGCReply]  # type: ignore[assignment]
     ListRepairs: _aio.UnaryUnaryMultiCallable[_meta_pb2.ListRepairsRequest, _meta_pb2.ListRepairsReply]  # type: ignore[assignment]
     """The repair queue (degraded writes, scrub findings)."""
@@ -351,6 +355,20 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.RemoveNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def LabelNode(
+        self,
+        request: _meta_pb2.LabelNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.Empty, _abc.Awaitable[_meta_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def GetRebalanceStatus(
+        self,
+        request: _meta_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.RebalanceStatus, _abc.Awaitable[_meta_pb2.RebalanceStatus]]: ...
 
     @_abc_1.abstractmethod
     def ListGC(

@@ -1,0 +1,268 @@
+"""Leader-side placement work: compute on a read of the state, then commit.
+
+The Raft apply never runs the heavy placement code. The leader's service
+owns one :class:`Rebalancer`, which
+
+* tops up placement groups (``AddGroups`` ops) after a registration, a
+  node back online, a ``SetLayout`` or a ``Create`` of a new width, and
+  every ``rebalance_interval``: :func:`plan_top_up` runs
+  :func:`tierfs.meta.placement.plan_groups` in a worker thread on inputs
+  copied from the state on the event loop (apply runs there too, so the
+  copy is consistent), and the op carries the ``map_version`` it was
+  computed at: apply refuses it once the map moved, and the next round
+  plans again;
+* rebalances: :func:`tierfs.meta.placement.plan_rebalance` over the
+  eligible targets, the groups and the bytes per group of the state's
+  chunk inventory, and submits the moves (``RebalanceMoves``) in batches,
+  at most ``max_moving`` groups copying at once. A move is the drain
+  mechanism: the new member rebuilds by copy from the old one, which keeps
+  serving that position until ``FinishRebuild``; the next batch goes out
+  when moves finish.
+
+Progress (:meth:`Rebalancer.status`) is the ``GetRebalanceStatus`` reply
+and the ``tierfs_rebalance_*`` gauges of the process's default Prometheus
+registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import Gauge
+
+from tierfs.errors import StaleVersionError, TierFSError
+from tierfs.meta.placement import Move, plan_groups, plan_rebalance
+from tierfs.meta.state import MetaStateMachine
+from tierfs.proto.v1 import meta_pb2 as pb
+
+__all__ = ["Rebalancer", "balance", "plan_moves", "plan_top_up"]
+
+log = logging.getLogger("tierfs.meta.rebalance")
+
+#: Groups one AddGroups op carries (the default list cap of a request).
+GROUPS_PER_OP = 1024
+#: Moves one RebalanceMoves op carries.
+MOVES_PER_OP = 1024
+
+_G_PLANNED = Gauge("tierfs_rebalance_moves_planned", "Rebalance moves planned and not yet submitted")
+_G_FLIGHT = Gauge("tierfs_rebalance_moves_in_flight", "Rebalance moves submitted whose copy has not finished")
+_G_DONE = Gauge("tierfs_rebalance_moves_done", "Rebalance moves finished (replicated state)")
+_G_TO_MOVE = Gauge("tierfs_rebalance_bytes_to_move", "Bytes of planned and in-flight rebalance moves")
+_G_MOVED = Gauge("tierfs_rebalance_bytes_moved", "Bytes copied by finished rebalance moves")
+_G_BALANCE = Gauge("tierfs_rebalance_balance_max_over_mean", "Bytes on the fullest eligible target over the mean")
+_G_VIOLATIONS = Gauge("tierfs_rebalance_rule_violations", "Groups with more members in one rack than the rule allows")
+
+Submit = Callable[[str, object, type], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class TopUpInput:
+    map_version: int
+    widths: list[int]
+    eligible: dict[int, int]
+    existing: dict[int, list[list[int]]]
+    racks: dict[int, str]
+
+
+def top_up_input(sm: MetaStateMachine, extra_width: int = 0) -> TopUpInput:
+    """What :func:`plan_top_up` needs, copied from the state (cheap: one
+    pass over the groups), so the planning can run off the event loop."""
+    widths = sorted(sm.widths | ({extra_width} if extra_width else set()))
+    existing: dict[int, list[list[int]]] = {w: [] for w in widths}
+    for g in sorted(sm.groups):
+        members = sm.groups[g]
+        if len(members) in existing:
+            existing[len(members)].append(list(members))
+    return TopUpInput(sm.map_version, widths, dict(sm.eligible_targets()), existing, sm.node_racks())
+
+
+def plan_top_up(inp: TopUpInput, max_groups: int = GROUPS_PER_OP) -> list[pb.AddGroupsRequest]:
+    """The AddGroups ops giving every width its share (one group per
+    eligible target). Each applied op bumps the map by one, so the n-th
+    carries ``map_version + n``. Pure: runs in a worker thread."""
+    out: list[pb.AddGroupsRequest] = []
+    n = len(inp.eligible)
+    for w in inp.widths:
+        have = inp.existing[w]
+        new = plan_groups(inp.eligible, have, w, n - len(have), racks=inp.racks) if n > len(have) else []
+        for i in range(0, len(new), max_groups):
+            out.append(pb.AddGroupsRequest(map_version=inp.map_version + len(out), width=w,
+                                           groups=[pb.GroupMembers(target_ids=g) for g in new[i:i + max_groups]]))
+    return out
+
+
+@dataclass(frozen=True)
+class MoveInput:
+    map_version: int
+    eligible: dict[int, int]
+    groups: dict[int, list[int]]
+    group_bytes: dict[int, int]
+    racks: dict[int, str]
+    busy: frozenset[int]  # groups rebuilding or moving: not moved again now
+
+
+def move_input(sm: MetaStateMachine) -> MoveInput:
+    return MoveInput(sm.map_version, dict(sm.eligible_targets()), {g: list(m) for g, m in sm.groups.items()},
+                     dict(sm.gbytes), sm.node_racks(), frozenset(sm.rebuilding) | frozenset(sm.moving))
+
+
+def plan_moves(inp: MoveInput, tolerance: float = 0.10) -> list[Move]:
+    """Every move placement wants now, groups busy rebuilding left out. Pure."""
+    moves = plan_rebalance(inp.eligible, inp.groups, inp.group_bytes, racks=inp.racks, tolerance=tolerance)
+    return [m for m in moves if m.group not in inp.busy]
+
+
+def balance(target_bytes: Mapping[int, int], eligible: Mapping[int, int]) -> tuple[float, int, int]:
+    """(max / mean, max, mean) of the bytes on the eligible targets (1.0 when empty)."""
+    vals = [target_bytes.get(t, 0) for t in eligible]
+    if not vals or not sum(vals):
+        return 1.0, 0, 0
+    mean = sum(vals) / len(vals)
+    return max(vals) / mean, max(vals), int(mean)
+
+
+@dataclass
+class _Progress:
+    planned: list[Move] = field(default_factory=list)
+    plan_version: int = 0
+    last_error: str = ""
+
+
+class Rebalancer:
+    """The leader's planner (one per MetaServicer); see the module docstring.
+
+    ``submit(kind, request, reply_cls)`` commits an op the way the service's
+    own background ops are committed."""
+
+    def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
+                 enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
+                 tolerance: float = 0.10) -> None:
+        self._state = state
+        self._submit = submit
+        self._leading = leading
+        self.enabled = enabled
+        self.interval = interval
+        self.max_moving = max(1, max_moving)
+        self.tolerance = tolerance
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._p = _Progress()
+
+    # ---- group top-up --------------------------------------------------------
+
+    async def top_up(self, extra_width: int = 0) -> int:
+        """Commit the groups every width (and ``extra_width``) lacks; returns
+        how many ops went in. A stale op (the map moved meanwhile) ends the
+        round; the next one plans again."""
+        async with self._lock:
+            sm = self._state()
+            if extra_width and extra_width in sm.widths and any(len(g) == extra_width for g in sm.groups.values()):
+                extra_width = 0
+            inp = top_up_input(sm, extra_width)
+            if not self._wants_groups(inp):
+                return 0
+            reqs = await asyncio.to_thread(plan_top_up, inp)
+            done = 0
+            for req in reqs:
+                try:
+                    await self._submit("add_groups", req, pb.Empty)
+                except StaleVersionError:
+                    break
+                done += 1
+            return done
+
+    @staticmethod
+    def _wants_groups(inp: TopUpInput) -> bool:
+        n = len(inp.eligible)
+        return any(len(inp.existing[w]) < n for w in inp.widths)
+
+    # ---- rebalancing ----------------------------------------------------------
+
+    def wake(self) -> None:
+        """Plan again soon (a node joined or came back, a label changed, a move finished)."""
+        self._wake.set()
+
+    async def step(self) -> int:
+        """One round: top up, then plan and submit moves while fewer than
+        ``max_moving`` groups copy. Returns the moves submitted."""
+        await self.top_up()
+        if not self.enabled:
+            return 0
+        async with self._lock:
+            sm = self._state()
+            room = self.max_moving - len(sm.moving)
+            inp = move_input(sm)
+            moves = await asyncio.to_thread(plan_moves, inp, self.tolerance)
+            self._p.planned, self._p.plan_version = moves, inp.map_version
+            if room <= 0 or not moves:
+                return 0
+            batch = moves[:min(room, MOVES_PER_OP)]
+            req = pb.RebalanceMovesRequest(map_version=inp.map_version, moves=[
+                pb.RebalanceMove(group_id=m.group, position=m.position, old_target=m.old, new_target=m.new,
+                                 bytes=inp.group_bytes.get(m.group, 0)) for m in batch])
+            reply = await self._submit("rebalance_moves", req, pb.RebalanceMovesReply)
+            assert isinstance(reply, pb.RebalanceMovesReply)
+            sent = {m.group for m in batch} - set(reply.skipped)
+            self._p.planned = [m for m in moves if m.group not in sent]
+            if reply.applied:
+                log.info("rebalance: %d move(s) submitted, %d skipped, %d planned", reply.applied,
+                         len(reply.skipped), len(self._p.planned))
+            return int(reply.applied)
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+            if not self._leading():
+                self._p = _Progress()
+                continue
+            try:
+                await self.step()
+                self._p.last_error = ""
+            except TierFSError as err:  # lost leadership, timeouts: the next round retries
+                self._p.last_error = f"{type(err).__name__}: {err}"
+                log.debug("rebalance round failed: %s", err)
+            self._export()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="meta-rebalance")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # ---- progress ---------------------------------------------------------------
+
+    def status(self) -> pb.RebalanceStatus:
+        sm = self._state()
+        eligible = sm.eligible_targets()
+        ratio, mx, mean = balance(sm.target_bytes(), eligible)
+        planned = [m for m in self._p.planned if m.group not in sm.moving]
+        gb = sm.gbytes
+        in_flight = sum(mv[2] for mv in sm.moving.values())
+        return pb.RebalanceStatus(
+            enabled=self.enabled, moves_planned=len(planned), moves_in_flight=len(sm.moving),
+            moves_done=sm.moves_done, bytes_to_move=sum(gb.get(m.group, 0) for m in planned) + in_flight,
+            bytes_moved=sm.bytes_moved, balance_max_over_mean=ratio, bytes_max=mx, bytes_mean=mean,
+            targets=len(eligible), racks=sm.eligible_domains(), failure_domain=sm.failure_domain(),
+            last_error=self._p.last_error, rule_violations=sm.rule_violations())
+
+    def _export(self) -> None:
+        st = self.status()
+        _G_PLANNED.set(st.moves_planned)
+        _G_FLIGHT.set(st.moves_in_flight)
+        _G_DONE.set(st.moves_done)
+        _G_TO_MOVE.set(st.bytes_to_move)
+        _G_MOVED.set(st.bytes_moved)
+        _G_BALANCE.set(st.balance_max_over_mean)
+        _G_VIOLATIONS.set(st.rule_violations)
