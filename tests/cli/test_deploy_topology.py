@@ -133,7 +133,7 @@ def test_every_daemon_flag_cli_command_and_module_under_deploy_exists() -> None:
                     if w.startswith("--"):
                         assert w.split("=")[0] in _options(p), f"{where}: `tierfs {m.group(1)}`: no flag {w}"
                 commands += 1
-            for mod in re.findall(r"python3? -m ([\w.]+)", line):
+            for mod in re.findall(r"python3? -m ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?![\w.])", line):
                 if mod.startswith("tierfs"):
                     assert importlib.util.find_spec(mod) is not None, f"{where}: no module {mod}"
                     modules += 1

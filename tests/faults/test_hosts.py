@@ -165,7 +165,7 @@ def test_meta_leader_host_partitioned_client_host_keeps_working(hc: HostCluster,
         hc.partition(old)
         cut = time.time()
         new = hc.wait_leader(30, exclude=[old])
-        wait_until(lambda: _acked_since(out, cut) >= 3, 45,
+        wait_until(lambda: _acked_since(out, cut) >= 2, 45,
                    f"client host's writes after the leader {old} was cut off")
         first_ack = min(op["t"] + op["s"] for op in _ops(out) if op["ok"] and op["t"] >= cut)
         hc.heal(old)
@@ -198,9 +198,9 @@ def test_rack_loss_every_ec_4_2_file_exact(hc: HostCluster) -> None:
     with hc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
         client.mkdir("/rack")
         client.set_layout("/rack", chunk_size=MiB, redundancy="ec:4+2")
-        for i in range(8):
-            assert ledger.write(client, f"/rack/f{i}", random_bytes(3 * MiB + i, seed=900 + i)), ledger.errors
-        health = hc.wait_healthy(30)
+        for i in range(6):
+            assert ledger.write(client, f"/rack/f{i}", random_bytes(2 * MiB + i, seed=900 + i)), ledger.errors
+        health = asyncio.run(hc.cl.health(deadline=8.0))
         rack_of = _rack_of_target(hc, health)
 
         async def groups() -> list[list[int]]:
@@ -217,6 +217,4 @@ def test_rack_loss_every_ec_4_2_file_exact(hc: HostCluster) -> None:
         ledger.verify(client)
         print(f"\nrack r1 ({', '.join(killed)}) SIGKILLed: {len(ledger.acked)} ec:4+2 files exact, "
               f"{len(six)} groups one member per rack")
-        for h in killed:
-            hc.restart_host(h)
-    hc.wait_healthy(60)
+    # Last in the module: the rack stays down (the fixture's teardown stops the rest).
