@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import fcntl
 import itertools
 import json
@@ -69,7 +68,7 @@ from tests.faults.harness import FAST_GC_GRACE, FAST_META
 from tierfs.client import Client
 from tierfs.local import LocalCluster, ProcInfo, pid_alive
 
-__all__ = ["DEPLOY_RACKS", "Host", "HostCluster", "hosts_unavailable", "rack_label_supported", "wait_until"]
+__all__ = ["DEPLOY_RACKS", "Host", "HostCluster", "hosts_unavailable", "wait_until"]
 
 REPO = Path(__file__).resolve().parent.parent
 #: The deployment's ports (deploy/docker-compose.yml, deploy/k8s/): each host has its own port space.
@@ -103,13 +102,6 @@ def hosts_unavailable() -> str:
         return f"netns hosts: cannot create a bridge: {res.stderr.strip()}"
     subprocess.run(["ip", "link", "del", probe], capture_output=True, timeout=20)
     return ""
-
-
-def rack_label_supported() -> bool:
-    """True when storage daemons take ``--rack`` (StorageConfig.rack)."""
-    from tierfs.storage.config import StorageConfig
-
-    return any(f.name == "rack" for f in dataclasses.fields(StorageConfig))
 
 
 def _sweep_stale() -> None:

@@ -16,8 +16,7 @@ One cluster for the module: 3 meta hosts, 9 storage hosts in 6 racks
   the other two elect a leader, the client keeps getting acknowledgements,
   and after the heal the old leader rejoins as a follower;
 * rack loss: every daemon of one rack SIGKILLed, every ec:4+2 file exact,
-  and no placement group has two members in one rack (needs storage
-  daemons that take ``--rack``: StorageConfig.rack).
+  and no placement group has two members in one rack.
 """
 
 from __future__ import annotations
@@ -33,19 +32,15 @@ from typing import Any
 import pytest
 
 from tests.faults.harness import Ledger, MiB, fragment_files, random_bytes, wait_addr_state
-from tests.hosts import HostCluster, rack_label_supported, wait_until
+from tests.hosts import HostCluster, wait_until
 
 RACKS = ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r4", "r5"]
-#: Without --rack (storage daemons that do not know the flag yet) the
-#: cluster runs unlabelled and the rack-loss test is skipped, which the skip
-#: policy reports as a failure ([other]): it is not done until racks exist.
-LABELLED = rack_label_supported()
 
 
 @pytest.fixture(scope="module")
 def hc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCluster]:
     with HostCluster(tmp_path_factory.mktemp("hosts"), n_storage=len(RACKS),
-                     racks=RACKS if LABELLED else None) as cluster:
+                     racks=RACKS) as cluster:
         yield cluster
 
 
@@ -189,8 +184,6 @@ def _rack_of_target(hc: HostCluster, health: dict[str, Any]) -> dict[int, str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not LABELLED, reason="rack loss needs storage daemons with --rack (StorageConfig.rack, "
-                    "rack-aware placement: branch sc-rebalance); not done until it runs")
 def test_rack_loss_every_ec_4_2_file_exact(hc: HostCluster) -> None:
     from tierfs.meta import MetaClient
 
