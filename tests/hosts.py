@@ -35,7 +35,7 @@ a lock file), so parallel runs do not collide; 10.200.x is
 tests/faults/netns.py's. :meth:`close` (also run at interpreter exit, and by
 the constructor when start-up fails) stops the daemons and deletes every
 namespace, veth and the bridge; a later run also deletes what a killed run
-left behind (names with a dead pid and no process inside).
+left behind (names with its dead pid, and the TierFS daemons in them).
 
 Skips (``pytest.skip``) with a reason that says "netns" (category ``netns``
 in tests/skip_policy.py) when namespaces or bridges are not permitted here.
@@ -105,15 +105,26 @@ def hosts_unavailable() -> str:
 
 
 def _sweep_stale() -> None:
-    """Delete namespaces and bridges a killed run left (their pid is dead and
-    no process is inside); never touch anything with a live owner."""
+    """Delete what a killed run left: its namespaces (named with its pid,
+    which is dead now), the TierFS daemons still running in them (they
+    outlive their parent, as LocalCluster's do) and its bridges. Nothing
+    whose owner lives is touched, nor a process in those namespaces that is
+    not a TierFS daemon (then the namespace stays too)."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""
         m = re.fullmatch(r"tfhost-(\d+)x\d+-.+", ns)
         if not m or os.path.exists(f"/proc/{m.group(1)}"):
             continue
-        if not _ip("netns", "pids", ns, check=False).stdout.strip():
-            _ip("netns", "del", ns, check=False)
+        pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+        if not all(pid_alive(p) for p in pids):
+            continue  # something else (or a zombie) in there: leave it alone
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _ip("netns", "del", ns, check=False)
     for m in re.finditer(r"^\d+: (tfb(\d+)x\d+)[:@]", _ip("-o", "link", "show", check=False).stdout, flags=re.M):
         if not os.path.exists(f"/proc/{m.group(2)}"):
             _ip("link", "del", m.group(1), check=False)
