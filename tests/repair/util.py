@@ -36,8 +36,10 @@ __all__ = [
     "write_files",
 ]
 
-#: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced.
-META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2")
+#: Heartbeats missed for 1.5 s: offline; down for 2 s: replaced. No
+#: rebalancing: these tests count the fragments repair alone moves (the
+#: rebalancer's tests turn it on: tests/scale/).
+META_FAST = ("--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2", "--rebalance=false")
 #: Fast heartbeats, GC, rebuild and repair-queue polls; no background scrub
 #: (tests scrub on demand); orphans deletable at once.
 STORAGE_FAST = ("--heartbeat-interval=0.2", "--gc-interval=0.3", "--rebuild-interval=0.3", "--repair-interval=0.3",

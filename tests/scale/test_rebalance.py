@@ -28,13 +28,13 @@ from tierfs.proto.v1 import meta_pb2 as pb
 
 KiB = 1024
 CHUNK = 128 * KiB
-REBALANCE = ("--rebalance-interval=0.5", "--rebalance-max-moving=2")
+REBALANCE = ("--rebalance=true", "--rebalance-interval=0.5", "--rebalance-max-moving=4")
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    # 1 MiB/s of copy per node: the moves take seconds, the checker runs through them.
-    cl = start(tmp_path / "c", n_storage=4, meta_args=(*META_FAST, *REBALANCE), storage_args=("--rebuild-rate=1MiB",))
+    # 2 MiB/s of copy per node: the moves take seconds, the checker runs through them.
+    cl = start(tmp_path / "c", n_storage=4, meta_args=(*META_FAST, *REBALANCE), storage_args=("--rebuild-rate=2MiB",))
     try:
         yield cl
     finally:
@@ -75,6 +75,7 @@ async def grow_and_rebalance(cl: Any, grow: Callable[[int], None], disk: Callabl
         await ck.start(c)
         t0 = time.monotonic()
         await asyncio.to_thread(grow, 6)
+        grown = time.monotonic() - t0
         seen_moving = False
         end = time.monotonic() + timeout
         while True:
@@ -109,7 +110,7 @@ async def grow_and_rebalance(cl: Any, grow: Callable[[int], None], disk: Callabl
         new_targets = {t.target_id for t in after.targets} - {t.target_id for t in before.targets}
         stored = sum(on_disk.values())
         minimum = stored * len(new_targets) / len(on_disk)
-        return {"seconds": seconds, "bytes_moved": st.bytes_moved, "moves": st.moves_done, "stored": stored,
+        return {"seconds": seconds, "grow_seconds": grown, "bytes_moved": st.bytes_moved, "moves": st.moves_done, "stored": stored,
                 "minimum": minimum, "moved_over_minimum": st.bytes_moved / minimum, "spread": spread,
                 "checker_reads": ck.reads, "checker_writes": ck.writes}
 

@@ -239,6 +239,16 @@ class AsyncClient:
 
     # ---- lifecycle ------------------------------------------------------------
 
+    async def placement_version(self) -> int:
+        """The cluster map version writes are placed with from now on (the
+        map is fetched if there is none yet): a writer reports the oldest it
+        used at commit, so meta can tell which fragments went to a member
+        that a move or drain replaced meanwhile."""
+        router = self._parts()[2]
+        if not router.version:
+            await router.refresh(force=True)
+        return router.version
+
     def _parts(self) -> tuple[MetaClient, DataClient, Router]:
         if self._closed:
             raise UnavailableError("the client is closed")

@@ -87,6 +87,9 @@ class AsyncFile:
         self.pos = self.size if append else 0
         self.closed = False
         self._session = session
+        #: The cluster map version this writer's fragments were placed with
+        #: at the oldest (sent at commit; 0: unknown).
+        self.map_version = 0
         self._committed = chunk_records(info)
         self._written: dict[int, ChunkRecord] = {}  # chunks stored in this session
         self._uploads: dict[int, int] = {}  # chunk -> uploads begun in this session
@@ -127,8 +130,11 @@ class AsyncFile:
         cfg = client.config
         reply = await meta.open_write(path, owner=f"tierfs-client pid {os.getpid()}", lease_ms=cfg.lease_ms)
         try:
-            return cls(client, path, mode, reply.file, readable=plus, writable=True, append=base == "a",
-                       session=reply)
+            placed = await client.placement_version()
+            f = cls(client, path, mode, reply.file, readable=plus, writable=True, append=base == "a",
+                    session=reply)
+            f.map_version = placed
+            return f
         except BaseException:
             with contextlib.suppress(TierFSError):
                 await meta.abort_write(reply.session_id)
@@ -459,7 +465,8 @@ class AsyncFile:
             # Meta has staged the records renewals sent; the rest (and the
             # uploads no renewal reported) come with the commit.
             ups, recs = await self._renew(keep=True)
-            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs, uploads=ups)
+            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs, uploads=ups,
+                                                        map_version=self.map_version)
             self.size = info.attr.size
         except BaseException:
             await self.abort()

@@ -315,12 +315,14 @@ class MetaClient:
         return reply.lease_expiry_ns
 
     async def commit_write(self, session_id: int, size: int, chunks: Iterable[pb.ChunkRecord],
-                           uploads: Iterable[tuple[int, int]] = ()) -> pb.FileInfo:
+                           uploads: Iterable[tuple[int, int]] = (), map_version: int = 0) -> pb.FileInfo:
         """Publish the session's chunks (one record each: generation, length,
         CRC32C, fragments not stored) and the new size; ``uploads``: those
-        (chunk, generation) not reported by a renewal yet."""
+        (chunk, generation) not reported by a renewal yet; ``map_version``:
+        the oldest cluster map the fragments were placed with (0: unknown)."""
         req = pb.CommitWriteRequest(session_id=session_id, size=size, chunks=list(chunks),
-                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
+                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads],
+                                    map_version=map_version)
         return await self._call("CommitWrite", req, pb.FileInfo, mutating=True)
 
     async def abort_write(self, session_id: int, uploads: Iterable[tuple[int, int]] = ()) -> None:

@@ -152,6 +152,7 @@ class Rebalancer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._p = _Progress()
+        self._active = False
 
     # ---- group top-up --------------------------------------------------------
 
@@ -184,7 +185,15 @@ class Rebalancer:
     # ---- rebalancing ----------------------------------------------------------
 
     def wake(self) -> None:
-        """Plan again soon (a node joined or came back, a label changed, a move finished)."""
+        """Plan again soon (a move finished: room for the next batch)."""
+        self._wake.set()
+
+    def trigger(self) -> None:
+        """Start rebalancing (targets joined or came back, a label changed):
+        rounds plan moves until the targets are balanced, then only group
+        top-ups run until the next trigger. Data written since does not
+        start moves by itself: new writes are spread by placement."""
+        self._active = True
         self._wake.set()
 
     async def step(self) -> int:
@@ -195,10 +204,17 @@ class Rebalancer:
             return 0
         async with self._lock:
             sm = self._state()
+            # A new leader picks up moves in flight; groups breaking the
+            # rack rule (labels, racks that appeared) are always fixed.
+            if not (self._active or sm.moving or sm.rule_violations()):
+                self._p.planned = []
+                return 0
             room = self.max_moving - len(sm.moving)
             inp = move_input(sm)
             moves = await asyncio.to_thread(plan_moves, inp, self.tolerance)
             self._p.planned, self._p.plan_version = moves, inp.map_version
+            if not moves and not sm.moving:
+                self._active = False  # balanced (or as close as the rule allows)
             if room <= 0 or not moves:
                 return 0
             batch = moves[:min(room, MOVES_PER_OP)]

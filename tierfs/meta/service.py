@@ -456,10 +456,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         if node is None or self._heartbeat_changes(sm, req, mono):
             # Unknown nodes and foreign targets are refused by apply, with
             # its messages; everything else is a state change to commit.
+            before = set(sm.eligible_targets())
             reply = await self.submit(op, pb.HeartbeatReply)
             self._usage_logged[req.node_id] = mono
-            await self.rebalancer.top_up()  # targets back online get their groups
-            self.rebalancer.wake()
+            if set(sm.eligible_targets()) - before:
+                await self.rebalancer.top_up()  # targets back online get their groups
+                self.rebalancer.trigger()
         else:
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
@@ -651,10 +653,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_caps(request, "register_node")
         check_addr(request.data_addr, "register_node: data_addr")
         check_addr(request.control_addr, "register_node: control_addr", required=False)
+        before = set(self.state.eligible_targets())
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
         await self.rebalancer.top_up()  # the node's targets get groups before it is answered
-        self.rebalancer.wake()
+        if set(self.state.eligible_targets()) - before:
+            self.rebalancer.trigger()  # targets joined or came back: they get their share
         reply.cap_keys.extend(self.cap_keys())
         return reply
 
@@ -692,7 +696,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @grpc_errors
     async def LabelNode(self, request: pb.LabelNodeRequest, context: Ctx) -> pb.Empty:
         reply = await self._mutate(context, "label_node", request, pb.Empty)
-        self.rebalancer.wake()  # groups that now break the rack rule move
+        self.rebalancer.trigger()  # groups that now break the rack rule move
         return reply
 
     @grpc_errors

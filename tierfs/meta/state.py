@@ -260,6 +260,10 @@ class MetaStateMachine(Tracked):
         self.moving: dict[int, tuple[int, int, int]] = {}
         self.moves_done = 0
         self.bytes_moved = 0
+        # group id -> {position: the map version that announced its current
+        # member}: a commit whose writer's map is older records the position
+        # missing (its fragment went to the member before).
+        self.pos_epoch: dict[int, dict[int, int]] = {}
         self.sessions: dict[int, Session] = {}
         # (inode, chunk) of committed chunks with fragments known missing or
         # bad (derived from the chunk records: not in snapshots)
@@ -976,6 +980,7 @@ class MetaStateMachine(Tracked):
             assert members is not None
             seen.add(mv.group_id)
             members[mv.position] = mv.new_target
+            self.pos_epoch.setdefault(mv.group_id, {})[mv.position] = self.map_version + 1
             self.rebuilding.setdefault(mv.group_id, set()).add(mv.new_target)
             self.rebuild_sources.setdefault(mv.group_id, {})[mv.new_target] = mv.old_target
             self.moving[mv.group_id] = (mv.new_target, mv.old_target, mv.bytes)
@@ -1166,6 +1171,8 @@ class MetaStateMachine(Tracked):
         recs = {**s.staged, **self._check_records(s, f, r.chunks, r.size)}
         for idx in sorted(s.staged):
             self._check_chunk_index(f, idx, r.size)
+        if r.map_version:
+            recs = self._stale_positions(f, recs, r.map_version)
         s.uploads.update(ups)
         for idx in sorted(recs):
             old = f.chunks.get(idx)
@@ -1177,6 +1184,27 @@ class MetaStateMachine(Tracked):
         f.mtime = f.ctime = self.clock
         self._drop_session(s, f)
         return self._info(f)
+
+    def _stale_positions(self, f: Inode, recs: dict[int, ChunkRecord], map_version: int) -> dict[int, ChunkRecord]:
+        """``recs`` with the positions whose member changed after the
+        writer's map ``map_version`` added to ``missing``: a writer with an
+        older map sent that fragment to the member before (still alive when
+        it was drained or moved away), which no longer serves it."""
+        assert f.layout is not None
+        floor = 1 if f.layout.kind == pb.REDUNDANCY_KIND_REPLICA else f.layout.k
+        out = dict(recs)
+        for idx in sorted(recs):
+            pe = self.pos_epoch.get(f.groups[idx % len(f.groups)]) if f.groups else None
+            stale = {j for j, v in pe.items() if v > map_version} if pe else set()
+            if not stale:
+                continue
+            missing = set(recs[idx].missing) | stale
+            if f.layout.width - len(missing) < floor:
+                raise StaleVersionError(
+                    f"chunk {idx}: placement changed since cluster map version {map_version} the writer used "
+                    f"({len(missing)} of {f.layout.width} fragments would be on former members): write it again")
+            out[idx] = replace(recs[idx], missing=tuple(sorted(missing)))
+        return out
 
     def _op_abort_write(self, op: pb.MetaOp, r: pb.AbortWriteRequest) -> Message:
         s = self.sessions.get(r.session_id)
@@ -1324,7 +1352,9 @@ class MetaStateMachine(Tracked):
                 # failure than a slightly fuller target), then usage.
                 in_rack = rack_counts([m for m in members if m != tid], doms)
                 new = min(cands, key=lambda c: (in_rack[doms[c]] >= limit, usage.get(c, 0), c))
-                members[members.index(tid)] = new
+                j = members.index(tid)
+                members[j] = new
+                self.pos_epoch.setdefault(gid, {})[j] = self.map_version + 1  # the bump below announces it
                 usage[new] = usage.get(new, 0) + 1
                 usage[tid] -= 1
                 rb = self.rebuilding.setdefault(gid, set())
@@ -1739,6 +1769,8 @@ class MetaStateMachine(Tracked):
             **({"rebalance": {"moving": [[g, *self.moving[g]] for g in sorted(self.moving)],
                               "done": self.moves_done, "bytes": self.bytes_moved}}
                if self.moving or self.moves_done else {}),
+            **({"pos_epoch": [[g, sorted([j, v] for j, v in self.pos_epoch[g].items())]
+                              for g in sorted(self.pos_epoch)]} if self.pos_epoch else {}),
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -1795,6 +1827,7 @@ class MetaStateMachine(Tracked):
         self.moving = {row[0]: (row[1], row[2], row[3]) for row in reb.get("moving", [])}
         self.moves_done = reb.get("done", 0)
         self.bytes_moved = reb.get("bytes", 0)
+        self.pos_epoch = {g: {j: v for j, v in rows} for g, rows in doc.get("pos_epoch", [])}
         # The per-group inventory is derived from the chunk records.
         for ino in sorted(self.inodes):
             f = self.inodes[ino]

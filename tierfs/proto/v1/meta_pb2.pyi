@@ -984,8 +984,15 @@ class CommitWriteRequest(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
     UPLOADS_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     size: _builtins.int
+    map_version: _builtins.int
+    """The oldest cluster map version the writer placed fragments with (0:
+    unknown). A position of a group whose member changed after it (a move,
+    a drain, a replacement) is recorded missing: the fragment went to the
+    member before, and the repair queue puts it on the new one.
+    """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]:
         """The chunks written in this session, each with the generation that holds
@@ -1005,10 +1012,11 @@ class CommitWriteRequest(_message.Message):
         size: _builtins.int = ...,
         chunks: _abc.Iterable[Global___ChunkRecord] | None = ...,
         uploads: _abc.Iterable[Global___ChunkUpload] | None = ...,
+        map_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "session_id", b"session_id", "size", b"size", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "map_version", b"map_version", "session_id", b"session_id", "size", b"size", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1077,8 +1085,8 @@ class RegisterNodeRequest(_message.Message):
     data_addr: _builtins.str
     control_addr: _builtins.str
     rack: _builtins.str
-    """Failure domain (storage config `rack`); "" = the node is its own.
-    Each registration sets it again (`tierfs node label` changes it too).
+    """Failure domain (storage config `rack`). A registration with a rack sets
+    the node's label; "" leaves it as it is (`tierfs node label` sets it too).
     """
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___TargetSpec]: ...

@@ -1,0 +1,30 @@
+"""LocalCluster.grow (what `tierfs up --storage N` does on an existing
+cluster) plans new storage daemons without touching the planned ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierfs.errors import ConfigError
+from tierfs.local import LocalCluster
+
+
+def test_grow_adds_storage_daemons_and_keeps_the_plan(tmp_path: Path) -> None:
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=2, targets_per_node=2, racks=["a", "b"])
+    cl.dir.mkdir(parents=True)
+    cl._save_state()
+    before = {p.name: (p.addr, list(p.argv)) for p in cl.procs}
+    again = LocalCluster.open(tmp_path / "c")
+    assert again.grow(4, racks=["c"]) == ["storage-2", "storage-3"]
+    reopened = LocalCluster.open(tmp_path / "c")
+    assert reopened.counts == {"meta": 1, "storage": 4, "targets_per_node": 2}
+    after = {p.name: (p.addr, list(p.argv)) for p in reopened.procs}
+    assert all(after[n] == v for n, v in before.items())  # the planned ones are untouched
+    assert len({a for a, _ in after.values()}) == len(after)  # fresh ports
+    assert "--rack=c" in after["storage-2"][1] and not any(a.startswith("--rack") for a in after["storage-3"][1])
+    assert "--rack=a" in after["storage-0"][1]
+    assert reopened.grow(4) == []
+    with pytest.raises(ConfigError, match="drain"):
+        reopened.grow(3)
