@@ -29,9 +29,9 @@ from tests.scale.test_rebalance import REBALANCE, disk_bytes, grow_and_rebalance
 @pytest.mark.timeout(240)
 def test_hosts_grow_4_to_6_rebalance_with_no_unreadable_byte(tmp_path: Path) -> None:
     meta_args = ("--heartbeat-timeout=3", "--tick-interval=0.2", *REBALANCE)
-    # 1 MiB/s of copy per node: the moves take seconds, the checker runs through them.
+    # 2 MiB/s of copy per node (as tests/scale/): the moves take seconds, the checker runs through them.
     with HostCluster(tmp_path / "hc", n_storage=4, extra_meta_args=meta_args,
-                     extra_storage_args=[*STORAGE_FAST, "--rebuild-rate=1MiB"], gc_grace=0.5) as hc:
+                     extra_storage_args=[*STORAGE_FAST, "--rebuild-rate=2MiB"], gc_grace=0.5) as hc:
         manifest = hc.run_client("client-0", "write", "--dir", "/rbc", "--files", "6", "--size", str(256 << 10),
                                  "--redundancy", "ec:2+1", "--chunk-size", str(128 << 10))
         (tmp_path / "m.json").write_text(json.dumps(manifest))
