@@ -86,7 +86,8 @@ def test_kubernetes_manifests_build_with_kustomize() -> None:
     r = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     kinds = re.findall(r"^kind: (\w+)$", r.stdout, flags=re.M)
-    assert sorted(kinds) == ["DaemonSet", "Namespace", "PodDisruptionBudget", "Service", "StatefulSet"]
+    assert sorted(kinds) == ["Namespace", "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service",
+                             "StatefulSet", "StatefulSet"]
 
 
 def test_yaml_parses() -> None:

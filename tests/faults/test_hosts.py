@@ -1,0 +1,213 @@
+"""The fault suite through the multi-host fixture (tests/hosts.py): every
+daemon on its own "host" (network namespace, own address, one bridge), the
+client programs on a client host of their own, as deployed.
+
+One cluster for the module: 3 meta hosts, 9 storage hosts in 6 racks
+(``--rack r0`` .. ``r5``; r0..r2 hold two hosts each), one client host. In order:
+
+* a client in its own namespace writes and reads back real files, and they
+  read back the same from the test's namespace;
+* a storage host is partitioned while a client on the client host writes
+  and reads file after file: every acknowledged file reads back exactly
+  while it is cut off (decoded around it), meta marks it offline, new files
+  commit degraded; after the heal it is online again and catches up (it
+  rebuilds the fragments it missed);
+* the meta leader's host is partitioned while that client keeps writing:
+  the other two elect a leader, the client keeps getting acknowledgements,
+  and after the heal the old leader rejoins as a follower;
+* rack loss: every daemon of one rack SIGKILLed, every ec:4+2 file exact,
+  and no placement group has two members in one rack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults.harness import Ledger, MiB, fragment_files, random_bytes, wait_addr_state
+from tests.hosts import HostCluster, wait_until
+
+RACKS = ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r4", "r5"]
+
+
+@pytest.fixture(scope="module")
+def hc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCluster]:
+    with HostCluster(tmp_path_factory.mktemp("hosts"), n_storage=len(RACKS),
+                     racks=RACKS) as cluster:
+        yield cluster
+
+
+def _ops(out: Path) -> list[dict[str, Any]]:
+    """The per-operation lines a running ``loop`` worker has printed so far."""
+    ops = []
+    for line in out.read_text().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if isinstance(doc, dict) and "i" in doc:
+            ops.append(doc)
+    return ops
+
+
+def _acked_since(out: Path, t: float) -> int:
+    return sum(1 for op in _ops(out) if op["ok"] and op["t"] >= t)
+
+
+def _finish_loop(hc: HostCluster, proc: Any, stop: Path, out: Path, timeout: float = 60.0) -> dict[str, Any]:
+    stop.touch()
+    try:
+        rc = proc.wait(timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    assert rc == 0, f"client worker exited {rc}:\n{out.with_suffix('.log').read_text()[-3000:]}"
+    doc = json.loads(out.read_text().strip().splitlines()[-1])
+    assert isinstance(doc, dict) and "files" in doc
+    return doc
+
+
+def _verify_manifest(hc: HostCluster, files: dict[str, str]) -> None:
+    import hashlib
+
+    with hc.client() as c:
+        for path, want in sorted(files.items()):
+            assert hashlib.sha256(c.read_bytes(path)).hexdigest() == want, f"{path}: not what was acknowledged"
+
+
+@pytest.mark.timeout(150)
+def test_client_in_its_own_namespace_writes_and_reads(hc: HostCluster) -> None:
+    out = hc.run_client("client-0", "write", "--dir", "/c", "--files", "3", "--size", str(2 * MiB + 7))
+    assert len(out["files"]) == 3
+    # It really ran elsewhere: another network namespace than this process's.
+    assert out["netns"] != os.readlink("/proc/self/ns/net")
+    _verify_manifest(hc, out["files"])  # from the test's namespace, through the bridge
+
+
+@pytest.mark.timeout(120)
+def test_storage_host_partitioned_mid_write_then_heal(hc: HostCluster, tmp_path: Path) -> None:
+    victim = "storage-4"
+    addr = hc.cl.proc(victim).addr
+    ledger = Ledger()
+    out, stop = tmp_path / "loop.out", tmp_path / "stop"
+    with hc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
+        client.mkdir("/p")
+        client.set_layout("/p", chunk_size=MiB)
+        for i in range(2):
+            assert ledger.write(client, f"/p/f{i}", random_bytes(4 * MiB + i, seed=600 + i)), ledger.errors
+        loop = hc.start_client("client-0", "loop", "--dir", "/pl", "--size", str(3 * MiB // 2), "--seed", "40",
+                               "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "1.0", out=out)
+        try:
+            wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+            before = len(fragment_files(hc.cl, victim))
+            degraded0 = client.aclient.degraded_writes
+            big = random_bytes(10 * MiB + 3, seed=601)
+            with client.open("/p/big", "wb") as f:
+                f.write(big[: 2 * MiB])
+                hc.partition(victim)  # mid-write: the file's groups were chosen with the victim online
+                cut = time.time()
+                f.write(big[2 * MiB:])
+            ledger.acked["/p/big"] = big
+            # The file stripes over many groups, most with a member on the
+            # victim: chunks written after the cut commit without it.
+            assert client.aclient.degraded_writes > degraded0, "no write went degraded"
+            assert not hc.reachable(victim, 7200, timeout=0.5)
+            t0 = time.monotonic()
+            ledger.verify(client)  # every read decodes around the unreachable host
+            first = time.monotonic() - t0
+            offline_after = wait_addr_state(hc.meta_addrs, addr, "offline", 30)
+            assert ledger.write(client, "/p/during", random_bytes(2 * MiB, seed=10)), ledger.errors
+            wait_until(lambda: _acked_since(out, cut) >= 2, 45, "client host's writes while a storage host is cut off")
+            print(f"\nstorage host partitioned mid-write: verify 20 MiB took {first:.2f}s; offline after {offline_after:.1f}s "
+                  f"more; the client host kept writing")
+            assert first < 30
+
+            hc.heal(victim)
+            back = wait_addr_state(hc.meta_addrs, addr, "online", 30)
+            # Catch-up: the host rebuilds the fragments of the degraded chunks it missed.
+            wait_until(lambda: len(fragment_files(hc.cl, victim)) > before, 45,
+                       f"{victim} to rebuild what it missed (had {before} fragments)")
+            healed = time.time()
+            wait_until(lambda: _acked_since(out, healed) >= 1, 30, "client host's writes after the heal")
+            print(f"healed: online again after {back:.1f}s, caught up")
+        finally:
+            doc = _finish_loop(hc, loop, stop, out)
+        assert ledger.write(client, "/p/after", random_bytes(MiB, seed=2)), ledger.errors
+        ledger.verify(client)
+    _verify_manifest(hc, doc["files"])
+    hc.wait_healthy(30)
+
+
+@pytest.mark.timeout(120)
+def test_meta_leader_host_partitioned_client_host_keeps_working(hc: HostCluster, tmp_path: Path) -> None:
+    out, stop = tmp_path / "loop.out", tmp_path / "stop"
+    # A partitioned leader costs a lease renewal one meta attempt (3 s) plus
+    # the election: a 6 s lease outlives that (tests/faults/test_partition.py).
+    loop = hc.start_client("client-0", "loop", "--dir", "/ml", "--size", str(MiB), "--seed", "80",
+                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
+                           "--lease-ms", "6000", out=out)
+    try:
+        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+        old = hc.wait_leader()
+        hc.partition(old)
+        cut = time.time()
+        new = hc.wait_leader(30, exclude=[old])
+        wait_until(lambda: _acked_since(out, cut) >= 2, 45,
+                   f"client host's writes after the leader {old} was cut off")
+        first_ack = min(op["t"] + op["s"] for op in _ops(out) if op["ok"] and op["t"] >= cut)
+        hc.heal(old)
+
+        def rejoined() -> dict[str, str] | None:
+            roles = {m["name"]: m["role"] for m in asyncio.run(hc.cl.health(deadline=8.0))["meta"]}
+            return roles if roles.get(old) == "follower" else None
+
+        roles = wait_until(rejoined, 60, f"{old} to rejoin as a follower")
+        hc.wait_healthy(60)
+        print(f"\nmeta leader {old} partitioned: new leader {new}; the client host's first acknowledgement after "
+              f"the cut {first_ack - cut:.1f}s later; after heal: {roles}")
+    finally:
+        doc = _finish_loop(hc, loop, stop, out)
+    assert doc["files"]
+    _verify_manifest(hc, doc["files"])
+
+
+def _rack_of_target(hc: HostCluster, health: dict[str, Any]) -> dict[int, str]:
+    return {int(t): hc.hosts[s["name"]].rack for s in health["storage"] for t in s["targets"]}
+
+
+@pytest.mark.timeout(120)
+def test_rack_loss_every_ec_4_2_file_exact(hc: HostCluster) -> None:
+    from tierfs.meta import MetaClient
+
+    ledger = Ledger()
+    with hc.client(request_timeout=1.0, connect_timeout=1.0, retries=2) as client:
+        client.mkdir("/rack")
+        client.set_layout("/rack", chunk_size=MiB, redundancy="ec:4+2")
+        for i in range(6):
+            assert ledger.write(client, f"/rack/f{i}", random_bytes(2 * MiB + i, seed=900 + i)), ledger.errors
+        health = asyncio.run(hc.cl.health(deadline=8.0))
+        rack_of = _rack_of_target(hc, health)
+
+        async def groups() -> list[list[int]]:
+            async with MetaClient(hc.meta_addrs, deadline=5.0) as mc:
+                cmap = await mc.get_cluster_map()
+            return [list(g.target_ids) for g in cmap.groups if g.width == 6]
+
+        six = asyncio.run(groups())
+        assert six, "no ec:4+2 placement group"
+        for g in six:
+            racks = [rack_of[t] for t in g]
+            assert len(set(racks)) == len(racks), f"group {g}: two members in one rack ({racks})"
+        killed = hc.kill_rack("r1")
+        ledger.verify(client)
+        print(f"\nrack r1 ({', '.join(killed)}) SIGKILLed: {len(ledger.acked)} ec:4+2 files exact, "
+              f"{len(six)} groups one member per rack")
+    # Last in the module: the rack stays down (the fixture's teardown stops the rest).
