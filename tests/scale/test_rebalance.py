@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cluster import wait_for
 from tests.repair.util import META_FAST, random_bytes, start
 from tests.scale.checker import LiveChecker
 from tierfs.cli.repair import scrub_cluster
@@ -126,3 +129,24 @@ def test_grow_4_to_6_rebalances_with_no_unreadable_byte(cluster: LocalCluster) -
     # Close to the minimum (1/3 of the data for 2 nodes added to 4); the
     # checker's new files land on the new targets directly and count there.
     assert r["moved_over_minimum"] <= 1.3, r
+
+    # The leader's Prometheus endpoint says the same as the status RPC.
+    def leader_gauges() -> bool:
+        for addr in cluster.metrics_addrs.values():
+            m = _scrape(addr)
+            if m.get(("tierfs_meta_role", (("role", "leader"),))) == 1.0:
+                return (m.get(("tierfs_rebalance_moves_done", ())) == r["moves"]
+                        and m.get(("tierfs_rebalance_bytes_moved", ())) == r["bytes_moved"]
+                        and m.get(("tierfs_rebalance_moves_in_flight", ())) == 0
+                        and m.get(("tierfs_rebalance_rule_violations", ())) == 0
+                        and (m.get(("tierfs_rebalance_balance_max_over_mean", ())) or 0) >= 1.0)
+        return False
+
+    wait_for(leader_gauges, 20, "the leader's tierfs_rebalance_* gauges to show the finished rebalance")
+
+
+def _scrape(addr: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
