@@ -906,7 +906,8 @@ class MetaStateMachine(Tracked):
             return memo[width]
         return cap
 
-    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str) -> None:
+    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str,
+                     doms: dict[int, str] | None = None) -> None:
         if len(set(members)) != len(members):
             raise InvalidArgumentError(f"{what}: members {members} repeat a target")
         for m in members:
@@ -914,7 +915,8 @@ class MetaStateMachine(Tracked):
                 raise InvalidArgumentError(f"{what}: target {m} is not eligible for placement")
         if len({eligible[m] for m in members}) != len(members):
             raise InvalidArgumentError(f"{what}: two members of {members} share a node")
-        counts = rack_counts(members, self.target_domains())
+        # The caller's doms: one per op, not per group (10,000 targets).
+        counts = rack_counts(members, self.target_domains() if doms is None else doms)
         if counts and max(counts.values()) > cap:
             raise InvalidArgumentError(f"{what}: {members} puts more than {cap} member(s) in one rack "
                                        f"({self.eligible_domains()} racks)")
@@ -934,11 +936,12 @@ class MetaStateMachine(Tracked):
             raise InvalidArgumentError(f"add_groups: {have} groups of width {w} exist; {len(r.groups)} more exceed "
                                        f"one per eligible target ({len(eligible)})")
         new = []
+        doms = self.target_domains()
         for i, g in enumerate(r.groups):
             members = list(g.target_ids)
             if len(members) != w:
                 raise InvalidArgumentError(f"add_groups: group {i} has {len(members)} members, not {w}")
-            self._check_group(members, eligible, cap, f"add_groups: group {i}")
+            self._check_group(members, eligible, cap, f"add_groups: group {i}", doms)
             new.append(members)
         self._commit_width(w, new)
         return pb.Empty()
