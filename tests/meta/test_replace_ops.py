@@ -1,10 +1,13 @@
 """Replacements planned by the leader (tierfs.meta.replace) and sent inside
 RemoveTarget, DrainNode and Tick: the same outcome as apply's own planning
 (kept for old journal entries), stale or invalid replacements refused
-without a trace, and at 10,000 targets apply plans nothing."""
+without a trace, and at 10,000 targets apply plans nothing. KV pool re-planning (still in
+apply) chooses exactly as before."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +15,8 @@ import pytest
 
 from tests.meta.meta_helpers import Driver
 from tierfs.meta import MetaStateMachine
+from tierfs.meta.kvpools import replan_groups
+from tierfs.meta.placement import distinct_nodes, plan_groups
 from tierfs.meta.replace import plan_replacements, replace_input, replacements_pb
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -167,3 +172,48 @@ def test_10000_targets_apply_plans_nothing_and_work_is_per_move(monkeypatch: pyt
     # Every new member on a node its group did not use.
     node_of = {t.id: t.node for t in d.sm.targets.values()}
     assert all(len({node_of[t] for t in m}) == width for m in d.sm.groups.values())
+
+
+def _replan_reference(current: list[list[int]], eligible: dict[int, int], width: int) -> list[list[int]]:
+    """kvpools.replan_groups as it was (a sort of every eligible target per
+    replaced member): the heap version must choose exactly the same, or old
+    journals would replay to other KV pool groups."""
+    if distinct_nodes(eligible) < width:
+        return []
+    usage: Counter[int] = Counter(t for g in current for t in g if t in eligible)
+    kept: list[list[int]] = []
+    for g in current:
+        members = list(g)
+        ok = len(members) == width
+        for j, t in enumerate(members):
+            if not ok:
+                break
+            if t in eligible:
+                continue
+            nodes = {eligible[m] for m in members if m in eligible}
+            cands = [c for c in sorted(eligible) if eligible[c] not in nodes and c not in members]
+            if not cands:
+                ok = False
+                break
+            new = min(cands, key=lambda c: (usage[c], c))
+            members[j] = new
+            usage[new] += 1
+        if ok:
+            kept.append(members)
+    want = len(eligible)
+    if len(kept) > want:
+        return kept[:want]
+    return kept + plan_groups(eligible, kept, width, want - len(kept))
+
+
+def test_kv_replan_chooses_as_before() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        nodes = rng.randint(2, 9)
+        per = rng.randint(1, 3)
+        width = rng.randint(1, min(nodes, 5))
+        allt = {n * 10 + k + 1: n for n in range(nodes) for k in range(per)}
+        start = [list(g) for g in plan_groups(allt, [], width, len(allt))]
+        lost = set(rng.sample(sorted(allt), rng.randint(0, len(allt) // 2)))
+        eligible = {t: n for t, n in allt.items() if t not in lost}
+        assert replan_groups(start, eligible, width) == _replan_reference(start, eligible, width)
