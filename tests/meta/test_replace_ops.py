@@ -88,23 +88,29 @@ def test_planned_tick_matches_the_old_in_apply_path() -> None:
 
 def test_stale_or_invalid_replacements_are_refused_and_leave_no_trace() -> None:
     def setup(d: Driver) -> None:
-        d.register(8, 1)
+        d.register(9, 1)
         nodes = sorted(d.sm.nodes)
-        for i, n in enumerate(nodes):  # 7 racks: r0 holds two nodes
-            d.do("label_node", pb.LabelNodeRequest(node_id=n, rack=f"r{i % 7}"))
+        for i, n in enumerate(nodes):  # 8 racks (r0 holds two nodes): one rack a group at width 6
+            d.do("label_node", pb.LabelNodeRequest(node_id=n, rack=f"r{i % 8}"))
         d.create("/f", stripe_width=6)
 
     bad, empty = _twins(setup)
     sm = bad.sm
-    tid = sorted(sm.targets)[0]
-    gid, members = next((g, m) for g, m in sorted(sm.groups.items()) if tid in m)
-    j = members.index(tid)
     doms = sm.target_domains()
     node_of = {t.id: t.node for t in sm.targets.values()}
+
+    def in_rack_of(members: list[int], tid: int) -> int | None:
+        others = [m for m in members if m != tid]
+        return next((t for t in sorted(sm.targets) if t not in members and doms[t] in {doms[m] for m in others}
+                     and node_of[t] not in {node_of[m] for m in others}), None)
+
+    # A member whose group has a free target in a rack the other members use.
+    gid, members, tid = next((g, m, t) for g, m in sorted(sm.groups.items()) for t in m
+                             if in_rack_of(m, t) is not None)
+    in_rack = in_rack_of(members, tid)
+    j = members.index(tid)
     others = [m for m in members if m != tid]
-    spare = [t for t in sorted(sm.targets) if t not in members]
-    in_rack = next((t for t in spare if doms[t] in {doms[m] for m in others}
-                    and node_of[t] not in {node_of[m] for m in others}), None)
+    spare = [t for t in sorted(sm.targets) if t not in members and t != in_rack]
     wrong = [
         (gid, j, others[0], spare[0]),  # old member is not the removed target
         (gid, (j + 1) % len(members), tid, spare[0]),  # tid is not at that position
@@ -112,8 +118,8 @@ def test_stale_or_invalid_replacements_are_refused_and_leave_no_trace() -> None:
         (gid, j, tid, tid),  # the removed target itself: not eligible
         (gid + 10_000, 0, tid, spare[0]),  # no such group
     ]
-    if in_rack is not None:
-        wrong.append((gid, j, tid, in_rack))  # a rack the group already uses, 7 racks >= width 6
+    assert in_rack is not None
+    wrong.append((gid, j, tid, in_rack))  # a rack the group already uses, with >= 6 racks left
     # A target that went down after the plan: no longer eligible at apply.
     bad.do("tick", pb.TickRequest(offline_nodes=[node_of[spare[-1]]]))
     empty.do("tick", pb.TickRequest(offline_nodes=[node_of[spare[-1]]]))
