@@ -17,7 +17,9 @@ While this replica leads, a background task submits a Tick op every
 ``tick_interval`` seconds: it expires storage nodes that missed heartbeats for
 ``heartbeat_timeout`` and write sessions whose lease ran out, and (if
 ``replace_after`` > 0) swaps targets down for that long out of their
-placement groups.
+placement groups. The replacements (for those, and for ``RemoveTarget`` and
+``DrainNode``) are chosen here, in a worker thread
+(:mod:`tierfs.meta.replace`), and sent inside the op; apply only checks them.
 
 Bounded work: a request is checked against the caps of
 :mod:`tierfs.meta.ops` (lists, strings, page limits, and the whole op at
