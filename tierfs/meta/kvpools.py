@@ -13,6 +13,7 @@ remove pools live in :mod:`tierfs.meta.state`.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,11 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
     if distinct_nodes(eligible) < width:
         return []
     usage: Counter[int] = Counter(t for g in current for t in g if t in eligible)
+    # Eligible targets by (usage, id): a replacement takes the first that
+    # fits, the least used as before, without a sort of every target per
+    # replaced member (this runs inside apply, at 10,000 targets). Usage
+    # only grows here, so an entry whose usage is no longer current is stale.
+    heap: list[tuple[int, int]] | None = None
     kept: list[list[int]] = []
     for g in current:
         members = list(g)
@@ -92,14 +98,29 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
                 break
             if t in eligible:
                 continue
+            if heap is None:
+                heap = [(usage[c], c) for c in eligible]
+                heapq.heapify(heap)
             nodes = {eligible[m] for m in members if m in eligible}
-            cands = [c for c in sorted(eligible) if eligible[c] not in nodes and c not in members]
-            if not cands:
+            popped: list[tuple[int, int]] = []
+            new = -1
+            while heap:
+                e = heapq.heappop(heap)
+                if usage[e[1]] != e[0]:
+                    continue
+                popped.append(e)
+                if eligible[e[1]] not in nodes and e[1] not in members:
+                    new = e[1]
+                    break
+            for e in popped:
+                if e[1] != new:
+                    heapq.heappush(heap, e)
+            if new < 0:
                 ok = False
                 break
-            new = min(cands, key=lambda c: (usage[c], c))
             members[j] = new
             usage[new] += 1
+            heapq.heappush(heap, (usage[new], new))
         if ok:
             kept.append(members)
     want = len(eligible)

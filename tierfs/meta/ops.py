@@ -51,6 +51,7 @@ __all__ = [
     "MAX_OP_BYTES",
     "MAX_PATH_BYTES",
     "MAX_READDIR_LIMIT",
+    "MAX_REPLACEMENTS",
     "MAX_STRING_BYTES",
     "MAX_TARGETS_PER_NODE",
     "MIN_CHUNK_SIZE",
@@ -88,6 +89,10 @@ MAX_MARK_ITEMS = 4096
 MAX_REPAIR_PAGE = 4096
 #: Silent storage nodes one Tick marks offline (more wait for the next tick).
 MAX_OFFLINE_PER_TICK = 16_384
+#: Replacements one RemoveTarget/DrainNode/Tick carries (about 16 bytes
+#: each); groups beyond are reported stuck (drain again) or left to the
+#: next tick.
+MAX_REPLACEMENTS = 8192
 
 # ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
 #: A serialized op (what goes into the Raft log) is at most this big. Every
@@ -130,6 +135,8 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("ListRepairsRequest", "target_ids"): MAX_GC_TARGETS,
     ("MarkFragmentsRequest", "items"): MAX_MARK_ITEMS,
     ("TickRequest", "offline_nodes"): MAX_OFFLINE_PER_TICK,
+    ("Replacements", "moves"): MAX_REPLACEMENTS,
+    ("Replacements", "groups_stuck"): MAX_REPLACEMENTS,
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("AckGCRequest", "acks"): MAX_GC_ACKS,

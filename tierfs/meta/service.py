@@ -17,7 +17,9 @@ While this replica leads, a background task submits a Tick op every
 ``tick_interval`` seconds: it expires storage nodes that missed heartbeats for
 ``heartbeat_timeout`` and write sessions whose lease ran out, and (if
 ``replace_after`` > 0) swaps targets down for that long out of their
-placement groups.
+placement groups. The replacements (for those, and for ``RemoveTarget`` and
+``DrainNode``) are chosen here, in a worker thread
+(:mod:`tierfs.meta.replace`), and sent inside the op; apply only checks them.
 
 Bounded work: a request is checked against the caps of
 :mod:`tierfs.meta.ops` (lists, strings, page limits, and the whole op at
@@ -111,6 +113,7 @@ from tierfs.meta.ops import (
 )
 from tierfs.meta.perms import caller_pb, squash
 from tierfs.meta.rebalance import Rebalancer
+from tierfs.meta.replace import plan_replacements, replace_input, replacements_pb
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -216,6 +219,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.tick_interval = tick_interval
         self.submit_timeout = submit_timeout
         self.replace_after = replace_after
+        # (map version, targets down) of the last tick that found nothing to
+        # replace: the next ticks skip planning until one of them changes.
+        self._replace_idle: tuple[int, tuple[int, ...]] = (-1, ())
         self.gc_grace = gc_grace
         self.usage_interval = usage_interval
         self.kv_default_pool = kv_default_pool
@@ -555,8 +561,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         nothing (``force`` submits anyway). Only meaningful on the leader,
         whose state is current. Returns whether it submitted."""
         req = pb.TickRequest(replace_after_ms=int(self.replace_after * 1000), offline_nodes=self.silent_nodes()[:MAX_OFFLINE_PER_TICK])
+        req.replaced.planned = True  # apply never plans replacements itself for this leader's ticks
         op = self._op("tick", req)
-        if not force and not req.offline_nodes and not self.state.tick_due(op.now_ns, 0, req.replace_after_ms):
+        if req.replace_after_ms:
+            down = self.state.down_for(op.now_ns, req.replace_after_ms)
+            key = (self.state.map_version, tuple(down))
+            if down and key != self._replace_idle:
+                rep = await self._plan_replacements(down, [])
+                if rep.moves:
+                    op.tick.replaced.CopyFrom(rep)
+                else:
+                    self._replace_idle = key  # nothing to do until the map or the down set changes
+        if not force and not req.offline_nodes and not op.tick.replaced.moves \
+                and not self.state.tick_due(op.now_ns, 0, 0):
             return False
         await self.submit(op, pb.Empty)
         return True
@@ -802,11 +819,28 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def RemoveTarget(self, request: pb.RemoveTargetRequest, context: Ctx) -> pb.ReplaceReply:
-        return await self._mutate(context, "remove_target", request, pb.ReplaceReply)
+        req = pb.RemoveTargetRequest(target_id=request.target_id)
+        t = self.state.targets.get(req.target_id)
+        if t is not None and not t.removed:  # else apply refuses it, with its message
+            req.replaced.CopyFrom(await self._plan_replacements([t.id], [t.id]))
+        return await self._mutate(context, "remove_target", req, pb.ReplaceReply)
 
     @grpc_errors
     async def DrainNode(self, request: pb.DrainNodeRequest, context: Ctx) -> pb.ReplaceReply:
-        return await self._mutate(context, "drain_node", request, pb.ReplaceReply)
+        req = pb.DrainNodeRequest(node_id=request.node_id)
+        node = self.state.nodes.get(req.node_id)
+        if node is not None:
+            mine = sorted(node.targets)
+            req.replaced.CopyFrom(await self._plan_replacements(mine, mine))
+        return await self._mutate(context, "drain_node", req, pb.ReplaceReply)
+
+    async def _plan_replacements(self, tids: list[int], leaving: list[int]) -> pb.Replacements:
+        """The replacements of ``tids`` (tierfs.meta.replace): inputs copied
+        here on the event loop, planned in a worker thread; apply checks
+        them against the state it finds."""
+        inp = replace_input(self.state, tids, leaving=leaving)
+        moves, stuck = await asyncio.to_thread(plan_replacements, inp)
+        return replacements_pb(moves, stuck)
 
     @grpc_errors
     async def RemoveNode(self, request: pb.RemoveNodeRequest, context: Ctx) -> pb.Empty:

@@ -906,7 +906,8 @@ class MetaStateMachine(Tracked):
             return memo[width]
         return cap
 
-    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str) -> None:
+    def _check_group(self, members: list[int], eligible: dict[int, int], cap: int, what: str,
+                     doms: dict[int, str] | None = None) -> None:
         if len(set(members)) != len(members):
             raise InvalidArgumentError(f"{what}: members {members} repeat a target")
         for m in members:
@@ -914,7 +915,8 @@ class MetaStateMachine(Tracked):
                 raise InvalidArgumentError(f"{what}: target {m} is not eligible for placement")
         if len({eligible[m] for m in members}) != len(members):
             raise InvalidArgumentError(f"{what}: two members of {members} share a node")
-        counts = rack_counts(members, self.target_domains())
+        # The caller's doms: one per op, not per group (10,000 targets).
+        counts = rack_counts(members, self.target_domains() if doms is None else doms)
         if counts and max(counts.values()) > cap:
             raise InvalidArgumentError(f"{what}: {members} puts more than {cap} member(s) in one rack "
                                        f"({self.eligible_domains()} racks)")
@@ -934,11 +936,12 @@ class MetaStateMachine(Tracked):
             raise InvalidArgumentError(f"add_groups: {have} groups of width {w} exist; {len(r.groups)} more exceed "
                                        f"one per eligible target ({len(eligible)})")
         new = []
+        doms = self.target_domains()
         for i, g in enumerate(r.groups):
             members = list(g.target_ids)
             if len(members) != w:
                 raise InvalidArgumentError(f"add_groups: group {i} has {len(members)} members, not {w}")
-            self._check_group(members, eligible, cap, f"add_groups: group {i}")
+            self._check_group(members, eligible, cap, f"add_groups: group {i}", doms)
             new.append(members)
         self._commit_width(w, new)
         return pb.Empty()
@@ -1322,9 +1325,70 @@ class MetaStateMachine(Tracked):
         self._replace_targets([tid for tid in sorted(self.targets)
                                if self.targets[tid].down_since and self.clock - self.targets[tid].down_since >= after_ns])
 
+    def _apply_replacements(self, rep: pb.Replacements, replaceable: Callable[[int], bool], *,
+                            source: bool = False) -> list[int]:
+        """Replacements the leader planned (tierfs.meta.replace): each one
+        still valid (the old member still holds the position and is one
+        this op replaces, the new one eligible, not a member, on a node the
+        group does not use and in a rack under its limit) is applied as
+        :meth:`_replace_member` does; the others leave their group stuck.
+        O(moves x width) plus one pass over the targets. Returns the
+        groups stuck (the leader's and the refused)."""
+        eligible = self._eligible()
+        doms = self.target_domains()
+        cap = self._caps(eligible)
+        stuck = list(rep.groups_stuck)
+        changed = False
+        for mv in rep.moves:
+            members = self.groups.get(mv.group_id)
+            old, new = mv.old_target, mv.new_target
+            ok = (members is not None and mv.position < len(members) and members[mv.position] == old
+                  and replaceable(old) and new in eligible and new not in members)
+            if ok:
+                assert members is not None
+                others = [m for j, m in enumerate(members) if j != mv.position]
+                ok = (eligible[new] not in {self.targets[m].node for m in others if m in self.targets}
+                      and rack_counts(others, doms)[doms[new]] < cap(len(members)))
+            if not ok:
+                stuck.append(mv.group_id)
+                continue
+            self._replace_member(mv.group_id, mv.position, new, source=source)
+            changed = True
+        if changed:
+            self.map_version += 1
+        return stuck
+
+    def _replace_member(self, gid: int, j: int, new: int, *, source: bool) -> None:
+        """Put ``new`` at position ``j`` of group ``gid``, rebuilding (from
+        the old member when ``source``; a source the old member inherited
+        passes on). The caller bumps the map."""
+        members = self.groups[gid]
+        tid = members[j]
+        members[j] = new
+        self.pos_epoch.setdefault(gid, {})[j] = self.map_version + 1  # the caller's bump announces it
+        rb = self.rebuilding.setdefault(gid, set())
+        srcs = self.rebuild_sources.get(gid, {})
+        # A member replaced before its own rebuild finished: the new one
+        # inherits its source (the data never reached tid).
+        inherited = srcs.pop(tid, 0) if tid in rb else 0
+        rb.discard(tid)
+        rb.add(new)
+        src = inherited or (tid if source else 0)
+        if src:
+            self.rebuild_sources.setdefault(gid, {})[new] = src
+        mv = self.moving.get(gid)
+        if mv is not None and mv[0] == tid:
+            self.moving[gid] = (new, mv[1], mv[2])  # the move's copy goes on to the replacement
+        if gid in self.rebuild_sources and not self.rebuild_sources[gid]:
+            del self.rebuild_sources[gid]
+
     def _replace_targets(self, tids: Iterable[int], *, source: bool = False) -> list[int]:
         """Swap each of ``tids`` out of its groups, each time for the
-        least-used online target on a node the group does not use yet. The
+        least-used online target on a node the group does not use yet: what
+        apply did before the leader planned replacements
+        (tierfs.meta.replace), kept for the entries of older versions (a
+        Tick, RemoveTarget or DrainNode without ``replaced.planned``), which
+        must replay as they did. O(targets x groups): never on new entries. The
         newcomer is marked rebuilding (with the old member as its copy
         source when ``source``: a drain, the old member still serves).
         Returns the groups left unchanged for want of a candidate."""
@@ -1352,26 +1416,9 @@ class MetaStateMachine(Tracked):
                 # failure than a slightly fuller target), then usage.
                 in_rack = rack_counts([m for m in members if m != tid], doms)
                 new = min(cands, key=lambda c: (in_rack[doms[c]] >= limit, usage.get(c, 0), c))
-                j = members.index(tid)
-                members[j] = new
-                self.pos_epoch.setdefault(gid, {})[j] = self.map_version + 1  # the bump below announces it
+                self._replace_member(gid, members.index(tid), new, source=source)
                 usage[new] = usage.get(new, 0) + 1
                 usage[tid] -= 1
-                rb = self.rebuilding.setdefault(gid, set())
-                srcs = self.rebuild_sources.get(gid, {})
-                # A member replaced before its own rebuild finished: the new
-                # one inherits its source (the data never reached tid).
-                inherited = srcs.pop(tid, 0) if tid in rb else 0
-                rb.discard(tid)
-                rb.add(new)
-                src = inherited or (tid if source else 0)
-                if src:
-                    self.rebuild_sources.setdefault(gid, {})[new] = src
-                mv = self.moving.get(gid)
-                if mv is not None and mv[0] == tid:
-                    self.moving[gid] = (new, mv[1], mv[2])  # the move's copy goes on to the replacement
-                if gid in self.rebuild_sources and not self.rebuild_sources[gid]:
-                    del self.rebuild_sources[gid]
                 changed = True
         if changed:
             self.map_version += 1
@@ -1411,7 +1458,10 @@ class MetaStateMachine(Tracked):
         t.removed = True
         self._refresh_down()
         self.map_version += 1
-        stuck = self._replace_targets([t.id])
+        if r.replaced.planned:
+            stuck = self._apply_replacements(r.replaced, lambda tid: tid == t.id)
+        else:
+            stuck = self._replace_targets([t.id])  # an entry of an older version
         self._drop_gc_for({t.id})
         return pb.ReplaceReply(groups_stuck=stuck)
 
@@ -1426,7 +1476,11 @@ class MetaStateMachine(Tracked):
         if not node.draining:
             node.draining = True
             self.map_version += 1
-        stuck = self._replace_targets(sorted(node.targets), source=True)
+        if r.replaced.planned:
+            mine = set(node.targets)
+            stuck = self._apply_replacements(r.replaced, mine.__contains__, source=True)
+        else:
+            stuck = self._replace_targets(sorted(node.targets), source=True)  # an entry of an older version
         return pb.ReplaceReply(groups_stuck=stuck)
 
     def _op_remove_node(self, op: pb.MetaOp, r: pb.RemoveNodeRequest) -> Message:
@@ -1546,8 +1600,15 @@ class MetaStateMachine(Tracked):
         if silent:
             self.map_version += 1
         self._refresh_down()
-        if r.replace_after_ms:
-            self._replace_down_targets(r.replace_after_ms * NS_PER_MS)
+        if r.replaced.planned:
+            after = r.replace_after_ms * NS_PER_MS
+
+            def down(tid: int) -> bool:
+                t = self.targets.get(tid)
+                return bool(after and t is not None and t.down_since and self.clock - t.down_since >= after)
+            self._apply_replacements(r.replaced, down)
+        elif r.replace_after_ms:
+            self._replace_down_targets(r.replace_after_ms * NS_PER_MS)  # an entry of an older leader
         for sid in sorted(self.sessions):
             s = self.sessions[sid]
             if s.expiry < self.clock:
@@ -1577,6 +1638,13 @@ class MetaStateMachine(Tracked):
             if down and self._replaceable(down):
                 return True
         return False
+
+    def down_for(self, now_ns: int, replace_after_ms: int) -> list[int]:
+        """Targets a Tick at ``now_ns`` may replace: down ``replace_after_ms``
+        or longer (O(targets); the leader plans their replacements,
+        tierfs.meta.replace)."""
+        now, after = self._advance(now_ns), replace_after_ms * NS_PER_MS
+        return sorted(t.id for t in self.targets.values() if t.down_since and now - t.down_since >= after)
 
     def _replaceable(self, down: set[int]) -> bool:
         """Whether some group holding one of ``down`` has a candidate to

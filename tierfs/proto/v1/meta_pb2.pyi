@@ -1784,15 +1784,23 @@ class RemoveTargetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TARGET_ID_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
+    @_builtins.property
+    def replaced(self) -> Global___Replacements:
+        """The replacements, computed by the leader's service (not inside apply);
+        absent in entries of older versions, which apply replays as they did.
+        """
+
     def __init__(
         self,
         *,
         target_id: _builtins.int = ...,
+        replaced: Global___Replacements | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_id", b"target_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced", "target_id", b"target_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1807,19 +1815,64 @@ class DrainNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
+    @_builtins.property
+    def replaced(self) -> Global___Replacements:
+        """as in RemoveTargetRequest"""
+
     def __init__(
         self,
         *,
         node_id: _builtins.int = ...,
+        replaced: Global___Replacements | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class Replacements(_message.Message):
+    """Members swapped out of their groups, chosen by the leader's service
+    (tierfs.meta.replace) on a copy of the state; apply only checks each one
+    (the old member is still the one being replaced, the new one eligible,
+    on a node and rack the group allows, not a member yet) and applies it, or
+    counts its group as stuck. `planned` false: an entry from before, whose
+    replacements apply computes itself.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLANNED_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
+    GROUPS_STUCK_FIELD_NUMBER: _builtins.int
+    planned: _builtins.bool
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___RebalanceMove]:
+        """`bytes` unused"""
+
+    @_builtins.property
+    def groups_stuck(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Groups the leader found no candidate for."""
+
+    def __init__(
+        self,
+        *,
+        planned: _builtins.bool = ...,
+        moves: _abc.Iterable[Global___RebalanceMove] | None = ...,
+        groups_stuck: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups_stuck", b"groups_stuck", "moves", b"moves", "planned", b"planned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Replacements: _TypeAlias = Replacements  # noqa: Y015
 
 @_typing.final
 class LabelNodeRequest(_message.Message):
@@ -2683,6 +2736,7 @@ class TickRequest(_message.Message):
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     REPLACE_AFTER_MS_FIELD_NUMBER: _builtins.int
     OFFLINE_NODES_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     heartbeat_timeout_ms: _builtins.int
     """Mark offline every node whose replicated last heartbeat is older than
     this. Only in ticks of older leaders: heartbeats are no longer log
@@ -2698,16 +2752,23 @@ class TickRequest(_message.Message):
         its own start as leader at the earliest): marked offline.
         """
 
+    @_builtins.property
+    def replaced(self) -> Global___Replacements:
+        """Replacements of targets down for replace_after_ms (as in
+        RemoveTargetRequest); planned: apply computes none itself.
+        """
+
     def __init__(
         self,
         *,
         heartbeat_timeout_ms: _builtins.int = ...,
         replace_after_ms: _builtins.int = ...,
         offline_nodes: _abc.Iterable[_builtins.int] | None = ...,
+        replaced: Global___Replacements | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "offline_nodes", b"offline_nodes", "replace_after_ms", b"replace_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "offline_nodes", b"offline_nodes", "replace_after_ms", b"replace_after_ms", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
