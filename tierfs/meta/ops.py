@@ -43,6 +43,7 @@ __all__ = [
     "MAX_GC_GRACE",
     "MAX_GC_PAGE",
     "MAX_GC_TARGETS",
+    "MAX_GROUPS_PER_OP",
     "MAX_GROUP_CHUNKS_PAGE",
     "MAX_KV_BUDGET",
     "MAX_KV_USAGE",
@@ -93,6 +94,9 @@ MAX_OFFLINE_PER_TICK = 16_384
 #: each); groups beyond are reported stuck (drain again) or left to the
 #: next tick.
 MAX_REPLACEMENTS = 8192
+#: New placement groups one AddGroups op carries (the leader sends more in
+#: several ops); also caps the moves of one RebalanceMoves op (above).
+MAX_GROUPS_PER_OP = 1024
 
 # ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
 #: A serialized op (what goes into the Raft log) is at most this big. Every
@@ -136,6 +140,9 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("MarkFragmentsRequest", "items"): MAX_MARK_ITEMS,
     ("TickRequest", "offline_nodes"): MAX_OFFLINE_PER_TICK,
     ("Replacements", "moves"): MAX_REPLACEMENTS,
+    ("AddGroupsRequest", "groups"): MAX_GROUPS_PER_OP,
+    ("GroupMembers", "target_ids"): MAX_WIDTH,
+    ("RebalanceMovesRequest", "moves"): MAX_REPLACEMENTS,
     ("Replacements", "groups_stuck"): MAX_REPLACEMENTS,
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,

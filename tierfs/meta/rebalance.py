@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Gauge
 
 from tierfs.errors import StaleVersionError, TierFSError
+from tierfs.meta.ops import MAX_GROUPS_PER_OP, MAX_REPLACEMENTS
 from tierfs.meta.placement import Move, plan_groups, plan_rebalance
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -43,8 +44,8 @@ __all__ = ["Rebalancer", "balance", "plan_moves", "plan_top_up"]
 
 log = logging.getLogger("tierfs.meta.rebalance")
 
-#: Groups one AddGroups op carries (the default list cap of a request).
-GROUPS_PER_OP = 1024
+#: Groups one AddGroups op carries (its list cap, tierfs.meta.ops).
+GROUPS_PER_OP = MAX_GROUPS_PER_OP
 #: Moves one RebalanceMoves op carries.
 MOVES_PER_OP = 1024
 
@@ -209,7 +210,7 @@ class Rebalancer:
             if not (self._active or sm.moving or sm.rule_violations()):
                 self._p.planned = []
                 return 0
-            room = self.max_moving - len(sm.moving)
+            room = min(self.max_moving - len(sm.moving), MAX_REPLACEMENTS)  # one op's cap
             inp = move_input(sm)
             moves = await asyncio.to_thread(plan_moves, inp, self.tolerance)
             self._p.planned, self._p.plan_version = moves, inp.map_version
