@@ -84,16 +84,19 @@ def _leader(fc: FaultCluster) -> str:
 
 
 def _move_meta0(nn: NetnsNode) -> Callable[[LocalCluster], None]:
-    """Plan hook: meta-0's Raft and gRPC addresses move to the namespace side."""
+    """Plan hook: meta-0's Raft, gRPC and metrics addresses move to the
+    namespace side (it cannot bind an address of ours)."""
 
     def hook(cl: LocalCluster) -> None:
         m0 = cl.proc("meta-0")
-        moves = {a: a.replace(nn.host_ip, nn.ns_ip) for a in (m0.addr, m0.extra["raft"])}
+        keys = [k for k in ("raft", "metrics") if m0.extra.get(k)]
+        moves = {a: a.replace(nn.host_ip, nn.ns_ip) for a in (m0.addr, *(m0.extra[k] for k in keys))}
         for p in cl.procs:
             for old, new in moves.items():
                 p.argv = [arg.replace(old, new) for arg in p.argv]
         m0.addr = moves[m0.addr]
-        m0.extra["raft"] = moves[m0.extra["raft"]]
+        for k in keys:
+            m0.extra[k] = moves[m0.extra[k]]
 
     return hook
 

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import stat as _stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -309,6 +310,11 @@ class AsyncClient:
         # match the old ones in meta's retry de-duplication.
         self._router.meta = self._meta
         await old.close()
+        # Finished aio calls can outlive their channel in reference cycles
+        # (a MetaClient keeps a call to read its trailing metadata); one
+        # still alive at fork() leaves the child's gRPC broken (hangs,
+        # SIGSEGV: "Other threads are currently calling into gRPC").
+        gc.collect()
 
     async def before_fork(self) -> None:
         """Close the metadata gRPC channels (the next call opens new ones).
