@@ -33,6 +33,7 @@ import pytest
 
 from tests.faults.harness import Ledger, MiB, fragment_files, random_bytes, wait_addr_state
 from tests.hosts import HostCluster, wait_until
+from tierfs.meta import MetaClient
 
 RACKS = ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r4", "r5"]
 
@@ -41,6 +42,17 @@ RACKS = ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r4", "r5"]
 def hc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCluster]:
     with HostCluster(tmp_path_factory.mktemp("hosts"), n_storage=len(RACKS),
                      racks=RACKS) as cluster:
+        # The hosts register one by one, so the first groups break the rack
+        # rule until every rack is there and the rebalancer moves them. A
+        # writer whose session spans such moves can be refused at commit
+        # (StaleVersionError, a known gap: issue 13's notes); these tests
+        # are about partitions and rack loss, so they start on a settled map.
+        async def settled() -> bool:
+            async with MetaClient(cluster.meta_addrs, deadline=10.0, data_dir=str(cluster.cl.dir)) as mc:
+                st = await mc.rebalance_status()
+            return not (st.moves_in_flight or st.moves_planned or st.rule_violations)
+
+        wait_until(lambda: asyncio.run(settled()), 90, "the rebalancer to finish the start-up moves")
         yield cluster
 
 
