@@ -4,6 +4,7 @@ label_node) and the stale-map rule at commit, on the state machine."""
 from __future__ import annotations
 
 import pytest
+from google.protobuf.message import Message
 
 from tests.meta.meta_helpers import Driver, recs
 from tierfs.errors import InvalidArgumentError, StaleVersionError
@@ -104,3 +105,50 @@ def test_service_tops_up_groups_labels_and_reports() -> None:
             assert st.racks == 4 and st.rule_violations == 0, st
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("session_ends", [True, False])
+def test_moves_wait_for_a_write_session_a_bounded_time(session_ends: bool) -> None:
+    """A group an open write session has uploads in is not moved for up to
+    ``write_defer`` seconds (its writer would have to re-send them); it moves
+    once the session ends, or once that time is over if it never does."""
+    import asyncio
+
+    from tests.meta.meta_helpers import ups
+    from tierfs.meta.rebalance import Rebalancer, groups_being_written
+
+    d = Driver()
+    d.register(7, 1)
+    d.create("/f", stripe_width=1)
+    gid = d.stat("/f").layout.groups[0]
+    s = d.do("open_write", pb.OpenWriteRequest(loc=pb.Loc(path="/f"), owner="t"), pb.OpenWriteReply)
+    assert not groups_being_written(d.sm)  # no upload yet: nothing to wait for
+    d.do("renew_lease", pb.RenewLeaseRequest(session_id=s.session_id, uploads=ups(s.data_version, [0])))
+    assert groups_being_written(d.sm) == {gid}
+    # Two members of the session's group in one rack: the rule wants one moved.
+    members = d.sm.groups[gid]
+    for t in members[:2]:
+        d.do("label_node", pb.LabelNodeRequest(node_id=d.sm.targets[t].node, rack="a"))
+    clock = [100.0]
+
+    async def submit(kind: str, req: object, reply_cls: type) -> object:
+        assert isinstance(req, Message)
+        return d.do(kind, req, reply_cls)
+
+    rb = Rebalancer(lambda: d.sm, submit, lambda: True, max_moving=64, write_defer=10.0, clock=lambda: clock[0])
+
+    async def rounds() -> None:
+        await rb.step()
+        assert gid not in d.sm.moving and rb.status().moves_planned >= 1  # planned, held
+        clock[0] += 9.0
+        await rb.step()
+        assert gid not in d.sm.moving
+        if session_ends:
+            d.do("abort_write", pb.AbortWriteRequest(session_id=s.session_id))
+        else:
+            clock[0] += 1.0  # write_defer is over: the group moves although it is still written
+        await rb.step()
+        assert gid in d.sm.moving
+
+    asyncio.run(rounds())

@@ -122,6 +122,10 @@ class MetaConfig(BaseConfig):
                                       "registers, a label changes or a move finishes).", kind="duration")
     rebalance_max_moving: int = field(
         4, "Most placement groups the rebalancer moves at once (each copies under the storage rebuild_rate).")
+    rebalance_write_defer: float = field(
+        30.0, "How long a move of a placement group waits while an open write session has uploads in it (its "
+        "writer would re-send those fragments to the new member at close); the group moves after that even if "
+        "it is still being written. 0: moves never wait.", kind="duration")
 
     kv_default_pool: bool = field(
         True,
@@ -192,6 +196,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be >= 1", field="rebalance_max_moving")
         if self.rebalance_interval <= 0:
             raise ConfigError("must be > 0", field="rebalance_interval")
+        if self.rebalance_write_defer < 0:
+            raise ConfigError("must be >= 0", field="rebalance_write_defer")
         if self.heartbeat_interval <= 0:
             raise ConfigError("must be > 0", field="heartbeat_interval")
         if self.election_timeout_min <= 3 * self.heartbeat_interval:

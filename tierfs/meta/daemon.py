@@ -214,7 +214,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         gc_grace=cfg.gc_grace, root_squash=cfg.root_squash, cluster_secret=secret,
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,
         rebalance=cfg.rebalance, rebalance_interval=cfg.rebalance_interval,
-        rebalance_max_moving=cfg.rebalance_max_moving,
+        rebalance_max_moving=cfg.rebalance_max_moving, rebalance_write_defer=cfg.rebalance_write_defer,
         kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
         auth=Authenticator(secret) if cfg.auth and secret is not None else None,

@@ -17,7 +17,11 @@ owns one :class:`Rebalancer`, which
   at most ``max_moving`` groups copying at once. A move is the drain
   mechanism: the new member rebuilds by copy from the old one, which keeps
   serving that position until ``FinishRebuild``; the next batch goes out
-  when moves finish.
+  when moves finish. A move of a group that an open write session has
+  uploads in waits up to ``write_defer`` seconds for the session to end
+  (:func:`groups_being_written`): its writer would otherwise have to send
+  those fragments again to the new member before it commits. Never
+  longer, so a group that is always being written still moves.
 
 Progress (:meth:`Rebalancer.status`) is the ``GetRebalanceStatus`` reply
 and the ``tierfs_rebalance_*`` gauges of the process's default Prometheus
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -40,7 +45,7 @@ from tierfs.meta.placement import Move, plan_groups, plan_rebalance
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["Rebalancer", "balance", "plan_moves", "plan_top_up"]
+__all__ = ["Rebalancer", "balance", "groups_being_written", "plan_moves", "plan_top_up"]
 
 log = logging.getLogger("tierfs.meta.rebalance")
 
@@ -117,6 +122,24 @@ def plan_moves(inp: MoveInput, tolerance: float = 0.10) -> list[Move]:
     return [m for m in moves if m.group not in inp.busy]
 
 
+def groups_being_written(sm: MetaStateMachine) -> set[int]:
+    """Groups that hold uploads of open write sessions (chunks begun or
+    staged, as the writers' renewals reported them)."""
+    out: set[int] = set()
+    for s in sm.sessions.values():
+        f = sm.inodes.get(s.inode)
+        if f is None or not f.groups or not s.uploads:
+            continue
+        n = len(f.groups)
+        slots: set[int] = set()
+        for idx, _ in s.uploads:
+            slots.add(idx % n)
+            if len(slots) == n:
+                break
+        out.update(f.groups[i] for i in slots)
+    return out
+
+
 def balance(target_bytes: Mapping[int, int], eligible: Mapping[int, int]) -> tuple[float, int, int]:
     """(max / mean, max, mean) of the bytes on the eligible targets (1.0 when empty)."""
     vals = [target_bytes.get(t, 0) for t in eligible]
@@ -141,7 +164,8 @@ class Rebalancer:
 
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
-                 tolerance: float = 0.10) -> None:
+                 tolerance: float = 0.10, write_defer: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._state = state
         self._submit = submit
         self._leading = leading
@@ -149,6 +173,9 @@ class Rebalancer:
         self.interval = interval
         self.max_moving = max(1, max_moving)
         self.tolerance = tolerance
+        self.write_defer = write_defer
+        self._clock = clock
+        self._held: dict[int, float] = {}  # group -> since when its moves wait for a write session
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -216,9 +243,12 @@ class Rebalancer:
             self._p.planned, self._p.plan_version = moves, inp.map_version
             if not moves and not sm.moving:
                 self._active = False  # balanced (or as close as the rule allows)
+            held = self._hold(sm, moves)
             if room <= 0 or not moves:
                 return 0
-            batch = moves[:min(room, MOVES_PER_OP)]
+            batch = [m for m in moves if m.group not in held][:min(room, MOVES_PER_OP)]
+            if not batch:
+                return 0
             req = pb.RebalanceMovesRequest(map_version=inp.map_version, moves=[
                 pb.RebalanceMove(group_id=m.group, position=m.position, old_target=m.old, new_target=m.new,
                                  bytes=inp.group_bytes.get(m.group, 0)) for m in batch])
@@ -230,6 +260,21 @@ class Rebalancer:
                 log.info("rebalance: %d move(s) submitted, %d skipped, %d planned", reply.applied,
                          len(reply.skipped), len(self._p.planned))
             return int(reply.applied)
+
+    def _hold(self, sm: MetaStateMachine, moves: list[Move]) -> set[int]:
+        """Groups whose moves wait this round: an open write session has
+        uploads in them, for less than ``write_defer`` seconds so far (a
+        group written without pause moves once that is over)."""
+        if self.write_defer <= 0 or not moves:
+            self._held.clear()
+            return set()
+        writing = groups_being_written(sm) & {m.group for m in moves}
+        now = self._clock()
+        self._held = {g: self._held.get(g, now) for g in writing}
+        held = {g for g, since in self._held.items() if now - since < self.write_defer}
+        if held:
+            log.debug("rebalance: moves of %d group(s) wait for their write sessions", len(held))
+        return held
 
     async def _loop(self) -> None:
         while True:

@@ -193,6 +193,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         rebalance: bool = True,
         rebalance_interval: float = 5.0,
         rebalance_max_moving: int = 4,
+        rebalance_write_defer: float = 30.0,
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
@@ -255,7 +256,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._kv_used: dict[int, dict[tuple[int, int], pb.KVTargetUsage]] = {}
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
-                                     max_moving=rebalance_max_moving)
+                                     max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
 
     async def _background_op(self, kind: str, req: object, reply_cls: type) -> object:
         """Commit an op the leader made itself (placement work)."""
