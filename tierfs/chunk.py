@@ -27,6 +27,12 @@ these functions (STYLE.md 13: one rule, one place).
   K data fragments' stored bytes in order (:func:`chunk_crc`), or a whole
   replica. Degraded reads, rebuilds and the scrubber's whole-chunk check
   compare against it.
+* **Placement.** Fragment ``j`` is valid only on the group's current
+  member at position ``j``. A writer whose group changed during its session
+  (a rebalance move, a drain, a replacement) has some fragments on former
+  members (:func:`moved_positions`): it sends those to the current members
+  before it commits; meta marks any it still finds on a member announced
+  after the writer's map missing at commit (``pos_epoch``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ __all__ = [
     "crc32c",
     "fragment_size",
     "generation",
+    "moved_positions",
     "parity_size",
     "session_version",
     "valid_bytes",
@@ -115,6 +122,18 @@ def fragment_size(j: int, k: int, chunk_size: int, length: int, *, replicated: b
     f = -(-chunk_size // k)
     p = min(f, length)
     return max(0, min(length - j * f, p)) if j < k else p
+
+
+def moved_positions(placed: Sequence[int], members: Sequence[int], missing: Iterable[int]) -> list[int]:
+    """Positions of a chunk whose fragment was stored on ``placed[j]`` and
+    whose group member there is now another target (``members``, the
+    group in a newer map): they no longer count until sent to the new
+    member. Positions the chunk's record lists as not stored are not
+    fragments to move."""
+    if len(placed) != len(members):
+        raise ValueError(f"group width changed from {len(placed)} to {len(members)}")
+    skip = set(missing)
+    return [j for j, (a, b) in enumerate(zip(placed, members, strict=True)) if a != b and j not in skip]
 
 
 def chunk_crc(data_fragments: Sequence[Any] | Iterable[Any]) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -27,7 +28,15 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tierfs.buffers import BufferPool
-from tierfs.chunk import ChunkRecord, chunk_crc, fragment_size, parity_size, valid_bytes
+from tierfs.chunk import (
+    ChunkRecord,
+    chunk_crc,
+    crc32c,
+    fragment_size,
+    moved_positions,
+    parity_size,
+    valid_bytes,
+)
 from tierfs.client.codec import Codec, codec_for
 from tierfs.client.config import ClientConfig, client_tls
 from tierfs.client.fanout import first_error, ordered
@@ -250,6 +259,15 @@ class AsyncClient:
         if not router.version:
             await router.refresh(force=True)
         return router.version
+
+    async def current_placement(self, *, force: bool = False) -> tuple[int, dict[int, tuple[int, ...]]]:
+        """The cluster map's version and groups (id -> targets) after a
+        refresh (rate-limited by ``map_refresh_interval`` unless ``force``):
+        a writer compares them with where its fragments went before it
+        commits."""
+        router = self._parts()[2]
+        await router.refresh(force=force or not router.version)
+        return router.version, router.groups
 
     def _parts(self) -> tuple[MetaClient, DataClient, Router]:
         if self._closed:
@@ -884,7 +902,8 @@ class AsyncClient:
             n = min(codec.width, 2) if codec.replicated else codec.k + min(1, codec.m)
         return max(codec.k, min(n, codec.width))
 
-    async def _write_chunk(self, view: FileView, idx: int, version: int, frags: Sequence[Any]) -> list[int]:
+    async def _write_chunk(self, view: FileView, idx: int, version: int,
+                           frags: Sequence[Any]) -> tuple[list[int], tuple[int, ...]]:
         """Store the K+M fragments of chunk ``idx`` (tagged ``version``) on its
         group, all in parallel. Degraded writes: the chunk counts as stored
         once ``min_write_fragments`` of them are durable. A position whose
@@ -895,7 +914,9 @@ class AsyncClient:
         rebuilds it from the committed version. Fragments are keyed by
         version, so an older fragment on a returning node is never read as
         this one. Returns the positions not stored (recorded in meta at
-        commit, so that repair starts at once)."""
+        commit, so that repair starts at once) and the targets the others
+        were stored on (the group as the map had it: a writer re-sends the
+        fragments whose member changed since, see ``_resend_moved``)."""
         _, data, router = self._parts()
         cfg = self.config
         gid = view.groups[idx % len(view.groups)]
@@ -980,8 +1001,86 @@ class AsyncClient:
                 log.info("%s: chunk %d version %d stored degraded on group %s: %d of %d fragments (%s)",
                          view.path, idx, version, gid, len(done), width,
                          "; ".join(f"fragment {j} on target {targets[j]}: {errors[j]}" for j in sorted(errors)))
-            return [j for j in range(width) if j not in done]
+            return [j for j in range(width) if j not in done], targets
         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
                            for j, e in sorted(errors.items()))
         raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid}: {len(done)} of "
                                f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")
+
+    async def _resend_moved(self, view: FileView, idx: int, rec: ChunkRecord, placed: Sequence[int],
+                            members: Sequence[int]) -> ChunkRecord:
+        """Put chunk ``idx`` (``rec``, uploaded in an open write session onto
+        ``placed``) on its group's current ``members``: every fragment whose
+        position changed member since (``moved_positions``: a rebalance
+        move, a drain, a replacement) is sent to the new member under the
+        same key. The fragments are byte-identical to what was sent, so each
+        is copied from the member it went to; those that cannot be read
+        there are rebuilt from the chunk read back (any K of the fragments
+        it wrote, checked against the chunk's CRC) and encoded again.
+        Returns the record to commit: ``rec``, or, when a new member refused
+        or did not answer, ``rec`` with those positions missing (the repair
+        queue adds them), as long as ``min_write_fragments`` stay stored."""
+        moved = moved_positions(placed, members, rec.missing)
+        if not moved:
+            return rec
+        _, data, _ = self._parts()
+        cfg, codec, cs = self.config, view.codec, view.chunk_size
+        keys = {j: FragmentKey(view.inode, idx, j, rec.generation) for j in moved}
+        frags: dict[int, memoryview] = {}
+        reads = []
+        for j in moved:
+            n = fragment_size(j, codec.k, cs, rec.length, replicated=codec.replicated)
+            frags[j] = memoryview(bytearray(n))
+            if n:
+                reads.append(j)
+        res = await data.read_batch([(placed[j], keys[j], frags[j], 0) for j in reads], timeout=cfg.request_timeout)
+        lost = [j for j, r in zip(reads, res, strict=True) if not (isinstance(r, int) and r == len(frags[j]))]
+        if lost:
+            buf = self.pool.get(codec.encode_size(cs))
+            try:
+                buf[rec.length:] = bytes(len(buf) - rec.length)
+                skip = frozenset(rec.missing) | frozenset(lost)
+                read = self._read_replica if codec.replicated else self._read_ec
+                try:
+                    await read(view, idx, rec, tuple(placed), 0, rec.length, buf[:rec.length], skip)
+                except TierFSError as exc:
+                    raise type(exc)(f"{view.path}: chunk {idx}: its fragments {lost} went to members a move "
+                                    f"replaced since and cannot be read back to send to the new ones: {exc}") from exc
+                if crc32c(buf[:rec.length]) != rec.crc:
+                    raise CorruptError(f"{view.path}: chunk {idx} read back for re-sending does not match its "
+                                       f"CRC32C {rec.crc:#x}")
+                for j, fr in zip(range(codec.width), codec.encode(buf, rec.length, cs), strict=True):
+                    if j in lost:
+                        frags[j] = memoryview(bytes(fr))
+            finally:
+                self.pool.put(buf)
+        errors: dict[int, TierFSError] = {}
+        pending, delay = list(moved), cfg.backoff_initial
+        for attempt in range(cfg.retries):
+            wres = await data.write_batch([(members[j], keys[j], frags[j]) for j in pending],
+                                          timeout=cfg.request_timeout)
+            again = []
+            for j, r in zip(pending, wres, strict=True):
+                if r is None:
+                    errors.pop(j, None)
+                    continue
+                errors[j] = r
+                self._note(members[j], r)
+                if isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
+                    again.append(j)
+            pending = again
+            if not pending or attempt == cfg.retries - 1:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max)
+        if not errors:
+            return rec
+        missing = sorted(set(rec.missing) | set(errors))
+        if codec.width - len(missing) < self.min_write_fragments(codec):
+            detail = "; ".join(f"fragment {j} to target {members[j]}: {type(e).__name__}: {e}"
+                               for j, e in sorted(errors.items()))
+            raise UnavailableError(f"{view.path}: chunk {idx}: its group changed during the write and the moved "
+                                   f"fragments could not be sent to the new members: {detail}")
+        log.info("%s: chunk %d: moved fragments %s not re-sent, left missing for repair", view.path, idx,
+                 sorted(errors))
+        return dataclasses.replace(rec, missing=tuple(missing))

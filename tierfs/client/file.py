@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, crc32c, generation
+from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, crc32c, generation, moved_positions
 from tierfs.client.client import FileView, _as_bytes_view, chunk_records
+from tierfs.client.fanout import first_error, ordered
 from tierfs.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
     SessionExpiredError,
+    StaleVersionError,
     TierFSError,
 )
 from tierfs.meta.ops import MAX_CHUNKS_PER_REQUEST
@@ -47,6 +50,10 @@ if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
 
 __all__ = ["AsyncFile"]
+
+#: Commits a writer tries when meta refuses one as stale (the group moved
+#: again between its look at the map and the commit).
+_COMMIT_TRIES = 3
 
 
 def _parse_mode(mode: str) -> tuple[str, bool]:
@@ -87,11 +94,13 @@ class AsyncFile:
         self.pos = self.size if append else 0
         self.closed = False
         self._session = session
-        #: The cluster map version this writer's fragments were placed with
-        #: at the oldest (sent at commit; 0: unknown).
+        #: The cluster map version whose group members hold every fragment
+        #: this writer stored (sent at commit; 0: unknown): the version it
+        #: opened with, then the one ``_settle_moves`` brought them to.
         self.map_version = 0
         self._committed = chunk_records(info)
         self._written: dict[int, ChunkRecord] = {}  # chunks stored in this session
+        self._placed: dict[int, tuple[int, ...]] = {}  # chunk -> the targets its fragments in _written are on
         self._uploads: dict[int, int] = {}  # chunk -> uploads begun in this session
         self._unreported: list[tuple[int, int]] = []  # uploads (chunk, generation) meta was not told of
         self._unstaged: set[int] = set()  # chunks whose record in _written meta has not staged
@@ -385,8 +394,9 @@ class AsyncFile:
                 if not view.codec.replicated:  # EC fragments no longer reference the buffer
                     client.pool.put(st.buf)
                     st = None
-            missing = await client._write_chunk(view, idx, gen, frags)
+            missing, placed = await client._write_chunk(view, idx, gen, frags)
             self._written[idx] = ChunkRecord(gen, length, length, crc, tuple(missing))
+            self._placed[idx] = placed
             self._unstaged.add(idx)
         except TierFSError as exc:
             if self._error is None:
@@ -460,18 +470,61 @@ class AsyncFile:
             return
         try:
             await self.flush()
-            await self._stop_renewer()
             assert self._session is not None
-            # Meta has staged the records renewals sent; the rest (and the
-            # uploads no renewal reported) come with the commit.
-            ups, recs = await self._renew(keep=True)
-            info = await self._client.meta.commit_write(self._session.session_id, self.size, recs, uploads=ups,
-                                                        map_version=self.map_version)
+            for attempt in range(_COMMIT_TRIES):
+                # Fragments whose group member changed during the session
+                # (rebalance moves, drains) go to the current members first.
+                await self._settle_moves(force=attempt > 0)
+                await self._stop_renewer()
+                # Meta has staged the records renewals sent; the rest (and the
+                # uploads no renewal reported) come with the commit.
+                ups, recs = await self._renew(keep=True)
+                try:
+                    info = await self._client.meta.commit_write(self._session.session_id, self.size, recs,
+                                                                uploads=ups, map_version=self.map_version)
+                    break
+                except StaleVersionError as exc:
+                    # Members moved between our look at the map and the
+                    # commit, leaving too few fragments on current ones.
+                    if attempt == _COMMIT_TRIES - 1:
+                        raise StaleVersionError(f"{self.path}: the placement of its chunks kept changing while "
+                                                f"it was committed ({_COMMIT_TRIES} attempts): {exc}") from exc
             self.size = info.attr.size
         except BaseException:
             await self.abort()
             raise
         self._finish()
+
+    async def _settle_moves(self, *, force: bool) -> None:
+        """Bring every chunk this session stored onto its group's members in
+        a fresh map (``AsyncClient._resend_moved`` re-sends the fragments of
+        the positions that moved) and take that map's version as the one
+        the commit names. ``force``: fetch the map even within
+        ``map_refresh_interval`` (after a commit refused as stale)."""
+        if not self._written:
+            return
+        client, view = self._client, self._view
+        version, groups = await client.current_placement(force=force)
+        jobs = []
+        for idx in sorted(self._written):
+            members = groups.get(view.groups[idx % len(view.groups)])
+            if members is None or len(members) != len(self._placed[idx]):
+                raise StaleVersionError(f"{self.path}: chunk {idx}: group {view.groups[idx % len(view.groups)]} is "
+                                        f"not in cluster map version {version} with width {len(self._placed[idx])}")
+            if moved_positions(self._placed[idx], members, self._written[idx].missing):
+                jobs.append(functools.partial(self._resend, idx, members))
+        err = first_error(await ordered(jobs, client.config.write_concurrency))
+        if err is not None:
+            raise err
+        self.map_version = version
+
+    async def _resend(self, idx: int, members: tuple[int, ...]) -> None:
+        rec = self._written[idx]
+        new = await self._client._resend_moved(self._view, idx, rec, self._placed[idx], members)
+        self._placed[idx] = members
+        if new != rec:
+            self._written[idx] = new
+            self._unstaged.add(idx)  # meta staged the record before: it gets the new one
 
     async def abort(self) -> None:
         """Drop what this writer wrote (nothing of it becomes visible)."""
