@@ -7,7 +7,10 @@ the writer then stores two more chunks and closes. ``close`` re-sends the
 moved fragments to the new members (one copied from its former member, one
 rebuilt from the others because the test deleted it on the former member)
 and commits: the file reads back byte for byte with no fragment missing,
-and scrub finds every fragment right.
+and scrub finds every fragment right. A second writer of one chunk in the
+same group, whose two moved fragments the test deleted on their former
+members, cannot put K fragments on current members: its close fails with a
+clear error and nothing of it is committed.
 
 Before the writer re-sent moved fragments, that close failed with
 ``StaleVersionError: ... (2 of 3 fragments would be on former members)``."""
@@ -25,6 +28,7 @@ from tests.repair.util import META_FAST, grant_all, map_now, random_bytes, start
 from tests.scale.test_racks import settle
 from tierfs.cli.repair import scrub_cluster
 from tierfs.client import AsyncClient
+from tierfs.errors import UnavailableError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.net import DataClient
@@ -61,8 +65,16 @@ async def spanning_write(cl: LocalCluster) -> dict[str, object]:
         f = await c.open("/w/f", "wb")
         await f.write(data[: 2 * CHUNK])
         await f.flush()  # chunks 0 and 1 durable on the members of this map
-        groups = list((await c.meta.stat("/w/f")).layout.groups)
-        g0 = groups[0]
+        g0 = (await c.meta.stat("/w/f")).layout.groups[0]
+        other = ""
+        for i in range(64):  # a file whose first chunk is in g0 too
+            if (await c.meta.create(f"/w/b{i}")).layout.groups[0] == g0:
+                other = f"/w/b{i}"
+                break
+        assert other, f"no file of 64 got group {g0} first"
+        b = await c.open(other, "wb")
+        await b.write(data[:CHUNK])
+        await b.flush()
         cmap = await map_now(cl)
         before = _members(cmap, g0)
         node_of = {t.target_id: t.node_id for t in cmap.targets}
@@ -84,16 +96,24 @@ async def spanning_write(cl: LocalCluster) -> dict[str, object]:
         assert len(gone) >= 2, (before, after)
         # The first moved fragment of chunk 0 is lost on its former member:
         # the writer has to rebuild it from the others.
-        gen0 = f._written[0].generation  # the open session's upload (not in meta's records yet)
+        # Generations of the open sessions' uploads (not in meta's records yet).
+        gen_f, gen_b = f._written[0].generation, b._written[0].generation
         cmap = await map_now(cl)
         addr = {n.node_id: n.data_addr for n in cmap.nodes}
         routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
         async with grant_all(DataClient(routes=routes), cl) as dc:
-            assert await dc.delete(before[gone[0]], FragmentKey(f.inode, 0, gone[0], gen0))
+            assert await dc.delete(before[gone[0]], FragmentKey(f.inode, 0, gone[0], gen_f))
+            for j in gone:
+                assert await dc.delete(before[j], FragmentKey(b.inode, 0, j, gen_b))
         t0 = time.monotonic()
         await f.write(data[2 * CHUNK:])
         await f.close()
         close_s = time.monotonic() - t0
+        with pytest.raises(UnavailableError, match=r"chunk 0: its group changed during the write and only 1 of its "
+                                                   r"fragments are on current members \(ec:2\+1 needs 2\)"):
+            await b.close()
+        st = await c.meta.stat(b.path)
+        assert st.attr.size == 0 and not st.chunks  # nothing of it committed
     async with AsyncClient(meta) as c:
         assert await c.read_bytes("/w/f") == data
         info = await c.meta.stat("/w/f")

@@ -1017,9 +1017,12 @@ class AsyncClient:
         is copied from the member it went to; those that cannot be read
         there are rebuilt from the chunk read back (any K of the fragments
         it wrote, checked against the chunk's CRC) and encoded again.
-        Returns the record to commit: ``rec``, or, when a new member refused
-        or did not answer, ``rec`` with those positions missing (the repair
-        queue adds them), as long as ``min_write_fragments`` stay stored."""
+
+        Returns the record to commit: ``rec``, or ``rec`` with the moved
+        positions that could not be re-sent added to ``missing`` (the repair
+        queue rebuilds them, as meta would have recorded them without the
+        re-send). Fewer than K fragments left on current members: an
+        error (nothing is committed)."""
         moved = moved_positions(placed, members, rec.missing)
         if not moved:
             return rec
@@ -1027,6 +1030,7 @@ class AsyncClient:
         cfg, codec, cs = self.config, view.codec, view.chunk_size
         keys = {j: FragmentKey(view.inode, idx, j, rec.generation) for j in moved}
         frags: dict[int, memoryview] = {}
+        errors: dict[int, TierFSError] = {}
         reads = []
         for j in moved:
             n = fragment_size(j, codec.k, cs, rec.length, replicated=codec.replicated)
@@ -1036,27 +1040,16 @@ class AsyncClient:
         res = await data.read_batch([(placed[j], keys[j], frags[j], 0) for j in reads], timeout=cfg.request_timeout)
         lost = [j for j, r in zip(reads, res, strict=True) if not (isinstance(r, int) and r == len(frags[j]))]
         if lost:
-            buf = self.pool.get(codec.encode_size(cs))
             try:
-                buf[rec.length:] = bytes(len(buf) - rec.length)
-                skip = frozenset(rec.missing) | frozenset(lost)
-                read = self._read_replica if codec.replicated else self._read_ec
-                try:
-                    await read(view, idx, rec, tuple(placed), 0, rec.length, buf[:rec.length], skip)
-                except TierFSError as exc:
-                    raise type(exc)(f"{view.path}: chunk {idx}: its fragments {lost} went to members a move "
-                                    f"replaced since and cannot be read back to send to the new ones: {exc}") from exc
-                if crc32c(buf[:rec.length]) != rec.crc:
-                    raise CorruptError(f"{view.path}: chunk {idx} read back for re-sending does not match its "
-                                       f"CRC32C {rec.crc:#x}")
-                for j, fr in zip(range(codec.width), codec.encode(buf, rec.length, cs), strict=True):
-                    if j in lost:
-                        frags[j] = memoryview(bytes(fr))
-            finally:
-                self.pool.put(buf)
-        errors: dict[int, TierFSError] = {}
-        pending, delay = list(moved), cfg.backoff_initial
+                frags.update(await self._reencode(view, idx, rec, placed, frozenset(lost)))
+            except TierFSError as exc:
+                for j in lost:
+                    del frags[j]
+                    errors[j] = exc
+        pending, delay = sorted(frags), cfg.backoff_initial
         for attempt in range(cfg.retries):
+            if not pending:
+                break
             wres = await data.write_batch([(members[j], keys[j], frags[j]) for j in pending],
                                           timeout=cfg.request_timeout)
             again = []
@@ -1069,18 +1062,35 @@ class AsyncClient:
                 if isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
                     again.append(j)
             pending = again
-            if not pending or attempt == cfg.retries - 1:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, cfg.backoff_max)
+            if pending and attempt < cfg.retries - 1:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cfg.backoff_max)
         if not errors:
             return rec
         missing = sorted(set(rec.missing) | set(errors))
-        if codec.width - len(missing) < self.min_write_fragments(codec):
-            detail = "; ".join(f"fragment {j} to target {members[j]}: {type(e).__name__}: {e}"
-                               for j, e in sorted(errors.items()))
-            raise UnavailableError(f"{view.path}: chunk {idx}: its group changed during the write and the moved "
-                                   f"fragments could not be sent to the new members: {detail}")
-        log.info("%s: chunk %d: moved fragments %s not re-sent, left missing for repair", view.path, idx,
-                 sorted(errors))
+        detail = "; ".join(f"fragment {j} (was on target {placed[j]}, now {members[j]}): {type(e).__name__}: {e}"
+                           for j, e in sorted(errors.items()))
+        if codec.width - len(missing) < codec.k:
+            raise UnavailableError(f"{view.path}: chunk {idx}: its group changed during the write and only "
+                                   f"{codec.width - len(missing)} of its fragments are on current members "
+                                   f"({view.codec!r} needs {codec.k}): {detail}")
+        log.info("%s: chunk %d: moved fragments not re-sent, left missing for repair: %s", view.path, idx, detail)
         return dataclasses.replace(rec, missing=tuple(missing))
+
+    async def _reencode(self, view: FileView, idx: int, rec: ChunkRecord, placed: Sequence[int],
+                        want: frozenset[int]) -> dict[int, memoryview]:
+        """Fragments ``want`` of chunk ``idx`` as encoded at upload: the chunk
+        read back from the targets it was stored on (``placed``; ``want``
+        and the positions not stored skipped), checked against its CRC,
+        encoded again (encoding is deterministic)."""
+        codec, cs = view.codec, view.chunk_size
+        buf = self.pool.get(codec.encode_size(cs))
+        try:
+            buf[rec.length:] = bytes(len(buf) - rec.length)
+            read = self._read_replica if codec.replicated else self._read_ec
+            await read(view, idx, rec, tuple(placed), 0, rec.length, buf[:rec.length], frozenset(rec.missing) | want)
+            if crc32c(buf[:rec.length]) != rec.crc:
+                raise CorruptError(f"{view.path}: chunk {idx} read back does not match its CRC32C {rec.crc:#x}")
+            return {j: memoryview(bytes(fr)) for j, fr in enumerate(codec.encode(buf, rec.length, cs)) if j in want}
+        finally:
+            self.pool.put(buf)
