@@ -14,7 +14,10 @@ caller's memory. A partial write over existing data reads the chunk first
 (read-modify-write). ``close`` waits until every fragment is durable and
 then commits the size and one record per chunk written (generation, length,
 CRC32C of its bytes, fragments not stored: ``commit_write``): only then do
-readers see the new contents. Any failure aborts the session (nothing of
+readers see the new contents. Before it commits, a writer whose groups
+moved during the session (rebalance moves, drains) sends the moved
+fragments to the current members (``_settle_moves``), and it commits again
+if meta still finds it stale. Any failure aborts the session (nothing of
 it becomes visible) and the error surfaces at the next call or at close.
 
 ``flush`` makes the data written so far durable on the storage targets but

@@ -996,10 +996,12 @@ class CommitWriteRequest(_message.Message):
     session_id: _builtins.int
     size: _builtins.int
     map_version: _builtins.int
-    """The oldest cluster map version the writer placed fragments with (0:
-    unknown). A position of a group whose member changed after it (a move,
-    a drain, a replacement) is recorded missing: the fragment went to the
-    member before, and the repair queue puts it on the new one.
+    """The cluster map version whose group members hold the writer's fragments
+    (0: unknown): the oldest it placed them with, or the one it re-sent the
+    fragments of moved positions against before committing. A position of a
+    group whose member changed after it (a move, a drain, a replacement) is
+    recorded missing: the fragment went to the member before, and the
+    repair queue puts it on the new one.
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]:
