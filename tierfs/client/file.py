@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
 
 __all__ = ["AsyncFile"]
+
+log = logging.getLogger(__name__)
 
 #: Commits a writer tries when meta refuses one as stale (the group moved
 #: again between its look at the map and the commit).
@@ -492,6 +495,7 @@ class AsyncFile:
                     if attempt == _COMMIT_TRIES - 1:
                         raise StaleVersionError(f"{self.path}: the placement of its chunks kept changing while "
                                                 f"it was committed ({_COMMIT_TRIES} attempts): {exc}") from exc
+                    log.info("%s: commit refused as stale (%s); sending moved fragments again", self.path, exc)
             self.size = info.attr.size
         except BaseException:
             await self.abort()
