@@ -8,6 +8,7 @@ import itertools
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
@@ -198,3 +199,41 @@ def test_idle_follower_link_carries_the_first_vote_after_sigkill(tmp_path: Path)
         c.start(leader)
         c.wait_converged(30)
 
+
+@pytest.mark.timeout(120)
+def test_follower_answers_every_call_it_held_for_a_dead_leader(tmp_path: Path) -> None:
+    """Calls a follower forwards to a leader that just died fail there
+    (connection refused); the follower drops its channel to that address
+    and holds them for the next leader. Dropping the channel must not
+    cancel the other calls still on it: those callers got no answer at all
+    until their own deadline (a 1 s stall per failover in the benchmark).
+    The early election is off, so the survivors keep naming the dead leader
+    (and forwarding there) for most of an election timeout."""
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3, state_machine="meta", extra_args=["--leader-lost-election=0"]) as c:
+        leader = c.wait_leader()
+        wait_for(lambda: all(c.status(i).leader == c.addresses[leader] for i in range(3)), 15,
+                 "every replica to know the leader")
+        survivors = [i for i in range(3) if i != leader]
+        chans = {i: auth_channel(c.addresses[i]) for i in survivors}
+        try:
+            stubs = {i: meta_pb2_grpc.MetaServiceStub(ch) for i, ch in chans.items()}
+            for i in survivors:  # warm the channels: the calls below go out at once
+                stubs[i].GetStatus(pb.Empty(), timeout=10)
+            c.kill(leader)
+            futs = [(i, k, stubs[i].Mkdir.future(pb.MkdirRequest(loc=pb.Loc(path=f"/held-{i}-{k}"), mode=0o755),
+                                                  timeout=15))
+                    for k in range(8) for i in survivors]
+            failed = []
+            for i, k, f in futs:
+                try:
+                    f.result()
+                except grpc.RpcError as exc:
+                    failed.append((i, k, exc.code(), exc.details()))
+            assert not failed, failed
+        finally:
+            for ch in chans.values():
+                ch.close()
+        c.start(leader)
+        c.wait_converged(30)
