@@ -4,13 +4,16 @@ meta API (MetaClient over gRPC)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
 from tierfs.meta import MetaClient
+from tierfs.meta.raft import leader_lost_window
 from tierfs.meta.service import LEADER_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -134,3 +137,103 @@ def test_five_replicas_survive_two_sigkills(tmp_path: Path) -> None:
         c.start(follower)
         c.wait_converged(30)
         assert c.get("after") == "two-failures"
+
+
+def test_leader_lost_window_gives_each_survivor_its_own_slot() -> None:
+    # docs/raft.md, "Failover": the survivors of a dead leader campaign in
+    # disjoint windows, the same on every replica, inside [ll / 5, ll].
+    for n in (3, 4, 5, 7):
+        members = [f"127.0.0.1:{7100 + i}" for i in range(n)]
+        for leader in members:
+            windows = sorted(leader_lost_window(m, members, leader, 0.25) for m in members if m != leader)
+            assert len(windows) == n - 1
+            assert windows[0][0] == pytest.approx(0.05) and windows[-1][1] == pytest.approx(0.25)
+            for (lo1, hi1), (lo2, _) in itertools.pairwise(windows):
+                assert lo1 < hi1 < lo2  # disjoint, with a gap
+                assert lo2 - hi1 >= (0.25 - 0.05) / (n - 1) * 0.7
+    # a replica that is not in its own member list yet still gets a window
+    lo, hi = leader_lost_window("127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"], "127.0.0.1:3", 0.25)
+    assert 0.05 <= lo < hi <= 0.25
+
+
+def _raft_addr(c: MetaCluster, i: int) -> str:
+    return str(c.status(i).raft.raft_addr)
+
+
+@pytest.mark.timeout(120)
+def test_idle_follower_link_carries_the_first_vote_after_sigkill(tmp_path: Path) -> None:
+    """The two followers of a 3-replica cluster exchange no Raft traffic
+    while a leader is up. pysyncobj drops a connection it read nothing from
+    for connection_timeout, checked on its next use: without the keepalive
+    the first vote request after the leader's death closed the followers'
+    link and was lost, and the election took extra rounds (terms churned).
+    Here the link survives, one election round decides, a write is
+    acknowledged, and no term churn."""
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3) as c:
+        leader = c.wait_leader()
+        c.put("before", "1")
+        wait_for(lambda: all(c.status(i).leader for i in range(3)), 15, "every replica to know the leader")
+        survivors = [i for i in range(3) if i != leader]
+        raft = {i: _raft_addr(c, i) for i in range(3)}
+        term0 = c.status(leader).term
+        # The precondition of the bug is time itself: the followers' link
+        # must sit idle (no Raft traffic between them) longer than the
+        # connection timeout (1 s) before the leader dies.
+        time.sleep(2.5)
+        log_at = {i: len(c.log(i)) for i in survivors}
+        c.kill(leader)
+        new = c.wait_leader(30)
+        assert new in survivors
+        c.put("after", "2")  # acknowledged by the new leader
+        assert c.get("before") == "1" and c.get("after") == "2"
+        for i in survivors:
+            other = raft[survivors[1] if i == survivors[0] else survivors[0]]
+            tail = c.log(i)[log_at[i]:]
+            assert f"connection to {other} closed" not in tail, \
+                f"replica {i} lost its Raft connection to the other survivor at the election:\n{tail}"
+        # one election round (two when the first candidate's log was behind
+        # or a loaded host let both campaign at once) - not a churn of terms
+        assert term0 < c.status(new).term <= term0 + 2, (term0, c.status(new).term)
+        c.start(leader)
+        c.wait_converged(30)
+
+
+@pytest.mark.timeout(120)
+def test_follower_answers_every_call_it_held_for_a_dead_leader(tmp_path: Path) -> None:
+    """Calls a follower forwards to a leader that just died fail there
+    (connection refused); the follower drops its channel to that address
+    and holds them for the next leader. Dropping the channel must not
+    cancel the other calls still on it: those callers got no answer at all
+    until their own deadline (a 1 s stall per failover in the benchmark).
+    The early election is off, so the survivors keep naming the dead leader
+    (and forwarding there) for most of an election timeout."""
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3, state_machine="meta", extra_args=["--leader-lost-election=0"]) as c:
+        leader = c.wait_leader()
+        wait_for(lambda: all(c.status(i).leader == c.addresses[leader] for i in range(3)), 15,
+                 "every replica to know the leader")
+        survivors = [i for i in range(3) if i != leader]
+        chans = {i: auth_channel(c.addresses[i]) for i in survivors}
+        try:
+            stubs = {i: meta_pb2_grpc.MetaServiceStub(ch) for i, ch in chans.items()}
+            for i in survivors:  # warm the channels: the calls below go out at once
+                stubs[i].GetStatus(pb.Empty(), timeout=10)
+            c.kill(leader)
+            futs = [(i, k, stubs[i].Mkdir.future(pb.MkdirRequest(loc=pb.Loc(path=f"/held-{i}-{k}"), mode=0o755),
+                                                  timeout=15))
+                    for k in range(8) for i in survivors]
+            failed = []
+            for i, k, f in futs:
+                try:
+                    f.result()
+                except grpc.RpcError as exc:
+                    failed.append((i, k, exc.code(), exc.details()))
+            assert not failed, failed
+        finally:
+            for ch in chans.values():
+                ch.close()
+        c.start(leader)
+        c.wait_converged(30)

@@ -81,8 +81,9 @@ class MetaConfig(BaseConfig):
     connection_retry: float = field(0.5, "Delay between reconnection attempts to a peer.", kind="duration")
     leader_step_down: float = field(1.5, "A leader without a majority's answers this long steps down.", kind="duration")
     leader_lost_election: float = field(
-        0.25, "A follower whose connection to the leader closes (the leader process died) campaigns after a random "
-        "delay up to this instead of a whole election timeout (0: wait the election timeout; docs/raft.md).",
+        0.25, "A follower whose connection to the leader closes (the leader process died) campaigns after a delay "
+        "up to this, staggered by rank among the survivors, instead of a whole election timeout (0: wait the "
+        "election timeout; docs/raft.md).",
         kind="duration")
 
     snapshot_min_entries: int = field(10000, "Take a snapshot (and compact the journal) once it holds this many entries.")

@@ -77,7 +77,7 @@ from tierfs.meta.journal import (
     write_snapshot,
 )
 
-__all__ = ["FrameSealer", "RaftDetails", "RaftReplicator", "RaftTimings"]
+__all__ = ["KEEPALIVE", "FrameSealer", "RaftDetails", "RaftReplicator", "RaftTimings", "leader_lost_window"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -243,6 +243,35 @@ class FrameSealer:
                     "cluster's secret (a peer with another secret, or not a peer)", self._node_id, n)
 
 
+#: Type of the keepalive frame (docs/raft.md, "Failover"): sent on a Raft
+#: connection that carried nothing for a while, dropped by the receiving
+#: transport before pysyncobj sees it (an older replica's pysyncobj ignores
+#: a message type it does not know).
+KEEPALIVE = "tfs_keepalive"
+
+
+def leader_lost_window(self_id: str, members: list[str], leader_id: str, leader_lost: float) -> tuple[float, float]:
+    """Seconds after the leader's connection closed between which replica
+    ``self_id`` campaigns (docs/raft.md, "Failover").
+
+    The surviving members (``members`` without ``leader_id``), sorted by
+    Raft address, get windows spread evenly over [leader_lost / 5,
+    leader_lost]: rank 0 at the start, the last rank at the end, each an
+    eighth of the spacing wide. Every survivor computes the same ranks, so
+    no two campaign within 7/8 of the spacing of each other (with 3
+    replicas: 50-72 ms and 228-250 ms, at least 155 ms apart): the first
+    one's vote request reaches the others before their own deadlines even
+    when a loaded host runs their ticks 100 ms late (a random point in the
+    whole range let two survivors campaign in the same few ms, a split
+    vote that cost another election timeout). The later ranks campaign
+    only if the first did not win (its log was behind, it is cut off)."""
+    survivors = sorted({m for m in members if m != leader_id} | {self_id})
+    lo = leader_lost / 5
+    step = (leader_lost - lo) / (len(survivors) - 1 + 1 / 8)
+    start = lo + survivors.index(self_id) * step
+    return start, start + step / 8
+
+
 class _SyncingTransport(TCPTransport):  # type: ignore[misc]
     """TCP transport that enforces the journal's durability rule
     (docs/raft.md, "Durability"):
@@ -258,12 +287,19 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
     * anything else (vote requests and grants, forwarded commands) is sent
       only after a sync, so a term or vote is never announced before it is
       durable.
+
+    It also keeps idle connections alive (:meth:`_tfs_keepalive`).
     """
 
     def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:
         self._tfs_deferred: list[tuple[Any, Any]] = []
+        #: nodes whose connection finished its handshake (pysyncobj's own
+        #: "connected"), and when we last sent each of them something
+        self._tfs_up: set[Any] = set()
+        self._tfs_sent: dict[Any, float] = {}
         super().__init__(syncObj, selfNode, otherNodes)
         syncObj.addOnTickCallback(self._tfs_flush)
+        syncObj.addOnTickCallback(self._tfs_keepalive)
 
     def _tfs_journal(self) -> DurableJournal | None:
         return getattr(self._syncObj, "tfs_journal", None)
@@ -277,6 +313,7 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
                 return True
             if mtype != "append_entries":
                 journal.sync()
+        self._tfs_sent[node] = time.monotonic()
         return bool(super().send(node, message))
 
     def _tfs_flush(self) -> None:
@@ -288,13 +325,50 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
         for node, message in deferred:
             super().send(node, message)
 
+    def _tfs_keepalive(self) -> None:
+        """Tick callback: send a keepalive frame on every connection that
+        carried nothing from us for a quarter of ``connectionTimeout``.
+
+        pysyncobj closes a connection on which it *read* nothing for
+        ``connectionTimeout``, and it checks that only when the connection
+        next sends or receives. Two followers exchange nothing while a
+        leader is up, so their connection was always "timed out" by the
+        time the leader died: the first vote request on it closed it on
+        the sending side (or, on the receiving side, before it was read), the
+        vote was lost, and the election waited for a reconnect and a whole
+        election timeout (docs/raft.md, "Failover"). The keepalive keeps
+        every connection read from well within the timeout; a peer that is
+        really gone still times out."""
+        every = self._syncObj.conf.connectionTimeout / 4
+        now = time.monotonic()
+        for node in list(self._tfs_up):
+            if now - self._tfs_sent.get(node, 0.0) >= every:
+                self._tfs_sent[node] = now
+                super().send(node, {"type": KEEPALIVE})
+
+    def _onNodeConnected(self, node: Any) -> None:
+        self._tfs_up.add(node)
+        self._tfs_sent[node] = time.monotonic()
+        super()._onNodeConnected(node)
+
+    def dropNode(self, node: Any) -> None:
+        self._tfs_up.discard(node)
+        self._tfs_sent.pop(node, None)
+        super().dropNode(node)
+
     def _onNodeDisconnected(self, node: Any) -> None:
+        if node in self._tfs_up:
+            self._tfs_up.discard(node)
+            owner = getattr(self._syncObj, "tfs_owner", None)
+            log.info("raft %s: connection to %s closed", getattr(owner, "node_id", "?"), getattr(node, "id", node))
         super()._onNodeDisconnected(node)
         hook = getattr(self._syncObj, "tfs_on_disconnect", None)
         if hook is not None:
             hook(node)
 
     def _onMessageReceived(self, node: Any, message: Any) -> None:
+        if isinstance(message, dict) and message.get("type") == KEEPALIVE:
+            return  # it was read: that is all it is for
         fix = getattr(self._syncObj, "tfs_on_message", None)
         if fix is None:
             super()._onMessageReceived(node, message)
@@ -347,6 +421,16 @@ class _Node(SyncObj):  # type: ignore[misc]
             self._poller.poll(0)
         if self.tfs_owner.recovering:
             self.tfs_owner._recovery_tick(self)
+        if self._SyncObj__raftState != 2:
+            # The tick ends in a poll of up to timeToWait (50 ms); the
+            # election deadline is only looked at after it. Wake at the
+            # deadline instead, so an early election (tfs_on_disconnect)
+            # starts when it was planned, not on the next 50 ms tick - two
+            # survivors woken by the same disconnect tick in step, and
+            # their deadlines fell into the same tick (a split vote).
+            left = self._SyncObj__raftElectionDeadline - _raft_clock()
+            if 0 < left < timeToWait:
+                timeToWait = left + 0.001
         super()._onTick(timeToWait)
         leader = self._getLeader()
         leader_id = leader.id if leader is not None else None
@@ -368,10 +452,12 @@ class _Node(SyncObj):  # type: ignore[misc]
         if delay <= 0 or self.tfs_owner.recovering or self._SyncObj__raftState != 0 or leader is None \
                 or leader.id != getattr(node, "id", None):
             return
+        members = [n.id for n in self._SyncObj__otherNodes] + [self._SyncObj__selfNode.id]
+        lo, hi = leader_lost_window(self._SyncObj__selfNode.id, members, leader.id, delay)
         # pysyncobj's deadlines are on its own clock (CLOCK_MONOTONIC_RAW),
         # which drifts from time.monotonic (seen: ~0.2 s after 15 h).
         now = _raft_clock()
-        soon = now + random.uniform(delay / 5, delay)
+        soon = now + random.uniform(lo, hi)
         deadline: float = getattr(self, "_SyncObj__raftElectionDeadline", 0.0)
         if soon < deadline:
             self._SyncObj__raftElectionDeadline = soon
@@ -431,8 +517,9 @@ class RaftTimings:
     ) -> None:
         """``leader_lost``: when a follower's connection to its leader closes
         (the leader's process died and its kernel closed the socket), it
-        campaigns after a random delay in [leader_lost / 5, leader_lost]
-        instead of a whole election timeout; 0 turns that off."""
+        campaigns after a delay in [leader_lost / 5, leader_lost], staggered
+        by rank (:func:`leader_lost_window`), instead of a whole election
+        timeout; 0 turns that off."""
         self.leader_lost = leader_lost
         self.heartbeat = heartbeat
         self.election_min = election_min

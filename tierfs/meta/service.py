@@ -245,6 +245,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.forward_wait = forward_wait
         self._peer_tls = peer_tls
         self._peer_stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        #: channels dropped after a failed forward, closing once their calls end
+        self._peer_closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         # Per leadership (reset whenever this replica starts leading a term):
         self._lead_term: int | None = None
         self._lead_since = 0  # monotonic ns
@@ -407,17 +409,37 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         fn = getattr(self._r, "forward_addr", None)
         return str(fn()) if fn is not None else self._r.status().leader
 
-    def _peer_stub(self, addr: str) -> Any:
+    def _peer(self, addr: str) -> tuple[grpc.aio.Channel, Any]:
         entry = self._peer_stubs.get(addr)
         if entry is None:
             ch = grpc_channel(addr, self._peer_tls, options=[("grpc.enable_retries", 0),
                                                              ("grpc.max_send_message_length", MAX_REQUEST_BYTES)])
             entry = self._peer_stubs[addr] = (ch, meta_pb2_grpc.MetaServiceStub(ch))
-        return entry[1]
+        return entry
+
+    def _drop_peer(self, addr: str, ch: grpc.aio.Channel) -> None:
+        """Forget the channel to a peer that did not answer: the next call
+        dials afresh (gRPC would wait out its reconnect backoff, up to
+        minutes, once the address answers again). It is closed in the
+        background, with a grace: other calls held for the same leader may
+        still be on it, and closing with no grace cancels them - their
+        handlers died with CancelledError and their callers got no answer
+        until their own deadline (a 1 s stall in the failover benchmark)."""
+        entry = self._peer_stubs.get(addr)
+        if entry is None or entry[0] is not ch:
+            return  # another call dropped it already
+        del self._peer_stubs[addr]
+        task = asyncio.get_running_loop().create_task(ch.close(2 * self.submit_timeout))
+        self._peer_closing[task] = ch
+        task.add_done_callback(lambda t: self._peer_closing.pop(t, None))
 
     async def close_peers(self) -> None:
         peers, self._peer_stubs = self._peer_stubs, {}
         for ch, _ in peers.values():
+            await ch.close(None)
+        closing, self._peer_closing = self._peer_closing, {}
+        for task, ch in closing.items():
+            task.cancel()
             await ch.close(None)
 
     async def forward(self, method: str, request: Message, context: Ctx) -> Message | None:
@@ -454,7 +476,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             timeout = end - time.monotonic()
             if timeout <= 0:
                 raise TimeoutError_(f"{method}: no time left to forward to the leader {addr}")
-            call = getattr(self._peer_stub(addr), method)(request, timeout=timeout, metadata=md)
+            ch, stub = self._peer(addr)
+            call = getattr(stub, method)(request, timeout=timeout, metadata=md)
             try:
                 reply: Message = await call
             except grpc.RpcError as exc:
@@ -472,11 +495,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 # leader. A resend is safe: the same request id is deduplicated.
                 failed.add(addr)
                 last = f"{exc.code().name}: {exc.details()}"
-                # A fresh channel next time: gRPC would wait out its reconnect
-                # backoff (up to minutes) once the address answers again.
-                entry = self._peer_stubs.pop(addr, None)
-                if entry is not None:
-                    await entry[0].close(None)
+                self._drop_peer(addr, ch)
                 continue
             hint = self._r.status().leader
             if hint:
