@@ -27,7 +27,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tierfs.buffers import BufferPool
-from tierfs.chunk import ChunkRecord, chunk_crc, fragment_size, parity_size, valid_bytes
+from tierfs.chunk import (
+    ChunkRecord,
+    chunk_crc,
+    chunk_records,
+    fragment_size,
+    parity_size,
+    valid_bytes,
+)
 from tierfs.client.codec import Codec, codec_for
 from tierfs.client.config import ClientConfig, client_tls
 from tierfs.client.fanout import first_error, ordered
@@ -142,11 +149,6 @@ def _norm(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
     return path
-
-
-def chunk_records(info: pb.FileInfo) -> dict[int, ChunkRecord]:
-    """A file's committed chunks, by index (``FileInfo.chunks``)."""
-    return {r.index: ChunkRecord.from_pb(r) for r in info.chunks}
 
 
 class GenerationGoneError(InsufficientTargetsError):

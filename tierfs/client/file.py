@@ -32,8 +32,8 @@ import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, crc32c, generation
-from tierfs.client.client import FileView, _as_bytes_view, chunk_records
+from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, chunk_records, crc32c, generation
+from tierfs.client.client import FileView, _as_bytes_view
 from tierfs.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
