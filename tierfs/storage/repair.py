@@ -374,7 +374,11 @@ class Repairer:
     async def refresh_map(self) -> None:
         from tierfs.proto.v1 import meta_pb2 as pb
 
-        cmap = await self.meta.get_cluster_map()
+        # Meta answers "unchanged" (a few bytes) when our version is current:
+        # every worker polls it (each rebuild_interval), busy or not.
+        cmap = await self.meta.get_cluster_map(known_version=int(self.cmap.version) if self.cmap is not None else 0)
+        if cmap.unchanged and self.cmap is not None:
+            return
         node_addr = {n.node_id: n.data_addr for n in cmap.nodes}
         node_up = {n.node_id: n.state == pb.NODE_STATE_ONLINE for n in cmap.nodes}
         self.target_state = {}
