@@ -48,7 +48,10 @@ __all__ = [
     "MAX_UPLOAD_SEQ",
     "ChunkRecord",
     "chunk_crc",
+    "chunk_crc_of",
+    "chunk_records",
     "crc32c",
+    "crc32c_combine",
     "fragment_size",
     "generation",
     "moved_positions",
@@ -143,3 +146,63 @@ def chunk_crc(data_fragments: Sequence[Any] | Iterable[Any]) -> int:
     for frag in data_fragments:
         c = crc32c(frag, c)
     return c
+
+
+def chunk_records(info: Any) -> dict[int, ChunkRecord]:
+    """A file's committed chunks, by index (``FileInfo.chunks``)."""
+    return {r.index: ChunkRecord.from_pb(r) for r in info.chunks}
+
+
+def chunk_crc_of(pieces: Iterable[tuple[int, int]]) -> int:
+    """:func:`chunk_crc` from the data fragments' own CRC32Cs: ``pieces`` is
+    (CRC32C, stored length) of each data fragment, in order. No pass over
+    the bytes (a rebuild knows the CRC of every fragment it fetched: the data
+    plane checked it on arrival)."""
+    c = 0
+    for crc, n in pieces:
+        c = crc32c_combine(c, crc, n)
+    return c
+
+
+# GF(2) operators "append 2**i zero bytes" for CRC32C (reflected polynomial
+# 0x82F63B78), each as 32 column vectors; built once, on first use.
+_ZEROS_OPS: list[list[int]] = []
+
+
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _zeros_ops() -> list[list[int]]:
+    if not _ZEROS_OPS:
+        op = [0x82F63B78] + [1 << n for n in range(31)]  # one zero bit
+        for _ in range(3):  # -> one zero byte
+            op = [_gf2_times(op, op[n]) for n in range(32)]
+        ops = [op]
+        for _ in range(1, 64):
+            op = [_gf2_times(op, op[n]) for n in range(32)]
+            ops.append(op)
+        _ZEROS_OPS[:] = ops
+    return _ZEROS_OPS
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``a + b`` from ``crc1 = crc32c(a)``, ``crc2 = crc32c(b)``
+    and ``len2 = len(b)`` (zlib's crc32_combine, for CRC32C), without the
+    bytes: O(bits set in len2) small steps."""
+    if len2 <= 0:
+        return crc1
+    ops = _zeros_ops()
+    i = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(ops[i], crc1)
+        len2 >>= 1
+        i += 1
+    return crc1 ^ crc2

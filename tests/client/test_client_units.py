@@ -17,6 +17,7 @@ from tierfs.chunk import (
     MAX_UPLOAD_SEQ,
     ChunkRecord,
     chunk_crc,
+    chunk_records,
     crc32c,
     fragment_size,
     generation,
@@ -25,7 +26,6 @@ from tierfs.chunk import (
     valid_bytes,
 )
 from tierfs.client import ClientConfig, Codec
-from tierfs.client.client import chunk_records
 from tierfs.client.fanout import ordered
 from tierfs.client.file import _parse_mode
 from tierfs.config import load

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from dataplane_helpers import TRANSPORTS, FaultyStore, arun, disk_store, wait_for
 
+from tierfs.chunk import crc32c
 from tierfs.errors import (
     CorruptError,
     InternalError,
@@ -143,13 +144,18 @@ class TestTransportConformance:
                 reads.insert(5, (1, FragmentKey(99, 0, 0, 0), memoryview(bytearray(8)), 0))
                 reads.insert(7, (77, FragmentKey(1, 0, 0, 0), memoryview(bytearray(8)), 0))  # no route
                 reads.insert(9, (1, FragmentKey(1, 0, 0, 0), memoryview(b"ro"), 0))  # read-only
-                res = await c.read_batch(reads)
+                crcs: list[int] = []
+                res = await c.read_batch(reads, crcs=crcs)
                 assert isinstance(res[5], NotFoundError)
                 assert isinstance(res[7], UnavailableError)
                 assert isinstance(res[9], InvalidArgumentError)
+                assert crcs[5] == crcs[7] == crcs[9] == 0
                 del res[9], res[7], res[5]
+                del crcs[9], crcs[7], crcs[5]
                 assert res == [len(d) for _, _, d in items]
                 assert all(dest == d for dest, (_, _, d) in zip(dests, items, strict=True))
+                # The CRC32C of each item's bytes, as checked on arrival (what a rebuild combines).
+                assert crcs == [crc32c(d) for _, _, d in items]
 
         arun(body())
 

@@ -31,6 +31,7 @@ from tierfs.buffers import BufferPool
 from tierfs.chunk import (
     ChunkRecord,
     chunk_crc,
+    chunk_records,
     crc32c,
     fragment_size,
     moved_positions,
@@ -151,11 +152,6 @@ def _norm(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
     return path
-
-
-def chunk_records(info: pb.FileInfo) -> dict[int, ChunkRecord]:
-    """A file's committed chunks, by index (``FileInfo.chunks``)."""
-    return {r.index: ChunkRecord.from_pb(r) for r in info.chunks}
 
 
 class GenerationGoneError(InsufficientTargetsError):

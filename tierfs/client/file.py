@@ -37,8 +37,15 @@ import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tierfs.chunk import MAX_UPLOAD_SEQ, ChunkRecord, crc32c, generation, moved_positions
-from tierfs.client.client import FileView, _as_bytes_view, chunk_records
+from tierfs.chunk import (
+    MAX_UPLOAD_SEQ,
+    ChunkRecord,
+    chunk_records,
+    crc32c,
+    generation,
+    moved_positions,
+)
+from tierfs.client.client import FileView, _as_bytes_view
 from tierfs.client.fanout import first_error, ordered
 from tierfs.errors import (
     AlreadyExistsError,

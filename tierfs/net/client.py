@@ -622,11 +622,15 @@ class DataClient:
         hdr, _ = await self._call(target, Op.STAT, key, timeout)
         return FragmentInfo(key, hdr.length, hdr.payload_crc)
 
-    async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None) -> list[int | TierFSError]:
+    async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None,
+                         crcs: list[int] | None = None) -> list[int | TierFSError]:
         """Many ``read_into`` at once. The requests for one server go out as
         back-to-back frames in a single ``writelines`` (MORE flag on all but
         the last); answers land in their buffers in any order. Results come
-        back in item order: bytes read, or the error in its own slot."""
+        back in item order: bytes read, or the error in its own slot. With
+        ``crcs`` (a list), it gets the CRC32C of each item's bytes read (0
+        for an error), which the framing layer checked on arrival: callers
+        need no pass of their own."""
         reqs: list[_Req | TierFSError] = []
         for target, key, dest, offset in items:
             view = memoryview(dest).cast("B")
@@ -637,6 +641,8 @@ class DataClient:
                 continue
             reqs.append(_Req(Op.READ, target, key, offset=offset, length=len(view), dest=view))
         res = await self._batch(reqs, timeout)
+        if crcs is not None:
+            crcs[:] = [r.payload_crc if isinstance(r, Header) else 0 for r in res]
         return [r.payload_len if isinstance(r, Header) else r for r in res]
 
     async def write_batch(self, items: Iterable[WriteItem], *, timeout: float | None = None) -> list[TierFSError | None]:

@@ -52,7 +52,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierfs.chunk import ChunkRecord, chunk_crc, crc32c, fragment_size, parity_size
+from tierfs.chunk import (
+    ChunkRecord,
+    chunk_crc,
+    chunk_crc_of,
+    chunk_records,
+    crc32c,
+    fragment_size,
+    parity_size,
+)
 from tierfs.errors import (
     CorruptError,
     InsufficientTargetsError,
@@ -64,7 +72,7 @@ from tierfs.storage.api import FragmentKey
 from tierfs.storage.engine import ChunkEngine, TargetState
 
 __all__ = ["ChunkCheck", "GroupProgress", "RateLimiter", "Repairer", "WrongLengthError", "find_bad_fragments",
-           "reencode_chunk", "solve_chunk"]
+           "rebuild_in_place", "reencode_chunk", "solve_chunk"]
 
 log = logging.getLogger("tierfs.storage.repair")
 
@@ -179,49 +187,112 @@ def _codec(k: int, m: int) -> Any:
 # ---- the chunk math (CPU-bound: callers run it in a worker thread) ---------------
 
 
+def _reconstruct_into(f: _File, srcs: dict[int, memoryview], outs: dict[int, memoryview]) -> None:
+    """Fragments ``outs`` (index -> writable buffer of the chunk's parity
+    size) from the K fragments ``srcs`` (each zero-extended to that size):
+    ISA-L in place (:mod:`tierfs.isal`, the code pyeclib's backend
+    computes), pyeclib where ISA-L cannot be loaded. Bad input: CorruptError."""
+    from tierfs import isal
+
+    try:
+        if isal.available():
+            isal.rebuild_into(f.k, f.m, srcs, outs)
+            return
+        p = next(iter(outs.values())).nbytes
+        got = _codec(f.k, f.m).reconstruct(srcs, p, sorted(outs))
+        for i, v in outs.items():
+            v[:] = got[i]
+    except TierFSError:
+        raise
+    except Exception as exc:  # pyeclib's or ISA-L's own errors: bad input fragments
+        raise CorruptError(f"reconstruction failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _rebuilt(f: _File, rec: ChunkRecord, srcs: dict[int, memoryview],
+             outs: dict[int, memoryview]) -> dict[int, memoryview]:
+    """:func:`_reconstruct_into`, then each rebuilt fragment at its stored
+    length; past it the chunk is zeros, or the sources disagree with one
+    another (CorruptError)."""
+    sizes = f.sizes(rec)
+    _reconstruct_into(f, srcs, outs)
+    out: dict[int, memoryview] = {}
+    for i, v in outs.items():
+        if v[sizes[i]:] != bytes(v.nbytes - sizes[i]):
+            raise CorruptError(f"fragment {i} rebuilt from {sorted(srcs)} has data past its stored "
+                               f"length {sizes[i]}")
+        out[i] = v[: sizes[i]]
+    return out
+
+
+def _check_chunk_crc(rec: ChunkRecord, crc: int, used: Sequence[int]) -> None:
+    """The chunk's data (from fragments ``used``) must match the record's CRC32C."""
+    if crc != rec.crc:
+        raise CorruptError(f"data fragments (from {list(used)}) have crc32c {crc:#010x}, the chunk record "
+                           f"{rec.crc:#010x}")
+
+
 def solve_chunk(f: _File, rec: ChunkRecord, have: dict[int, bytes] | dict[int, memoryview],
                 want: Iterable[int] = ()) -> dict[int, memoryview]:
     """Every data fragment of the chunk, plus ``want``, at their stored
     lengths, from the K fragments of ``have`` that come first (data before
     parity); raises CorruptError unless the data match the record's CRC32C."""
     k = f.k
-    sizes = f.sizes(rec)
     out = {i: memoryview(v) for i, v in have.items()}
     need = sorted(({i for i in range(k)} | set(want)) - set(out))
+    used = list(range(k))
     if need:
         if len(out) < k:
             raise InsufficientTargetsError(f"{len(out)} fragments, {k} needed")
         p = parity_size(k, f.chunk_size, rec.length)
-        src = {i: out[i] for i in sorted(out)[:k]}
-        try:
-            got = _codec(k, f.m).reconstruct(src, p, need)
-        except TierFSError:
-            raise
-        except Exception as exc:  # pyeclib's own errors: bad input fragments
-            raise CorruptError(f"reconstruction failed: {type(exc).__name__}: {exc}") from exc
-        for i in need:
-            v = got[i]
-            if v[sizes[i]:] != bytes(len(v) - sizes[i]):
-                # Past a fragment's stored length the chunk is zeros: the
-                # sources disagree with one another.
-                raise CorruptError(f"fragment {i} rebuilt from {sorted(src)} has data past its stored "
-                                   f"length {sizes[i]}")
-            out[i] = v[: sizes[i]]
-    crc = chunk_crc(out[i] for i in range(k))
-    if crc != rec.crc:
-        raise CorruptError(f"data fragments (from {sorted(out)[:k] if need else list(range(k))}) have crc32c "
-                           f"{crc:#010x}, the chunk record {rec.crc:#010x}")
+        used = sorted(out)[:k]
+        srcs: dict[int, memoryview] = {}
+        for i in used:
+            v = out[i]
+            if v.nbytes != p:  # a shorter data fragment, zero-extended
+                b = memoryview(bytearray(p))
+                b[: min(v.nbytes, p)] = v[:p]
+                v = b
+            srcs[i] = v
+        out.update(_rebuilt(f, rec, srcs, {i: memoryview(bytearray(p)) for i in need}))
+    _check_chunk_crc(rec, chunk_crc(out[i] for i in range(k)), used)
     return out
 
 
-def _solve_one(f: _File, rec: ChunkRecord, have: dict[int, memoryview], j: int) -> tuple[memoryview, int]:
-    """Fragment ``j`` rebuilt (see :func:`solve_chunk`) and its CRC32C."""
+def rebuild_in_place(f: _File, rec: ChunkRecord, have: dict[int, memoryview], crcs: dict[int, int],
+                     room: dict[int, memoryview], outs: dict[int, memoryview], j: int) -> tuple[memoryview, int]:
+    """Fragment ``j`` of the chunk (at its stored length) and its CRC32C from
+    the fetched fragments ``have`` (the K first: data before parity) and
+    their CRC32Cs ``crcs``, without copies: each source lies at the start of
+    its buffer in ``room`` (at least the parity size long; a shorter data
+    fragment is zero-extended there), and the fragments rebuilt (``j`` and
+    any data fragment not fetched) go into ``outs`` (index -> buffer of at
+    least the parity size). The check is :func:`solve_chunk`'s: the data
+    fragments' CRC32Cs (fetched ones as the data plane checked them on
+    arrival, rebuilt ones computed here) must combine to the record's, or
+    CorruptError and nothing to write."""
+    k = f.k
+    sizes = f.sizes(rec)
     if j in have:
         raise InvalidArgumentError(f"fragment {j} is one of the sources")
-    # Reconstructed, so a view of the codec's output: it outlives the
-    # (pooled) source buffers in ``have``.
-    payload = solve_chunk(f, rec, have, [j])[j]
-    return payload, crc32c(payload)
+    if len(have) < k:
+        raise InsufficientTargetsError(f"{len(have)} fragments, {k} needed")
+    p = parity_size(k, f.chunk_size, rec.length)
+    used = sorted(have)[:k]
+    need = sorted(({i for i in range(k)} | {j}) - set(have))
+    if sorted(outs) != need:
+        raise InvalidArgumentError(f"buffers for {sorted(outs)} given, {need} to rebuild")
+    srcs: dict[int, memoryview] = {}
+    for i in used:
+        b = room[i]
+        if sizes[i] < p:
+            b[sizes[i]:p] = bytes(p - sizes[i])
+        srcs[i] = b[:p]
+    got = _rebuilt(f, rec, srcs, {i: outs[i][:p] for i in need})
+    crc = {i: crcs[i] for i in used}
+    for i, v in got.items():
+        crc[i] = crc32c(v)
+    _check_chunk_crc(rec, chunk_crc_of((crc[i], sizes[i]) for i in range(k)), used)
+    return got[j], crc[j]
 
 
 def reencode_chunk(f: _File, rec: ChunkRecord, data: dict[int, memoryview]) -> list[memoryview]:
@@ -303,7 +374,11 @@ class Repairer:
     async def refresh_map(self) -> None:
         from tierfs.proto.v1 import meta_pb2 as pb
 
-        cmap = await self.meta.get_cluster_map()
+        # Meta answers "unchanged" (a few bytes) when our version is current:
+        # every worker polls it (each rebuild_interval), busy or not.
+        cmap = await self.meta.get_cluster_map(known_version=int(self.cmap.version) if self.cmap is not None else 0)
+        if cmap.unchanged and self.cmap is not None:
+            return
         node_addr = {n.node_id: n.data_addr for n in cmap.nodes}
         node_up = {n.node_id: n.state == pb.NODE_STATE_ONLINE for n in cmap.nodes}
         self.target_state = {}
@@ -328,7 +403,6 @@ class Repairer:
     async def file(self, inode: int, cache: dict[int, _File | None] | None = None) -> _File | None:
         """The layout, size and committed chunk records of ``inode`` (None if
         it is gone or not a regular file)."""
-        from tierfs.client.client import chunk_records
         from tierfs.proto.v1 import meta_pb2 as pb
 
         if cache is not None and inode in cache:
@@ -386,26 +460,37 @@ class Repairer:
         return have, errs
 
     async def _fetch_pooled(self, eng: ChunkEngine, key: FragmentKey, where: dict[int, int], sizes: Sequence[int],
-                            held: list[memoryview]) -> tuple[dict[int, memoryview], dict[int, TierFSError]]:
+                            held: list[memoryview], *, room: int = 0, crcs: dict[int, int] | None = None,
+                            rooms: dict[int, memoryview] | None = None,
+                            ) -> tuple[dict[int, memoryview], dict[int, TierFSError]]:
         """Fragments of ``key``'s chunk and generation (position -> target
         in ``where``) read straight into buffers of ``eng``'s pool, all in one
         batch (one frame train per peer), each checked against its stored
         length: one byte more than that is asked, so a longer fragment is
-        caught too. Every buffer is appended to ``held``; the caller
-        releases them (``eng.release``) once it is done with the views."""
+        caught too. Every buffer is appended to ``held`` (each at least
+        ``room`` bytes long); the caller releases them (``eng.release``) once
+        it is done with the views. ``crcs`` gets the CRC32C of each fragment
+        fetched (checked by the data plane on arrival), ``rooms`` its whole
+        buffer."""
         pos = list(where)
-        bufs = [eng.alloc(sizes[i] + 1) for i in pos]
+        bufs = [eng.alloc(max(sizes[i] + 1, room)) for i in pos]
         held.extend(bufs)
+        got_crcs: list[int] = []
         res = await self.data.read_batch(
-            [(where[i], FragmentKey(key.inode, key.chunk, i, key.version), b, 0) for i, b in zip(pos, bufs, strict=True)],
-            timeout=self.request_timeout)
+            [(where[i], FragmentKey(key.inode, key.chunk, i, key.version), b[:sizes[i] + 1], 0)
+             for i, b in zip(pos, bufs, strict=True)],
+            timeout=self.request_timeout, crcs=got_crcs)
         have: dict[int, memoryview] = {}
         errs: dict[int, TierFSError] = {}
-        for i, b, r in zip(pos, bufs, res, strict=True):
+        for n, (i, b, r) in enumerate(zip(pos, bufs, res, strict=True)):
             if isinstance(r, int):
                 self.counters["bytes_fetched"] += min(r, sizes[i])
                 if r == sizes[i]:
                     have[i] = b[:r]
+                    if crcs is not None:
+                        crcs[i] = got_crcs[n] if r else 0
+                    if rooms is not None:
+                        rooms[i] = b
                 else:
                     got = f"more than {sizes[i]}" if r > sizes[i] else str(r)
                     errs[i] = WrongLengthError(f"{got} bytes, its chunk record gives it {sizes[i]}")
@@ -501,15 +586,22 @@ class Repairer:
         if f.replicated:
             return await self._restore_copy(eng, key, rec, members, order, sizes[j])
         have: dict[int, memoryview] = {}
+        crcs: dict[int, int] = {}
+        rooms: dict[int, memoryview] = {}
+        p = parity_size(f.k, f.chunk_size, rec.length)
         t0 = time.perf_counter()
         errs: dict[int, TierFSError] = {}
         pos = 0
         bufs: list[memoryview] = []
+        outs: dict[int, memoryview] = {}
         try:
             while len(have) < f.k and pos < len(order):
                 pick = order[pos: pos + f.k - len(have)]
                 pos += len(pick)
-                got, bad = await self._fetch_pooled(eng, key, {i: members[i] for i in pick}, sizes, bufs)
+                # Each buffer has room for the parity size: a short data
+                # fragment is zero-extended in place for the decode.
+                got, bad = await self._fetch_pooled(eng, key, {i: members[i] for i in pick}, sizes, bufs,
+                                                    room=p, crcs=crcs, rooms=rooms)
                 have.update(got)
                 errs.update(bad)
             if len(have) < f.k:
@@ -517,21 +609,48 @@ class Repairer:
                                    for i, e in sorted(errs.items()))
                 raise InsufficientTargetsError(f"{key}: only {len(have)} of the {f.k} fragments needed: {detail}")
             await self.limiter.take(sum(len(v) for v in have.values()))
+            # Rebuilt fragments land in pooled buffers too (fresh memory is
+            # slow to touch); the engine writes fragment j's as it is.
+            outs = {i: eng.alloc(p) for i in sorted(({*range(f.k)} | {j}) - set(have))}
             t1 = time.perf_counter()
+            work = asyncio.ensure_future(asyncio.to_thread(rebuild_in_place, f, rec, have, crcs, rooms, outs, j))
             try:
-                # Decode, the chunk CRC check and the payload's CRC in one
-                # worker-thread hop (the loop keeps the other fetches going).
-                payload, crc = await asyncio.to_thread(_solve_one, f, rec, have, j)
+                # Decode (only the missing fragments, in place), the chunk
+                # CRC check and the payload's CRC in one worker-thread hop
+                # (the loop keeps the other fetches going).
+                payload, crc = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The thread still reads and writes these buffers: they go
+                # back to the pool only once it is done.
+                held = [*bufs, *outs.values()]
+                bufs.clear()
+                outs = {}
+
+                def give_back(w: asyncio.Future[tuple[memoryview, int]]) -> None:
+                    if not w.cancelled():
+                        w.exception()  # retrieved: nobody waits for it any more
+                    for b in held:
+                        eng.release(b)
+
+                work.add_done_callback(give_back)
+                raise
             except CorruptError as exc:
                 self.counters["crc_mismatches"] += 1
                 raise CorruptError(f"{key}: {exc}; nothing written") from exc
+            finally:
+                # The rebuilt payload has its own buffer: the sources can go back now.
+                have.clear()
+                rooms.clear()
+                for b in bufs:
+                    eng.release(b)
+                bufs.clear()
+            t2 = time.perf_counter()
+            await eng.write(key, payload, crc)
         finally:
-            # The rebuilt payload is the codec's own buffer: the sources can go back now.
-            have.clear()
             for b in bufs:
                 eng.release(b)
-        t2 = time.perf_counter()
-        await eng.write(key, payload, crc)
+            for b in outs.values():
+                eng.release(b)
         # Where a decode rebuild's time goes (Prometheus tierfs_repair_total).
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["decode_us"] += int((t2 - t1) * 1e6)
