@@ -20,6 +20,7 @@ from tierfs.meta import (
     MetaStateMachine,
     add_meta_service,
 )
+from tierfs.meta.kvplan import kv_plan_input, plan_kv
 from tierfs.meta.rebalance import plan_top_up, top_up_input
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -41,6 +42,11 @@ class Driver:
         #: act as the leader's service does: top up placement groups after
         #: every op (False: only the ops a test applies)
         self.leader = True
+        #: act as a leader of this version for KV pools: stamp ``kv_planned``
+        #: on every op and commit the pools' groups (tierfs.meta.kvplan)
+        #: after every op that bumped the map (False: the ops of older
+        #: versions, which re-plan in apply)
+        self.kv_planned = False
 
     def advance(self, seconds: float) -> None:
         self.now += int(seconds * SEC)
@@ -51,8 +57,11 @@ class Driver:
             w = self.sm.create_width(req.loc, req.layout if req.has_layout else None)
             if w and w not in self.sm.widths:
                 self.top_up(w)
+        version = self.sm.map_version
         out = self._apply(kind, req, client=client, rid=rid, lease_ms=lease_ms)
-        if self.leader and kind not in ("add_groups", "rebalance_moves"):
+        if self.kv_planned and kind != "kv_groups" and self.sm.map_version != version:
+            self.plan_kv()
+        if self.leader and kind not in ("add_groups", "rebalance_moves", "kv_groups"):
             self.top_up()
         return out
 
@@ -60,9 +69,22 @@ class Driver:
         op = pb.MetaOp(now_ns=self.now, client_id=client, request_id=rid, lease_ms=lease_ms,
                        gc_grace_ms=self.gc_grace_ms)
         getattr(op, kind).CopyFrom(req)
+        op.kv_planned = self.kv_planned
         data = op.SerializeToString(deterministic=True)
         self.log.append(data)
         return self.sm.apply(data)
+
+    def plan_kv(self) -> int:
+        """What a leader stamping ``kv_planned`` does after a map bump: plan
+        the KV pools' groups and commit them as KVGroups ops. Returns the
+        ops applied."""
+        n = 0
+        for req in plan_kv(kv_plan_input(self.sm)):
+            res = pb.MetaResult.FromString(self._apply("kv_groups", req))
+            if res.error.code:
+                raise error_from_code(res.error.code, res.error.message)
+            n += 1
+        return n
 
     def top_up(self, extra_width: int = 0) -> None:
         """What the leader's service does after an op (tierfs.meta.rebalance):

@@ -382,10 +382,15 @@ def test_logged_ops_carry_the_default_stamp_and_no_kv_usage() -> None:
         finally:
             await server.stop(None)
         kinds = [op.WhichOneof("body") for op in rep.ops]
-        assert kinds == ["register_node", "heartbeat"]
+        # The registration made the default pool without groups; the leader
+        # committed them next (tierfs.meta.kvplan), before it replied.
+        assert kinds == ["register_node", "kv_groups", "heartbeat"]
+        assert all(op.kv_planned for op in rep.ops)  # apply re-plans no pool for this leader's ops
         assert rep.ops[0].kv_default_pool.target_disk == MiB
-        assert not rep.ops[1].HasField("kv_default_pool") and not rep.ops[1].heartbeat.kv_usage
-        assert rep.ops[1].heartbeat.targets[0].capacity == 5
+        assert [(p.pool_id, p.count, [list(g.target_ids) for g in p.groups])
+                for p in rep.ops[1].kv_groups.pools] == [(1, 1, [[tid]])]
+        assert not rep.ops[2].HasField("kv_default_pool") and not rep.ops[2].heartbeat.kv_usage
+        assert rep.ops[2].heartbeat.targets[0].capacity == 5
 
     run(go())
 

@@ -29,6 +29,7 @@ from tierfs.errors import (
     InvalidArgumentError,
     NameTooLongError,
 )
+from tierfs.meta.kvpools import MAX_KV_POOLS
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_GROUPS_PER_OP",
     "MAX_GROUP_CHUNKS_PAGE",
     "MAX_KV_BUDGET",
+    "MAX_KV_GROUP_CHANGES",
     "MAX_KV_USAGE",
     "MAX_NAME_BYTES",
     "MAX_OFFLINE_PER_TICK",
@@ -97,6 +99,10 @@ MAX_REPLACEMENTS = 8192
 #: New placement groups one AddGroups op carries (the leader sends more in
 #: several ops); also caps the moves of one RebalanceMoves op (above).
 MAX_GROUPS_PER_OP = 1024
+#: KV pool groups one KVGroups op sets (tierfs.meta.kvplan; the leader
+#: also keeps each op well under MAX_OP_BYTES, and sends the rest in the
+#: next ops).
+MAX_KV_GROUP_CHANGES = 4096
 
 # ---- caps on what one request may carry (docs/meta.md, "Limits") -------------
 #: A serialized op (what goes into the Raft log) is at most this big. Every
@@ -143,6 +149,9 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("AddGroupsRequest", "groups"): MAX_GROUPS_PER_OP,
     ("GroupMembers", "target_ids"): MAX_WIDTH,
     ("RebalanceMovesRequest", "moves"): MAX_REPLACEMENTS,
+    ("KVGroupsRequest", "pools"): MAX_KV_POOLS,
+    ("KVPoolGroups", "groups"): MAX_KV_GROUP_CHANGES,
+    ("KVGroupChange", "target_ids"): MAX_WIDTH,
     ("Replacements", "groups_stuck"): MAX_REPLACEMENTS,
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
@@ -459,6 +468,31 @@ def check_op_size(size: int, what: str) -> None:
         raise InvalidArgumentError(f"{what}: {size} bytes exceed the cap of {MAX_OP_BYTES} bytes for one meta request")
 
 
+def _check_kv_groups(r: pb.KVGroupsRequest) -> None:
+    """The state-free checks of a KVGroups op: pools and positions in
+    increasing order (so each is named once), no empty group."""
+    last_pool = 0
+    changes = 0
+    for p in r.pools:
+        if p.pool_id <= last_pool:
+            raise InvalidArgumentError(f"kv_groups: pool {p.pool_id} is 0 or not after pool {last_pool}")
+        last_pool = p.pool_id
+        last = -1
+        for g in p.groups:
+            if g.index <= last:
+                raise InvalidArgumentError(f"kv_groups: pool {p.pool_id}: group index {g.index} is not after {last}")
+            if g.index >= p.count:
+                raise InvalidArgumentError(f"kv_groups: pool {p.pool_id}: group index {g.index} is past the "
+                                           f"pool's {p.count} groups")
+            if not g.target_ids:
+                raise InvalidArgumentError(f"kv_groups: pool {p.pool_id}: group index {g.index} has no members")
+            last = g.index
+        changes += len(p.groups)
+    if changes > MAX_KV_GROUP_CHANGES:
+        raise InvalidArgumentError(f"kv_groups: {changes} group changes exceed the cap of {MAX_KV_GROUP_CHANGES} "
+                                   f"for one op")
+
+
 def validate_op(op: pb.MetaOp) -> None:
     """Raise a TierFSError if ``op`` is malformed, whatever the state."""
     kind = op.WhichOneof("body")
@@ -538,6 +572,8 @@ def validate_op(op: pb.MetaOp) -> None:
     elif kind == "add_groups":
         if not op.add_groups.width:
             raise InvalidArgumentError("add_groups: width is 0")
+    elif kind == "kv_groups":
+        _check_kv_groups(op.kv_groups)
     elif kind == "finish_rebuild":
         if not op.finish_rebuild.group_id or not op.finish_rebuild.target_id:
             raise InvalidArgumentError("finish_rebuild: group_id and target_id are required")

@@ -69,7 +69,11 @@ before they reply, so the cluster behaves as when apply planned them.
 KV pools: ``CreateKVPool``/``RemoveKVPool`` are ops like any other. The
 leader stamps its ``kv_default_pool`` request (None: no default pool) on
 every RegisterNode op; the state machine makes the ``default`` pool from the
-first one that finds the cluster with targets.
+first one that finds the cluster with targets. The pools' groups are
+planned here too (:class:`tierfs.meta.kvplan.KVPlanner`): every op is
+stamped ``kv_planned`` (apply does not re-plan the pools), and after an op
+that bumped the map the servicer commits the groups that changed
+(``KVGroups``) before it replies.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ from tierfs.errors import (
 )
 from tierfs.meta.auth import Authenticator, check_allowed, token_from_metadata
 from tierfs.meta.interfaces import Replicator
+from tierfs.meta.kvplan import KVPlanner
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import (
     MAX_GC_GRACE,
@@ -259,6 +264,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
+        self.kv_planner = KVPlanner(lambda: self.state, self._background_op, self._leadership,
+                                    interval=rebalance_interval)
 
     async def _background_op(self, kind: str, req: object, reply_cls: type) -> object:
         """Commit an op the leader made itself (placement work)."""
@@ -363,21 +370,30 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         ident = self.identity()
         if ident != ANONYMOUS:
             op.caller.CopyFrom(caller_pb(ident))
+        op.kv_planned = True  # this leader plans KV pool groups itself (tierfs.meta.kvplan)
         if kind == "register_node" and self.kv_default_pool is not None:
             op.kv_default_pool.CopyFrom(self.kv_default_pool)
         op.DiscardUnknownFields()  # what this version does not know does not go into the log
         return op
 
     async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
-        """Validate, replicate and apply ``op``; its reply or its error."""
-        _ = self.state  # refuse before logging an op that another state machine cannot read
+        """Validate, replicate and apply ``op``; its reply or its error.
+        When the op bumped the map, the KV pools' groups are fitted to it
+        (a KVGroups op, tierfs.meta.kvplan) before this returns."""
+        version = self.state.map_version  # refuse before logging an op that another state machine cannot read
         validate_op(op)
+        kind = str(op.WhichOneof("body"))
         data = op.SerializeToString(deterministic=True)
-        check_op_size(len(data), str(op.WhichOneof("body")))
+        check_op_size(len(data), kind)
         raw = await self._r.submit(data, self.submit_timeout)
         res = pb.MetaResult.FromString(raw)
         if res.error.code:
             raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
+        if kind != "kv_groups" and op.kv_planned and self.state.map_version != version:
+            try:
+                await self.kv_planner.settle()
+            except TierFSError as err:  # the op is done; the planner's loop retries
+                log.debug("kv pool planning after %s failed: %s", kind, err)
         return reply_cls.FromString(res.reply)
 
     async def _mutate(self, context: Ctx, kind: str, req: Message, reply_cls: type[_R]) -> _R:
@@ -698,9 +714,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="meta-tick")
         if isinstance(self._r.state_machine, MetaStateMachine):
             self.rebalancer.start()
+            self.kv_planner.start()
 
     async def stop(self) -> None:
         await self.rebalancer.stop()
+        await self.kv_planner.stop()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -811,6 +829,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_addr(request.control_addr, "register_node: control_addr", required=False)
         before = set(self.state.eligible_targets())
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
+        # The version with the KV pools' groups committed after it (submit).
+        reply.map_version = max(reply.map_version, self.state.map_version)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
         await self.rebalancer.top_up()  # the node's targets get groups before it is answered
         if set(self.state.eligible_targets()) - before:
@@ -905,7 +925,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def CreateKVPool(self, request: pb.CreateKVPoolRequest, context: Ctx) -> pb.KVPool:
-        return await self._mutate(context, "create_kv_pool", request, pb.KVPool)
+        reply = await self._mutate(context, "create_kv_pool", request, pb.KVPool)
+        # Apply made it without groups; the planner gave it some since.
+        pool = self.state.kv_pools.get(reply.pool_id)
+        return pool.to_pb() if pool is not None and pool.name == reply.name else reply
 
     @grpc_errors
     async def ListKVPools(self, request: pb.Empty, context: Ctx) -> pb.ListKVPoolsReply:

@@ -306,10 +306,12 @@ class MetaStateMachine(Tracked):
                 check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
                 version = self.map_version
                 reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
-                if self.map_version != version:
+                if self.map_version != version and not msg.kv_planned and kind != "kv_groups":
                     # Every change of which targets are usable bumps the
-                    # map: KV pool groups follow in the same op, on every
-                    # replica alike.
+                    # map. An entry of an older leader re-plans the KV
+                    # pool groups in the same op, as it always did; a
+                    # leader that stamps kv_planned commits them itself
+                    # (tierfs.meta.kvplan, _op_kv_groups).
                     self._kv_replan()
                 out = _result(reply)
                 if self._fail_marker and self._fail_marker in op:
@@ -1290,7 +1292,7 @@ class MetaStateMachine(Tracked):
             self.map_version += 1
         self._refresh_down()
         if op.HasField("kv_default_pool") and not self.kv_default_done and self.targets:
-            self._kv_make_default(op.kv_default_pool)
+            self._kv_make_default(op.kv_default_pool, plan=not op.kv_planned)
         reply.map_version = self.map_version
         return reply
 
@@ -1507,7 +1509,9 @@ class MetaStateMachine(Tracked):
 
     # ---- KV pools --------------------------------------------------------------
 
-    def _kv_create(self, r: pb.CreateKVPoolRequest) -> KVPoolRecord:
+    def _kv_create(self, r: pb.CreateKVPoolRequest, *, plan: bool) -> KVPoolRecord:
+        """A new pool; with ``plan`` (entries of older versions) its groups
+        planned here, else none until the leader's KVGroups op."""
         redundancy, width, policy = check_kv_pool_create(r)
         if any(p.name == r.name for p in self.kv_pools.values()):
             raise AlreadyExistsError(f"KV pool {r.name!r} already exists")
@@ -1518,14 +1522,14 @@ class MetaStateMachine(Tracked):
                             target_memory=r.target_memory, target_disk=r.target_disk, fsync=r.fsync,
                             pin_quota=r.pin_quota, policy=policy, created=self.clock, tenant=r.tenant or "user")
         self.next_kv_pool += 1
-        pool.groups = replan_groups([], self._eligible(), width)
+        pool.groups = replan_groups([], self._eligible(), width) if plan else []
         self.kv_pools[pool.id] = pool
         if r.name == DEFAULT_POOL_NAME:
             self.kv_default_done = True
         self.map_version += 1
         return pool
 
-    def _kv_make_default(self, r: pb.CreateKVPoolRequest) -> None:
+    def _kv_make_default(self, r: pb.CreateKVPoolRequest, *, plan: bool) -> None:
         """The default pool, from the leader's stamp on a registration: made
         once, when the cluster first has targets. One of that name made by
         an operator before counts as made."""
@@ -1534,9 +1538,14 @@ class MetaStateMachine(Tracked):
             req = pb.CreateKVPoolRequest()
             req.CopyFrom(r)
             req.name = DEFAULT_POOL_NAME
-            self._kv_create(req)
+            self._kv_create(req, plan=plan)
 
     def _kv_replan(self) -> None:
+        """Re-plan every pool's groups over the eligible targets: what apply
+        did on every map bump before the leader planned them
+        (tierfs.meta.kvplan), kept for the entries of older versions (ops
+        without ``kv_planned``), which must replay as they did.
+        O(pools x groups x width): never on new entries."""
         eligible = self._eligible()
         for pid in sorted(self.kv_pools):
             pool = self.kv_pools[pid]
@@ -1545,7 +1554,58 @@ class MetaStateMachine(Tracked):
                 pool.groups = groups
 
     def _op_create_kv_pool(self, op: pb.MetaOp, r: pb.CreateKVPoolRequest) -> Message:
-        return self._kv_create(r).to_pb()
+        return self._kv_create(r, plan=not op.kv_planned).to_pb()
+
+    def _op_kv_groups(self, op: pb.MetaOp, r: pb.KVGroupsRequest) -> Message:
+        """KV pool groups the leader planned (tierfs.meta.kvplan) at
+        ``map_version``. Each pool named must exist; each group given must
+        have the pool's width, members eligible and on distinct nodes (KV
+        pools place without the rack rule: a lost object is a miss); the
+        pool may hold at most one group per eligible target, and a pool
+        that grows gets a group for every new position. Anything wrong, or
+        the map moved since, refuses the whole op (the leader plans
+        again). O(groups changed x width) plus one pass over the targets
+        and, per pool changed, one copy of its group list."""
+        if r.map_version != self.map_version:
+            raise StaleVersionError(f"kv_groups: planned at map version {r.map_version}, the map is now at "
+                                    f"{self.map_version}")
+        eligible = self._eligible()
+        todo: list[tuple[KVPoolRecord, int, list[tuple[int, list[int]]]]] = []
+        for p in r.pools:
+            pool = self.kv_pools.get(p.pool_id)
+            if pool is None:
+                raise NotFoundError(f"kv_groups: no KV pool {p.pool_id}")
+            have = len(pool.groups)
+            added = sum(g.index >= have for g in p.groups)
+            if p.count > have and added != p.count - have:
+                raise InvalidArgumentError(f"kv_groups: pool {pool.name!r} grows from {have} to {p.count} groups "
+                                           f"but {added} new group(s) are given")
+            if p.count > len(eligible):
+                raise InvalidArgumentError(f"kv_groups: pool {pool.name!r}: {p.count} groups exceed one per "
+                                           f"eligible target ({len(eligible)})")
+            changes = []
+            for g in p.groups:
+                members = list(g.target_ids)
+                what = f"kv_groups: pool {pool.name!r} group {g.index + 1}"
+                if len(members) != pool.width:
+                    raise InvalidArgumentError(f"{what} has {len(members)} members, not {pool.width}")
+                self._check_group(members, eligible, pool.width, what, {})  # no rack rule: no domains
+                changes.append((g.index, members))
+            todo.append((pool, p.count, changes))
+        changed = False
+        for pool, count, changes in todo:
+            groups = list(pool.groups[:count])
+            for i, members in changes:
+                if i < len(groups):
+                    groups[i] = members
+                else:
+                    groups.append(members)
+            if groups != pool.groups:
+                pool.groups = groups
+                changed = True
+        if changed:
+            self.map_version += 1
+        return pb.Empty()
 
     def _op_remove_kv_pool(self, op: pb.MetaOp, r: pb.RemoveKVPoolRequest) -> Message:
         pool = next((p for p in self.kv_pools.values() if p.name == r.name), None)

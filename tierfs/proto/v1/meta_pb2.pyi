@@ -1953,6 +1953,90 @@ class AddGroupsRequest(_message.Message):
 Global___AddGroupsRequest: _TypeAlias = AddGroupsRequest  # noqa: Y015
 
 @_typing.final
+class KVGroupChange(_message.Message):
+    """KV pool groups computed by the leader's service (tierfs.meta.kvplan) at
+    `map_version`; applied only while the map is still at that version.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TARGET_IDS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """position in the pool's group list (group id - 1)"""
+    @_builtins.property
+    def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        target_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "target_ids", b"target_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVGroupChange: _TypeAlias = KVGroupChange  # noqa: Y015
+
+@_typing.final
+class KVPoolGroups(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.int
+    count: _builtins.int
+    """How many groups the pool has after this op: a shorter list drops the
+    tail; a longer one needs a change for every new position.
+    """
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVGroupChange]:
+        """by increasing index"""
+
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.int = ...,
+        count: _builtins.int = ...,
+        groups: _abc.Iterable[Global___KVGroupChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "groups", b"groups", "pool_id", b"pool_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVPoolGroups: _TypeAlias = KVPoolGroups  # noqa: Y015
+
+@_typing.final
+class KVGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
+    map_version: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVPoolGroups]:
+        """by increasing pool id"""
+
+    def __init__(
+        self,
+        *,
+        map_version: _builtins.int = ...,
+        pools: _abc.Iterable[Global___KVPoolGroups] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "pools", b"pools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVGroupsRequest: _TypeAlias = KVGroupsRequest  # noqa: Y015
+
+@_typing.final
 class RebalanceMove(_message.Message):
     """One rebalance move: `new_target` takes `position` of `group_id` from
     `old_target`, rebuilding by copy from it (the drain mechanism).
@@ -2828,6 +2912,7 @@ class MetaOp(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     GC_GRACE_MS_FIELD_NUMBER: _builtins.int
     KV_DEFAULT_POOL_FIELD_NUMBER: _builtins.int
+    KV_PLANNED_FIELD_NUMBER: _builtins.int
     MKDIR_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
     RENAME_FIELD_NUMBER: _builtins.int
@@ -2859,6 +2944,7 @@ class MetaOp(_message.Message):
     LABEL_NODE_FIELD_NUMBER: _builtins.int
     ADD_GROUPS_FIELD_NUMBER: _builtins.int
     REBALANCE_MOVES_FIELD_NUMBER: _builtins.int
+    KV_GROUPS_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -2870,6 +2956,13 @@ class MetaOp(_message.Message):
     """GC grace: fragments this op queues for GC are listed by ListGC only
     this long after the op (0 = at once). Stamped by the leader from its
     configuration, so every replica computes the same ready times.
+    """
+    kv_planned: _builtins.bool
+    """Stamped by every leader that plans KV pool groups itself
+    (tierfs.meta.kvplan): apply does not re-plan the pools when this op
+    bumps the map, and a pool this op creates starts with no groups; the
+    leader commits the groups with a KVGroups op. Absent (entries of older
+    versions): apply re-plans the pools as it always did.
     """
     @_builtins.property
     def caller(self) -> Global___Caller: ...
@@ -2946,6 +3039,8 @@ class MetaOp(_message.Message):
     def add_groups(self) -> Global___AddGroupsRequest: ...
     @_builtins.property
     def rebalance_moves(self) -> Global___RebalanceMovesRequest: ...
+    @_builtins.property
+    def kv_groups(self) -> Global___KVGroupsRequest: ...
     def __init__(
         self,
         *,
@@ -2956,6 +3051,7 @@ class MetaOp(_message.Message):
         lease_ms: _builtins.int = ...,
         gc_grace_ms: _builtins.int = ...,
         kv_default_pool: Global___CreateKVPoolRequest | None = ...,
+        kv_planned: _builtins.bool = ...,
         mkdir: Global___MkdirRequest | None = ...,
         create: Global___CreateRequest | None = ...,
         rename: Global___RenameRequest | None = ...,
@@ -2987,12 +3083,13 @@ class MetaOp(_message.Message):
         label_node: Global___LabelNodeRequest | None = ...,
         add_groups: Global___AddGroupsRequest | None = ...,
         rebalance_moves: Global___RebalanceMovesRequest | None = ...,
+        kv_groups: Global___KVGroupsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
