@@ -19,6 +19,7 @@ idle minutes), far beyond one call's retry window.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 import uuid
@@ -30,14 +31,19 @@ import grpc
 from google.protobuf.message import Message
 
 from tierfs.errors import (
+    InternalError,
     InvalidArgumentError,
     NotLeaderError,
+    TierFSError,
     TimeoutError_,
     UnavailableError,
+    UnsupportedError,
+    error_from_code,
     from_grpc,
 )
 from tierfs.meta.auth import bearer, resolve_token
-from tierfs.meta.service import CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
+from tierfs.meta.ops import MAX_BATCH_ITEMS
+from tierfs.meta.service import BATCH_RPCS, CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint
@@ -47,6 +53,36 @@ __all__ = ["MetaClient", "Where"]
 #: An existing object: absolute path, inode id, or (parent inode, name).
 Where = str | int | tuple[int, str]
 _R = TypeVar("_R", bound=Message)
+
+
+#: The BatchItem field of each RPC that may travel in a Batch call.
+_BATCH_FIELD = {rpc: field for field, rpc in BATCH_RPCS.items()}
+#: A Batch item that failed with one of these is sent again on its own
+#: (same request id), through the retry loop of a single call.
+_RETRY_ALONE = (NotLeaderError, UnavailableError, TimeoutError_)
+
+
+class _Queued:
+    """A mutation waiting to travel in the next Batch call."""
+
+    __slots__ = ("fut", "method", "reply_cls", "req", "rid")
+
+    def __init__(self, method: str, req: Message, reply_cls: type[Message], rid: int,
+                 fut: asyncio.Future[Message]) -> None:
+        self.method, self.req, self.reply_cls, self.rid, self.fut = method, req, reply_cls, rid, fut
+
+    def item(self) -> pb.BatchItem:
+        item = pb.BatchItem(request_id=self.rid)
+        getattr(item, _BATCH_FIELD[self.method]).CopyFrom(self.req)
+        return item
+
+    def fail(self, err: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(err)
+
+    def done(self, reply: Message) -> None:
+        if not self.fut.done():
+            self.fut.set_result(reply)
 
 
 def _harvest(reply: Message, sink: Callable[[bytes], None]) -> None:
@@ -98,8 +134,13 @@ class MetaClient:
         token_file: str | None = None,
         data_dir: str | None = "./.tierfs",
         tls: TlsFiles | Literal["auto"] | None = "auto",
+        mutations_in_flight: int = 2,
     ) -> None:
-        """``token``/``token_file``/``data_dir``: the credential every call
+        """``mutations_in_flight``: namespace mutations (mkdir, rename,
+        unlink, rmdir, symlink) this client has in flight before further
+        ones wait and then travel together in one ``Batch`` call, each with
+        its own request id, result and error (docs/meta.md, "Batched
+        mutations"); 0 sends every call on its own. ``token``/``token_file``/``data_dir``: the credential every call
         carries, chosen by :func:`tierfs.meta.auth.resolve_token` (a token
         given, even "" or a wrong one, is used as is). ``tls``: the CA (and
         client certificate) to dial the replicas with; "auto":
@@ -127,11 +168,28 @@ class MetaClient:
         self.capability_sink: Callable[[bytes], None] | None = None
         self.token = resolve_token(token, token_file, data_dir)
         self.tls: TlsFiles | None = resolve_client_tls(addrs=self.addrs) if tls == "auto" else tls
+        self.mutations_in_flight = mutations_in_flight
+        self._mut_busy = 0
+        self._mut_queue: collections.deque[_Queued] = collections.deque()
+        self._mut_send_scheduled = False
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        #: the leader answered Batch with UnsupportedError (an older
+        #: version): every mutation goes on its own from then on
+        self._batch_unsupported = False
+        #: Batch calls made, and the mutations they carried (diagnostics)
+        self.batch_calls = 0
+        self.batched_ops = 0
 
     # ---- lifecycle ----------------------------------------------------------
 
     async def close(self) -> None:
         self._closed = True
+        while self._mut_queue:
+            self._mut_queue.popleft().fail(UnavailableError("MetaClient is closed"))
+        for task in list(self._batch_tasks):
+            task.cancel()
+        if self._batch_tasks:
+            await asyncio.gather(*self._batch_tasks, return_exceptions=True)
         channels, self._channels, self._stubs = self._channels, {}, {}
         for ch in channels.values():
             await ch.close(None)
@@ -162,12 +220,13 @@ class MetaClient:
 
     async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
                     addr: str | None = None, attempt_timeout: float | None = None,
-                    token: str | None = None) -> _R:
+                    token: str | None = None, request_id: int | None = None) -> _R:
         loop = asyncio.get_running_loop()
         end = loop.time() + self.deadline
         md = bearer(self.token if token is None else token)
         if mutating:
-            md += ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(next(self._req))))
+            rid = next(self._req) if request_id is None else request_id
+            md += ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(rid)))
         target = addr or self._leader
         tried: list[str] = []
         last = ""
@@ -222,6 +281,109 @@ class MetaClient:
             delay = min(delay * 2, self._backoff[1])
             hops = 0
 
+    # ---- batched mutations (docs/meta.md, "Batched mutations") -----------------
+
+    async def _mutate(self, method: str, req: Message, reply_cls: type[_R]) -> _R:
+        """A namespace mutation: on its own while fewer than
+        ``mutations_in_flight`` are in flight, else queued for the next
+        Batch call. Either way it keeps its request id across retries."""
+        limit = self.mutations_in_flight
+        if limit <= 0 or self._batch_unsupported or (self._mut_busy < limit and not self._mut_queue):
+            self._mut_busy += 1
+            try:
+                return await self._call(method, req, reply_cls, mutating=True)
+            finally:
+                self._mut_busy -= 1
+                self._schedule_batch()
+        if self._closed:
+            raise UnavailableError("MetaClient is closed")
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._mut_queue.append(_Queued(method, req, reply_cls, next(self._req), fut))
+        self._schedule_batch()
+        reply = await fut
+        assert isinstance(reply, reply_cls)
+        return reply
+
+    def _schedule_batch(self) -> None:
+        if self._mut_queue and not self._mut_send_scheduled and self._mut_busy < self.mutations_in_flight:
+            # After the callbacks already due, so that the calls made in
+            # this turn of the loop travel together.
+            self._mut_send_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_batch)
+
+    def _send_batch(self) -> None:
+        self._mut_send_scheduled = False
+        if self._mut_busy >= self.mutations_in_flight or self._closed:
+            return
+        take: list[_Queued] = []
+        while self._mut_queue and len(take) < MAX_BATCH_ITEMS:
+            q = self._mut_queue.popleft()
+            if not q.fut.done():  # its caller gave up (cancelled) while it waited
+                take.append(q)
+        if not take:
+            return
+        self._mut_busy += 1
+        task = asyncio.get_running_loop().create_task(self._run_batch(take))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+
+    async def _run_batch(self, take: list[_Queued]) -> None:
+        try:
+            if len(take) == 1 or self._batch_unsupported:
+                await asyncio.gather(*(self._alone(q) for q in take))
+                return
+            try:
+                reply = await self._call("Batch", pb.BatchRequest(items=[q.item() for q in take]), pb.BatchReply,
+                                         mutating=True)
+            except UnsupportedError:
+                self._batch_unsupported = True  # a leader without Batch: one call each
+                await asyncio.gather(*(self._alone(q) for q in take))
+                return
+            except TierFSError as err:
+                for q in take:
+                    q.fail(err)
+                return
+            if len(reply.results) != len(take):
+                bad = InternalError(f"Batch: {len(reply.results)} results for {len(take)} items")
+                for q in take:
+                    q.fail(bad)
+                return
+            self.batch_calls += 1
+            self.batched_ops += len(take)
+            again: list[_Queued] = []
+            for q, res in zip(take, reply.results, strict=True):
+                if res.error.code:
+                    item_err = error_from_code(res.error.code, res.error.message, leader=res.error.leader)
+                    if isinstance(item_err, _RETRY_ALONE):
+                        again.append(q)
+                    else:
+                        q.fail(item_err)
+                    continue
+                try:
+                    out = q.reply_cls.FromString(res.reply)
+                except Exception as exc:  # a reply that does not parse is the server's bug
+                    q.fail(InternalError(f"Batch: bad reply for {q.method}: {exc!r}"))
+                    continue
+                if self.capability_sink is not None:
+                    _harvest(out, self.capability_sink)
+                q.done(out)
+            if again:
+                await asyncio.gather(*(self._alone(q) for q in again))
+        except BaseException as exc:
+            for q in take:
+                q.fail(exc if isinstance(exc, Exception) else UnavailableError("MetaClient is closed"))
+            raise
+        finally:
+            self._mut_busy -= 1
+            self._schedule_batch()
+
+    async def _alone(self, q: _Queued) -> None:
+        """One queued mutation in a call of its own (same request id)."""
+        try:
+            q.done(await self._call(q.method, q.req, q.reply_cls, mutating=True, request_id=q.rid))
+        except TierFSError as err:
+            q.fail(err)
+
     def _is_unreachable(self, addr: str) -> bool:
         until = self._unreachable.get(addr)
         if until is None:
@@ -254,8 +416,8 @@ class MetaClient:
     # ---- namespace --------------------------------------------------------------
 
     async def mkdir(self, where: str | tuple[int, str], mode: int = 0o755, uid: int = 0, gid: int = 0) -> pb.FileInfo:
-        return await self._call("Mkdir", pb.MkdirRequest(loc=_loc(where), mode=mode, uid=uid, gid=gid),
-                                pb.FileInfo, mutating=True)
+        return await self._mutate("Mkdir", pb.MkdirRequest(loc=_loc(where), mode=mode, uid=uid, gid=gid),
+                                  pb.FileInfo)
 
     async def create(self, where: str | tuple[int, str], mode: int = 0o644, uid: int = 0, gid: int = 0, *,
                      layout: pb.Layout | None = None, chunk_size: int = 0, redundancy: str = "",
@@ -292,17 +454,17 @@ class MetaClient:
             cursor = reply.next_cursor
 
     async def rename(self, src: str | tuple[int, str], dst: str | tuple[int, str]) -> None:
-        await self._call("Rename", pb.RenameRequest(src=_loc(src), dst=_loc(dst)), pb.Empty, mutating=True)
+        await self._mutate("Rename", pb.RenameRequest(src=_loc(src), dst=_loc(dst)), pb.Empty)
 
     async def unlink(self, where: str | tuple[int, str]) -> None:
-        await self._call("Unlink", pb.UnlinkRequest(loc=_loc(where)), pb.Empty, mutating=True)
+        await self._mutate("Unlink", pb.UnlinkRequest(loc=_loc(where)), pb.Empty)
 
     async def rmdir(self, where: str | tuple[int, str]) -> None:
-        await self._call("Rmdir", pb.RmdirRequest(loc=_loc(where)), pb.Empty, mutating=True)
+        await self._mutate("Rmdir", pb.RmdirRequest(loc=_loc(where)), pb.Empty)
 
     async def symlink(self, where: str | tuple[int, str], target: str, uid: int = 0, gid: int = 0) -> pb.FileInfo:
-        return await self._call("Symlink", pb.SymlinkRequest(loc=_loc(where), target=target, uid=uid, gid=gid),
-                                pb.FileInfo, mutating=True)
+        return await self._mutate("Symlink", pb.SymlinkRequest(loc=_loc(where), target=target, uid=uid, gid=gid),
+                                  pb.FileInfo)
 
     async def readlink(self, where: Where) -> str:
         return (await self._call("Readlink", pb.ReadlinkRequest(loc=_loc(where)), pb.ReadlinkReply)).target

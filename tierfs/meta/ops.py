@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_LAYOUT",
     "LIMIT_CAPS",
     "LIST_CAPS",
+    "MAX_BATCH_ITEMS",
     "MAX_CHUNKS_PER_REQUEST",
     "MAX_CHUNK_SIZE",
     "MAX_FILE_SIZE",
@@ -131,6 +132,9 @@ MAX_KV_USAGE = 2048
 MAX_KV_BUDGET = 1 << 50
 _KV_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _KV_POLICY_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
+#: Items in one Batch call: as many ops as one Raft entry holds
+#: (tierfs.meta.raft.MAX_BATCH_OPS), so a batch is at most one entry.
+MAX_BATCH_ITEMS = 256
 #: Seconds; MetaOp.gc_grace_ms is a uint32 (about 49 days).
 MAX_GC_GRACE = (2**32 - 1) / 1000
 
@@ -160,6 +164,7 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("Layout", "groups"): MAX_STRIPE_WIDTH,  # refused when set anyway: meta picks groups
     ("HeartbeatRequest", "kv_usage"): MAX_KV_USAGE,
     ("AddUserRequest", "groups"): 64,  # tierfs.meta.users.MAX_GROUPS
+    ("BatchRequest", "items"): MAX_BATCH_ITEMS,
 }
 #: Most UTF-8 bytes a string field may hold, by (message, field); others get
 #: MAX_STRING_BYTES. Names and paths over their cap are NameTooLongError.

@@ -316,6 +316,17 @@ class _SyncingTransport(TCPTransport):  # type: ignore[misc]
         self._tfs_sent[node] = time.monotonic()
         return bool(super().send(node, message))
 
+    def tfs_flush_acks(self) -> None:
+        """Start of a tick: acks waiting (appends read by the last poll) go
+        out now, after one fdatasync, before the tick posts committed
+        entries to the event loop. Otherwise the loop thread applies them
+        while this thread is in fdatasync, and this thread waits for the
+        GIL (the apply's length, several ms on a loaded host) before it can
+        send the ack that the leader's commit waits for (docs/raft.md,
+        "Where the time of one create goes")."""
+        if self._tfs_deferred:
+            self._tfs_flush()
+
     def _tfs_flush(self) -> None:
         """Tick callback: one fdatasync, then the acks it made true."""
         journal = self._tfs_journal()
@@ -417,8 +428,10 @@ class _Node(SyncObj):  # type: ignore[misc]
         # host, a long GC) started an election although the leader's
         # heartbeats were waiting in its buffer - seen as elections every few
         # seconds under load. Read what is there first.
-        if self._SyncObj__raftState != 2 and self._SyncObj__transport.ready:
+        transport = self._SyncObj__transport
+        if self._SyncObj__raftState != 2 and transport.ready:
             self._poller.poll(0)
+        transport.tfs_flush_acks()
         if self.tfs_owner.recovering:
             self.tfs_owner._recovery_tick(self)
         if self._SyncObj__raftState != 2:

@@ -94,6 +94,7 @@ from tierfs import capability as capmod
 from tierfs.errors import (
     ERROR_CODE_KEY,
     InternalError,
+    InvalidArgumentError,
     NotFoundError,
     NotLeaderError,
     TierFSError,
@@ -109,8 +110,10 @@ from tierfs.meta.interfaces import Replicator
 from tierfs.meta.kvplan import KVPlanner
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import (
+    MAX_BATCH_ITEMS,
     MAX_GC_GRACE,
     MAX_OFFLINE_PER_TICK,
+    cap,
     check_addr,
     check_caps,
     check_op_size,
@@ -132,8 +135,8 @@ from tierfs.security import (
 )
 from tierfs.tls import TlsFiles, grpc_channel
 
-__all__ = ["CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "FORWARDED_KEY", "LEADER_KEY", "MAX_REQUEST_BYTES",
-           "REQUEST_ID_KEY", "MetaServicer", "add_meta_service"]
+__all__ = ["BATCH_RPCS", "CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "FORWARDED_KEY", "LEADER_KEY", "MAX_REQUEST_BYTES",
+           "REQUEST_ID_KEY", "MetaServicer", "add_meta_service", "error_result"]
 
 log = logging.getLogger("tierfs.meta.service")
 
@@ -156,6 +159,21 @@ MAX_REQUEST_BYTES = 2 << 20
 
 _R = TypeVar("_R", bound=Message)
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+#: The ops a Batch item may hold (BatchItem.op), and the RPC each one is on its
+#: own: its permission check and its reply type.
+BATCH_RPCS = {"mkdir": "Mkdir", "rename": "Rename", "unlink": "Unlink", "rmdir": "Rmdir", "symlink": "Symlink"}
+
+
+def error_result(err: TierFSError) -> pb.MetaResult:
+    """``err`` as a Batch item's result (a NotLeaderError keeps its leader)."""
+    res = pb.MetaResult()
+    res.error.code = err.code  # type: ignore[assignment]
+    res.error.message = err.message
+    if isinstance(err, NotLeaderError):
+        res.error.leader = err.leader
+    return res
 
 
 def _ids(context: Ctx) -> tuple[str, int]:
@@ -376,8 +394,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         op.DiscardUnknownFields()  # what this version does not know does not go into the log
         return op
 
-    async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
-        """Validate, replicate and apply ``op``; its reply or its error.
+    async def submit_result(self, op: pb.MetaOp) -> pb.MetaResult:
+        """Validate, replicate and apply ``op``; the state machine's result.
         When the op bumped the map, the KV pools' groups are fitted to it
         (a KVGroups op, tierfs.meta.kvplan) before this returns."""
         version = self.state.map_version  # refuse before logging an op that another state machine cannot read
@@ -385,15 +403,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         kind = str(op.WhichOneof("body"))
         data = op.SerializeToString(deterministic=True)
         check_op_size(len(data), kind)
-        raw = await self._r.submit(data, self.submit_timeout)
-        res = pb.MetaResult.FromString(raw)
-        if res.error.code:
-            raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
-        if kind != "kv_groups" and op.kv_planned and self.state.map_version != version:
+        res = pb.MetaResult.FromString(await self._r.submit(data, self.submit_timeout))
+        if not res.error.code and kind != "kv_groups" and op.kv_planned and self.state.map_version != version:
             try:
                 await self.kv_planner.settle()
             except TierFSError as err:  # the op is done; the planner's loop retries
                 log.debug("kv pool planning after %s failed: %s", kind, err)
+        return res
+
+    async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
+        """Validate, replicate and apply ``op``; its reply or its error."""
+        res = await self.submit_result(op)
+        if res.error.code:
+            raise error_from_code(res.error.code, res.error.message, leader=res.error.leader)
         return reply_cls.FromString(res.reply)
 
     async def _mutate(self, context: Ctx, kind: str, req: Message, reply_cls: type[_R]) -> _R:
@@ -768,6 +790,30 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @grpc_errors
     async def Symlink(self, request: pb.SymlinkRequest, context: Ctx) -> pb.FileInfo:
         return await self._mutate(context, "symlink", request, pb.FileInfo)
+
+    @grpc_errors
+    async def Batch(self, request: pb.BatchRequest, context: Ctx) -> pb.BatchReply:
+        """Independent mutations in one call (docs/meta.md, "Batched
+        mutations"): each item is checked, logged and applied exactly as its
+        own RPC would be, with its own request id, and gets its own result
+        or error; the items are queued for the log in their order, so they
+        are applied in it (one Raft entry when they fit)."""
+        # Only the count here: an item over a cap fails alone, with the error
+        # its own RPC would give (checked in _op).
+        cap("Batch.items", len(request.items), MAX_BATCH_ITEMS)
+        client, _ = _ids(context)
+        results = await asyncio.gather(*(self._batch_item(item, client) for item in request.items))
+        return pb.BatchReply(results=results)
+
+    async def _batch_item(self, item: pb.BatchItem, client: str) -> pb.MetaResult:
+        try:
+            kind = item.WhichOneof("op")
+            if kind is None:
+                raise InvalidArgumentError("Batch: an item names no operation")
+            check_allowed(BATCH_RPCS[kind], current_identity.get())  # as if called on its own
+            return await self.submit_result(self._op(kind, getattr(item, kind), client, item.request_id))
+        except TierFSError as err:
+            return error_result(err)
 
     @grpc_errors
     async def Readlink(self, request: pb.ReadlinkRequest, context: Ctx) -> pb.ReadlinkReply:

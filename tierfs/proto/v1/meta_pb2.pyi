@@ -3377,3 +3377,94 @@ class MetaResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MetaResult: _TypeAlias = MetaResult  # noqa: Y015
+
+@_typing.final
+class BatchItem(_message.Message):
+    """Batch: independent namespace mutations of one client in one call
+    (docs/meta.md, "Batched mutations"). Each item is exactly the request of
+    its RPC, with the retry de-duplication id that call would carry as
+    metadata; the client id is the call's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MKDIR_FIELD_NUMBER: _builtins.int
+    RENAME_FIELD_NUMBER: _builtins.int
+    UNLINK_FIELD_NUMBER: _builtins.int
+    RMDIR_FIELD_NUMBER: _builtins.int
+    SYMLINK_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    @_builtins.property
+    def mkdir(self) -> Global___MkdirRequest: ...
+    @_builtins.property
+    def rename(self) -> Global___RenameRequest: ...
+    @_builtins.property
+    def unlink(self) -> Global___UnlinkRequest: ...
+    @_builtins.property
+    def rmdir(self) -> Global___RmdirRequest: ...
+    @_builtins.property
+    def symlink(self) -> Global___SymlinkRequest: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        mkdir: Global___MkdirRequest | None = ...,
+        rename: Global___RenameRequest | None = ...,
+        unlink: Global___UnlinkRequest | None = ...,
+        rmdir: Global___RmdirRequest | None = ...,
+        symlink: Global___SymlinkRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["mkdir", b"mkdir", "op", b"op", "rename", b"rename", "rmdir", b"rmdir", "symlink", b"symlink", "unlink", b"unlink"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mkdir", b"mkdir", "op", b"op", "rename", b"rename", "request_id", b"request_id", "rmdir", b"rmdir", "symlink", b"symlink", "unlink", b"unlink"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["mkdir", "rename", "unlink", "rmdir", "symlink"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___BatchItem: _TypeAlias = BatchItem  # noqa: Y015
+
+@_typing.final
+class BatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchItem]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___BatchItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchRequest: _TypeAlias = BatchRequest  # noqa: Y015
+
+@_typing.final
+class BatchReply(_message.Message):
+    """One result per item, in the items' order: the item's error (its own, as
+    its RPC would have failed) or the serialized reply of its RPC.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetaResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___MetaResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchReply: _TypeAlias = BatchReply  # noqa: Y015

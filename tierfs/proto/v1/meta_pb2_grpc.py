@@ -79,6 +79,11 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.SymlinkRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.FileInfo.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/tierfs.v1.MetaService/Batch',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.BatchRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.BatchReply.FromString,
+                _registered_method=True)
         self.Readlink = channel.unary_unary(
                 '/tierfs.v1.MetaService/Readlink',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.ReadlinkRequest.SerializeToString,
@@ -323,6 +328,12 @@ class MetaServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Symlink(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Batch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -616,6 +627,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Symlink,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.SymlinkRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.FileInfo.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.BatchRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.BatchReply.SerializeToString,
             ),
             'Readlink': grpc.unary_unary_rpc_method_handler(
                     servicer.Readlink,
@@ -1051,6 +1067,33 @@ class MetaService:
             '/tierfs.v1.MetaService/Symlink',
             tierfs_dot_v1_dot_meta__pb2.SymlinkRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.FileInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/Batch',
+            tierfs_dot_v1_dot_meta__pb2.BatchRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.BatchReply.FromString,
             options,
             channel_credentials,
             insecure,

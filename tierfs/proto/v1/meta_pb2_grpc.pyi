@@ -49,6 +49,7 @@ class MetaServiceStub:
     Unlink: _grpc.UnaryUnaryMultiCallable[_meta_pb2.UnlinkRequest, _meta_pb2.Empty]
     Rmdir: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RmdirRequest, _meta_pb2.Empty]
     Symlink: _grpc.UnaryUnaryMultiCallable[_meta_pb2.SymlinkRequest, _meta_pb2.FileInfo]
+    Batch: _grpc.UnaryUnaryMultiCallable[_meta_pb2.BatchRequest, _meta_pb2.BatchReply]
     Readlink: _grpc.UnaryUnaryMultiCallable[_meta_pb2.ReadlinkRequest, _meta_pb2.ReadlinkReply]
     SetAttr: _grpc.UnaryUnaryMultiCallable[_meta_pb2.SetAttrRequest, _meta_pb2.FileInfo]
     Truncate: _grpc.UnaryUnaryMultiCallable[_meta_pb2.TruncateRequest, _meta_pb2.FileInfo]
@@ -116,6 +117,7 @@ class MetaServiceAsyncStub(MetaServiceStub):
     Unlink: _aio.UnaryUnaryMultiCallable[_meta_pb2.UnlinkRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     Rmdir: _aio.UnaryUnaryMultiCallable[_meta_pb2.RmdirRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     Symlink: _aio.UnaryUnaryMultiCallable[_meta_pb2.SymlinkRequest, _meta_pb2.FileInfo]  # type: ignore[assignment]
+    Batch: _aio.UnaryUnaryMultiCallable[_meta_pb2.BatchRequest, _meta_pb2.BatchReply]  # type: ignore[assignment]
     Readlink: _aio.UnaryUnaryMultiCallable[_meta_pb2.ReadlinkRequest, _meta_pb2.ReadlinkReply]  # type: ignore[assignment]
     SetAttr: _aio.UnaryUnaryMultiCallable[_meta_pb2.SetAttrRequest, _meta_pb2.FileInfo]  # type: ignore[assignment]
     Truncate: _aio.UnaryUnaryMultiCallable[_meta_pb2.TruncateRequest, _meta_pb2.FileInfo]  # type: ignore[assignment]
@@ -234,6 +236,13 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.SymlinkRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.FileInfo, _abc.Awaitable[_meta_pb2.FileInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def Batch(
+        self,
+        request: _meta_pb2.BatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.BatchReply, _abc.Awaitable[_meta_pb2.BatchReply]]: ...
 
     @_abc_1.abstractmethod
     def Readlink(

@@ -1,0 +1,169 @@
+"""Batched mutations: concurrent namespace mutations of one MetaClient travel
+in one ``Batch`` call, each with its own request id, result and error,
+applied in order (docs/meta.md, "Batched mutations"). Against a real
+3-replica meta service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+from cluster import MetaCluster
+
+from tierfs.errors import (
+    AlreadyExistsError,
+    DirectoryNotEmptyError,
+    InvalidArgumentError,
+    NameTooLongError,
+    NotFoundError,
+    PermissionDeniedError,
+    TierFSError,
+    error_from_code,
+    from_grpc,
+)
+from tierfs.meta import MetaClient
+from tierfs.meta.auth import bearer
+from tierfs.meta.ops import MAX_BATCH_ITEMS
+from tierfs.meta.service import CLIENT_ID_KEY
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.proto.v1 import meta_pb2_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _item(rid: int, **op: object) -> pb.BatchItem:
+    return pb.BatchItem(request_id=rid, **op)  # type: ignore[arg-type]
+
+
+def _outcome(res: pb.MetaResult) -> TierFSError | bytes:
+    if res.error.code:
+        return error_from_code(res.error.code, res.error.message, leader=res.error.leader)
+    return res.reply
+
+
+async def _batch(addr: str, req: pb.BatchRequest, client: str = "batch-test") -> list[TierFSError | bytes]:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        md = (*bearer(os.environ.get("TIERFS_TOKEN", "")), (CLIENT_ID_KEY, client))
+        try:
+            reply = await meta_pb2_grpc.MetaServiceStub(ch).Batch(req, metadata=md, timeout=30.0)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from None
+    assert len(reply.results) == len(req.items)
+    return [_outcome(r) for r in reply.results]
+
+
+def test_concurrent_mutations_of_one_client_travel_together(meta_cluster: MetaCluster) -> None:
+    n = 40
+
+    async def main() -> None:
+        async with MetaClient(meta_cluster.addresses, deadline=30.0) as mc:
+            await mc.mkdir("/c")
+            out = await asyncio.gather(*(mc.mkdir(f"/c/d{i}") for i in range(n)), mc.mkdir("/c/d3"),
+                                       mc.symlink("/c/s", "/c/d0"), mc.unlink("/c/missing"),
+                                       return_exceptions=True)
+            assert mc.batch_calls > 0 and mc.batched_ops >= n // 2, (mc.batch_calls, mc.batched_ops)
+            infos = out[:n]
+            assert all(isinstance(x, pb.FileInfo) for x in infos), infos
+            # each op its own result...
+            assert len({x.attr.inode for x in infos if isinstance(x, pb.FileInfo)}) == n
+            # ... and its own error, the one its call alone gives
+            assert isinstance(out[n], AlreadyExistsError)
+            assert isinstance(out[n + 1], pb.FileInfo)
+            assert isinstance(out[n + 2], NotFoundError)
+            for i, x in enumerate(infos):
+                assert isinstance(x, pb.FileInfo)
+                assert (await mc.stat(f"/c/d{i}")).attr.inode == x.attr.inode
+            # the mutations in Batch calls then run one at a time again
+            await mc.rmdir("/c/d1")
+            await mc.rename("/c/d2", "/c/e2")
+            with pytest.raises(NotFoundError):
+                await mc.stat("/c/d2")
+
+    asyncio.run(main())
+    meta_cluster.wait_converged()
+
+
+def test_batch_items_in_order_each_with_its_own_error_and_request_id(meta_cluster: MetaCluster) -> None:
+    leader = meta_cluster.addresses[meta_cluster.wait_leader()]
+    req = pb.BatchRequest(items=[
+        _item(1, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o"))),
+        _item(2, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o/p"))),
+        _item(3, rmdir=pb.RmdirRequest(loc=pb.Loc(path="/o"))),  # not empty: applied after /o/p
+        _item(4, rename=pb.RenameRequest(src=pb.Loc(path="/o/p"), dst=pb.Loc(path="/o/q"))),
+        _item(5, symlink=pb.SymlinkRequest(loc=pb.Loc(path="/o/s"), target="/o/q")),
+        _item(6, unlink=pb.UnlinkRequest(loc=pb.Loc(path="/o/none"))),
+        _item(7),  # no op at all
+        _item(8, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o/" + "n" * 300))),  # over a cap: fails alone
+        _item(9, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o/last"))),
+    ])
+
+    first = asyncio.run(_batch(leader, req))
+    assert isinstance(first[0], bytes) and isinstance(first[1], bytes)
+    assert isinstance(first[2], DirectoryNotEmptyError)
+    assert first[3] == pb.Empty().SerializeToString()
+    assert isinstance(first[4], bytes)
+    assert isinstance(first[5], NotFoundError)
+    assert isinstance(first[6], InvalidArgumentError)
+    assert isinstance(first[7], NameTooLongError)
+    assert isinstance(first[8], bytes)
+    made = pb.FileInfo.FromString(first[1]).attr.inode
+
+    # The same call again (a retry: same client, same request ids): the ops
+    # that succeeded answer with their first result, nothing is applied twice.
+    again = asyncio.run(_batch(leader, req))
+    for i in (0, 1, 4, 8):
+        assert again[i] == first[i], i
+    assert pb.FileInfo.FromString(again[1]).attr.inode == made
+
+    # A new request id is a new op: /o/p was renamed, so this one makes a new /o/p.
+    fresh = asyncio.run(_batch(leader, pb.BatchRequest(items=[_item(10, mkdir=pb.MkdirRequest(
+        loc=pb.Loc(path="/o/p")))])))
+    assert isinstance(fresh[0], bytes) and pb.FileInfo.FromString(fresh[0]).attr.inode != made
+
+    # Over the item cap: the whole call is refused and nothing is applied.
+    over = pb.BatchRequest(items=[_item(100 + i, mkdir=pb.MkdirRequest(loc=pb.Loc(path=f"/o/x{i}")))
+                                  for i in range(MAX_BATCH_ITEMS + 1)])
+    with pytest.raises(InvalidArgumentError):
+        asyncio.run(_batch(leader, over))
+
+    # Through a follower: forwarded to the leader like any leader call.
+    follower = next(a for a in meta_cluster.addresses if a != leader)
+    via = asyncio.run(_batch(follower, pb.BatchRequest(items=[
+        _item(11, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o/via"))),
+        _item(12, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/o/via")))])))
+    assert isinstance(via[0], bytes) and isinstance(via[1], AlreadyExistsError)
+    meta_cluster.wait_converged()
+
+    async def check() -> None:
+        async with MetaClient(meta_cluster.addresses, deadline=30.0) as mc:
+            names = sorted(e.name for e in (await mc.readdir("/o")).entries)
+            assert names == ["last", "p", "q", "s", "via"]
+
+    asyncio.run(check())
+
+
+def test_batch_items_run_as_the_caller(meta_cluster: MetaCluster) -> None:
+    """Permissions are checked per item, as the caller, as for a call of
+    its own: one refused item fails alone and changes nothing."""
+    if not os.environ.get("TIERFS_TOKEN"):
+        pytest.skip("needs the cluster's authentication (TIERFS_TOKEN)")
+
+    async def main() -> None:
+        async with MetaClient(meta_cluster.addresses, deadline=30.0) as root:
+            tok = (await root.add_user("batchuser", 2001, 2001)).token
+            await root.mkdir("/mine", uid=2001, gid=2001)
+            await root.mkdir("/theirs", mode=0o755)
+            async with MetaClient(meta_cluster.addresses, deadline=30.0, token=tok) as user:
+                out = await asyncio.gather(*(user.mkdir(f"/mine/d{i}") for i in range(8)),
+                                           user.mkdir("/theirs/x"), user.mkdir("/mine/d8"),
+                                           return_exceptions=True)
+                assert user.batch_calls > 0
+                assert all(isinstance(x, pb.FileInfo) and x.attr.uid == 2001 for x in out[:8]), out
+                assert isinstance(out[8], PermissionDeniedError)
+                assert isinstance(out[9], pb.FileInfo)
+            with pytest.raises(NotFoundError):
+                await root.stat("/theirs/x")
+
+    asyncio.run(main())
