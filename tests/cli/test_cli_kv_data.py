@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.kv import public_trace_path
 from tierfs.cli import run
 from tierfs.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
-TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def cli(meta: str, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
@@ -125,7 +125,7 @@ def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -
 
 def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    lines = TRACE.read_text().splitlines()[:60]
+    lines = public_trace_path().read_text().splitlines()[:60]
     trace.write_text("\n".join(lines) + "\n")
     rc, out, err = cli(meta, "kv", "replay", str(trace), "--simulate", "--cluster", "20%", "--json")
     assert rc == 0, err

@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.kv import public_trace_path
 from tierfs.errors import InvalidArgumentError
 from tierfs.kv.policy import policy_names
 from tierfs.kv.trace import (
@@ -31,26 +31,11 @@ from tierfs.kv.trace import (
 
 pytestmark = pytest.mark.timeout(60)
 
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-
-
-def _public_trace_path() -> Path:
-    """The public trace: $TIERFS_KV_TRACE, else shared/traces/ next to the repo or an ancestor of it."""
-    env = os.environ.get("TIERFS_KV_TRACE")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for d in here.parents:
-        cand = d / "shared" / "traces" / TRACE_NAME
-        if cand.is_file():
-            return cand
-    # Not a skip: the issue's figures are a real check (see tests/skip_policy.py).
-    raise AssertionError(f"{TRACE_NAME} not found under any shared/traces/ above {here}; set TIERFS_KV_TRACE")
 
 
 @functools.cache
 def public() -> tuple[Request, ...]:
-    return tuple(load_trace(_public_trace_path()))
+    return tuple(load_trace(public_trace_path()))
 
 
 def line(ts: object = 0, inp: object = 1024, out: object = 1, ids: object = (1, 2)) -> str:
