@@ -43,7 +43,7 @@ from tierfs.errors import (
 )
 from tierfs.meta.auth import bearer, resolve_token
 from tierfs.meta.ops import MAX_BATCH_ITEMS
-from tierfs.meta.service import BATCH_RPCS, CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
+from tierfs.meta.wire import BATCH_RPCS, CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint

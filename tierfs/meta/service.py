@@ -123,6 +123,7 @@ from tierfs.meta.perms import caller_pb, squash
 from tierfs.meta.rebalance import Rebalancer
 from tierfs.meta.replace import plan_replacements, replace_input, replacements_pb
 from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
+from tierfs.meta.wire import BATCH_RPCS, CLIENT_ID_KEY, FORWARDED_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
 from tierfs.security import (
@@ -140,14 +141,6 @@ __all__ = ["BATCH_RPCS", "CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "FORWARDED_KEY", "
 
 log = logging.getLogger("tierfs.meta.service")
 
-CLIENT_ID_KEY = "tierfs-client-id"
-REQUEST_ID_KEY = "tierfs-request-id"
-#: Set by a follower on a call it forwards to the leader (gRPC address of the
-#: follower): the receiver never forwards it again.
-FORWARDED_KEY = "tierfs-forwarded"
-#: Trailing metadata of a reply a follower forwarded: the leader's gRPC
-#: address, so the client can go there directly next time.
-LEADER_KEY = "tierfs-leader-addr"
 #: The caller's metadata a follower passes on when it forwards.
 _FORWARD_MD = ("authorization", CLIENT_ID_KEY, REQUEST_ID_KEY)
 #: Fragments of replaced chunk versions stay readable this long (seconds).
@@ -161,9 +154,6 @@ _R = TypeVar("_R", bound=Message)
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
-#: The ops a Batch item may hold (BatchItem.op), and the RPC each one is on its
-#: own: its permission check and its reply type.
-BATCH_RPCS = {"mkdir": "Mkdir", "rename": "Rename", "unlink": "Unlink", "rmdir": "Rmdir", "symlink": "Symlink"}
 
 
 def error_result(err: TierFSError) -> pb.MetaResult:

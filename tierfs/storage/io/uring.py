@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import hashlib
 import mmap
 import os
 import signal
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 try:
@@ -110,6 +112,18 @@ def probe_uring() -> str | None:
     came through is the probe repeated here."""
     if L is None:
         return _IMPORT_ERROR
+    stamp = _probe_stamp()
+    with contextlib.suppress(OSError):
+        if stamp is not None:
+            # A child already ran on this CPU with this interpreter and this
+            # liburing build: if it came through, only the in-process probe
+            # is left; if the wheel died of SIGILL, it would again.
+            seen = stamp.read_text()
+            if seen == _PASSED:
+                return _probe_here()
+            if seen.startswith("io_uring probe died of SIGILL"):
+                return seen
+            # Anything else (a torn or foreign file): probe in a child again.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     code = "import sys; from tierfs.storage.io.uring import _probe_here; sys.stdout.write(_probe_here() or '')"
@@ -119,12 +133,57 @@ def probe_uring() -> str | None:
         return f"io_uring probe process failed: {exc}"
     if child.returncode < 0:
         sig = signal.Signals(-child.returncode).name
-        return f"io_uring probe died of {sig} (the liburing wheel does not run on this CPU)"
+        reason = f"io_uring probe died of {sig} (the liburing wheel does not run on this CPU)"
+        if child.returncode == -signal.SIGILL:
+            _remember(stamp, reason)
+        return reason
     if child.returncode != 0:
         return f"io_uring probe process exited {child.returncode}: {child.stderr.decode(errors='replace')[-300:]}"
     if child.stdout:
         return child.stdout.decode(errors="replace")
+    _remember(stamp, _PASSED)
     return _probe_here()
+
+
+#: What a stamp holds when the child probe came through.
+_PASSED = "ok"
+
+
+def _remember(stamp: Path | None, what: str) -> None:
+    """Write ``what`` to ``stamp`` atomically; a cache that cannot be written
+    only means the next start probes in a child again."""
+    if stamp is None:
+        return
+    with contextlib.suppress(OSError):
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+        tmp.write_text(what)
+        os.replace(tmp, stamp)
+
+
+def _probe_stamp() -> Path | None:
+    """Where the verdict of a child probe is remembered (it came through, or
+    the wheel died of SIGILL: both depend only on the key below), so that a
+    daemon start (and every test cluster's) does not pay for a second
+    interpreter (~0.4 s of CPU): a file named
+    after what decides whether the wheel runs here (the CPU's flags, the
+    kernel, the interpreter, the liburing build), under
+    ``$TIERFS_CACHE_DIR`` or ``$XDG_CACHE_HOME/tierfs`` (``~/.cache/tierfs``).
+    None (always probe in a child) when that cannot be worked out."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((ln for ln in f if ln.startswith(b"flags")), b"")
+        lib = os.stat(L.__file__)
+        u = os.uname()
+        key = hashlib.sha256(b"\0".join([
+            flags, u.release.encode(), u.machine.encode(), sys.executable.encode(), sys.version.encode(),
+            str(L.__file__).encode(), str(lib.st_size).encode(), str(lib.st_mtime_ns).encode(),
+        ])).hexdigest()[:32]
+        base = os.environ.get("TIERFS_CACHE_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tierfs")
+    except (OSError, AttributeError, TypeError):
+        return None
+    return Path(base) / f"uring-probe-{key}"
 
 
 def _probe_here() -> str | None:
