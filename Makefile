@@ -6,6 +6,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DATA   ?= ./.tierfs
 PYTEST_ARGS ?=
+# make test runs the core suite on this many pytest-xdist workers, one test
+# file per worker at a time (--dist loadfile: a file's module-scoped cluster
+# stays in one process). Most tests wait on daemons, so 2 workers on 2 cores
+# halve the wall time (docs/testing.md); TEST_WORKERS=0 runs it in-process.
+TEST_WORKERS ?= 2
 
 .PHONY: install system proto proto-check lint test run bench bench-deps bench-engines bench-training soak clean down engines
 
@@ -57,7 +62,7 @@ $(ENGINES_STAMP): $(STAMP) deploy/engines/requirements.txt deploy/engines/engine
 # Tests marked slow (the 200k-entry namespace growth) run in make soak. Then
 # tests/engines, in the engines venv: the real engines against a real cluster.
 test: install lint proto-check engines
-	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(EBIN)/python -m pytest tests/engines --durations=15 $(PYTEST_ARGS)
 
 run: install

@@ -30,8 +30,10 @@ session_credentials()
 from tests.faults import LazyFS  # noqa: E402
 from tests.faults.lazyfs import _mounted  # noqa: E402
 from tests.skip_policy import (  # noqa: E402, F401 - hooks: a skip not allowed here fails
+    pytest_collectreport,
     pytest_configure,
     pytest_make_collect_report,
+    pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_terminal_summary,
 )

@@ -87,7 +87,6 @@ def _enforce(report: pytest.TestReport | pytest.CollectReport) -> None:
     reason = _skip_reason(report)
     cat = category(reason)
     if cat in allowed_categories():
-        _allowed_seen[cat] += 1
         return
     report.outcome = "failed"
     report.longrepr = (f"skipped, and a skip is an error here: [{cat}] {reason}\n"
@@ -109,6 +108,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
     outcome = yield
     _enforce(outcome.get_result())
+
+
+def _count(report: pytest.TestReport | pytest.CollectReport) -> None:
+    # Counted where the reports are logged: with pytest-xdist (make test
+    # runs -n 2) that is the controller, which prints the summary.
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _allowed_seen[category(_skip_reason(report))] += 1
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _count(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _count(report)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

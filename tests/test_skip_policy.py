@@ -40,10 +40,11 @@ def test_ok():
 '''
 
 
-def _run(tmp_path: Path, allow: str | None, *extra_files: tuple[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, allow: str | None, *extra_files: tuple[str, str],
+         args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     (tmp_path / "conftest.py").write_text(
-        "from tests.skip_policy import pytest_configure, pytest_make_collect_report, "
-        "pytest_runtest_makereport, pytest_terminal_summary  # noqa: F401\n")
+        "from tests.skip_policy import pytest_collectreport, pytest_configure, pytest_make_collect_report, "
+        "pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: F401\n")
     (tmp_path / "test_suite.py").write_text(SUITE)
     for name, text in extra_files:
         (tmp_path / name).write_text(text)
@@ -51,7 +52,7 @@ def _run(tmp_path: Path, allow: str | None, *extra_files: tuple[str, str]) -> su
     env["PYTHONPATH"] = str(REPO)
     if allow is not None:
         env["TIERFS_ALLOW_SKIP"] = allow
-    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path)],
+    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *args, str(tmp_path)],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False)
 
 
@@ -83,6 +84,19 @@ def test_skips_fail_unless_allowed(tmp_path: Path) -> None:
     r = _run(tmp_path, "all")
     assert r.returncode == 0, r.stdout
     assert set(_outcomes(r.stdout).values()) == {"SKIPPED", "XFAIL", "PASSED"}
+
+
+@pytest.mark.timeout(120)
+def test_policy_holds_under_xdist(tmp_path: Path) -> None:
+    """make test runs the suite with pytest-xdist (-n 2): the workers turn a
+    skip into a failure, and the controller counts the allowed ones."""
+    pytest.importorskip("xdist", reason="pytest-xdist not installed")
+    r = _run(tmp_path, None, args=("-n", "2"))
+    assert r.returncode == 1, r.stdout
+    for name in ("test_fuse", "test_netns", "test_unknown"):
+        assert f"FAILED test_suite.py::{name}" in r.stdout, r.stdout
+    r = _run(tmp_path, "fuse, netns", args=("-n", "2"))
+    assert "allowed skips: fuse x1, netns x1, rdma x1" in r.stdout, r.stdout
 
 
 @pytest.mark.timeout(120)
