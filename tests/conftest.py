@@ -4,6 +4,7 @@ own library module (``tests/cluster.py`` for meta) and are exposed here."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,31 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+
+def _worker_port_range() -> None:
+    """Under pytest-xdist (make test runs two workers) each worker draws
+    its loopback ports from its own slice of the range
+    (``TIERFS_PORT_RANGE``, read by tierfs.local.free_ports and inherited
+    by every daemon and CLI a test starts): ports one worker released for
+    its daemons cannot be drawn by another before they bind them (seen:
+    EADDRINUSE at a storage daemon's start)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2:
+        return
+    from tierfs.local import _ephemeral_range
+
+    lo, hi = 10000, max(_ephemeral_range()[0] - 1, 12048)
+    if os.environ.get("TIERFS_PORT_RANGE", "").strip():
+        lo, hi = (int(x) for x in os.environ["TIERFS_PORT_RANGE"].split("-", 1))
+    i = int(worker[2:])
+    step = (hi - lo + 1) // count
+    os.environ["TIERFS_PORT_RANGE"] = f"{lo + i * step}-{lo + (i + 1) * step - 1}"
+
+
+_worker_port_range()
 
 # tests/engines drives the real engines and runs in .venv-engines (make
 # engines; make test runs it there); the core venv has none of them.

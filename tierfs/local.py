@@ -81,11 +81,26 @@ def free_ports(n: int) -> list[int]:
     the daemon's bind, and a daemon restarted later finds its port still
     free. Port 0 (kernel's choice) would hand out ephemeral ports, and a
     busy test run did lose that race (EADDRINUSE at a storage daemon's start).
+
+    ``$TIERFS_PORT_RANGE`` (``LO-HI``) narrows the draw: parallel test
+    workers each get their own slice (tests/conftest.py), so one worker's
+    ports, released before its daemons bind them, cannot be drawn by
+    another in between.
     """
     import random
 
     lo, _ = _ephemeral_range()
     top = max(lo - 1, 2048)
+    bottom = min(10000, top - 1000)
+    window = os.environ.get("TIERFS_PORT_RANGE", "").strip()
+    if window:
+        try:
+            a, b = (int(x) for x in window.split("-", 1))
+        except ValueError:
+            raise ConfigError(f"{window!r}: expected LO-HI, e.g. 10000-20000", field="TIERFS_PORT_RANGE") from None
+        if not 1024 <= a <= b <= 65535:
+            raise ConfigError(f"{window!r}: need 1024 <= LO <= HI <= 65535", field="TIERFS_PORT_RANGE")
+        bottom, top = a, b
     rng = random.SystemRandom()
     socks: list[socket.socket] = []
     ports: list[int] = []
@@ -93,7 +108,7 @@ def free_ports(n: int) -> list[int]:
         for _ in range(n * 200):
             if len(ports) == n:
                 break
-            port = rng.randint(min(10000, top - 1000), top)
+            port = rng.randint(bottom, top)
             if port in ports:
                 continue
             s = socket.socket()
@@ -105,7 +120,7 @@ def free_ports(n: int) -> list[int]:
             socks.append(s)
             ports.append(port)
         if len(ports) < n:
-            raise UnavailableError(f"found only {len(ports)} of {n} free loopback ports below {lo}")
+            raise UnavailableError(f"found only {len(ports)} of {n} free loopback ports in {bottom}-{top}")
         return ports
     finally:
         for s in socks:
