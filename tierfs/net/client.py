@@ -400,6 +400,9 @@ class _PeerPool:
         self.conns: list[_ClientConnection] = []
         self.connecting: set[asyncio.Task[_ClientConnection]] = set()
         self.transport = client._transport_for(host)
+        #: set by close(): no connection is opened (or kept) after it, so
+        #: none can outlive the pool unclosed (a ResourceWarning at GC)
+        self.closed = False
 
     def ready(self) -> _ClientConnection | None:
         """A connection to use right now without opening one, if that is
@@ -422,6 +425,8 @@ class _PeerPool:
         its size and every connection has work."""
         limit = self.client.connections_per_peer
         while True:
+            if self.closed:
+                raise UnavailableError(f"data-plane client for {self.host}:{self.port} is closed")
             live = [c for c in self.conns if not c.closed]
             if len(live) != len(self.conns):
                 self.conns = live
@@ -460,9 +465,17 @@ class _PeerPool:
         self.connecting.discard(task)
         if task.cancelled() or task.exception() is not None:
             return
-        self.conns.append(task.result())
+        conn = task.result()
+        if self.closed:
+            # Opened while the pool closed (the connect raced the cancel):
+            # nobody will close it later, so close it now.
+            if conn.transport is not None and not conn.closed:
+                conn.transport.close()
+            return
+        self.conns.append(conn)
 
     async def close(self) -> None:
+        self.closed = True
         for t in self.connecting:
             t.cancel()
         await asyncio.gather(*self.connecting, return_exceptions=True)
@@ -500,6 +513,7 @@ class DataClient:
         #: the request is retried once after it.
         self.cap_refresher: CapRefresher | None = None
         self._pools: dict[tuple[str, int], _PeerPool] = {}
+        self._closed = False
         self._transports: dict[str, Transport] = {}
         #: TLS of tcp connections (tierfs.tls; None: plaintext).
         self.tls = tls
@@ -529,6 +543,10 @@ class DataClient:
             raise UnavailableError(f"no data-plane address known for target {target}")
         pool = self._pools.get(addr)
         if pool is None:
+            if self._closed:
+                # A request still running when close() began must not open
+                # a pool that nobody would close.
+                raise UnavailableError("the data-plane client is closed")
             pool = self._pools[addr] = _PeerPool(self, *addr)
         return pool
 
@@ -807,6 +825,7 @@ class DataClient:
         return [(r.payload_len if r.length else None) if isinstance(r, Header) else r for r in res]
 
     async def close(self) -> None:
+        self._closed = True
         pools, self._pools = list(self._pools.values()), {}
         await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
 

@@ -476,11 +476,14 @@ class ShmTransport(Transport):
                 maps = [_map(fds[0], size), _map(fds[1], size)]
                 await _read_reply(sock, port)
             tx, rx = maps
-        except (OSError, TimeoutError, UnavailableError) as exc:
+        except BaseException as exc:
+            # Cancelled too (a pool closing while it connects): the socket and
+            # the rings must not outlive the attempt (an unclosed socket, and a
+            # server that keeps a half-made connection).
             sock.close()
             for m in maps:
                 m.close()
-            if isinstance(exc, UnavailableError):
+            if isinstance(exc, UnavailableError) or not isinstance(exc, (OSError, TimeoutError)):
                 raise
             raise UnavailableError(
                 f"cannot connect to {host}:{port} over shm: {exc or 'timeout'}") from None
