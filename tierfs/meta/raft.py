@@ -1342,12 +1342,23 @@ class RaftReplicator:
         new = self._dir / (SNAPSHOT_FILE + ".new")
         # The directory is fsynced by the journal rewrite that follows, before
         # the journal drops the entries folded into this snapshot.
-        os.replace(new, self._dir / SNAPSHOT_FILE)
+        try:
+            os.replace(new, self._dir / SNAPSHOT_FILE)
+            size = (self._dir / SNAPSHOT_FILE).stat().st_size
+        except OSError as exc:
+            # The data directory failed under us (a dead disk or mount: seen
+            # in the power-loss test). The journal still holds every entry
+            # (it is compacted only after _SER_DONE), so this is a failed
+            # snapshot, not lost data: pysyncobj tries again later, and a
+            # disk that is really gone fails the next journal write, which
+            # stops the replica.
+            log.error("raft %s: snapshot for index %d not put in place: %s", self.node_id, index, exc)
+            return _SER_FAILED
         self.snapshots_written += 1
         self.last_snapshot_stats = {"fork_s": fork_s, "total_s": time.monotonic() - t0}
         SNAPSHOTS.inc()
         log.info("raft %s: snapshot at index %d (%d bytes; fork %.1f ms, %.2f s in all)", self.node_id, index,
-                 (self._dir / SNAPSHOT_FILE).stat().st_size, fork_s * 1000, time.monotonic() - t0)
+                 size, fork_s * 1000, time.monotonic() - t0)
         return _SER_DONE
 
     def _deserialize(self, path: str) -> tuple[Any, Any, list[TCPNode]]:
