@@ -187,13 +187,25 @@ class RdmaTransport(Transport):
     async def connect(
         self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits, timeout: float
     ) -> FrameProtocol:
+        # The verbs resources first: a host without pyverbs or an RDMA device
+        # says so (UnsupportedError, not retried) before any socket is open.
+        try:
+            ep = _Endpoint(limits.shm_ring_bytes)
+        except UnavailableError as exc:
+            raise UnsupportedError(f"rdma transport: {exc}") from None
+        writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port + CONTROL_PORT_OFFSET)
-                ep = _Endpoint(limits.shm_ring_bytes)
                 ep.connect(await _exchange(reader, writer, ep.info()))
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
-            raise UnavailableError(f"cannot connect to {host}:{port} over rdma: {exc or 'timeout'}") from None
+        except BaseException as exc:
+            # Whatever ends the handshake (a refusal, a peer that is not an
+            # rdma control port, a cancel) closes the control connection.
+            if writer is not None:
+                writer.close()
+            if isinstance(exc, (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError)):
+                raise UnavailableError(f"cannot connect to {host}:{port} over rdma: {exc or 'timeout'}") from None
+            raise
         protocol = factory()
         await _attach(reader, writer, ep, protocol, f"rdma:{host}:{port}")
         return protocol
