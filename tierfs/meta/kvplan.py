@@ -25,13 +25,13 @@ cache.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from tierfs.errors import StaleVersionError, TierFSError
+from tierfs.meta.background import BackgroundLoop
 from tierfs.meta.kvpools import replan_groups
 from tierfs.meta.ops import MAX_KV_GROUP_CHANGES
 from tierfs.meta.state import MetaStateMachine
@@ -106,10 +106,12 @@ def plan_kv(inp: KVPlanInput, *, max_changes: int = MAX_KV_GROUP_CHANGES,
     return out
 
 
-class KVPlanner:
+class KVPlanner(BackgroundLoop):
     """The leader's KV pool planner (one per MetaServicer); see the module
     docstring. ``submit(kind, request, reply_cls)`` commits an op the way
     the service's own background ops are committed."""
+
+    task_name = "meta-kvplan"
 
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  interval: float = 5.0) -> None:
@@ -118,7 +120,6 @@ class KVPlanner:
         self._leading = leading
         self.interval = interval
         self._lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
         #: the map version whose pools were last found fitted
         self._settled = -1
         #: (seconds planning, ops committed) of the last plan that changed something
@@ -164,13 +165,3 @@ class KVPlanner:
             except TierFSError as err:  # lost leadership, timeouts: the next round retries
                 log.debug("kv pool planning failed: %s", err)
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="meta-kvplan")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None

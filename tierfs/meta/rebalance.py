@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Gauge
 
 from tierfs.errors import StaleVersionError, TierFSError
+from tierfs.meta.background import BackgroundLoop
 from tierfs.meta.ops import MAX_GROUPS_PER_OP, MAX_REPLACEMENTS
 from tierfs.meta.placement import Move, plan_groups, plan_rebalance
 from tierfs.meta.state import MetaStateMachine
@@ -156,11 +157,13 @@ class _Progress:
     last_error: str = ""
 
 
-class Rebalancer:
+class Rebalancer(BackgroundLoop):
     """The leader's planner (one per MetaServicer); see the module docstring.
 
     ``submit(kind, request, reply_cls)`` commits an op the way the service's
     own background ops are committed."""
+
+    task_name = "meta-rebalance"
 
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
@@ -178,7 +181,6 @@ class Rebalancer:
         self._held: dict[int, float] = {}  # group -> since when its moves wait for a write session
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._p = _Progress()
         self._active = False
 
@@ -292,16 +294,6 @@ class Rebalancer:
                 log.debug("rebalance round failed: %s", err)
             self._export()
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="meta-rebalance")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     # ---- progress ---------------------------------------------------------------
 
