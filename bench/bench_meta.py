@@ -15,8 +15,10 @@ in-memory journal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,47 @@ if str(ROOT) not in sys.path:
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes used so far (/proc, Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _apply_us(n: int = 5000) -> float:
+    """Microseconds one replica's state machine takes to apply one mkdir,
+    in this process (no Raft, no RPC): the part of a create that every
+    replica pays and a bare counter does not."""
+    from tierfs.meta import MetaStateMachine
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    sm = MetaStateMachine()
+    now = 1_700_000_000 * 10**9
+
+    def op(i: int, path: str) -> bytes:
+        m = pb.MetaOp(now_ns=now + i, client_id="bench" * 6, request_id=i + 1)
+        m.mkdir.CopyFrom(pb.MkdirRequest(loc=pb.Loc(path=path)))
+        return m.SerializeToString(deterministic=True)
+
+    first = pb.MetaResult.FromString(sm.apply(op(0, "/bench")))
+    if first.error.code:
+        raise RuntimeError(f"apply benchmark: mkdir /bench failed: {first.error.message}")
+    ops = [op(i, f"/bench/d{i}") for i in range(1, n + 1)]
+    t0 = time.perf_counter()
+    for o in ops:
+        sm.apply(o)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 # --- raw pysyncobj: one process per node; the leader measures -----------------
@@ -71,13 +114,22 @@ def _raw_node(addr: str, peers: list[str], mode: str, data_dir: str, seconds: fl
             time.sleep(0.5)  # someone else leads and measures; idle until killed
             continue
     time.sleep(0.3)
+
+    def mark(name: str) -> None:
+        # The parent reads every replica's CPU time at each mark.
+        print(json.dumps({"mark": name}), flush=True)
+        time.sleep(0.05)
+
     # 1 outstanding: commit latency
     lat: list[float] = []
+    mark("seq0")
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         t0 = time.perf_counter()
         node.incr(sync=True, timeout=5)
         lat.append(time.perf_counter() - t0)
+    print(json.dumps({"mark": "seq1"}), flush=True)
+    time.sleep(0.05)
     # 16 outstanding: throughput
     window = threading.Semaphore(16)
     done = [0]
@@ -86,6 +138,7 @@ def _raw_node(addr: str, peers: list[str], mode: str, data_dir: str, seconds: fl
         done[0] += 1
         window.release()
 
+    mark("conc0")
     t0 = time.perf_counter()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -94,8 +147,10 @@ def _raw_node(addr: str, peers: list[str], mode: str, data_dir: str, seconds: fl
     for _ in range(16):
         window.acquire()
     conc = done[0] / (time.perf_counter() - t0)
+    print(json.dumps({"mark": "conc1"}), flush=True)
+    time.sleep(0.05)
     print(json.dumps({"seq_ops": len(lat) / sum(lat), "p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99),
-                      "conc_ops": conc}), flush=True)
+                      "conc_ops": conc, "seq_n": len(lat), "conc_n": done[0]}), flush=True)
     node.destroy()
 
 
@@ -112,14 +167,21 @@ def _raw_cluster(mode: str, seconds: float, tmp: Path) -> dict[str, float]:
                 str(tmp / f"{mode}{i}"), str(seconds)]
         procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT))
     result: dict[str, float] = {}
+    marks: dict[str, float] = {}
     lock = threading.Lock()
+    pids = [p.pid for p in procs]
 
     def reader(p: subprocess.Popen[bytes]) -> None:
         assert p.stdout is not None
         for line in p.stdout:
             if line.startswith(b"{"):
+                msg = json.loads(line)
                 with lock:
-                    result.update(json.loads(line))
+                    if "mark" in msg:
+                        with contextlib.suppress(OSError):
+                            marks[msg["mark"]] = _cpu_s(pids)
+                    else:
+                        result.update(msg)
 
     threads = [threading.Thread(target=reader, args=(p,), daemon=True) for p in procs]
     for t in threads:
@@ -135,6 +197,10 @@ def _raw_cluster(mode: str, seconds: float, tmp: Path) -> dict[str, float]:
         p.stdout.close()
     if not result:
         raise RuntimeError(f"raw pysyncobj {mode} cluster produced no result")
+    if len(marks) == 4:
+        # CPU of all three replicas per committed op (0 when not measured)
+        result["seq_cpu_us"] = (marks["seq1"] - marks["seq0"]) / max(1, result["seq_n"]) * 1e6
+        result["conc_cpu_us"] = (marks["conc1"] - marks["conc0"]) / max(1, result["conc_n"]) * 1e6
     return result
 
 
@@ -167,7 +233,7 @@ async def _log_len(mc: Any) -> int:
     return int(st.raft.log_len)
 
 
-async def _drive(addrs: list[str], seconds: float) -> dict[str, float]:
+async def _drive(addrs: list[str], seconds: float, pids: list[int]) -> dict[str, float]:
     from tierfs.meta import MetaClient
 
     out: dict[str, float] = {}
@@ -177,9 +243,13 @@ async def _drive(addrs: list[str], seconds: float) -> dict[str, float]:
             lat: list[float] = []
             entries0 = await _log_len(mc)
             calls0, batched0 = mc.batch_calls, mc.batched_ops
+            cpu0, self0 = _cpu_s(pids), _self_cpu_s()
             t0 = time.perf_counter()
             await asyncio.gather(*(_creator(mc, f"c{conc}-{w}", seconds, lat) for w in range(conc)))
             out[f"create_{conc}"] = len(lat) / (time.perf_counter() - t0)
+            # CPU of the three replicas, and of this (the client's) process
+            out[f"create_{conc}_cpu_us"] = (_cpu_s(pids) - cpu0) / max(1, len(lat)) * 1e6
+            out[f"create_{conc}_client_cpu_us"] = (_self_cpu_s() - self0) / max(1, len(lat)) * 1e6
             # group commit: how many creates shared one Raft entry (the
             # periodic tick's entries count too, so this is a lower bound)
             out[f"create_{conc}_per_entry"] = len(lat) / max(1, await _log_len(mc) - entries0)
@@ -207,7 +277,9 @@ def run(quick: bool) -> dict[str, Any]:
         stock = _raw_cluster("memory", seconds, tmp)
         with MetaCluster(tmp / "svc", n=3, state_machine="meta") as c:
             c.wait_leader()
-            svc = asyncio.run(_drive(c.addresses, seconds))
+            pids = [r.proc.pid for r in c.replicas if r.proc is not None]
+            svc = asyncio.run(_drive(c.addresses, seconds, pids))
+        apply_us = _apply_us()
 
     def row(case: str, value: float, unit: str, base: float | None, base_name: str) -> dict[str, Any]:
         return {"case": case, "value": round(value, 4 if unit == "ms" else 1), "unit": unit,
@@ -226,6 +298,14 @@ def run(quick: bool) -> dict[str, Any]:
         row("create ops per Raft entry, 1 client", svc["create_1_per_entry"], "ops", None, ""),
         row("create ops per Raft entry, 16 clients (group commit)", svc["create_16_per_entry"], "ops", None, ""),
         row("create ops per RPC, 16 clients (Batch calls)", svc["create_16_per_rpc"], "ops", None, ""),
+        row("CPU per create, 1 client: 3 replicas", svc["create_1_cpu_us"], "us",
+            durable.get("seq_cpu_us"), "raw pysyncobj + durable journal, 3 replicas, per op, 1 outstanding"),
+        row("CPU per create, 16 clients: 3 replicas", svc["create_16_cpu_us"], "us",
+            durable.get("conc_cpu_us"), "raw pysyncobj + durable journal, 3 replicas, per op, 16 outstanding"),
+        row("CPU per create, 1 client: the client process", svc["create_1_client_cpu_us"], "us", None, ""),
+        row("CPU per create, 16 clients: the client process", svc["create_16_client_cpu_us"], "us", None, ""),
+        row("state machine apply of one mkdir, x3 replicas", 3 * apply_us, "us",
+            durable.get("conc_cpu_us"), "raw pysyncobj + durable journal, 3 replicas, per op, 16 outstanding"),
         row("raw pysyncobj + durable journal, 1 outstanding", durable["seq_ops"], "ops/s", stock["seq_ops"], "raw pysyncobj, stock in-memory journal"),
         row("raw pysyncobj + durable journal, 16 outstanding", durable["conc_ops"], "ops/s", stock["conc_ops"], "raw pysyncobj, stock in-memory journal"),
         row("raw pysyncobj + durable journal p50", durable["p50"] * ms, "ms", stock["p50"] * ms, "raw pysyncobj, stock in-memory journal p50"),
@@ -239,7 +319,12 @@ def run(quick: bool) -> dict[str, Any]:
         "share one Raft entry (group commit; ops per entry is reported), and the creates that one MetaClient "
         "has waiting while 2 are in flight travel in one Batch call (ops per RPC is reported). Raw = bare pysyncobj "
         "counter with the same tuning (appendEntriesUseBatch=False), 3 processes; 'without fdatasync' "
-        "isolates the cost of the disk flushes from the journal's CPU cost."
+        "isolates the cost of the disk flushes from the journal's CPU cost. CPU rows: user + system CPU "
+        "seconds of the three replica processes (/proc) per committed op, for TierFS and for the raw counter "
+        "in the same phases (their ratio is TierFS over raw: above 1 means TierFS spends more); 'apply x3' is "
+        "one MetaStateMachine applying mkdirs in the benchmark process, times three replicas: CPU every "
+        "create costs that the raw counter does not. All processes share this machine's cores, so when "
+        "the run is CPU-bound, throughput ratio ~ raw CPU per op / TierFS CPU per op."
     )
     return {"name": "meta", "rows": rows, "notes": notes}
 
