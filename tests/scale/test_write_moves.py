@@ -17,6 +17,13 @@ itself (``map_refresh_interval`` and ``map_max_age`` of an hour): it writes
 the last chunks to the former members too and its first commit is refused
 as stale; it then fetches the map, re-sends and commits again.
 
+With ``stall`` as well (and a lease of 1 s), one new member of the group
+is SIGSTOPped for 3 s when ``close`` starts: the re-send after the refused
+commit waits for it, three leases long. The session must stay alive
+through that (the lease is renewed during the re-send) and the close
+succeed. Before that fix the renewer was stopped for the retry and the
+commit failed with ``SessionExpiredError``.
+
 Before the writer re-sent moved fragments, that close failed with
 ``StaleVersionError: ... (2 of 3 fragments would be on former members)``."""
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,11 +71,17 @@ def _members(cmap: pb.ClusterMap, gid: int) -> tuple[int, ...]:
     return next(tuple(g.target_ids) for g in cmap.groups if g.group_id == gid)
 
 
-async def spanning_write(cl: LocalCluster, stale_map: bool) -> dict[str, object]:
+#: how long ``stall`` stops a new member of the group (three leases)
+STALL_S = 3.0
+
+
+async def spanning_write(cl: LocalCluster, stale_map: bool, stall: bool = False) -> dict[str, object]:
     meta = list(cl.meta_addrs)
     await settle(meta)  # the start-up moves (groups made while nodes registered one by one)
     data = random_bytes(4 * CHUNK - 1000, 7)
-    opts = {"map_refresh_interval": 3600.0, "map_max_age": 3600.0} if stale_map else {}
+    opts: dict[str, float] = {"map_refresh_interval": 3600.0, "map_max_age": 3600.0} if stale_map else {}
+    if stall:
+        opts["lease_ms"] = STALL_S / 3 * 1000
     async with AsyncClient(meta, **opts) as c:
         await c.mkdir("/w", exist_ok=True)
         await c.set_layout("/w", chunk_size=CHUNK, redundancy="ec:2+1")
@@ -115,8 +130,25 @@ async def spanning_write(cl: LocalCluster, stale_map: bool) -> dict[str, object]
                 assert await dc.delete(before[j], FragmentKey(b.inode, 0, j, gen_b))
         t0 = time.monotonic()
         await f.write(data[2 * CHUNK:])
-        await f.close()
+        stalled = 0
+        if stall:
+            # A new member of the group hangs while the writer re-sends to it
+            # (the last chunks are stored first: they may have a fragment
+            # there too, and that is not the wait under test).
+            await f.flush()
+            [node] = [n for n in cmap.nodes if n.node_id == node_of[after[gone[-1]]]]
+            [p] = [p for p in cl.procs if p.kind == "storage" and p.addr == node.data_addr]
+            stalled = p.pid
+            os.kill(stalled, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(STALL_S, os.kill, stalled, signal.SIGCONT)
+        try:
+            await f.close()
+        finally:
+            if stalled:
+                os.kill(stalled, signal.SIGCONT)
         close_s = time.monotonic() - t0
+        if stall:
+            assert close_s >= STALL_S * 0.9, close_s  # the re-send did wait for the stalled member
         with pytest.raises(UnavailableError, match=r"chunk 0: its group changed during the write and only 1 of its "
                                                    r"fragments are on current members \(ec:2\+1 needs 2\)"):
             await b.close()
@@ -148,11 +180,13 @@ async def spanning_write(cl: LocalCluster, stale_map: bool) -> dict[str, object]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stale_map", [False, True], ids=["fresh-map", "stale-map"])
+@pytest.mark.parametrize(("stale_map", "stall"), [(False, False), (True, False), (True, True)],
+                         ids=["fresh-map", "stale-map", "stale-map-stalled-member"])
 def test_a_write_spanning_moves_of_its_group_closes_and_reads_back(cluster: LocalCluster, stale_map: bool,
+                                                                  stall: bool,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tierfs.client.file")
-    r = asyncio.run(spanning_write(cluster, stale_map))
+    r = asyncio.run(spanning_write(cluster, stale_map, stall))
     refused = [rec for rec in caplog.records if "commit refused as stale" in rec.getMessage()]
     # Stale map: the first writer's first commit is refused; its retry
     # fetches the map, which the second writer (same client) then uses.

@@ -126,7 +126,7 @@ class AsyncFile:
         self._cache: tuple[int, memoryview, int] | None = None  # (chunk, buffer, valid bytes)
         self._ahead: tuple[int, asyncio.Task[int], memoryview] | None = None  # read-ahead of the next chunk
         if session is not None:
-            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+            self._start_renewer()
             # A write capability that expires is renewed with the lease.
             client._cap_renewers[info.attr.inode] = self._renew
 
@@ -485,6 +485,10 @@ class AsyncFile:
             await self.flush()
             assert self._session is not None
             for attempt in range(_COMMIT_TRIES):
+                # A retry re-sends with the lease renewed meanwhile, as the
+                # first try does: the re-send can outlast a lease (a slow or
+                # stalled new member, many moved chunks).
+                self._start_renewer()
                 # Fragments whose group member changed during the session
                 # (rebalance moves, drains) go to the current members first.
                 await self._settle_moves(force=attempt > 0)
@@ -573,6 +577,10 @@ class AsyncFile:
         if self._staging is not None:
             pool.put(self._staging.buf)
             self._staging = None
+
+    def _start_renewer(self) -> None:
+        if self._renewer is None and self._error is None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
 
     async def _stop_renewer(self) -> None:
         t, self._renewer = self._renewer, None
