@@ -266,6 +266,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._anchor: tuple[int, int] | None = None  # (op time ns, monotonic ns)
         self._hb_seen: dict[int, int] = {}  # node id -> monotonic ns of its last heartbeat
         self._hb_used: dict[int, dict[int, int]] = {}  # node id -> {target: used} last reported
+        self._hb_free: dict[int, dict[int, int]] = {}  # node id -> {target: file system free} last reported
         self._usage_logged: dict[int, int] = {}  # node id -> monotonic ns usage was last committed
         # node id -> {(pool id, target id): latest KV usage reported}
         self._kv_used: dict[int, dict[tuple[int, int], pb.KVTargetUsage]] = {}
@@ -306,6 +307,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._anchor = None
             self._hb_seen.clear()
             self._hb_used.clear()
+            self._hb_free.clear()
             self._usage_logged.clear()
             self._kv_used.clear()
         return True
@@ -635,6 +637,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         op = self._op("heartbeat", req, client, request_id)
         validate_op(op)
         del op.heartbeat.kv_usage[:]  # leader memory only (below), never the log
+        for rep in op.heartbeat.targets:
+            rep.free = 0  # the same
         node = sm.nodes.get(req.node_id)
         mono = self._mono()
         if node is None or self._heartbeat_changes(sm, req, mono):
@@ -650,6 +654,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
+        self._hb_free[req.node_id] = {t.target_id: t.free for t in req.targets if t.free}
         self._remember_kv_usage(sm, req)
         reply.cap_keys.extend(self.cap_keys())
         return reply
@@ -708,6 +713,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             used = self._hb_used.get(t.node_id, {}).get(t.target_id)
             if used is not None:
                 t.used = used
+            t.free = self._hb_free.get(t.node_id, {}).get(t.target_id, 0)
         return cmap
 
     async def _tick_loop(self) -> None:

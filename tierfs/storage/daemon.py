@@ -433,7 +433,7 @@ class StorageNode:
                 continue  # meta did not accept it: nothing to report against
             st = e.stats()
             out.append(pb.TargetReport(target_id=st.target_id, used=st.used, capacity=st.capacity,
-                                       state=_state_code(st.state)))
+                                       state=_state_code(st.state), free=st.free))
         return out
 
     def kv_reports(self) -> list[Any]:

@@ -1204,11 +1204,17 @@ class TargetReport(_message.Message):
     USED_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
     used: _builtins.int
     capacity: _builtins.int
     state: Global___TargetState.ValueType
     """ONLINE, FAILED or READ_ONLY as the daemon sees its disk."""
+    free: _builtins.int
+    """Bytes its file system has free for TierFS (statvfs f_bavail minus the
+    target's reserve): less than capacity - used when other data shares
+    the file system. Leader memory only, never logged; 0 from older daemons.
+    """
     def __init__(
         self,
         *,
@@ -1216,10 +1222,11 @@ class TargetReport(_message.Message):
         used: _builtins.int = ...,
         capacity: _builtins.int = ...,
         state: Global___TargetState.ValueType = ...,
+        free: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "state", b"state", "target_id", b"target_id", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "state", b"state", "target_id", b"target_id", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1342,12 +1349,17 @@ class ClusterTarget(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
     node_id: _builtins.int
     path: _builtins.str
     capacity: _builtins.int
     used: _builtins.int
     state: Global___TargetState.ValueType
+    free: _builtins.int
+    """The free bytes its daemon last reported to this leader (TargetReport.free);
+    0 when not known (a follower's map, an older daemon).
+    """
     def __init__(
         self,
         *,
@@ -1357,10 +1369,11 @@ class ClusterTarget(_message.Message):
         capacity: _builtins.int = ...,
         used: _builtins.int = ...,
         state: Global___TargetState.ValueType = ...,
+        free: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
