@@ -18,11 +18,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class ReplicaTooOldError(Exception):
+    """Raised by :meth:`StateMachine.apply` for an entry written by newer code
+    than this replica runs: the replica must stop, neither skip the entry
+    nor apply it its own way (the replicas' states would differ)."""
+
+
 class StateMachine(Protocol):
     def apply(self, op: bytes) -> bytes:
         """Apply one committed op and return its serialized result. Must not
         raise for bad input: errors are part of the result, so every replica
-        records the same outcome."""
+        records the same outcome. The one exception: ReplicaTooOldError."""
 
     def snapshot(self) -> bytes:
         """Serialize the whole state (used for Raft snapshots)."""

@@ -68,7 +68,7 @@ from tierfs.errors import (
     UnavailableError,
 )
 from tierfs.fsutil import makedirs_durable
-from tierfs.meta.interfaces import ReplicaStatus, StateMachine
+from tierfs.meta.interfaces import ReplicaStatus, ReplicaTooOldError, StateMachine
 from tierfs.meta.journal import (
     DurableJournal,
     SnapshotFile,
@@ -638,6 +638,8 @@ class RaftReplicator:
         self._fork_failures = 0
         self._snap_started: tuple[float, float, int] = (0.0, 0.0, 0)
         self.fatal: str = ""
+        #: stopped at an entry of newer code (_halt_too_old): applies nothing more
+        self.too_old = False
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -1133,9 +1135,20 @@ class RaftReplicator:
         sm = self._sm
 
         def run() -> None:
-            for op, pending in zip(ops, pendings, strict=True):
+            if self.too_old:
+                # Stopped at an entry of newer code: nothing after it is
+                # applied either (in order or not at all).
+                for pending in pendings:
+                    pending.exc = UnavailableError(self.fatal)
+                return
+            for i, (op, pending) in enumerate(zip(ops, pendings, strict=True)):
                 try:
                     pending.result = sm.apply(op)
+                except ReplicaTooOldError as exc:
+                    self._halt_too_old(exc, index)
+                    for p in pendings[i:]:
+                        p.exc = UnavailableError(self.fatal)
+                    return
                 except Exception as exc:  # the SM contract says never; keep replicas alike
                     log.exception("state machine raised applying index %d", index)
                     pending.exc = exc
@@ -1145,6 +1158,18 @@ class RaftReplicator:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(run)
         return pendings
+
+    def _halt_too_old(self, exc: ReplicaTooOldError, index: int) -> None:
+        """Loop thread: the log holds an entry this code cannot apply the way
+        its writer did. Stop here (the process exits in the daemon) rather
+        than skip it or apply it differently: a restart with the same code
+        stops at the same entry, one with the newer code applies it."""
+        self.too_old = True
+        self.fatal = f"cannot apply log index {index}: {exc}"
+        log.critical("raft %s: %s", self.node_id, self.fatal)
+        if self._exit_on_fatal:
+            logging.shutdown()
+            os._exit(70)
 
     def _on_journal_error(self, exc: BaseException) -> None:
         # After a failed fsync the page cache can no longer be trusted

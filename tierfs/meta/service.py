@@ -122,7 +122,7 @@ from tierfs.meta.ops import (
 from tierfs.meta.perms import caller_pb, squash
 from tierfs.meta.rebalance import Rebalancer
 from tierfs.meta.replace import plan_replacements, replace_input, replacements_pb
-from tierfs.meta.state import MAX_CLOCK_STEP_NS, MetaStateMachine
+from tierfs.meta.state import MAX_CLOCK_STEP_NS, OP_FORMAT, MetaStateMachine
 from tierfs.meta.wire import BATCH_RPCS, CLIENT_ID_KEY, FORWARDED_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -381,6 +381,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         if ident != ANONYMOUS:
             op.caller.CopyFrom(caller_pb(ident))
         op.kv_planned = True  # this leader plans KV pool groups itself (tierfs.meta.kvplan)
+        op.min_format = OP_FORMAT  # older replicas stop rather than apply it their way
         if kind == "register_node" and self.kv_default_pool is not None:
             op.kv_default_pool.CopyFrom(self.kv_default_pool)
         op.DiscardUnknownFields()  # what this version does not know does not go into the log

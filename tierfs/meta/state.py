@@ -55,6 +55,7 @@ from tierfs.meta import users as users_mod
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
 from tierfs.meta.domains import domain, domain_line, rack_counts
 from tierfs.meta.gcqueue import GCEntry, GCQueue
+from tierfs.meta.interfaces import ReplicaTooOldError
 from tierfs.meta.kvpools import (
     DEFAULT_POOL_NAME,
     MAX_KV_POOLS,
@@ -97,6 +98,15 @@ from tierfs.meta.users import UserRecord
 from tierfs.proto.v1 import common_pb2
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.security import ANONYMOUS, ROOT, Identity
+
+#: The op format this code applies. The leader stamps it into every op
+#: (``MetaOp.min_format``); a replica that finds a higher one in the log
+#: raises ReplicaTooOldError (its Raft layer stops it) instead of applying
+#: the entry its own, older way. Bump it with every change to what apply
+#: does with an op or to the fields it reads (docs/operations.md,
+#: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
+#: play a newer or older version in tests.
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 1)
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -287,6 +297,12 @@ class MetaStateMachine(Tracked):
             msg = pb.MetaOp.FromString(op)
         except (DecodeError, ValueError) as exc:
             return _result(err=ProtocolError(f"undecodable meta op: {exc}"))
+        if msg.min_format > OP_FORMAT:
+            self.ops_applied -= 1  # not applied
+            raise ReplicaTooOldError(
+                f"this replica runs meta op format {OP_FORMAT}, and the log holds an entry of format "
+                f"{msg.min_format} (written by a newer leader): upgrade this replica to the leader's TierFS "
+                f"version and start it again (docs/operations.md, 'Upgrading meta replicas')")
         # A failed op must leave the state exactly as it was, clock included:
         # every mutation inside the transaction is undone if the op raises,
         # wherever it raises (tierfs/meta/undo.py).

@@ -2926,6 +2926,7 @@ class MetaOp(_message.Message):
     GC_GRACE_MS_FIELD_NUMBER: _builtins.int
     KV_DEFAULT_POOL_FIELD_NUMBER: _builtins.int
     KV_PLANNED_FIELD_NUMBER: _builtins.int
+    MIN_FORMAT_FIELD_NUMBER: _builtins.int
     MKDIR_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
     RENAME_FIELD_NUMBER: _builtins.int
@@ -2976,6 +2977,12 @@ class MetaOp(_message.Message):
     bumps the map, and a pool this op creates starts with no groups; the
     leader commits the groups with a KVGroups op. Absent (entries of older
     versions): apply re-plans the pools as it always did.
+    """
+    min_format: _builtins.int
+    """The op format of the leader that wrote this entry (tierfs.meta.state
+    OP_FORMAT). A replica whose code applies an older format stops instead
+    of applying the entry its own way (docs/operations.md, "Upgrading meta
+    replicas"). 0: entries of versions before this field.
     """
     @_builtins.property
     def caller(self) -> Global___Caller: ...
@@ -3065,6 +3072,7 @@ class MetaOp(_message.Message):
         gc_grace_ms: _builtins.int = ...,
         kv_default_pool: Global___CreateKVPoolRequest | None = ...,
         kv_planned: _builtins.bool = ...,
+        min_format: _builtins.int = ...,
         mkdir: Global___MkdirRequest | None = ...,
         create: Global___CreateRequest | None = ...,
         rename: Global___RenameRequest | None = ...,
@@ -3100,7 +3108,7 @@ class MetaOp(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
