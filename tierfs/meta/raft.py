@@ -104,6 +104,9 @@ _BATCH_OP_OVERHEAD = 16
 #: as large (2 ops instead of 4 for 16 callers) and cost more CPU per op on
 #: this CPU-bound host (docs/raft.md, "Group commit, measured").
 MAX_INFLIGHT_ENTRIES = 1
+#: From this many inodes on, :meth:`RaftReplicator.digest` hashes the state
+#: in a forked child instead of on the event loop.
+FORK_DIGEST_INODES = 20_000
 
 COMMIT_LATENCY = Histogram(
     "tierfs_meta_commit_seconds", "submit() to applied result, on the leader",
@@ -1303,6 +1306,53 @@ class RaftReplicator:
             return
         self._snap_pid = self._on_loop(lambda: self._fork_snapshot(path, snap))
         self._snap_started = (t0, time.monotonic() - t0, int(last[1]))
+
+    async def digest(self) -> tuple[str, int, int]:
+        """Loop thread: (state digest, applied index, ops applied) now. A
+        state of FORK_DIGEST_INODES inodes or more is hashed by a forked
+        child (a copy-on-write image, made in milliseconds), as snapshots
+        are: serializing 200k inodes on the loop holds the GIL for seconds,
+        the Raft tick thread waits, and the followers elect (seen in the
+        200k growth test, tests/meta/test_snapshot_growth.py)."""
+        sm = self._sm
+        applied = self.status().applied_index
+        ops = int(getattr(sm, "ops_applied", 0))
+        if len(getattr(sm, "inodes", ())) < FORK_DIGEST_INODES:
+            return sm.digest(), applied, ops
+        r, w = os.pipe()
+        try:
+            gc.collect(1)
+            gc.freeze()  # see _fork_snapshot
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                code = 1
+                try:
+                    gc.disable()
+                    os.closerange(3, w)
+                    os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
+                    os.nice(19)
+                    os.write(w, sm.digest().encode())
+                    code = 0
+                finally:
+                    os._exit(code)
+        finally:
+            os.close(w)
+
+        def collect() -> tuple[bytes, int]:
+            try:
+                chunks = []
+                while chunk := os.read(r, 4096):
+                    chunks.append(chunk)
+            finally:
+                os.close(r)
+            return b"".join(chunks), os.waitpid(pid, 0)[1]
+
+        out, status = await asyncio.to_thread(collect)
+        if status != 0 or len(out) != 64:
+            raise InternalError(f"the digest child failed (wait status {status})")
+        return out.decode(), applied, ops
 
     def _fork_snapshot(self, path: str, snap: SnapshotFile) -> int:
         """Loop thread: fork a child that writes ``snap`` with the current
