@@ -1321,22 +1321,7 @@ class RaftReplicator:
             return sm.digest(), applied, ops
         r, w = os.pipe()
         try:
-            gc.collect(1)
-            gc.freeze()  # see _fork_snapshot
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child
-                code = 1
-                try:
-                    gc.disable()
-                    os.closerange(3, w)
-                    os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
-                    os.nice(19)
-                    os.write(w, sm.digest().encode())
-                    code = 0
-                finally:
-                    os._exit(code)
+            pid = _fork_child(lambda: os.write(w, sm.digest().encode()), keep_fd=w)
         finally:
             os.close(w)
 
@@ -1357,39 +1342,12 @@ class RaftReplicator:
     def _fork_snapshot(self, path: str, snap: SnapshotFile) -> int:
         """Loop thread: fork a child that writes ``snap`` with the current
         state. Returns the child's pid."""
-        # Move every object alive now out of the cyclic GC's reach (freed by
-        # refcount as usual): a full collection walks and writes every
-        # object - with 200k inodes that is a long GIL stall for the Raft
-        # tick, and while a child runs it would copy every page. The state
-        # holds no reference cycles; young garbage is collected first.
-        gc.collect(1)
-        gc.freeze()
-        with warnings.catch_warnings():
-            # The child only serializes and exits (no threads, no locks of
-            # the parent's other threads are needed): fork is safe here.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                # Nothing may run that touches the parent's other threads'
-                # objects: a garbage collection would finalize gRPC objects
-                # whose threads do not exist here (seen: SIGSEGV).
-                gc.disable()
-                # Let go of every inherited socket and file at once: a peer
-                # must see this replica's connections close when the parent
-                # dies, and a restarted replica must be able to bind its
-                # ports while this child still writes.
-                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-                # Serializing is background work: the parent's event loop and
-                # Raft tick (and the other replicas on a shared host) go first.
-                os.nice(19)
-                snap.state = self._sm.snapshot()
-                write_snapshot(path, snap, fsync=self._fsync)
-                code = 0
-            finally:
-                os._exit(code)
-        return pid
+
+        def write() -> None:
+            snap.state = self._sm.snapshot()
+            write_snapshot(path, snap, fsync=self._fsync)
+
+        return _fork_child(write)
 
     def _check_snapshot(self) -> int:
         """Tick thread (pysyncobj's ``serializeChecker``): the state of the
@@ -1460,6 +1418,50 @@ class RaftReplicator:
         self._addr_map[self._raft_addr] = self._grpc_addr
         log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
         return snap.last, snap.prev, [TCPNode(m) for m in snap.members]
+
+
+def _fork_child(work: Callable[[], object], keep_fd: int = -1) -> int:
+    """Loop thread: fork a child that runs ``work`` on a copy-on-write image
+    of this process (the state as it is now) and exits, 0 if ``work``
+    returned. Returns the child's pid. Used for snapshots and digests of a
+    large state, which would hold the GIL for seconds on the loop."""
+    # Move every object alive now out of the cyclic GC's reach (freed by
+    # refcount as usual): a full collection walks and writes every object -
+    # with 200k inodes that is a long GIL stall for the Raft tick, and while
+    # a child runs it would copy every page. The state holds no reference
+    # cycles; young garbage is collected first.
+    gc.collect(1)
+    gc.freeze()
+    with warnings.catch_warnings():
+        # The child only computes, writes and exits (no threads, no locks of
+        # the parent's other threads are needed): fork is safe here.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            # Nothing may run that touches the parent's other threads'
+            # objects: a garbage collection would finalize gRPC objects whose
+            # threads do not exist here (seen: SIGSEGV).
+            gc.disable()
+            # Let go of every inherited socket and file at once (but
+            # ``keep_fd``): a peer must see this replica's connections close
+            # when the parent dies, and a restarted replica must be able to
+            # bind its ports while this child still works.
+            top = os.sysconf("SC_OPEN_MAX")
+            if keep_fd >= 3:
+                os.closerange(3, keep_fd)
+                os.closerange(keep_fd + 1, top)
+            else:
+                os.closerange(3, top)
+            # Background work: the parent's event loop and Raft tick (and the
+            # other replicas on a shared host) go first.
+            os.nice(19)
+            work()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
 
 
 def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
