@@ -13,7 +13,7 @@ import pytest
 
 from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
 from tierfs.meta import MetaClient
-from tierfs.meta.raft import leader_lost_window
+from tierfs.meta.raft import leader_lost_window, pre_vote_grant
 from tierfs.meta.service import LEADER_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
@@ -154,6 +154,22 @@ def test_leader_lost_window_gives_each_survivor_its_own_slot() -> None:
     # a replica that is not in its own member list yet still gets a window
     lo, hi = leader_lost_window("127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"], "127.0.0.1:3", 0.25)
     assert 0.05 <= lo < hi <= 0.25
+
+
+def test_pre_vote_grant_only_without_a_working_leader_and_to_an_up_to_date_log() -> None:
+    # docs/raft.md, "Pre-vote": yes only where a real vote would be given
+    # *and* this replica sees no working leader.
+    base = dict(cand_term=6, cand_last=(5, 100), my_term=5, my_last=(5, 100), leading=False,
+                leader_alive=False, recovering=False)
+    assert pre_vote_grant(**base)
+    assert pre_vote_grant(**{**base, "cand_last": (5, 101)})
+    assert pre_vote_grant(**{**base, "cand_last": (6, 1)})  # a newer last term beats a longer log
+    assert not pre_vote_grant(**{**base, "cand_last": (5, 99)})  # its log is behind
+    assert not pre_vote_grant(**{**base, "cand_last": (4, 500)})
+    assert not pre_vote_grant(**{**base, "cand_term": 5})  # not newer than ours
+    assert not pre_vote_grant(**{**base, "leader_alive": True})  # we hear a leader: it is cut off, not the leader
+    assert not pre_vote_grant(**{**base, "leading": True})
+    assert not pre_vote_grant(**{**base, "recovering": True})  # forgot its votes: no say until caught up
 
 
 def _raft_addr(c: MetaCluster, i: int) -> str:

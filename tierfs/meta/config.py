@@ -85,6 +85,9 @@ class MetaConfig(BaseConfig):
         "up to this, staggered by rank among the survivors, instead of a whole election timeout (0: wait the "
         "election timeout; docs/raft.md).",
         kind="duration")
+    pre_vote: bool = field(
+        True, "Ask the other replicas before campaigning (Raft pre-vote): a replica cut off from a working "
+        "leader does not raise its term, so healing it does not depose that leader (docs/raft.md).")
 
     snapshot_min_entries: int = field(10000, "Take a snapshot (and compact the journal) once it holds this many entries.")
     snapshot_min_interval: float = field(600.0, "... or this long after the previous snapshot.", kind="duration")

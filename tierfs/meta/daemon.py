@@ -195,7 +195,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
             heartbeat=cfg.heartbeat_interval, election_min=cfg.election_timeout_min,
             election_max=cfg.election_timeout_max, connection_timeout=cfg.connection_timeout,
             connection_retry=cfg.connection_retry, step_down=cfg.leader_step_down,
-            leader_lost=cfg.leader_lost_election,
+            leader_lost=cfg.leader_lost_election, pre_vote=cfg.pre_vote,
         ),
         snapshot_min_entries=cfg.snapshot_min_entries,
         snapshot_min_interval=cfg.snapshot_min_interval,

@@ -128,6 +128,9 @@ APPLIED_INDEX = Gauge("tierfs_meta_applied_index", "Last log index applied to th
 JOURNAL_BYTES = Gauge("tierfs_meta_journal_bytes", "Size of this replica's Raft journal file (bytes)")
 LEADER_CHANGES = Counter("tierfs_meta_leader_changes_total",
                          "Times this replica saw the leader change (to a new leader, or to none)")
+PRE_VOTE_ROUNDS = Counter("tierfs_meta_pre_vote_rounds_total",
+                          "Pre-vote rounds this replica started, by outcome (won: a real election followed; "
+                          "the others did not disturb the cluster)", ["outcome"])
 FRAMES_REFUSED = Counter("tierfs_meta_raft_frames_refused_total",
                          "Raft-port frames dropped (with their connection) because they were not "
                          "sealed with this cluster's secret")
@@ -251,6 +254,29 @@ class FrameSealer:
 #: transport before pysyncobj sees it (an older replica's pysyncobj ignores
 #: a message type it does not know).
 KEEPALIVE = "tfs_keepalive"
+
+#: Types of the pre-vote request and its answer (docs/raft.md, "Pre-vote").
+#: Neither carries a ``term`` key: pysyncobj (an older replica's too) acts
+#: on every message's term, and a pre-vote must change no one's term. An
+#: older replica ignores both types.
+PRE_VOTE = "tfs_pre_vote"
+PRE_VOTE_REPLY = "tfs_pre_vote_reply"
+
+
+def pre_vote_grant(*, cand_term: int, cand_last: tuple[int, int], my_term: int, my_last: tuple[int, int],
+                   leading: bool, leader_alive: bool, recovering: bool) -> bool:
+    """Whether to answer yes to a pre-vote (Raft thesis, 9.6): a replica
+    that would campaign at ``cand_term`` (its term + 1) with a log ending at
+    ``cand_last`` = (term, index) asks first whether it could win. Yes only
+    if it would get this replica's vote in a real election at that term -
+    its term is newer than ours and its log at least as up to date - *and*
+    this replica believes there is no working leader: it does not lead
+    itself, and it has not heard from a leader lately through a connection
+    that is still open (``leader_alive``). Nothing changes on either side:
+    no term, no vote."""
+    if recovering or leading or leader_alive:
+        return False
+    return cand_term > my_term and cand_last >= my_last
 
 
 def leader_lost_window(self_id: str, members: list[str], leader_id: str, leader_lost: float) -> tuple[float, float]:
@@ -417,6 +443,17 @@ class _Node(SyncObj):  # type: ignore[misc]
         # connection: set first.
         self.tfs_sealer = sealer
         self.tfs_leader_seen: str | None = None
+        # Pre-vote (docs/raft.md, "Pre-vote"), all on the tick thread: when
+        # this replica last heard from a leader (raft clock), whether its
+        # connection to that leader has closed since, and the round running:
+        # the term it is for (0: none), the ids that said yes, and the term
+        # a round was won for (the real election at that term may go ahead).
+        self.tfs_leader_heard = 0.0
+        self.tfs_leader_conn_lost = False
+        self.tfs_pre_vote_term = 0
+        self.tfs_pre_votes: set[str] = set()
+        self.tfs_pre_vote_won = 0
+        self.tfs_pre_vote_logged = False  # one log line per period without a leader
         super().__init__(self_addr, others, conf, transportClass=_SyncingTransport)
 
     @property
@@ -437,6 +474,8 @@ class _Node(SyncObj):  # type: ignore[misc]
         transport.tfs_flush_acks()
         if self.tfs_owner.recovering:
             self.tfs_owner._recovery_tick(self)
+        if self._SyncObj__raftState != 2 and self.tfs_owner._timings.pre_vote:
+            self._tfs_pre_vote_tick()
         if self._SyncObj__raftState != 2:
             # The tick ends in a poll of up to timeToWait (50 ms); the
             # election deadline is only looked at after it. Wake at the
@@ -454,6 +493,105 @@ class _Node(SyncObj):  # type: ignore[misc]
             self.tfs_leader_seen = leader_id
             LEADER_CHANGES.inc()
 
+    def _tfs_pre_vote_tick(self) -> None:
+        """Before pysyncobj's election check: a follower (or a candidate
+        whose election failed) whose election deadline has passed asks the
+        others whether it could win (``PRE_VOTE``) instead of raising its
+        term at once, and moves its deadline to when it will ask again. Only
+        when a majority said yes (:meth:`tfs_on_pre_vote_reply` then sets the
+        deadline to 0 and ``tfs_pre_vote_won``) does the real election run,
+        in pysyncobj's tick. A replica cut off from the leader, alone or
+        with a minority, therefore never raises its term, and rejoining it
+        does not depose a working leader (docs/raft.md, "Pre-vote")."""
+        now = _raft_clock()
+        deadline: float = getattr(self, "_SyncObj__raftElectionDeadline", 0.0)
+        if deadline >= now or self._SyncObj__selfNode is None:
+            return
+        others = self._SyncObj__otherNodes
+        nxt = self._SyncObj__raftCurrentTerm + 1
+        if not others or self.tfs_pre_vote_won == nxt or self._SyncObj__transferInProgress:
+            # One replica alone; a round won; or the leader asked this one to
+            # take over (TimeoutNow): the election goes ahead now.
+            return
+        if not self._SyncObj__connectedToAnyone():
+            return  # pysyncobj does not campaign either
+        if self.tfs_pre_vote_term:
+            PRE_VOTE_ROUNDS.labels("lost").inc()  # the last round ran out without a majority
+        self.tfs_pre_vote_term = nxt
+        self.tfs_pre_votes = {self._SyncObj__selfNode.id}
+        if self.tfs_leader_conn_lost:
+            # The leader's process is likely gone: ask again soon (a survivor
+            # that had not yet seen its own connection close said no).
+            lost = self.tfs_owner._timings.leader_lost
+            retry = random.uniform(lost / 2, lost) if lost > 0 else self._SyncObj__generateRaftTimeout()
+        else:
+            retry = self._SyncObj__generateRaftTimeout()
+        self._SyncObj__raftElectionDeadline = now + retry
+        if not self.tfs_pre_vote_logged:
+            self.tfs_pre_vote_logged = True
+            log.info("raft %s: no leader heard from; asking the others for pre-votes for term %d before "
+                     "campaigning", self.tfs_owner.node_id, nxt)
+        ask = {"type": PRE_VOTE, "tfs_term": nxt, "last_log_term": self._SyncObj__getCurrentLogTerm(),
+               "last_log_index": self._SyncObj__getCurrentLogIndex()}
+        transport = self._SyncObj__transport
+        for node in others:
+            transport.send(node, ask)
+
+    def tfs_heard_leader(self) -> None:
+        """Tick thread: an AppendEntries of the current term (or newer) came
+        in: a leader works. A pre-vote round still running is void."""
+        self.tfs_leader_heard = _raft_clock()
+        self.tfs_leader_conn_lost = False
+        self.tfs_pre_vote_logged = False
+        if self.tfs_pre_vote_term:
+            PRE_VOTE_ROUNDS.labels("leader_heard").inc()
+            self.tfs_pre_vote_term = 0
+
+    def tfs_on_pre_vote(self, src: Any, message: dict[str, Any], transport: Any) -> None:
+        """Tick thread: answer a ``PRE_VOTE`` (see :func:`pre_vote_grant`). A
+        leader counts as alive while its last AppendEntries is younger than
+        half the minimum election timeout (10 heartbeats by default) and its
+        connection has not closed since."""
+        timings = self.tfs_owner._timings
+        leader = self._SyncObj__raftLeader
+        alive = (leader is not None and not self.tfs_leader_conn_lost
+                 and _raft_clock() - self.tfs_leader_heard < timings.election_min / 2)
+        try:
+            cand_term = int(message["tfs_term"])
+            cand_last = (int(message["last_log_term"]), int(message["last_log_index"]))
+        except (KeyError, TypeError, ValueError):
+            return
+        granted = pre_vote_grant(
+            cand_term=cand_term, cand_last=cand_last, my_term=self._SyncObj__raftCurrentTerm,
+            my_last=(self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex()),
+            leading=self._SyncObj__raftState == 2, leader_alive=alive, recovering=self.tfs_owner.recovering)
+        if not granted:
+            log.debug("raft %s: pre-vote for term %d refused to %s (its log ends at %s, ours at %s; term %d; "
+                      "leader %s, heard from %.3f s ago, connection closed: %s)", self.tfs_owner.node_id, cand_term,
+                      getattr(src, "id", src), cand_last,
+                      (self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex()),
+                      self._SyncObj__raftCurrentTerm, getattr(leader, "id", None),
+                      _raft_clock() - self.tfs_leader_heard, self.tfs_leader_conn_lost)
+        transport.send(src, {"type": PRE_VOTE_REPLY, "tfs_term": cand_term, "granted": granted})
+
+    def tfs_on_pre_vote_reply(self, src: Any, message: dict[str, Any]) -> None:
+        """Tick thread: count a yes for the round running; at a majority,
+        campaign now (pysyncobj's next tick raises the term and asks for
+        real votes)."""
+        term = self.tfs_pre_vote_term
+        if not term or message.get("tfs_term") != term or not message.get("granted") \
+                or term != self._SyncObj__raftCurrentTerm + 1 or self._SyncObj__raftState == 2 \
+                or src not in self._SyncObj__otherNodes:
+            return
+        self.tfs_pre_votes.add(src.id)
+        if len(self.tfs_pre_votes) > (len(self._SyncObj__otherNodes) + 1) / 2:
+            PRE_VOTE_ROUNDS.labels("won").inc()
+            log.info("raft %s: pre-vote for term %d won (%s); campaigning", self.tfs_owner.node_id, term,
+                     ", ".join(sorted(self.tfs_pre_votes)))
+            self.tfs_pre_vote_term = 0
+            self.tfs_pre_vote_won = term
+            self._SyncObj__raftElectionDeadline = 0.0
+
     def tfs_on_disconnect(self, node: Any) -> None:
         """Tick thread: a peer connection closed. If it was the leader's,
         campaign soon instead of after a whole election timeout: a closed
@@ -465,6 +603,8 @@ class _Node(SyncObj):  # type: ignore[misc]
         "Failover")."""
         delay = self.tfs_owner._timings.leader_lost
         leader = self._SyncObj__raftLeader
+        if leader is not None and leader.id == getattr(node, "id", None):
+            self.tfs_leader_conn_lost = True  # pre-vote: this replica no longer counts the leader alive
         if delay <= 0 or self.tfs_owner.recovering or self._SyncObj__raftState != 0 or leader is None \
                 or leader.id != getattr(node, "id", None):
             return
@@ -530,12 +670,16 @@ class RaftTimings:
         connection_retry: float = 0.5,
         step_down: float = 1.5,
         leader_lost: float = 0.25,
+        pre_vote: bool = True,
     ) -> None:
         """``leader_lost``: when a follower's connection to its leader closes
         (the leader's process died and its kernel closed the socket), it
         campaigns after a delay in [leader_lost / 5, leader_lost], staggered
         by rank (:func:`leader_lost_window`), instead of a whole election
-        timeout; 0 turns that off."""
+        timeout; 0 turns that off. ``pre_vote``: ask the others before
+        campaigning (docs/raft.md, "Pre-vote"); off only for tests that show
+        what it prevents."""
+        self.pre_vote = pre_vote
         self.leader_lost = leader_lost
         self.heartbeat = heartbeat
         self.election_min = election_min
@@ -1205,6 +1349,15 @@ class RaftReplicator:
         mtype = message.get("type") if isinstance(message, dict) else None
         if self.recovering and mtype == "request_vote":
             return  # it forgot whom it voted for: no vote until caught up
+        if mtype in (PRE_VOTE, PRE_VOTE_REPLY):
+            if node is not None:
+                if mtype == PRE_VOTE:
+                    node.tfs_on_pre_vote(src, message, transport)
+                else:
+                    node.tfs_on_pre_vote_reply(src, message)
+            return  # pysyncobj never sees them
+        if node is not None and mtype == "append_entries" and message.get("term", -1) >= node.raftCurrentTerm:
+            node.tfs_heard_leader()
         if node is not None and mtype == "append_entries" and "prevLogIdx" in message \
                 and "transmission" not in message and message["term"] >= node.raftCurrentTerm:
             message, ack = self._check_append(message, node.raftLastApplied)
