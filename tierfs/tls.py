@@ -9,6 +9,15 @@ whether to use TLS (explicit files > ``TIERFS_TLS_CA``/``_CERT``/``_KEY`` >
 a local cluster's ``DIR/tls/``). :func:`make_local_ca` and :func:`issue` are
 the throwaway CA of ``tierfs up --tls``.
 
+Renewed files are picked up without a restart (docs/security-tls.md,
+"Renewing certificates"): gRPC servers get dynamic credentials that look at
+the files' stat on each new handshake; the data plane's SSL contexts are
+reloaded in place (:func:`refresh_ssl_context`: a listener checks every
+second, a dialler before each new connection); gRPC channels are made again
+once the files changed (:class:`TlsStamp`). A changed set that does not load
+(a key that does not match the certificate: the pair is half replaced) is
+not used; the files loaded before stay in use until it does.
+
 The policy, everywhere: a server with a certificate serves TLS only (no
 plaintext on the same port). Clients verify the server against the CA
 (hostname or IP in the certificate's SAN). With ``tls_require_client_cert``
@@ -26,15 +35,21 @@ import contextvars
 import dataclasses
 import datetime
 import ipaddress
+import logging
 import os
 import ssl
-from collections.abc import Mapping, Sequence
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from tierfs.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CA_FILE",
@@ -46,6 +61,7 @@ __all__ = [
     "grpc_channel",
     "issue",
     "make_local_ca",
+    "refresh_ssl_context",
     "resolve_client_tls",
     "unreachable_hint",
 ]
@@ -55,6 +71,11 @@ TLS_DIR = "tls"
 CA_FILE = "ca.pem"
 #: The certificate ``tierfs up --tls`` makes for the cluster's clients.
 CLIENT_NAME = "client"
+
+#: A daemon looks at its TLS files (one stat each) at most this often for
+#: renewed ones: a data-plane listener on a timer, a dialler before a new
+#: connection, a gRPC client before a call (gRPC servers: every handshake).
+RELOAD_CHECK_INTERVAL = 1.0
 
 #: The data dir a client looks in for a local cluster's files when none is
 #: named (the CLI's ``--data`` sets it for one command; tierfs.cli.util.DEFAULT_DATA).
@@ -110,16 +131,71 @@ class TlsFiles:
     def _cert_pair(self) -> tuple[bytes, bytes]:
         return _read(self.key, "key", "tls_key"), _read(self.cert, "certificate", "tls_cert")
 
+    def stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """What changes when any of the files is replaced or rewritten:
+        (mtime, size, inode) of each (None: not set, or missing)."""
+        out: list[tuple[int, int, int] | None] = []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                st = os.stat(path) if path else None
+            except OSError:
+                st = None
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None)
+        return tuple(out)
+
+    def describe(self) -> str:
+        """The certificate in one line, for logs: subject, serial, expiry."""
+        try:
+            from cryptography import x509
+
+            c = x509.load_pem_x509_certificate(Path(self.cert).read_bytes())
+            return (f"{self.cert} ({c.subject.rfc4514_string()}, serial {c.serial_number:x}, "
+                    f"valid until {c.not_valid_after_utc:%Y-%m-%d %H:%M} UTC)")
+        except Exception as exc:  # a log line must not fail
+            return f"{self.cert} (unreadable: {exc})"
+
     # --- gRPC ------------------------------------------------------------
 
-    def grpc_server_credentials(self) -> grpc.ServerCredentials:
+    def _grpc_server_config(self) -> Any:
         # gRPC's Python API has no "verify if presented": without the
         # requirement a client certificate is not asked for at all.
-        return grpc.ssl_server_credentials(
+        return grpc.ssl_server_certificate_configuration(
             [self._cert_pair()],
-            root_certificates=_read(self.ca, "CA", "tls_ca") if self.require_client_cert else None,
-            require_client_auth=self.require_client_cert,
-        )
+            root_certificates=_read(self.ca, "CA", "tls_ca") if self.require_client_cert else None)
+
+    def grpc_server_credentials(self) -> grpc.ServerCredentials:
+        """Server credentials that pick up renewed files: gRPC asks
+        ``fetch`` on every new handshake, which answers a new configuration
+        only when the files' stamp changed and the new set loads (a
+        mismatched key and certificate is refused: the ones loaded before
+        stay in use, and the set is tried again when it changes again)."""
+        lock = threading.Lock()
+        state: dict[str, Any] = {"stamp": self.stamp(), "refused": None}
+        initial = self._grpc_server_config()
+
+        def fetch() -> Any:
+            try:
+                stamp = self.stamp()
+                with lock:
+                    if stamp in (state["stamp"], state["refused"]):
+                        return None
+                    try:
+                        self._server_context()  # the key matches the certificate, the CA parses
+                        config = self._grpc_server_config()
+                    except ConfigError as exc:
+                        state["refused"] = stamp
+                        log.warning("TLS files changed but do not load (yet): %s; the gRPC server keeps the "
+                                    "certificate it had", exc)
+                        return None
+                    state["stamp"], state["refused"] = stamp, None
+                log.info("TLS: the gRPC server now presents %s", self.describe())
+                return config
+            except Exception:  # called from gRPC's core: never raise into it
+                log.exception("TLS: checking for renewed files failed")
+                return None
+
+        return grpc.dynamic_ssl_server_credentials(initial, fetch,
+                                                   require_client_authentication=self.require_client_cert)
 
     def grpc_channel_credentials(self) -> grpc.ChannelCredentials:
         key, cert = self._cert_pair() if self.cert else (None, None)
@@ -129,6 +205,14 @@ class TlsFiles:
     # --- the data plane (asyncio / uvloop) ----------------------------------
 
     def server_ssl_context(self) -> ssl.SSLContext:
+        """A server context, reloaded in place by :func:`refresh_ssl_context`."""
+        return _watch(self._server_context(), self, server=True)
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """A client context, reloaded in place by :func:`refresh_ssl_context`."""
+        return _watch(self._client_context(), self, server=False)
+
+    def _server_context(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
@@ -142,7 +226,7 @@ class TlsFiles:
             ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
         return ctx
 
-    def client_ssl_context(self) -> ssl.SSLContext:
+    def _client_context(self) -> ssl.SSLContext:
         try:
             ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -157,6 +241,102 @@ class TlsFiles:
         """The same files used as a client (a daemon dialling a peer):
         its CA to verify the peer, its certificate to present."""
         return TlsFiles(ca=self.ca, cert=self.cert, key=self.key)
+
+
+class _Watch:
+    """What a context was made from, and what was last loaded into it."""
+
+    __slots__ = ("checked", "files", "refused", "server", "stamp")
+
+    def __init__(self, files: TlsFiles, server: bool) -> None:
+        self.files, self.server = files, server
+        self.stamp = files.stamp()
+        self.refused: tuple[Any, ...] | None = None
+        self.checked = time.monotonic()
+
+
+_watched: weakref.WeakKeyDictionary[ssl.SSLContext, _Watch] = weakref.WeakKeyDictionary()
+_watch_lock = threading.Lock()
+
+
+def _watch(ctx: ssl.SSLContext, files: TlsFiles, *, server: bool) -> ssl.SSLContext:
+    with _watch_lock:
+        _watched[ctx] = _Watch(files, server)
+    return ctx
+
+
+def refresh_ssl_context(ctx: ssl.SSLContext | None, *, min_interval: float = RELOAD_CHECK_INTERVAL) -> bool:
+    """Load renewed files into ``ctx`` (one made by ``server_ssl_context`` or
+    ``client_ssl_context``) if they changed since it was made or last
+    reloaded; connections made after use them, open ones keep theirs.
+    Looks (one stat per file) at most every ``min_interval`` seconds. A
+    changed set that does not load is refused once, logged, and ``ctx`` keeps
+    what it had. A CA file's new certificates are added to what the context
+    trusts; one dropped from it stays trusted until a restart. True when it
+    reloaded."""
+    if ctx is None:
+        return False
+    with _watch_lock:
+        w = _watched.get(ctx)
+        now = time.monotonic()
+        if w is None or now - w.checked < min_interval:
+            return False
+        w.checked = now
+        stamp = w.files.stamp()
+        if stamp in (w.stamp, w.refused):
+            return False
+        files = w.files
+        try:
+            # Load a fresh context first: a half-replaced pair must not reach
+            # ``ctx`` (load_cert_chain would leave it with the new certificate
+            # and the old key).
+            files._server_context() if w.server else files._client_context()
+            if files.cert:
+                ctx.load_cert_chain(files.cert, files.key)
+            if files.ca:
+                ctx.load_verify_locations(files.ca)
+        except (ConfigError, OSError, ssl.SSLError) as exc:
+            w.refused = stamp
+            log.warning("TLS files changed but do not load (yet): %s; keeping the certificate loaded before", exc)
+            return False
+        w.stamp, w.refused = stamp, None
+    log.info("TLS: reloaded %s for new %s connections", files.describe() if files.cert else files.ca,
+             "incoming" if w.server else "outgoing")
+    return True
+
+
+class TlsStamp:
+    """For a gRPC client: whether its TLS files changed since the channels
+    were made (so they must be made again: gRPC channel credentials are
+    fixed). Looks at most every RELOAD_CHECK_INTERVAL seconds."""
+
+    def __init__(self, tls: TlsFiles | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tls = tls
+        self._clock = clock
+        self._stamp = tls.stamp() if tls is not None else ()
+        self._refused: tuple[Any, ...] | None = None
+        self._checked = clock()
+
+    def changed(self) -> bool:
+        if self.tls is None:
+            return False
+        now = self._clock()
+        if now - self._checked < RELOAD_CHECK_INTERVAL:
+            return False
+        self._checked = now
+        stamp = self.tls.stamp()
+        if stamp in (self._stamp, self._refused):
+            return False
+        try:
+            self.tls._client_context()  # loads: not a half-replaced pair
+        except ConfigError as exc:
+            self._refused = stamp
+            log.warning("TLS files changed but do not load (yet): %s; keeping the channels made before", exc)
+            return False
+        self._stamp = stamp
+        log.info("TLS: files changed (%s); new gRPC channels use them", self.tls.describe() if self.tls.cert
+                 else self.tls.ca)
+        return True
 
 
 def _local_addrs(data_dir: Path) -> set[str]:

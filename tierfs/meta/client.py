@@ -46,7 +46,7 @@ from tierfs.meta.ops import MAX_BATCH_ITEMS
 from tierfs.meta.wire import BATCH_RPCS, CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.proto.v1 import meta_pb2_grpc
-from tierfs.tls import TlsFiles, grpc_channel, resolve_client_tls, unreachable_hint
+from tierfs.tls import TlsFiles, TlsStamp, grpc_channel, resolve_client_tls, unreachable_hint
 
 __all__ = ["MetaClient", "Where"]
 
@@ -168,6 +168,8 @@ class MetaClient:
         self.capability_sink: Callable[[bytes], None] | None = None
         self.token = resolve_token(token, token_file, data_dir)
         self.tls: TlsFiles | None = resolve_client_tls(addrs=self.addrs) if tls == "auto" else tls
+        self._tls_stamp = TlsStamp(self.tls)
+        self._closing: set[asyncio.Task[None]] = set()
         self.mutations_in_flight = mutations_in_flight
         self._mut_busy = 0
         self._mut_queue: collections.deque[_Queued] = collections.deque()
@@ -193,6 +195,8 @@ class MetaClient:
         channels, self._channels, self._stubs = self._channels, {}, {}
         for ch in channels.values():
             await ch.close(None)
+        for task in list(self._closing):
+            task.cancel()
 
     async def __aenter__(self) -> MetaClient:
         return self
@@ -209,6 +213,14 @@ class MetaClient:
     def _stub(self, addr: str) -> Any:
         if self._closed:
             raise UnavailableError("MetaClient is closed")
+        if self._tls_stamp.changed():
+            # Renewed TLS files: channel credentials are fixed, so new
+            # channels; the old ones finish what is in flight on them.
+            old, self._channels, self._stubs = self._channels, {}, {}
+            for ch in old.values():
+                task = asyncio.get_running_loop().create_task(ch.close(30.0))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
         stub = self._stubs.get(addr)
         if stub is None:
             ch = grpc_channel(addr, self.tls, options=[("grpc.enable_retries", 0)])

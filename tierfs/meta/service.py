@@ -134,7 +134,7 @@ from tierfs.security import (
     hash_token,
     new_user_token,
 )
-from tierfs.tls import TlsFiles, grpc_channel
+from tierfs.tls import TlsFiles, TlsStamp, grpc_channel
 
 __all__ = ["BATCH_RPCS", "CLIENT_ID_KEY", "DEFAULT_GC_GRACE", "FORWARDED_KEY", "LEADER_KEY", "MAX_REQUEST_BYTES",
            "REQUEST_ID_KEY", "MetaServicer", "add_meta_service", "error_result"]
@@ -258,6 +258,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.forward_wait = forward_wait
         self._peer_tls = peer_tls
         self._peer_stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._peer_tls_stamp = TlsStamp(peer_tls)
         #: channels dropped after a failed forward, closing once their calls end
         self._peer_closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         # Per leadership (reset whenever this replica starts leading a term):
@@ -441,6 +442,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return str(fn()) if fn is not None else self._r.status().leader
 
     def _peer(self, addr: str) -> tuple[grpc.aio.Channel, Any]:
+        if self._peer_tls_stamp.changed():
+            for peer, (ch, _) in list(self._peer_stubs.items()):  # renewed TLS files: new channels
+                self._drop_peer(peer, ch)
         entry = self._peer_stubs.get(addr)
         if entry is None:
             ch = grpc_channel(addr, self._peer_tls, options=[("grpc.enable_retries", 0),

@@ -18,18 +18,29 @@ from tierfs.errors import UnavailableError
 from tierfs.net.framing import FrameProtocol
 from tierfs.net.protocol import Limits
 from tierfs.net.transport import Listener, ProtocolFactory, Transport
+from tierfs.tls import RELOAD_CHECK_INTERVAL, refresh_ssl_context
 
 __all__ = ["TcpListener", "TcpTransport"]
 
 
 class TcpListener(Listener):
-    def __init__(self, server: asyncio.Server, host: str, port: int) -> None:
+    def __init__(self, server: asyncio.Server, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         self.server = server
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
+        # Renewed certificate files reach new connections (tierfs.tls).
+        self._reload = asyncio.get_running_loop().create_task(self._reload_tls(tls)) if tls is not None else None
+
+    @staticmethod
+    async def _reload_tls(tls: ssl.SSLContext) -> None:
+        while True:
+            await asyncio.sleep(RELOAD_CHECK_INTERVAL)
+            refresh_ssl_context(tls)
 
     async def close(self) -> None:
+        if self._reload is not None:
+            self._reload.cancel()
         self.server.close()
         await self.server.wait_closed()
 
@@ -54,6 +65,7 @@ class TcpTransport(Transport):
                 if self.tls is None:
                     _, proto = await loop.create_connection(factory, host, port)
                 else:
+                    refresh_ssl_context(self.tls)  # renewed files (at most a stat per file per second)
                     _, proto = await loop.create_connection(factory, host, port, ssl=self.tls,
                                                             server_hostname=host)
         except (OSError, TimeoutError) as exc:
@@ -69,4 +81,4 @@ class TcpTransport(Transport):
             server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024, ssl=self.tls,
                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
         bound = server.sockets[0].getsockname()[1]
-        return TcpListener(server, host, int(bound))
+        return TcpListener(server, host, int(bound), self.tls)
