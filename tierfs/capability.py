@@ -148,14 +148,26 @@ def decode(raw: bytes | bytearray | memoryview) -> Capability:
 
 
 class Keyring:
-    """Capability keys by epoch (what a storage daemon holds)."""
+    """Capability keys by epoch (what a storage daemon holds). ``keys``: one
+    per epoch, the last given for it (the current secret's: the node signs
+    its own capabilities with it); ``also``: the keys given before it for
+    the same epoch (secrets being rotated in or out), which verify too."""
 
-    __slots__ = ("keys", "newest", "oldest")
+    __slots__ = ("also", "keys", "newest", "oldest")
 
     def __init__(self, keys: Mapping[int, bytes] | Iterable[tuple[int, bytes]] = ()) -> None:
-        self.keys: dict[int, bytes] = dict(keys)
+        self.keys: dict[int, bytes] = {}
+        self.also: dict[int, tuple[bytes, ...]] = {}
+        for epoch, key in (keys.items() if isinstance(keys, Mapping) else keys):
+            prev = self.keys.get(epoch)
+            if prev is not None and prev != key:
+                self.also[epoch] = (*self.also.get(epoch, ()), prev)
+            self.keys[epoch] = key
         self.oldest = min(self.keys, default=0)
         self.newest = max(self.keys, default=-1)
+
+    def same(self, other: Keyring) -> bool:
+        return self.keys == other.keys and self.also == other.also
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -176,7 +188,8 @@ def verify(keyring: Keyring, now_ms: int, cap: Capability | bytes | bytearray | 
                                          f"(this node holds epochs {keyring.oldest}..{keyring.newest}); "
                                          "fetch a fresh one from meta")
         raise UnauthenticatedError(f"{c.describe()}: unknown key epoch {c.epoch}")
-    if not hmac.compare_digest(_mac(key, c.body()), c.mac):
+    if not hmac.compare_digest(_mac(key, c.body()), c.mac) and \
+            not any(hmac.compare_digest(_mac(k, c.body()), c.mac) for k in keyring.also.get(c.epoch, ())):
         raise UnauthenticatedError(f"{c.describe()}: signature does not verify (forged or corrupted)")
     if c.expiry_ms <= now_ms:
         raise CapabilityExpiredError(f"{c.describe()} expired {now_ms - c.expiry_ms} ms ago; "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,19 +117,21 @@ class Authenticator:
     """Checks tokens against one cluster secret (the admin token and the
     node key are derived from it: no state needed) and the user records."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._admin = admin_token(secret)
-        self._node = node_key(secret)
+    def __init__(self, secret: bytes, accepted: Sequence[bytes] = ()) -> None:
+        """``accepted``: secrets whose admin token and node key pass too (a
+        rotation under way: docs/security.md)."""
+        self._admins = [admin_token(s) for s in (secret, *accepted)]
+        self._nodes = [node_key(s) for s in (secret, *accepted)]
 
     def identify(self, token: str, users: Mapping[str, UserRecord], now: Callable[[], int]) -> Identity:
         """``now``: the time (ns) expiry is judged by; asked only for user tokens."""
         if token.startswith(ADMIN_PREFIX):
-            if tokens_equal(token, self._admin):
+            if any(tokens_equal(token, t) for t in self._admins):
                 return ROOT
             raise UnauthenticatedError("invalid admin token (not this cluster's: it is derived from the "
                                        "cluster secret)")
         if token.startswith(NODE_PREFIX):
-            if tokens_equal(token, self._node):
+            if any(tokens_equal(token, t) for t in self._nodes):
                 return NODE
             raise UnauthenticatedError("invalid node key (not this cluster's: it is derived from the "
                                        "cluster secret)")

@@ -10,7 +10,7 @@ from typing import ClassVar
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError, TierFSError
 from tierfs.meta.ops import MAX_GC_GRACE, check_kv_pool_create
-from tierfs.meta.secret import load_secret
+from tierfs.meta.secret import load_secrets
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.tls import TlsFiles
 
@@ -253,7 +253,15 @@ class MetaConfig(BaseConfig):
                               "`python -m tierfs.meta.secret FILE` creates one); "
                               "--insecure-no-cluster-secret runs without (see docs/raft.md)",
                               field="cluster_secret_file")
-        return load_secret(self.cluster_secret_file)
+        return load_secrets(self.cluster_secret_file)[0]
+
+    def cluster_secrets(self) -> list[bytes]:
+        """Every secret in ``cluster_secret_file``, the current one first
+        (more than one while it is rotated: docs/security.md); [] when
+        ``insecure_no_cluster_secret`` is set. Errors as :meth:`cluster_secret`."""
+        if self.cluster_secret() is None:
+            return []
+        return load_secrets(self.cluster_secret_file)
 
     def check_auth(self, secret: bytes | None) -> None:
         """ConfigError when authentication is on without a cluster secret

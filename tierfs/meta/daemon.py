@@ -180,8 +180,12 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
-    secret = cfg.cluster_secret()
+    secrets = cfg.cluster_secrets()
+    secret, accepted = (secrets[0], secrets[1:]) if secrets else (None, [])
     cfg.check_auth(secret)
+    if accepted:
+        log.warning("cluster secret rotation under way: %d more secret(s) accepted besides the current one "
+                    "(docs/security.md, 'Rotating the cluster secret')", len(accepted))
     if not cfg.auth:
         log.warning("authentication is OFF (--insecure-no-auth): every caller is anonymous root with admin rights")
     sm = _make_state_machine(cfg)
@@ -202,7 +206,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
         fsync=cfg.fsync,
         node_id=cfg.node_id,
         exit_on_fatal=True,
-        cluster_secret=secret,
+        cluster_secret=secret, accepted_secrets=accepted,
         journal_recovery=cfg.journal_recovery,
     )
     tls = TlsFiles.from_config(cfg)
@@ -211,13 +215,13 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     svc = add_meta_service(
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
-        gc_grace=cfg.gc_grace, root_squash=cfg.root_squash, cluster_secret=secret,
+        gc_grace=cfg.gc_grace, root_squash=cfg.root_squash, cluster_secret=secret, accepted_secrets=accepted,
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,
         rebalance=cfg.rebalance, rebalance_interval=cfg.rebalance_interval,
         rebalance_max_moving=cfg.rebalance_max_moving, rebalance_write_defer=cfg.rebalance_write_defer,
         kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
-        auth=Authenticator(secret) if cfg.auth and secret is not None else None,
+        auth=Authenticator(secret, accepted) if cfg.auth and secret is not None else None,
         forward=cfg.forward_to_leader, peer_tls=tls.client_side() if tls is not None else None,
     )
     rep.export_metrics()

@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,11 +189,15 @@ class FrameSealer:
     _NONCE = 12
     _LOG_EVERY = 10.0
 
-    def __init__(self, secret: bytes, node_id: str = "") -> None:
-        if not secret:
+    def __init__(self, secret: bytes, node_id: str = "", accepted: Sequence[bytes] = ()) -> None:
+        """``secret`` seals; frames sealed with it or with one of
+        ``accepted`` (a secret being rotated in or out: docs/security.md,
+        "Rotating the cluster secret") are opened."""
+        if not secret or not all(accepted):
             raise ValueError("empty cluster secret")
-        key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=self._INFO).derive(secret)
-        self._aead = AESGCM(key)
+        self._aeads = [AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=self._INFO).derive(s))
+                       for s in (secret, *accepted)]
+        self._aead = self._aeads[0]
         self._node_id = node_id
         self._lock = threading.Lock()
         self._prefix = os.urandom(8)
@@ -222,9 +226,24 @@ class FrameSealer:
             head, nonce = token[:self._HEAD.size], token[self._HEAD.size:hn]
             data = self._aead.decrypt(nonce, token[hn:], head)
         except (InvalidTag, TypeError, ValueError):
-            self._refuse()
-            raise InvalidTag from None
+            opened = self._open_accepted(token, hn)
+            if opened is None:
+                self._refuse()
+                raise InvalidTag from None
+            head, data = token[:self._HEAD.size], opened
         return self._HEAD.unpack(head)[1], data
+
+    def _open_accepted(self, token: bytes, hn: int) -> bytes | None:
+        """A frame the current key did not open, tried with the accepted ones."""
+        if len(self._aeads) == 1 or len(token) < hn + 16 or token[0] != self._VERSION:
+            return None
+        head, nonce = token[:self._HEAD.size], token[self._HEAD.size:hn]
+        for aead in self._aeads[1:]:
+            try:
+                return bytes(aead.decrypt(nonce, token[hn:], head))
+            except (InvalidTag, TypeError, ValueError):
+                continue
+        return None
 
     def extract_timestamp(self, token: bytes) -> int:
         # Verified here (not only in decrypt): pysyncobj acts on the
@@ -727,10 +746,13 @@ class RaftReplicator:
         exit_on_fatal: bool = False,
         cluster_secret: bytes | None = None,
         journal_recovery: str = "refuse",
+        accepted_secrets: Sequence[bytes] = (),
     ) -> None:
         """``cluster_secret``: the secret every replica shares
         (:mod:`tierfs.meta.secret`); ``None`` leaves the Raft port
-        unauthenticated, which only in-process tests should do."""
+        unauthenticated, which only in-process tests should do.
+        ``accepted_secrets``: frames sealed with these are accepted too (a
+        rotation under way)."""
         self._sm = sm
         self._raft_addr = raft_addr
         self._grpc_addr = grpc_addr
@@ -742,7 +764,8 @@ class RaftReplicator:
         self._fsync = fsync
         self.node_id = node_id or raft_addr
         self._exit_on_fatal = exit_on_fatal
-        self._sealer = FrameSealer(cluster_secret, self.node_id) if cluster_secret is not None else None
+        self._sealer = (FrameSealer(cluster_secret, self.node_id, accepted_secrets)
+                        if cluster_secret is not None else None)
         if journal_recovery not in ("refuse", "resync"):
             raise InvalidArgumentError(f"journal_recovery must be 'refuse' or 'resync', not {journal_recovery!r}")
         self._journal_recovery = journal_recovery

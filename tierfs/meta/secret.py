@@ -12,6 +12,14 @@ characters (``python -m tierfs.meta.secret FILE`` writes 64 hex digits of
 ``secrets.token_hex``). It must not be accessible to "other" users; group
 access is tolerated (a Kubernetes Secret mounted with ``fsGroup`` is
 group-readable).
+
+While the secret is being rotated (docs/security.md, "Rotating the cluster
+secret") the file holds up to :data:`MAX_SECRETS` lines: the first is the
+*current* secret (it seals Raft frames, signs capabilities, and the admin
+token and node key written for this cluster derive from it); the others are
+still *accepted* (frames, tokens and capabilities made from them pass). The
+``add``, ``promote`` and ``retire`` commands of ``python -m
+tierfs.meta.secret`` make the three steps of a rotation.
 """
 
 from __future__ import annotations
@@ -26,19 +34,29 @@ from pathlib import Path
 from tierfs.errors import ConfigError
 from tierfs.fsutil import fsync_dir
 
-__all__ = ["MIN_SECRET_CHARS", "SECRET_FILE_NAME", "ensure_secret_file", "load_secret"]
+__all__ = ["MAX_SECRETS", "MIN_SECRET_CHARS", "SECRET_FILE_NAME", "ensure_secret_file", "load_secret",
+           "load_secrets"]
 
 #: the file name ``tierfs up`` uses under its data directory
 SECRET_FILE_NAME = "cluster.secret"
 #: a shorter secret is refused: 32 hex digits are 128 bits
 MIN_SECRET_CHARS = 32
+#: secrets one file may hold while rotating (the current one first)
+MAX_SECRETS = 3
 
 
 def load_secret(path: str | os.PathLike[str]) -> bytes:
-    """The secret in ``path`` (surrounding white space stripped).
+    """The current secret in ``path``: its first line (:func:`load_secrets`)."""
+    return load_secrets(path)[0]
+
+
+def load_secrets(path: str | os.PathLike[str]) -> list[bytes]:
+    """The secrets in ``path``, one per non-empty line (surrounding white
+    space stripped), the current one first.
 
     ``ConfigError`` (field ``cluster_secret_file``) when the file is missing,
-    unreadable, empty or too short, or when "other" users may access it."""
+    unreadable, empty, holds a secret too short, the same secret twice or
+    more than MAX_SECRETS, or when "other" users may access it."""
     p = Path(path)
     try:
         st = p.stat()
@@ -55,11 +73,64 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     if st.st_mode & 0o007:
         raise ConfigError(f"{p} is accessible to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
                           f"chmod 0600 it", field="cluster_secret_file")
-    secret = raw.strip()
-    if len(secret) < MIN_SECRET_CHARS:
-        raise ConfigError(f"{p} holds {len(secret)} characters; a cluster secret needs at least "
-                          f"{MIN_SECRET_CHARS}", field="cluster_secret_file")
-    return secret
+    found = [line.strip() for line in raw.splitlines() if line.strip()] or [b""]
+    for i, secret in enumerate(found):
+        if len(secret) < MIN_SECRET_CHARS:
+            where = f"line {i + 1} of {p}" if len(found) > 1 else str(p)
+            raise ConfigError(f"{where} holds {len(secret)} characters; a cluster secret needs at least "
+                              f"{MIN_SECRET_CHARS}", field="cluster_secret_file")
+    if len(set(found)) != len(found):
+        raise ConfigError(f"{p} holds the same secret twice", field="cluster_secret_file")
+    if len(found) > MAX_SECRETS:
+        raise ConfigError(f"{p} holds {len(found)} secrets; at most {MAX_SECRETS} (the current one first, then "
+                          f"those still accepted during a rotation)", field="cluster_secret_file")
+    return found
+
+
+def _rewrite(p: Path, secrets_: Sequence[bytes]) -> None:
+    """Replace ``p`` with ``secrets_`` (one per line), mode 0600, durably."""
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b"".join(s + b"\n" for s in secrets_))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, p)
+    fsync_dir(p.parent)
+
+
+def add_secret(path: str | os.PathLike[str]) -> list[bytes]:
+    """Rotation step 1: append a fresh random secret (accepted, not yet
+    current). Returns the file's secrets."""
+    p = Path(path)
+    found = load_secrets(p)
+    if len(found) >= MAX_SECRETS:
+        raise ConfigError(f"{p} already holds {len(found)} secrets: finish the rotation under way "
+                          f"(promote, then retire) first", field="cluster_secret_file")
+    found.append(secrets.token_hex(32).encode())
+    _rewrite(p, found)
+    return found
+
+
+def promote_secret(path: str | os.PathLike[str]) -> list[bytes]:
+    """Rotation step 2: the newest secret (the last line) becomes the
+    current one; the others stay accepted."""
+    p = Path(path)
+    found = load_secrets(p)
+    if len(found) < 2:
+        raise ConfigError(f"{p} holds one secret: add a new one first", field="cluster_secret_file")
+    found = [found[-1], *found[:-1]]
+    _rewrite(p, found)
+    return found
+
+
+def retire_secrets(path: str | os.PathLike[str]) -> list[bytes]:
+    """Rotation step 3: keep only the current secret."""
+    p = Path(path)
+    found = load_secrets(p)[:1]
+    _rewrite(p, found)
+    return found
 
 
 def ensure_secret_file(path: str | os.PathLike[str]) -> Path:
@@ -81,12 +152,29 @@ def ensure_secret_file(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+_USAGE = """usage: python -m tierfs.meta.secret FILE           create FILE (mode 0600) unless it exists
+       python -m tierfs.meta.secret add FILE       rotation step 1: add a new secret, accepted
+       python -m tierfs.meta.secret promote FILE   rotation step 2: the new secret becomes the current one
+       python -m tierfs.meta.secret retire FILE    rotation step 3: drop all but the current secret
+Between the steps, restart every meta replica (one at a time) with the new file
+(docs/security.md, "Rotating the cluster secret")."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tierfs.meta.secret FILE``: create FILE unless it exists."""
+    """``python -m tierfs.meta.secret [add|promote|retire] FILE``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m tierfs.meta.secret FILE   (creates FILE, mode 0600, unless it exists)",
-              file=sys.stderr)
+    steps = {"add": add_secret, "promote": promote_secret, "retire": retire_secrets}
+    if len(args) == 2 and args[0] in steps and not args[1].startswith("-"):
+        try:
+            found = steps[args[0]](args[1])
+        except (ConfigError, OSError) as exc:
+            print(f"tierfs.meta.secret: {exc}", file=sys.stderr)
+            return 1
+        print(f"{args[1]}: {len(found)} secret(s); the current one first. Now restart every meta replica, "
+              f"one at a time, with this file.")
+        return 0
+    if len(args) != 1 or args[0].startswith("-") or args[0] in steps:
+        print(_USAGE, file=sys.stderr)
         return 2
     try:
         p = ensure_secret_file(args[0])

@@ -83,7 +83,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -207,10 +207,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         rebalance_interval: float = 5.0,
         rebalance_max_moving: int = 4,
         rebalance_write_defer: float = 30.0,
+        accepted_secrets: Sequence[bytes] = (),
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
-        daemons check none). ``cap_clock`` (wall ns) dates capabilities: the
+        daemons check none). ``accepted_secrets``: secrets being rotated in
+        or out (docs/security.md): storage daemons get their keys too (before
+        the current ones), so capabilities other replicas sign with them
+        pass; this replica signs with ``cluster_secret`` only. ``cap_clock`` (wall ns) dates capabilities: the
         daemons compare expiries with their own wall clocks.
 
         ``clock`` is the wall clock (ns) used only to anchor time when this
@@ -245,6 +249,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             raise ValueError(f"capability lifetimes ({file_cap_ttl}, {kv_cap_ttl} s) must be positive and at most "
                              f"cap_key_rotation ({cap_key_rotation} s)")
         self._secret = cluster_secret
+        self._accepted_secrets = list(accepted_secrets) if cluster_secret is not None else []
         self.cap_key_rotation = cap_key_rotation
         self.file_cap_ttl = file_cap_ttl
         self.kv_cap_ttl = kv_cap_ttl
@@ -558,8 +563,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         the keys of epochs e-1, e and e+1 (none without a cluster secret)."""
         if self._secret is None:
             return []
-        self._epoch_key()
-        return [pb.CapabilityKey(epoch=e, key=k) for e, k in sorted(self._cap_keys.items())]
+        epoch, _, _ = self._epoch_key()
+        # The accepted secrets' keys first: a daemon keeps the last key it
+        # gets for an epoch as the one it signs with (and a daemon of an
+        # older version keeps only that one).
+        out = [pb.CapabilityKey(epoch=e, key=k) for s in self._accepted_secrets
+               for e, k in sorted(capmod.keys_around(s, epoch).items())]
+        return out + [pb.CapabilityKey(epoch=e, key=k) for e, k in sorted(self._cap_keys.items())]
 
     def _mint(self, kind: int, ops: int, scope: int, principal: int, ttl: float) -> bytes:
         epoch, key, now_ms = self._epoch_key()

@@ -399,8 +399,9 @@ class StorageNode:
             return
         ring = Keyring((int(k.epoch), bytes(k.key)) for k in keys)
         old = self.server.keyring
-        if old is None or old.keys != ring.keys:
-            log.info("capability keys: epochs %d..%d", ring.oldest, ring.newest,
+        if old is None or not old.same(ring):
+            log.info("capability keys: epochs %d..%d%s", ring.oldest, ring.newest,
+                     f" (and {sum(map(len, ring.also.values()))} of secrets being rotated)" if ring.also else "",
                      extra={"event": "storage.cap_keys", "oldest": ring.oldest, "newest": ring.newest})
         self.server.keyring = ring
         self._mint_node_cap()
