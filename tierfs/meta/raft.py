@@ -131,6 +131,8 @@ LEADER_CHANGES = Counter("tierfs_meta_leader_changes_total",
 PRE_VOTE_ROUNDS = Counter("tierfs_meta_pre_vote_rounds_total",
                           "Pre-vote rounds this replica started, by outcome (won: a real election followed; "
                           "the others did not disturb the cluster)", ["outcome"])
+for _outcome in ("won", "lost", "leader_heard"):
+    PRE_VOTE_ROUNDS.labels(_outcome)  # exported from the start, at 0
 FRAMES_REFUSED = Counter("tierfs_meta_raft_frames_refused_total",
                          "Raft-port frames dropped (with their connection) because they were not "
                          "sealed with this cluster's secret")
