@@ -564,6 +564,7 @@ class _Node(SyncObj):  # type: ignore[misc]
         self.tfs_leader_heard = _raft_clock()
         self.tfs_leader_conn_lost = False
         self.tfs_pre_vote_logged = False
+        self.tfs_pre_vote_won = 0  # a round won before the leader was heard again counts no more
         if self.tfs_pre_vote_term:
             PRE_VOTE_ROUNDS.labels("leader_heard").inc()
             self.tfs_pre_vote_term = 0
