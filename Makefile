@@ -63,7 +63,7 @@ $(ENGINES_STAMP): $(STAMP) deploy/engines/requirements.txt deploy/engines/engine
 # tests/engines, in the engines venv: the real engines against a real cluster.
 test: install lint proto-check engines
 	$(BIN)/python -m pytest -m "not slow" --ignore=tests/engines --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-	$(EBIN)/python -m pytest tests/engines --durations=15 $(PYTEST_ARGS)
+	$(EBIN)/python -m pytest tests/engines --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 run: install
 	$(BIN)/python -m tierfs.demo --data $(DATA)
