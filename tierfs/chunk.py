@@ -37,6 +37,7 @@ these functions (STYLE.md 13: one rule, one place).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,11 +199,21 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     bytes: O(bits set in len2) small steps."""
     if len2 <= 0:
         return crc1
+    return _gf2_times(_zeros_op(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_op(n: int) -> tuple[int, ...]:
+    """The operator "append ``n`` zero bytes", composed once per length (a
+    chunk's fragments repeat a handful of lengths): one small step per
+    combine instead of one per bit set in ``n``."""
     ops = _zeros_ops()
+    op: tuple[int, ...] | None = None
     i = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(ops[i], crc1)
-        len2 >>= 1
+    while n:
+        if n & 1:
+            op = tuple(ops[i]) if op is None else tuple(_gf2_times(ops[i], c) for c in op)
+        n >>= 1
         i += 1
-    return crc1 ^ crc2
+    assert op is not None
+    return op

@@ -31,6 +31,7 @@ from tierfs.buffers import BufferPool
 from tierfs.chunk import (
     ChunkRecord,
     chunk_crc,
+    chunk_crc_of,
     chunk_records,
     crc32c,
     fragment_size,
@@ -238,6 +239,9 @@ class AsyncClient:
         self.hedged = 0
         #: Chunk writes acknowledged with fewer than K+M fragments (the scrubber adds the rest).
         self.degraded_writes = 0
+        #: Fragments (or replica copies) that read back self-consistent but
+        #: wrong for their chunk's CRC32C; read around, left to the scrub.
+        self.corrupt_fragments = 0
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
         #: Open writers by inode: what renews a write capability (their lease).
@@ -642,17 +646,20 @@ class AsyncClient:
             items = [(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)]
             hedge = self._hedge_delay()
             res: list[int | TierFSError]
+            crcs: list[int] = []
             if hedge is None:
-                res = await data.read_batch(items, timeout=self.config.request_timeout)
+                res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs)
             else:
-                res = await self._hedged_batch(items, hedge, codec.m)
+                res = await self._hedged_batch(items, hedge, codec.m, crcs)
             for (j, _, _), r in zip(pieces, res, strict=True):
                 if isinstance(r, _Hedged):
                     router.mark_slow(targets[j], self.config.slow_target_ttl)
-            for (j, o, d), r in zip(pieces, res, strict=True):
+            got_crcs: dict[int, int] = {}
+            for (j, o, d), r, c in zip(pieces, res, crcs, strict=True):
                 if isinstance(r, int) and r == len(d):
                     if o == 0 and len(d) == fragment_size(j, codec.k, cs, rec.length):
                         whole[j] = r
+                        got_crcs[j] = c
                 elif isinstance(r, int):
                     bad[j] = CorruptError(f"fragment {j} on target {targets[j]} returned {r} of the {len(d)} bytes "
                                           f"its chunk record gives it")
@@ -660,8 +667,70 @@ class AsyncClient:
                     bad[j] = r
                     self._note(targets[j], r)
             if not bad:
+                # The whole chunk was read: its data fragments' CRC32Cs (each
+                # checked on arrival) must also combine to the chunk record's,
+                # which catches a fragment that is wrong but self-consistent
+                # (written with its own CRC). Tens of microseconds, no pass
+                # over the bytes. A partial read cannot be checked this way.
+                if len(whole) == len(pieces) == sum(1 for j in range(codec.k) if fragment_size(
+                        j, codec.k, cs, rec.length)) and a == 0 and b >= rec.length:
+                    got = chunk_crc_of((got_crcs[j], whole[j]) for j, _, _ in pieces)
+                    if got != rec.crc:
+                        await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip,
+                                               f"its data fragments have crc32c {got:#010x}")
                 return
         await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
+
+    async def _heal_chunk(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
+                          b: int, dest: memoryview, skip: frozenset[int], why: str) -> None:
+        """The fragments read do not match the chunk record's CRC32C although
+        each matched its own: fetch every fragment of the chunk, find which
+        ones differ from what the others decode to (fewest first, as the
+        scrub does), and return chunk bytes ``[a, b)`` from the rest. If no
+        K of them decode to the recorded CRC32C, CorruptError: nothing
+        wrong is ever returned. The bad fragments are logged and counted
+        (``corrupt_fragments``); the next whole-chunk scrub pass rewrites
+        them (docs/repair.md)."""
+        from tierfs.storage.repair import _File, find_bad_fragments, solve_chunk
+
+        _, data, _ = self._parts()
+        codec, cs, ver = view.codec, view.chunk_size, rec.generation
+        k, width = codec.k, codec.width
+        sizes = [fragment_size(j, k, cs, rec.length) for j in range(width)]
+        ask = [j for j in range(width) if j not in skip and sizes[j]]
+        bufs = {j: memoryview(bytearray(sizes[j])) for j in ask}
+        res = await data.read_batch([(targets[j], FragmentKey(view.inode, idx, j, ver), bufs[j], 0) for j in ask],
+                                    timeout=self.config.request_timeout)
+        have: dict[int, bytes] = {j: b"" for j in range(width) if j not in skip and not sizes[j]}
+        errors: list[str] = []
+        for j, r in zip(ask, res, strict=True):
+            if isinstance(r, int) and r == sizes[j]:
+                have[j] = bytes(bufs[j])
+            else:
+                errors.append(f"fragment {j} on target {targets[j]}: "
+                              f"{f'{r} bytes' if isinstance(r, int) else f'{type(r).__name__}: {r}'}")
+        f = _File(kind=pb.REDUNDANCY_KIND_EC, k=k, m=codec.m, chunk_size=cs, size=rec.length, groups=[],
+                  chunks={idx: rec}, writing=False, data_version=0)
+        verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have) if len(have) >= k else None
+        where = f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x})"
+        if verdict is None:
+            raise CorruptError(
+                f"{where}: {why}, the chunk record {rec.crc:#010x}, and no {k} of the fragments "
+                f"{sorted(have)} decode to it: not returned" + (f" ({'; '.join(errors)})" if errors else ""))
+        good = {j: v for j, v in have.items() if j not in verdict}
+        chunk = await asyncio.to_thread(solve_chunk, f, rec, good)
+        self.corrupt_fragments += len(verdict)
+        log.warning("%s: %s, the chunk record %#010x: fragment(s) %s differ from what the others decode to; "
+                    "returned the chunk decoded from %s (the scrub rewrites them)", where, why, rec.crc,
+                    ", ".join(f"{j} on target {targets[j]}" for j in sorted(verdict)) or "none", sorted(good))
+        fs = codec.frag_size(cs)
+        for j in range(k):
+            lo, hi = max(a, j * fs), min(b, (j + 1) * fs)
+            if lo >= hi:
+                continue
+            src = chunk[j][lo - j * fs: hi - j * fs]
+            dest[lo - a: lo - a + len(src)] = src
+            _zero(dest[lo - a + len(src): hi - a])
 
     def _hedge_delay(self) -> float | None:
         """How long the data fragments of a chunk may take before parity is
@@ -674,7 +743,7 @@ class AsyncClient:
         return self._lat.hedge_delay(cfg.hedge_min, cfg.request_timeout / 4)
 
     async def _hedged_batch(self, items: Sequence[tuple[int, FragmentKey, memoryview, int]], hedge: float,
-                            m: int) -> list[int | TierFSError]:
+                            m: int, crcs: list[int] | None = None) -> list[int | TierFSError]:
         """``read_batch`` with one request per fragment; those still running
         after ``hedge`` seconds (and three times as long as the slowest
         answer so far, up to a quarter of the request timeout: a busy client
@@ -690,15 +759,19 @@ class AsyncClient:
 
         last = 0.0  # when the latest answer so far came (since t0)
 
-        async def one(item: tuple[int, FragmentKey, memoryview, int]) -> int | TierFSError:
+        got_crcs: dict[int, int] = {}
+
+        async def one(n: int, item: tuple[int, FragmentKey, memoryview, int]) -> int | TierFSError:
             nonlocal last
-            r = (await data.read_batch([item], timeout=timeout))[0]
+            c: list[int] = []
+            r = (await data.read_batch([item], timeout=timeout, crcs=c))[0]
             if isinstance(r, int):
+                got_crcs[n] = c[0]
                 last = loop.time() - t0
                 lat.add(last)
             return r
 
-        tasks = [loop.create_task(one(it)) for it in items]
+        tasks = [loop.create_task(one(n, it)) for n, it in enumerate(items)]
         try:
             done, pending = await asyncio.wait(tasks, timeout=hedge)
             # A straggler lags its peers, not just the clock: when the others
@@ -732,6 +805,8 @@ class AsyncClient:
                                    "read from parity instead"))
             else:
                 out.append(t.result())
+        if crcs is not None:
+            crcs[:] = [got_crcs.get(n, 0) for n in range(len(items))]
         return out
 
     async def _decode_into(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
@@ -808,10 +883,9 @@ class AsyncClient:
                 rebuilt = codec.reconstruct(have, parity_size(k, cs, rec.length), lost)
             got_crc = chunk_crc((have[j] if j in have else rebuilt[j])[: sizes[j]] for j in range(k))
             if got_crc != rec.crc:
-                raise CorruptError(
-                    f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}) decoded from fragments "
-                    f"{sorted(have)} does not match its checksum (crc32c {got_crc:#010x}, recorded "
-                    f"{rec.crc:#010x}): not returned")
+                await self._heal_chunk(view, idx, rec, targets, a, b, dest, frozenset(skip),
+                                       f"decoded from fragments {sorted(have)} it has crc32c {got_crc:#010x}")
+                return
             for j in range(k):
                 lo, hi = max(a, j * f), min(b, (j + 1) * f)
                 if lo >= hi:
@@ -849,14 +923,16 @@ class AsyncClient:
                     continue
                 key = FragmentKey(view.inode, idx, j, ver)
                 others = any(x not in perm and router.usable(targets[x]) for x in order[i + 1:])
+                crcs: list[int] = []
                 try:
                     if hedge is None or not others:
-                        n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout)
+                        n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs)
                     else:
                         t0 = loop.time()
                         try:
                             n = await asyncio.wait_for(
-                                data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout), hedge)
+                                data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs),
+                                hedge)
                         except TimeoutError as exc:
                             if isinstance(exc, TierFSError):
                                 raise  # the request's own deadline, not the hedge
@@ -876,6 +952,15 @@ class AsyncClient:
                     errors[j] = CorruptError(f"returned {n} of {len(dest)} bytes")
                     perm.add(j)
                     continue
+                if a == 0 and n == rec.length and crcs and crcs[0] != rec.crc:
+                    # The whole copy, self-consistent but not the chunk's bytes.
+                    errors[j] = CorruptError(f"has crc32c {crcs[0]:#010x}, the chunk record {rec.crc:#010x}")
+                    perm.add(j)
+                    self.corrupt_fragments += 1
+                    log.warning("%s: chunk %d (inode %d, generation %#x): copy %d on target %d %s; reading "
+                                "another copy (the scrub rewrites it)", view.path, idx, view.inode, ver, j,
+                                targets[j], errors[j])
+                    continue
                 router.mark_ok(targets[j])
                 return
             if len(perm) == w or rnd == cfg.retries - 1:
@@ -884,6 +969,9 @@ class AsyncClient:
             delay = min(delay * 2, cfg.backoff_max)
         detail = "; ".join(f"copy {j} on target {targets[j]}: {type(e).__name__}: {e}" for j, e in sorted(errors.items()))
         gone = any(isinstance(e, NotFoundError) for e in errors.values())
+        if errors and all(type(e) is CorruptError for e in errors.values()):
+            raise CorruptError(f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}): no copy of {w} "
+                               f"matches its record: not returned; {detail}")
         raise (GenerationGoneError if gone else InsufficientTargetsError)(
             f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}) is unreadable: no copy of {w} "
             f"answered; {detail}")

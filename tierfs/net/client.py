@@ -609,9 +609,11 @@ class DataClient:
         await self._call(target, Op.WRITE, key, timeout, payload=view)
 
     async def read_into(self, target: int, key: FragmentKey, dest: Any, offset: int = 0, *,
-                        timeout: float | None = None) -> int:
+                        timeout: float | None = None, crcs: list[int] | None = None) -> int:
         """Read ``len(dest)`` bytes of ``key`` from ``offset`` straight into
-        ``dest``; returns how many arrived (fewer at the fragment's end)."""
+        ``dest``; returns how many arrived (fewer at the fragment's end).
+        With ``crcs`` (a list), it gets the CRC32C of the bytes read, which
+        the framing layer checked on arrival."""
         view = memoryview(dest).cast("B")
         if view.readonly:
             raise InvalidArgumentError("read_into needs a writable buffer")
@@ -621,6 +623,8 @@ class DataClient:
         if offset < 0:
             raise InvalidArgumentError(f"negative offset {offset}")
         hdr, _ = await self._call(target, Op.READ, key, timeout, offset=offset, length=len(view), dest=view)
+        if crcs is not None:
+            crcs[:] = [hdr.payload_crc]
         return hdr.payload_len
 
     async def read(self, target: int, key: FragmentKey, offset: int = 0, length: int = -1, *,

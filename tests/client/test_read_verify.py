@@ -1,0 +1,126 @@
+"""Reads never return a fragment that is wrong but self-consistent.
+
+Each fragment carries its own CRC32C, which the data plane checks on
+arrival; a fragment file replaced by a well-formed one under the same key
+(a firmware bug, a misdirected write, an operator's copy) passes that check.
+The chunk record's CRC32C covers the chunk's data: the client checks it on
+every read of a whole chunk (the data fragments' CRCs combined, no pass over
+the bytes) and on every decode, and when it does not match it fetches every
+fragment, finds the ones that differ from what the others decode to, and
+returns the chunk from the rest. Against a real cluster (six storage
+daemons), with the wrong fragments planted through the data plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.repair.util import KiB, grant_all, map_now, random_bytes, start
+from tierfs.client import AsyncClient
+from tierfs.errors import CorruptError
+from tierfs.local import LocalCluster
+from tierfs.net import DataClient
+from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.storage.api import FragmentKey
+
+pytestmark = pytest.mark.timeout(120)
+
+CS = 64 * KiB
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cl = start(tmp_path_factory.mktemp("verify") / "c", n_storage=6, storage_args=("--gc-interval=1h",))
+    try:
+        yield cl
+    finally:
+        cl.stop()
+
+
+async def _plant(cl: LocalCluster, info: pb.FileInfo, frags: dict[tuple[int, int], bytes | None]) -> None:
+    """Replace fragment (chunk, position) of the file's committed generation
+    with the given bytes (a well-formed fragment: its CRC is its own), or
+    delete it (None)."""
+    cmap = await map_now(cl)
+    addr = {n.node_id: n.data_addr for n in cmap.nodes}
+    routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
+    async with grant_all(DataClient(routes=routes), cl) as dc:
+        for (chunk, j), payload in frags.items():
+            gid = info.layout.groups[chunk % len(info.layout.groups)]
+            target = next(g.target_ids for g in cmap.groups if g.group_id == gid)[j]
+            gen = next(r.generation for r in info.chunks if r.index == chunk)
+            key = FragmentKey(info.attr.inode, chunk, j, gen)
+            if payload is None:
+                await dc.delete(target, key)
+            else:
+                await dc.write(target, key, payload)
+
+
+async def _file(ac: AsyncClient, path: str, redundancy: str, data: bytes) -> pb.FileInfo:
+    d = os.path.dirname(path)
+    await ac.mkdir(d, exist_ok=True)
+    await ac.set_layout(d, chunk_size=CS, redundancy=redundancy)
+    await ac.write_bytes(path, data)
+    return await ac.meta.stat(path)
+
+
+def test_a_wrong_data_fragment_is_read_around_and_a_decode_heals_itself(six: LocalCluster) -> None:
+    data = random_bytes(3 * CS, 11)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac:
+            info = await _file(ac, "/ec/f", "ec:4+2", data)
+            assert await ac.read_bytes("/ec/f") == data and ac.corrupt_fragments == 0
+            # Chunk 0: data fragment 1 replaced by other bytes of its length.
+            # Chunk 1: data fragment 0 replaced, and data fragment 2 gone, so
+            # the read decodes from 0 (wrong), 1, 3 and a parity fragment.
+            await _plant(six, info, {(0, 1): os.urandom(16 * KiB), (1, 0): os.urandom(16 * KiB), (1, 2): None})
+            assert await ac.read_bytes("/ec/f") == data
+            assert ac.corrupt_fragments == 2
+            # A range of chunk 1 in the missing fragment 2 is decoded too.
+            part, at = bytearray(5000), CS + 2 * 16 * KiB + 100
+            assert await ac.read_into("/ec/f", part, at) == 5000
+            assert part == data[at: at + 5000]
+            assert ac.corrupt_fragments == 3
+
+    asyncio.run(go())
+
+
+def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
+    data = random_bytes(2 * CS + 999, 12)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac:
+            info = await _file(ac, "/rep/f", "replica:3", data)
+            # Every copy of chunk 0 but one, and the copy of chunk 1 read
+            # first, are self-consistent and wrong.
+            await _plant(six, info, {(0, 0): os.urandom(CS), (0, 1): os.urandom(CS), (1, 1): os.urandom(CS)})
+            assert await ac.read_bytes("/rep/f") == data
+            assert ac.corrupt_fragments == 3
+
+    asyncio.run(go())
+
+
+def test_too_many_wrong_fragments_fail_the_read_instead_of_returning_them(six: LocalCluster) -> None:
+    data = random_bytes(2 * CS, 13)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac:
+            info = await _file(ac, "/bad/f", "ec:4+2", data)
+            # Three of six wrong: no four of the six decode to the chunk's CRC.
+            await _plant(six, info, {(1, j): os.urandom(16 * KiB) for j in (0, 1, 3)})
+            with pytest.raises(CorruptError, match="decode to it: not returned"):
+                await ac.read_bytes("/bad/f")
+            # The other chunk still reads.
+            first = bytearray(CS)
+            assert await ac.read_into("/bad/f", first, 0) == CS and first == data[:CS]
+            rep = await _file(ac, "/bad/r", "replica:2", data)
+            await _plant(six, rep, {(0, 0): os.urandom(CS), (0, 1): os.urandom(CS)})
+            with pytest.raises(CorruptError, match="matches its record: not returned"):
+                await ac.read_bytes("/bad/r")
+
+    asyncio.run(go())
