@@ -90,6 +90,35 @@ def test_a_wrong_data_fragment_is_read_around_and_a_decode_heals_itself(six: Loc
     asyncio.run(go())
 
 
+def test_a_partial_read_checks_the_stored_crcs_once_per_chunk_generation(six: LocalCluster) -> None:
+    data = random_bytes(2 * CS, 14)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac, \
+                AsyncClient(six.meta_addrs, request_timeout=2.0, verify_partial_reads=False) as unchecked:
+            info = await _file(ac, "/part/f", "ec:4+2", data)
+            part = bytearray(3000)
+            # Chunk 1 read in part while it is right: remembered as verified.
+            assert await ac.read_into("/part/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
+            assert len(ac._verified) == 1
+            # Data fragment 1 of chunk 0 replaced by other bytes of its length.
+            await _plant(six, info, {(0, 1): os.urandom(16 * KiB)})
+            at = 16 * KiB + 500  # inside fragment 1
+            assert await ac.read_into("/part/f", part, at) == 3000
+            assert part == data[at: at + 3000] and ac.corrupt_fragments == 1
+            # Without the check the bytes read are the planted fragment's own.
+            assert await unchecked.read_into("/part/f", part, at) == 3000
+            assert part != data[at: at + 3000] and unchecked.corrupt_fragments == 0
+            # A fragment cut short is caught by its stored length.
+            await _plant(six, info, {(1, 3): os.urandom(8 * KiB)})
+            ac._verified.clear()
+            at = CS + 3 * 16 * KiB + 10
+            assert await ac.read_into("/part/f", part, at) == 3000 and part == data[at: at + 3000]
+            assert ac.corrupt_fragments == 2
+
+    asyncio.run(go())
+
+
 def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
     data = random_bytes(2 * CS + 999, 12)
 

@@ -22,6 +22,7 @@ import functools
 import gc
 import logging
 import stat as _stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -63,7 +64,7 @@ from tierfs.meta.auth import resolve_token
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
-from tierfs.storage.api import FragmentKey
+from tierfs.storage.api import FragmentInfo, FragmentKey
 
 if TYPE_CHECKING:
     from tierfs.client.file import AsyncFile
@@ -242,6 +243,9 @@ class AsyncClient:
         #: Fragments (or replica copies) that read back self-consistent but
         #: wrong for their chunk's CRC32C; read around, left to the scrub.
         self.corrupt_fragments = 0
+        #: Chunk generations (inode, chunk, generation) whose data fragments'
+        #: stored CRC32Cs matched the record on a partial read (oldest first).
+        self._verified: collections.OrderedDict[tuple[int, int, int], None] = collections.OrderedDict()
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
         #: Open writers by inode: what renews a write capability (their lease).
@@ -647,10 +651,28 @@ class AsyncClient:
             hedge = self._hedge_delay()
             res: list[int | TierFSError]
             crcs: list[int] = []
-            if hedge is None:
-                res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs)
-            else:
-                res = await self._hedged_batch(items, hedge, codec.m, crcs)
+            nonempty = [j for j in range(codec.k) if fragment_size(j, codec.k, cs, rec.length)]
+            # A partial read: the data fragments' stored CRC32Cs, asked
+            # alongside, stand in for the whole chunk's (once per generation).
+            stats: asyncio.Task[list[FragmentInfo | TierFSError]] | None = None
+            vkey = (view.inode, idx, ver)
+            # Only where every target answers now: a stat must never hold a read up.
+            if (self.config.verify_partial_reads and not (a == 0 and b >= rec.length) and vkey not in self._verified
+                    and all(router.usable(targets[j]) for j in nonempty)):
+                stats = asyncio.ensure_future(data.stat_batch(
+                    [(targets[j], FragmentKey(view.inode, idx, j, ver)) for j in nonempty],
+                    timeout=self.config.request_timeout))
+            t0 = time.monotonic()
+            try:
+                if hedge is None:
+                    res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs)
+                else:
+                    res = await self._hedged_batch(items, hedge, codec.m, crcs)
+            except BaseException:
+                if stats is not None:
+                    stats.cancel()
+                    await asyncio.gather(stats, return_exceptions=True)
+                raise
             for (j, _, _), r in zip(pieces, res, strict=True):
                 if isinstance(r, _Hedged):
                     router.mark_slow(targets[j], self.config.slow_target_ttl)
@@ -666,20 +688,58 @@ class AsyncClient:
                 else:
                     bad[j] = r
                     self._note(targets[j], r)
+            if stats is not None and bad:
+                stats.cancel()  # the decode checks the chunk's CRC32C itself
+                await asyncio.gather(stats, return_exceptions=True)
+            elif stats is not None:
+                # The stats may take a little longer than the read, not a
+                # stalled target's timeout: past that the chunk stays
+                # unverified (the next partial read asks again).
+                took = time.monotonic() - t0
+                await asyncio.wait({stats}, timeout=min(self.config.request_timeout / 4,
+                                                        max(self.config.hedge_min, 3 * took)))
+                if not stats.done():
+                    stats.cancel()
+                    await asyncio.gather(stats, return_exceptions=True)
+                    return
+                why = self._check_stats(stats.result(), nonempty, codec.k, cs, rec)
+                if why:
+                    await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip, why)
+                return
             if not bad:
                 # The whole chunk was read: its data fragments' CRC32Cs (each
                 # checked on arrival) must also combine to the chunk record's,
                 # which catches a fragment that is wrong but self-consistent
                 # (written with its own CRC). Tens of microseconds, no pass
-                # over the bytes. A partial read cannot be checked this way.
-                if len(whole) == len(pieces) == sum(1 for j in range(codec.k) if fragment_size(
-                        j, codec.k, cs, rec.length)) and a == 0 and b >= rec.length:
+                # over the bytes.
+                if len(whole) == len(pieces) == len(nonempty) and a == 0 and b >= rec.length:
                     got = chunk_crc_of((got_crcs[j], whole[j]) for j, _, _ in pieces)
                     if got != rec.crc:
                         await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip,
                                                f"its data fragments have crc32c {got:#010x}")
                 return
         await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
+
+    def _check_stats(self, infos: list[FragmentInfo | TierFSError], stored: list[int], k: int, cs: int,
+                     rec: ChunkRecord) -> str:
+        """The verdict on a partial read's data-fragment stats: '' when their
+        stored lengths and CRC32Cs match the chunk record (the chunk
+        generation is then remembered as verified) or could not all be had
+        (a target that did not answer a stat: the bytes read were checked
+        against their own CRC, the next read asks again); else what is wrong."""
+        if any(isinstance(i, TierFSError) for i in infos):
+            return ""
+        got = [i for i in infos if not isinstance(i, TierFSError)]
+        for j, i in zip(stored, got, strict=True):
+            if i.size != fragment_size(j, k, cs, rec.length):
+                return f"its data fragment {j} is stored with {i.size} bytes, not {fragment_size(j, k, cs, rec.length)}"
+        crc = chunk_crc_of((i.crc32c, i.size) for i in got)
+        if crc != rec.crc:
+            return f"its data fragments' stored crc32c combine to {crc:#010x}"
+        self._verified[(got[0].key.inode, got[0].key.chunk, got[0].key.version)] = None
+        while len(self._verified) > 65536:
+            self._verified.popitem(last=False)
+        return ""
 
     async def _heal_chunk(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
                           b: int, dest: memoryview, skip: frozenset[int], why: str) -> None:
@@ -693,19 +753,27 @@ class AsyncClient:
         them (docs/repair.md)."""
         from tierfs.storage.repair import _File, find_bad_fragments, solve_chunk
 
-        _, data, _ = self._parts()
+        _, data, router = self._parts()
         codec, cs, ver = view.codec, view.chunk_size, rec.generation
         k, width = codec.k, codec.width
         sizes = [fragment_size(j, k, cs, rec.length) for j in range(width)]
         ask = [j for j in range(width) if j not in skip and sizes[j]]
+        # Targets that answer now, unless too few are left to tell a bad
+        # fragment from the rest (K + 1).
+        if sum(1 for j in range(width) if j not in skip and router.usable(targets[j])) > k:
+            skip = skip | {j for j in range(width) if not router.usable(targets[j])}
+            ask = [j for j in ask if j not in skip]
         bufs = {j: memoryview(bytearray(sizes[j])) for j in ask}
         res = await data.read_batch([(targets[j], FragmentKey(view.inode, idx, j, ver), bufs[j], 0) for j in ask],
                                     timeout=self.config.request_timeout)
         have: dict[int, bytes] = {j: b"" for j in range(width) if j not in skip and not sizes[j]}
         errors: list[str] = []
+        short: dict[int, str] = {}  # wrong stored lengths: bad, whatever the rest decode to
         for j, r in zip(ask, res, strict=True):
             if isinstance(r, int) and r == sizes[j]:
                 have[j] = bytes(bufs[j])
+            elif isinstance(r, int):
+                short[j] = f"{r} bytes, its chunk record gives it {sizes[j]}"
             else:
                 errors.append(f"fragment {j} on target {targets[j]}: "
                               f"{f'{r} bytes' if isinstance(r, int) else f'{type(r).__name__}: {r}'}")
@@ -713,12 +781,14 @@ class AsyncClient:
                   chunks={idx: rec}, writing=False, data_version=0)
         verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have) if len(have) >= k else None
         where = f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x})"
+        errors += [f"fragment {j} on target {targets[j]}: {e}" for j, e in short.items()]
         if verdict is None:
             raise CorruptError(
                 f"{where}: {why}, the chunk record {rec.crc:#010x}, and no {k} of the fragments "
                 f"{sorted(have)} decode to it: not returned" + (f" ({'; '.join(errors)})" if errors else ""))
         good = {j: v for j, v in have.items() if j not in verdict}
         chunk = await asyncio.to_thread(solve_chunk, f, rec, good)
+        verdict = {**verdict, **short}
         self.corrupt_fragments += len(verdict)
         log.warning("%s: %s, the chunk record %#010x: fragment(s) %s differ from what the others decode to; "
                     "returned the chunk decoded from %s (the scrub rewrites them)", where, why, rec.crc,

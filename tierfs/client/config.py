@@ -58,6 +58,11 @@ class ClientConfig(BaseConfig):
         kind="duration")
     slow_target_ttl: float = field(
         2.0, "A target whose fetch was hedged is read around (parity first) for this long.", kind="duration")
+    verify_partial_reads: bool = field(
+        True, "A read of part of an EC chunk also checks, once per chunk generation (remembered for the last "
+        "65,536), that the stored CRC32Cs of its K data fragments (asked of their targets alongside the read) "
+        "combine to the chunk record's: a wrong but self-consistent fragment is then read around as on a "
+        "whole-chunk read. Costs K small requests on the first partial read of each chunk.")
     min_write_fragments: int = field(
         0, "Degraded writes: a chunk write succeeds once this many of its fragments are durable; the missing "
         "ones are recorded in meta at commit and rebuilt at once by the storage node holding their "

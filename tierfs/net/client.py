@@ -644,6 +644,15 @@ class DataClient:
         hdr, _ = await self._call(target, Op.STAT, key, timeout)
         return FragmentInfo(key, hdr.length, hdr.payload_crc)
 
+    async def stat_batch(self, items: Sequence[tuple[int, FragmentKey]], *,
+                         timeout: float | None = None) -> list[FragmentInfo | TierFSError]:
+        """Many ``stat`` at once (size and stored CRC32C of each fragment),
+        sent like :meth:`read_batch`; results in item order, the error in
+        its own slot."""
+        res = await self._batch([_Req(Op.STAT, t, k) for t, k in items], timeout)
+        return [FragmentInfo(k, r.length, r.payload_crc) if isinstance(r, Header) else r
+                for (_, k), r in zip(items, res, strict=True)]
+
     async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None,
                          crcs: list[int] | None = None) -> list[int | TierFSError]:
         """Many ``read_into`` at once. The requests for one server go out as
