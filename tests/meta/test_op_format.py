@@ -14,7 +14,7 @@ import pytest
 from tests.cluster import MetaCluster, wait_for
 from tests.meta.meta_helpers import Driver
 from tierfs.meta import MetaClient
-from tierfs.meta.interfaces import ReplicaTooOldError
+from tierfs.meta.interfaces import LegacyEntryError, ReplicaTooOldError
 from tierfs.meta.state import OP_FORMAT
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -38,6 +38,38 @@ def test_an_entry_of_a_newer_format_is_refused_and_changes_nothing() -> None:
         res = pb.MetaResult.FromString(d.sm.apply(_mkdir_op(f"/a/d{rid}", fmt, rid)))
         assert not res.error.code, res.error.message
     assert d.sm.digest() != before
+
+
+def _create_op(path: str, fmt: int, rid: int) -> bytes:
+    op = pb.MetaOp(now_ns=1_700_000_000 * 10**9 + rid, client_id="c" * 32, request_id=rid, min_format=fmt)
+    op.create.CopyFrom(pb.CreateRequest(loc=pb.Loc(path=path), has_layout=True,
+                                        layout=pb.Layout(kind=pb.REDUNDANCY_KIND_EC, data_shards=4, parity_shards=2)))
+    return op.SerializeToString(deterministic=True)
+
+
+def test_a_create_of_a_release_that_planned_groups_in_apply_stops_the_replica() -> None:
+    """Releases before leader-planned placement groups made a width's first
+    groups inside the create's apply; replayed here such a create would
+    fail, and every file of the width with it (a namespace that silently
+    differs from the writer's: seen upgrading from 713483f, 20 files -> 0).
+    The replica stops instead, and changes nothing."""
+    d = Driver()
+    d.leader = False  # no AddGroups: what an old journal holds
+    d.register(nodes=6, targets=1)
+    assert not d.sm.groups
+    before = d.sm.digest()
+    with pytest.raises(LegacyEntryError, match=r"planned placement groups inside apply .*force a snapshot"):
+        d.sm.apply(_create_op("/f", 0, 1))
+    assert d.sm.digest() == before
+    assert isinstance(LegacyEntryError("x"), ReplicaTooOldError)  # the Raft layer halts on it
+    # Written by this release (format 1), the same entry is an ordinary
+    # failure: its leader could not plan groups (every replica agrees).
+    res = pb.MetaResult.FromString(d.sm.apply(_create_op("/f", OP_FORMAT, 2)))
+    assert res.error.code and "needs 6 online targets" in res.error.message, res.error.message
+    # And an old entry whose width has groups applies as it always did.
+    d.top_up(6)
+    res = pb.MetaResult.FromString(d.sm.apply(_create_op("/g", 0, 3)))
+    assert not res.error.code, res.error.message
 
 
 #: replicas 1 and 2 wait much longer before an election: replica 0 leads

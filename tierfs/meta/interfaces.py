@@ -24,6 +24,14 @@ class ReplicaTooOldError(Exception):
     nor apply it its own way (the replicas' states would differ)."""
 
 
+class LegacyEntryError(ReplicaTooOldError):
+    """Raised by :meth:`StateMachine.apply` for an entry of an older release
+    that this code cannot apply the way that release did (it relied on
+    behaviour since removed): the replica stops rather than build a
+    different state. The way out is a snapshot taken by the older release
+    (docs/operations.md, "Upgrading meta replicas")."""
+
+
 class StateMachine(Protocol):
     def apply(self, op: bytes) -> bytes:
         """Apply one committed op and return its serialized result. Must not

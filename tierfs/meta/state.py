@@ -55,7 +55,7 @@ from tierfs.meta import users as users_mod
 from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
 from tierfs.meta.domains import domain, domain_line, rack_counts
 from tierfs.meta.gcqueue import GCEntry, GCQueue
-from tierfs.meta.interfaces import ReplicaTooOldError
+from tierfs.meta.interfaces import LegacyEntryError, ReplicaTooOldError
 from tierfs.meta.kvpools import (
     DEFAULT_POOL_NAME,
     MAX_KV_POOLS,
@@ -334,6 +334,9 @@ class MetaStateMachine(Tracked):
                     raise RuntimeError("test hook: failing after the op mutated the state")
         except TierFSError as err:
             return _result(err=err)
+        except ReplicaTooOldError:
+            self.ops_applied -= 1  # not applied (the transaction undid what it began)
+            raise
         except Exception as exc:  # a bug: still a deterministic outcome everywhere
             return _result(err=InternalError(f"{type(exc).__name__}: {exc}"))
         # Only successes are remembered: a retry of a failed request is simply
@@ -677,6 +680,19 @@ class MetaStateMachine(Tracked):
         base = self._effective_layout(parent)
         spec = layout_from_pb(r.layout).merged_over(base) if r.has_layout else base
         # Groups are planned by the leader's service (add_groups), never here.
+        if not op.min_format and not any(len(g) == spec.width for g in self.groups.values()) and distinct_nodes(
+                self._eligible()) >= spec.width:
+            # Releases before leader-planned groups (before the op format
+            # existed) planned a width's first groups inside this apply; the
+            # leaders since commit AddGroups first. Applied here, such an
+            # entry would fail, and every file of that width with it: the
+            # replica's namespace would silently differ from the writer's.
+            raise LegacyEntryError(
+                f"a create of {self._where(r.loc)} ({spec.redundancy()}) written by a TierFS release that "
+                f"planned placement groups inside apply (before 2026-12-02, merge 3034c02); this release "
+                f"cannot replay it as that one did. Start this replica's previous release again, force a "
+                f"snapshot on every replica (MetaClient.force_snapshot), then upgrade (docs/operations.md, "
+                f"'Upgrading meta replicas')")
         pending: list[list[int]] = []
         groups = self._choose_groups(spec, self.next_inode, pending)
         self._commit_width(spec.width, pending)
