@@ -153,3 +153,29 @@ def test_too_many_wrong_fragments_fail_the_read_instead_of_returning_them(six: L
                 await ac.read_bytes("/bad/r")
 
     asyncio.run(go())
+
+
+def test_a_write_whose_old_bytes_cannot_be_read_aborts_its_session(six: LocalCluster) -> None:
+    """A partial write reads the chunk's old bytes first; when that fails,
+    the call fails part-way, and the session aborts (docs/client.md, "Any
+    failure"): close raises and nothing of it becomes visible."""
+    data = random_bytes(2 * CS, 15)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac:
+            info = await _file(ac, "/rmw/f", "replica:3", data)
+            await _plant(six, info, {(1, j): os.urandom(CS) for j in range(3)})
+            f = await ac.open("/rmw/f", "r+b")
+            f.seek(100)
+            await f.write(b"x" * 1000)  # chunk 0 only: staged, not yet sent
+            f.seek(CS - 10)
+            with pytest.raises(CorruptError):  # 10 bytes to chunk 0, then chunk 1's old bytes are unreadable
+                await f.write(b"y" * 1000)
+            with pytest.raises(CorruptError):
+                await f.close()
+            after = await ac.meta.stat("/rmw/f")
+            assert [(r.index, r.generation) for r in after.chunks] == [(r.index, r.generation) for r in info.chunks]
+            first = bytearray(CS)
+            assert await ac.read_into("/rmw/f", first, 0) == CS and first == data[:CS]
+
+    asyncio.run(go())

@@ -326,7 +326,15 @@ class AsyncFile:
                 await self._submit(idx, codec.encode(piece, cs, cs), None, crc32c(piece))
             else:
                 if self._staging is None:
-                    self._staging = await self._load(idx)
+                    try:
+                        self._staging = await self._load(idx)
+                    except TierFSError as exc:
+                        # The chunk's old bytes could not be read: this call
+                        # stops part-way (earlier chunks of it are staged),
+                        # so the session aborts like after any failure.
+                        if self._error is None:
+                            self._error = exc
+                        raise
                 st = self._staging
                 if off > st.fill:
                     st.buf[st.fill: off] = bytes(off - st.fill)
