@@ -1,0 +1,167 @@
+"""A rolling upgrade from the previous release, rehearsed under load.
+
+The previous release is the code of the last landed stop (``PREVIOUS``,
+taken from this repository's history with ``git archive``); its daemons
+run from that tree in this suite's virtualenv (the same pinned
+dependencies). The procedure is the one docs/operations.md ("Rolling
+upgrades") gives operators:
+
+1. a file is written by the previous release's CLI;
+2. storage daemons are upgraded one at a time, then the meta followers,
+   then the leader, each restarted with the new code, waiting after each
+   for ``tierfs status`` to be healthy (every daemon up, no group degraded
+   or rebuilding, no repair pending);
+3. throughout, a writer using the new client keeps writing and recording
+   what was acknowledged;
+4. then every acknowledged byte reads back, the file written before the
+   upgrade reads back through the new client, and a file written after it
+   reads back through the previous release's CLI (clients are upgraded
+   after the servers).
+
+A change to a wire format, the journal, a snapshot, a fragment file or a
+daemon flag that the previous release cannot live with fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import Ledger, digest, random_bytes
+from tierfs.cli.cluster import cluster_status
+from tierfs.client import Client
+from tierfs.local import LocalCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+#: The last landed stop's commit: the release a deployment runs when this
+#: code reaches it. Move it forward when a stop lands (docs/operations.md).
+PREVIOUS = "7751d3f63b6d22b00f36acc49fbbb2dbbaacb2f6"
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _previous_tree(dest: Path) -> Path:
+    """The previous release's ``tierfs`` package under ``dest``."""
+    try:
+        tar = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "tierfs"], check=True,
+                             capture_output=True, timeout=60).stdout
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(
+            f"the rolling-upgrade rehearsal needs commit {PREVIOUS} in this clone's history "
+            f"(a full `git clone`, not a shallow one): {exc.stderr.decode(errors='replace')}") from None
+    dest.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True, timeout=60)
+    return dest
+
+
+def _python_in(tree: Path, at: Path) -> str:
+    """An interpreter that runs ``python -m tierfs...`` from ``tree`` (its
+    working directory comes first on sys.path), in this suite's venv."""
+    at.write_text(f"#!/bin/sh\ncd '{tree}' && exec '{sys.executable}' \"$@\"\n")
+    at.chmod(0o755)
+    return str(at)
+
+
+def _code_of(pid: int) -> Path:
+    """Where a daemon's ``tierfs`` package comes from: its working directory."""
+    return Path(os.readlink(f"/proc/{pid}/cwd"))
+
+
+def _old_cli(python: str, cl: LocalCluster, *args: str) -> subprocess.CompletedProcess[bytes]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([python, "-m", "tierfs.cli", "--data", str(cl.dir), *args], capture_output=True,
+                          timeout=60, env=env, check=False)
+
+
+def _wait_status_healthy(cl: LocalCluster, timeout: float, step: str) -> None:
+    end = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < end:
+        try:
+            st = asyncio.run(cluster_status(cl.meta_addrs, data_dir=str(cl.dir), timeout=3.0))
+            if st["healthy"]:
+                return
+            last = {k: st[k] for k in ("leader", "repairs_pending")} | {
+                "down": [m["addr"] for m in st["meta"] if m["state"] != "up"]
+                + [s["name"] for s in st["storage"] if s["state"] != "online"],
+                "groups": sorted({g["state"] for g in st["groups"]})}
+        except Exception as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.2)
+    raise AssertionError(f"after {step}: `tierfs status` not healthy within {timeout:.0f} s: {last}")
+
+
+def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) -> None:
+    old_py = _python_in(_previous_tree(tmp_path / "previous"), tmp_path / "python-previous")
+    cl = LocalCluster(tmp_path / "c", n_meta=3, n_storage=6, python=old_py,
+                      extra_storage_args=["--heartbeat-interval=0.2", "--repair-interval=0.3"])
+    try:
+        cl.up(timeout=90)
+        # The running daemons are the previous release's code.
+        assert {_code_of(p.pid) for p in cl.procs} == {tmp_path / "previous"}
+        before = random_bytes(3 << 20, 901)
+        (tmp_path / "before.bin").write_bytes(before)
+        r = _old_cli(old_py, cl, "put", str(tmp_path / "before.bin"), "/before.bin")
+        assert r.returncode == 0, r.stderr.decode()
+
+        ledger = Ledger()
+        stop = threading.Event()
+        writes = {"n": 0}
+
+        def writer() -> None:
+            with Client(cl.meta_addrs, request_timeout=2.0) as c:
+                c.mkdir("/load", exist_ok=True)
+                i = 0
+                while not stop.is_set():
+                    ledger.write(c, f"/load/f{i % 40}", random_bytes(200_000 + 997 * i, 1000 + i))
+                    writes["n"] += 1
+                    i += 1
+
+        t = threading.Thread(target=writer, daemon=True)
+        t.start()
+        try:
+            order = [p.name for p in cl.procs if p.kind == "storage"]
+            h = asyncio.run(cl.wait_healthy(30))
+            leader = next(m["addr"] for m in h["meta"] if m["role"] == "leader")
+            metas = [p for p in cl.procs if p.kind == "meta"]
+            order += [p.name for p in metas if p.addr != leader] + [p.name for p in metas if p.addr == leader]
+            for name in order:
+                n0 = writes["n"]
+                cl.stop(names=[name])
+                cl.python = sys.executable
+                cl.start(names=[name], timeout=60)
+                cl.python = old_py
+                _wait_status_healthy(cl, 60, f"upgrading {name}")
+                # The writer got acknowledged writes in between (it never stalled for long).
+                end = time.monotonic() + 30
+                while writes["n"] < n0 + 2 and time.monotonic() < end:
+                    time.sleep(0.05)
+                assert writes["n"] >= n0 + 2, f"no write completed after upgrading {name}: {ledger.errors[-3:]}"
+        finally:
+            stop.set()
+            t.join(60)
+        assert not t.is_alive()
+        assert len(ledger.acked) >= 10, ledger.errors[-5:]
+
+        with Client(cl.meta_addrs, request_timeout=5.0) as c:
+            assert ledger.verify(c) > 0
+            assert digest(c.read_bytes("/before.bin")) == digest(before)
+            after = random_bytes(2 << 20, 902)
+            c.write_bytes("/after.bin", after)
+        # Every daemon now runs the new code.
+        assert {_code_of(p.pid) for p in cl.procs} == {Path.cwd()}
+        # A client of the previous release reads what the new one wrote.
+        r = _old_cli(old_py, cl, "get", "/after.bin", str(tmp_path / "after.bin"))
+        assert r.returncode == 0, r.stderr.decode()
+        assert digest((tmp_path / "after.bin").read_bytes()) == digest(after)
+    finally:
+        cl.stop()
