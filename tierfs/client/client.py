@@ -243,6 +243,9 @@ class AsyncClient:
         #: Fragments (or replica copies) that read back self-consistent but
         #: wrong for their chunk's CRC32C; read around, left to the scrub.
         self.corrupt_fragments = 0
+        #: Chunks read only from positions the first attempt passed over
+        #: (members being rebuilt, positions recorded missing).
+        self.last_resort_reads = 0
         #: Chunk generations (inode, chunk, generation) whose data fragments'
         #: stored CRC32Cs matched the record on a partial read (oldest first).
         self._verified: collections.OrderedDict[tuple[int, int, int], None] = collections.OrderedDict()
@@ -592,10 +595,7 @@ class AsyncClient:
             # hold nothing there, or only an older generation's fragment.
             skip = rebuilding | frozenset(rec.missing)
             try:
-                if view.codec.replicated:
-                    await self._read_replica(view, idx, rec, targets, a, b, dest, skip)
-                else:
-                    await self._read_ec(view, idx, rec, targets, a, b, dest, skip)
+                await self._read_from(view, idx, rec, targets, a, b, dest, skip)
                 return
             except InsufficientTargetsError:
                 # The group may have moved (a target replaced): retry once on a
@@ -608,7 +608,26 @@ class AsyncClient:
                     if router.version != used or router.read_targets(gid, router.groups.get(gid, ())) != (
                             targets, rebuilding):
                         continue
+                # Last resort: the positions passed over above, at the group's
+                # current members. A member being rebuilt may hold this
+                # chunk's fragment already (its former member is the one that
+                # died), and a position the record lists as missing may hold
+                # the committed generation after all (a write that landed
+                # after its writer gave up on it). Whatever they return is
+                # checked against the chunk's CRC32C like any other fragment.
+                if tuple(members) != targets or skip:
+                    with contextlib.suppress(InsufficientTargetsError):
+                        await self._read_from(view, idx, rec, tuple(members), a, b, dest, frozenset())
+                        self.last_resort_reads += 1
+                        return
                 raise
+
+    async def _read_from(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
+                         b: int, dest: memoryview, skip: frozenset[int]) -> None:
+        if view.codec.replicated:
+            await self._read_replica(view, idx, rec, targets, a, b, dest, skip)
+        else:
+            await self._read_ec(view, idx, rec, targets, a, b, dest, skip)
 
     def _note(self, target: int, exc: TierFSError) -> None:
         # A refused connection is cheap to try again; a target that let a
