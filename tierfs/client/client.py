@@ -537,13 +537,17 @@ class AsyncClient:
 
     async def _read_fresh(self, view: FileView, offset: int, dest: memoryview) -> tuple[int, FileView]:
         """``_read_range``, and once more on a fresh look-up of the file when
-        a chunk's generation seems gone (the file was rewritten and the old
-        generation collected since ``view`` was taken). Returns the bytes
-        read and the view that served them."""
+        a chunk cannot be read from its generation and the file was rewritten
+        since ``view`` was taken: the old generation collected (its fragments
+        answer NotFound), or too few of its fragments left while the new one
+        is whole. Returns the bytes read and the view that served them."""
         try:
             return await self._read_range(view, offset, dest), view
-        except GenerationGoneError:
-            info = await self.meta.stat(view.inode)
+        except InsufficientTargetsError as exc:  # GenerationGoneError too
+            try:
+                info = await self.meta.stat(view.inode)
+            except TierFSError:
+                raise exc from None  # the read's own error, not the look-up's
             fresh = FileView.of(view.path, info)
             cs = view.chunk_size
             first, last = offset // cs, (offset + max(len(dest), 1) - 1) // cs
