@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     kind = a.layout or ("rep" if root.lstrip("/").startswith("rep") else "ec")
     env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")))
     try:
+        env.cl.export_token()  # security is on: this process's clients and CLI calls use the admin token
         client = env.client()
         client.mkdir(root)
         client.set_layout(root, chunk_size=a.chunk_size, redundancy=LAYOUTS[kind])
