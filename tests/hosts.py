@@ -321,7 +321,7 @@ class HostCluster:
 
     def kill_host(self, name: str) -> list[int]:
         """SIGKILL every daemon on host ``name``; returns their pids."""
-        return [self.cl.kill(p, signal.SIGKILL) for p in self.hosts[name].procs if pid_alive(self.cl.proc(p).pid)]
+        return [self.cl.kill(p, signal.SIGKILL) for p in self.hosts[name].procs if self.cl.proc(p).alive()]
 
     def kill_rack(self, rack: str) -> list[str]:
         """SIGKILL every daemon of every storage host in ``rack``; returns the hosts."""
@@ -416,7 +416,7 @@ class HostCluster:
         try:
             if hasattr(self, "cl"):
                 for p in self.cl.procs:  # a stopped daemon ignores SIGTERM until continued
-                    if pid_alive(p.pid):
+                    if p.alive():
                         with contextlib.suppress(ProcessLookupError, PermissionError):
                             os.kill(p.pid, signal.SIGCONT)
                 self.cl.stop()

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.local import LocalCluster, pid_alive
+from tierfs.local import LocalCluster, ProcInfo
 
 
 @pytest.mark.timeout(240)
 def test_demo_runs_leaves_the_cluster_up_and_reuses_it(tmp_path: Path) -> None:
     data = tmp_path / "cluster"
     try:
-        pids: list[int] = []
+        procs: list[ProcInfo] = []
         for attempt in range(2):
             r = subprocess.run([sys.executable, "-m", "tierfs.demo", "--data", str(data), "--size", "48MiB"],
                                capture_output=True, text=True, timeout=200)
@@ -31,11 +31,11 @@ def test_demo_runs_leaves_the_cluster_up_and_reuses_it(tmp_path: Path) -> None:
             assert ("started 9 daemons" if attempt == 0 else "reusing the running cluster") in out, out
             cl = LocalCluster.open(data)
             assert all(cl.running().values()), "the demo must leave the cluster running"
-            pids += [p.pid for p in cl.procs]
+            procs += cl.procs
         r = subprocess.run([sys.executable, "-m", "tierfs.cli", "down", "--data", str(data)],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "stopped 9 daemons" in r.stdout, r.stdout + r.stderr
-        assert not any(pid_alive(p) for p in pids)
+        assert not any(p.alive() for p in procs)
     finally:
         if (data / "cluster.toml").exists():
             LocalCluster(data).stop()

@@ -64,6 +64,16 @@ class ProcInfo:
     pid: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def marker(self) -> str | None:
+        """The argument that tells this daemon's process from any other
+        TierFS daemon's: its ``--data-dir=`` (one per daemon)."""
+        return next((a for a in self.argv if a.startswith("--data-dir=")), None)
+
+    def alive(self) -> bool:
+        """True if :attr:`pid` still runs this daemon (see :func:`pid_alive`)."""
+        return pid_alive(self.pid, self.marker)
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -127,8 +137,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs a TierFS daemon (not a zombie, not a reused pid)."""
+def pid_alive(pid: int, marker: str | None = None) -> bool:
+    """True if ``pid`` runs a TierFS daemon (not a zombie, not a reused pid).
+
+    ``marker``: an argument that daemon was started with (its
+    ``--data-dir=``; :attr:`ProcInfo.marker`). Without it any TierFS
+    process passes, and with pids wrapping at 32,768 a dead daemon's pid
+    does get reused by another cluster's daemon: a test run's ``stop()`` of
+    one cluster once SIGTERMed a meta replica another cluster was starting."""
     if pid <= 0:
         return False
     with contextlib.suppress(ChildProcessError, OSError):
@@ -142,7 +158,11 @@ def pid_alive(pid: int) -> bool:
         return False
     # cmdline reads empty while the kernel is still exec'ing a just-spawned
     # child: that is one of ours starting, not a foreign process.
-    return state not in (b"Z", b"X") and (not cmd or b"tierfs" in cmd)
+    if state in (b"Z", b"X"):
+        return False
+    if not cmd:
+        return True
+    return b"tierfs" in cmd and (marker is None or marker.encode() in cmd.split(b"\0"))
 
 
 def _toml_str(v: str) -> str:
@@ -394,7 +414,7 @@ class LocalCluster:
     # --- processes ------------------------------------------------------------
 
     def running(self) -> dict[str, bool]:
-        return {p.name: pid_alive(p.pid) for p in self.procs}
+        return {p.name: p.alive() for p in self.procs}
 
     def _spawn(self, p: ProcInfo) -> int:
         logs = self.dir / "logs"
@@ -430,7 +450,7 @@ class LocalCluster:
                     with contextlib.suppress(ValueError):
                         if isinstance(json.loads(line), dict):
                             return
-            if not pid_alive(p.pid):
+            if not p.alive():
                 raise UnavailableError(f"{p.name} exited during start-up; see {self.dir / 'logs' / (p.name + '.log')}:\n"
                                        + self._tail(p.name))
             if time.monotonic() > deadline:
@@ -457,7 +477,7 @@ class LocalCluster:
         for kind in ("meta", "storage"):
             batch: list[tuple[ProcInfo, int]] = []
             for p in self.procs:
-                if p.kind != kind or (names is not None and p.name not in names) or pid_alive(p.pid):
+                if p.kind != kind or (names is not None and p.name not in names) or p.alive():
                     continue
                 out = self.dir / "logs" / f"{p.name}.out"
                 offset = out.stat().st_size if out.exists() else 0
@@ -488,7 +508,7 @@ class LocalCluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one daemon (SIGKILL by default); returns its pid."""
         p = self.proc(name)
-        if not pid_alive(p.pid):
+        if not p.alive():
             raise UnavailableError(f"{name} is not running")
         os.kill(p.pid, sig)
         if sig == signal.SIGKILL:
@@ -496,10 +516,10 @@ class LocalCluster:
         return p.pid
 
     def _wait_gone(self, procs: Sequence[ProcInfo], deadline: float) -> list[ProcInfo]:
-        left = [p for p in procs if pid_alive(p.pid)]
+        left = [p for p in procs if p.alive()]
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
-            left = [p for p in left if pid_alive(p.pid)]
+            left = [p for p in left if p.alive()]
         return left
 
     def stop(self, timeout: float = 15.0, names: Sequence[str] | None = None) -> list[str]:
@@ -507,7 +527,7 @@ class LocalCluster:
         what is left after ``timeout``. Returns the names that were running."""
         stopped: list[str] = []
         for kind in ("storage", "meta"):
-            procs = [p for p in self.procs if p.kind == kind and pid_alive(p.pid)
+            procs = [p for p in self.procs if p.kind == kind and p.alive()
                      and (names is None or p.name in names)]
             stopped += [p.name for p in procs]
             for p in procs:

@@ -20,7 +20,7 @@ import pytest
 from tierfs.cli import cluster_down, cluster_status, cluster_up, fs, resolve_meta, run
 from tierfs.client import AsyncClient
 from tierfs.errors import ConfigError
-from tierfs.local import LocalCluster, pid_alive
+from tierfs.local import LocalCluster
 
 CLI = [sys.executable, "-m", "tierfs.cli"]
 
@@ -302,10 +302,10 @@ def test_status_degraded_then_down_then_up_keeps_data(cluster: dict[str, Any], c
     assert r.returncode == 0, r.stderr
     assert "started 1 daemons" in r.stderr
     # `down` stops every daemon...
-    pids = [p.pid for p in LocalCluster.open(data).procs]
+    procs = LocalCluster.open(data).procs
     r = _cli("down", "--data", data)
     assert r.returncode == 0 and "stopped 9 daemons" in r.stdout, r.stderr
-    assert not any(pid_alive(p) for p in pids)
+    assert not any(p.alive() for p in procs)
     assert not any(LocalCluster.open(data).running().values())
     r = _cli("status", "--data", data, "--timeout", "2")
     assert r.returncode == 1 and "is not running" in r.stderr and "tierfs up --data" in r.stderr

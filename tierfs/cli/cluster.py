@@ -12,7 +12,7 @@ from typing import Any
 
 from tierfs.cli.kv import pool_summaries
 from tierfs.errors import TierFSError, UnavailableError
-from tierfs.local import LocalCluster, pid_alive
+from tierfs.local import LocalCluster
 
 __all__ = ["cluster_down", "cluster_status", "cluster_up"]
 
@@ -93,6 +93,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
 
     local = LocalCluster.open(data_dir) if data_dir else None
     pids = {p.addr: p.pid for p in local.procs} if local else {}
+    procs = {p.addr: p for p in local.procs} if local else {}
     names = {p.addr: p.name for p in local.procs} if local else {}
     addrs = list(dict.fromkeys([*meta, *(local.meta_addrs if local else [])]))
     per_replica = min(timeout, 2.0)
@@ -127,7 +128,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
     meta_out = []
     for r in replicas:
         pid = pids.get(r["addr"]) if local else None
-        if local and pid is not None and r["state"] != "up" and not pid_alive(pid):
+        if local and pid is not None and r["state"] != "up" and not procs[r["addr"]].alive():
             r["state"] = "down"
         meta_out.append({
             "id": r["id"], "addr": r["addr"], "role": r["role"], "state": r["state"],
@@ -148,7 +149,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         seen_addrs.add(n.data_addr)
         pid = (pids.get(n.data_addr) or None) if local else None
         state = _state(pb.NodeState.Name(n.state), "NODE_STATE_")
-        if local and n.data_addr in pids and not pid_alive(pids[n.data_addr]):
+        if local and n.data_addr in pids and not procs[n.data_addr].alive():
             # Meta notices a dead node only after its heartbeat timeout; we know now.
             state = "down"
         storage_out.append({
