@@ -134,6 +134,35 @@ def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
     asyncio.run(go())
 
 
+def test_a_partial_read_of_a_replica_checks_the_copy_it_reads(six: LocalCluster) -> None:
+    data = random_bytes(2 * CS, 15)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac, \
+                AsyncClient(six.meta_addrs, request_timeout=2.0, verify_partial_reads=False) as unchecked:
+            info = await _file(ac, "/reppart/f", "replica:3", data)
+            part = bytearray(3000)
+            # Chunk 1 (copy 1 is read first) read in part while it is right:
+            # that copy of that generation is remembered as verified.
+            assert await ac.read_into("/reppart/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
+            assert len(ac._verified) == 1
+            # Copy 0 of chunk 0, the one read first, replaced by other bytes.
+            await _plant(six, info, {(0, 0): os.urandom(CS)})
+            assert await ac.read_into("/reppart/f", part, 500) == 3000
+            assert part == data[500: 3500] and ac.corrupt_fragments == 1
+            # Without the check the bytes read are the planted copy's own.
+            assert await unchecked.read_into("/reppart/f", part, 500) == 3000
+            assert part != data[500: 3500] and unchecked.corrupt_fragments == 0
+            # A copy cut short is caught by its stored length, before the
+            # range read past its end could say so.
+            await _plant(six, info, {(1, 1): os.urandom(CS // 2)})
+            ac._verified.clear()
+            assert await ac.read_into("/reppart/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
+            assert ac.corrupt_fragments == 2
+
+    asyncio.run(go())
+
+
 def test_too_many_wrong_fragments_fail_the_read_instead_of_returning_them(six: LocalCluster) -> None:
     data = random_bytes(2 * CS, 13)
 

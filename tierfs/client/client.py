@@ -248,7 +248,7 @@ class AsyncClient:
         self.last_resort_reads = 0
         #: Chunk generations (inode, chunk, generation) whose data fragments'
         #: stored CRC32Cs matched the record on a partial read (oldest first).
-        self._verified: collections.OrderedDict[tuple[int, int, int], None] = collections.OrderedDict()
+        self._verified: collections.OrderedDict[tuple[int, ...], None] = collections.OrderedDict()
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
         #: Open writers by inode: what renews a write capability (their lease).
@@ -759,9 +759,7 @@ class AsyncClient:
         crc = chunk_crc_of((i.crc32c, i.size) for i in got)
         if crc != rec.crc:
             return f"its data fragments' stored crc32c combine to {crc:#010x}"
-        self._verified[(got[0].key.inode, got[0].key.chunk, got[0].key.version)] = None
-        while len(self._verified) > 65536:
-            self._verified.popitem(last=False)
+        self._remember_verified((got[0].key.inode, got[0].key.chunk, got[0].key.version))
         return ""
 
     async def _heal_chunk(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
@@ -1017,42 +1015,31 @@ class AsyncClient:
                 key = FragmentKey(view.inode, idx, j, ver)
                 others = any(x not in perm and router.usable(targets[x]) for x in order[i + 1:])
                 crcs: list[int] = []
+                # A partial read: the copy's stored length and CRC32C, asked
+                # alongside, stand in for the whole copy's (once per copy and
+                # generation), as for an EC chunk's data fragments.
+                vkey = (view.inode, idx, ver, j)
+                stat: asyncio.Future[FragmentInfo] | None = None
+                if (cfg.verify_partial_reads and not (a == 0 and b >= rec.length) and vkey not in self._verified
+                        and router.usable(targets[j])):
+                    stat = asyncio.ensure_future(data.stat(targets[j], key, timeout=cfg.request_timeout))
+                t_read = loop.time()
                 try:
-                    if hedge is None or not others:
-                        n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs)
-                    else:
-                        t0 = loop.time()
-                        try:
-                            n = await asyncio.wait_for(
-                                data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs),
-                                hedge)
-                        except TimeoutError as exc:
-                            if isinstance(exc, TierFSError):
-                                raise  # the request's own deadline, not the hedge
-                            # Cancelled: the data plane never writes dest again.
-                            router.mark_slow(targets[j], cfg.slow_target_ttl)
-                            self.hedged += 1
-                            errors[j] = _Hedged(f"lagged more than {hedge * 1e3:.0f} ms: next copy read instead")
-                            continue
-                        self._lat.add(loop.time() - t0)
-                except TierFSError as exc:
-                    errors[j] = exc
-                    self._note(targets[j], exc)
-                    if isinstance(exc, _PERMANENT):
-                        perm.add(j)
+                    why = await self._read_copy(view, idx, rec, targets, j, key, a, dest, crcs, errors, perm, hedge,
+                                                others, stat, t_read)
+                finally:
+                    if stat is not None:
+                        stat.cancel()
+                        await asyncio.gather(stat, return_exceptions=True)
+                if why is None:
                     continue
-                if n != len(dest):  # every copy holds the record's length: ours ends early
-                    errors[j] = CorruptError(f"returned {n} of {len(dest)} bytes")
-                    perm.add(j)
-                    continue
-                if a == 0 and n == rec.length and crcs and crcs[0] != rec.crc:
-                    # The whole copy, self-consistent but not the chunk's bytes.
-                    errors[j] = CorruptError(f"has crc32c {crcs[0]:#010x}, the chunk record {rec.crc:#010x}")
+                if why:
+                    errors[j] = CorruptError(why)
                     perm.add(j)
                     self.corrupt_fragments += 1
                     log.warning("%s: chunk %d (inode %d, generation %#x): copy %d on target %d %s; reading "
                                 "another copy (the scrub rewrites it)", view.path, idx, view.inode, ver, j,
-                                targets[j], errors[j])
+                                targets[j], why)
                     continue
                 router.mark_ok(targets[j])
                 return
@@ -1068,6 +1055,68 @@ class AsyncClient:
         raise (GenerationGoneError if gone else InsufficientTargetsError)(
             f"{view.path}: chunk {idx} (inode {view.inode}, generation {ver:#x}) is unreadable: no copy of {w} "
             f"answered; {detail}")
+
+    async def _read_copy(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], j: int,
+                         key: FragmentKey, a: int, dest: memoryview, crcs: list[int],
+                         errors: dict[int, TierFSError], perm: set[int], hedge: float | None, others: bool,
+                         stat: asyncio.Future[FragmentInfo] | None, t_read: float) -> str | None:
+        """Read copy ``j`` of a replicated chunk into ``dest`` from ``a``.
+        None: it could not be read (the reason is in ``errors``); '': its
+        bytes are in ``dest`` and match what can be checked; else why the
+        copy is wrong (self-consistent, but not the chunk's bytes)."""
+        _, data, router = self._parts()
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        try:
+            if hedge is None or not others:
+                n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs)
+            else:
+                try:
+                    n = await asyncio.wait_for(
+                        data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs), hedge)
+                except TimeoutError as exc:
+                    if isinstance(exc, TierFSError):
+                        raise  # the request's own deadline, not the hedge
+                    # Cancelled: the data plane never writes dest again.
+                    router.mark_slow(targets[j], cfg.slow_target_ttl)
+                    self.hedged += 1
+                    errors[j] = _Hedged(f"lagged more than {hedge * 1e3:.0f} ms: next copy read instead")
+                    return None
+                self._lat.add(loop.time() - t_read)
+        except TierFSError as exc:
+            errors[j] = exc
+            self._note(targets[j], exc)
+            if isinstance(exc, _PERMANENT):
+                perm.add(j)
+            return None
+        if n != len(dest):  # every copy holds the record's length: ours ends early
+            errors[j] = CorruptError(f"returned {n} of {len(dest)} bytes")
+            perm.add(j)
+            return None
+        if a == 0 and n == rec.length and crcs and crcs[0] != rec.crc:
+            # The whole copy, self-consistent but not the chunk's bytes.
+            return f"has crc32c {crcs[0]:#010x}, the chunk record {rec.crc:#010x}"
+        if stat is None:
+            return ""
+        # The stat may take a little longer than the read, not a stalled
+        # target's timeout: past that the copy stays unverified (the next
+        # partial read asks again).
+        took = loop.time() - t_read
+        await asyncio.wait({stat}, timeout=min(cfg.request_timeout / 4, max(cfg.hedge_min, 3 * took)))
+        if not stat.done() or stat.cancelled() or stat.exception() is not None:
+            return ""
+        info = stat.result()
+        if info.size != rec.length:
+            return f"is stored with {info.size} bytes, not the chunk record's {rec.length}"
+        if info.crc32c != rec.crc:
+            return f"is stored with crc32c {info.crc32c:#010x}, the chunk record {rec.crc:#010x}"
+        self._remember_verified((view.inode, idx, rec.generation, j))
+        return ""
+
+    def _remember_verified(self, vkey: tuple[int, ...]) -> None:
+        self._verified[vkey] = None
+        while len(self._verified) > 65536:
+            self._verified.popitem(last=False)
 
     # ---- the write path ---------------------------------------------------------
 

@@ -62,7 +62,9 @@ class ClientConfig(BaseConfig):
         True, "A read of part of an EC chunk also checks, once per chunk generation (remembered for the last "
         "65,536), that the stored CRC32Cs of its K data fragments (asked of their targets alongside the read) "
         "combine to the chunk record's: a wrong but self-consistent fragment is then read around as on a "
-        "whole-chunk read. Costs K small requests on the first partial read of each chunk.")
+        "whole-chunk read. Costs K small requests on the first partial read of each chunk. A partial read of a "
+        "replicated chunk checks the copy it reads in the same way (its stored length and CRC32C), once per copy "
+        "and generation.")
     min_write_fragments: int = field(
         0, "Degraded writes: a chunk write succeeds once this many of its fragments are durable; the missing "
         "ones are recorded in meta at commit and rebuilt at once by the storage node holding their "
