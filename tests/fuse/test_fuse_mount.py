@@ -11,6 +11,7 @@ import errno
 import hashlib
 import io
 import os
+import re
 import shutil
 import signal
 import stat
@@ -306,6 +307,34 @@ def test_mount_errors_are_clear(mnt: Path, cluster: LocalCluster, tmp_path: Path
     assert r.returncode == 1 and "unreachable" in r.stderr and "tierfs up" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
     assert find_mount(str(tmp_path / "m")) is None
+
+
+def _read_ahead_kb(mp: Path) -> int:
+    got = find_mount(str(mp))
+    assert got is not None, f"{mp} is not mounted"
+    return int(Path(f"/sys/class/bdi/{got[2]}/read_ahead_kb").read_text())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting a mount's read-ahead needs root")
+def test_read_ahead_holds_and_sequential_reads_arrive_in_large_requests(
+        mnt: Path, cluster: LocalCluster, client: Client, tmp_path: Path) -> None:
+    # The kernel applies FUSE_INIT's reply (read-ahead capped at 128 KiB)
+    # when the first request is served: a read-ahead set at mount(2) time
+    # was silently undone, and every sequential read came as 128 KiB requests.
+    assert _read_ahead_kb(mnt) == 8192
+    data = random_bytes(4 << 20, 31)
+    client.write_bytes("/t/readahead.bin", data)
+    m = Mount(tmp_path / "ra", cluster.meta_addrs, tmp_path / "ra.log", "--read-ahead", "2048", "--debug")
+    try:
+        assert _read_ahead_kb(m.path) == 2048
+        with open(m.path / "t" / "readahead.bin", "rb") as f:
+            got = b"".join(iter(lambda: f.read(4 << 20), b""))
+        assert got == data
+        sizes = [int(x) for x in re.findall(r"DEBUG read\(\d+, \d+, (\d+)\)", m.log_text())]
+        assert sizes and max(sizes) > 128 * 1024, sizes
+    finally:
+        m.close()
 
 
 @pytest.mark.timeout(60)

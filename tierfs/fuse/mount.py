@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tierfs.errors import InvalidArgumentError, TierFSError, UnavailableError
 
@@ -127,6 +128,28 @@ def _set_read_ahead(mountpoint: str, kib: int) -> None:
         log.info("could not set %s to %d: %s", path, kib, exc)
 
 
+async def _first_request(mountpoint: str, serving: asyncio.Future[Any], timeout: float) -> bool:
+    """Wait until the kernel has had a request answered on the new mount
+    (so FUSE_INIT's reply is applied). False if that did not happen within
+    ``timeout``; if serving stopped first, its error is raised."""
+    probe: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(os.stat, mountpoint))
+    done, _ = await asyncio.wait({probe, serving}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if serving in done and probe not in done:
+        probe.cancel()  # the thread ends when the kernel fails its stat
+        serving.result()
+        raise MountError(f"the FUSE session for {mountpoint} ended before it served a request")
+    if probe not in done:
+        log.warning("%s: no FUSE request answered within %.0f s; read-ahead left as the kernel set it",
+                    mountpoint, timeout)
+        probe.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return False
+    if probe.exception() is not None:
+        log.warning("%s: stat of the new mount failed (%s); read-ahead left as the kernel set it", mountpoint,
+                    probe.exception())
+        return False
+    return True
+
+
 async def _serve(cfg: MountConfig, ready: int | None) -> None:
     import pyfuse3
     import pyfuse3.asyncio as fuse_asyncio
@@ -160,13 +183,20 @@ async def _serve(cfg: MountConfig, ready: int | None) -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(s, stop, s)
         try:
-            _set_read_ahead(cfg.mountpoint, cfg.read_ahead_kib)
+            serving = asyncio.ensure_future(pyfuse3.main(max_tasks=cfg.max_tasks))
+            # The kernel applies the reply to FUSE_INIT, which caps the mount's
+            # read-ahead at what it offered (128 KiB), when the first request
+            # is served, not at mount(2): the read-ahead is set only after a
+            # stat of the mount point (from a thread; this loop answers it)
+            # has come back, or it would be undone.
+            if await _first_request(cfg.mountpoint, serving, cfg.timeout):
+                _set_read_ahead(cfg.mountpoint, cfg.read_ahead_kib)
             if ready is not None:
                 os.write(ready, b"ok\n")
                 os.close(ready)
                 ready = None
             log.info("mounted %s (meta %s) pid %d", cfg.mountpoint, ",".join(cfg.meta), os.getpid())
-            await pyfuse3.main(max_tasks=cfg.max_tasks)
+            await serving
         finally:
             for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(s)
