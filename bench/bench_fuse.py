@@ -31,6 +31,7 @@ import numpy as np
 import uvloop
 
 from tierfs.client import Client
+from tierfs.fuse.mount import MountConfig
 from tierfs.local import LocalCluster
 
 MiB = 1 << 20
@@ -157,7 +158,8 @@ def run(quick: bool) -> dict[str, Any]:
     ]
     notes.append(f"file {size // MiB} MiB in /b (ec:4+2, 4 MiB chunks), best of 2 each; 6 storage daemons, "
                  f"3 meta replicas, the mount daemon and this process on {os.cpu_count()} CPUs; "
-                 f"mount defaults (attr timeout 1 s, read-ahead 8 MiB); writes include the commit at close")
+                 f"mount defaults (attr timeout 1 s, read-ahead {MountConfig.read_ahead_kib} KiB); "
+                 "writes include the commit at close")
     return {"name": "fuse", "rows": rows, "notes": "; ".join(notes)}
 
 

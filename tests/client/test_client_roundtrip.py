@@ -8,12 +8,14 @@ import glob
 import os
 import random
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.client.util import digest, random_bytes
 from tierfs.client import Client
+from tierfs.client.file import AsyncFile
 from tierfs.errors import (
     AlreadyExistsError,
     DirectoryNotEmptyError,
@@ -78,6 +80,31 @@ def test_awkward_sizes_round_trip(client: Client, redundancy: str) -> None:
     arr = np.zeros(3 * MiB, dtype=np.uint8)
     assert client.read_into(f"{d}/f{SIZES[-1]}", arr, offset=5 * MiB) == len(big) - 5 * MiB
     assert arr[: len(big) - 5 * MiB].tobytes() == big[5 * MiB:]
+
+
+def test_small_reads_out_of_order_load_each_chunk_once(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small reads that arrive a little out of order (a FUSE mount's kernel
+    read-ahead: several requests in flight, up to a few chunks ahead) are
+    served from the read cache, each chunk fetched once, and right."""
+    cs = 64 * 1024
+    client.mkdir("/ooo", exist_ok=True)
+    client.set_layout("/ooo", chunk_size=cs)
+    data = random_bytes(7 * cs + 100, 41)
+    client.write_bytes("/ooo/f", data)
+    loads: list[int] = []
+    load = AsyncFile._load_chunk
+
+    async def counted(self: AsyncFile, view: Any, idx: int, buf: memoryview) -> int:
+        loads.append(idx)
+        return await load(self, view, idx, buf)
+
+    monkeypatch.setattr(AsyncFile, "_load_chunk", counted)
+    with client.open("/ooo/f", "rb") as f:
+        for i, c in enumerate([0, 1, 2, 1, 3, 2, 4, 2, 3, 5, 6, 4, 7, 6]):
+            at = c * cs + (i * 997) % (cs - 5000)
+            f.seek(at)
+            assert f.read(5000) == data[at: at + 5000], (i, c)
+    assert sorted(loads) == list(range(8)), loads
 
 
 def test_large_file_default_layout(client: Client) -> None:

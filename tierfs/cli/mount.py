@@ -19,8 +19,8 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
                    help="how long the kernel caches attributes (default 1; 0: ask meta every time)")
     p.add_argument("--entry-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="how long the kernel caches name lookups (default 1)")
-    p.add_argument("--read-ahead", type=int, default=8192, metavar="KiB",
-                   help="kernel read-ahead of the mount (default 8192)")
+    p.add_argument("--read-ahead", type=int, default=4096, metavar="KiB",
+                   help="kernel read-ahead of the mount (default 4096)")
     p.add_argument("--max-tasks", type=int, default=64, metavar="N", help="FUSE requests served at once")
     p.add_argument("--log", default=None, metavar="FILE", help="log here (daemon: otherwise nowhere)")
     p.add_argument("--debug", action="store_true", help="log every FUSE request (with --log or --foreground)")

@@ -81,6 +81,10 @@ def _parse_mode(mode: str) -> tuple[str, bool]:
     return base, plus
 
 
+#: Chunks a file's read cache holds (the read-ahead one included).
+_CACHED_CHUNKS = 4
+
+
 class _Staging:
     """The chunk being written: ``buf[:fill]`` is its content."""
 
@@ -123,8 +127,10 @@ class AsyncFile:
         self._error: TierFSError | None = None
         self._slots = asyncio.Semaphore(client.config.write_concurrency)
         self._renewer: asyncio.Task[None] | None = None
-        self._cache: tuple[int, memoryview, int] | None = None  # (chunk, buffer, valid bytes)
-        self._ahead: tuple[int, asyncio.Task[int], memoryview] | None = None  # read-ahead of the next chunk
+        # The read cache of small reads: chunk -> (its load, valid bytes when
+        # done; the pooled buffer it fills), for the chunk read last, the one
+        # before it and the next one (read ahead).
+        self._chunks: dict[int, tuple[asyncio.Task[int], memoryview]] = {}
         if session is not None:
             self._start_renewer()
             # A write capability that expires is renewed with the lease.
@@ -256,40 +262,57 @@ class AsyncFile:
         return done
 
     async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int]:
-        """Chunk ``idx`` from the one-chunk cache; a miss loads it (or takes
-        the read-ahead of it) and starts reading the next chunk ahead."""
-        if self._cache is not None and self._cache[0] == idx:
-            return self._cache[1], self._cache[2]
-        pool = self._client.pool
-        if self._cache is not None:
-            pool.put(self._cache[1])
-            self._cache = None
-        ahead, self._ahead = self._ahead, None
-        got: tuple[int, memoryview, int] | None = None
-        if ahead is not None:
-            a_idx, a_task, a_buf = ahead
-            if a_idx == idx:
-                try:
-                    got = (idx, a_buf, await a_task)
-                except TierFSError:
-                    pool.put(a_buf)  # read it again below: the error surfaces there if it persists
-            else:
-                a_task.cancel()
-                await asyncio.gather(a_task, return_exceptions=True)
-                pool.put(a_buf)
-        if got is None:
-            buf = pool.get(view.chunk_size)
-            try:
-                got = (idx, buf, await self._load_chunk(view, idx, buf))
-            except BaseException:
-                pool.put(buf)
+        """Chunk ``idx`` from the read cache; a miss loads it, and the next
+        chunk is read ahead. Up to ``_CACHED_CHUNKS`` chunks stay cached, so
+        that readers whose requests arrive out of order (the kernel's
+        read-ahead through a FUSE mount: several requests in flight, up to
+        a few chunks ahead) do not load a chunk twice."""
+        chunks = self._chunks
+        ahead = idx in chunks  # loaded (or being loaded) before this call asked for it
+        if not ahead:
+            chunks[idx] = self._start_load(view, idx)
+        if idx + 1 not in chunks and (idx + 1) * view.chunk_size < view.size:
+            chunks[idx + 1] = self._start_load(view, idx + 1)
+        # Over capacity, the chunks farthest from this one go first.
+        while len(chunks) > _CACHED_CHUNKS:
+            self._drop_chunk(max((k for k in chunks if k not in (idx, idx + 1)), key=lambda k: abs(k - idx)))
+        task, buf = chunks[idx]
+        try:
+            # Shielded: a caller that gives up leaves the load to the next one.
+            return buf, await asyncio.shield(task)
+        except TierFSError:
+            if chunks.get(idx, (None,))[0] is task:
+                self._drop_chunk(idx)
+            if not ahead:
                 raise
-        self._cache = got
-        if (idx + 1) * view.chunk_size < view.size:
-            nbuf = pool.get(view.chunk_size)
-            task = asyncio.get_running_loop().create_task(self._load_chunk(view, idx + 1, nbuf))
-            self._ahead = (idx + 1, task, nbuf)
-        return got[1], got[2]
+        # A read-ahead that failed is read again: the error surfaces if it persists.
+        chunks[idx] = self._start_load(view, idx)
+        task, buf = chunks[idx]
+        return buf, await asyncio.shield(task)
+
+    def _start_load(self, view: FileView, idx: int) -> tuple[asyncio.Task[int], memoryview]:
+        buf = self._client.pool.get(view.chunk_size)
+        return asyncio.get_running_loop().create_task(self._load_chunk(view, idx, buf)), buf
+
+    def _drop_chunk(self, idx: int) -> None:
+        """Forget cached chunk ``idx``; its buffer goes back to the pool once
+        its load has ended (a cancelled read never writes it again)."""
+        got = self._chunks.pop(idx, None)
+        if got is None:
+            return
+        task, buf = got
+        pool = self._client.pool
+
+        def release(t: asyncio.Task[int]) -> None:
+            if not t.cancelled():
+                t.exception()  # retrieved: a failed read-ahead nobody waited for is not an error
+            pool.put(buf)
+
+        if task.done():
+            release(task)
+        else:
+            task.cancel()
+            task.add_done_callback(release)
 
     async def _load_chunk(self, view: FileView, idx: int, buf: memoryview) -> int:
         cs = view.chunk_size
@@ -568,20 +591,19 @@ class AsyncFile:
                 await self._client.meta.abort_write(self._session.session_id, uploads=ups)
 
     async def _drop_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].cancel()
-            await asyncio.gather(ahead[1], return_exceptions=True)
-            self._client.pool.put(ahead[2])
+        loads = [t for t, _ in self._chunks.values() if not t.done()]
+        for idx in list(self._chunks):
+            self._drop_chunk(idx)
+        if loads:
+            await asyncio.gather(*loads, return_exceptions=True)
 
     def _finish(self) -> None:
         self.closed = True
         if self._client._cap_renewers.get(self.inode) == self._renew:
             del self._client._cap_renewers[self.inode]
         pool = self._client.pool
-        if self._cache is not None:
-            pool.put(self._cache[1])
-            self._cache = None
+        for idx in list(self._chunks):
+            self._drop_chunk(idx)
         if self._staging is not None:
             pool.put(self._staging.buf)
             self._staging = None

@@ -46,7 +46,7 @@ class MountConfig:
     allow_other: bool = False
     attr_timeout: float = 1.0
     entry_timeout: float = 1.0
-    read_ahead_kib: int = 8192
+    read_ahead_kib: int = 4096
     #: Seconds to wait for the cluster before giving up.
     timeout: float = 20.0
     max_tasks: int = 64

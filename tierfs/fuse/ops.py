@@ -55,7 +55,7 @@ class MountOptions:
 
     attr_timeout: float = 1.0
     entry_timeout: float = 1.0
-    read_ahead_kib: int = 8192
+    read_ahead_kib: int = 4096
 
 
 def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
