@@ -247,7 +247,7 @@ class AsyncFile:
         if len(dest) >= cs // 2:
             n, self._view = await self._client._read_fresh(view, offset, dest)
             return n
-        # Small reads go through a one-chunk cache (sequential readers of
+        # Small reads go through the read cache (sequential readers of
         # small records would otherwise pay a round trip each).
         end = min(offset + len(dest), view.size)
         done = 0
