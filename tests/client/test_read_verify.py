@@ -90,30 +90,41 @@ def test_a_wrong_data_fragment_is_read_around_and_a_decode_heals_itself(six: Loc
     asyncio.run(go())
 
 
-def test_a_partial_read_checks_the_stored_crcs_once_per_chunk_generation(six: LocalCluster) -> None:
+#: Per layout: the fragment replaced by other bytes of its length and a
+#: read inside it; the fragment cut short and a read inside it. EC: data
+#: fragments 1 of chunk 0 and 3 of chunk 1 (16 KiB each); replicas: the
+#: copy each chunk is read from first (copy ``chunk % 3``).
+PARTIAL = {
+    "ec:4+2": ((0, 1), 16 * KiB, 16 * KiB + 500, (1, 3), 8 * KiB, CS + 3 * 16 * KiB + 10),
+    "replica:3": ((0, 0), CS, 500, (1, 1), CS // 2, CS + 10),
+}
+
+
+@pytest.mark.parametrize("redundancy", sorted(PARTIAL))
+def test_a_partial_read_checks_the_stored_crcs_once_per_chunk_generation(six: LocalCluster, redundancy: str) -> None:
     data = random_bytes(2 * CS, 14)
+    wrong, wrong_size, at, short, short_size, short_at = PARTIAL[redundancy]
+    path = f"/part-{redundancy.replace(':', '-')}/f"
 
     async def go() -> None:
         async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac, \
                 AsyncClient(six.meta_addrs, request_timeout=2.0, verify_partial_reads=False) as unchecked:
-            info = await _file(ac, "/part/f", "ec:4+2", data)
+            info = await _file(ac, path, redundancy, data)
             part = bytearray(3000)
-            # Chunk 1 read in part while it is right: remembered as verified.
-            assert await ac.read_into("/part/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
+            # Chunk 1 read in part while it is right: remembered as verified
+            # (EC: its data fragments; replicas: the copy read).
+            assert await ac.read_into(path, part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
             assert len(ac._verified) == 1
-            # Data fragment 1 of chunk 0 replaced by other bytes of its length.
-            await _plant(six, info, {(0, 1): os.urandom(16 * KiB)})
-            at = 16 * KiB + 500  # inside fragment 1
-            assert await ac.read_into("/part/f", part, at) == 3000
+            await _plant(six, info, {wrong: os.urandom(wrong_size)})
+            assert await ac.read_into(path, part, at) == 3000
             assert part == data[at: at + 3000] and ac.corrupt_fragments == 1
             # Without the check the bytes read are the planted fragment's own.
-            assert await unchecked.read_into("/part/f", part, at) == 3000
+            assert await unchecked.read_into(path, part, at) == 3000
             assert part != data[at: at + 3000] and unchecked.corrupt_fragments == 0
             # A fragment cut short is caught by its stored length.
-            await _plant(six, info, {(1, 3): os.urandom(8 * KiB)})
+            await _plant(six, info, {short: os.urandom(short_size)})
             ac._verified.clear()
-            at = CS + 3 * 16 * KiB + 10
-            assert await ac.read_into("/part/f", part, at) == 3000 and part == data[at: at + 3000]
+            assert await ac.read_into(path, part, short_at) == 3000 and part == data[short_at: short_at + 3000]
             assert ac.corrupt_fragments == 2
 
     asyncio.run(go())
@@ -130,35 +141,6 @@ def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
             await _plant(six, info, {(0, 0): os.urandom(CS), (0, 1): os.urandom(CS), (1, 1): os.urandom(CS)})
             assert await ac.read_bytes("/rep/f") == data
             assert ac.corrupt_fragments == 3
-
-    asyncio.run(go())
-
-
-def test_a_partial_read_of_a_replica_checks_the_copy_it_reads(six: LocalCluster) -> None:
-    data = random_bytes(2 * CS, 15)
-
-    async def go() -> None:
-        async with AsyncClient(six.meta_addrs, request_timeout=2.0) as ac, \
-                AsyncClient(six.meta_addrs, request_timeout=2.0, verify_partial_reads=False) as unchecked:
-            info = await _file(ac, "/reppart/f", "replica:3", data)
-            part = bytearray(3000)
-            # Chunk 1 (copy 1 is read first) read in part while it is right:
-            # that copy of that generation is remembered as verified.
-            assert await ac.read_into("/reppart/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
-            assert len(ac._verified) == 1
-            # Copy 0 of chunk 0, the one read first, replaced by other bytes.
-            await _plant(six, info, {(0, 0): os.urandom(CS)})
-            assert await ac.read_into("/reppart/f", part, 500) == 3000
-            assert part == data[500: 3500] and ac.corrupt_fragments == 1
-            # Without the check the bytes read are the planted copy's own.
-            assert await unchecked.read_into("/reppart/f", part, 500) == 3000
-            assert part != data[500: 3500] and unchecked.corrupt_fragments == 0
-            # A copy cut short is caught by its stored length, before the
-            # range read past its end could say so.
-            await _plant(six, info, {(1, 1): os.urandom(CS // 2)})
-            ac._verified.clear()
-            assert await ac.read_into("/reppart/f", part, CS + 10) == 3000 and part == data[CS + 10: CS + 3010]
-            assert ac.corrupt_fragments == 2
 
     asyncio.run(go())
 
