@@ -95,3 +95,30 @@ def test_a_session_of_more_chunks_than_one_request_takes(cluster: LocalCluster,
             assert await c.read_bytes("/staged/f") == data
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_close_cancelled_while_it_waits_leaves_no_connection_open(cluster: LocalCluster, loop: str) -> None:
+    """A task cancelled during its cleanup (``async with`` exiting on a
+    cancel that lands inside ``close``) must not leave data-plane sockets
+    for the garbage collector: seen as ResourceWarnings failing unrelated
+    tests (tests/repair/test_rebuild.py cancels a reader mid-close)."""
+
+    async def go() -> None:
+        ac = AsyncClient(cluster.meta_addrs)
+        await ac.write_bytes("/cancelled-close", os.urandom(300_000))
+        assert len(await ac.read_bytes("/cancelled-close")) == 300_000
+        conns = [c for p in ac._parts()[1]._pools.values() for c in p.conns]
+        assert conns
+        closing = asyncio.ensure_future(ac.close())
+        await asyncio.sleep(0)  # the close has begun and waits
+        assert not closing.done()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert all(c.transport is not None and c.transport.is_closing() for c in conns)
+
+    if loop == "uvloop":
+        uvloop.run(go())
+    else:
+        asyncio.run(go())

@@ -381,22 +381,30 @@ class AsyncClient:
     async def close(self) -> None:
         if self._closed:
             return
-        for h in list(self._kv_pools.values()):
-            await h.close()
-        if self._kv_tiers is not None:
-            await self._kv_tiers.close()
-        if self._kv_caps is not None:
-            await self._kv_caps.close()
-        self._closed = True
-        meta, data, router = self._meta, self._data, self._router
-        self._meta = self._data = self._router = None
-        if router is not None:
-            await router.close()
-        if data is not None:
-            await data.close()
-        if meta is not None:
-            await meta.close()
-        self.pool.close()
+        try:
+            for h in list(self._kv_pools.values()):
+                await h.close()
+            if self._kv_tiers is not None:
+                await self._kv_tiers.close()
+            if self._kv_caps is not None:
+                await self._kv_caps.close()
+        finally:
+            # Even when this close is cancelled (a task cancelled during its
+            # cleanup), every data-plane connection is closed before it
+            # returns: nothing is left for the garbage collector.
+            self._closed = True
+            meta, data, router = self._meta, self._data, self._router
+            self._meta = self._data = self._router = None
+            waits = data.begin_close() if data is not None else []
+        try:
+            if router is not None:
+                await router.close()
+            if waits:
+                await asyncio.gather(*waits, return_exceptions=True)
+            if meta is not None:
+                await meta.close()
+        finally:
+            self.pool.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

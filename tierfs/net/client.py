@@ -385,11 +385,16 @@ class _ClientConnection(FrameProtocol):
             self.reason = "a request was abandoned mid-transfer"
             self.abort()
 
-    async def close(self) -> None:
+    def begin_close(self) -> asyncio.Future[None] | None:
+        """Close the transport now; the future is done once it is gone."""
         if self.transport is not None and not self.closed:
             self.transport.close()
-        if self._lost is not None:
-            await self._lost
+        return self._lost
+
+    async def close(self) -> None:
+        lost = self.begin_close()
+        if lost is not None:
+            await lost
 
 
 class _PeerPool:
@@ -474,13 +479,23 @@ class _PeerPool:
             return
         self.conns.append(conn)
 
-    async def close(self) -> None:
+    def begin_close(self) -> list[asyncio.Future[Any]]:
+        """Close every connection and cancel every connect now, without
+        waiting (a close that is itself cancelled must not leave a socket
+        open); returns what to wait for until they are gone."""
         self.closed = True
+        waits: list[asyncio.Future[Any]] = list(self.connecting)
         for t in self.connecting:
-            t.cancel()
-        await asyncio.gather(*self.connecting, return_exceptions=True)
+            t.cancel()  # one that completes anyway is closed by _connected
         conns, self.conns = self.conns, []
-        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        for c in conns:
+            lost = c.begin_close()
+            if lost is not None:
+                waits.append(lost)
+        return waits
+
+    async def close(self) -> None:
+        await asyncio.gather(*self.begin_close(), return_exceptions=True)
 
 
 class DataClient:
@@ -837,10 +852,19 @@ class DataClient:
         res = await self._batch(reqs, timeout)
         return [(r.payload_len if r.length else None) if isinstance(r, Header) else r for r in res]
 
-    async def close(self) -> None:
+    def begin_close(self) -> list[asyncio.Future[Any]]:
+        """Close every pool now, without waiting (see ``_PeerPool.begin_close``);
+        returns what to wait for."""
         self._closed = True
         pools, self._pools = list(self._pools.values()), {}
-        await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
+        return [w for p in pools for w in p.begin_close()]
+
+    async def close(self) -> None:
+        # Everything is closed before the first await: a close cancelled
+        # while it waits (a task cancelled during its cleanup) leaks nothing.
+        waits = self.begin_close()
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def __aenter__(self) -> DataClient:
         return self
