@@ -477,3 +477,71 @@ def test_keys_name_the_model_dtype_block_size_and_parallelism(engine_env: None, 
     manager = start_manager(tier_config(meta=tierfs_meta, pool=vllm_pool))
     assert manager.secondary_tiers[0].key_of(key) in seen and seen[manager.secondary_tiers[0].key_of(key)] == "base"
     manager.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_batches_run_a_few_at_a_time_and_a_failed_one_fails_only_its_chunks(
+        engine_env: None, tierfs_meta: str, vllm_pool: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer of 12 chunks in one-chunk batches (batch_bytes = a chunk)
+    with batches_in_flight=3: never more than 3 batches at once, and 3 do
+    overlap. One batch that fails (its store, then its load) costs only its
+    own chunk; every other chunk is stored and loaded byte for byte."""
+    import asyncio
+
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    fails_naming("'batches_in_flight'", tier_config(meta=tierfs_meta, pool=vllm_pool, batches_in_flight=0),
+                 "positive number of batches")
+    manager = start_manager(tier_config(meta=tierfs_meta, pool=vllm_pool, batch_bytes=16384, batches_in_flight=3,
+                                        namespace=f"inflight-{uuid.uuid4().hex[:8]}"))
+    (tier,) = manager.secondary_tiers
+    try:
+        bs = tier.block_size_bytes
+        n = 12
+        assert bs == 16384 and tier._rows >= 2 * n
+        keys = [tier.key_of(make_offload_key(os.urandom(32), 0)) for _ in range(n)]
+        flat = tier._flat
+        rows = [flat[i * bs:(i + 1) * bs] for i in range(2 * n)]
+        for i in range(n):
+            rows[i][:] = os.urandom(bs)
+        bad = keys[5]
+        now = max_now = 0
+        real_put, real_get = tier._akv.batch_put, tier._akv.batch_get_into
+
+        def counted(real: Any) -> Any:
+            async def call(ks: list[bytes], bufs: list[memoryview]) -> Any:
+                nonlocal now, max_now
+                assert len(ks) == 1
+                now += 1
+                max_now = max(max_now, now)
+                try:
+                    await asyncio.sleep(0.05)    # long enough for the others to start
+                    if ks[0] == bad:
+                        raise OSError("planted failure")
+                    return await real(ks, bufs)
+                finally:
+                    now -= 1
+            return call
+
+        monkeypatch.setattr(tier._akv, "batch_put", counted(real_put))
+        monkeypatch.setattr(tier._akv, "batch_get_into", counted(real_get))
+
+        def on_loop(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, tier._loop).result(timeout=60)
+
+        stored, error = on_loop(tier._store(keys, rows[:n]))
+        assert stored == [k != bad for k in keys] and "planted" in str(error)
+        assert max_now == 3
+        max_now = 0
+        sizes, error = on_loop(tier._load(keys, rows[n:]))
+        assert sizes == [None if k == bad else bs for k in keys] and "planted" in str(error)
+        assert max_now == 3
+        for i in range(n):
+            if keys[i] != bad:
+                assert rows[n + i] == rows[i], f"chunk {i} loaded wrong bytes"
+        monkeypatch.undo()
+        assert tier._kv.batch_contains(keys) == [k != bad for k in keys]
+    finally:
+        for r in locals().get("rows", []):
+            r.release()
+        manager.shutdown()

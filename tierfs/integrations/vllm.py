@@ -74,8 +74,8 @@ log = logging.getLogger(__name__)
 KEY_LAYOUTS = ("v1",)
 
 _WHERE = "vLLM secondary_tiers[TierFSSecondaryTier]"
-_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "batch_bytes", "locality",
-             "known_keys")
+_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "batch_bytes",
+             "batches_in_flight", "locality", "known_keys")
 _TRANSPORTS = ("tcp", "shm", "rdma", "auto")
 
 # Metric names (Prometheus, through vLLM's OffloadPromMetrics), labelled by pool.
@@ -176,7 +176,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                  backpressure_detector: Any = None, *, meta: str | list[str] | None = None,
                  pool: str | None = None, namespace: str | None = None, key_layout: str = "v1",
                  transport: str | None = None, connect_timeout: float = CONNECT_TIMEOUT,
-                 batch_bytes: int = 32 << 20, locality: str | None = None, known_keys: int = 65536,
+                 batch_bytes: int = 32 << 20, batches_in_flight: int = 4, locality: str | None = None,
+                 known_keys: int = 65536,
                  **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
@@ -195,6 +196,10 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise ConfigError(f"must be a positive number of bytes, not {batch_bytes!r}",
                               field=f"{_WHERE} 'batch_bytes'")
         self._batch_bytes = batch_bytes
+        if not isinstance(batches_in_flight, int) or isinstance(batches_in_flight, bool) or batches_in_flight <= 0:
+            raise ConfigError(f"must be a positive number of batches, not {batches_in_flight!r}",
+                              field=f"{_WHERE} 'batches_in_flight'")
+        self._in_flight = batches_in_flight
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
             raise ConfigError(f"must be a non-empty string, not {namespace!r}", field=f"{_WHERE} 'namespace'")
         if locality is not None:
@@ -333,41 +338,57 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def _batches(self, n: int) -> list[range]:
         # A TierFS batch has one deadline for all its bytes (kv_timeout plus
-        # its bytes at kv_min_bandwidth): bounded batches, one after another,
-        # keep a stalled daemon's cost short and free rows for the engine as
-        # each batch lands.
+        # its bytes at kv_min_bandwidth): bounded batches keep a stalled
+        # daemon's cost short. A few run at once (batches_in_flight), so the
+        # network is not idle between one batch's last reply and the next
+        # batch's first request.
         per = max(1, self._batch_bytes // self.block_size_bytes)
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    async def _each_batch(self, n: int, one: Any) -> Exception | None:
+        """``one(range)`` for every batch, ``batches_in_flight`` at a time;
+        the last error (a failed batch does not stop the others)."""
+        error: Exception | None = None
+        sem = asyncio.Semaphore(self._in_flight)
+
+        async def run(r: range) -> None:
+            nonlocal error
+            async with sem:
+                try:
+                    await one(r)
+                except Exception as e:  # a cache: a failed batch is a later miss
+                    error = e
+
+        await asyncio.gather(*(run(r) for r in self._batches(n)))
+        return error
 
     async def _store(self, tkeys: list[bytes], views: list[memoryview]) -> tuple[list[bool], Exception | None]:
         """Which keys the pool now has (stored, or there already), and the
         last error: a failed batch does not stop the others."""
         ok = [False] * len(tkeys)
-        error: Exception | None = None
-        for r in self._batches(len(tkeys)):
-            try:
-                await self._akv.batch_put([tkeys[i] for i in r], [views[i] for i in r])
-            except Exception as e:  # a cache: a failed store is a later miss
-                error = e
-                continue
+
+        async def one(r: range) -> None:
+            await self._akv.batch_put([tkeys[i] for i in r], [views[i] for i in r])
             for i in r:
                 ok[i] = True
-        return ok, error
+
+        return ok, await self._each_batch(len(tkeys), one)
 
     async def _load(self, tkeys: list[bytes], views: list[memoryview]) -> tuple[list[int | None], Exception | None]:
         sizes: list[int | None] = [None] * len(tkeys)
-        error: Exception | None = None
-        for r in self._batches(len(tkeys)):
-            try:
-                got = await self._akv.batch_get_into([tkeys[i] for i in r], [views[i] for i in r])
-            except Exception as e:  # a miss: vLLM recomputes it
-                error = e
-                continue
+
+        async def one(r: range) -> None:
+            got = await self._akv.batch_get_into([tkeys[i] for i in r], [views[i] for i in r])
             for i, n in zip(r, got, strict=True):
                 sizes[i] = n
-        return sizes, error
+
+        return sizes, await self._each_batch(len(tkeys), one)
 
     def get_finished_jobs(self) -> Iterable[Any]:
+        # vLLM's manager polls this on every lookup (hundreds per step while
+        # a promotion runs): the empty case must cost next to nothing.
+        if self._finished.empty():
+            return ()
         results = []
         while True:
             try:
