@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "5a81d3aaf9a995239b089bead98ec22c486008a4"
+PREVIOUS = "dfc6c16020296a8648d968dfa855797385497bb3"
 
 REPO = Path(__file__).resolve().parents[2]
 
