@@ -107,6 +107,66 @@ def test_small_reads_out_of_order_load_each_chunk_once(client: Client, monkeypat
     assert sorted(loads) == list(range(8)), loads
 
 
+def test_read_caches_of_many_files_stay_within_the_client_budget(cluster: LocalCluster,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forty files open at once, each read in small pieces: their read caches
+    together never hold more than read_cache_bytes (here 6 chunks' worth),
+    the least recently used chunks go first, every read is right, and a
+    budget of 0 (no cache) or smaller than a chunk still reads right. A file
+    smaller than a chunk takes a buffer of its own size, not a chunk's."""
+    cs = 64 * 1024
+    budget = 6 * cs
+    peak = 0
+    start = AsyncFile._start_load
+
+    def watched(self: AsyncFile, view: Any, idx: int, keep: tuple[int, ...]) -> Any:
+        nonlocal peak
+        got = start(self, view, idx, keep)
+        peak = max(peak, self._client.read_cache.used)
+        return got
+
+    monkeypatch.setattr(AsyncFile, "_start_load", watched)
+    with Client(cluster.meta_addrs, request_timeout=5.0, read_cache_bytes=budget) as c:
+        assert c._aclient is not None
+        rc = c._aclient.read_cache
+        c.mkdir("/budget", exist_ok=True)
+        c.set_layout("/budget", chunk_size=cs)
+        files = {f"/budget/f{i}": random_bytes(3 * cs + 1000 * i, 500 + i) for i in range(40)}
+        files["/budget/tiny"] = random_bytes(3000, 499)
+        for p, data in files.items():
+            c.write_bytes(p, data)
+        handles = {p: c.open(p, "rb") for p in files}
+        try:
+            rng = random.Random(5)
+            for _ in range(600):
+                p = rng.choice(list(files))
+                data, f = files[p], handles[p]
+                at = rng.randrange(len(data))
+                f.seek(at)
+                assert f.read(2000) == data[at: at + 2000], (p, at)
+                assert rc.used <= budget
+                # What the client's buffers really hold between calls (size classes
+                # round up; a cancelled fetch gives its buffer back when it ends).
+                assert c._aclient.pool.stats().in_use_bytes <= 2 * budget
+            assert budget - cs < peak <= budget  # the budget was reached (no room for one more chunk), and held
+        finally:
+            for f in handles.values():
+                f.close()
+        assert rc.used == 0 and len(rc) == 0
+        with c.open("/budget/tiny", "rb") as f:
+            f.seek(10)
+            assert f.read(100) == files["/budget/tiny"][10:110]
+            assert rc.used == 3000  # a buffer of the file's size, not a chunk's
+    for limit in (0, cs // 2):
+        with Client(cluster.meta_addrs, request_timeout=5.0, read_cache_bytes=limit) as c, \
+                c.open("/budget/f3", "rb") as f:
+            data = files["/budget/f3"]
+            for at in (5, cs - 10, 2 * cs + 7, 17):
+                f.seek(at)
+                assert f.read(3000) == data[at: at + 3000]
+            assert c._aclient is not None and c._aclient.read_cache.used == 0
+
+
 def test_large_file_default_layout(client: Client) -> None:
     """A 256 MiB file with the default layout (ec:4+2, 4 MiB chunks),
     written in odd-sized pieces and read back by hash."""

@@ -43,6 +43,7 @@ from tierfs.chunk import (
 from tierfs.client.codec import Codec, codec_for
 from tierfs.client.config import ClientConfig, client_tls
 from tierfs.client.fanout import first_error, ordered
+from tierfs.client.readcache import ReadCacheBudget
 from tierfs.client.routing import Router
 from tierfs.config import load
 from tierfs.errors import (
@@ -231,6 +232,8 @@ class AsyncClient:
         else:
             self._token = resolve_token(None, None, config.data_dir) or ""
         self.pool = BufferPool(config.buffer_pool_bytes)
+        #: What the read caches of this client's files hold, together (AsyncFile).
+        self.read_cache = ReadCacheBudget(config.read_cache_bytes)
         self._meta: MetaClient | None = None
         self._data: DataClient | None = None
         self._router: Router | None = None

@@ -71,6 +71,10 @@ class ClientConfig(BaseConfig):
         "position. 0: K+1 for ec:K+M (one more failure survivable before repair), 2 for replica:N with "
         "N >= 2 (two durable copies), 1 for replica:1; never fewer than K, never more than K+M.")
     buffer_pool_bytes: int = field(512 << 20, "Idle bytes the client's buffer pool keeps for reuse.", kind="size")
+    read_cache_bytes: int = field(
+        256 << 20, "Bytes the read caches of all of this client's files may hold together (small reads of files "
+        "open read-only load whole chunks, up to four per file). Past it the least recently used loaded chunks "
+        "go first; a read that finds no room reads its bytes directly. 0: no read cache.", kind="size")
     tls_ca: str = field(
         "", "PEM CA that meta and storage daemons' certificates are checked against: set, every connection is "
         "TLS (docs/security-tls.md). '': TIERFS_TLS_CA, else ./.tierfs/tls/ca.pem of a local `tierfs up --tls` "
@@ -131,8 +135,9 @@ class ClientConfig(BaseConfig):
                 raise ConfigError("must be >= 0", field=name)
         if self.min_write_fragments < 0:
             raise ConfigError("must be >= 0 (0: the default for the layout)", field="min_write_fragments")
-        if self.failed_target_ttl < 0 or self.map_refresh_interval < 0 or self.buffer_pool_bytes < 0:
-            raise ConfigError("must be >= 0", field="failed_target_ttl")
+        for name in ("failed_target_ttl", "map_refresh_interval", "buffer_pool_bytes", "read_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", field=name)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together", field="tls_cert")
 

@@ -253,7 +253,12 @@ class AsyncFile:
         done = 0
         while offset + done < end:
             idx, off = divmod(offset + done, cs)
-            buf, valid = await self._cached(view, idx)
+            got = await self._cached(view, idx)
+            if got is None:
+                # No room in the client's read cache: the rest is read directly.
+                n, self._view = await self._client._read_fresh(view, offset + done, dest[done: end - offset])
+                return done + n
+            buf, valid = got
             n = min(end - offset - done, valid - off)
             if n <= 0:
                 break
@@ -261,18 +266,26 @@ class AsyncFile:
             done += n
         return done
 
-    async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int]:
+    async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int] | None:
         """Chunk ``idx`` from the read cache; a miss loads it, and the next
         chunk is read ahead. Up to ``_CACHED_CHUNKS`` chunks stay cached, so
         that readers whose requests arrive out of order (the kernel's
         read-ahead through a FUSE mount: several requests in flight, up to
-        a few chunks ahead) do not load a chunk twice."""
+        a few chunks ahead) do not load a chunk twice. None: the client's
+        read cache has no room for it (``ReadCacheBudget``)."""
         chunks = self._chunks
         ahead = idx in chunks  # loaded (or being loaded) before this call asked for it
-        if not ahead:
-            chunks[idx] = self._start_load(view, idx)
+        if ahead:
+            self._client.read_cache.touch(chunks[idx][0])
+        else:
+            load = self._start_load(view, idx, (idx,))
+            if load is None:
+                return None
+            chunks[idx] = load
         if idx + 1 not in chunks and (idx + 1) * view.chunk_size < view.size:
-            chunks[idx + 1] = self._start_load(view, idx + 1)
+            load = self._start_load(view, idx + 1, (idx, idx + 1))
+            if load is not None:
+                chunks[idx + 1] = load
         # Over capacity, the chunks farthest from this one go first.
         while len(chunks) > _CACHED_CHUNKS:
             self._drop_chunk(max((k for k in chunks if k not in (idx, idx + 1)), key=lambda k: abs(k - idx)))
@@ -286,27 +299,46 @@ class AsyncFile:
             if not ahead:
                 raise
         # A read-ahead that failed is read again: the error surfaces if it persists.
-        chunks[idx] = self._start_load(view, idx)
-        task, buf = chunks[idx]
+        load = self._start_load(view, idx, (idx,))
+        if load is None:
+            return None
+        chunks[idx] = load
+        task, buf = load
         return buf, await asyncio.shield(task)
 
-    def _start_load(self, view: FileView, idx: int) -> tuple[asyncio.Task[int], memoryview]:
-        buf = self._client.pool.get(view.chunk_size)
-        return asyncio.get_running_loop().create_task(self._load_chunk(view, idx, buf)), buf
+    def _start_load(self, view: FileView, idx: int,
+                    keep: tuple[int, ...]) -> tuple[asyncio.Task[int], memoryview] | None:
+        """Chunk ``idx``'s load into a pooled buffer of its size, its bytes
+        reserved in the client's read cache; None when they do not fit."""
+        nbytes = min(view.chunk_size, view.size - idx * view.chunk_size)
+        budget = self._client.read_cache
+        if not budget.reserve(nbytes, self, keep):
+            return None
+        try:
+            buf = self._client.pool.get(nbytes)
+        except BaseException:
+            budget.used -= nbytes
+            raise
+        task = asyncio.get_running_loop().create_task(self._load_chunk(view, idx, buf))
+        budget.register(task, self, idx, nbytes)
+        return task, buf
 
     def _drop_chunk(self, idx: int) -> None:
-        """Forget cached chunk ``idx``; its buffer goes back to the pool once
-        its load has ended (a cancelled read never writes it again)."""
+        """Forget cached chunk ``idx``; its buffer goes back to the pool (and
+        its bytes to the read cache) once its load has ended (a cancelled
+        read never writes it again)."""
         got = self._chunks.pop(idx, None)
         if got is None:
             return
         task, buf = got
         pool = self._client.pool
+        budget = self._client.read_cache
 
         def release(t: asyncio.Task[int]) -> None:
             if not t.cancelled():
                 t.exception()  # retrieved: a failed read-ahead nobody waited for is not an error
             pool.put(buf)
+            budget.release(t)
 
         if task.done():
             release(task)
@@ -316,7 +348,7 @@ class AsyncFile:
 
     async def _load_chunk(self, view: FileView, idx: int, buf: memoryview) -> int:
         cs = view.chunk_size
-        n, fresh = await self._client._read_fresh(view, idx * cs, buf[: max(0, min(cs, view.size - idx * cs))])
+        n, fresh = await self._client._read_fresh(view, idx * cs, buf)
         if fresh is not view and not self._writable:
             self._view = fresh  # rewritten meanwhile: later reads start from the new generation
         return n
