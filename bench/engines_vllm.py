@@ -245,8 +245,9 @@ class Bench:
 
     def direct_get(self) -> float:
         """The transport's share: ``batch_get_into`` of the same objects into
-        the same (now free) primary rows, batched as the tier batches, without
-        vLLM's machinery."""
+        the same (now free) primary rows, batched as the tier batches (its
+        ``batch_bytes``, ``batches_in_flight`` at a time: the tier's own
+        ``_load``), without vLLM's machinery."""
         self.manager.reset_cache()
         tier = self.tier
         bs = tier.block_size_bytes
@@ -254,14 +255,12 @@ class Bench:
         views = [tier._flat[i * bs:(i + 1) * bs] for i in range(self.n)]
         try:
             t0 = time.perf_counter()
-            got: list[int | None] = []
-            for r in tier._batches(self.n):   # the tier's own batching (its batch_bytes)
-                got += tier._kv.batch_get_into([keys[i] for i in r], [views[i] for i in r])
+            got, error = asyncio.run_coroutine_threadsafe(tier._load(keys, views), tier._loop).result()
             elapsed = time.perf_counter() - t0
         finally:
             for v in views:
                 v.release()
-        assert got == [bs] * self.n
+        assert got == [bs] * self.n, error
         self.manager.reset_cache()
         return elapsed
 
