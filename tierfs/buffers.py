@@ -121,7 +121,7 @@ class BufferPool:
         region of ``capacity(view)`` bytes. The contents are not zeroed."""
         if size < 0:
             raise ValueError(f"buffer size must be >= 0, got {size}")
-        cls = _size_class(size) if size <= self.max_pooled_size else round_up(max(size, 1))
+        cls = self.region_size(size)
         region: mmap.mmap | None = None
         victims: list[mmap.mmap] = []
         with self._lock:
@@ -203,6 +203,11 @@ class BufferPool:
         with self._lock:
             entry = self._live.get(id(region))
             return entry is not None and entry[0] is region
+
+    def region_size(self, size: int) -> int:
+        """Bytes of the region a ``get(size)`` maps (its size class): what
+        the buffer really costs in memory."""
+        return _size_class(size) if size <= self.max_pooled_size else round_up(max(size, 1))
 
     def capacity(self, view: memoryview) -> int:
         """Bytes of the aligned region behind a pool view."""

@@ -145,8 +145,8 @@ def test_read_caches_of_many_files_stay_within_the_client_budget(cluster: LocalC
                 f.seek(at)
                 assert f.read(2000) == data[at: at + 2000], (p, at)
                 assert rc.used <= budget
-                # What the client's buffers really hold between calls (size classes
-                # round up; a cancelled fetch gives its buffer back when it ends).
+                # What the client's buffers really hold between calls (a
+                # cancelled fetch gives its buffer back when it ends).
                 assert c._aclient.pool.stats().in_use_bytes <= 2 * budget
             assert budget - cs < peak <= budget  # the budget was reached (no room for one more chunk), and held
         finally:
@@ -156,7 +156,7 @@ def test_read_caches_of_many_files_stay_within_the_client_budget(cluster: LocalC
         with c.open("/budget/tiny", "rb") as f:
             f.seek(10)
             assert f.read(100) == files["/budget/tiny"][10:110]
-            assert rc.used == 3000  # a buffer of the file's size, not a chunk's
+            assert rc.used == 4096  # a buffer of the file's size (a page), not a chunk's
     for limit in (0, cs // 2):
         with Client(cluster.meta_addrs, request_timeout=5.0, read_cache_bytes=limit) as c, \
                 c.open("/budget/f3", "rb") as f:

@@ -117,3 +117,15 @@ def test_total_bytes_are_bounded() -> None:
             pool.put(v)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 100, 4096, 4097, 20_000, 64 * 1024 + 1, 3 << 20, 300 << 20])
+def test_region_size_is_what_get_maps(size: int) -> None:
+    """``region_size`` (what a read cache counts a buffer as) is the size of
+    the region ``get`` maps, pooled size classes and unpooled sizes alike."""
+    pool = BufferPool(1 << 20, max_pooled_size=256 << 20)
+    buf = pool.get(size)
+    try:
+        assert len(buf) == size and pool.region_size(size) == pool.capacity(buf) >= max(size, 1)
+    finally:
+        pool.put(buf)

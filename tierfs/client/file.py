@@ -308,19 +308,21 @@ class AsyncFile:
 
     def _start_load(self, view: FileView, idx: int,
                     keep: tuple[int, ...]) -> tuple[asyncio.Task[int], memoryview] | None:
-        """Chunk ``idx``'s load into a pooled buffer of its size, its bytes
-        reserved in the client's read cache; None when they do not fit."""
+        """Chunk ``idx``'s load into a pooled buffer of its size, the
+        buffer's bytes reserved in the client's read cache; None when they
+        do not fit."""
         nbytes = min(view.chunk_size, view.size - idx * view.chunk_size)
-        budget = self._client.read_cache
-        if not budget.reserve(nbytes, self, keep):
+        budget, pool = self._client.read_cache, self._client.pool
+        cost = pool.region_size(nbytes)  # what the buffer takes in memory (a 100-byte file: a page)
+        if not budget.reserve(cost, self, keep):
             return None
         try:
-            buf = self._client.pool.get(nbytes)
+            buf = pool.get(nbytes)
         except BaseException:
-            budget.used -= nbytes
+            budget.used -= cost
             raise
         task = asyncio.get_running_loop().create_task(self._load_chunk(view, idx, buf))
-        budget.register(task, self, idx, nbytes)
+        budget.register(task, self, idx, cost)
         return task, buf
 
     def _drop_chunk(self, idx: int) -> None:
