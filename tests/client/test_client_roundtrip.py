@@ -109,7 +109,7 @@ def test_small_reads_out_of_order_load_each_chunk_once(client: Client, monkeypat
 
 def test_read_caches_of_many_files_stay_within_the_client_budget(cluster: LocalCluster,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forty files open at once, each read in small pieces: their read caches
+    """Twenty-four files open at once, each read in small pieces: their read caches
     together never hold more than read_cache_bytes (here 6 chunks' worth),
     the least recently used chunks go first, every read is right, and a
     budget of 0 (no cache) or smaller than a chunk still reads right. A file
@@ -131,14 +131,14 @@ def test_read_caches_of_many_files_stay_within_the_client_budget(cluster: LocalC
         rc = c._aclient.read_cache
         c.mkdir("/budget", exist_ok=True)
         c.set_layout("/budget", chunk_size=cs)
-        files = {f"/budget/f{i}": random_bytes(3 * cs + 1000 * i, 500 + i) for i in range(40)}
+        files = {f"/budget/f{i}": random_bytes(3 * cs + 1000 * i, 500 + i) for i in range(24)}
         files["/budget/tiny"] = random_bytes(3000, 499)
         for p, data in files.items():
             c.write_bytes(p, data)
         handles = {p: c.open(p, "rb") for p in files}
         try:
             rng = random.Random(5)
-            for _ in range(600):
+            for _ in range(400):
                 p = rng.choice(list(files))
                 data, f = files[p], handles[p]
                 at = rng.randrange(len(data))
