@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "dfc6c16020296a8648d968dfa855797385497bb3"
+PREVIOUS = "e16ebdb6744475394ff40255900d25fda991c948"
 
 REPO = Path(__file__).resolve().parents[2]
 
