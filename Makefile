@@ -11,6 +11,11 @@ PYTEST_ARGS ?=
 # stays in one process). Most tests wait on daemons, so 2 workers on 2 cores
 # halve the wall time (docs/testing.md); TEST_WORKERS=0 runs it in-process.
 TEST_WORKERS ?= 2
+# Python may write its bytecode caches (__pycache__, git-ignored). Images and
+# CI machines often set PYTHONDONTWRITEBYTECODE=1; then every daemon, CLI call
+# and worker the suite starts (about a thousand) compiled the whole package
+# from source again: 0.15-0.33 s of CPU each (docs/testing.md).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install system proto proto-check lint test run bench bench-deps bench-engines bench-training soak clean down engines
 
