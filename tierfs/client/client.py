@@ -849,9 +849,9 @@ class AsyncClient:
         """``read_batch`` with one request per fragment; those still running
         after ``hedge`` seconds (and three times as long as the slowest
         answer so far, up to a quarter of the request timeout: a busy client
-        slows every node alike), when at most
-        ``m`` (parity can stand in), are cancelled and come back as
-        :class:`_Hedged`. A cancelled request never writes its buffer again
+        slows every node alike) are cancelled and come back as
+        :class:`_Hedged`, once at most as many are left as parity can stand
+        in for (``m`` less the fragments that failed). A cancelled request never writes its buffer again
         (the data plane drops the connection if its payload was landing)."""
         _, data, _ = self._parts()
         loop = asyncio.get_running_loop()
@@ -881,14 +881,27 @@ class AsyncClient:
             # give it three times their time before reading parity instead.
             # Never past a quarter of the request timeout, though: on a loaded
             # machine the peers can take long enough for three times their
-            # time to reach the timeout itself.
+            # time to reach the timeout itself. While more are still out than
+            # parity can stand in for (``m``, less the fragments that failed),
+            # wait for answers until it can (each request has its own
+            # deadline). Waiting for all of them then, as before, made a
+            # stalled node cost the whole request timeout whenever its peers
+            # were slower than the hedge delay (a fresh client's first reads,
+            # a busy machine).
             cap = max(hedge, timeout / 4)
-            while pending and len(pending) <= m and done and (wait := min(3 * last, cap) - (loop.time() - t0)) > 0:
+
+            def spare() -> int:  # how many more missing fragments parity can stand in for
+                return m - sum(1 for t in done if t.exception() is not None or not isinstance(t.result(), int))
+
+            while pending:
+                if len(pending) > spare():
+                    more, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    done |= more
+                    continue
+                if not done or (wait := min(3 * last, cap) - (loop.time() - t0)) <= 0:
+                    break
                 more, pending = await asyncio.wait(pending, timeout=wait)
                 done |= more
-            if pending and len(pending) > m:
-                await asyncio.wait(pending)  # parity cannot stand in for them all
-                pending = set()
             for t in pending:
                 t.cancel()
             if pending:
