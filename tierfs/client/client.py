@@ -845,13 +845,16 @@ class AsyncClient:
         return self._lat.hedge_delay(cfg.hedge_min, cfg.request_timeout / 4)
 
     async def _hedged_batch(self, items: Sequence[tuple[int, FragmentKey, memoryview, int]], hedge: float,
-                            m: int, crcs: list[int] | None = None) -> list[int | TierFSError]:
+                            m: int, crcs: list[int] | None = None, *,
+                            peers_first: bool = False) -> list[int | TierFSError]:
         """``read_batch`` with one request per fragment; those still running
         after ``hedge`` seconds (and three times as long as the slowest
         answer so far, up to a quarter of the request timeout: a busy client
         slows every node alike) are cancelled and come back as
         :class:`_Hedged`, once at most as many are left as parity can stand
-        in for (``m`` less the fragments that failed). A cancelled request never writes its buffer again
+        in for (``m`` less the fragments that failed). ``peers_first``: none
+        is given up before one of them has answered (a decode's fetches: on
+        the clock alone it would give up the very fragments it needs). A cancelled request never writes its buffer again
         (the data plane drops the connection if its payload was landing)."""
         _, data, _ = self._parts()
         loop = asyncio.get_running_loop()
@@ -894,7 +897,7 @@ class AsyncClient:
                 return m - sum(1 for t in done if t.exception() is not None or not isinstance(t.result(), int))
 
             while pending:
-                if len(pending) > spare():
+                if len(pending) > spare() or (peers_first and not last):
                     more, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     done |= more
                     continue
@@ -979,7 +982,20 @@ class AsyncClient:
                         buf = self.pool.get(f)
                         bufs.append(buf)
                     items.append((targets[j], FragmentKey(view.inode, idx, j, ver), buf, 0))
-                res = await data.read_batch(items, timeout=cfg.request_timeout)
+                # Hedged like a plain read: a fetch that lags its peers is
+                # given up for another fragment, while one is left to ask
+                # (a stalled node that no read has marked slow yet would
+                # otherwise hold the decode to the request timeout).
+                spare = sum(1 for j in order if j not in have and j not in perm and j not in tried)
+                hedge = self._hedge_delay() if spare else None
+                if hedge is None:
+                    res = await data.read_batch(items, timeout=cfg.request_timeout)
+                else:
+                    # Never on the clock alone while peers are out (it would
+                    # give up the very fragments the decode needs), and a
+                    # lone fetch not before hedge_min.
+                    res = await self._hedged_batch(items, max(hedge, cfg.hedge_min), spare,
+                                                   peers_first=len(items) > 1)
                 for j, (_, _, buf, _), r in zip(pick, items, res, strict=True):
                     if isinstance(r, int) and r == sizes[j]:
                         have[j] = buf[:r]
@@ -987,6 +1003,9 @@ class AsyncClient:
                     elif isinstance(r, int):
                         errors[j] = CorruptError(f"{r} bytes, its chunk record gives it {sizes[j]}")
                         perm.add(j)
+                    elif isinstance(r, _Hedged):
+                        errors[j] = r
+                        router.mark_slow(targets[j], cfg.slow_target_ttl)
                     else:
                         errors[j] = r
                         self._note(targets[j], r)
