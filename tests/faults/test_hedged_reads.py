@@ -6,7 +6,8 @@ show up in read latency (the client cancels the lagging data-fragment
 fetch after the hedge delay, reads parity instead and then reads around
 the node for ``slow_target_ttl``; with replicas, the next copy); without hedging the same reads do wait
 for it (so the proxy really slows them). A stalled node costs a hedge
-delay, not a request timeout.
+delay, not a request timeout, to a read and (stored degraded once enough
+fragments are durable) to a write.
 """
 
 from __future__ import annotations
@@ -202,3 +203,43 @@ def test_decode_around_a_failed_node_hedges_a_stalled_one(tmp_path: Path) -> Non
         assert took[-1] < timeout / 2, _ms(took)
     finally:
         fc.close()
+
+
+@pytest.mark.timeout(120)
+def test_writes_around_a_stalled_node_are_degraded_not_timed_out(fc: FaultCluster, px: FaultProxy) -> None:
+    """A node that accepts fragments but never acknowledges them (heartbeats
+    fine, so the map shows it up): once enough of a chunk's fragments are
+    durable (``min_write_fragments``, K+1), the lagging one is given up after
+    a quarter of the request timeout and its position left missing, and the
+    write is acknowledged degraded. Before, every chunk waited out the
+    request timeout on each of its three attempts (6.2 s per 2 MiB file with
+    a 2 s timeout, measured). Every acknowledged byte reads back, also once
+    the node is back."""
+    ledger = Ledger()
+    timeout = 2.0
+    data = {f"/hw/f{i}": random_bytes(2 * MiB + 4096 * i, seed=900 + i) for i in range(6)}
+    with fc.client(request_timeout=timeout) as client:
+        client.mkdir("/hw")
+        client.set_layout("/hw", chunk_size=MiB)
+        px.set("stall")
+        with fc.client(request_timeout=timeout, hedged_writes=False) as before:
+            t0 = time.monotonic()
+            assert ledger.write(before, "/hw/before", data["/hw/f0"])
+            unhedged = time.monotonic() - t0
+        took = []
+        for p, d in data.items():
+            t0 = time.monotonic()
+            assert ledger.write(client, p, d)
+            took.append(time.monotonic() - t0)
+        degraded = client.aclient.degraded_writes
+        took.sort()
+        print(f"\nstalled node: 2 MiB write ms (p50, max) {_ms(took)} ({degraded} chunks degraded); "
+              f"without giving up on it {unhedged * 1e3:.0f} ms")
+        assert unhedged >= timeout  # the proxy really stalls the writes (the test can fail)
+        assert degraded >= 1
+        assert took[-1] < timeout, _ms(took)
+        for p in ledger.acked:
+            assert digest(client.read_bytes(p)) == digest(ledger.acked[p]), p
+        px.set("pass")
+        ledger.verify(client)
+    asyncio.run(fc.cl.wait_healthy(30))

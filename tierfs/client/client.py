@@ -1223,9 +1223,12 @@ class AsyncClient:
         pending = plan(range(width))
         delay = cfg.backoff_initial
         for attempt in range(cfg.retries):
-            res = await data.write_batch(
-                [(targets[j], FragmentKey(view.inode, idx, j, version), frags[j]) for j in pending],
-                timeout=cfg.request_timeout)
+            items = [(targets[j], FragmentKey(view.inode, idx, j, version), frags[j]) for j in pending]
+            res: list[TierFSError | None]
+            if cfg.hedged_writes and len(done) + len(pending) > need:
+                res = await self._write_batch_lagged(items, need - len(done))
+            else:
+                res = await data.write_batch(items, timeout=cfg.request_timeout)
             failed = []
             for j, r in zip(pending, res, strict=True):
                 if r is None:
@@ -1233,6 +1236,12 @@ class AsyncClient:
                     errors.pop(j, None)
                     continue
                 errors[j] = r
+                if isinstance(r, _Hedged):
+                    # Given up for lagging while enough others are durable:
+                    # left missing, not retried (a stalled node would cost
+                    # another timeout per attempt); reads go around it too.
+                    router.mark_slow(targets[j], cfg.slow_target_ttl)
+                    continue
                 if isinstance(r, NoSpaceError):
                     # Full: like an offline member, the position is left
                     # missing (not retried, not fatal while `need` others store it).
@@ -1275,6 +1284,54 @@ class AsyncClient:
                            for j, e in sorted(errors.items()))
         raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid}: {len(done)} of "
                                f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")
+
+    async def _write_batch_lagged(self, items: Sequence[tuple[int, FragmentKey, Any]],
+                                  need: int) -> list[TierFSError | None]:
+        """``write_batch`` with one request per fragment. Once ``need`` of
+        them are durable, those still out after a quarter of the request
+        timeout and three times as long as the slowest durable one took are
+        cancelled and come back as :class:`_Hedged` (the chunk is stored
+        degraded without them). A write cancelled after its bytes went out
+        may still land: that is this generation's right fragment at a
+        position the record lists as missing, which reads check and repair
+        overwrites alike."""
+        _, data, _ = self._parts()
+        loop = asyncio.get_running_loop()
+        timeout = self.config.request_timeout
+        t0 = loop.time()
+        last = 0.0
+
+        async def one(item: tuple[int, FragmentKey, Any]) -> TierFSError | None:
+            nonlocal last
+            r = (await data.write_batch([item], timeout=timeout))[0]
+            if r is None:
+                last = loop.time() - t0
+            return r
+
+        tasks = [loop.create_task(one(it)) for it in items]
+        pending: set[asyncio.Task[TierFSError | None]] = set(tasks)
+        try:
+            while pending:
+                stored = sum(1 for t in tasks if t.done() and t.result() is None)
+                wait = None
+                if stored >= need:
+                    wait = max(timeout / 4, 3 * last) - (loop.time() - t0)
+                    if wait <= 0:
+                        break
+                _, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            left = [t for t in tasks if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:  # we are being cancelled: let them end first
+                await asyncio.gather(*left, return_exceptions=True)
+        return [_Hedged(f"fragment {it[1]} on target {it[0]} lagged its peers: not acknowledged within "
+                        f"{(loop.time() - t0) * 1e3:.0f} ms, left missing")
+                if t.cancelled() else t.result() for it, t in zip(items, tasks, strict=True)]
 
     async def _resend_moved(self, view: FileView, idx: int, rec: ChunkRecord, placed: Sequence[int],
                             members: Sequence[int]) -> ChunkRecord:

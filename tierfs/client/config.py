@@ -56,6 +56,11 @@ class ClientConfig(BaseConfig):
     hedge_min: float = field(
         0.02, "Least adaptive hedge delay (a busy but healthy node must not trigger needless decodes).",
         kind="duration")
+    hedged_writes: bool = field(
+        True, "Degraded writes around a lagging member: once min_write_fragments of a chunk's fragments are "
+        "durable, a fragment write still unanswered after a quarter of request_timeout and three times its "
+        "peers' time is given up and its position left missing (rebuilt by repair, like a failed one), "
+        "instead of waiting out the request timeout and its retries on a stalled node.")
     slow_target_ttl: float = field(
         2.0, "A target whose fetch was hedged is read around (parity first) for this long.", kind="duration")
     verify_partial_reads: bool = field(
