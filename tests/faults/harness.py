@@ -67,6 +67,18 @@ def digest(data: Any) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def read_latencies(client: Client, ledger: Ledger, paths: list[str]) -> list[float]:
+    """Read each of ``paths`` whole, byte-exact against the ledger; the
+    latencies in seconds, sorted."""
+    out = []
+    for p in paths:
+        t0 = time.monotonic()
+        got = client.read_bytes(p)
+        out.append(time.monotonic() - t0)
+        assert digest(got) == digest(ledger.acked[p]), p
+    return sorted(out)
+
+
 def random_bytes(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.faults.harness import FaultCluster, Ledger, MiB, digest, random_bytes
+from tests.faults.harness import FaultCluster, Ledger, MiB, digest, random_bytes, read_latencies
 from tests.faults.proxy import FaultProxy
 from tierfs.client import Client
 
@@ -44,15 +44,6 @@ def _files(client: Client, ledger: Ledger, prefix: str, n: int, size: int, seed:
         assert ledger.write(client, f"{prefix}/f{i}", random_bytes(size + i, seed=seed + i))
 
 
-def _read_latencies(client: Client, ledger: Ledger, paths: list[str]) -> list[float]:
-    out = []
-    for p in paths:
-        t0 = time.monotonic()
-        got = client.read_bytes(p)
-        out.append(time.monotonic() - t0)
-        assert digest(got) == digest(ledger.acked[p]), p
-    return sorted(out)
-
 
 def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -71,12 +62,12 @@ def test_slow_node_reads_complete_within_bound(fc: FaultCluster, px: FaultProxy)
         client.set_layout("/slow", chunk_size=MiB)
         _files(client, ledger, "/slow", 12, 512 << 10, seed=100)
         paths = sorted(ledger.acked)
-        base = _read_latencies(client, ledger, paths)
+        base = read_latencies(client, ledger, paths)
         proxy.set("delay", delay=0.15)
-        slow = _read_latencies(client, ledger, paths)
+        slow = read_latencies(client, ledger, paths)
         proxy.set("stall")
         t0 = time.monotonic()
-        stalled = _read_latencies(client, ledger, paths)
+        stalled = read_latencies(client, ledger, paths)
         stall_total = time.monotonic() - t0
         proxy.set("pass")
     fig = {name: (round(_pct(xs, 0.5) * 1e3, 1), round(xs[-1] * 1e3, 1))
