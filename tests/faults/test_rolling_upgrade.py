@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "e16ebdb6744475394ff40255900d25fda991c948"
+PREVIOUS = "0dcbff9a7382c687237a7ab08df755021a03a162"
 
 REPO = Path(__file__).resolve().parents[2]
 
