@@ -2,7 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python -m tests.checker.replay LOG.json [--layout ec|rep] [--dir DIR]
 
-``LOG.json`` is what a failing run saved (``{"root", "seed", "ops"}``), or
+``LOG.json`` is what a failing run saved (``{"root", "seed", "ops",
+"violations"}``: what it found is printed first), or
 a plain JSON list of operations. To shrink a failure by hand, delete
 operations from the list and replay until it stops failing. Exit code 0:
 no violation; 1: violations (printed).
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(Path(a.log).read_text())
     ops = _ops(doc)
     root = str(doc.get("root", "/ec")) if isinstance(doc, dict) else "/ec"
+    for v in doc.get("violations", []) if isinstance(doc, dict) else []:
+        print(f"the logged run found: {v}")
     kind = a.layout or ("rep" if root.lstrip("/").startswith("rep") else "ec")
     env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")))
     try:

@@ -42,6 +42,7 @@ import os
 import random
 import signal
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,8 +164,8 @@ class CheckerCluster:
                 last = {s["name"]: s["state"] for s in h["storage"]}
                 if all(last.get(n) == "online" for n in names):
                     return
-            except TierFSError as exc:
-                last = str(exc)
+            except Exception as exc:  # a meta still electing may fail in any way: keep asking
+                last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.1)
         raise AssertionError(f"storage nodes {list(names)} not online after {timeout:.0f}s: {last}")
 
@@ -233,8 +234,9 @@ class Checker:
         except CheckFailed:
             raise
         except Exception as exc:
+            tb = "".join(traceback.format_exception(exc, limit=-6))
             self.violation("unexpected-error", f"the checker itself failed at step {len(self.log)}: "
-                           f"{type(exc).__name__}: {exc}")
+                           f"{type(exc).__name__}: {exc}\n{tb}")
         finally:
             if finish:
                 self.close()
@@ -264,7 +266,8 @@ class Checker:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             path = self.log_dir / f"checker-{self.root.strip('/').replace('/', '_')}-seed{self.seed}.json"
-            path.write_text(json.dumps({"root": self.root, "seed": self.seed, "ops": self.log}, indent=0))
+            path.write_text(json.dumps({"root": self.root, "seed": self.seed, "ops": self.log,
+                                        "violations": self.violations}, indent=0))
         ops = "\n".join(f"  {i + 1:4d} {op!r}" for i, op in enumerate(self.log))
         return (f"model-based checker: {len(self.violations)} violation(s) in {self.root} (seed {self.seed}, "
                 f"{len(self.log)} steps)\n" + "\n".join(self.violations)
