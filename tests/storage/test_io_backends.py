@@ -205,18 +205,58 @@ class TestIOBackend:
             fd = await be.open(path, os.O_RDONLY, direct=direct)
             try:
                 buf = pool.get(8 << 20)
+                buf[:] = bytes(8 << 20)
                 task = asyncio.ensure_future(be.read_at(fd, buf, 0))
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # the read is submitted
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                # the read was allowed to finish before the cancellation surfaced
+                # the read was allowed to finish before the cancellation
+                # surfaced: the buffer holds the file, and may go back to the pool
+                assert bytes(buf) == _pattern(8 << 20, 1)
                 pool.put(buf)
                 small = pool.get(4096)
                 assert await be.read_at(fd, small, 4096) == 4096
                 assert bytes(small) == _pattern(8 << 20, 1)[4096:8192]
                 pool.put(small)
             finally:
+                await be.close(fd)
+                await be.aclose()
+
+        asyncio.run(main())
+
+    @pytest.mark.timeout(30)
+    def test_cancelled_twice_and_queued_reads(
+        self, make_backend: object, pool: BufferPool, tmp_path: Path, direct: bool
+    ) -> None:
+        """A read cancelled twice still surfaces only once its buffer is
+        filled; with a queue depth of 1, a read waiting behind it that is
+        cancelled leaves the ones after it to complete."""
+        async def main() -> None:
+            be: IOBackend = make_backend(queue_depth=1)  # type: ignore[operator]
+            path = tmp_path / "f"
+            want = _pattern(8 << 20, 3)
+            path.write_bytes(want)
+            fd = await be.open(path, os.O_RDONLY, direct=direct)
+            bufs = [pool.get(8 << 20) for _ in range(3)]
+            try:
+                for b in bufs:
+                    b[:] = bytes(8 << 20)
+                first, queued, last = (asyncio.ensure_future(be.read_at(fd, b, 0)) for b in bufs)
+                await asyncio.sleep(0)
+                first.cancel()
+                queued.cancel()
+                await asyncio.sleep(0)
+                first.cancel()
+                for t in (first, queued):
+                    with pytest.raises(asyncio.CancelledError):
+                        await t
+                assert bytes(bufs[0]) == want
+                assert await last == 8 << 20 and bytes(bufs[2]) == want
+                assert await be.read_at(fd, bufs[1], 0) == 8 << 20 and bytes(bufs[1]) == want
+            finally:
+                for b in bufs:
+                    pool.put(b)
                 await be.close(fd)
                 await be.aclose()
 

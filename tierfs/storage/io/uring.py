@@ -4,8 +4,13 @@ One ring per backend, owned by the event loop thread that first uses it. An
 eventfd is registered with the ring and watched with ``loop.add_reader``:
 completions are reaped on the loop thread with no thread hop at all.
 Submissions are batched: each operation prepares an SQE and the ring is
-entered once per loop iteration (``call_soon``). At most ``queue_depth``
-operations are in the kernel; the rest wait in a FIFO backlog.
+entered once per loop iteration (``call_soon``), except an operation alone
+in the ring (a queue-depth-1 caller: an SSD-tier hit, one small fragment),
+which enters at once. At most ``queue_depth`` operations are in the kernel;
+the rest wait in a FIFO backlog. A caller awaits its operation's future
+itself, not a shield around it (a loop iteration less per operation); a
+cancelled caller still waits for the kernel to finish with its buffer
+before the cancellation surfaces (``_wait``).
 
 Reads and writes use ``IORING_OP_READV``/``WRITEV`` with an ``Iovec`` over the
 caller's memoryview (``prep_read`` only accepts a ``bytearray``, which is not
@@ -256,7 +261,8 @@ class UringBackend(IOBackend):
         self._loop: asyncio.AbstractEventLoop | None = None
         # user_data -> (future, objects the kernel still points into)
         self._ops: dict[int, tuple[asyncio.Future[int], object]] = {}
-        self._backlog: collections.deque[tuple[_Prep, object, asyncio.Future[int]]] = collections.deque()
+        self._backlog: collections.deque[tuple[_Prep, object, asyncio.Future[int], int]] = collections.deque()
+        self._drained: asyncio.Future[None] | None = None  # set once no operation is in the kernel (aclose)
         self._next_id = 1
         self._unsubmitted = 0
         self._flush_pending = False
@@ -273,33 +279,60 @@ class UringBackend(IOBackend):
             raise RuntimeError("UringBackend is bound to another event loop")
         return loop
 
-    def _submit(self, prep: _Prep, keep: object) -> asyncio.Future[int]:
+    def _submit(self, prep: _Prep, keep: object) -> tuple[int, asyncio.Future[int]]:
         if self._closed:
             raise RuntimeError("backend is closed")
         loop = self._bind()
         fut: asyncio.Future[int] = loop.create_future()
+        uid = self._next_id
+        self._next_id = (uid + 1) & ((1 << 63) - 1) or 1
         if len(self._ops) < self.queue_depth:
-            self._push(prep, keep, fut)
+            self._push(prep, keep, fut, uid)
         else:
-            self._backlog.append((prep, keep, fut))
-        return fut
+            self._backlog.append((prep, keep, fut, uid))
+        return uid, fut
 
-    def _push(self, prep: _Prep, keep: object, fut: asyncio.Future[int]) -> None:
+    def _push(self, prep: _Prep, keep: object, fut: asyncio.Future[int], uid: int) -> None:
         sqe = L.io_uring_get_sqe(self._ring)
         if sqe is None:  # SQ full of prepared-but-unsubmitted entries
             self._enter()
             sqe = L.io_uring_get_sqe(self._ring)
             assert sqe is not None
-        uid = self._next_id
-        self._next_id = (uid + 1) & ((1 << 63) - 1) or 1
         prep(sqe)
         L.io_uring_sqe_set_data64(sqe, uid)
         self._ops[uid] = (fut, keep)
         self._unsubmitted += 1
-        if not self._flush_pending:
+        if len(self._ops) == 1:
+            # Alone in the ring: nothing to batch it with, enter now.
+            self._enter()
+        elif not self._flush_pending:
             self._flush_pending = True
             assert self._loop is not None
             self._loop.call_soon(self._flush)
+
+    async def _wait(self, uid: int, fut: asyncio.Future[int]) -> int:
+        """The result of operation ``uid``. If the caller is cancelled, its
+        future is cancelled with it; while the operation is still in the
+        kernel (which reads or writes the caller's buffer until it
+        completes) a fresh future takes its place and is awaited, and only
+        then does the cancellation surface. An operation still in the
+        backlog is dropped there (``_reap`` skips cancelled futures)."""
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            pass
+        while (op := self._ops.get(uid)) is not None:
+            assert self._loop is not None
+            later: asyncio.Future[int] = self._loop.create_future()
+            self._ops[uid] = (later, op[1])
+            try:
+                await later
+            except asyncio.CancelledError:
+                continue  # cancelled again: still wait for the kernel
+            except OSError:
+                pass
+            break
+        raise asyncio.CancelledError
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -346,8 +379,12 @@ class UringBackend(IOBackend):
                 fut.set_exception(OSError(err.errno, os.strerror(err.errno or 5)))
             else:
                 fut.set_result(res)
+        if not self._ops and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
         while self._backlog and len(self._ops) < self.queue_depth:
-            self._push(*self._backlog.popleft())
+            prep, keep, fut, uid = self._backlog.popleft()
+            if not fut.cancelled():  # its caller gave up before the kernel saw it
+                self._push(prep, keep, fut, uid)
         if self._unsubmitted:
             self._enter()
 
@@ -363,8 +400,8 @@ class UringBackend(IOBackend):
         iov, leaked = _iovec(buf)
         keep = [iov, buf]
         try:
-            fut = self._submit(lambda sqe: prep(sqe, fd, iov, offset), keep)
-            return await self._uncancellable(fut)
+            uid, fut = self._submit(lambda sqe: prep(sqe, fd, iov, offset), keep)
+            return await self._wait(uid, fut)
         finally:
             # only reached once the kernel has completed (or never got) the op
             keep.clear()
@@ -373,8 +410,8 @@ class UringBackend(IOBackend):
 
     async def _fsync(self, fd: int, datasync: bool) -> None:
         flags = L.IORING_FSYNC_DATASYNC if datasync else 0
-        fut = self._submit(lambda sqe: L.io_uring_prep_fsync(sqe, fd, flags), None)
-        await self._uncancellable(fut)
+        uid, fut = self._submit(lambda sqe: L.io_uring_prep_fsync(sqe, fd, flags), None)
+        await self._wait(uid, fut)
 
     # -- shutdown ------------------------------------------------------------
 
@@ -384,14 +421,16 @@ class UringBackend(IOBackend):
         if self._closed:
             return
         self._closed = True
-        pending = [op[0] for op in self._ops.values()] + [b[2] for b in self._backlog]
-        for _, _, fut in self._backlog:
+        for _, _, fut, _ in self._backlog:
             if not fut.done():
                 fut.set_exception(RuntimeError("backend closed"))
         self._backlog.clear()
-        waiting = [f for f in pending if not f.done()]
-        if waiting:
-            await asyncio.wait(waiting, timeout=30)
+        if self._ops and self._loop is not None:
+            # Until the kernel is done with every buffer (a cancelled caller's
+            # future may be done already while its operation is not).
+            self._drained = self._loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._drained), 30)
         if self._loop is not None:
             self._loop.remove_reader(self._efd)
         self._closed_ring = True
