@@ -75,6 +75,16 @@ class Follower(LocalReplicator):
         return ReplicaStatus(id="follower", role="follower", leader=self.leader)
 
 
+class RefusesThenHangs(Follower):
+    """Answers "not the leader" once, then never again (a follower whose
+    replies stop: a loaded machine, a partition)."""
+
+    async def submit(self, op: bytes, timeout: float) -> bytes:
+        if self.refused:
+            await asyncio.sleep(60)
+        return await super().submit(op, timeout)
+
+
 class LosesReplies(LocalReplicator):
     """Commits the op, then fails the first ``n`` replies (a leader that
     crashed after committing): the client must retry without applying twice."""
@@ -191,6 +201,25 @@ def test_client_follows_leader_hint_and_skips_dead_replicas() -> None:
         finally:
             await fgen.aclose()
             await agen.aclose()
+    run(main())
+
+
+def test_unreachable_error_keeps_what_the_replica_said() -> None:
+    """The call's last attempt, cut short by the call's deadline, times out:
+    the error still reports the follower's "not the leader" from before
+    (it used to say only "deadline exceeded")."""
+    async def main() -> None:
+        fol = RefusesThenHangs("")
+        fgen = _server(fol)
+        faddr = await fgen.__anext__()
+        try:
+            async with MetaClient([faddr], deadline=1.5) as mc:
+                with pytest.raises(UnavailableError, match="not the leader") as ei:
+                    await mc.mkdir("/x")
+                assert "cluster unreachable" in str(ei.value)
+            assert fol.refused == 1
+        finally:
+            await fgen.aclose()
     run(main())
 
 

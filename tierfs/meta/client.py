@@ -252,9 +252,9 @@ class MetaClient:
                                           if last else ""))
             if target not in tried:
                 tried.append(target)
+            full = attempt_timeout or self.attempt_timeout
             try:
-                call = getattr(self._stub(target), method)(
-                    req, timeout=min(remaining, attempt_timeout or self.attempt_timeout), metadata=md)
+                call = getattr(self._stub(target), method)(req, timeout=min(remaining, full), metadata=md)
                 reply = await call
                 if addr is None:
                     self._leader = target
@@ -278,7 +278,11 @@ class MetaClient:
                     continue
                 target = self._next(target)
             elif isinstance(err, (UnavailableError, TimeoutError_)):
-                last = str(err)
+                if not (last and isinstance(err, TimeoutError_) and remaining < full):
+                    # An attempt that the call's own deadline cut short and
+                    # that timed out tells less than the error before it
+                    # (a follower's "not the leader"): that one is reported.
+                    last = str(err)
                 if addr is None:
                     self._unreachable[target] = loop.time() + self.unreachable_for
                     target = self._next(target)
