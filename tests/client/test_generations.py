@@ -170,3 +170,38 @@ def test_reader_whose_generation_was_collected_reads_the_new_one(cl: LocalCluste
             assert r.read(cs) == new[cs: 2 * cs]  # re-stat and retry, on the new generation
             assert r.read() == new[2 * cs:]
 
+
+
+def test_small_read_across_a_collected_generation_is_never_a_mix(cl: LocalCluster) -> None:
+    """A reader's cache holds chunks of the old generation; the file is
+    rewritten and the old generation collected; a small read spanning a
+    cached old chunk and one loaded now (from the new generation, after a
+    fresh look-up) returns one generation's bytes. It used to return the
+    old chunk's bytes followed by the new one's (found by the checker soak,
+    seed 9876)."""
+    cs = 64 << 10
+    old, new = bytes([1]) * (4 * cs), bytes([2]) * (4 * cs)
+    with Client(_meta(cl)) as c:
+        c.mkdir("/m")
+        c.set_layout("/m", chunk_size=cs, redundancy="ec:4+2")
+        c.write_bytes("/m/f", old)
+        info = c._run(c.aclient.meta.stat("/m/f"))
+        ino, gens = info.attr.inode, {r.generation for r in info.chunks}
+        with c.open("/m/f", "rb") as r:
+            # Chunks 0 and 1 read through the cache, chunk 2 read ahead: all old.
+            r.seek(cs - 5)
+            assert r.read(10) == old[cs - 5: cs + 5]
+            c.write_bytes("/m/f", new)
+            deadline = time.monotonic() + 60
+            while any(p.parent.name == f"{ino:016x}" and int(p.name.rsplit(".", 1)[1], 16) in gens
+                      for p in fragment_files(cl)):
+                assert time.monotonic() < deadline, "the old generation was never collected"
+                time.sleep(0.2)
+            # Chunk 2 is cached (old), chunk 3 must be loaded (the new generation).
+            r.seek(3 * cs - 5)
+            got = r.read(10)
+            assert got == new[3 * cs - 5: 3 * cs + 5], got
+            # And from then on the new generation, cached chunks included.
+            r.seek(cs - 5)
+            assert r.read(10) == new[cs - 5: cs + 5]
+            assert r.read() == new[cs + 5:]

@@ -131,6 +131,8 @@ class AsyncFile:
         # done; the pooled buffer it fills), for the chunk read last, the one
         # before it and the next one (read ahead).
         self._chunks: dict[int, tuple[asyncio.Task[int], memoryview]] = {}
+        #: the view (generation) each cached chunk's load was served from
+        self._served: dict[asyncio.Task[int], FileView] = {}
         if session is not None:
             self._start_renewer()
             # A write capability that expires is renewed with the lease.
@@ -258,7 +260,18 @@ class AsyncFile:
                 # No room in the client's read cache: the rest is read directly.
                 n, self._view = await self._client._read_fresh(view, offset + done, dest[done: end - offset])
                 return done + n
-            buf, valid = got
+            buf, valid, served = got
+            if served is not view:
+                # The file was rewritten and this chunk came from the new
+                # generation (a load found the old one collected), the bytes
+                # before it from the old one: never a mix. The cached chunks
+                # of other generations go, and the whole read is done again
+                # directly, from one generation.
+                for k, (task, _) in list(self._chunks.items()):
+                    if not task.done() or self._served.get(task) is not self._view:
+                        self._drop_chunk(k)
+                n, self._view = await self._client._read_fresh(self._view, offset, dest)
+                return n
             n = min(end - offset - done, valid - off)
             if n <= 0:
                 break
@@ -266,7 +279,7 @@ class AsyncFile:
             done += n
         return done
 
-    async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int] | None:
+    async def _cached(self, view: FileView, idx: int) -> tuple[memoryview, int, FileView] | None:
         """Chunk ``idx`` from the read cache; a miss loads it, and the next
         chunk is read ahead. Up to ``_CACHED_CHUNKS`` chunks stay cached, so
         that readers whose requests arrive out of order (the kernel's
@@ -292,7 +305,8 @@ class AsyncFile:
         task, buf = chunks[idx]
         try:
             # Shielded: a caller that gives up leaves the load to the next one.
-            return buf, await asyncio.shield(task)
+            n = await asyncio.shield(task)
+            return buf, n, self._served.get(task, view)
         except TierFSError:
             if chunks.get(idx, (None,))[0] is task:
                 self._drop_chunk(idx)
@@ -304,7 +318,8 @@ class AsyncFile:
             return None
         chunks[idx] = load
         task, buf = load
-        return buf, await asyncio.shield(task)
+        n = await asyncio.shield(task)
+        return buf, n, self._served.get(task, view)
 
     def _start_load(self, view: FileView, idx: int,
                     keep: tuple[int, ...]) -> tuple[asyncio.Task[int], memoryview] | None:
@@ -337,6 +352,7 @@ class AsyncFile:
         budget = self._client.read_cache
 
         def release(t: asyncio.Task[int]) -> None:
+            self._served.pop(t, None)
             if not t.cancelled():
                 t.exception()  # retrieved: a failed read-ahead nobody waited for is not an error
             pool.put(buf)
@@ -353,6 +369,9 @@ class AsyncFile:
         n, fresh = await self._client._read_fresh(view, idx * cs, buf)
         if fresh is not view and not self._writable:
             self._view = fresh  # rewritten meanwhile: later reads start from the new generation
+        task = asyncio.current_task()
+        if task is not None:
+            self._served[task] = fresh
         return n
 
     # ---- writing ----------------------------------------------------------------
