@@ -142,34 +142,48 @@ def test_replica2_needs_two_durable_copies(cl: LocalCluster) -> None:
         assert c.read_bytes("/r2/b") == b"x"
 
 
+CS = 64 << 10
+OLD, NEW = bytes([1]) * (4 * CS), bytes([2]) * (4 * CS)
+
+
+def _write_old(c: Client, d: str) -> tuple[str, int, set[int]]:
+    """``d/f`` written with OLD (four 64 KiB chunks, ec:4+2): its path,
+    inode and the generations of its chunks."""
+    c.mkdir(d)
+    c.set_layout(d, chunk_size=CS, redundancy="ec:4+2")
+    path = f"{d}/f"
+    c.write_bytes(path, OLD)
+    info = c._run(c.aclient.meta.stat(path))
+    return path, info.attr.inode, {r.generation for r in info.chunks}
+
+
+def _rewrite_and_collect(cl: LocalCluster, c: Client, path: str, ino: int, gens: set[int]) -> None:
+    """Rewrite ``path`` with NEW and wait until no fragment of the old
+    generations is left on any target's disk."""
+    c.write_bytes(path, NEW)
+
+    def old_left() -> int:
+        return sum(1 for p in fragment_files(cl) if p.parent.name == f"{ino:016x}"
+                   and int(p.name.rsplit(".", 1)[1], 16) in gens)
+
+    deadline = time.monotonic() + 60
+    while old_left():
+        assert time.monotonic() < deadline, f"{old_left()} fragments of the old generation never collected"
+        time.sleep(0.2)
+
+
 def test_reader_whose_generation_was_collected_reads_the_new_one(cl: LocalCluster) -> None:
     """A reader holds a file open while it is rewritten; once the old
     generation has been garbage-collected, its next read gets NotFound from
     every fragment, looks the file up again and reads the new contents (one
     retry), instead of failing."""
-    cs = 64 << 10
-    old, new = bytes([1]) * (4 * cs), bytes([2]) * (4 * cs)
     with Client(_meta(cl)) as c:
-        c.mkdir("/g")
-        c.set_layout("/g", chunk_size=cs, redundancy="ec:4+2")
-        c.write_bytes("/g/f", old)
-        info = c._run(c.aclient.meta.stat("/g/f"))
-        ino, gens = info.attr.inode, {r.generation for r in info.chunks}
-        with c.open("/g/f", "rb") as r:
-            assert r.read(cs) == old[:cs]
-            c.write_bytes("/g/f", new)
-
-            def old_left() -> int:
-                return sum(1 for p in fragment_files(cl) if p.parent.name == f"{ino:016x}"
-                           and int(p.name.rsplit(".", 1)[1], 16) in gens)
-
-            deadline = time.monotonic() + 60
-            while old_left():
-                assert time.monotonic() < deadline, f"{old_left()} fragments of the old generation never collected"
-                time.sleep(0.2)
-            assert r.read(cs) == new[cs: 2 * cs]  # re-stat and retry, on the new generation
-            assert r.read() == new[2 * cs:]
-
+        path, ino, gens = _write_old(c, "/g")
+        with c.open(path, "rb") as r:
+            assert r.read(CS) == OLD[:CS]
+            _rewrite_and_collect(cl, c, path, ino, gens)
+            assert r.read(CS) == NEW[CS: 2 * CS]  # re-stat and retry, on the new generation
+            assert r.read() == NEW[2 * CS:]
 
 
 def test_small_read_across_a_collected_generation_is_never_a_mix(cl: LocalCluster) -> None:
@@ -179,29 +193,18 @@ def test_small_read_across_a_collected_generation_is_never_a_mix(cl: LocalCluste
     fresh look-up) returns one generation's bytes. It used to return the
     old chunk's bytes followed by the new one's (found by the checker soak,
     seed 9876)."""
-    cs = 64 << 10
-    old, new = bytes([1]) * (4 * cs), bytes([2]) * (4 * cs)
     with Client(_meta(cl)) as c:
-        c.mkdir("/m")
-        c.set_layout("/m", chunk_size=cs, redundancy="ec:4+2")
-        c.write_bytes("/m/f", old)
-        info = c._run(c.aclient.meta.stat("/m/f"))
-        ino, gens = info.attr.inode, {r.generation for r in info.chunks}
-        with c.open("/m/f", "rb") as r:
+        path, ino, gens = _write_old(c, "/m")
+        with c.open(path, "rb") as r:
             # Chunks 0 and 1 read through the cache, chunk 2 read ahead: all old.
-            r.seek(cs - 5)
-            assert r.read(10) == old[cs - 5: cs + 5]
-            c.write_bytes("/m/f", new)
-            deadline = time.monotonic() + 60
-            while any(p.parent.name == f"{ino:016x}" and int(p.name.rsplit(".", 1)[1], 16) in gens
-                      for p in fragment_files(cl)):
-                assert time.monotonic() < deadline, "the old generation was never collected"
-                time.sleep(0.2)
+            r.seek(CS - 5)
+            assert r.read(10) == OLD[CS - 5: CS + 5]
+            _rewrite_and_collect(cl, c, path, ino, gens)
             # Chunk 2 is cached (old), chunk 3 must be loaded (the new generation).
-            r.seek(3 * cs - 5)
+            r.seek(3 * CS - 5)
             got = r.read(10)
-            assert got == new[3 * cs - 5: 3 * cs + 5], got
+            assert got == NEW[3 * CS - 5: 3 * CS + 5], got
             # And from then on the new generation, cached chunks included.
-            r.seek(cs - 5)
-            assert r.read(10) == new[cs - 5: cs + 5]
-            assert r.read() == new[cs + 5:]
+            r.seek(CS - 5)
+            assert r.read(10) == NEW[CS - 5: CS + 5]
+            assert r.read() == NEW[CS + 5:]
