@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "0dcbff9a7382c687237a7ab08df755021a03a162"
+PREVIOUS = "b8ef3eb971043d82cc9feb8a8c526e5edd6ceec5"
 
 REPO = Path(__file__).resolve().parents[2]
 
