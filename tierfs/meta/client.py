@@ -278,12 +278,17 @@ class MetaClient:
                     continue
                 target = self._next(target)
             elif isinstance(err, (UnavailableError, TimeoutError_)):
-                if not (last and isinstance(err, TimeoutError_) and remaining < full):
+                cut_short = isinstance(err, TimeoutError_) and remaining < full
+                if not (last and cut_short):
                     # An attempt that the call's own deadline cut short and
                     # that timed out tells less than the error before it
                     # (a follower's "not the leader"): that one is reported.
                     last = str(err)
-                if addr is None:
+                if addr is None and cut_short:
+                    # Nor does it show the replica is down (it got less
+                    # than an attempt's time): the next call may try it.
+                    target = self._next(target)
+                elif addr is None:
                     self._unreachable[target] = loop.time() + self.unreachable_for
                     target = self._next(target)
             else:
