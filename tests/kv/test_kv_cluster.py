@@ -18,6 +18,7 @@ from tierfs.client import Client
 from tierfs.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 KiB, MiB = 1 << 10, 1 << 20
@@ -418,3 +419,112 @@ def test_large_batch_deadline_grows_with_its_bytes(cl: LocalCluster, client: Cli
         flat.kv.exists("warm-up")
         dests = [bytearray(16 * MiB) for _ in keys]
         assert flat.kv.batch_get_into(keys, dests) != [16 * MiB] * 4, "a flat 10 ms deadline moved 64 MiB"
+
+
+def _holders(cl: LocalCluster, pool: str, key: str) -> list[str]:
+    """The storage daemon of each position (fragment j, or copy j) of ``key``
+    in ``pool``."""
+    from tierfs.kv.cluster import group_of
+
+    async def get() -> list[str]:
+        async with MetaClient(cl.meta_addrs) as mc:
+            pools = await mc.list_kv_pools()
+            cmap = await mc.get_cluster_map()
+        p = next(p for p in pools.pools if p.name == pool)
+        g = p.groups[group_of(key.encode(), len(p.groups))]
+        names = []
+        for tid in g.target_ids:
+            node = next(t.node_id for t in cmap.targets if t.target_id == tid)
+            addr = next(n.data_addr for n in cmap.nodes if n.node_id == node)
+            names.append(next(pr.name for pr in cl.procs if pr.addr == addr))
+        return names
+    return asyncio.run(get())
+
+
+def _target_state(cl: LocalCluster, name: str) -> int:
+    async def get() -> int:
+        async with MetaClient(cl.meta_addrs) as mc:
+            cmap = await mc.get_cluster_map()
+        addr = cl.proc(name).addr
+        node = next(n for n in cmap.nodes if n.data_addr == addr)
+        return int(next(t.state for t in cmap.targets if t.target_id == node.target_ids[0]))
+    return asyncio.run(get())
+
+
+def test_ec_overwrite_with_a_fragment_holder_down_never_mixes_versions(cl: LocalCluster, client: Client) -> None:
+    """An overwrite while the holder of fragment 0 is down (the map says so:
+    the put skips it and is acknowledged with K+M-1 fragments), then that
+    holder comes back with its fragment of the old value. Both values have
+    the same length, so the length in the trailers cannot tell them apart:
+    a get must return the new value or a miss, never old and new fragments
+    decoded together."""
+    create_pool(cl, "ecv", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "ecv")
+    kv = client.kv_pool("ecv")
+    key, n = "ecv-key", 96 * KiB
+    old, new = b"\x01" * n, b"\x02" * n
+    kv.put(key, old)
+    assert kv.get(key) == old
+    first = _holders(cl, "ecv", key)[0]
+    cl.kill(first)
+    try:
+        wait_for(lambda: _target_state(cl, first) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
+                 f"the map to call {first} down")
+
+        def overwrite() -> bool:
+            try:
+                kv.put(key, new, overwrite=True)
+                return True
+            except UnavailableError:  # the client's map does not call it down yet
+                return False
+        wait_for(overwrite, 30, "the overwrite")
+        assert kv.get(key) == new
+    finally:
+        restart(cl, first)
+    with Client(cl.meta_addrs) as fresh:  # no memory of failures: asks fragment 0 first
+        wait_for(lambda: _target_state(cl, first) == pb.TARGET_STATE_ONLINE, 60, f"{first} back online")
+        for got in (fresh.kv_pool("ecv").get(key), kv.get(key)):
+            assert got in (None, new), f"mixed or stale value: {got[:4]!r}...{got[-4:]!r}"
+        buf = bytearray(n)
+        got_n = fresh.kv_pool("ecv").get_into(key, buf)
+        assert got_n is None or bytes(buf) == new, f"get_into: {bytes(buf[:4])!r}...{bytes(buf[-4:])!r}"
+
+
+def test_ec_fragments_of_the_first_format_are_still_read(cl: LocalCluster, client: Client) -> None:
+    """Fragments as the first format stored them (the value's length alone
+    in an 8-byte trailer: a cluster written before the version tag) are
+    still read; fragments of the two formats never decode together."""
+    import struct
+
+    from tierfs.client import AsyncClient
+    from tierfs.net.protocol import KV_OVERWRITE
+
+    create_pool(cl, "ecl", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "ecl")
+
+    async def main() -> None:
+        async with AsyncClient(cl.meta_addrs) as c:
+            kv = c.kv_pool("ecl")
+            tier = kv.cluster
+            route = await tier.route()
+            codec = tier._codec(route)
+            key, n = b"legacy-key", 50_001
+            value = payload("legacy-key", n)
+            enc = bytearray(codec.encode_size(n))
+            enc[:n] = value
+            targets = tier._targets(route, key)
+            for j, frag in enumerate(codec.encode(memoryview(enc), n, n)):
+                body = bytes(frag) + struct.pack("<Q", n)
+                await tier.data.kv_put(targets[j], route.pool_id, key, memoryview(body), flags=KV_OVERWRITE)
+            assert await kv.get(key) == value
+            buf = bytearray(n)
+            assert await kv.get_into(key, buf) == n and bytes(buf) == value
+            assert await tier.size_of(key) == n
+            # the new format's fragment 0 next to the old format's others
+            other = bytes(reversed(value))
+            assert await kv.put(key, other, overwrite=True)
+            await tier.data.kv_put(targets[1], route.pool_id, key,
+                                   memoryview(bytes(codec.encode(memoryview(enc), n, n)[1]) + struct.pack("<Q", n)),
+                                   flags=KV_OVERWRITE)
+            assert await kv.get(key) == other  # fragments 0 and 2: the old one is left out
+    asyncio.run(main())

@@ -54,6 +54,51 @@ if TYPE_CHECKING:
 __all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of"]
 
 _LEN = struct.Struct("<Q")
+# An EC fragment's trailer: the whole value's CRC32C, then one word holding
+# the value's length (low 48 bits), the fragment's position plus one (8 bits)
+# and a format mark (top 8 bits). Fragments of different values of one key
+# (an overwrite with a holder down, a put that failed half-way) then differ
+# in their trailers even when the lengths are equal, and the decoded value is
+# checked against the CRC. The first format had only the length (``_LEN``):
+# such fragments are still read, as before; readers of that format see a
+# different length in each fragment of this one, hence a miss, not bytes.
+_TRAILER = struct.Struct("<IQ")
+_EC_MARK = 0xEC
+_N_BITS = 48
+
+
+def _ec_tail(n: int, j: int) -> int:
+    return n | (j + 1) << _N_BITS | _EC_MARK << 56
+
+
+_Tag = tuple[int, int, int]  # (format, value length, value CRC32C or 0)
+
+
+def _ec_fragment(v: Any, j: int) -> tuple[_Tag, memoryview] | None:
+    """The version tag and payload of what target ``j`` of the group stored
+    under the key, or None when it is not fragment ``j`` of any value."""
+    mv = memoryview(v)
+    if len(mv) >= _TRAILER.size:
+        crc, tail = _TRAILER.unpack_from(mv, len(mv) - _TRAILER.size)
+        if tail >> 56 == _EC_MARK:
+            if (tail >> _N_BITS) & 0xFF != j + 1:
+                return None
+            return (2, tail & ((1 << _N_BITS) - 1), crc), mv[:len(mv) - _TRAILER.size]
+    if len(mv) >= _LEN.size:
+        return (1, _LEN.unpack_from(mv, len(mv) - _LEN.size)[0], 0), mv[:len(mv) - _LEN.size]
+    return None
+
+
+def _ec_agreeing(got: dict[int, tuple[_Tag, memoryview]], k: int) -> tuple[int, _Tag | None]:
+    """How many fragments of one value ``got`` holds at most, and that
+    value's tag once it has ``k`` (else None)."""
+    count: dict[_Tag, int] = {}
+    for tag, _ in got.values():
+        count[tag] = count.get(tag, 0) + 1
+    if not count:
+        return 0, None
+    tag = max(count, key=lambda t: (count[t], t[0]))
+    return count[tag], (tag if count[tag] >= k else None)
 
 
 def group_of(key: bytes, n_groups: int) -> int:
@@ -464,24 +509,47 @@ class ClusterTier:
                 self._failed(targets[j], exc)
                 return j, None
 
-        got: dict[int, bytes] = {}
+        got: dict[int, tuple[_Tag, memoryview]] = {}
         pos = 0
-        while len(got) < route.k and pos < len(order):
-            want = order[pos:pos + route.k - len(got)]
+        have, tag = 0, None
+        while tag is None and pos < len(order):
+            want = order[pos:pos + route.k - have]
             pos += len(want)
             for j, v in await asyncio.gather(*(one(j) for j in want)):
-                if v is not None and len(v) >= _LEN.size:
-                    got[j] = v
-        size = _LEN.unpack_from(next(iter(got.values())), len(next(iter(got.values()))) - _LEN.size)[0] if got else 0
-        if len(got) < route.k or {_LEN.unpack_from(v, len(v) - _LEN.size)[0] for v in got.values()} != {size}:
+                if v is not None and (frag := _ec_fragment(v, j)) is not None:
+                    got[j] = frag
+            have, tag = _ec_agreeing(got, route.k)
+        value = self._ec_decode(route, got, tag)
+        if value is None:
             self.counters.misses += 1
             return None
         self.counters.hits += 1
-        self.counters.bytes_out += size
+        self.counters.bytes_out += len(value)
+        return bytes(value)
+
+    def _ec_decode(self, route: KVPoolRoute, got: dict[int, tuple[_Tag, memoryview]],
+                   tag: _Tag | None) -> memoryview | None:
+        """The value whose ``tag`` K fragments of ``got`` carry, decoded and
+        checked against its CRC32C (fragments of the first format carry
+        none), or None."""
+        if tag is None:
+            return None
+        fmt, size, crc = tag
         if not size:
-            return b""
-        frags = {j: memoryview(v)[:len(v) - _LEN.size] for j, v in got.items()}
-        return self._codec(route).decode(frags, self._codec(route).frag_size(size))[:size]  # type: ignore[no-any-return]
+            return memoryview(b"")
+        codec = self._codec(route)
+        f = codec.frag_size(size)
+        frags = {j: v for j, (t, v) in got.items() if t == tag}
+        if any(len(v) > f for v in frags.values()):
+            return None  # not fragments of a value of this size: a miss
+        value = memoryview(codec.decode(frags, f))[:size]
+        if fmt == 2:
+            from tierfs.net.protocol import crc32c
+
+            if crc32c(value) != crc:
+                self.counters.errors += 1
+                return None
+        return value
 
     async def size_of(self, key: bytes) -> int | None:
         """The object's size without its bytes (KV_GET with KV_SIZE_ONLY on a
@@ -508,8 +576,8 @@ class ClusterTier:
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
-            if frag is not None and len(frag) >= _LEN.size:
-                return int(_LEN.unpack_from(frag, len(frag) - _LEN.size)[0])
+            if frag is not None and (got := _ec_fragment(frag, targets.index(t))) is not None:
+                return int(got[0][1])
         return None
 
     def stats(self) -> ClusterStats:
@@ -531,11 +599,16 @@ class ClusterTier:
 
     async def _ec_put(self, route: KVPoolRoute, keys: Sequence[bytes], bufs: Sequence[memoryview], *,
                       overwrite: bool, ttl_ms: int) -> list[bool]:
+        from tierfs.net.protocol import crc32c
+
         codec = self._codec(route)
         flags = KV_OVERWRITE if overwrite else 0
         out: list[bool] = []
         for key, buf in zip(keys, bufs, strict=True):
             n = len(buf)
+            if n >> _N_BITS:
+                raise InvalidArgumentError(f"KV object of {n} bytes is too large for an EC pool")
+            crc = crc32c(buf)
             if n:
                 enc = bytearray(codec.encode_size(n))
                 enc[:n] = buf
@@ -547,9 +620,9 @@ class ClusterTier:
             for j, frag in enumerate(frags):
                 if self.router.down(targets[j]):
                     continue
-                body = bytearray(len(frag) + _LEN.size)
+                body = bytearray(len(frag) + _TRAILER.size)
                 body[:len(frag)] = frag
-                _LEN.pack_into(body, len(frag), n)
+                _TRAILER.pack_into(body, len(frag), crc, _ec_tail(n, j))
                 items.append((targets[j], route.pool_id, key, memoryview(body), None, flags, ttl_ms))
             res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3))
             ok = [r for r in res if not isinstance(r, TierFSError)]
@@ -574,18 +647,21 @@ class ClusterTier:
         return out
 
     async def _ec_get(self, route: KVPoolRoute, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
-        codec = self._codec(route)
         out: list[int | None] = []
         for key, dest in zip(keys, dests, strict=True):
             targets = self._targets(route, key)
-            cap = -(-len(dest) // route.k) + _LEN.size
+            cap = -(-len(dest) // route.k) + _TRAILER.size
             bufs = [memoryview(bytearray(cap)) for _ in targets]
             order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
-            got: dict[int, memoryview] = {}
+            got: dict[int, tuple[_Tag, memoryview]] = {}
             pos = 0
             too_small = False
-            while len(got) < route.k and pos < len(order):
-                want = order[pos:pos + route.k - len(got)]
+            have, tag = 0, None
+            while tag is None and pos < len(order):
+                # Fragments of different values of the key (an overwrite
+                # that skipped a holder, a put that failed half-way) do not
+                # count together: ask on until K of one value answered.
+                want = order[pos:pos + route.k - have]
                 pos += len(want)
                 reqs = [(targets[j], route.pool_id, key, bufs[j]) for j in want]
                 res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3))
@@ -594,24 +670,22 @@ class ClusterTier:
                         too_small = True
                     elif isinstance(r, TierFSError):
                         self._failed(targets[j], r)
-                    elif r is not None and r >= _LEN.size:
-                        got[j] = bufs[j][:r]
-            if too_small and len(got) < route.k:
+                    elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
+                        got[j] = frag
+                have, tag = _ec_agreeing(got, route.k)
+            if too_small and tag is None:
                 raise InvalidArgumentError(f"KV object {key!r} does not fit the {len(dest)}-byte buffer")
-            sizes = {_LEN.unpack_from(v, len(v) - _LEN.size)[0] for v in got.values()}
-            if len(got) < route.k or len(sizes) != 1:
-                # Too few fragments, or fragments of different objects (an
-                # overwrite raced this get): a miss, never mixed bytes.
+            value = self._ec_decode(route, got, tag)
+            if value is None:
+                # Too few fragments of any one value, or a decode that does
+                # not match the value's CRC: a miss, never mixed bytes.
                 self.counters.misses += 1
                 out.append(None)
                 continue
-            size = sizes.pop()
+            size = len(value)
             if size > len(dest):
                 raise InvalidArgumentError(f"KV object of {size} bytes does not fit the {len(dest)}-byte buffer")
-            if size:
-                frags = {j: v[:len(v) - _LEN.size] for j, v in got.items()}
-                f = codec.frag_size(size)
-                dest[:size] = memoryview(codec.decode(frags, f))[:size]
+            dest[:size] = value
             self.counters.hits += 1
             self.counters.bytes_out += size
             out.append(size)
