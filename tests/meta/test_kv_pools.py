@@ -475,3 +475,25 @@ def test_pools_survive_restart_from_snapshot_and_journal(tmp_path: Path) -> None
         assert c.wait_converged(30) == before
         got = run(call(c, lambda mc: mc.list_kv_pools())).pools
         assert list(got) == list(want)
+
+
+def test_leader_plan_keeps_a_group_whose_members_cannot_be_replaced() -> None:
+    """Six nodes, a width-6 pool (ec:4+2), one node down: no target can take
+    the down member's place. The first release's rule (which apply replays)
+    drops every group: the pool serves nothing while the node is down. The
+    leader's planner keeps the groups as they are, down member and all (the
+    client reads around it, puts skip it), and plans no op for them."""
+    from tierfs.meta.kvplan import KVPlanInput, plan_kv
+
+    eligible = {t: t for t in range(1, 7)}
+    g = replan_groups([], eligible, 6)
+    assert len(g) == 6
+    less = {t: n for t, n in eligible.items() if t != 3}
+    assert replan_groups(g, less, 6) == []
+    assert replan_groups(g, less, 6, keep_down=True) == g
+    assert plan_kv(KVPlanInput(5, less, {1: (6, g)})) == []
+    # a seventh node: the down member is replaced in place, nothing else moves
+    more = {**less, 7: 7}
+    new = replan_groups(g, more, 6, keep_down=True)
+    assert [[7 if t == 3 else t for t in grp] for grp in g][:len(new)] == new[:len(g)]
+    assert all(3 not in grp for grp in new)

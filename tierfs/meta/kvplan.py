@@ -84,7 +84,7 @@ def plan_kv(inp: KVPlanInput, *, max_changes: int = MAX_KV_GROUP_CHANGES,
 
     for pid in sorted(inp.pools):
         width, cur = inp.pools[pid]
-        new = replan_groups(cur, inp.eligible, width)
+        new = replan_groups(cur, inp.eligible, width, keep_down=True)
         diffs = [(i, g) for i, g in enumerate(new) if i >= len(cur) or g != cur[i]]
         if not diffs and len(new) == len(cur):
             continue

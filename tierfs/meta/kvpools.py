@@ -70,7 +70,8 @@ class KVPoolRecord(Tracked):
         return out
 
 
-def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int) -> list[list[int]]:
+def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int, *,
+                  keep_down: bool = False) -> list[list[int]]:
     """The groups a pool should have over ``eligible`` (target -> node).
 
     One group per eligible target, as for files. A member no longer eligible
@@ -79,10 +80,22 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
     end. Keeping positions stable keeps most keys on the targets that hold
     them (a client hashing keys over the group list in order, with a
     consistent hash such as jump hash, moves only the keys of changed or
-    added groups). Fewer distinct nodes than ``width``: no groups at all.
+    added groups).
+
+    A group some member of which cannot be replaced (no eligible target on a
+    node the group does not use) is dropped, and with fewer distinct nodes
+    than ``width`` there are no groups at all: the rule of the first
+    release, kept as the default because apply replays the ops of that
+    release with it. The leader's planner passes ``keep_down``: such a group
+    stays as it was, down members and all (the client reads around a target
+    the map calls down and writes skip it, as for file groups), so that an
+    ``ec:4+2`` pool on six nodes keeps serving with a node down instead of
+    losing every group. A group is changed only when all its down members
+    can be replaced, so every group an op carries has only eligible members
+    (what apply checks, in this release and the one before).
     """
     if distinct_nodes(eligible) < width:
-        return []
+        return [list(g) for g in current if len(g) == width] if keep_down else []
     usage: Counter[int] = Counter(t for g in current for t in g if t in eligible)
     # Eligible targets by (usage, id): a replacement takes the first that
     # fits, the least used as before, without a sort of every target per
@@ -123,6 +136,14 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
             heapq.heappush(heap, (usage[new], new))
         if ok:
             kept.append(members)
+        elif keep_down and len(g) == width:
+            # Unchanged, down members and all; give back what it took.
+            for t in members:
+                if t not in g:
+                    usage[t] -= 1
+                    assert heap is not None
+                    heapq.heappush(heap, (usage[t], t))
+            kept.append(list(g))
     want = len(eligible)
     if len(kept) > want:
         return kept[:want]
