@@ -1,0 +1,337 @@
+"""The model-based checker of the KV store: seeded random walks of puts,
+overwrites, deletes and gets on KV pools of every redundancy, against a
+real cluster, with storage daemons killed, restarted, stopped (SIGSTOP: a
+gray failure), resumed, and their object files corrupted on disk.
+
+The KV store is a cache: any get may miss. What it must never do is
+return wrong bytes. The model holds, for each key, the *contents* it may
+serve (content ``c`` of a key is a deterministic byte string; most contents
+of one key have the same length, so that a length cannot tell two of them
+apart):
+
+* a put without ``overwrite`` always writes the key's current content (keys
+  are content-addressed in real use: a key means one value);
+* an overwrite writes the next content.
+
+A get may return any content ever put for the key: an earlier one too
+(stale), since an overwrite is not ordered against map changes (docs/kv.md:
+a copy skipped while down, or a key remapped while a node was out and back,
+serves the previous value whole). The walk counts those (``stale``). It
+must never return bytes that match no content: two contents' fragments
+decoded together, a corrupted object, another key's value.
+
+A get that returns bytes matching no content of the key stops the walk, with
+the seed and the op log (replay it with :meth:`KVChecker.run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.checker.walk import CheckerCluster, CheckFailed
+from tierfs.client import Client
+from tierfs.errors import TierFSError
+from tierfs.meta import MetaClient
+
+__all__ = ["POOLS", "KVChecker", "kv_random_ops", "setup_pools"]
+
+Op = tuple[Any, ...]
+KiB = 1024
+
+#: name -> (redundancy, per-target memory budget, per-target disk budget).
+#: Small budgets: the walk also runs into eviction.
+POOLS: dict[str, tuple[str, int, int]] = {
+    "kr1": ("replica:1", 256 * KiB, 2048 * KiB),
+    "kr2": ("replica:2", 256 * KiB, 2048 * KiB),
+    "kec": ("ec:4+2", 256 * KiB, 2048 * KiB),
+    "kec21": ("ec:2+1", 0, 2048 * KiB),
+}
+KEYS = 12  # per pool
+
+
+def setup_pools(env: CheckerCluster) -> None:
+    """Define the checker's pools (once per cluster) and wait until every
+    storage daemon serves them."""
+    from tests.kv.pools import pool_served
+
+    async def define() -> None:
+        async with MetaClient(env.meta, deadline=30) as mc:
+            have = {p.name for p in (await mc.list_kv_pools()).pools}
+            for name, (red, mem, disk) in POOLS.items():
+                if name not in have:
+                    await mc.create_kv_pool(name, redundancy=red, target_memory=mem, target_disk=disk)
+    import asyncio
+
+    asyncio.run(define())
+    for name in POOLS:
+        pool_served(env.meta, name, timeout=60)
+
+
+def key_size(pool: str, key: int) -> int:
+    base = (3 * KiB, 20 * KiB, 70 * KiB, 150 * KiB)[key % 4]
+    return base if pool != "kr1" or key % 4 < 3 else 40 * KiB
+
+
+def content(pool: str, key: int, c: int) -> bytes:
+    """Content ``c`` of ``key``: a quarter of the contents have another
+    length, the rest the key's own."""
+    n = key_size(pool, key) + (1000 * (c % 3 + 1) if c % 4 == 3 else 0)
+    seed = (hash_str(pool) * 1_000_003 + key) * 1009 + c
+    return bytes(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+def hash_str(s: str) -> int:
+    return sum((i + 1) * b for i, b in enumerate(s.encode()))
+
+
+
+
+@dataclass
+class KVChecker:
+    env: CheckerCluster
+    client: Client
+    seed: int | None = None
+    log: list[Op] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    log_dir: Path | None = None
+    current: dict[tuple[str, int], int] = field(default_factory=dict)  # the content a put writes
+    allowed: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # current since the last acknowledged overwrite
+    ever: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    old_clients: list[Client] = field(default_factory=list)
+
+    def kname(self, key: int) -> str:
+        """A walk's own keys: walks on one cluster never see each other's."""
+        return f"kv-walk-{self.seed}-{key}"
+
+    # ---- running ------------------------------------------------------------------
+
+    def run(self, ops: Iterator[Op] | Sequence[Op]) -> None:
+        try:
+            for op in ops:
+                self.log.append(op)
+                self.counts[op[0]] = self.counts.get(op[0], 0) + 1
+                getattr(self, "op_" + op[0])(*op[1:])
+                if self.violations:
+                    break
+            if not self.violations:
+                self.finish()
+        except CheckFailed:
+            raise
+        except Exception as exc:
+            tb = "".join(traceback.format_exception(exc, limit=-6))
+            self.violation("unexpected-error", f"the checker itself failed: {type(exc).__name__}: {exc}\n{tb}")
+        finally:
+            for c in self.old_clients:
+                with contextlib.suppress(Exception):
+                    c.close()
+        if self.violations:
+            raise CheckFailed(self.report())
+
+    def violation(self, kind: str, msg: str) -> None:
+        self.violations.append(f"[{kind}] step {len(self.log)} {self.log[-1] if self.log else ''}: {msg}")
+        self.counts["violation:" + kind] = self.counts.get("violation:" + kind, 0) + 1
+
+    def report(self) -> str:
+        path = ""
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            f = self.log_dir / f"kv-walk-{self.seed}.json"
+            f.write_text(json.dumps({"seed": self.seed, "ops": self.log, "violations": self.violations}))
+            path = f" (op log: {f})"
+        return (f"KV checker, seed {self.seed}, {len(self.log)} steps{path}:\n  " + "\n  ".join(self.violations)
+                + f"\ncounts: {self.counts}")
+
+    # ---- the model ------------------------------------------------------------------
+
+    def _attempt(self, pk: tuple[str, int], c: int) -> None:
+        self.allowed.setdefault(pk, set()).add(c)
+        self.ever.setdefault(pk, set()).add(c)
+
+    def _judge(self, pool: str, key: int, got: bytes | None, how: str) -> None:
+        if got is None:
+            self.counts["miss"] = self.counts.get("miss", 0) + 1
+            return
+        self.counts["hit"] = self.counts.get("hit", 0) + 1
+        pk = (pool, key)
+        if any(got == content(pool, key, c) for c in self.allowed.get(pk, set())):
+            return
+        old = [c for c in self.ever.get(pk, set()) if got == content(pool, key, c)]
+        if old:
+            self.counts["stale"] = self.counts.get("stale", 0) + 1
+            return
+        ok = sorted(self.ever.get(pk, set()))
+        self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
+                       f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
+                       f"{_describe(got, pool, key, set(ok))})")
+
+    # ---- operations ------------------------------------------------------------------
+
+    def op_put(self, pool: str, key: int) -> None:
+        pk = (pool, key)
+        c = self.current.setdefault(pk, 0)
+        self._attempt(pk, c)
+        with contextlib.suppress(TierFSError):
+            self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c))
+
+    def op_overwrite(self, pool: str, key: int) -> None:
+        pk = (pool, key)
+        c = self.current[pk] = self.current.get(pk, -1) + 1
+        self._attempt(pk, c)
+        try:
+            self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c), overwrite=True)
+        except TierFSError:
+            self.counts["put-failed"] = self.counts.get("put-failed", 0) + 1
+            return
+        self.allowed[pk] = {c}
+
+    def op_batch_put(self, pool: str, keys: list[int]) -> None:
+        for k in keys:
+            self._attempt((pool, k), self.current.setdefault((pool, k), 0))
+        with contextlib.suppress(TierFSError):
+            self.client.kv_pool(pool).batch_put([self.kname(k) for k in keys],
+                                                [content(pool, k, self.current[(pool, k)]) for k in keys])
+
+    def op_delete(self, pool: str, key: int) -> None:
+        # The allowed contents stay: a delete that missed a holder leaves
+        # what it held (a cache may serve it; it is still a value put).
+        with contextlib.suppress(TierFSError):
+            self.client.kv_pool(pool).delete(self.kname(key))
+
+    def op_get(self, pool: str, key: int) -> None:
+        try:
+            got = self.client.kv_pool(pool).get(self.kname(key))
+        except TierFSError as exc:
+            self.violation("api", f"get raised {type(exc).__name__}: {exc} (a cache misses, it does not fail)")
+            return
+        self._judge(pool, key, got, "get")
+
+    def op_get_into(self, pool: str, key: int) -> None:
+        buf = bytearray(key_size(pool, key) + 4 * KiB)
+        try:
+            n = self.client.kv_pool(pool).get_into(self.kname(key), buf)
+        except TierFSError as exc:
+            self.violation("api", f"get_into raised {type(exc).__name__}: {exc}")
+            return
+        self._judge(pool, key, None if n is None else bytes(buf[:n]), "get_into")
+
+    def op_batch_get(self, pool: str, keys: list[int]) -> None:
+        bufs = [bytearray(key_size(pool, k) + 4 * KiB) for k in keys]
+        try:
+            got = self.client.kv_pool(pool).batch_get_into([self.kname(k) for k in keys], bufs)
+        except TierFSError as exc:
+            self.violation("api", f"batch_get_into raised {type(exc).__name__}: {exc}")
+            return
+        for k, n, b in zip(keys, got, bufs, strict=True):
+            self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into")
+
+    def op_kill(self, node: str) -> None:
+        self.env.kill(node)
+
+    def op_restart(self, node: str) -> None:
+        self.env.restart(node)
+
+    def op_stop(self, node: str) -> None:
+        self.env.stop(node)
+
+    def op_cont(self, node: str) -> None:
+        self.env.cont(node)
+
+    def op_corrupt(self, node: str, pick: int) -> None:
+        """Flip a payload byte of one KV object file of ``node`` (the daemon
+        must find it by its CRC: a miss or another copy, never the bytes)."""
+        files = sorted(p for p in (self.env.cl.dir / node).rglob("kv/*/*/*")
+                       if p.is_file() and p.parent.name != "tmp" and p.stat().st_size > 4096)
+        if not files:
+            return
+        f = files[pick % len(files)]
+        with contextlib.suppress(FileNotFoundError), open(f, "r+b") as fh:
+            size = f.stat().st_size
+            at = 4096 + (pick * 7919) % max(1, size - 4096)
+            fh.seek(at)
+            b = fh.read(1)
+            if b:
+                fh.seek(at)
+                fh.write(bytes([b[0] ^ 0x5A]))
+
+    def op_fresh_client(self) -> None:
+        self.old_clients.append(self.client)
+        self.client = self.env.client()
+
+    def finish(self) -> None:
+        """Heal, then every key of every pool read back (each may miss)."""
+        self.env.heal()
+        for pool in POOLS:
+            for key in range(KEYS):
+                self.log.append(("get", pool, key))
+                self.op_get(pool, key)
+
+
+def _describe(got: bytes, pool: str, key: int, ok: set[int]) -> str:
+    for c in sorted(ok):
+        want = content(pool, key, c)
+        if len(want) == len(got):
+            diff = sum(1 for a, b in zip(got, want, strict=True) if a != b)
+            first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            return f"against content {c}: {diff} bytes differ, the first at {first}"
+    return "no allowed content has that length"
+
+
+def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: int = 2) -> Iterator[Op]:
+    """``steps`` operations drawn from ``rng``, looking at what is down."""
+    nodes = ck.env.storage()
+    pools = list(POOLS)
+    for _ in range(steps):
+        down = dict(ck.env.down)
+        pool, key = rng.choice(pools), rng.randrange(KEYS)
+        r = rng.random()
+        if r < 0.22:
+            yield ("put", pool, key)
+        elif r < 0.34:
+            yield ("overwrite", pool, key)
+        elif r < 0.40:
+            yield ("batch_put", pool, sorted(rng.sample(range(KEYS), 4)))
+        elif r < 0.44:
+            yield ("delete", pool, key)
+        elif r < 0.60:
+            yield ("get", pool, key)
+        elif r < 0.70:
+            yield ("get_into", pool, key)
+        elif r < 0.78:
+            yield ("batch_get", pool, sorted(rng.sample(range(KEYS), 5)))
+        elif r < 0.83:
+            yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
+        elif r < 0.85:
+            yield ("fresh_client",)
+        elif down and (r < 0.93 or len(down) >= max_down):
+            node = rng.choice(sorted(down))
+            yield ("restart", node) if down[node] == "killed" else ("cont", node)
+        elif len(down) < max_down:
+            node = rng.choice([n for n in nodes if n not in down])
+            yield ("kill", node) if rng.random() < 0.7 else ("stop", node)
+        else:
+            yield ("get", pool, key)
+
+
+def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = None) -> KVChecker:
+    env.heal()
+    client = env.client()
+    ck = KVChecker(env, client, seed=seed, log_dir=log_dir)
+    t0 = time.monotonic()
+    try:
+        ck.run(kv_random_ops(ck, random.Random(seed), steps))
+    finally:
+        ck.counts["seconds"] = int(time.monotonic() - t0)
+        with contextlib.suppress(Exception):
+            ck.client.close()
+    return ck

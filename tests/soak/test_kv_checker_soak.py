@@ -1,0 +1,52 @@
+"""The KV checker (tests/checker/kv_walk.py) for longer: seeded walks one
+after another on one real cluster (1 meta, 6 storage daemons), until
+``TIERFS_KV_CHECKER_SECONDS`` have passed or the seeds in
+``TIERFS_KV_CHECKER_SEEDS`` (comma-separated) are done, each of
+``TIERFS_KV_CHECKER_STEPS`` operations (default 200). ``make soak`` runs it
+for 300 s; ``make test`` runs the bounded walks of
+tests/checker/test_kv_checker.py. A failing walk's op log is saved under the
+test's tmp dir."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.checker.kv_walk import run_walk, setup_pools
+from tests.checker.walk import CheckerCluster, CheckFailed
+
+SECONDS = float(os.environ.get("TIERFS_KV_CHECKER_SECONDS", "0"))
+SEEDS = [int(s) for s in os.environ.get("TIERFS_KV_CHECKER_SEEDS", "").split(",") if s.strip()]
+STEPS = int(os.environ.get("TIERFS_KV_CHECKER_STEPS", "200"))
+
+
+@pytest.mark.skipif(not SECONDS and not SEEDS,
+                    reason="set TIERFS_KV_CHECKER_SECONDS or TIERFS_KV_CHECKER_SEEDS (make soak sets the first)")
+@pytest.mark.timeout(SECONDS + 600 * max(1, len(SEEDS)) + 300)
+def test_kv_checker_soak(tmp_path: Path) -> None:
+    env = CheckerCluster(tmp_path / "cluster", n_storage=6)
+    failures: list[str] = []
+    walks: list[str] = []
+    try:
+        setup_pools(env)
+        end = time.monotonic() + SECONDS
+        seeds = iter(SEEDS) if SEEDS else iter(range(1000, 1_000_000))
+        for seed in seeds:
+            if not SEEDS and time.monotonic() >= end:
+                break
+            try:
+                ck = run_walk(env, seed, STEPS, tmp_path / "logs")
+                walks.append(f"seed {seed}: {ck.counts.get('seconds')}s, {len(ck.log)} steps, "
+                             f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
+                             f"{ck.counts.get('miss', 0)} misses")
+            except CheckFailed as exc:
+                failures.append(str(exc))
+                walks.append(f"seed {seed}: FAILED")
+    finally:
+        env.close()
+    print("\nKV checker soak:\n  " + "\n  ".join(walks))
+    assert walks, "no walk ran"
+    assert not failures, f"{len(failures)} of {len(walks)} walks failed:\n\n" + "\n\n".join(failures)
