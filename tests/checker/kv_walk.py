@@ -20,6 +20,9 @@ serves the previous value whole). The walk counts those (``stale``). It
 must never return bytes that match no content: two contents' fragments
 decoded together, a corrupted object, another key's value.
 
+A second client's gets race the walk's puts and overwrites all along
+(:meth:`KVChecker.reader`), judged the same way.
+
 A get that returns bytes matching no content of the key stops the walk, with
 the seed and the op log (replay it with :meth:`KVChecker.run`).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -164,16 +168,36 @@ class KVChecker:
             return
         self.counts["hit"] = self.counts.get("hit", 0) + 1
         pk = (pool, key)
-        if any(got == content(pool, key, c) for c in self.allowed.get(pk, set())):
+        # Copies (a racing reader judges while the walk adds contents; a
+        # content is added before its put is sent, so one a get returned is
+        # in the copy taken after it).
+        if any(got == content(pool, key, c) for c in list(self.allowed.get(pk, ()))):
             return
-        old = [c for c in self.ever.get(pk, set()) if got == content(pool, key, c)]
-        if old:
+        ok = sorted(list(self.ever.get(pk, ())))
+        if any(got == content(pool, key, c) for c in ok):
             self.counts["stale"] = self.counts.get("stale", 0) + 1
             return
-        ok = sorted(self.ever.get(pk, set()))
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
                        f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
                        f"{_describe(got, pool, key, set(ok))})")
+
+    def reader(self, stop: threading.Event, seed: int) -> None:
+        """Gets racing the walk's puts and overwrites, from a client of its
+        own, until ``stop``: an overwrite racing a get must give the get one
+        content or a miss. Errors are not judged here (the walk's own gets
+        judge them); bytes are."""
+        rng = random.Random(seed)
+        pools = list(POOLS)
+        with self.env.client() as client:
+            while not stop.is_set():
+                pool, key = rng.choice(pools), rng.randrange(KEYS)
+                try:
+                    got = client.kv_pool(pool).get(self.kname(key))
+                except TierFSError:
+                    continue
+                self.counts["raced"] = self.counts.get("raced", 0) + 1
+                if got is not None:
+                    self._judge(pool, key, got, "racing get")
 
     # ---- operations ------------------------------------------------------------------
 
@@ -328,10 +352,17 @@ def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = 
     client = env.client()
     ck = KVChecker(env, client, seed=seed, log_dir=log_dir)
     t0 = time.monotonic()
+    stop = threading.Event()
+    racing = threading.Thread(target=ck.reader, args=(stop, seed), name="kv-walk-reader", daemon=True)
+    racing.start()
     try:
         ck.run(kv_random_ops(ck, random.Random(seed), steps))
     finally:
+        stop.set()
+        racing.join(60)
         ck.counts["seconds"] = int(time.monotonic() - t0)
         with contextlib.suppress(Exception):
             ck.client.close()
+    if ck.violations:  # the racing reader's, after the walk's last check
+        raise CheckFailed(ck.report())
     return ck
