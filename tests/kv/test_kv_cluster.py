@@ -528,3 +528,27 @@ def test_ec_fragments_of_the_first_format_are_still_read(cl: LocalCluster, clien
                                    flags=KV_OVERWRITE)
             assert await kv.get(key) == other  # fragments 0 and 2: the old one is left out
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("write_back", [False, True])
+def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, client: Client, tmp_path: Path,
+                                                           write_back: bool) -> None:
+    """A client with its own DRAM and SSD tiers overwrites a key it holds
+    locally: its next gets (every form) return the new value, not the one
+    its local tiers kept. Another client's first get sees it too."""
+    key = f"local-ow-{write_back}"
+    old, new = payload(key, 40 * KiB), bytes(reversed(payload(key, 40 * KiB)))
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB, kv_ssd_bytes=8 * MiB, kv_ssd_path=str(tmp_path / "ssd"),
+                kv_write_back=write_back) as c:
+        kv = c.kv
+        kv.put(key, old)
+        kv.flush()
+        assert kv.get(key) == old
+        assert kv.put(key, new, overwrite=True)
+        kv.flush()
+        assert kv.get(key) == new
+        buf = bytearray(40 * KiB)
+        assert kv.get_into(key, buf) == 40 * KiB and bytes(buf) == new
+        bufs = [bytearray(40 * KiB)]
+        assert kv.batch_get_into([key], bufs) == [40 * KiB] and bytes(bufs[0]) == new
+    assert client.kv.get(key) == new

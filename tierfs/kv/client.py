@@ -163,6 +163,11 @@ class AsyncKV:
         if self._local is not None:
             parent: bytes | None = None
             for k, v in zip(ks, views, strict=True):
+                if overwrite:
+                    # A local tier's put keeps what it holds (content
+                    # addressing): the old value would go on being served
+                    # here, to the client that overwrote it.
+                    await self._local.stack.delete(self._lk(k))
                 await self._local.stack.put(self._lk(k), v, parent=parent)
                 parent = self._lk(k)
         if self._write_back and not overwrite and not ttl_ms and not pin_kind:
