@@ -288,9 +288,19 @@ class KVChecker:
                 fh.seek(at)
                 fh.write(bytes([b[0] ^ 0x5A]))
 
-    def op_fresh_client(self) -> None:
+    def op_fresh_client(self, local: bool = False) -> None:
+        """A new client for the walk's next operations; with ``local``, one
+        with its own small DRAM and SSD tiers (so that objects are demoted,
+        evicted and promoted through them) and write-back half the time."""
         self.old_clients.append(self.client)
-        self.client = self.env.client()
+        if not local:
+            self.client = self.env.client()
+            return
+        n = len(self.old_clients)
+        ssd = self.env.cl.dir / f"kv-walk-ssd-{self.seed}-{n}"
+        self.client = Client(self.env.meta, request_timeout=2.0, connect_timeout=1.0, retries=2,
+                             meta_deadline=30.0, kv_dram_bytes=512 * KiB, kv_ssd_bytes=1024 * KiB,
+                             kv_ssd_path=str(ssd), kv_write_back=n % 2 == 0)
 
     def finish(self) -> None:
         """Heal, then every key of every pool read back (each may miss)."""
@@ -336,7 +346,7 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
         elif r < 0.83:
             yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
         elif r < 0.85:
-            yield ("fresh_client",)
+            yield ("fresh_client", rng.random() < 0.6)
         elif down and (r < 0.93 or len(down) >= max_down):
             node = rng.choice(sorted(down))
             yield ("restart", node) if down[node] == "killed" else ("cont", node)
