@@ -1,7 +1,8 @@
 """The model-based checker of the KV store: seeded random walks of puts,
 overwrites, deletes and gets on KV pools of every redundancy, against a
 real cluster, with storage daemons killed, restarted, stopped (SIGSTOP: a
-gray failure), resumed, and their object files corrupted on disk.
+gray failure), resumed, and their object files corrupted on disk, and the
+cluster grown by a daemon now and then (the pools re-plan: keys move).
 
 The KV store is a cache: any get may miss. What it must never do is
 return wrong bytes. The model holds, for each key, the *contents* it may
@@ -288,6 +289,14 @@ class KVChecker:
                 fh.seek(at)
                 fh.write(bytes([b[0] ^ 0x5A]))
 
+    def op_grow(self) -> None:
+        """One more storage daemon (``tierfs up --storage N+1``): the pools
+        re-plan onto it, and keys move to other groups (a target may then
+        hold a key's fragment for another position)."""
+        names = self.env.cl.grow(len(self.env.storage()) + 1)
+        self.env.cl.start(names=names, timeout=60)
+        self.env.wait_online(names)
+
     def op_fresh_client(self, local: bool = False) -> None:
         """A new client for the walk's next operations; with ``local``, one
         with its own small DRAM and SSD tiers (so that objects are demoted,
@@ -321,11 +330,12 @@ def _describe(got: bytes, pool: str, key: int, ok: set[int]) -> str:
     return "no allowed content has that length"
 
 
-def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: int = 2) -> Iterator[Op]:
+def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: int = 2,
+                  max_storage: int = 8) -> Iterator[Op]:
     """``steps`` operations drawn from ``rng``, looking at what is down."""
-    nodes = ck.env.storage()
     pools = list(POOLS)
     for _ in range(steps):
+        nodes = ck.env.storage()
         down = dict(ck.env.down)
         pool, key = rng.choice(pools), rng.randrange(KEYS)
         r = rng.random()
@@ -347,6 +357,8 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
         elif r < 0.85:
             yield ("fresh_client", rng.random() < 0.6)
+        elif r < 0.86 and len(nodes) < max_storage:
+            yield ("grow",)
         elif down and (r < 0.93 or len(down) >= max_down):
             node = rng.choice(sorted(down))
             yield ("restart", node) if down[node] == "killed" else ("cont", node)
