@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.checker.walk import CheckerCluster, CheckFailed
+from tests.checker.walk import CheckerCluster, CheckFailed, ProcessFaults
 from tierfs.client import Client
 from tierfs.errors import TierFSError
 from tierfs.meta import MetaClient
@@ -102,7 +102,7 @@ def hash_str(s: str) -> int:
 
 
 @dataclass
-class KVChecker:
+class KVChecker(ProcessFaults):
     env: CheckerCluster
     client: Client
     seed: int | None = None
@@ -259,18 +259,6 @@ class KVChecker:
             return
         for k, n, b in zip(keys, got, bufs, strict=True):
             self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into")
-
-    def op_kill(self, node: str) -> None:
-        self.env.kill(node)
-
-    def op_restart(self, node: str) -> None:
-        self.env.restart(node)
-
-    def op_stop(self, node: str) -> None:
-        self.env.stop(node)
-
-    def op_cont(self, node: str) -> None:
-        self.env.cont(node)
 
     def op_corrupt(self, node: str, pick: int) -> None:
         """Flip a payload byte of one KV object file of ``node`` (the daemon

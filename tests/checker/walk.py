@@ -67,7 +67,7 @@ from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "data_of", "random_ops"]
+__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "random_ops"]
 
 Op = tuple[Any, ...]
 KiB = 1024
@@ -203,8 +203,27 @@ class CheckerCluster:
         self.cl.stop()
 
 
+class ProcessFaults:
+    """The process faults both checkers draw (this one and the KV checker,
+    tests/checker/kv_walk.py), on their ``env``."""
+
+    env: CheckerCluster
+
+    def op_kill(self, node: str) -> None:
+        self.env.kill(node)
+
+    def op_stop(self, node: str) -> None:
+        self.env.stop(node)
+
+    def op_cont(self, node: str) -> None:
+        self.env.cont(node)
+
+    def op_restart(self, node: str) -> None:
+        self.env.restart(node)
+
+
 @dataclass
-class Checker:
+class Checker(ProcessFaults):
     env: CheckerCluster
     client: Client
     root: str  # the directory the checker's files live in
@@ -626,19 +645,7 @@ class Checker:
             self.violation("api", f"{hid}: closed at size {real.size}, the model says {[len(c) for c in h.cands]}")
         f.commit(h.cands)
 
-    # ---- faults ---------------------------------------------------------------------------
-
-    def op_kill(self, node: str) -> None:
-        self.env.kill(node)
-
-    def op_stop(self, node: str) -> None:
-        self.env.stop(node)
-
-    def op_cont(self, node: str) -> None:
-        self.env.cont(node)
-
-    def op_restart(self, node: str) -> None:
-        self.env.restart(node)
+    # ---- faults (kill, stop, cont, restart: ProcessFaults) -------------------------------
 
     def op_settle(self) -> None:
         self.env.heal()
