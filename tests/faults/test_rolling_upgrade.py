@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "b8ef3eb971043d82cc9feb8a8c526e5edd6ceec5"
+PREVIOUS = "1e2954b6594269a348a29d3339f2cd64884a1d1b"
 
 REPO = Path(__file__).resolve().parents[2]
 
