@@ -124,8 +124,10 @@ bench-training: $(ENGINES_STAMP)
 
 # The randomized fault soak for 10 minutes (make test runs it for 30 s), then
 # the model-based checker's random walks for 10 minutes (make test runs a
-# fixed set of seeds: tests/checker), and the KV checker's walks for 5
-# minutes (tests/checker/kv_walk.py; TIERFS_KV_CHECKER_SEEDS for given seeds).
+# fixed set of seeds: tests/checker), the KV checker's walks for 5
+# minutes (tests/checker/kv_walk.py; TIERFS_KV_CHECKER_SEEDS for given seeds),
+# and the metadata checker's for 5 minutes (tests/checker/meta_walk.py;
+# TIERFS_META_CHECKER_SEEDS).
 # TIERFS_CHECKER_SEEDS=1,2,3 runs those seeds instead; TIERFS_CHECKER_STEPS
 # sets the length of each walk. Then the
 # tests marked slow: the namespace grown to 200k entries through snapshots,
@@ -134,6 +136,7 @@ soak: install
 	TIERFS_SOAK_SECONDS=$${TIERFS_SOAK_SECONDS:-600} \
 	TIERFS_CHECKER_SECONDS=$${TIERFS_CHECKER_SECONDS:-600} \
 	TIERFS_KV_CHECKER_SECONDS=$${TIERFS_KV_CHECKER_SECONDS:-300} \
+	TIERFS_META_CHECKER_SECONDS=$${TIERFS_META_CHECKER_SECONDS:-300} \
 	$(BIN)/python -m pytest tests/soak -q -s
 	$(BIN)/python -m pytest -m slow -q -s tests/meta tests/integrations
 

@@ -1,0 +1,63 @@
+"""The metadata checker (tests/checker/meta_walk.py), bounded: seeded walks
+of namespace operations on three real meta replicas, with replicas killed,
+stopped, restarted, the leader killed with operations in flight, all of them
+crashed at once, and snapshots forced. Longer runs: ``make soak``
+(tests/soak/test_meta_checker_soak.py, ``TIERFS_META_CHECKER_SEEDS``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.checker.meta_walk import MetaChecker, meta_walk_cluster, run_meta_walk
+from tests.checker.walk import CheckFailed
+from tests.cluster import MetaCluster, meta_cluster_from_env
+from tierfs.meta import MetaClient
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaCluster]:
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with meta_walk_cluster(tmp_path_factory.mktemp("meta-walk") / "meta") as c:
+        yield c
+
+
+def test_meta_walks_lose_nothing_acknowledged(cluster: MetaCluster, tmp_path: Path) -> None:
+    for seed in (3, 4):
+        ck = run_meta_walk(cluster, seed, 150, tmp_path / "logs")
+        print(f"seed {seed}: {dict(sorted(ck.counts.items()))}")
+        # Not a walk that only failed: acknowledged mutations and faults are what is checked.
+        assert ck.counts.get("acked", 0) > 40, ck.counts
+        assert ck.counts.get("kill", 0) + ck.counts.get("stop", 0) + ck.counts.get("storm", 0) > 3, ck.counts
+
+
+@pytest.mark.parametrize("change", ["unlink", "chmod", "rename"])
+def test_the_checker_sees_a_change_behind_its_back(cluster: MetaCluster, change: str) -> None:
+    """The checker can fail: a change it did not make (what a lost or
+    reordered mutation looks like) is reported at the next check."""
+    root = f"/meta-walk-behind-{change}"
+    ck = MetaChecker(cluster, root)
+    setup = [("mkdir", "d0"), ("create", "d0/f0", 0o644), ("symlink", "f1", "somewhere"), ("check",)]
+    asyncio.run(ck.run(setup, finish=False))
+    assert ck.model["d0/f0"][0] == "file" and ck.model["d0/f0"][1] > 0  # inode learnt
+
+    async def behind() -> None:
+        async with MetaClient(cluster.addresses, deadline=20) as mc:
+            if change == "unlink":
+                await mc.unlink(f"{root}/d0/f0")
+            elif change == "chmod":
+                await mc.setattr(f"{root}/d0/f0", mode=0o600)
+            else:  # same name, another inode
+                await mc.unlink(f"{root}/d0/f0")
+                await mc.create(f"{root}/d0/f0", mode=0o644)
+
+    asyncio.run(behind())
+    with pytest.raises(CheckFailed) as err:
+        asyncio.run(ck.run([("check",)], finish=False))
+    assert ("[lost]" if change == "unlink" else "[wrong-state]") in str(err.value)
