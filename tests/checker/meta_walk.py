@@ -34,6 +34,9 @@ Operations (paths are relative to the walk's root; ``d*`` are directories,
 ``("rename", src, dst)``                    files and links over files and links, directories
                                             over empty directories, POSIX rules
 ``("truncate", p, size)``, ``("chmod", p, mode)``
+``("write", p, size)``                      open a write session and commit ``size`` bytes of chunk
+                                            records (meta never sees data: there are no storage
+                                            daemons); the records are checked at every ``stat``
 ``("burst", [op, ...])``                    independent file operations in flight at once (they
                                             travel in one Batch call)
 ``("storm", [op, ...], how, who, ms)``      a burst, and ``ms`` after it is sent replica ``who``
@@ -63,6 +66,7 @@ from typing import Any
 
 from tests.checker.walk import CheckFailed
 from tests.cluster import MetaCluster
+from tierfs.chunk import generation
 from tierfs.errors import (
     AlreadyExistsError,
     DirectoryNotEmptyError,
@@ -79,7 +83,8 @@ from tierfs.proto.v1 import meta_pb2 as pb
 __all__ = ["MetaChecker", "meta_random_ops", "meta_walk_cluster", "run_meta_walk"]
 
 Op = tuple[Any, ...]
-#: A path's state: ("dir", ino) | ("file", ino, size, mode) | ("link", ino, target); ino 0: not known yet.
+#: A path's state: ("dir", ino) | ("file", ino, size, mode, chunks) | ("link", ino, target); ino 0: not
+#: known yet; chunks: ((index, generation), ...) of the last commit, None: not known (after a truncate).
 State = tuple[Any, ...]
 
 DIRS = ("d0", "d1", "d2")
@@ -105,8 +110,10 @@ class Pending:
     states of its paths if it was not / was applied."""
 
     def __init__(self, op: Op, before: dict[str, State | None], after: dict[str, State | None],
-                 sent: float) -> None:
-        self.op, self.before, self.after, self.sent = op, before, after, sent
+                 sent: float, hold: bool = False) -> None:
+        """``hold``: resolved only by a settle (a write session that may be
+        open holds the file until its lease runs out)."""
+        self.op, self.before, self.after, self.sent, self.hold = op, before, after, sent, hold
 
     @property
     def paths(self) -> set[str]:
@@ -223,7 +230,7 @@ class MetaChecker:
                 return NotADirectoryError_, {}
             if p in m:
                 return AlreadyExistsError, {}
-            new: State = (("dir", 0) if kind == "mkdir" else ("file", 0, 0, op[2]) if kind == "create"
+            new: State = (("dir", 0) if kind == "mkdir" else ("file", 0, 0, op[2], ()) if kind == "create"
                           else ("link", 0, op[2]))
             return None, {p: new}
         st = m.get(p)
@@ -246,13 +253,15 @@ class MetaChecker:
                 return NotFoundError, {}
             if st[0] != "file":
                 return IsADirectoryError_ if st[0] == "dir" else InvalidArgumentError, {}
-            return None, {p: ("file", st[1], op[2], st[3])}
+            return None, {p: ("file", st[1], op[2], st[3], () if op[2] == 0 else None)}
+        if kind == "write":
+            return self.predict(("truncate", p, op[2]))
         if kind == "chmod":
             if st is None:
                 return NotFoundError, {}
             if st[0] != "file":
                 return InvalidArgumentError, {}  # the walk chmods only files (not predicted for others)
-            return None, {p: ("file", st[1], st[2], op[2])}
+            return None, {p: ("file", st[1], st[2], op[2], st[4])}
         if kind == "rename":
             dst = op[2]
             if st is None:
@@ -349,8 +358,55 @@ class MetaChecker:
             self.check_info(op[1], info, changes[op[1]])
         self.apply(changes)
 
+    async def op_write(self, path: str, size: int) -> None:
+        """A write session: open, then commit ``size`` bytes in whole chunks
+        (records only: meta does not see the data)."""
+        assert self.mc is not None
+        want, _ = self.predict(("truncate", path, size))  # the same rules: an existing file
+        st = self.model.get(path)
+        sent = time.monotonic()
+        try:
+            s = await self.mc.open_write(self.p(path), owner="meta-walk", lease_ms=3000)
+        except DEFINITE as exc:
+            if want is None:
+                self.violation("api", f"open_write refused ({type(exc).__name__}: {exc}); the model has it succeed")
+            self.count("refused")
+            self.count("refused:write")
+            return
+        except TierFSError as exc:
+            self.count(f"indeterminate:{type(exc).__name__}")
+            if want is None:
+                # A session may be open: the file is held until a settle.
+                self.pending.append(Pending(("write", path, size), {path: st}, {path: st}, sent, hold=True))
+            return
+        if want is not None or st is None:
+            self.violation("unexpected-success", f"open_write succeeded; the model expects {want}")
+            return
+        cs = int(s.file.layout.chunk_size)
+        n = -(-size // cs)
+        recs = [pb.ChunkRecord(index=i, generation=generation(s.data_version, 0), length=min(cs, size - i * cs))
+                for i in range(n)]
+        new: State = ("file", st[1], size, st[3], tuple((i, generation(s.data_version, 0)) for i in range(n)))
+        try:
+            info = await self.mc.commit_write(s.session_id, size, recs)
+        except DEFINITE as exc:
+            self.violation("api", f"commit_write of a session just opened refused ({type(exc).__name__}: {exc}) "
+                           f"(a retry answered as if the first attempt were another caller's?)")
+            return
+        except TierFSError as exc:
+            self.count(f"indeterminate:{type(exc).__name__}")
+            self.pending.append(Pending(("write", path, size), {path: st}, {path: new}, sent, hold=True))
+            return
+        self.count("acked")
+        self.check_info(path, info, new)
+        self.apply({path: new})
+
+    async def one(self, op: Sequence[Any]) -> None:
+        """One operation of a burst."""
+        await (self.op_write(op[1], op[2]) if op[0] == "write" else self.mutate(tuple(op)))
+
     async def op_burst(self, ops: Sequence[Op]) -> None:
-        await asyncio.gather(*(self.mutate(tuple(o)) for o in ops))
+        await asyncio.gather(*(self.one(o) for o in ops))
 
     async def op_storm(self, ops: Sequence[Op], how: str, who: int | str, delay_ms: int) -> None:
         """A burst with a replica killed or stopped ``delay_ms`` after it is
@@ -368,7 +424,7 @@ class MetaChecker:
             await asyncio.sleep(delay_ms / 1000)
             await (self.op_kill if how == "kill" else self.op_stop)(int(who))
 
-        await asyncio.gather(fault(), *(self.mutate(tuple(o)) for o in ops))
+        await asyncio.gather(fault(), *(self.one(o) for o in ops))
 
     # ---- observations ----------------------------------------------------------------
 
@@ -378,21 +434,26 @@ class MetaChecker:
             self.violation("wrong-state", f"the reply says {path} is {got}; the model has {st}")
 
     @staticmethod
-    def state_of(info: pb.FileInfo) -> State:
+    def state_of(info: pb.FileInfo, chunks: bool = True) -> State:
         a = info.attr
         if a.type == pb.INODE_TYPE_DIRECTORY:
             return ("dir", int(a.inode))
         if a.type == pb.INODE_TYPE_SYMLINK:
             return ("link", int(a.inode), info.symlink_target)
-        return ("file", int(a.inode), int(a.size), int(a.mode) & 0o7777)
+        recs = tuple((int(c.index), int(c.generation)) for c in info.chunks) if chunks else None
+        return ("file", int(a.inode), int(a.size), int(a.mode) & 0o7777, recs)
 
     @staticmethod
     def same(got: State | None, want: State | None) -> bool:
+        """The states agree (an inode number or chunk list not known on
+        either side agrees with any)."""
         if got is None or want is None:
             return got is None and want is None
-        if got[0] != want[0] or got[2:] != want[2:]:
+        if got[0] != want[0] or (got[1] and want[1] and got[1] != want[1]):
             return False
-        return not (got[1] and want[1] and got[1] != want[1])
+        if got[0] == "file":
+            return got[2:4] == want[2:4] and (got[4] is None or want[4] is None or got[4] == want[4])
+        return bool(got[2:] == want[2:])
 
     async def observe(self, path: str) -> State | bool | None:
         """The path's state on the cluster (None: absent); False: no answer."""
@@ -412,12 +473,13 @@ class MetaChecker:
         the state a pending operation leaves either way."""
         for pd in self.pending:
             if path in pd.paths:
-                if self.same(got, pd.after.get(path, pd.before.get(path))):
+                if self.same(got, pd.after.get(path, pd.before.get(path))) and not pd.hold:
                     # Applied (it stays so: an operation applies once).
                     self.pending.remove(pd)
                     self.resolve(pd, applied=True)
                     return
-                if self.same(got, pd.before.get(path, self.model.get(path))):
+                if self.same(got, pd.before.get(path, self.model.get(path))) or (
+                        pd.hold and self.same(got, pd.after.get(path))):
                     return
                 self.violation("wrong-state", f"{path} is {got}; a pending {pd.op} leaves "
                                f"{pd.before.get(path)} or {pd.after.get(path)}")
@@ -463,7 +525,7 @@ class MetaChecker:
             q = prefix + name
             if name in entries:
                 e = entries[name]
-                got = self.state_of(pb.FileInfo(attr=e.attr))
+                got = self.state_of(pb.FileInfo(attr=e.attr), chunks=False)
                 if got[0] == "link":
                     # A listing carries no target: read it.
                     try:
@@ -636,6 +698,8 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
         if st is not None and st[0] != "file":
             return ("stat", p)  # truncate and chmod: files only (a link's or a directory's rules aside)
         if r < 0.85:
+            return ("write", p, rng.choice((0, 1, 70_000, 5 * 2**20 + 3, 20 * 2**20)))
+        if r < 0.93:
             return ("truncate", p, rng.choice((0, 1, 4096, 10**6, 3 * 10**9)))
         return ("chmod", p, rng.choice((0o644, 0o600, 0o755)))
 
@@ -701,7 +765,7 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
             if len(keep) < 2:
                 continue
             op = (op[0], keep, *op[2:])
-        elif op[0] in ("mkdir", "rmdir", "create", "symlink", "unlink", "rename", "truncate", "chmod") \
+        elif op[0] in ("mkdir", "rmdir", "create", "symlink", "unlink", "rename", "truncate", "chmod", "write") \
                 and ck.touches_busy(op):
             continue
         produced += 1
