@@ -107,10 +107,11 @@ class CheckerCluster:
     storage daemons, and the faults the checker injects (tracked, so that
     reads can be judged against what is really up)."""
 
-    def __init__(self, path: Path, n_storage: int = 7) -> None:
-        self.cl = LocalCluster(path, n_meta=1, n_storage=n_storage, extra_meta_args=list(META_ARGS),
+    def __init__(self, path: Path, n_storage: int = 7, n_meta: int = 1) -> None:
+        self.cl = LocalCluster(path, n_meta=n_meta, n_storage=n_storage, extra_meta_args=list(META_ARGS),
                                extra_storage_args=list(STORAGE_ARGS))
         self.down: dict[str, str] = {}  # storage-<i> -> "killed" | "stopped"
+        self.meta_down: set[str] = set()  # meta-<i> SIGKILLed (with n_meta 3)
         self.removed: set[int] = set()  # target ids removed with `target rm`
         self.cl.up(timeout=180)
 
@@ -145,7 +146,32 @@ class CheckerCluster:
         self.down.pop(name, None)
         self.wait_online([name])
 
+    def metas(self) -> list[str]:
+        return [p.name for p in self.cl.procs if p.kind == "meta"]
+
+    def meta_leader(self) -> str | None:
+        """The meta replica that says it leads."""
+        async def ask() -> str | None:
+            async with MetaClient(self.meta, deadline=10) as mc:
+                for p in self.cl.procs:
+                    if p.kind == "meta" and p.name not in self.meta_down:
+                        with contextlib.suppress(TierFSError):
+                            if (await mc.status(p.addr)).role == "leader":
+                                return p.name
+            return None
+        return asyncio.run(ask())
+
+    def meta_kill(self, name: str) -> None:
+        self.cl.kill(name)
+        self.meta_down.add(name)
+
+    def meta_restart(self, name: str) -> None:
+        self.cl.start(names=[name], timeout=60)
+        self.meta_down.discard(name)
+
     def heal(self) -> None:
+        for name in sorted(self.meta_down):
+            self.meta_restart(name)
         for name, how in sorted(self.down.items()):
             if how == "stopped":
                 self.cont(name)
@@ -208,6 +234,7 @@ class ProcessFaults:
     tests/checker/kv_walk.py), on their ``env``."""
 
     env: CheckerCluster
+    log: list[Op]
 
     def op_kill(self, node: str) -> None:
         self.env.kill(node)
@@ -220,6 +247,17 @@ class ProcessFaults:
 
     def op_restart(self, node: str) -> None:
         self.env.restart(node)
+
+    def op_meta_kill(self, name: str) -> None:
+        """SIGKILL meta replica ``name`` (or the leader: "leader", logged as
+        the replica it was); the walk's calls go on through the failover."""
+        if name == "leader":
+            name = self.env.meta_leader() or "meta-0"
+            self.log[-1] = ("meta_kill", name)
+        self.env.meta_kill(name)
+
+    def op_meta_restart(self, name: str) -> None:
+        self.env.meta_restart(name)
 
 
 @dataclass
@@ -845,7 +883,10 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
                n_files: int = 4, target_rm: bool = True) -> Iterator[Op]:
     """``steps`` operations drawn from ``rng``, each looking at the model
     (which handles are open, which files exist) and at the faults active.
-    At most ``max_down`` storage nodes are down or stopped at once."""
+    At most ``max_down`` storage nodes are down or stopped at once. With
+    three meta replicas, one of them (the leader, mostly) is SIGKILLed now
+    and then and restarted later: every call must go on through the
+    failover."""
     names = [f"f{i}" for i in range(n_files)]
     env = ck.env
     removed_once = False
@@ -862,9 +903,16 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
     def data() -> tuple[str, int, int]:
         return ("rand", rng.randrange(1 << 30), rng.choice(SIZES))
 
+    metas = env.metas()
     for _ in range(steps):
         handles = ck.model.handles
         up = [n for n in env.storage() if n not in env.down]
+        if len(metas) >= 3 and rng.random() < 0.05:
+            if env.meta_down:
+                yield ("meta_restart", sorted(env.meta_down)[0])
+            else:
+                yield ("meta_kill", "leader" if rng.random() < 0.7 else rng.choice(metas))
+            continue
         r = rng.random()
         if r < 0.04 and len(env.down) < max_down:
             yield ("kill", rng.choice(up))

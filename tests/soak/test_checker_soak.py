@@ -6,7 +6,9 @@ chunks), alternating ``ec:4+2`` and ``replica:3``, until
 ``TIERFS_CHECKER_STEPS`` operations (default 150) and ends with every file
 read back and scrubs until one finds nothing, whose verdict and the truth on
 disk must agree. The first walk removes a target (``tierfs target rm``) and
-waits for the rebuild. ``make soak`` runs it for 600 s; ``make test`` does
+waits for the rebuild. ``TIERFS_CHECKER_META=3`` runs three meta replicas
+and kills one (the leader, mostly) now and then during the walks; every
+call must go on through the failover. ``make soak`` runs it for 600 s; ``make test`` does
 not (the bounded walks in tests/checker/test_checker.py run there).
 
 Every failing walk's seed and op log are printed at the end (and saved
@@ -30,6 +32,8 @@ SECONDS = float(os.environ.get("TIERFS_CHECKER_SECONDS", "0"))
 SEEDS = [int(s) for s in os.environ.get("TIERFS_CHECKER_SEEDS", "").split(",") if s.strip()]
 STEPS = int(os.environ.get("TIERFS_CHECKER_STEPS", "150"))
 FIRST_SEED = int(os.environ.get("TIERFS_CHECKER_FIRST_SEED", "100"))
+#: 3: three meta replicas, and meta leaders SIGKILLed during the walks.
+META = int(os.environ.get("TIERFS_CHECKER_META", "1"))
 CS = 64 << 10
 LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
 
@@ -38,7 +42,7 @@ LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
                     reason="set TIERFS_CHECKER_SECONDS or TIERFS_CHECKER_SEEDS (make soak sets the first)")
 @pytest.mark.timeout(SECONDS + 600 * max(1, len(SEEDS)) + 300)
 def test_checker_soak(tmp_path: Path) -> None:
-    env = CheckerCluster(tmp_path / "cluster", n_storage=7)
+    env = CheckerCluster(tmp_path / "cluster", n_storage=7, n_meta=META)
     failures: list[str] = []
     walks: list[str] = []
     try:
@@ -68,7 +72,9 @@ def test_checker_soak(tmp_path: Path) -> None:
             except CheckFailed as exc:
                 failures.append(str(exc))
             walks.append(f"{kind} seed {seed}: {time.monotonic() - t0:.0f}s, {len(ck.log)} steps, "
-                         f"{sum(v for k, v in ck.counts.items() if k.startswith('violation:'))} violations")
+                         f"{sum(v for k, v in ck.counts.items() if k.startswith('violation:'))} violations"
+                         + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else ""))
+            print(walks[-1], flush=True)
     finally:
         env.close()
     print("\nchecker soak:\n  " + "\n  ".join(walks))
