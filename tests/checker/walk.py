@@ -29,6 +29,10 @@ Operations (``h*``: handle ids; paths are under the checker's directory):
                                       the rebuild
 ``("scrub",)``                        heal, ``tierfs scrub``, verdict checked against the truth
 ``("settle",)``                       heal and wait for the cluster to be healthy
+``("meta_kill", name)``               SIGKILL a meta replica (three of them: ``n_meta=3``);
+                                      "leader" is logged as the replica it was
+``("meta_restart", name)``            start it again
+``("meta_crash_all",)``               SIGKILL every meta replica at once, start them all
 ====================================  =========================================================
 """
 
@@ -258,6 +262,15 @@ class ProcessFaults:
 
     def op_meta_restart(self, name: str) -> None:
         self.env.meta_restart(name)
+
+    def op_meta_crash_all(self) -> None:
+        """SIGKILL every meta replica at once, then start them all: what
+        they acknowledged must all be there."""
+        for name in self.env.metas():
+            if name not in self.env.meta_down:
+                self.env.meta_kill(name)
+        self.env.cl.start(names=self.env.metas(), timeout=60)
+        self.env.meta_down.clear()
 
 
 @dataclass
@@ -910,6 +923,8 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
         if len(metas) >= 3 and rng.random() < 0.05:
             if env.meta_down:
                 yield ("meta_restart", sorted(env.meta_down)[0])
+            elif rng.random() < 0.15:
+                yield ("meta_crash_all",)
             else:
                 yield ("meta_kill", "leader" if rng.random() < 0.7 else rng.choice(metas))
             continue
