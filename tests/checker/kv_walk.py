@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.checker.walk import CheckerCluster, CheckFailed, ProcessFaults
+from tests.checker.walk import CheckerCluster, CheckFailed, ProcessFaults, meta_fault
 from tierfs.client import Client
 from tierfs.errors import TierFSError
 from tierfs.meta import MetaClient
@@ -326,6 +326,10 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
         nodes = ck.env.storage()
         down = dict(ck.env.down)
         pool, key = rng.choice(pools), rng.randrange(KEYS)
+        mf = meta_fault(ck.env, rng)
+        if mf is not None:
+            yield mf
+            continue
         r = rng.random()
         if r < 0.22:
             yield ("put", pool, key)

@@ -71,7 +71,7 @@ from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "random_ops"]
+__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "meta_fault", "random_ops"]
 
 Op = tuple[Any, ...]
 KiB = 1024
@@ -892,6 +892,19 @@ SIZES = (1, 100, 1000, 4095, 64 * KiB - 1, 64 * KiB, 64 * KiB + 1, 100 * KiB, 20
 MODES = ("r", "r+", "w", "w+", "a", "a+", "x", "x+")
 
 
+def meta_fault(env: CheckerCluster, rng: random.Random, p: float = 0.05) -> Op | None:
+    """With three meta replicas or more, now and then (``p``): one SIGKILLed
+    (the leader, mostly), or all of them at once, or the one down restarted."""
+    metas = env.metas()
+    if len(metas) < 3 or rng.random() >= p:
+        return None
+    if env.meta_down:
+        return ("meta_restart", sorted(env.meta_down)[0])
+    if rng.random() < 0.15:
+        return ("meta_crash_all",)
+    return ("meta_kill", "leader" if rng.random() < 0.7 else rng.choice(metas))
+
+
 def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * KiB, max_down: int = 2,
                n_files: int = 4, target_rm: bool = True) -> Iterator[Op]:
     """``steps`` operations drawn from ``rng``, each looking at the model
@@ -916,17 +929,12 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
     def data() -> tuple[str, int, int]:
         return ("rand", rng.randrange(1 << 30), rng.choice(SIZES))
 
-    metas = env.metas()
     for _ in range(steps):
         handles = ck.model.handles
         up = [n for n in env.storage() if n not in env.down]
-        if len(metas) >= 3 and rng.random() < 0.05:
-            if env.meta_down:
-                yield ("meta_restart", sorted(env.meta_down)[0])
-            elif rng.random() < 0.15:
-                yield ("meta_crash_all",)
-            else:
-                yield ("meta_kill", "leader" if rng.random() < 0.7 else rng.choice(metas))
+        mf = meta_fault(env, rng)
+        if mf is not None:
+            yield mf
             continue
         r = rng.random()
         if r < 0.04 and len(env.down) < max_down:

@@ -2,7 +2,9 @@
 after another on one real cluster (1 meta, 6 storage daemons), until
 ``TIERFS_KV_CHECKER_SECONDS`` have passed or the seeds in
 ``TIERFS_KV_CHECKER_SEEDS`` (comma-separated) are done, each of
-``TIERFS_KV_CHECKER_STEPS`` operations (default 200). ``make soak`` runs it
+``TIERFS_KV_CHECKER_STEPS`` operations (default 200).
+``TIERFS_KV_CHECKER_META=3`` runs three meta replicas and kills them now
+and then (tests/checker/walk.py, ``meta_fault``). ``make soak`` runs it
 for 300 s; ``make test`` runs the bounded walks of
 tests/checker/test_kv_checker.py. A failing walk's op log is saved under the
 test's tmp dir."""
@@ -21,13 +23,15 @@ from tests.checker.walk import CheckerCluster, CheckFailed
 SECONDS = float(os.environ.get("TIERFS_KV_CHECKER_SECONDS", "0"))
 SEEDS = [int(s) for s in os.environ.get("TIERFS_KV_CHECKER_SEEDS", "").split(",") if s.strip()]
 STEPS = int(os.environ.get("TIERFS_KV_CHECKER_STEPS", "200"))
+#: 3: three meta replicas, one SIGKILLed now and then (the leader, mostly), or all of them at once.
+META = int(os.environ.get("TIERFS_KV_CHECKER_META", "1"))
 
 
 @pytest.mark.skipif(not SECONDS and not SEEDS,
                     reason="set TIERFS_KV_CHECKER_SECONDS or TIERFS_KV_CHECKER_SEEDS (make soak sets the first)")
 @pytest.mark.timeout(SECONDS + 600 * max(1, len(SEEDS)) + 300)
 def test_kv_checker_soak(tmp_path: Path) -> None:
-    env = CheckerCluster(tmp_path / "cluster", n_storage=6)
+    env = CheckerCluster(tmp_path / "cluster", n_storage=6, n_meta=META)
     failures: list[str] = []
     walks: list[str] = []
     try:
@@ -41,7 +45,9 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                 ck = run_walk(env, seed, STEPS, tmp_path / "logs")
                 walks.append(f"seed {seed}: {ck.counts.get('seconds')}s, {len(ck.log)} steps, "
                              f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
-                             f"{ck.counts.get('miss', 0)} misses")
+                             f"{ck.counts.get('miss', 0)} misses"
+                             + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else ""))
+                print(walks[-1], flush=True)
             except CheckFailed as exc:
                 failures.append(str(exc))
                 walks.append(f"seed {seed}: FAILED")
