@@ -9,6 +9,8 @@ small operations span chunk boundaries, ``ec:4+2`` and ``replica:3``.
   unlink, readers held open while the file is rewritten, SIGKILL/SIGSTOP of
   storage nodes, a fragment corrupted on disk, ``tierfs target rm`` and
   rebuild, and scrubs whose verdicts are checked against the truth on disk.
+* One walk on a cluster of three meta replicas, the leader SIGKILLed (or
+  all three at once) now and then.
 
 A failure prints the seed and the op log (and saves it; replay with
 ``python -m tests.checker.replay FILE``).
@@ -142,3 +144,19 @@ def test_random_walk_with_target_rm(env: CheckerCluster, tmp_path: Path) -> None
 def _prefix(ck: Checker, rng: random.Random) -> Iterator[Op]:
     for i in range(4):
         yield ("write_file", f"f{i}", ("rand", rng.randrange(1 << 30), rng.choice([1000, CS + 1, 3 * CS - 7])))
+
+
+@pytest.mark.timeout(400)
+def test_random_walk_through_meta_failovers(tmp_path: Path) -> None:
+    """Three meta replicas: the walk SIGKILLs the leader (or all three at
+    once) now and then; every call goes on through the failover, and what
+    meta acknowledged stays (``make soak`` with TIERFS_CHECKER_META=3 runs
+    more)."""
+    env = CheckerCluster(tmp_path / "cluster", n_storage=6, n_meta=3)
+    try:
+        seed = 9961
+        ck = checker(env, "ec", tmp_path, seed)
+        ck.run(random_ops(ck, random.Random(seed), 120, cs=CS, target_rm=False))
+        assert ck.counts.get("meta_kill", 0) + ck.counts.get("meta_crash_all", 0) >= 2, ck.counts
+    finally:
+        env.close()
