@@ -47,6 +47,8 @@ Operations (paths are relative to the walk's root; ``d*`` are directories,
 ``("kill_leader",)``                        logged as the ``("kill", i)`` it became
 ``("crash_all",)``                          SIGKILL every replica, start them all again
 ``("snapshot", i)``                         force a snapshot (log compaction) on replica ``i``
+``("replace", i)``                          a new replica added to the group, caught up, then
+                                            member ``i`` removed and SIGKILLed
 ``("settle",)``                             resolve every pending operation (above)
 ==========================================  =====================================================
 """
@@ -134,6 +136,11 @@ class MetaChecker:
     counts: dict[str, int] = field(default_factory=dict)
     log_dir: Path | None = None
     mc: MetaClient | None = None
+    members: list[int] = field(default_factory=list)  # replica indexes in the Raft group
+
+    def client(self) -> MetaClient:
+        return MetaClient([self.cluster.addresses[i] for i in self.members], deadline=DEADLINE,
+                          attempt_timeout=1.5)
 
     # ---- running ---------------------------------------------------------------------
 
@@ -145,7 +152,9 @@ class MetaChecker:
 
     async def run(self, ops: Iterator[Op] | Sequence[Op], *, finish: bool = True) -> None:
         t0 = time.monotonic()
-        self.mc = MetaClient(self.cluster.addresses, deadline=DEADLINE, attempt_timeout=1.5)
+        if not self.members:
+            self.members = [r.index for r in self.cluster.replicas if r.alive]
+        self.mc = self.client()
         try:
             with contextlib.suppress(AlreadyExistsError):
                 await self.mc.mkdir(self.root)
@@ -583,12 +592,12 @@ class MetaChecker:
         pass
 
     async def op_crash_all(self) -> None:
-        for i in range(len(self.cluster.replicas)):
+        for i in self.members:
             if self.down.get(i) == "stopped":
                 self.cont_proc(i)
             self.cluster.kill(i)
         self.down.clear()
-        for i in range(len(self.cluster.replicas)):
+        for i in self.members:
             self.cluster.start(i, timeout=60)
 
     async def op_snapshot(self, i: int) -> None:
@@ -598,6 +607,43 @@ class MetaChecker:
             await asyncio.to_thread(self.cluster.force_snapshot, i)
         except Exception as exc:  # a replica mid-election may refuse: counted
             self.count(f"snapshot-failed:{type(exc).__name__}")
+
+    async def op_replace(self, i: int) -> None:
+        """Replace member ``i``: start a new replica, add it to the group,
+        wait until it has caught up, remove ``i`` and SIGKILL it. Every
+        replica is healed first (a change needs a working group)."""
+        await self.heal()
+        new = await asyncio.to_thread(self.cluster.add_replica)
+        await asyncio.to_thread(self.change_member, "add", new)
+        await asyncio.to_thread(self.cluster.wait_converged, 60, [*self.members, new])
+        self.members.append(new)
+        await asyncio.to_thread(self.change_member, "remove", i)
+        self.cluster.kill(i)
+        self.members.remove(i)
+        assert self.mc is not None
+        await self.mc.close()
+        self.mc = self.client()
+
+    def change_member(self, how: str, i: int) -> None:
+        """Add or remove replica ``i`` through the leader, retried through
+        leader changes until the leader's member list shows it done."""
+        addr = self.cluster.addresses[i]
+        end = time.monotonic() + 60
+        last: Exception | None = None
+        while time.monotonic() < end:
+            leader = self.cluster.leader()
+            if leader is None or leader not in self.members:
+                time.sleep(0.1)
+                continue
+            with contextlib.suppress(TierFSError):
+                if (addr in self.cluster.status(leader).members) == (how == "add"):
+                    return
+            try:
+                (self.cluster.add_member if how == "add" else self.cluster.remove_member)(leader, i)
+            except TierFSError as exc:  # not the leader any more, a change in progress: again
+                last = exc
+                time.sleep(0.2)
+        self.violation("unavailable", f"{how} member {i} not done within 60 s: {last}")
 
     async def heal(self) -> None:
         for i, how in sorted(self.down.items()):
@@ -664,7 +710,9 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
     """Draw ``steps`` operations, each chosen from the walk's state (the
     model, pending operations, replicas down)."""
     rng = random.Random(seed)
-    n = len(ck.cluster.replicas)
+    def members() -> list[int]:
+        return list(ck.members) or [r.index for r in ck.cluster.replicas if r.alive]
+
 
     def dirs() -> list[str]:
         return sorted(q for q, s in ck.model.items() if s[0] == "dir")
@@ -721,15 +769,15 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
         return ("rename", src, dst)
 
     def storm() -> Op:
-        who: int | str = "leader" if rng.random() < 0.7 else rng.randrange(n)
+        who: int | str = "leader" if rng.random() < 0.7 else rng.choice(members())
         return ("storm", [file_op() for _ in range(rng.randint(2, 6))], rng.choice(("kill", "stop")), who,
                 rng.choice((0, 2, 5, 10, 30)))
 
     def fault() -> Op:
-        up = [i for i in range(n) if i not in ck.down]
+        up = [i for i in members() if i not in ck.down]
         if not ck.down:
             return rng.choices([("kill", rng.choice(up)), ("stop", rng.choice(up)), ("kill_leader",), storm(),
-                                ("crash_all",)], weights=[2, 2, 2, 3, 0.4])[0]
+                                ("crash_all",), ("replace", rng.choice(up))], weights=[2, 2, 2, 3, 0.4, 0.5])[0]
         i = rng.choice(sorted(ck.down))
         back = ("cont" if ck.down[i] == "stopped" else "start", i)
         if len(ck.down) > 1:
@@ -748,7 +796,7 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
             (6, lambda: ("stat", anypath())),
             (3, lambda: ("list", rng.choice(("", *DIRS)))),
             (1, lambda: ("check",)),
-            (1.5, lambda: ("snapshot", rng.randrange(n))),
+            (1.5, lambda: ("snapshot", rng.choice(members()))),
             (4 if ck.pending else 0, lambda: ("settle",)),
             (9.4 if not ck.down else 7.2 if len(ck.down) == 1 else 30, fault),
         ]

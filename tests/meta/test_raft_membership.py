@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import MetaCluster, meta_cluster_from_env, wait_for
-from tierfs.errors import NotLeaderError
+from tierfs.errors import NotLeaderError, TierFSError
 
 
 @pytest.mark.timeout(150)
@@ -58,3 +60,60 @@ def test_add_replica_catches_up_by_snapshot_then_remove_follower_and_leader(tmp_
             c.put(f"k{i}", f"v{i}")
         c.wait_converged(30, members=rest)
         assert c.get_many([f"k{i}" for i in range(220)]) == {f"k{i}": f"v{i}" for i in range(220)}
+
+
+@pytest.mark.timeout(240)
+def test_replica_that_joins_after_the_leader_catches_up_by_an_older_snapshot(tmp_path: Path) -> None:
+    """The leader joined the group after its newest snapshot was taken, so
+    the members that snapshot records do not include it. A replica added now
+    catches up by that snapshot: it must keep the leader it is talking to
+    (the entries after the snapshot add it), not drop its connection and
+    wait forever. Found by the metadata checker (tests/checker/meta_walk.py,
+    a second ``replace`` in a walk)."""
+    if meta_cluster_from_env() is not None:
+        pytest.skip("starts and stops replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3, extra_args=["--snapshot-min-entries", "40"]) as c:
+        for i in range(45):
+            c.put(f"k{i}", f"v{i}")
+        wait_for(lambda: all(c.status(i).raft.snapshots >= 1 for i in range(3)), 30, "a snapshot on every replica")
+
+        # replica 3 joins (by that snapshot), replica 0 leaves
+        three = c.add_replica()
+        c.add_member(c.wait_leader(), three, timeout=20)
+        c.wait_converged(40, members=[0, 1, 2, three])
+        leader = c.wait_leader()
+        if leader == 0:
+            with pytest.raises(NotLeaderError) as ei:
+                c.remove_member(0, 0, timeout=20)
+            leader = c.addresses.index(ei.value.leader)
+        c.remove_member(leader, 0, timeout=20)
+        c.kill(0)
+
+        # replica 3 leads: pause whoever else leads until it does
+        for _ in range(30):
+            leader = c.wait_leader()
+            if leader == three:
+                break
+            others = [i for i in (1, 2, three) if i != leader]
+
+            def another(others: list[int] = others) -> int | None:
+                for i in others:
+                    with contextlib.suppress(TierFSError):
+                        if c.status(i).role == "leader":
+                            return i
+                return None
+
+            c.replicas[leader].proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                wait_for(another, 20, "another leader")
+            finally:
+                c.replicas[leader].proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        assert c.wait_leader() == three
+        assert "loaded snapshot" in c.log(three)  # what it will send on: the snapshot from before it joined
+
+        # a fifth replica joins through replica 3, by a snapshot that names 0, 1, 2
+        five = c.add_replica()
+        c.add_member(three, five, timeout=20)
+        c.wait_converged(40, members=[1, 2, three, five])
+        assert "loaded snapshot" in c.log(five)
+        assert c.get_many([f"k{i}" for i in range(45)], i=five, stale=True) == {f"k{i}": f"v{i}" for i in range(45)}

@@ -810,6 +810,9 @@ class RaftReplicator:
         self._snap_pid = 0
         self._fork_failures = 0
         self._snap_started: tuple[float, float, int] = (0.0, 0.0, 0)
+        #: tick thread: the leader whose snapshot is being installed, while
+        #: its last piece is delivered (_on_message, _deserialize)
+        self._install_from: str | None = None
         self.fatal: str = ""
         #: stopped at an entry of newer code (_halt_too_old): applies nothing more
         self.too_old = False
@@ -1398,6 +1401,14 @@ class RaftReplicator:
             if next_index is not None and before is not None and next_index.get(src, before) < before:
                 next_index[src] = before
                 self.truncation_stats["next_index_kept"] += 1
+        elif mtype == "append_entries" and message.get("serialized") is not None:
+            # A piece of a snapshot from the leader; the last one installs it
+            # (_deserialize), which must not drop the leader (see there).
+            self._install_from = getattr(src, "id", None)
+            try:
+                deliver(src, message)
+            finally:
+                self._install_from = None
         else:
             deliver(src, message)
         if ack is not None:
@@ -1595,8 +1606,21 @@ class RaftReplicator:
         self._registered = dict(snap.addr_map)
         self._addr_map.update(snap.addr_map)
         self._addr_map[self._raft_addr] = self._grpc_addr
+        members = list(snap.members)
+        src = self._install_from
+        if src is not None and src not in members:
+            # The members a snapshot records are those of when it was taken.
+            # The leader sending it may have joined since (by an entry after
+            # the snapshot's index, which it sends next): pysyncobj would set
+            # the members to the snapshot's, drop its connection to the
+            # leader and refuse it from then on, and this replica would never
+            # catch up. Keep the leader; the entries that follow add it again
+            # (a no-op) and remove whoever left (docs/raft.md, "Membership").
+            log.info("raft %s: snapshot at index %d names members %s; keeping the leader %s that sent it",
+                     self.node_id, snap.last[1], ", ".join(members), src)
+            members.append(src)
         log.info("raft %s: loaded snapshot at index %d", self.node_id, snap.last[1])
-        return snap.last, snap.prev, [TCPNode(m) for m in snap.members]
+        return snap.last, snap.prev, [TCPNode(m) for m in members]
 
 
 def _fork_child(work: Callable[[], object], keep_fd: int = -1) -> int:
