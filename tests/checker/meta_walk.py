@@ -60,13 +60,12 @@ import contextlib
 import json
 import random
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.checker.walk import CheckFailed
+from tests.checker.walk import CheckFailed, listing, own_failure, save_log
 from tests.cluster import MetaCluster
 from tierfs.chunk import generation
 from tierfs.errors import (
@@ -166,9 +165,7 @@ class MetaChecker:
         except CheckFailed:
             raise
         except Exception as exc:
-            tb = "".join(traceback.format_exception(exc, limit=-6))
-            self.violation("unexpected-error", f"the checker itself failed at step {len(self.log)}: "
-                           f"{type(exc).__name__}: {exc}\n{tb}")
+            self.violation("unexpected-error", own_failure(exc, len(self.log)))
         finally:
             self.counts["seconds"] = round(time.monotonic() - t0)
             await self.mc.close()
@@ -190,18 +187,13 @@ class MetaChecker:
             raise CheckFailed(self.report())
 
     def report(self) -> str:
-        path = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            path = self.log_dir / f"meta-checker-seed{self.seed}.json"
-            path.write_text(json.dumps({"root": self.root, "seed": self.seed, "ops": self.log,
-                                        "violations": self.violations}, indent=0))
-        ops = "\n".join(f"  {i + 1:4d} {op!r}" for i, op in enumerate(self.log))
+        path = save_log(self.log_dir, f"meta-checker-seed{self.seed}.json", self.root, self.seed, self.log,
+                        self.violations)
         return (f"meta checker: {len(self.violations)} violation(s) in {self.root} (seed {self.seed}, "
                 f"{len(self.log)} steps)\n" + "\n".join(self.violations)
                 + f"\npending: {[pd.op for pd in self.pending]}; sealed unapplied: {self.sealed[-5:]}"
                 + f"\ncounts: {dict(sorted(self.counts.items()))}"
-                + f"\nop log{f' (saved to {path})' if path else ''}:\n" + ops)
+                + f"\nop log{f' (saved to {path})' if path else ''}:\n" + listing(self.log))
 
     # ---- the model -------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
-__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "meta_fault", "random_ops"]
+__all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "listing", "meta_fault", "own_failure", "random_ops", "save_log"]
 
 Op = tuple[Any, ...]
 KiB = 1024
@@ -304,9 +304,7 @@ class Checker(ProcessFaults):
         except CheckFailed:
             raise
         except Exception as exc:
-            tb = "".join(traceback.format_exception(exc, limit=-6))
-            self.violation("unexpected-error", f"the checker itself failed at step {len(self.log)}: "
-                           f"{type(exc).__name__}: {exc}\n{tb}")
+            self.violation("unexpected-error", own_failure(exc, len(self.log)))
         finally:
             if finish:
                 self.close()
@@ -332,18 +330,13 @@ class Checker(ProcessFaults):
             raise CheckFailed(self.report())
 
     def report(self) -> str:
-        path = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            path = self.log_dir / f"checker-{self.root.strip('/').replace('/', '_')}-seed{self.seed}.json"
-            path.write_text(json.dumps({"root": self.root, "seed": self.seed, "ops": self.log,
-                                        "violations": self.violations}, indent=0))
-        ops = "\n".join(f"  {i + 1:4d} {op!r}" for i, op in enumerate(self.log))
+        path = save_log(self.log_dir, f"checker-{self.root.strip('/').replace('/', '_')}-seed{self.seed}.json",
+                        self.root, self.seed, self.log, self.violations)
         return (f"model-based checker: {len(self.violations)} violation(s) in {self.root} (seed {self.seed}, "
                 f"{len(self.log)} steps)\n" + "\n".join(self.violations)
                 + f"\ncounts: {dict(sorted(self.counts.items()))}"
                 + f"\nop log{f' (saved to {path}; replay: python -m tests.checker.replay {path})' if path else ''}:\n"
-                + ops)
+                + listing(self.log))
 
     def p(self, path: str) -> str:
         return f"{self.root}/{path}" if not path.startswith("/") else path
@@ -842,6 +835,28 @@ class Checker(ProcessFaults):
         for path in sorted(self.model.files):
             self.log.append(("read_file", path))
             self.op_read_file(path)
+
+
+def save_log(log_dir: Path | None, name: str, root: str, seed: int | None, ops: Sequence[Op],
+             violations: Sequence[str]) -> Path | None:
+    """A failed walk's op log as JSON (replayable), under ``log_dir``."""
+    if log_dir is None:
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / name
+    path.write_text(json.dumps({"root": root, "seed": seed, "ops": list(ops), "violations": list(violations)},
+                               indent=0))
+    return path
+
+
+def own_failure(exc: BaseException, step: int) -> str:
+    """What a violation says when the checker itself failed."""
+    tb = "".join(traceback.format_exception(exc, limit=-6))
+    return f"the checker itself failed at step {step}: {type(exc).__name__}: {exc}\n{tb}"
+
+
+def listing(ops: Sequence[Op]) -> str:
+    return "\n".join(f"  {i + 1:4d} {op!r}" for i, op in enumerate(ops))
 
 
 def _path_of(model: Model, f: MFile) -> str:
