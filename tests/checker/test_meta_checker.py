@@ -29,12 +29,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaCluster]:
 
 
 def test_meta_walks_lose_nothing_acknowledged(cluster: MetaCluster, tmp_path: Path) -> None:
-    for seed in (3, 4):
+    replaced = 0
+    # Seeds whose walks replace replicas more than once (on the code before
+    # cee13d5 seed 22 stopped there: docs/raft.md, "Membership").
+    for seed in (22, 24):
         ck = run_meta_walk(cluster, seed, 150, tmp_path / "logs")
         print(f"seed {seed}: {dict(sorted(ck.counts.items()))}")
         # Not a walk that only failed: acknowledged mutations and faults are what is checked.
         assert ck.counts.get("acked", 0) > 40, ck.counts
         assert ck.counts.get("kill", 0) + ck.counts.get("stop", 0) + ck.counts.get("storm", 0) > 3, ck.counts
+        replaced += ck.counts.get("replace", 0)
+    assert replaced >= 2
 
 
 @pytest.mark.parametrize("change", ["unlink", "chmod", "rename"])
