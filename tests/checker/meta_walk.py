@@ -99,7 +99,7 @@ DEFINITE: tuple[type[TierFSError], ...] = (
 #: an election's worth of margin.
 DEADLINE = 4.0
 SEAL_MARGIN = 2.0
-FATAL = ("lost", "wrong-state", "unexpected-success", "unexpected-error", "api", "diverged", "zombie")
+FATAL = ("lost", "wrong-state", "unexpected-success", "unexpected-error", "api", "diverged", "stuck")
 
 
 def parent_of(p: str) -> str:
@@ -607,7 +607,12 @@ class MetaChecker:
         await self.heal()
         new = await asyncio.to_thread(self.cluster.add_replica)
         await asyncio.to_thread(self.change_member, "add", new)
-        await asyncio.to_thread(self.cluster.wait_converged, 60, [*self.members, new])
+        try:
+            await asyncio.to_thread(self.cluster.wait_converged, 60, [*self.members, new])
+        except TimeoutError:
+            digests = await asyncio.to_thread(self.cluster.digests)
+            self.violation("stuck", f"replica {new}, just added, has not caught up in 60 s (state digest and "
+                           f"applied index per replica: {digests}; its log: {self.cluster.log(new)[-600:]!r})")
         self.members.append(new)
         await asyncio.to_thread(self.change_member, "remove", i)
         self.cluster.kill(i)
