@@ -47,8 +47,9 @@ Operations (paths are relative to the walk's root; ``d*`` are directories,
 ``("kill_leader",)``                        logged as the ``("kill", i)`` it became
 ``("crash_all",)``                          SIGKILL every replica, start them all again
 ``("snapshot", i)``                         force a snapshot (log compaction) on replica ``i``
-``("replace", i)``                          a new replica added to the group, caught up, then
-                                            member ``i`` removed and SIGKILLed
+``("replace", i, dead)``                    a new replica added to the group, caught up, then
+                                            member ``i`` removed and SIGKILLed (``dead``: SIGKILLed
+                                            before the new one is started)
 ``("settle",)``                             resolve every pending operation (above)
 ==========================================  =====================================================
 """
@@ -600,15 +601,20 @@ class MetaChecker:
         except Exception as exc:  # a replica mid-election may refuse: counted
             self.count(f"snapshot-failed:{type(exc).__name__}")
 
-    async def op_replace(self, i: int) -> None:
+    async def op_replace(self, i: int, dead: bool = False) -> None:
         """Replace member ``i``: start a new replica, add it to the group,
-        wait until it has caught up, remove ``i`` and SIGKILL it. Every
-        replica is healed first (a change needs a working group)."""
+        wait until it has caught up, remove ``i`` and SIGKILL it. The other
+        replicas are healed first (a change needs a working group); ``i``
+        too, unless ``dead``: then it is SIGKILLed first, as when a replica
+        is replaced because its machine died."""
         await self.heal()
+        if dead:
+            await self.op_kill(i)
         new = await asyncio.to_thread(self.cluster.add_replica)
         await asyncio.to_thread(self.change_member, "add", new)
         try:
-            await asyncio.to_thread(self.cluster.wait_converged, 60, [*self.members, new])
+            await asyncio.to_thread(self.cluster.wait_converged, 60,
+                                    [*(m for m in self.members if not (dead and m == i)), new])
         except TimeoutError:
             digests = await asyncio.to_thread(self.cluster.digests)
             self.violation("stuck", f"replica {new}, just added, has not caught up in 60 s (state digest and "
@@ -616,6 +622,7 @@ class MetaChecker:
         self.members.append(new)
         await asyncio.to_thread(self.change_member, "remove", i)
         self.cluster.kill(i)
+        self.down.pop(i, None)
         self.members.remove(i)
         assert self.mc is not None
         await self.mc.close()
@@ -774,7 +781,8 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
         up = [i for i in members() if i not in ck.down]
         if not ck.down:
             return rng.choices([("kill", rng.choice(up)), ("stop", rng.choice(up)), ("kill_leader",), storm(),
-                                ("crash_all",), ("replace", rng.choice(up))], weights=[2, 2, 2, 3, 0.4, 0.5])[0]
+                                ("crash_all",), ("replace", rng.choice(up), rng.random() < 0.5)],
+                               weights=[2, 2, 2, 3, 0.4, 0.5])[0]
         i = rng.choice(sorted(ck.down))
         back = ("cont" if ck.down[i] == "stopped" else "start", i)
         if len(ck.down) > 1:
