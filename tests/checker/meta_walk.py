@@ -828,8 +828,10 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
 
 
 #: Meta replicas for the walk: storage nodes (registered, never heard from
-#: again) stay online for the walk's length, so that files can be created.
-META_WALK_ARGS = ("--heartbeat-timeout=36000",)
+#: again) stay online for the walk's length, so that files can be created;
+#: a snapshot every 60 entries, so that replicas that join or fall behind
+#: catch up by snapshots, and restarts load them.
+META_WALK_ARGS = ("--heartbeat-timeout=36000", "--snapshot-min-entries=60")
 
 
 def meta_walk_cluster(path: Path) -> MetaCluster:

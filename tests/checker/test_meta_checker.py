@@ -30,8 +30,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetaCluster]:
 
 def test_meta_walks_lose_nothing_acknowledged(cluster: MetaCluster, tmp_path: Path) -> None:
     replaced = 0
-    # Seeds whose walks replace replicas more than once (on the code before
-    # cee13d5 these stopped there: docs/raft.md, "Membership").
+    # Seeds whose walks replace replicas three times in all (one such walk
+    # found the bug in docs/raft.md, "Membership"; its regression test is
+    # tests/meta/test_raft_membership.py).
     for seed in (24, 30):
         ck = run_meta_walk(cluster, seed, 150, tmp_path / "logs")
         print(f"seed {seed}: {dict(sorted(ck.counts.items()))}")
