@@ -553,3 +553,37 @@ def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, cli
         assert kv.batch_get_into([key], bufs) == [40 * KiB] and bytes(bufs[0]) == new
     with Client(cl.meta_addrs) as other:  # a map as fresh as the writer's (the module's client may hold an older one)
         assert other.kv.get(key) == new
+
+
+def test_reads_with_no_map_while_meta_is_down_are_misses(cl: LocalCluster, client: Client) -> None:
+    """A client that has no map of the pool yet while meta cannot be reached
+    (found by the KV checker with meta faults: a fresh client's batch get
+    raised UnavailableError "no leader elected"): its reads are misses, as
+    when a node is down, since an engine recomputes a miss while an error
+    fails its request. Its writes say the store is unavailable. Last in the
+    module: it stops every meta replica."""
+    value = payload("nomap-1", 5000)
+    client.kv.put("nomap-1", value)
+    metas = [p.name for p in cl.procs if p.kind == "meta"]
+    for name in metas:
+        cl.kill(name)
+    try:
+        with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0, meta_deadline=2.0) as fresh:
+            kv = fresh.kv
+            assert kv.get("nomap-1") is None
+            assert kv.get_into("nomap-1", bytearray(5000)) is None
+            assert kv.batch_get_into(["nomap-1", "nomap-2"], [bytearray(5000), bytearray(10)]) == [None, None]
+            assert kv.exists("nomap-1") is False
+            assert fresh.kv.stats()["cluster"]["no_map"] >= 5
+            with pytest.raises(UnavailableError):
+                kv.put("nomap-2", b"x")
+    finally:
+        cl.start(names=metas, timeout=60)
+        asyncio.run(cl.wait_healthy(60))
+    # Meta back: a fresh client gets its map and works. (Whether "nomap-1"
+    # is still found depends on whether the pool's groups were re-planned
+    # while nodes waited to be heard from again: a cache may forget.)
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        again = payload("nomap-3", 7000)
+        fresh.kv.put("nomap-3", again)
+        assert fresh.kv.get("nomap-3") == again

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from tierfs.errors import (
     NoSpaceError,
     NotFoundError,
     TierFSError,
+    TimeoutError_,
     UnavailableError,
 )
 from tierfs.kv.tiers import Tier, TierStats, check_key, dest_view, source_view
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from tierfs.net import DataClient
 
 __all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of"]
+
+log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")
 # An EC fragment's trailer: the whole value's CRC32C, then one word holding
@@ -219,6 +223,24 @@ class ClusterTier:
     async def route(self) -> KVPoolRoute:
         return await self.router.kv_pool(self.pool)
 
+    async def _read_route(self, n: int) -> KVPoolRoute | None:
+        """The route for a read of ``n`` keys; None when the client has no
+        map of the pool yet and meta cannot be reached (no leader, all
+        replicas down): the read is then ``n`` misses, since the store is a
+        cache and an engine recomputes a miss, while an error would fail its
+        request. A pool meta does not know still raises NotFoundError."""
+        try:
+            return await self.route()
+        except (UnavailableError, TimeoutError_) as exc:
+            if self.router.kv_pools.get(self.pool) is not None:
+                raise
+            self.counters.errors += 1
+            self.counters.misses += n
+            self.counters.extra["no_map"] = self.counters.extra.get("no_map", 0) + n
+            log.warning("KV pool %r: no map yet and meta unreachable (%s): %d read(s) answered as misses",
+                        self.pool, exc, n)
+            return None
+
     def _batch_deadline(self, items: Sequence[tuple[Any, ...]], at: int) -> float:
         """The deadline of a batch whose items hold their buffer at ``at``."""
         return self._deadline(sum(_nbytes(it[at]) for it in items))
@@ -353,7 +375,9 @@ class ClusterTier:
     # ---- get ---------------------------------------------------------------------
 
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
-        route = self.router.kv_pools.get(self.pool) or await self.route()
+        route = self.router.kv_pools.get(self.pool) or await self._read_route(1)
+        if route is None:
+            return None
         if route.copies == 0:
             return (await self._ec_get(route, [key], [dest]))[0]
         # One key: one request on the lightest path (no batch grouping).
@@ -380,7 +404,9 @@ class ClusterTier:
         """Each object straight into its buffer: its size, or None (a miss).
         One request per key to its first usable copy, all keys of one server
         in one write; misses and errors retry on the next copy."""
-        route = await self.route()
+        route = await self._read_route(len(keys))
+        if route is None:
+            return [None] * len(keys)
         if route.copies == 0:
             return await self._ec_get(route, keys, dests)
         out: list[int | None] = [None] * len(keys)
@@ -419,8 +445,10 @@ class ClusterTier:
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key: one KV_EXISTS per target involved (per copy
         round), not one request per key."""
-        route = await self.route()
+        route = await self._read_route(len(keys))
         out = [False] * len(keys)
+        if route is None:
+            return out
         orders = self._orders(route, keys)
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
@@ -481,7 +509,9 @@ class ClusterTier:
 
     async def get(self, key: bytes) -> bytes | None:
         """The value as ``bytes`` (any size), or None."""
-        route = await self.route()
+        route = await self._read_route(1)
+        if route is None:
+            return None
         if route.copies == 0:
             return await self._ec_get_bytes(route, key)
         for attempt, t in enumerate(self._read_order(self._targets(route, key))):
@@ -555,7 +585,9 @@ class ClusterTier:
         """The object's size without its bytes (KV_GET with KV_SIZE_ONLY on a
         replica), or None. An EC pool keeps the size in each fragment's
         trailer: one fragment is fetched to read it."""
-        route = await self.route()
+        route = await self._read_route(1)
+        if route is None:
+            return None
         targets = self._targets(route, key)
         if route.copies == 0:
             return await self._ec_size(route, key, targets)
