@@ -406,12 +406,31 @@ def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
     return tls.grpc_channel_credentials() if tls is not None else None
 
 
+#: Reconnect backoff of every control-plane channel. gRPC's defaults (1 s,
+#: x1.6, up to 120 s) leave a channel that failed while meta was down for
+#: 10 s unused for up to ~6 s after meta is back, and for minutes after a
+#: long outage: storage daemons then missed the new leader's heartbeat
+#: timeout and were all marked offline at once (file groups degraded, KV
+#: groups re-planned). A failed connect to one of a few meta replicas costs
+#: little, so retry at most every second; the connect deadline stays at
+#: least 5 s (``min_reconnect_backoff_ms`` is that floor in gRPC core), for
+#: TLS handshakes over a slow link.
+RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 5000),
+)
+
+
 def grpc_channel(addr: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """An aio channel to ``addr``: TLS with ``tls``, plaintext without."""
+    """An aio channel to ``addr``: TLS with ``tls``, plaintext without;
+    :data:`RECONNECT_OPTIONS` unless ``options`` sets them."""
+    given = {k for k, _ in options}
+    opts = [*options, *(o for o in RECONNECT_OPTIONS if o[0] not in given)]
     creds = channel_credentials(tls)
     if creds is None:
-        return grpc.aio.insecure_channel(addr, options=list(options))
-    return grpc.aio.secure_channel(addr, creds, options=list(options))
+        return grpc.aio.insecure_channel(addr, options=opts)
+    return grpc.aio.secure_channel(addr, creds, options=opts)
 
 
 # --- the local CA of `tierfs up --tls` ----------------------------------------------

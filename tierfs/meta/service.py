@@ -38,8 +38,9 @@ Heartbeats are not log entries: the leader remembers when it last heard
 from each storage node (and its latest usage report) in memory and commits a
 ``Heartbeat`` op only when it changes replicated state (a node back online,
 a target's state or capacity, or usage not written for ``usage_interval``).
-Failure detection uses that memory; a new leader gives every node a full
-``heartbeat_timeout`` from its start as leader. The KV usage a heartbeat
+Failure detection uses that memory; a new leader gives every node
+``NEW_LEADER_GRACE`` x ``heartbeat_timeout`` from its start as leader to be
+heard from (the daemons must find it first). The KV usage a heartbeat
 carries (per pool and target) lives only in that memory: ``ListKVPools``
 answers it, and the logged Heartbeat op is stripped of it.
 
@@ -145,6 +146,12 @@ log = logging.getLogger("tierfs.meta.service")
 _FORWARD_MD = ("authorization", CLIENT_ID_KEY, REQUEST_ID_KEY)
 #: Fragments of replaced chunk versions stay readable this long (seconds).
 DEFAULT_GC_GRACE = 300.0
+#: A new leader waits this many heartbeat timeouts from its start for a node
+#: it has not heard from yet before calling it offline: every daemon must
+#: find the new leader first (a failed call's backoff, the channel's
+#: reconnect, the next beat). With one timeout, a whole-meta restart on a
+#: busy machine marked nodes offline that were beating all along.
+NEW_LEADER_GRACE = 2
 #: gRPC refuses a request larger than this before decoding it (set it as the
 #: server's ``grpc.max_receive_message_length``); requests below it are
 #: checked against the finer caps of tierfs.meta.ops.
@@ -302,7 +309,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def _leadership(self) -> bool:
         """Whether this replica leads; on the first call of a new term as
         leader, reset what belongs to one leadership (time anchor, heartbeat
-        memory: every known node gets a full heartbeat_timeout from now)."""
+        memory: every known node gets NEW_LEADER_GRACE x heartbeat_timeout
+        from now to be heard from)."""
         st = self._r.status()
         if st.role not in ("leader", "standalone"):
             self._lead_term = None
@@ -612,13 +620,20 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._leadership()
 
     def silent_nodes(self) -> list[int]:
-        """Online nodes this leader has not heard from for heartbeat_timeout
-        (counted from its start as leader at the earliest)."""
+        """Online nodes this leader has not heard from for heartbeat_timeout,
+        or, if not at all yet, for NEW_LEADER_GRACE x heartbeat_timeout from
+        its start as leader."""
         if not self.heartbeat_timeout or not self._leadership():
             return []
-        limit = self._mono() - int(self.heartbeat_timeout * 1e9)
+        timeout = int(self.heartbeat_timeout * 1e9)
+        now = self._mono()
+        limit = now - timeout
+        # Not heard from yet in this leadership: twice the timeout from its
+        # start, since a daemon must first find the new leader (docs/meta.md).
+        first = now - NEW_LEADER_GRACE * timeout
         return [n.id for _, n in sorted(self.state.nodes.items())
-                if n.state == pb.NODE_STATE_ONLINE and self._hb_seen.get(n.id, self._lead_since) < limit]
+                if n.state == pb.NODE_STATE_ONLINE
+                and (self._hb_seen[n.id] < limit if n.id in self._hb_seen else self._lead_since < first)]
 
     async def tick(self, force: bool = False) -> bool:
         """Submit one Tick op (expire silent nodes and leases, replace
