@@ -23,13 +23,16 @@ LocalCluster records is the daemon's).
 
     with HostCluster(tmp_path / "hc", n_storage=6, racks=["r0", ..., "r5"]) as hc:
         hc.partition("storage-2"); ...; hc.heal("storage-2")
+        hc.cut("meta-0", "meta-1"); ...; hc.mend("meta-0", "meta-1")
         hc.kill_host("meta-1"); hc.restart_host("meta-1")
         hc.kill_rack("r3")
         out = hc.run_client("client-0", "write", "--dir", "/c", "--files", "4")
 
 ``partition(h)`` sets the host's ``eth0`` down: its packets go nowhere and
 nothing reaches it (connections time out, as with a pulled cable); ``heal``
-sets it up again. Names (bridge, veths, namespaces) carry this process's pid
+sets it up again. ``cut(a, b)`` cuts only the link between two hosts (a
+blackhole route on each side: ``tc`` actions and iptables are not there),
+``mend`` restores it. Names (bridge, veths, namespaces) carry this process's pid
 and a counter, and the subnet is the first free 10.201.<s>.0/24 (chosen under
 a lock file), so parallel runs do not collide; 10.200.x is
 tests/faults/netns.py's. :meth:`close` (also run at interpreter exit, and by
@@ -141,6 +144,7 @@ class Host:
     rack: str = ""
     procs: list[str] = field(default_factory=list)  # LocalCluster process names
     partitioned: bool = False
+    cut: set[str] = field(default_factory=set)  # hosts it cannot reach (HostCluster.cut)
 
 
 class HostCluster:
@@ -244,6 +248,27 @@ class HostCluster:
         h = self.hosts[name]
         _ip("-n", h.ns, "link", "set", "eth0", "up")
         h.partitioned = False
+
+    def cut(self, a: str, b: str) -> None:
+        """Cut the link between hosts ``a`` and ``b`` only: each gets a
+        blackhole route to the other's address, so neither can reach the
+        other (a connect from one side fails at once, from the other it
+        times out, established connections stall), while both still reach
+        every other host and the test's namespace. A partial partition: a
+        meta leader cut from its followers while clients still reach it."""
+        ha, hb = self.hosts[a], self.hosts[b]
+        _ip("-n", ha.ns, "route", "add", "blackhole", f"{hb.ip}/32")
+        _ip("-n", hb.ns, "route", "add", "blackhole", f"{ha.ip}/32")
+        ha.cut.add(b)
+        hb.cut.add(a)
+
+    def mend(self, a: str, b: str) -> None:
+        """Undo :meth:`cut`."""
+        ha, hb = self.hosts[a], self.hosts[b]
+        _ip("-n", ha.ns, "route", "del", "blackhole", f"{hb.ip}/32", check=False)
+        _ip("-n", hb.ns, "route", "del", "blackhole", f"{ha.ip}/32", check=False)
+        ha.cut.discard(b)
+        hb.cut.discard(a)
 
     def reachable(self, name: str, port: int, timeout: float = 1.0) -> bool:
         """Whether the test's namespace can open a TCP connection to ``name:port``."""

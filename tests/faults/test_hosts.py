@@ -15,6 +15,9 @@ One cluster for the module: 3 meta hosts, 9 storage hosts in 6 racks
 * the meta leader's host is partitioned while that client keeps writing:
   the other two elect a leader, the client keeps getting acknowledgements,
   and after the heal the old leader rejoins as a follower;
+* partial partitions (``HostCluster.cut``): the meta leader cut from the
+  other replicas while clients and storage still reach it, and the link
+  between the leader and one follower cut alone;
 * rack loss: every daemon of one rack SIGKILLed, every ec:4+2 file exact,
   and no placement group has two members in one rack.
 """
@@ -94,6 +97,21 @@ def _verify_manifest(hc: HostCluster, files: dict[str, str]) -> None:
     with hc.client() as c:
         for path, want in sorted(files.items()):
             assert hashlib.sha256(c.read_bytes(path)).hexdigest() == want, f"{path}: not what was acknowledged"
+
+
+def _meta(hc: HostCluster, deadline: float = 8.0) -> dict[str, dict[str, Any]]:
+    """Role, term and applied index of each meta replica not partitioned
+    (asked directly, from the test's namespace)."""
+    async def ask() -> dict[str, dict[str, Any]]:
+        out = {}
+        async with MetaClient(hc.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3),
+                              data_dir=str(hc.cl.dir)) as mc:
+            for p in hc.cl.procs:
+                if p.kind == "meta" and not hc.hosts[p.name].partitioned:
+                    st = await mc.status(addr=p.addr)
+                    out[p.name] = {"role": st.role, "term": st.term, "applied_index": st.applied_index}
+        return out
+    return asyncio.run(ask())
 
 
 @pytest.mark.timeout(150)
@@ -203,18 +221,8 @@ def test_meta_follower_host_cut_off_and_healed_leaves_the_leader_alone(hc: HostC
     hc.wait_healthy(60)
     leader = hc.wait_leader()
 
-    def meta(deadline: float = 8.0) -> dict[str, dict[str, Any]]:
-        """Role, term and applied index of each replica that answers."""
-        async def ask() -> dict[str, dict[str, Any]]:
-            out = {}
-            async with MetaClient(hc.meta_addrs, deadline=deadline, attempt_timeout=min(1.0, deadline / 3),
-                                  data_dir=str(hc.cl.dir)) as mc:
-                for p in hc.cl.procs:
-                    if p.kind == "meta" and not hc.hosts[p.name].partitioned:
-                        st = await mc.status(addr=p.addr)
-                        out[p.name] = {"role": st.role, "term": st.term, "applied_index": st.applied_index}
-            return out
-        return asyncio.run(ask())
+    def meta() -> dict[str, dict[str, Any]]:
+        return _meta(hc)
 
     before = meta()
     term = before[leader]["term"]
@@ -247,6 +255,127 @@ def test_meta_follower_host_cut_off_and_healed_leaves_the_leader_alone(hc: HostC
     # It did miss the leader, and asked rather than campaigned.
     assert len(re.findall("asking the others for pre-votes", log_file.read_text(errors="replace"))) > asked
     hc.wait_healthy(60)
+
+
+@pytest.mark.timeout(150)
+def test_meta_leader_cut_from_the_other_replicas_while_clients_reach_it(hc: HostCluster, tmp_path: Path) -> None:
+    """A partial partition: the meta leader's links to the two other
+    replicas are cut, while the clients and the storage hosts still reach
+    it. It cannot commit, so it must step down (leaderFallbackTimeout) and
+    acknowledge nothing: a mutation sent to it alone fails, and is not
+    there after the links are mended (it was in no majority's log). The
+    other two elect a leader; the client host's writes go on through it,
+    and every acknowledged file reads back exactly."""
+    from tierfs.errors import NotFoundError, TierFSError
+
+    hc.wait_healthy(60)
+    out, stop = tmp_path / "loop.out", tmp_path / "stop"
+    loop = hc.start_client("client-0", "loop", "--dir", "/mc", "--size", str(MiB), "--seed", "81",
+                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
+                           "--lease-ms", "6000", out=out)
+    try:
+        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+        old = hc.wait_leader()
+        others = sorted(n for n in _meta(hc) if n != old)
+        for o in others:
+            hc.cut(old, o)
+        cut = time.time()
+        try:
+            async def to_the_old_leader_alone() -> None:
+                async with MetaClient([hc.cl.proc(old).addr], deadline=4.0, attempt_timeout=1.0,
+                                      data_dir=str(hc.cl.dir)) as mc:
+                    await mc.mkdir("/cut-never")
+
+            with pytest.raises(TierFSError):
+                asyncio.run(to_the_old_leader_alone())
+            wait_until(lambda: _meta(hc)[old]["role"] != "leader", 20, f"{old} to step down")
+            new = hc.wait_leader(30, exclude=[old])
+            assert new in others
+            wait_until(lambda: _acked_since(out, cut) >= 2, 45,
+                       f"client host's writes after the leader {old} was cut from the others")
+            first_ack = min(op["t"] + op["s"] for op in _ops(out) if op["ok"] and op["t"] >= cut)
+        finally:
+            for o in others:
+                hc.mend(old, o)
+
+        def rejoined() -> dict[str, dict[str, Any]] | None:
+            now = _meta(hc)
+            lead = next((n for n, m in now.items() if m["role"] == "leader"), "")
+            return now if lead and now[old]["role"] == "follower" \
+                and now[old]["applied_index"] >= now[lead]["applied_index"] else None
+
+        after = wait_until(rejoined, 60, f"{old} to rejoin as a follower and catch up")
+        with hc.client() as c, pytest.raises(NotFoundError):
+            c.stat("/cut-never")
+        hc.wait_healthy(60)
+        print(f"\nmeta leader {old} cut from {others}: new leader {new}; the client host's first "
+              f"acknowledgement after the cut {first_ack - cut:.1f}s later; after mending: {after}")
+    finally:
+        doc = _finish_loop(hc, loop, stop, out)
+    assert doc["files"]
+    _verify_manifest(hc, doc["files"])
+
+
+@pytest.mark.timeout(150)
+def test_meta_link_between_the_leader_and_one_follower_cut(hc: HostCluster, tmp_path: Path) -> None:
+    """Only the link between the leader and one follower is cut; both
+    still reach the third replica, the clients and the storage hosts. The
+    leader keeps its majority with the third, so nothing should change:
+    the cut-off follower finds no leader and asks for pre-votes, and the
+    third, which hears the leader, says no (docs/raft.md, "Pre-vote"). No
+    election, no new term; writes go on, also from a client that knows only
+    the cut-off follower (it names the leader, the client goes there).
+    Mended, the follower catches up."""
+    hc.wait_healthy(60)
+    before = _meta(hc)
+    leader = next(n for n, m in before.items() if m["role"] == "leader")
+    term = before[leader]["term"]
+    follower = sorted(n for n in before if n != leader)[0]
+    log_file = hc.cl.dir / "logs" / f"{follower}.log"
+    asked = len(re.findall("asking the others for pre-votes", log_file.read_text(errors="replace")))
+    out, stop = tmp_path / "loop.out", tmp_path / "stop"
+    loop = hc.start_client("client-0", "loop", "--dir", "/ml1", "--size", str(MiB), "--seed", "82",
+                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
+                           "--lease-ms", "6000", out=out)
+    try:
+        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+        hc.cut(leader, follower)
+        cut = time.time()
+        try:
+            # The follower misses the leader and asks (a condition, not a sleep) ...
+            wait_until(lambda: len(re.findall("asking the others for pre-votes",
+                                              log_file.read_text(errors="replace"))) > asked,
+                       30, f"{follower} to miss the leader")
+            wait_until(lambda: _acked_since(out, cut) >= 3, 45, "client host's writes with the link cut")
+
+            async def through_the_follower() -> None:
+                async with MetaClient([hc.cl.proc(follower).addr], deadline=20.0,
+                                      data_dir=str(hc.cl.dir)) as mc:
+                    await mc.mkdir("/via-cut-follower")
+
+            asyncio.run(through_the_follower())
+            # ... and nobody took it up: same leader, same term.
+            now = _meta(hc)
+            assert now[leader]["role"] == "leader" and all(m["term"] == term for n, m in now.items()
+                                                           if n != follower), now
+        finally:
+            hc.mend(leader, follower)
+
+        def caught_up() -> dict[str, dict[str, Any]] | None:
+            now = _meta(hc)
+            return now if now[follower]["role"] == "follower" \
+                and now[follower]["applied_index"] >= now[leader]["applied_index"] else None
+
+        after = wait_until(caught_up, 60, f"{follower} to catch up after mending")
+        assert after[leader]["role"] == "leader" and {n: m["term"] for n, m in after.items()} == \
+            {n: term for n in after}, f"an election happened: {before} -> {after}"
+        with hc.client() as c:
+            assert c.stat("/via-cut-follower").type == "directory"
+        hc.wait_healthy(60)
+    finally:
+        doc = _finish_loop(hc, loop, stop, out)
+    assert doc["files"]
+    _verify_manifest(hc, doc["files"])
 
 
 def _rack_of_target(hc: HostCluster, health: dict[str, Any]) -> dict[int, str]:

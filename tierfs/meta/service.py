@@ -503,7 +503,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         a failover cost the client no retry round. Returns None when this
         replica itself became the leader meanwhile (answer it here)."""
         left = context.time_remaining()
-        end = time.monotonic() + (left - 0.05 if left is not None else 2 * self.submit_timeout)
+        # Keep some of the caller's time to answer in: a forward that gets
+        # no answer is reported with the leader's address, which the caller
+        # must receive before its own deadline to use.
+        end = time.monotonic() + (left - max(0.05, min(0.5, left * 0.2)) if left is not None
+                                  else 2 * self.submit_timeout)
         hold = min(end, time.monotonic() + self.forward_wait)
         md = tuple((str(k), v) for k, v in (context.invocation_metadata() or ()) if k in _FORWARD_MD)
         md += ((FORWARDED_KEY, getattr(self._r, "grpc_addr", "") or "follower"),)
@@ -535,8 +539,15 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                     # The leader's answer (an error of the call itself): as it came.
                     await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise TimeoutError_(f"{method} forwarded to the leader {addr}: no answer in time "
-                                        "(outcome unknown; retry with the same request id)") from None
+                    # A slow leader, or one cut off from here that the caller
+                    # may still reach (a partial partition; the connection
+                    # stalls rather than fails). Name it: the client retries
+                    # there with the same request id, deduplicated if this
+                    # one did apply. The next forward dials afresh.
+                    self._drop_peer(addr, ch)
+                    raise NotLeaderError(f"{method} forwarded to the leader {addr}: no answer in time "
+                                         "(outcome unknown; ask it directly, with the same request id)",
+                                         leader=addr) from None
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailing)
                 # Not reachable (dead, or cut off from here): wait for another
