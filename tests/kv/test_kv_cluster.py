@@ -241,6 +241,52 @@ def test_replica1_dead_target_is_a_quick_miss_not_a_hang(cl: LocalCluster, clien
         restart(cl, "storage-2")
 
 
+def _first_holders(cl: LocalCluster, pool: str, keys: list[str]) -> tuple[int, dict[str, int]]:
+    """(the pool's group count, the target of copy 0 of each key), from
+    one fresh cluster map."""
+    from tierfs.kv.cluster import group_of
+
+    async def get() -> tuple[int, dict[str, int]]:
+        async with MetaClient(cl.meta_addrs) as mc:
+            pools = await mc.list_kv_pools()
+        p = next(p for p in pools.pools if p.name == pool)
+        n = len(p.groups)
+        return n, {k: int(p.groups[group_of(k.encode(), n)].target_ids[0]) for k in keys} if n else {}
+    return asyncio.run(get())
+
+
+def test_a_node_leaving_remaps_only_its_share_of_keys(cl: LocalCluster, client: Client) -> None:
+    """A storage node dies and the pool is re-planned without it (one group
+    fewer, its members replaced in place). Keys map over the groups by a
+    jump consistent hash, so only the dead node's keys and the last group's
+    move: about half on 4 nodes, where ``xxh3 % groups`` moved three
+    quarters (and 99% on 100 nodes: docs/kv.md). Every key whose holder did
+    not change is still found, and no other."""
+    create_pool(cl, "spread", redundancy="replica:1", target_memory=8 * MiB)
+    pool_ready(client, "spread")
+    keys = [f"sp-{i}" for i in range(400)]
+    n, before = _first_holders(cl, "spread", keys)
+    assert n == 4
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as c:
+        c.kv_pool("spread").batch_put(keys, [payload(k, 2 * KiB) for k in keys])
+    victim = "storage-1"
+    cl.kill(victim)
+    try:
+        wait_for(lambda: _first_holders(cl, "spread", keys)[0] == 3, 60, "the pool re-planned without the victim")
+        _, after = _first_holders(cl, "spread", keys)
+        stayed = {k for k in keys if after[k] == before[k]}
+        with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as c:
+            bufs = [bytearray(2 * KiB) for _ in keys]
+            got = c.kv_pool("spread").batch_get_into(keys, bufs)
+        found = {k for k, g in zip(keys, got, strict=True) if g is not None}
+        assert found == stayed, (f"{len(found - stayed)} found that moved, "
+                                 f"{len(stayed - found)} not found that stayed")
+        assert all(bytes(b) == payload(k, 2 * KiB) for k, g, b in zip(keys, got, bufs, strict=True) if g)
+        assert len(stayed) >= 0.4 * len(keys), f"only {len(stayed)} of {len(keys)} keys kept their holder"
+    finally:
+        restart(cl, victim)
+
+
 def test_restart_keeps_objects_on_disk(cl: LocalCluster, client: Client) -> None:
     create_pool(cl, "disk", redundancy="replica:1", target_memory=1 * MiB, target_disk=32 * MiB)
     pool_ready(client, "disk")

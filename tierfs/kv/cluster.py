@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from tierfs.client.routing import KVPoolRoute, Router
     from tierfs.net import DataClient
 
-__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of"]
+__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of", "jump_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,36 @@ def _ec_agreeing(got: dict[int, tuple[_Tag, memoryview]], k: int) -> tuple[int, 
     return count[tag], (tag if count[tag] >= k else None)
 
 
+#: Jump consistent hash's multiplier (Lamping and Veach, "A Fast, Minimal
+#: Memory, Consistent Hash Algorithm", 2014): a 64-bit LCG step.
+_JUMP_MUL = 2862933555777941757
+_U64 = (1 << 64) - 1
+
+
+def jump_hash(h: int, n: int) -> int:
+    """Jump consistent hash of the 64-bit ``h`` into ``[0, n)``. Going from
+    ``n`` buckets to ``n + 1`` moves exactly the keys that land in the new
+    last bucket (1/(n+1) of them) and no other; going back moves only those.
+    About ln(n) steps."""
+    b, j = -1, 0
+    while j < n:
+        b = j
+        h = (h * _JUMP_MUL + 1) & _U64
+        j = int((b + 1) * (2147483648.0 / ((h >> 33) + 1)))
+    return b
+
+
 def group_of(key: bytes, n_groups: int) -> int:
-    """The index of the pool group ``key`` lives in (stable across clients)."""
-    return xxhash.xxh3_64_intdigest(key) % n_groups
+    """The index of the pool group ``key`` lives in (stable across clients):
+    jump consistent hash of its xxh3_64 over the pool's groups, in order.
+
+    Re-planning keeps group positions (members replaced in place, groups
+    added or dropped at the end: docs/kv_pools.md), so a target joining
+    moves 1/N of the keys and one leaving about 2/N (its own keys, which
+    are gone anyway, and the last group's). ``xxh3 % n`` before this moved
+    nearly every key on any change of the group count: 99% at 100 targets,
+    the whole cache lost to misses when one node joined or left."""
+    return jump_hash(xxhash.xxh3_64_intdigest(key), n_groups)
 
 
 @dataclass
@@ -265,9 +292,8 @@ class ClusterTier:
         groups, n = route.groups, len(route.groups)
         cache: dict[int, list[int]] = {}
         out = []
-        h = xxhash.xxh3_64_intdigest
         for k in keys:
-            g = h(k) % n
+            g = group_of(k, n)
             o = cache.get(g)
             if o is None:
                 o = cache[g] = self._read_order(groups[g])
