@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -376,6 +377,81 @@ def test_meta_link_between_the_leader_and_one_follower_cut(hc: HostCluster, tmp_
         doc = _finish_loop(hc, loop, stop, out)
     assert doc["files"]
     _verify_manifest(hc, doc["files"])
+
+
+#: The bounded partial-partition walk of make test; more with these set (soak).
+NEMESIS_STEPS = int(os.environ.get("TIERFS_HOSTS_NEMESIS_STEPS", "10"))
+NEMESIS_SEED = int(os.environ.get("TIERFS_HOSTS_NEMESIS_SEED", "7"))
+
+
+@pytest.mark.timeout(240 + 10 * NEMESIS_STEPS)
+def test_random_partial_partitions_lose_no_acknowledged_file(hc: HostCluster, tmp_path: Path) -> None:
+    """A nemesis cuts and mends links between hosts at random while the
+    client host writes file after file: meta to meta (the leader isolated
+    from the others now and then, while clients still reach it), meta to
+    storage, storage to storage; several cuts at once. The client host is
+    never cut. Afterwards, with every link mended: the client gets
+    acknowledgements again, the meta replicas agree, the cluster is healthy,
+    and every acknowledged file reads back exactly. Seed and length:
+    TIERFS_HOSTS_NEMESIS_SEED, TIERFS_HOSTS_NEMESIS_STEPS."""
+    rng = random.Random(NEMESIS_SEED)
+    hc.wait_healthy(60)
+    metas = sorted(n for n in hc.hosts if n.startswith("meta-"))
+    storages = sorted(h.name for h in hc.storage_hosts())
+    out, stop = tmp_path / "loop.out", tmp_path / "stop"
+    loop = hc.start_client("client-0", "loop", "--dir", "/nemesis", "--size", str(MiB), "--seed", "83",
+                           "--stop", str(stop), "--max-seconds", str(120 + 10 * NEMESIS_STEPS),
+                           "--request-timeout", "5.0", "--lease-ms", "6000", out=out)
+    history: list[str] = []
+
+    def cut(a: str, b: str) -> None:
+        if b not in hc.hosts[a].cut:
+            hc.cut(a, b)
+            history.append(f"cut {a} {b}")
+
+    def cuts() -> list[tuple[str, str]]:
+        return sorted({tuple(sorted((a, b))) for a in hc.hosts for b in hc.hosts[a].cut})  # type: ignore[misc]
+
+    try:
+        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+        for _ in range(NEMESIS_STEPS):
+            r = rng.random()
+            if cuts() and r < 0.3:
+                a, b = rng.choice(cuts())
+                hc.mend(a, b)
+                history.append(f"mend {a} {b}")
+            elif r < 0.45:
+                try:
+                    lead = hc.leader(deadline=3.0)
+                except Exception:  # no answer in the middle of the faults: isolate a replica at random
+                    lead = ""
+                lead = lead or rng.choice(metas)
+                for o in metas:
+                    if o != lead:
+                        cut(lead, o)
+            elif r < 0.65:
+                cut(*rng.sample(metas, 2))
+            elif r < 0.85:
+                cut(rng.choice(metas), rng.choice(storages))
+            else:
+                cut(*rng.sample(storages, 2))
+            time.sleep(rng.uniform(0.5, 3.0))  # the faults' length
+    finally:
+        for a, b in cuts():
+            hc.mend(a, b)
+    try:
+        healed = time.time()
+        wait_until(lambda: _acked_since(out, healed) >= 2, 60, "client host's writes after every link was mended")
+    finally:
+        doc = _finish_loop(hc, loop, stop, out)
+    wait_until(lambda: len({(m["term"], m["applied_index"]) for m in _meta(hc).values()}) == 1, 60,
+               "the meta replicas to agree")
+    hc.wait_healthy(60)
+    assert doc["files"]
+    _verify_manifest(hc, doc["files"])
+    failed = sum(1 for op in _ops(out) if not op["ok"])
+    print(f"\nnemesis seed {NEMESIS_SEED}, {NEMESIS_STEPS} steps: {'; '.join(history)}; "
+          f"{len(doc['files'])} files acknowledged and exact, {failed} writes failed")
 
 
 def _rack_of_target(hc: HostCluster, health: dict[str, Any]) -> dict[int, str]:
