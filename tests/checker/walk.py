@@ -34,6 +34,11 @@ Operations (``h*``: handle ids; paths are under the checker's directory):
 ``("meta_restart", name)``            start it again
 ``("meta_crash_all",)``               SIGKILL every meta replica at once, start them all
 ====================================  =========================================================
+
+With three meta replicas, :meth:`CheckerCluster.start_meta_nemesis` also
+kills replicas (mostly the leader) from a thread at random moments, so
+that failovers land in the middle of operations; those walks are not
+replayable step for step (soak: ``TIERFS_CHECKER_META_NEMESIS=1``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -117,6 +123,15 @@ class CheckerCluster:
         self.down: dict[str, str] = {}  # storage-<i> -> "killed" | "stopped"
         self.meta_down: set[str] = set()  # meta-<i> SIGKILLed (with n_meta 3)
         self.removed: set[int] = set()  # target ids removed with `target rm`
+        #: The meta nemesis (:meth:`start_meta_nemesis`): every change of the
+        #: meta replicas' processes holds this lock; it acts only while
+        #: ``_nemesis_pauses`` is 0.
+        self._meta_lock = threading.RLock()
+        self._nemesis_pauses = 0
+        self._nemesis: threading.Thread | None = None
+        self._nemesis_stop = threading.Event()
+        #: What the nemesis did: (monotonic time, "kill meta-1" / "start meta-1").
+        self.nemesis_log: list[tuple[float, str]] = []
         self.cl.up(timeout=180)
 
     @property
@@ -166,16 +181,77 @@ class CheckerCluster:
         return asyncio.run(ask())
 
     def meta_kill(self, name: str) -> None:
-        self.cl.kill(name)
-        self.meta_down.add(name)
+        with self._meta_lock:
+            self.cl.kill(name)
+            self.meta_down.add(name)
 
     def meta_restart(self, name: str) -> None:
-        self.cl.start(names=[name], timeout=60)
-        self.meta_down.discard(name)
+        with self._meta_lock:
+            self.cl.start(names=[name], timeout=60)
+            self.meta_down.discard(name)
+
+    # ---- the meta nemesis: leaders killed in the middle of operations --------------
+
+    def start_meta_nemesis(self, seed: int, mean_gap: float = 2.5) -> None:
+        """Kill meta replicas at random moments, from a thread, while the walk
+        runs: the leader 7 times in 10, started again 0.3-2 s later (with
+        one the walk killed, that leaves no quorum meanwhile). Unlike the walk's ``meta_kill`` op (between
+        operations) these land in the middle of calls: a commit, a lease
+        renewal, a batch. Every operation must still succeed or fail as the
+        model says (the client retries through the failover with the same
+        request ids). Not replayable step for step: the timing is the
+        thread's. Paused (:meth:`nemesis_paused`) for heal, scrub and the
+        final checks."""
+        if len(self.metas()) < 3:
+            raise ValueError("the meta nemesis needs three meta replicas (n_meta=3)")
+        rng = random.Random(seed)
+
+        def run() -> None:
+            while not self._nemesis_stop.wait(rng.uniform(0.3, 2 * mean_gap)):
+                with self._meta_lock:
+                    running = [m for m in self.metas() if m not in self.meta_down]
+                    if self._nemesis_pauses or not running:
+                        continue
+                    try:
+                        victim = (self.meta_leader() if rng.random() < 0.7 else None) or rng.choice(running)
+                    except Exception:  # no leader to ask right now: any replica
+                        victim = rng.choice(running)
+                    self.cl.kill(victim)
+                    self.meta_down.add(victim)
+                    self.nemesis_log.append((time.monotonic(), f"kill {victim}"))
+                self._nemesis_stop.wait(rng.uniform(0.3, 2.0))
+                with self._meta_lock:
+                    if victim in self.meta_down:
+                        self.cl.start(names=[victim], timeout=60)
+                        self.meta_down.discard(victim)
+                        self.nemesis_log.append((time.monotonic(), f"start {victim}"))
+
+        self._nemesis_stop.clear()
+        self._nemesis = threading.Thread(target=run, name="meta-nemesis", daemon=True)
+        self._nemesis.start()
+
+    def stop_meta_nemesis(self) -> None:
+        if self._nemesis is not None:
+            self._nemesis_stop.set()
+            self._nemesis.join(120)
+            self._nemesis = None
+
+    @contextlib.contextmanager
+    def nemesis_paused(self) -> Iterator[None]:
+        """No nemesis kill from here to the end of the block (one in
+        progress finishes first: its replica is started again by heal)."""
+        with self._meta_lock:
+            self._nemesis_pauses += 1
+        try:
+            yield
+        finally:
+            with self._meta_lock:
+                self._nemesis_pauses -= 1
 
     def heal(self) -> None:
-        for name in sorted(self.meta_down):
-            self.meta_restart(name)
+        with self._meta_lock:
+            for name in sorted(self.meta_down):
+                self.meta_restart(name)
         for name, how in sorted(self.down.items()):
             if how == "stopped":
                 self.cont(name)
@@ -226,6 +302,7 @@ class CheckerCluster:
         return int(node.target_ids[0])
 
     def close(self) -> None:
+        self.stop_meta_nemesis()
         for name, how in list(self.down.items()):
             if how == "stopped":
                 with contextlib.suppress(ProcessLookupError):
@@ -266,11 +343,17 @@ class ProcessFaults:
     def op_meta_crash_all(self) -> None:
         """SIGKILL every meta replica at once, then start them all: what
         they acknowledged must all be there."""
-        for name in self.env.metas():
-            if name not in self.env.meta_down:
-                self.env.meta_kill(name)
-        self.env.cl.start(names=self.env.metas(), timeout=60)
-        self.env.meta_down.clear()
+        with self.env._meta_lock:
+            for name in self.env.metas():
+                if name not in self.env.meta_down:
+                    self.env.meta_kill(name)
+            self.env.cl.start(names=self.env.metas(), timeout=60)
+            self.env.meta_down.clear()
+
+
+#: Operations the meta nemesis stays out of: they heal the cluster and judge
+#: it against the truth on disk (CheckerCluster.start_meta_nemesis).
+_QUIET_OPS = frozenset({"settle", "scrub", "target_rm"})
 
 
 @dataclass
@@ -319,7 +402,8 @@ class Checker(ProcessFaults):
         self.counts[op[0]] = self.counts.get(op[0], 0) + 1
         t0 = time.monotonic()
         try:
-            getattr(self, "op_" + op[0])(*op[1:])
+            with self.env.nemesis_paused() if op[0] in _QUIET_OPS else contextlib.nullcontext():
+                getattr(self, "op_" + op[0])(*op[1:])
         finally:
             self.seconds[op[0]] = self.seconds.get(op[0], 0.0) + time.monotonic() - t0
 
@@ -814,6 +898,7 @@ class Checker(ProcessFaults):
         for hid in sorted(self.model.handles):
             self.log.append(("close", hid))
             self.op_close(hid)
+        self.env.stop_meta_nemesis()  # the final checks run on a quiet meta
         self.log.append(("settle",))
         self.env.heal()
         self.log.append(("fresh_client",))

@@ -34,6 +34,8 @@ STEPS = int(os.environ.get("TIERFS_CHECKER_STEPS", "150"))
 FIRST_SEED = int(os.environ.get("TIERFS_CHECKER_FIRST_SEED", "100"))
 #: 3: three meta replicas, and meta leaders SIGKILLed during the walks.
 META = int(os.environ.get("TIERFS_CHECKER_META", "1"))
+#: 1 (with META=3): the meta nemesis too, leaders killed in the middle of operations.
+NEMESIS = os.environ.get("TIERFS_CHECKER_META_NEMESIS", "") == "1"
 CS = 64 << 10
 LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
 
@@ -67,13 +69,21 @@ def test_checker_soak(tmp_path: Path) -> None:
             client.set_layout(root, chunk_size=CS, redundancy=red)
             ck = Checker(env, client, root, seed=seed, log_dir=tmp_path / "logs")
             t0 = time.monotonic()
+            kills = len(env.nemesis_log)
+            if NEMESIS:
+                env.start_meta_nemesis(seed)
             try:
                 ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0))
             except CheckFailed as exc:
-                failures.append(str(exc))
+                events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
+                failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))
+            finally:
+                env.stop_meta_nemesis()
             walks.append(f"{kind} seed {seed}: {time.monotonic() - t0:.0f}s, {len(ck.log)} steps, "
                          f"{sum(v for k, v in ck.counts.items() if k.startswith('violation:'))} violations"
-                         + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else ""))
+                         + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
+                         + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the nemesis"
+                            if NEMESIS else ""))
             print(walks[-1], flush=True)
     finally:
         env.close()
