@@ -25,12 +25,14 @@ One cluster for the module: 3 meta hosts, 9 storage hosts in 6 racks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,33 @@ def _verify_manifest(hc: HostCluster, files: dict[str, str]) -> None:
     with hc.client() as c:
         for path, want in sorted(files.items()):
             assert hashlib.sha256(c.read_bytes(path)).hexdigest() == want, f"{path}: not what was acknowledged"
+
+
+@dataclass
+class _Loop:
+    out: Path  # the worker's per-operation JSON lines
+    doc: dict[str, Any] = field(default_factory=dict)  # its last line, once it stopped
+
+
+@contextlib.contextmanager
+def _writing(hc: HostCluster, tmp_path: Path, where: str, seed: int, max_seconds: int = 90) -> Iterator[_Loop]:
+    """The client host writes 1 MiB files one after the other into
+    ``where`` for the block (tests/hosts_worker.py ``loop``; a 6 s lease
+    outlives a meta failover: tests/faults/test_partition.py). The block
+    starts after its first two acknowledgements; after it the worker is
+    stopped and every file it acknowledged must read back exact."""
+    run = _Loop(tmp_path / "loop.out")
+    stop = tmp_path / "stop"
+    proc = hc.start_client("client-0", "loop", "--dir", where, "--size", str(MiB), "--seed", str(seed),
+                           "--stop", str(stop), "--max-seconds", str(max_seconds), "--request-timeout", "5.0",
+                           "--lease-ms", "6000", out=run.out)
+    try:
+        wait_until(lambda: _acked_since(run.out, 0) >= 2, 30, "client host's first writes")
+        yield run
+    finally:
+        run.doc = _finish_loop(hc, proc, stop, run.out)
+    assert run.doc["files"]
+    _verify_manifest(hc, run.doc["files"])
 
 
 def _meta(hc: HostCluster, deadline: float = 8.0) -> dict[str, dict[str, Any]]:
@@ -180,14 +209,10 @@ def test_storage_host_partitioned_mid_write_then_heal(hc: HostCluster, tmp_path:
 
 @pytest.mark.timeout(120)
 def test_meta_leader_host_partitioned_client_host_keeps_working(hc: HostCluster, tmp_path: Path) -> None:
-    out, stop = tmp_path / "loop.out", tmp_path / "stop"
     # A partitioned leader costs a lease renewal one meta attempt (3 s) plus
     # the election: a 6 s lease outlives that (tests/faults/test_partition.py).
-    loop = hc.start_client("client-0", "loop", "--dir", "/ml", "--size", str(MiB), "--seed", "80",
-                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
-                           "--lease-ms", "6000", out=out)
-    try:
-        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+    with _writing(hc, tmp_path, "/ml", 80) as run:
+        out = run.out
         old = hc.wait_leader()
         hc.partition(old)
         cut = time.time()
@@ -205,10 +230,6 @@ def test_meta_leader_host_partitioned_client_host_keeps_working(hc: HostCluster,
         hc.wait_healthy(60)
         print(f"\nmeta leader {old} partitioned: new leader {new}; the client host's first acknowledgement after "
               f"the cut {first_ack - cut:.1f}s later; after heal: {roles}")
-    finally:
-        doc = _finish_loop(hc, loop, stop, out)
-    assert doc["files"]
-    _verify_manifest(hc, doc["files"])
 
 
 @pytest.mark.timeout(120)
@@ -270,12 +291,8 @@ def test_meta_leader_cut_from_the_other_replicas_while_clients_reach_it(hc: Host
     from tierfs.errors import NotFoundError, TierFSError
 
     hc.wait_healthy(60)
-    out, stop = tmp_path / "loop.out", tmp_path / "stop"
-    loop = hc.start_client("client-0", "loop", "--dir", "/mc", "--size", str(MiB), "--seed", "81",
-                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
-                           "--lease-ms", "6000", out=out)
-    try:
-        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+    with _writing(hc, tmp_path, "/mc", 81) as run:
+        out = run.out
         old = hc.wait_leader()
         others = sorted(n for n in _meta(hc) if n != old)
         for o in others:
@@ -311,10 +328,6 @@ def test_meta_leader_cut_from_the_other_replicas_while_clients_reach_it(hc: Host
         hc.wait_healthy(60)
         print(f"\nmeta leader {old} cut from {others}: new leader {new}; the client host's first "
               f"acknowledgement after the cut {first_ack - cut:.1f}s later; after mending: {after}")
-    finally:
-        doc = _finish_loop(hc, loop, stop, out)
-    assert doc["files"]
-    _verify_manifest(hc, doc["files"])
 
 
 @pytest.mark.timeout(150)
@@ -334,12 +347,8 @@ def test_meta_link_between_the_leader_and_one_follower_cut(hc: HostCluster, tmp_
     follower = sorted(n for n in before if n != leader)[0]
     log_file = hc.cl.dir / "logs" / f"{follower}.log"
     asked = len(re.findall("asking the others for pre-votes", log_file.read_text(errors="replace")))
-    out, stop = tmp_path / "loop.out", tmp_path / "stop"
-    loop = hc.start_client("client-0", "loop", "--dir", "/ml1", "--size", str(MiB), "--seed", "82",
-                           "--stop", str(stop), "--max-seconds", "90", "--request-timeout", "5.0",
-                           "--lease-ms", "6000", out=out)
-    try:
-        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
+    with _writing(hc, tmp_path, "/ml1", 82) as run:
+        out = run.out
         hc.cut(leader, follower)
         cut = time.time()
         try:
@@ -373,10 +382,6 @@ def test_meta_link_between_the_leader_and_one_follower_cut(hc: HostCluster, tmp_
         with hc.client() as c:
             assert c.stat("/via-cut-follower").type == "directory"
         hc.wait_healthy(60)
-    finally:
-        doc = _finish_loop(hc, loop, stop, out)
-    assert doc["files"]
-    _verify_manifest(hc, doc["files"])
 
 
 #: The bounded partial-partition walk of make test; more with these set (soak).
@@ -398,10 +403,6 @@ def test_random_partial_partitions_lose_no_acknowledged_file(hc: HostCluster, tm
     hc.wait_healthy(60)
     metas = sorted(n for n in hc.hosts if n.startswith("meta-"))
     storages = sorted(h.name for h in hc.storage_hosts())
-    out, stop = tmp_path / "loop.out", tmp_path / "stop"
-    loop = hc.start_client("client-0", "loop", "--dir", "/nemesis", "--size", str(MiB), "--seed", "83",
-                           "--stop", str(stop), "--max-seconds", str(120 + 10 * NEMESIS_STEPS),
-                           "--request-timeout", "5.0", "--lease-ms", "6000", out=out)
     history: list[str] = []
 
     def cut(a: str, b: str) -> None:
@@ -412,46 +413,42 @@ def test_random_partial_partitions_lose_no_acknowledged_file(hc: HostCluster, tm
     def cuts() -> list[tuple[str, str]]:
         return sorted({tuple(sorted((a, b))) for a in hc.hosts for b in hc.hosts[a].cut})  # type: ignore[misc]
 
-    try:
-        wait_until(lambda: _acked_since(out, 0) >= 2, 30, "client host's first writes")
-        for _ in range(NEMESIS_STEPS):
-            r = rng.random()
-            if cuts() and r < 0.3:
-                a, b = rng.choice(cuts())
+    with _writing(hc, tmp_path, "/nemesis", 83, max_seconds=120 + 10 * NEMESIS_STEPS) as run:
+        try:
+            for _ in range(NEMESIS_STEPS):
+                r = rng.random()
+                if cuts() and r < 0.3:
+                    a, b = rng.choice(cuts())
+                    hc.mend(a, b)
+                    history.append(f"mend {a} {b}")
+                elif r < 0.45:
+                    try:
+                        lead = hc.leader(deadline=3.0)
+                    except Exception:  # no answer in the middle of the faults: isolate a replica at random
+                        lead = ""
+                    lead = lead or rng.choice(metas)
+                    for o in metas:
+                        if o != lead:
+                            cut(lead, o)
+                elif r < 0.65:
+                    cut(*rng.sample(metas, 2))
+                elif r < 0.85:
+                    cut(rng.choice(metas), rng.choice(storages))
+                else:
+                    cut(*rng.sample(storages, 2))
+                time.sleep(rng.uniform(0.5, 3.0))  # the faults' length
+        finally:
+            for a, b in cuts():
                 hc.mend(a, b)
-                history.append(f"mend {a} {b}")
-            elif r < 0.45:
-                try:
-                    lead = hc.leader(deadline=3.0)
-                except Exception:  # no answer in the middle of the faults: isolate a replica at random
-                    lead = ""
-                lead = lead or rng.choice(metas)
-                for o in metas:
-                    if o != lead:
-                        cut(lead, o)
-            elif r < 0.65:
-                cut(*rng.sample(metas, 2))
-            elif r < 0.85:
-                cut(rng.choice(metas), rng.choice(storages))
-            else:
-                cut(*rng.sample(storages, 2))
-            time.sleep(rng.uniform(0.5, 3.0))  # the faults' length
-    finally:
-        for a, b in cuts():
-            hc.mend(a, b)
-    try:
         healed = time.time()
-        wait_until(lambda: _acked_since(out, healed) >= 2, 60, "client host's writes after every link was mended")
-    finally:
-        doc = _finish_loop(hc, loop, stop, out)
+        wait_until(lambda: _acked_since(run.out, healed) >= 2, 60, "client host's writes after every link was mended")
+    # (every acknowledged file was read back exact as the block ended)
     wait_until(lambda: len({(m["term"], m["applied_index"]) for m in _meta(hc).values()}) == 1, 60,
                "the meta replicas to agree")
     hc.wait_healthy(60)
-    assert doc["files"]
-    _verify_manifest(hc, doc["files"])
-    failed = sum(1 for op in _ops(out) if not op["ok"])
+    failed = sum(1 for op in _ops(run.out) if not op["ok"])
     print(f"\nnemesis seed {NEMESIS_SEED}, {NEMESIS_STEPS} steps: {'; '.join(history)}; "
-          f"{len(doc['files'])} files acknowledged and exact, {failed} writes failed")
+          f"{len(run.doc['files'])} files acknowledged and exact, {failed} writes failed")
 
 
 def _rack_of_target(hc: HostCluster, health: dict[str, Any]) -> dict[int, str]:
