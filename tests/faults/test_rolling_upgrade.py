@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "1e2954b6594269a348a29d3339f2cd64884a1d1b"
+PREVIOUS = "6e89d9b837288c3fb59d1c633b0c54e359ee14e7"
 
 REPO = Path(__file__).resolve().parents[2]
 
