@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -387,6 +388,52 @@ class TierConformance:
         run(main())
 
 
+    # -- expiry ------------------------------------------------------------------
+
+    @pytest.mark.timeout(60)
+    def test_an_object_is_gone_at_its_deadline(self, tier: Tier) -> None:
+        async def main() -> None:
+            short, keep, late = b"exp-short", b"exp-none", b"exp-late"
+            deadline = time.monotonic() + 1.0
+            assert await tier.put(short, memoryview(pattern(short, 5000)), expires=deadline)
+            assert await tier.put(keep, memoryview(pattern(keep, 5000)))
+            # already past: not stored, and nothing changes
+            assert not await tier.put(late, memoryview(pattern(late, 5000)), expires=time.monotonic() - 1)
+            assert await tier.contains([short, keep, late]) == [True, True, False]
+            out = bytearray(5000)
+            assert await tier.get_into(short, memoryview(out)) == 5000 and out == pattern(short, 5000)
+            # what a TierStack promotes it with, asked right after a hit (the
+            # cluster's daemons start the TTL on arrival: a network hop later)
+            assert 0 < tier.expiry_of(short) <= deadline + 0.1
+            while time.monotonic() <= deadline + 0.1:
+                await asyncio.sleep(0.05)
+            assert await tier.get_into(short, memoryview(out)) is None
+            assert await tier.contains([short, keep]) == [False, True]
+            assert await tier.size_of(short) is None
+            assert await tier.get_into(keep, memoryview(out)) == 5000 and out == pattern(keep, 5000)
+            # the key is free again: a new value without expiry stays
+            fresh = pattern(b"fresh", 5000)
+            assert await tier.put(short, memoryview(fresh))
+            assert await tier.get_into(short, memoryview(out)) == 5000 and out == fresh
+
+        run(main())
+
+    @pytest.mark.timeout(60)
+    def test_a_live_object_with_an_expiry_is_served_until_then(self, tier: Tier) -> None:
+        async def main() -> None:
+            k = b"exp-long"
+            deadline = time.monotonic() + 600
+            assert await tier.put(k, memoryview(pattern(k, 70_000)), expires=deadline)
+            assert not await tier.put(k, memoryview(pattern(b"other", 70_000)))  # held: a no-op
+            out = bytearray(70_000)
+            assert await tier.get_into(k, memoryview(out)) == 70_000 and out == pattern(k, 70_000)
+            assert await tier.size_of(k) == 70_000
+            assert await tier.delete(k)
+            assert await tier.get_into(k, memoryview(out)) is None
+
+        run(main())
+
+
 class DemotingTierConformance(TierConformance):
     """TierConformance plus ``on_evict``: for tiers that demote their victims."""
 
@@ -396,8 +443,9 @@ class DemotingTierConformance(TierConformance):
         size = 100_000
         seen: dict[bytes, bytes] = {}
 
-        async def on_evict(key: bytes, view: memoryview) -> None:
+        async def on_evict(key: bytes, view: memoryview, expires: float) -> None:
             await asyncio.sleep(0)  # a demotion takes time; the slot must stay put
+            assert expires == 0.0
             seen[key] = bytes(view)
 
         t.on_evict = on_evict
@@ -415,5 +463,34 @@ class DemotingTierConformance(TierConformance):
             for k, v in seen.items():
                 assert v == pattern(k, size), k
             assert t.stats().evictions == len(seen)
+
+        run(main())
+
+    @pytest.mark.timeout(60)
+    def test_victims_go_down_with_their_expiry_and_expired_ones_not_at_all(self, new_tier: TierFactory) -> None:
+        t = new_tier(1 * MiB)
+        size = 100_000
+        seen: dict[bytes, float] = {}
+
+        async def on_evict(key: bytes, view: memoryview, expires: float) -> None:
+            seen[key] = expires
+
+        t.on_evict = on_evict
+
+        async def main() -> None:
+            soon = time.monotonic() + 0.5
+            later = time.monotonic() + 600
+            assert await t.put(b"soon", memoryview(pattern(b"soon", size)), expires=soon)
+            assert await t.put(b"later", memoryview(pattern(b"later", size)), expires=later)
+            while time.monotonic() <= soon:
+                await asyncio.sleep(0.05)
+            # fill the tier: "soon" has expired (its space comes back without
+            # a demotion), "later" is evicted and handed down with its deadline
+            for i in range(30):
+                k = f"fill{i}".encode()
+                assert await t.put(k, memoryview(pattern(k, size)))
+            assert b"soon" not in seen
+            assert seen.get(b"later") == later
+            assert all(v == 0.0 for k, v in seen.items() if k.startswith(b"fill"))
 
         run(main())

@@ -601,6 +601,39 @@ def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, cli
         assert other.kv.get(key) == new
 
 
+@pytest.mark.parametrize("pool", ["default", "ttl-ec"])
+def test_local_tiers_drop_an_object_when_its_cluster_ttl_runs_out(cl: LocalCluster, client: Client, tmp_path: Path,
+                                                                  pool: str) -> None:
+    """A client with DRAM and SSD tiers keeps a copy of an object with a TTL
+    no longer than the cluster keeps it, whether it put the object itself or
+    fetched one another client put (the daemons' answer carries the time the
+    object has left). Before, its gets went on returning the expired value
+    from its own tiers."""
+    if pool != "default":
+        create_pool(cl, pool, redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+        pool_ready(client, pool)
+    mine, theirs, kept = f"ttl-mine-{pool}", f"ttl-theirs-{pool}", f"ttl-kept-{pool}"
+    other = client.kv_pool(pool)  # no local tiers
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB, kv_ssd_bytes=8 * MiB, kv_ssd_path=str(tmp_path / "ssd"),
+                kv_timeout=1.0, request_timeout=2.0) as c:
+        kv = c.kv_pool(pool)
+        other.put(theirs, payload(theirs, 30 * KiB), ttl=2.0)
+        assert kv.put(mine, payload(mine, 30 * KiB), ttl=2.0)
+        assert kv.put(kept, payload(kept, 30 * KiB))
+        assert kv.get(theirs) == payload(theirs, 30 * KiB)  # now in the local tiers too
+        bufs = [bytearray(30 * KiB) for _ in range(3)]
+        assert kv.batch_get_into([mine, theirs, kept], bufs) == [30 * KiB] * 3
+        hits = kv.stats()["cluster"]["hits"]
+        # the three are served locally now: no request reaches the cluster
+        assert kv.get(mine) == payload(mine, 30 * KiB) and kv.get(theirs) == payload(theirs, 30 * KiB)
+        assert kv.stats()["cluster"]["hits"] == hits
+        wait_for(lambda: other.get(mine) is None and other.get(theirs) is None, 20, "the cluster's TTLs to run out")
+        assert kv.get(mine) is None and kv.get(theirs) is None
+        assert kv.batch_get_into([mine, theirs, kept], bufs) == [None, None, 30 * KiB]
+        assert bytes(bufs[2]) == payload(kept, 30 * KiB)
+        assert kv.batch_exists([kept, mine]) == 1
+
+
 def test_reads_with_no_map_while_meta_is_down_are_misses(cl: LocalCluster, client: Client) -> None:
     """A client that has no map of the pool yet while meta cannot be reached
     (found by the KV checker with meta faults: a fresh client's batch get

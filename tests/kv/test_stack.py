@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,40 @@ def test_hit_below_promotes_upward(tmp_path: Path) -> None:
         # a miss everywhere
         assert await s.get_into(b"nowhere", out) is None
         await s.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_expiry_goes_with_every_copy(tmp_path: Path) -> None:
+    """An object put with an expiry keeps it when it is promoted from the
+    bottom or demoted from the top; write-back copies carry it too. Past it,
+    no tier serves the object."""
+    async def main() -> None:
+        for write_back in (False, True):
+            (tmp_path / str(write_back)).mkdir()
+            dram, ssd, bottom = three(tmp_path / str(write_back))
+            s = TierStack([dram, ssd, bottom], write_back=write_back)
+            deadline = time.monotonic() + 1.5
+            assert await bottom.put(b"cold", memoryview(pattern(b"cold", SIZE)), expires=deadline)
+            out = bytearray(SIZE)
+            assert await s.get_into(b"cold", out) == SIZE  # promoted into dram and ssd
+            assert dram.expiry_of(b"cold") == ssd.expiry_of(b"cold") == deadline
+            assert await s.put(b"hot", memoryview(pattern(b"hot", SIZE)), expires=deadline)
+            await s.flush()
+            assert bottom.expiry_of(b"hot") == ssd.expiry_of(b"hot") == deadline
+            # fill dram: both are demoted into ssd (which has them) or beyond
+            for i in range(40):
+                assert await s.put(key(i), memoryview(pattern(key(i), SIZE)))
+            await s.flush()
+            assert await dram.contains([b"cold", b"hot"]) == [False, False]
+            assert await s.get_into(b"hot", out) == SIZE and out == pattern(b"hot", SIZE)
+            assert dram.expiry_of(b"hot") == deadline
+            while time.monotonic() <= deadline:
+                await asyncio.sleep(0.05)
+            assert await s.get_into(b"hot", out) is None and await s.get_into(b"cold", out) is None
+            assert await s.contains([b"hot", b"cold", key(39)]) == [False, False, True]
+            await s.close()
 
     run(main())
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,9 +122,10 @@ class AsyncKV:
             got = await self._local_get_bytes(k)
             if got is not None:
                 return got
-        value = await self.cluster.get(k)
+        expiries: list[float] = []
+        value = await self.cluster.get(k, expiries)
         if value is not None and self._local is not None:
-            await self._local.stack.put(self._lk(k), memoryview(value))
+            await self._local.stack.put(self._lk(k), memoryview(value), expires=expiries[0])
         return value
 
     async def exists(self, key: str | bytes) -> bool:
@@ -162,13 +164,16 @@ class AsyncKV:
         pin_ttl_ms = _ttl_ms(pin_ttl, "pin_ttl")
         if self._local is not None:
             parent: bytes | None = None
+            # the local copies expire no later than the cluster's, whose TTL
+            # starts when the daemons have the object
+            expires = time.monotonic() + ttl_ms / 1000 if ttl_ms else 0.0
             for k, v in zip(ks, views, strict=True):
                 if overwrite:
                     # A local tier's put keeps what it holds (content
                     # addressing): the old value would go on being served
                     # here, to the client that overwrote it.
                     await self._local.stack.delete(self._lk(k))
-                await self._local.stack.put(self._lk(k), v, parent=parent)
+                await self._local.stack.put(self._lk(k), v, parent=parent, expires=expires)
                 parent = self._lk(k)
         if self._write_back and not overwrite and not ttl_ms and not pin_kind:
             await self._queue_write_back(ks, views)
@@ -201,11 +206,12 @@ class AsyncKV:
                     out[i] = n
             todo = rest
         if todo:
-            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo])
-            for i, n in zip(todo, got, strict=True):
+            expiries: list[float] = []
+            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
+            for i, n, exp in zip(todo, got, expiries, strict=True):
                 out[i] = n
                 if n is not None and self._local is not None:
-                    await self._local.stack.put(self._lk(ks[i]), views[i][:n])
+                    await self._local.stack.put(self._lk(ks[i]), views[i][:n], expires=exp)
         for i, n in enumerate(out):
             size = itemsize_of(bufs[i])
             if n is not None and n % size:
@@ -258,14 +264,15 @@ class AsyncKV:
         for k, hit in zip(ks, local, strict=True):
             if hit:
                 continue
+            expiries: list[float] = []
             try:
-                value = await self.cluster.get(k)
+                value = await self.cluster.get(k, expiries)
             except TierFSError:
                 value = None
             if value is None:
                 self.counters["prefetch_misses"] += 1
                 continue
-            await self._local.stack.put(self._lk(k), memoryview(value))
+            await self._local.stack.put(self._lk(k), memoryview(value), expires=expiries[0])
             self.counters["prefetched"] += 1
 
     async def pin(self, key: str | bytes, *, hard: bool = False, ttl: float | None = None) -> bool:

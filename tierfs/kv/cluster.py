@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,18 @@ def _ec_fragment(v: Any, j: int) -> tuple[_Tag, memoryview] | None:
     if len(mv) >= _LEN.size:
         return (1, _LEN.unpack_from(mv, len(mv) - _LEN.size)[0], 0), mv[:len(mv) - _LEN.size]
     return None
+
+
+def expiry_at(t0: float, ttl_ms: int) -> float:
+    """The ``time.monotonic()`` deadline of an object a daemon said, in an
+    answer to a request sent at ``t0``, has ``ttl_ms`` left (0.0: none).
+    Counted from the request, not the answer: never later than the daemon's."""
+    return t0 + ttl_ms / 1000 if ttl_ms else 0.0
+
+
+def _soonest(ttls: Sequence[int]) -> int:
+    """The shortest of the TTLs that are set (0: none is)."""
+    return min((t for t in ttls if t), default=0)
 
 
 def _ec_agreeing(got: dict[int, tuple[_Tag, memoryview]], k: int) -> tuple[int, _Tag | None]:
@@ -400,16 +413,24 @@ class ClusterTier:
 
     # ---- get ---------------------------------------------------------------------
 
-    async def get_into(self, key: bytes, dest: memoryview) -> int | None:
+    async def get_into(self, key: bytes, dest: memoryview, expiries: list[float] | None = None) -> int | None:
+        """The object into ``dest``: its size, or None. ``expiries``, if
+        given, gets its ``time.monotonic()`` deadline appended (0.0: no TTL,
+        or a miss): how long a copy of it may be kept."""
         route = self.router.kv_pools.get(self.pool) or await self._read_route(1)
         if route is None:
+            if expiries is not None:
+                expiries.append(0.0)
             return None
         if route.copies == 0:
-            return (await self._ec_get(route, [key], [dest]))[0]
+            return (await self._ec_get(route, [key], [dest], expiries))[0]
         # One key: one request on the lightest path (no batch grouping).
+        ttls: list[int] | None = None if expiries is None else []
         for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+            t0 = time.monotonic()
             try:
-                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)))
+                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)),
+                                                ttls=ttls)
             except InvalidArgumentError:
                 self.counters.errors += 1
                 raise
@@ -422,35 +443,47 @@ class ClusterTier:
                 if attempt:
                     self.counters.fallbacks += 1
                     self.router.mark_ok(t)
+                if expiries is not None and ttls:
+                    expiries.append(expiry_at(t0, ttls[-1]))
                 return n
         self.counters.misses += 1
+        if expiries is not None:
+            expiries.append(0.0)
         return None
 
-    async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
+    async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview],
+                             expiries: list[float] | None = None) -> list[int | None]:
         """Each object straight into its buffer: its size, or None (a miss).
         One request per key to its first usable copy, all keys of one server
-        in one write; misses and errors retry on the next copy."""
+        in one write; misses and errors retry on the next copy. ``expiries``:
+        as for ``get_into``, one entry per key."""
         route = await self._read_route(len(keys))
         if route is None:
+            if expiries is not None:
+                expiries.extend([0.0] * len(keys))
             return [None] * len(keys)
         if route.copies == 0:
-            return await self._ec_get(route, keys, dests)
+            return await self._ec_get(route, keys, dests, expiries)
         out: list[int | None] = [None] * len(keys)
+        deadlines = [0.0] * len(keys)
         orders = self._orders(route, keys)
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         too_small: InvalidArgumentError | None = None
         while todo:
             items = [(orders[i][attempt], route.pool_id, keys[i], dests[i]) for i in todo]
-            res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3))
+            ttls: list[int] = []
+            t0 = time.monotonic()
+            res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3), ttls=ttls)
             again: list[int] = []
-            for i, r in zip(todo, res, strict=True):
+            for i, r, ttl in zip(todo, res, ttls, strict=True):
                 if isinstance(r, TierFSError):
                     if isinstance(r, InvalidArgumentError) and too_small is None:
                         too_small = r
                     self._failed(orders[i][attempt], r)
                 elif r is not None:
                     out[i] = r
+                    deadlines[i] = expiry_at(t0, ttl)
                     self.router.mark_ok(orders[i][attempt])
                     self.counters.hits += 1
                     self.counters.bytes_out += r
@@ -464,6 +497,8 @@ class ClusterTier:
         self.counters.misses += sum(1 for r in out if r is None)
         if too_small is not None and len(keys) == 1:
             raise too_small
+        if expiries is not None:
+            expiries.extend(deadlines)
         return out
 
     # ---- exists / delete / pin ---------------------------------------------------------
@@ -533,16 +568,25 @@ class ClusterTier:
                 self._failed(t, exc)
         return found
 
-    async def get(self, key: bytes) -> bytes | None:
-        """The value as ``bytes`` (any size), or None."""
+    async def get(self, key: bytes, expiries: list[float] | None = None) -> bytes | None:
+        """The value as ``bytes`` (any size), or None. ``expiries``: as for
+        ``get_into``."""
+        t0 = time.monotonic()
+        ttls: list[int] = []
+        value = await self._get_bytes(key, ttls)
+        if expiries is not None:
+            expiries.append(expiry_at(t0, ttls[-1]) if value is not None and ttls else 0.0)
+        return value
+
+    async def _get_bytes(self, key: bytes, ttls: list[int]) -> bytes | None:
         route = await self._read_route(1)
         if route is None:
             return None
         if route.copies == 0:
-            return await self._ec_get_bytes(route, key)
+            return await self._ec_get_bytes(route, key, ttls)
         for attempt, t in enumerate(self._read_order(self._targets(route, key))):
             try:
-                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout)
+                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
@@ -554,16 +598,20 @@ class ClusterTier:
         self.counters.misses += 1
         return None
 
-    async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes) -> bytes | None:
+    async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes, ttls: list[int]) -> bytes | None:
         targets = self._targets(route, key)
         order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+        frag_ttl: dict[int, int] = {}
 
         async def one(j: int) -> tuple[int, bytes | None]:
+            got: list[int] = []
             try:
-                return j, await self.data.kv_get(targets[j], route.pool_id, key, timeout=self.timeout)
+                v = await self.data.kv_get(targets[j], route.pool_id, key, timeout=self.timeout, ttls=got)
             except TierFSError as exc:
                 self._failed(targets[j], exc)
                 return j, None
+            frag_ttl[j] = got[-1]
+            return j, v
 
         got: dict[int, tuple[_Tag, memoryview]] = {}
         pos = 0
@@ -581,6 +629,7 @@ class ClusterTier:
             return None
         self.counters.hits += 1
         self.counters.bytes_out += len(value)
+        ttls.append(_soonest([frag_ttl[j] for j, (t, _) in got.items() if t == tag]))
         return bytes(value)
 
     def _ec_decode(self, route: KVPoolRoute, got: dict[int, tuple[_Tag, memoryview]],
@@ -704,9 +753,12 @@ class ClusterTier:
                 self.counters.put_skipped += 1
         return out
 
-    async def _ec_get(self, route: KVPoolRoute, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[int | None]:
+    async def _ec_get(self, route: KVPoolRoute, keys: Sequence[bytes], dests: Sequence[memoryview],
+                      expiries: list[float] | None = None) -> list[int | None]:
         out: list[int | None] = []
         for key, dest in zip(keys, dests, strict=True):
+            frag_ttl: dict[int, int] = {}
+            t0 = time.monotonic()
             targets = self._targets(route, key)
             cap = -(-len(dest) // route.k) + _TRAILER.size
             bufs = [memoryview(bytearray(cap)) for _ in targets]
@@ -722,8 +774,10 @@ class ClusterTier:
                 want = order[pos:pos + route.k - have]
                 pos += len(want)
                 reqs = [(targets[j], route.pool_id, key, bufs[j]) for j in want]
-                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3))
-                for j, r in zip(want, res, strict=True):
+                ttls: list[int] = []
+                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
+                for j, r, ttl in zip(want, res, ttls, strict=True):
+                    frag_ttl[j] = ttl
                     if isinstance(r, InvalidArgumentError):
                         too_small = True
                     elif isinstance(r, TierFSError):
@@ -739,6 +793,8 @@ class ClusterTier:
                 # not match the value's CRC: a miss, never mixed bytes.
                 self.counters.misses += 1
                 out.append(None)
+                if expiries is not None:
+                    expiries.append(0.0)
                 continue
             size = len(value)
             if size > len(dest):
@@ -747,10 +803,17 @@ class ClusterTier:
             self.counters.hits += 1
             self.counters.bytes_out += size
             out.append(size)
+            if expiries is not None:
+                expiries.append(expiry_at(t0, _soonest([frag_ttl[j] for j, (t, _) in got.items() if t == tag])))
         return out
 
 
 _CODECS: dict[tuple[int, int], Any] = {}
+
+#: Deadlines of hits with a TTL a ClusterKVTier remembers for ``expiry_of``,
+#: the oldest dropped first. A TierStack asks right after the hit, with no
+#: await between, so the one it asks for is always there.
+_EXPIRIES_KEPT = 4096
 
 
 class ClusterKVTier(Tier):
@@ -793,6 +856,7 @@ class ClusterKVTier(Tier):
         self.target_budget = 0
         self.counters = ClusterStats(name=name)
         self._usage = (0, 0, 0)  # objects, used, evictions, as last reported
+        self._expiry: dict[bytes, float] = {}  # key -> deadline, from the last hits with a TTL
         self._client: AsyncClient | None = None
         self._tier: ClusterTier | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -844,7 +908,7 @@ class ClusterKVTier(Tier):
         used = sum(u.disk_used if p.target_disk else u.memory_used for u in us)
         self._usage = (sum(u.objects for u in us), used, sum(u.evictions for u in us))
 
-    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None) -> bool:
+    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, expires: float = 0.0) -> bool:
         src = source_view(buf)
         key = check_key(key)
         tier = await self._inner()
@@ -853,8 +917,14 @@ class ClusterKVTier(Tier):
         # pool) can never be stored: not stored, as with any tier.
         if self.target_budget and -(-len(src) // (route.k or 1)) > self.target_budget:
             return False
+        ttl_ms = 0
+        if expires:
+            # what is left, rounded down, counted from just before the send
+            ttl_ms = int((expires - time.monotonic()) * 1000)
+            if ttl_ms <= 0:
+                return False
         try:
-            return await tier.put(key, src, parent=parent)
+            return await tier.put(key, src, parent=parent, ttl_ms=ttl_ms)
         except InvalidArgumentError as exc:
             # The daemon's refusal of an object its watermark can never admit.
             if "can never fit" in str(exc):
@@ -865,14 +935,29 @@ class ClusterKVTier(Tier):
         d = dest_view(dest)
         key = check_key(key)
         tier = await self._inner()
+        expiries: list[float] = []
         try:
-            return await tier.get_into(key, d)
+            n = await tier.get_into(key, d, expiries)
         except InvalidArgumentError:
             size = await tier.size_of(key)
             if size is not None and size > len(d):
                 raise InvalidArgumentError(
                     f"destination of {len(d)} bytes is smaller than object {key!r} of {size} bytes") from None
             raise
+        exp = self._expiry
+        if expiries and expiries[0]:
+            exp.pop(key, None)
+            exp[key] = expiries[0]
+            if len(exp) > _EXPIRIES_KEPT:
+                del exp[next(iter(exp))]
+        elif exp:
+            exp.pop(key, None)
+        return n
+
+    def expiry_of(self, key: bytes) -> float:
+        """The deadline the daemons gave with this client's last hit on
+        ``key`` (0.0: none, or not known): what a TierStack promotes it with."""
+        return self._expiry.get(key, 0.0)
 
     async def size_of(self, key: bytes) -> int | None:
         key = check_key(key)
@@ -886,6 +971,7 @@ class ClusterKVTier(Tier):
 
     async def delete(self, key: bytes) -> bool:
         key = check_key(key)
+        self._expiry.pop(key, None)
         return await (await self._inner()).delete(key)
 
     def stats(self) -> TierStats:

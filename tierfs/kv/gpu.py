@@ -312,13 +312,13 @@ class GpuTier(_ExtentTier):
             if e.size:
                 s.tensor[: e.size].copy_(self._arena[e.pos : e.end], non_blocking=True)
                 _sync({self.device})
-            await cb(e.key, s.view[: e.size].toreadonly())
+            await cb(e.key, s.view[: e.size].toreadonly(), e.expires)
         finally:
             self._staging.release(s)
 
     # the interface -----------------------------------------------------------------
 
-    async def put(self, key: bytes, buf: Any, *, parent: bytes | None = None) -> bool:
+    async def put(self, key: bytes, buf: Any, *, parent: bytes | None = None, expires: float = 0.0) -> bool:
         self._check_open()
         if is_cuda_tensor(buf):
             src: Any = cuda_bytes(buf, "the value")
@@ -328,7 +328,7 @@ class GpuTier(_ExtentTier):
             size = src.nbytes
         key = check_key(key)
         # The same steps as _ExtentTier.put, for a source that may be a tensor.
-        if key in self._index or key in self._writing:
+        if not self._may_put(key, expires):
             return False
         units = max(1, -(-size // self.unit))
         if units > self._alloc.total or not self._policy.admit(key, size):
@@ -349,12 +349,7 @@ class GpuTier(_ExtentTier):
             self._writing.discard(key)
         if self._closed:
             return False
-        self._index[key] = e
-        self._used += size
-        self._policy.on_insert(key, size, parent)
-        self.puts += 1
-        self.bytes_in += size
-        self._wake()
+        self._insert(e, expires, parent)
         return True
 
     async def get_into(self, key: bytes, dest: Any) -> int | None:
@@ -362,7 +357,7 @@ class GpuTier(_ExtentTier):
         d: Any = cuda_bytes(dest, "the destination") if cuda else dest_view(dest)
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        e = self._index.get(key)
+        key, e = self._lookup(key)
         if e is None:
             self.misses += 1
             self._policy.on_miss(key)

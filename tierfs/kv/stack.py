@@ -11,6 +11,9 @@
   may reuse its buffer at once). The queue is bounded: a put waits when it is
   full. ``flush()`` waits until it is empty. Write-back needs a top tier that
   can lend its copy (``Tier.borrow``: the DRAM tier).
+* An object's expiry (``put(..., expires=)``) goes with every copy: into
+  each tier on a put, with a promotion (``Tier.expiry_of`` of the tier that
+  hit) and with a demotion.
 
 The stack belongs to one event loop, like its tiers.
 """
@@ -78,7 +81,7 @@ class TierStack:
         self.write_back_errors = 0
         self._queue_size = queue_size
         self._n_workers = workers
-        self._queue: asyncio.Queue[tuple[bytes, bytes | None, int]] | None = None
+        self._queue: asyncio.Queue[tuple[bytes, bytes | None, int, float]] | None = None
         self._workers: list[asyncio.Task[None]] = []
         # key -> [write-backs queued, delete epoch]: a delete while a write-back is
         # queued must not be undone by it
@@ -92,22 +95,23 @@ class TierStack:
 
     @staticmethod
     def _demoter(below: Tier) -> EvictCallback:
-        async def demote(key: bytes, view: memoryview) -> None:
-            if await below.put(key, view):
+        async def demote(key: bytes, view: memoryview, expires: float) -> None:
+            if await below.put(key, view, expires=expires):
                 below.demotions += 1
 
         return demote
 
     # -- single-key operations ---------------------------------------------------
 
-    async def put(self, key: bytes | str, buf: Any, parent: bytes | None = None) -> bool:
-        """Store ``buf``; False when no tier stored it (present already, or not admitted)."""
+    async def put(self, key: bytes | str, buf: Any, parent: bytes | None = None, expires: float = 0.0) -> bool:
+        """Store ``buf``; False when no tier stored it (present already, or not
+        admitted). ``expires``: a ``time.monotonic()`` deadline (0.0: none)."""
         k = _key(key)
         src = source_view(buf)
         top = self.tiers[0]
         if self.write_back:
-            if await top.put(k, src, parent=parent):
-                await self._enqueue(k, parent)
+            if await top.put(k, src, parent=parent, expires=expires):
+                await self._enqueue(k, parent, expires)
                 return True
             if (await top.contains([k]))[0]:
                 return False
@@ -116,7 +120,7 @@ class TierStack:
             tiers = self.tiers
         stored = False
         for t in tiers:
-            if await t.put(k, src, parent=parent):
+            if await t.put(k, src, parent=parent, expires=expires):
                 stored = True
         return stored
 
@@ -141,15 +145,15 @@ class TierStack:
             n = await tiers[i].get_into(key, d)
             if n is not None:
                 if self.promote:
-                    await self._promote(key, d[:n], i)
+                    await self._promote(key, d[:n], i, tiers[i].expiry_of(key))
                 return n
         return None
 
-    async def _promote(self, key: bytes, view: memoryview, level: int) -> None:
+    async def _promote(self, key: bytes, view: memoryview, level: int, expires: float) -> None:
         # dest is the caller's and is not theirs again until get_into returns
         for t in self.tiers[:level]:
             try:
-                if await t.put(key, view):
+                if await t.put(key, view, expires=expires):
                     t.promotions += 1
             except Exception:
                 log.warning("promoting %r into %s failed", key, t.name, exc_info=True)
@@ -222,21 +226,21 @@ class TierStack:
 
     # -- write-back ------------------------------------------------------------------
 
-    async def _enqueue(self, key: bytes, parent: bytes | None) -> None:
+    async def _enqueue(self, key: bytes, parent: bytes | None, expires: float) -> None:
         if self._queue is None:
             self._queue = asyncio.Queue(self._queue_size)
             self._workers = [asyncio.create_task(self._drain()) for _ in range(self._n_workers)]
         state = self._inflight.setdefault(key, [0, 0])
         state[0] += 1
-        await self._queue.put((key, parent, state[1]))
+        await self._queue.put((key, parent, state[1], expires))
 
     async def _drain(self) -> None:
         q = self._queue
         assert q is not None
         while True:
-            key, parent, epoch = await q.get()
+            key, parent, epoch, expires = await q.get()
             try:
-                await self._write_down(key, parent, epoch)
+                await self._write_down(key, parent, epoch, expires)
             except Exception:
                 self.write_back_errors += 1
                 log.warning("write-back of %r failed", key, exc_info=True)
@@ -248,7 +252,7 @@ class TierStack:
                         del self._inflight[key]
                 q.task_done()
 
-    async def _write_down(self, key: bytes, parent: bytes | None, epoch: int) -> None:
+    async def _write_down(self, key: bytes, parent: bytes | None, epoch: int, expires: float) -> None:
         state = self._inflight.get(key)
         b = self.tiers[0].borrow(key)
         if b is None:
@@ -258,7 +262,7 @@ class TierStack:
             for t in self.tiers[1:]:
                 if state is not None and state[1] != epoch:
                     break
-                if await t.put(key, b.view, parent=parent):
+                if await t.put(key, b.view, parent=parent, expires=expires):
                     written.append(t)
         if state is not None and state[1] != epoch:
             for t in written:  # deleted while we were copying it down

@@ -26,6 +26,13 @@ Slots are reference-counted: an object being read, borrowed or demoted
 keeps its extent after a delete or an eviction until the last reader is
 done, so a read returns the bytes that were stored or is a clean miss.
 A tier belongs to one event loop and is not thread-safe.
+
+An object may carry an expiry (``put(..., expires=)``, a ``time.monotonic()``
+deadline; 0.0: none): past it, the object is a miss in every call, is never
+demoted, and its space is reclaimed before anything live is evicted. A
+TierStack passes the deadline along when it promotes or demotes, so a copy
+never outlives the object it was made from (the cluster's TTLs reach the
+local tiers this way: docs/kv.md).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import fcntl
 import logging
 import mmap
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,7 +74,8 @@ log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 512
 
-EvictCallback = Callable[[bytes, memoryview], Awaitable[None]]
+#: (key, the victim's bytes, its expiry deadline or 0.0)
+EvictCallback = Callable[[bytes, memoryview, float], Awaitable[None]]
 
 
 # -- keys and buffers ---------------------------------------------------------
@@ -194,9 +203,11 @@ class Tier(abc.ABC):
         self.promotions = self.demotions = self.corrupt = 0
 
     @abc.abstractmethod
-    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None) -> bool:
+    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, expires: float = 0.0) -> bool:
         """Store ``buf`` under ``key``. False: not stored (exists, not admitted,
-        or larger than the tier). The caller may reuse ``buf`` once it returns."""
+        larger than the tier, or ``expires`` passed already). The caller may
+        reuse ``buf`` once it returns. ``expires``: a ``time.monotonic()``
+        deadline after which the object is gone (0.0: never)."""
 
     @abc.abstractmethod
     async def get_into(self, key: bytes, dest: memoryview) -> int | None:
@@ -222,6 +233,11 @@ class Tier(abc.ABC):
         """A pinned view of the stored bytes without a copy, where the tier can
         give one (a memory tier); None otherwise or on a miss."""
         return None
+
+    def expiry_of(self, key: bytes) -> float:
+        """The deadline of the object under ``key`` (0.0: none, or not known);
+        asked right after a hit, to promote the object with it."""
+        return 0.0
 
     def _stats(self, capacity: int, used: int, objects: int) -> TierStats:
         return TierStats(
@@ -321,7 +337,7 @@ class ExtentAllocator:
 
 
 class _Entry:
-    __slots__ = ("crc", "dead", "end", "key", "off", "pos", "refs", "size", "units")
+    __slots__ = ("crc", "dead", "end", "expires", "key", "off", "pos", "refs", "size", "units")
 
     def __init__(self, key: bytes, off: int, units: int, size: int, unit: int) -> None:
         self.key = key
@@ -333,6 +349,7 @@ class _Entry:
         self.crc = 0
         self.refs = 0
         self.dead = False  # removed from the index; the extent goes when refs drops to 0
+        self.expires = 0.0  # time.monotonic() deadline; 0.0: never
 
 
 class _ExtentTier(Tier):
@@ -351,6 +368,8 @@ class _ExtentTier(Tier):
         self._held = 0  # extents out of the index but not yet free (zombies, in-flight writes)
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
+        self._expiring = 0  # objects in the index with an expiry
+        self._soonest = 0.0  # no object expires before this (0.0: none to expire)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -366,14 +385,36 @@ class _ExtentTier(Tier):
         """Hand ``e``'s bytes to ``cb`` (the extent is pinned meanwhile)."""
 
     def _lookup(self, key: Any) -> tuple[bytes, _Entry | None]:
+        """The live entry under ``key``; an expired one is dropped here."""
         try:
             e = self._index.get(key)
         except TypeError:
             e = None
-        if e is not None:
-            return key, e
-        key = check_key(key)
-        return key, self._index.get(key)
+        if e is None:
+            key = check_key(key)
+            e = self._index.get(key)
+        if e is not None and e.expires and e.expires <= time.monotonic():
+            self._drop(e)
+            return key, None
+        return key, e
+
+    def _drop(self, e: _Entry) -> None:
+        """Take ``e`` out of the index (expired: it is not demoted)."""
+        if self._index.get(e.key) is e:
+            del self._index[e.key]
+            self._policy.on_remove(e.key)
+            self._retire(e)
+
+    def _purge_expired(self) -> bool:
+        """Drop every expired object (once one may have expired); True if any was."""
+        now = time.monotonic()
+        if not self._expiring or now < self._soonest:
+            return False
+        gone = [e for e in self._index.values() if e.expires and e.expires <= now]
+        for e in gone:
+            self._drop(e)
+        self._soonest = min((e.expires for e in self._index.values() if e.expires), default=0.0)
+        return bool(gone)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -391,6 +432,8 @@ class _ExtentTier(Tier):
         """``e`` left the index: free its extent now, or when its last reader is done."""
         e.dead = True
         self._used -= e.size
+        if e.expires:
+            self._expiring -= 1
         if e.refs == 0:
             self._free(e)
         else:
@@ -417,6 +460,8 @@ class _ExtentTier(Tier):
             return True  # the policy knew a key this tier no longer holds
         self.evictions += 1
         cb = self.on_evict
+        if e.expires and e.expires <= time.monotonic():
+            cb = None  # expired: nothing to demote
         e.refs += 1
         self._retire(e)
         try:
@@ -434,7 +479,7 @@ class _ExtentTier(Tier):
             off = self._alloc.alloc(units)
             if off is not None:
                 return off
-            if await self._evict_one():
+            if self._purge_expired() or await self._evict_one():
                 continue
             if self._held > 0:
                 # space is pinned by readers or reserved by other puts: it comes back
@@ -448,12 +493,32 @@ class _ExtentTier(Tier):
 
     # -- the interface -------------------------------------------------------
 
-    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None) -> bool:
+    def _may_put(self, key: bytes, expires: float) -> bool:
+        """False if ``key`` is held (live) or being written, or ``expires`` passed."""
+        if key in self._writing or (expires and expires <= time.monotonic()):
+            return False
+        return self._lookup(key)[1] is None
+
+    def _insert(self, e: _Entry, expires: float, parent: bytes | None) -> None:
+        key, size = e.key, e.size
+        self._index[key] = e
+        self._used += size
+        if expires:
+            e.expires = expires
+            self._expiring += 1
+            if not self._soonest or expires < self._soonest:
+                self._soonest = expires
+        self._policy.on_insert(key, size, parent)
+        self.puts += 1
+        self.bytes_in += size
+        self._wake()  # a new evictable object for a put waiting on space
+
+    async def put(self, key: bytes, buf: memoryview, *, parent: bytes | None = None, expires: float = 0.0) -> bool:
         self._check_open()
         src = source_view(buf)
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        if key in self._index or key in self._writing:
+        if key in self._writing or ((key in self._index or expires) and not self._may_put(key, expires)):
             return False
         size = src.nbytes
         units = max(1, -(-size // self.unit))
@@ -475,12 +540,7 @@ class _ExtentTier(Tier):
             self._writing.discard(key)
         if self._closed:
             return False
-        self._index[key] = e
-        self._used += size
-        self._policy.on_insert(key, size, parent)
-        self.puts += 1
-        self.bytes_in += size
-        self._wake()  # a new evictable object for a put waiting on space
+        self._insert(e, expires, parent)
         return True
 
     async def size_of(self, key: bytes) -> int | None:
@@ -488,11 +548,17 @@ class _ExtentTier(Tier):
         return None if e is None else e.size
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if self._expiring:
+            return [self._lookup(k)[1] is not None for k in keys]
         index = self._index
         return [
             (k in index) if type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES else (check_key(k) in index)
             for k in keys
         ]
+
+    def expiry_of(self, key: bytes) -> float:
+        e = self._index.get(key) if type(key) is bytes else None
+        return 0.0 if e is None else e.expires
 
     async def delete(self, key: bytes) -> bool:
         key, e = self._lookup(key)
@@ -511,10 +577,7 @@ class _ExtentTier(Tier):
 
     def _drop_corrupt(self, e: _Entry) -> None:
         self.corrupt += 1
-        if self._index.get(e.key) is e:
-            del self._index[e.key]
-            self._policy.on_remove(e.key)
-            self._retire(e)
+        self._drop(e)
 
 
 # -- DRAM -------------------------------------------------------------------------
@@ -584,7 +647,7 @@ class DramTier(_ExtentTier):
     async def _demote(self, e: _Entry, cb: EvictCallback) -> None:
         v = self._mv[e.pos : e.end].toreadonly()
         try:
-            await cb(e.key, v)
+            await cb(e.key, v, e.expires)
         finally:
             with contextlib.suppress(BufferError):
                 v.release()
@@ -598,7 +661,7 @@ class DramTier(_ExtentTier):
         # The hot path of a DRAM hit: a handful of attribute reads around one
         # memcpy. Anything unusual (str key, miss, odd dest) takes _get_slow.
         e = self._index.get(key) if type(key) is bytes else None
-        if e is None:
+        if e is None or e.expires:
             return self._get_slow(key, dest)
         if type(dest) is memoryview:
             d = dest
@@ -787,7 +850,7 @@ class SsdTier(_ExtentTier):
             e = self._index.get(key)
         except TypeError:
             e = None
-        if e is None:
+        if e is None or e.expires:
             key, e = self._lookup(key)
             if e is None:
                 self.misses += 1
@@ -828,7 +891,7 @@ class SsdTier(_ExtentTier):
         try:
             if await self._read_verified(e, buf):
                 with buf[: e.size].toreadonly() as v:
-                    await cb(e.key, v)
+                    await cb(e.key, v, e.expires)
         finally:
             self._pool.put(buf)
 

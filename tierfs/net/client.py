@@ -780,12 +780,16 @@ class DataClient:
         return bool(hdr.length)
 
     async def kv_get_into(self, target: int, pool: int, key: bytes, dest: memoryview, *,
-                          timeout: float | None = None) -> int | None:
+                          timeout: float | None = None, ttls: list[int] | None = None) -> int | None:
         """Fetch ``key`` straight into ``dest``: its size, or None on a miss.
-        The answer's CRC32C is the object's stored one, checked on arrival."""
+        The answer's CRC32C is the object's stored one, checked on arrival.
+        ``ttls``, if given, gets the milliseconds the object has left to live
+        appended (0: no TTL, or a miss)."""
         hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
                                   length=min(len(dest), self.limits.max_frame_bytes), payload=memoryview(key),
                                   dest=dest)
+        if ttls is not None:
+            ttls.append(hdr.chunk if hdr.length else 0)
         return hdr.payload_len if hdr.length else None
 
     async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> int | None:
@@ -795,10 +799,14 @@ class DataClient:
                                   payload=memoryview(key))
         return hdr.offset if hdr.length else None
 
-    async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bytes | None:
-        """The value of ``key`` (any size up to the frame limit), or None."""
+    async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
+                     ttls: list[int] | None = None) -> bytes | None:
+        """The value of ``key`` (any size up to the frame limit), or None.
+        ``ttls``: as for ``kv_get_into``."""
         hdr, body = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
                                      length=self.limits.max_frame_bytes, payload=memoryview(key))
+        if ttls is not None:
+            ttls.append(hdr.chunk if hdr.length else 0)
         if not hdr.length:
             return None
         return bytes(body) if body is not None else b""
@@ -841,15 +849,18 @@ class DataClient:
         res = await self._batch(reqs, timeout)
         return [bool(r.length) if isinstance(r, Header) else r for r in res]
 
-    async def kv_get_batch(self, items: Iterable[KVGetItem], *,
-                           timeout: float | None = None) -> list[int | TierFSError | None]:
+    async def kv_get_batch(self, items: Iterable[KVGetItem], *, timeout: float | None = None,
+                           ttls: list[int] | None = None) -> list[int | TierFSError | None]:
         """Many ``kv_get_into`` at once; results in item order: the size,
-        None for a miss, or the error."""
+        None for a miss, or the error. ``ttls``, if given, gets one entry per
+        item appended, as for ``kv_get_into`` (0 for an error too)."""
         reqs: list[_Req | TierFSError] = [
             _Req(Op.KV_GET, target, (pool, 0, 0, 0), length=min(len(dest), self.limits.max_frame_bytes),
                  payload=memoryview(key), dest=dest)
             for target, pool, key, dest in items]
         res = await self._batch(reqs, timeout)
+        if ttls is not None:
+            ttls.extend(r.chunk if isinstance(r, Header) and r.length else 0 for r in res)
         return [(r.payload_len if r.length else None) if isinstance(r, Header) else r for r in res]
 
     def begin_close(self) -> list[asyncio.Future[Any]]:

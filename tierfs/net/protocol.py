@@ -32,7 +32,10 @@ KV ops reuse the header (``inode`` = pool id throughout):
                Reply: length = 1 stored, 0 already there (a no-op).
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
-               payload_crc the object's stored CRC32C (checked end to end).
+               payload_crc the object's stored CRC32C (checked end to end);
+               chunk = the milliseconds the object has left to live, rounded
+               down (0: no TTL; daemons of releases up to stop 28 echo the
+               request's 0), so that a client's local copy expires with it.
                fragment = KV_GET flags: KV_SIZE_ONLY asks for the size alone
                (a cheap stat): the reply carries no payload, length = 1 hit /
                0 miss and offset = the object's size in bytes (the request's

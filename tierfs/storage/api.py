@@ -80,6 +80,9 @@ class KVTargetStore(Protocol):
     async def get(self, pool_id: int, key: bytes) -> tuple[memoryview, int] | None:
         """(value, CRC32C), valid until ``release``; None is a miss."""
 
+    async def get_with_ttl(self, pool_id: int, key: bytes) -> tuple[memoryview, int, int] | None:
+        """``get`` and the milliseconds the object has left (0: no TTL)."""
+
     def contains(self, pool_id: int, keys: list[bytes]) -> list[bool]: ...
 
     def has_pool(self, pool_id: int) -> bool: ...

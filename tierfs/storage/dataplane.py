@@ -475,16 +475,16 @@ class _ServerConnection(FrameProtocol):
                 raise InvalidArgumentError(f"{Op(op).name} without a key")
             if op == Op.KV_GET:
                 self.counters["kv_gets"] += 1
-                got = await kv.get(pool, tenant_key(tenant, bytes(payload)))
+                got = await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)))
                 if got is None:
                     self._reply(hdr, length=0)
                     return
-                view, crc = got
+                view, crc, ttl_left = got
                 if hdr.fragment & KV_SIZE_ONLY:
                     n = len(view)
                     kv.release(view)
                     self.counters["kv_hits"] += 1
-                    self._reply(hdr, length=1, offset=n)
+                    self._reply(hdr, length=1, offset=n, chunk=ttl_left)
                     return
                 if len(view) > hdr.length or len(view) > self.limits.max_frame_bytes:
                     n = len(view)
@@ -493,7 +493,7 @@ class _ServerConnection(FrameProtocol):
                                                if n <= self.limits.max_frame_bytes else
                                                f"KV object of {n} bytes exceeds the frame limit")
                 self.counters["kv_hits"] += 1
-                self._reply(hdr, payload=view, store=kv, length=1, payload_crc=crc)
+                self._reply(hdr, payload=view, store=kv, length=1, payload_crc=crc, chunk=ttl_left)
             elif op == Op.KV_EXISTS:
                 self.counters["kv_exists"] += 1
                 try:
@@ -532,7 +532,8 @@ class _ServerConnection(FrameProtocol):
             self._done(reserve)
 
     def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: _Releaser | None = None,
-               length: int = 0, payload_crc: int | None = None, offset: int | None = None) -> None:
+               length: int = 0, payload_crc: int | None = None, offset: int | None = None,
+               chunk: int | None = None) -> None:
         if self.closed:
             if payload is not None and store is not None:
                 store.release(payload)
@@ -542,7 +543,7 @@ class _ServerConnection(FrameProtocol):
             payload_crc = crc32c(payload) if payload is not None and n else 0
         head = bytearray(HEADER_SIZE)
         encode_header(head, hdr.op, hdr.request_id, flags=F_RESPONSE, target=hdr.target,
-                      key=(hdr.inode, hdr.chunk, hdr.fragment, hdr.fversion),
+                      key=(hdr.inode, hdr.chunk if chunk is None else chunk, hdr.fragment, hdr.fversion),
                       offset=hdr.offset if offset is None else offset, length=length, payload_len=n,
                       payload_crc=payload_crc)
         if payload is None or n == 0:

@@ -807,6 +807,12 @@ class KVStore:
         (absent, expired, or found torn or corrupt on disk, which is then
         deleted and counted). Give the view back with ``release``; until
         then it keeps its bytes whatever happens to the object."""
+        got = await self.get_with_ttl(pool_id, key)
+        return None if got is None else (got[0], got[1])
+
+    async def get_with_ttl(self, pool_id: int, key: bytes) -> tuple[memoryview, int, int] | None:
+        """``get``, and the milliseconds the object has left to live (0: no
+        TTL), rounded down so that a copy kept that long never outlives it."""
         key = _normalize_key(key)
         p = self._pool(pool_id)
         obj = p.index.get(key)
@@ -822,7 +828,7 @@ class KVStore:
             self._touch(p, obj)
             p.counters["hits"] += 1
             p.counters["bytes_out"] += obj.size
-            return self._lend(obj.mem.view, obj.mem), obj.crc
+            return self._lend(obj.mem.view, obj.mem), obj.crc, self._ttl_left_ms(obj)
         self._busy += 1
         try:
             payload = await self._read_object(p, obj)
@@ -839,7 +845,12 @@ class KVStore:
                 self._attach_memory(p, obj, mb)
         p.counters["hits"] += 1
         p.counters["bytes_out"] += obj.size
-        return self._lend(payload, mb), obj.crc
+        return self._lend(payload, mb), obj.crc, self._ttl_left_ms(obj)
+
+    def _ttl_left_ms(self, obj: _Obj) -> int:
+        if not obj.expiry_ns:
+            return 0
+        return max(1, (obj.expiry_ns - self._now_ns()) // 1_000_000)
 
     def contains(self, pool_id: int, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` are present (no I/O; expired ones are not)."""
