@@ -21,6 +21,14 @@ serves the previous value whole). The walk counts those (``stale``). It
 must never return bytes that match no content: two contents' fragments
 decoded together, a corrupted object, another key's value.
 
+Some puts and overwrites carry a TTL (0.3-2 s). A content put only with
+TTLs, each acknowledged while no daemon was stopped, must not be served
+once the last of those TTLs has run out (counted from when its put
+returned, plus ``TTL_SLACK``): not by the cluster, not from a client's own
+DRAM or SSD tier. A content also put without a TTL, or by a put that
+failed or ran while a daemon was stopped (it may land later), has no
+deadline.
+
 A second client's gets race the walk's puts and overwrites all along
 (:meth:`KVChecker.reader`), judged the same way.
 
@@ -62,6 +70,9 @@ POOLS: dict[str, tuple[str, int, int]] = {
     "kec21": ("ec:2+1", 0, 2048 * KiB),
 }
 KEYS = 12  # per pool
+#: How long past a TTL's end (counted from the put's return) a get may still
+#: see the object: the daemons start a TTL when the put reaches them.
+TTL_SLACK = 0.5
 
 
 def setup_pools(env: CheckerCluster) -> None:
@@ -113,6 +124,11 @@ class KVChecker(ProcessFaults):
     current: dict[tuple[str, int], int] = field(default_factory=dict)  # the content a put writes
     allowed: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # current since the last acknowledged overwrite
     ever: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    #: (pool, key, content) -> when it must be gone; absent: put without a
+    #: TTL at least once, or never put (a content with no deadline)
+    deadline: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    untimed: set[tuple[str, int, int]] = field(default_factory=set)
+    timing: set[tuple[str, int, int]] = field(default_factory=set)  # TTL puts in flight: no deadline yet
     old_clients: list[Client] = field(default_factory=list)
 
     def kname(self, key: int) -> str:
@@ -159,11 +175,26 @@ class KVChecker(ProcessFaults):
 
     # ---- the model ------------------------------------------------------------------
 
-    def _attempt(self, pk: tuple[str, int], c: int) -> None:
+    def _attempt(self, pk: tuple[str, int], c: int, ttl: bool = False) -> None:
+        # before the put is sent: a racing get of it is judged untimed
+        if ttl:
+            self.timing.add((*pk, c))
+        else:
+            self.untimed.add((*pk, c))
         self.allowed.setdefault(pk, set()).add(c)
         self.ever.setdefault(pk, set()).add(c)
 
-    def _judge(self, pool: str, key: int, got: bytes | None, how: str) -> None:
+    def _timed(self, pk: tuple[str, int], c: int, ttl: float, ok: bool) -> None:
+        """A TTL put of content ``c`` returned (``ok``: acknowledged while no
+        daemon was stopped); its deadline, unless it has none."""
+        if not ok:
+            self.untimed.add((*pk, c))
+        else:
+            end = time.monotonic() + ttl + TTL_SLACK
+            self.deadline[(*pk, c)] = max(end, self.deadline.get((*pk, c), 0.0))
+        self.timing.discard((*pk, c))  # after the deadline is set: a racing get checks in this order
+
+    def _judge(self, pool: str, key: int, got: bytes | None, how: str, started: float | None = None) -> None:
         if got is None:
             self.counts["miss"] = self.counts.get("miss", 0) + 1
             return
@@ -172,15 +203,33 @@ class KVChecker(ProcessFaults):
         # Copies (a racing reader judges while the walk adds contents; a
         # content is added before its put is sent, so one a get returned is
         # in the copy taken after it).
-        if any(got == content(pool, key, c) for c in list(self.allowed.get(pk, ()))):
+        match = next((c for c in list(self.allowed.get(pk, ())) if got == content(pool, key, c)), None)
+        stale = False
+        if match is None:
+            match = next((c for c in sorted(self.ever.get(pk, ())) if got == content(pool, key, c)), None)
+            stale = match is not None
+        if match is not None:
+            self._judge_expiry(pool, key, match, how, started)
+            if stale:
+                self.counts["stale"] = self.counts.get("stale", 0) + 1
             return
         ok = sorted(list(self.ever.get(pk, ())))
-        if any(got == content(pool, key, c) for c in ok):
-            self.counts["stale"] = self.counts.get("stale", 0) + 1
-            return
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
                        f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
                        f"{_describe(got, pool, key, set(ok))})")
+
+    def _judge_expiry(self, pool: str, key: int, c: int, how: str, started: float | None) -> None:
+        t = (pool, key, c)
+        if t in self.timing or t in self.untimed:
+            return
+        end = self.deadline.get(t)
+        if end is None or started is None:
+            return
+        self.counts["ttl-judged"] = self.counts.get("ttl-judged", 0) + 1
+        if started <= end:
+            return
+        self.violation("expired", f"{how} of {pool}/{self.kname(key)} started {started - end + TTL_SLACK:.2f} s "
+                       f"after the last TTL of content {c} ran out returned it")
 
     def reader(self, stop: threading.Event, seed: int) -> None:
         """Gets racing the walk's puts and overwrites, from a client of its
@@ -192,13 +241,14 @@ class KVChecker(ProcessFaults):
         with self.env.client() as client:
             while not stop.is_set():
                 pool, key = rng.choice(pools), rng.randrange(KEYS)
+                started = time.monotonic()
                 try:
                     got = client.kv_pool(pool).get(self.kname(key))
                 except TierFSError:
                     continue
                 self.counts["raced"] = self.counts.get("raced", 0) + 1
                 if got is not None:
-                    self._judge(pool, key, got, "racing get")
+                    self._judge(pool, key, got, "racing get", started)
 
     # ---- operations ------------------------------------------------------------------
 
@@ -220,6 +270,49 @@ class KVChecker(ProcessFaults):
             return
         self.allowed[pk] = {c}
 
+    def op_put_ttl(self, pool: str, key: int, ttl: float) -> None:
+        """A put of the key's current content with a TTL."""
+        pk = (pool, key)
+        c = self.current.setdefault(pk, 0)
+        self._attempt(pk, c, ttl=True)
+        calm = not any(how == "stopped" for how in self.env.down.values())
+        try:
+            self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c), ttl=ttl)
+        except TierFSError:
+            self._timed(pk, c, ttl, False)
+            return
+        self._timed(pk, c, ttl, calm)
+
+    def op_overwrite_ttl(self, pool: str, key: int, ttl: float) -> None:
+        """An overwrite with a new content and a TTL."""
+        pk = (pool, key)
+        c = self.current[pk] = self.current.get(pk, -1) + 1
+        self._attempt(pk, c, ttl=True)
+        calm = not any(how == "stopped" for how in self.env.down.values())
+        try:
+            self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c), overwrite=True, ttl=ttl)
+        except TierFSError:
+            self.counts["put-failed"] = self.counts.get("put-failed", 0) + 1
+            self._timed(pk, c, ttl, False)
+            return
+        self._timed(pk, c, ttl, calm)
+        self.allowed[pk] = {c}
+
+    def op_outlive(self) -> None:
+        """Wait out the next TTL to run out (at most 3 s), then read its key
+        (get, then a batch) through the walk's client: what the cluster or
+        the client's own tiers still hold of it must not be that content."""
+        now = time.monotonic()
+        due = [(end, t) for t, end in self.deadline.items()
+               if t not in self.untimed and now < end < now + 3.0]
+        if not due:
+            return
+        end, (pool, key, _c) = min(due)
+        while time.monotonic() <= end:
+            time.sleep(0.05)
+        self.op_get(pool, key)
+        self.op_batch_get(pool, [key])
+
     def op_batch_put(self, pool: str, keys: list[int]) -> None:
         for k in keys:
             self._attempt((pool, k), self.current.setdefault((pool, k), 0))
@@ -234,31 +327,34 @@ class KVChecker(ProcessFaults):
             self.client.kv_pool(pool).delete(self.kname(key))
 
     def op_get(self, pool: str, key: int) -> None:
+        started = time.monotonic()
         try:
             got = self.client.kv_pool(pool).get(self.kname(key))
         except TierFSError as exc:
             self.violation("api", f"get raised {type(exc).__name__}: {exc} (a cache misses, it does not fail)")
             return
-        self._judge(pool, key, got, "get")
+        self._judge(pool, key, got, "get", started)
 
     def op_get_into(self, pool: str, key: int) -> None:
         buf = bytearray(key_size(pool, key) + 4 * KiB)
+        started = time.monotonic()
         try:
             n = self.client.kv_pool(pool).get_into(self.kname(key), buf)
         except TierFSError as exc:
             self.violation("api", f"get_into raised {type(exc).__name__}: {exc}")
             return
-        self._judge(pool, key, None if n is None else bytes(buf[:n]), "get_into")
+        self._judge(pool, key, None if n is None else bytes(buf[:n]), "get_into", started)
 
     def op_batch_get(self, pool: str, keys: list[int]) -> None:
         bufs = [bytearray(key_size(pool, k) + 4 * KiB) for k in keys]
+        started = time.monotonic()
         try:
             got = self.client.kv_pool(pool).batch_get_into([self.kname(k) for k in keys], bufs)
         except TierFSError as exc:
             self.violation("api", f"batch_get_into raised {type(exc).__name__}: {exc}")
             return
         for k, n, b in zip(keys, got, bufs, strict=True):
-            self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into")
+            self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into", started)
 
     def op_corrupt(self, node: str, pick: int) -> None:
         """Flip a payload byte of one KV object file of ``node`` (the daemon
@@ -331,10 +427,14 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield mf
             continue
         r = rng.random()
-        if r < 0.22:
+        if r < 0.19:
             yield ("put", pool, key)
-        elif r < 0.34:
+        elif r < 0.22:
+            yield ("put_ttl", pool, key, rng.choice((0.3, 0.8, 2.0)))
+        elif r < 0.31:
             yield ("overwrite", pool, key)
+        elif r < 0.34:
+            yield ("overwrite_ttl", pool, key, rng.choice((0.3, 0.8, 2.0)))
         elif r < 0.40:
             yield ("batch_put", pool, sorted(rng.sample(range(KEYS), 4)))
         elif r < 0.44:
@@ -345,8 +445,10 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield ("get_into", pool, key)
         elif r < 0.78:
             yield ("batch_get", pool, sorted(rng.sample(range(KEYS), 5)))
-        elif r < 0.83:
+        elif r < 0.80:
             yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
+        elif r < 0.83:
+            yield ("outlive",)
         elif r < 0.85:
             yield ("fresh_client", rng.random() < 0.6)
         elif r < 0.86 and len(nodes) < max_storage:
@@ -365,6 +467,8 @@ def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = 
     env.heal()
     client = env.client()
     ck = KVChecker(env, client, seed=seed, log_dir=log_dir)
+    if seed % 2:
+        ck.op_fresh_client(local=True)  # half the walks start with DRAM and SSD tiers of their own
     t0 = time.monotonic()
     stop = threading.Event()
     racing = threading.Thread(target=ck.reader, args=(stop, seed), name="kv-walk-reader", daemon=True)

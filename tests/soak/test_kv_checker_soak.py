@@ -45,7 +45,8 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                 ck = run_walk(env, seed, STEPS, tmp_path / "logs")
                 walks.append(f"seed {seed}: {ck.counts.get('seconds')}s, {len(ck.log)} steps, "
                              f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
-                             f"{ck.counts.get('miss', 0)} misses"
+                             f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('ttl-judged', 0)} hits of TTL "
+                             f"contents judged"
                              + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else ""))
                 print(walks[-1], flush=True)
             except CheckFailed as exc:
