@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -60,7 +61,13 @@ def test_put_get_stat_rm(meta: str, tmp_path: Path) -> None:
     rc, out, err = cli(meta, "kv", "stat", "blk-1", "--json")
     assert rc == 0, err
     st = json.loads(out)
-    assert st["present"] and st["size"] == 102400 and len(st["held_by"]) == 1
+    assert st["present"] and st["size"] == 102400 and len(st["held_by"]) == 1 and st["ttl_left_s"] is None
+    rc, out, err = cli(meta, "kv", "put", "blk-ttl", str(src), "--ttl", "300")
+    assert rc == 0, err
+    rc, out, err = cli(meta, "kv", "stat", "blk-ttl", "--json")
+    assert rc == 0 and 290 < json.loads(out)["ttl_left_s"] <= 300, out
+    rc, out, err = cli(meta, "kv", "stat", "blk-ttl")
+    assert rc == 0 and re.search(r"expires in (29\d|300)\.\d s", out), out
     rc, out, err = cli(meta, "kv", "rm", "blk-1")
     assert rc == 0 and "deleted" in out, err
     rc, out, err = cli(meta, "kv", "stat", "blk-1")

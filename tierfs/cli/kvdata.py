@@ -117,12 +117,16 @@ async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, 
                 holders.append(t)
         except Exception:
             pass
-    size = None
+    size = ttl_left = None
     if holders:
-        data = await h.cluster.get(k)
+        expiries: list[float] = []
+        data = await h.cluster.get(k, expiries)
         size = None if data is None else len(data)
+        if data is not None and expiries[0]:
+            ttl_left = round(max(0.0, expiries[0] - time.monotonic()), 3)
     return {"pool": pool, "key": key, "present": bool(holders), "size": size, "group": gi,
-            "targets": list(targets), "held_by": holders, "redundancy": route.redundancy}
+            "targets": list(targets), "held_by": holders, "redundancy": route.redundancy,
+            "ttl_left_s": ttl_left}
 
 
 async def kv_rm(client: Any, key: str, *, pool: str = "default") -> dict[str, Any]:
@@ -186,8 +190,9 @@ def execute_kv_data(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[
         return 0
     if a == "stat":
         r = client_call(kv_stat, ns.key, pool=ns.pool)
+        expires = "" if r["ttl_left_s"] is None else f", expires in {r['ttl_left_s']:.1f} s"
         emit(r, (f"{ns.key}: {human_size(r['size'] or 0)} in pool {ns.pool} ({r['redundancy']}), group {r['group']}, "
-                 f"on targets {r['held_by']} of {r['targets']}") if r["present"]
+                 f"on targets {r['held_by']} of {r['targets']}{expires}") if r["present"]
              else f"{ns.key}: not in pool {ns.pool} (would live on targets {r['targets']})")
         return 0 if r["present"] else 1
     if a == "rm":
