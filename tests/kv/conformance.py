@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tierfs.errors import InvalidArgumentError
-from tierfs.kv.tiers import MAX_KEY_BYTES, Tier, TierStats
+from tierfs.kv.tiers import MAX_KEY_BYTES, EvictCallback, Tier, TierStats
 
 TierFactory = Callable[[int], Tier]
 
@@ -437,9 +437,15 @@ class TierConformance:
 class DemotingTierConformance(TierConformance):
     """TierConformance plus ``on_evict``: for tiers that demote their victims."""
 
+    @staticmethod
+    def demoting(new_tier: TierFactory, on_evict: EvictCallback) -> Tier:
+        """A 1 MiB tier whose victims go to ``on_evict``."""
+        t = new_tier(1 * MiB)
+        t.on_evict = on_evict
+        return t
+
     @pytest.mark.timeout(60)
     def test_on_evict_gets_the_victims_bytes(self, new_tier: TierFactory) -> None:
-        t = new_tier(1 * MiB)
         size = 100_000
         seen: dict[bytes, bytes] = {}
 
@@ -448,7 +454,7 @@ class DemotingTierConformance(TierConformance):
             assert expires == 0.0
             seen[key] = bytes(view)
 
-        t.on_evict = on_evict
+        t = self.demoting(new_tier, on_evict)
 
         async def main() -> None:
             keys = [f"ev{i}".encode() for i in range(40)]
@@ -468,14 +474,13 @@ class DemotingTierConformance(TierConformance):
 
     @pytest.mark.timeout(60)
     def test_victims_go_down_with_their_expiry_and_expired_ones_not_at_all(self, new_tier: TierFactory) -> None:
-        t = new_tier(1 * MiB)
         size = 100_000
         seen: dict[bytes, float] = {}
 
         async def on_evict(key: bytes, view: memoryview, expires: float) -> None:
             seen[key] = expires
 
-        t.on_evict = on_evict
+        t = self.demoting(new_tier, on_evict)
 
         async def main() -> None:
             soon = time.monotonic() + 0.5
