@@ -125,7 +125,24 @@ def test_bad_input_is_refused_and_writes_nothing(client: Client) -> None:
         kv.put("obj", object())
     with pytest.raises(NotFoundError, match="unknown KV pool 'no-such-pool'"):
         client.kv_pool("no-such-pool").put("k", b"v")
-    assert not kv.exists("nc") and not kv.exists("obj")  # nothing was stored by the refused puts
+    # TTLs: a number of seconds > 0 and at most ten years (NaN, infinity and
+    # 0 were taken as "no TTL" or overflowed the header)
+    for bad, match in ((0, "> 0"), (-1, "> 0"), (float("nan"), "> 0"), (float("inf"), "longest TTL"),
+                       (1e20, "longest TTL"), ("5", "number of seconds")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            kv.put("ttl-bad", b"v", ttl=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match=match):
+            kv.pin("big", ttl=bad)  # type: ignore[arg-type]
+    # the daemon checks too, whatever a client sends
+    async def raw_put(ttl_ms: int) -> None:
+        tier = client.aclient.kv_pool("default").cluster
+        route = await tier.route()
+        t = tier._targets(route, b"ttl-bad")[0]
+        await tier.data.kv_put(t, route.pool_id, b"ttl-bad", memoryview(b"v"), ttl_ms=ttl_ms)
+
+    with pytest.raises(InvalidArgumentError, match="ten years"):
+        client._run(raw_put((1 << 64) - 1))
+    assert not kv.exists("nc") and not kv.exists("obj") and not kv.exists("ttl-bad")  # nothing was stored
 
 
 # ---- pressure and eviction -------------------------------------------------------

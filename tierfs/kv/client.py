@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["KV", "AsyncKV", "LocalTiers"]
 
 PIN_SOFT, PIN_HARD = 1, 2
+#: tierfs.storage.kvstore.MAX_TTL_MS (not imported: the client does not load the daemon's store)
+MAX_TTL_MS = 10 * 365 * 86_400_000
 #: Buffer types that need no dtype or device handling (the single-object fast path).
 _PLAIN = (bytes, bytearray, memoryview)
 
@@ -45,8 +47,12 @@ _PLAIN = (bytes, bytearray, memoryview)
 def _ttl_ms(ttl: float | None, what: str) -> int:
     if ttl is None:
         return 0
-    if ttl <= 0:
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {ttl!r}")
+    if not ttl > 0:  # NaN too
         raise InvalidArgumentError(f"{what} must be > 0 seconds, got {ttl}")
+    if ttl * 1000 > MAX_TTL_MS:
+        raise InvalidArgumentError(f"{what} of {ttl} s is past the longest TTL, {MAX_TTL_MS // 1000} s (ten years)")
     return max(1, int(ttl * 1000))
 
 
@@ -103,7 +109,7 @@ class AsyncKV:
         keys are content-addressed) unless ``overwrite``. ``ttl``: seconds
         until it expires; ``pin``: "soft" (with ``pin_ttl``) or "hard" (counted
         against the pool's pin quota) keeps it from eviction."""
-        if self._local is None and not (ttl or pin or pin_ttl) and type(buf) in _PLAIN:
+        if self._local is None and ttl is None and pin is None and pin_ttl is None and type(buf) in _PLAIN:
             # The common case of a direct SDK user: no local tiers, one object.
             return await self.cluster.put(normalize_key(key), byte_view(buf, writable=False), overwrite=overwrite)
         return (await self.batch_put([key], [buf], overwrite=overwrite, ttl=ttl, pin=pin, pin_ttl=pin_ttl))[0]

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_SOFT_PIN_TTL_MS",
     "HEADER_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_TTL_MS",
     "PIN_HARD",
     "PIN_NONE",
     "PIN_SOFT",
@@ -88,6 +89,9 @@ MAX_KEY_BYTES = 512 + 8
 PIN_NONE, PIN_SOFT, PIN_HARD = 0, 1, 2
 #: a soft pin asked for without a TTL lasts this long
 DEFAULT_SOFT_PIN_TTL_MS = 60_000
+#: the longest TTL (object or pin) a put may ask for: ten years (an expiry
+#: is stored as wall-clock nanoseconds in 64 bits)
+MAX_TTL_MS = 10 * 365 * 86_400_000
 
 MAGIC = b"TFSKVOB1"
 FORMAT_VERSION = 1
@@ -690,8 +694,9 @@ class KVStore:
             key = _normalize_key(key)
             if pin not in (PIN_NONE, PIN_SOFT, PIN_HARD):
                 raise InvalidArgumentError(f"unknown pin kind {pin}")
-            if ttl_ms < 0 or pin_ttl_ms < 0:
-                raise InvalidArgumentError("TTLs must be >= 0")
+            if not (0 <= ttl_ms <= MAX_TTL_MS and 0 <= pin_ttl_ms <= MAX_TTL_MS):
+                raise InvalidArgumentError(f"TTLs must be 0 (none) to {MAX_TTL_MS} ms (ten years), got "
+                                           f"{ttl_ms} and pin {pin_ttl_ms}")
             p = self._pool(pool_id)
             self._busy += 1
             try:
@@ -894,8 +899,8 @@ class KVStore:
         key = _normalize_key(key)
         if kind not in (PIN_SOFT, PIN_HARD):
             raise InvalidArgumentError(f"pin kind must be PIN_SOFT or PIN_HARD, got {kind}")
-        if ttl_ms < 0:
-            raise InvalidArgumentError("pin TTL must be >= 0")
+        if not 0 <= ttl_ms <= MAX_TTL_MS:
+            raise InvalidArgumentError(f"pin TTL must be 0 to {MAX_TTL_MS} ms (ten years), got {ttl_ms}")
         p = self._pool(pool_id)
         obj = self._live(p, key)
         if obj is None:
