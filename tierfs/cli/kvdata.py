@@ -120,9 +120,8 @@ async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, 
     size = ttl_left = None
     if holders:
         expiries: list[float] = []
-        data = await h.cluster.get(k, expiries)
-        size = None if data is None else len(data)
-        if data is not None and expiries[0]:
+        size = await h.cluster.size_of(k, expiries)  # the size alone: the value does not travel
+        if size is not None and expiries[0]:
             ttl_left = round(max(0.0, expiries[0] - time.monotonic()), 3)
     return {"pool": pool, "key": key, "present": bool(holders), "size": size, "group": gi,
             "targets": list(targets), "held_by": holders, "redundancy": route.redundancy,

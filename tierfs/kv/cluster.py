@@ -656,19 +656,28 @@ class ClusterTier:
                 return None
         return value
 
-    async def size_of(self, key: bytes) -> int | None:
+    async def size_of(self, key: bytes, expiries: list[float] | None = None) -> int | None:
         """The object's size without its bytes (KV_GET with KV_SIZE_ONLY on a
         replica), or None. An EC pool keeps the size in each fragment's
-        trailer: one fragment is fetched to read it."""
+        trailer: one fragment is fetched to read it. ``expiries``: as for
+        ``get_into`` (for EC, the fragment's)."""
+        t0 = time.monotonic()
+        ttls: list[int] = []
+        n = await self._size_of(key, ttls)
+        if expiries is not None:
+            expiries.append(expiry_at(t0, ttls[-1]) if n is not None and ttls else 0.0)
+        return n
+
+    async def _size_of(self, key: bytes, ttls: list[int]) -> int | None:
         route = await self._read_route(1)
         if route is None:
             return None
         targets = self._targets(route, key)
         if route.copies == 0:
-            return await self._ec_size(route, key, targets)
+            return await self._ec_size(route, key, targets, ttls)
         for t in self._read_order(targets):
             try:
-                n = await self.data.kv_size(t, route.pool_id, key, timeout=self.timeout)
+                n = await self.data.kv_size(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
@@ -676,10 +685,11 @@ class ClusterTier:
                 return n
         return None
 
-    async def _ec_size(self, route: KVPoolRoute, key: bytes, targets: tuple[int, ...]) -> int | None:
+    async def _ec_size(self, route: KVPoolRoute, key: bytes, targets: tuple[int, ...],
+                       ttls: list[int]) -> int | None:
         for t in self._read_order(targets):
             try:
-                frag = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout)
+                frag = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue

@@ -792,11 +792,15 @@ class DataClient:
             ttls.append(hdr.chunk if hdr.length else 0)
         return hdr.payload_len if hdr.length else None
 
-    async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> int | None:
+    async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
+                      ttls: list[int] | None = None) -> int | None:
         """The size of ``key``'s object on ``target`` without its bytes (a
-        KV_GET with KV_SIZE_ONLY), or None on a miss."""
+        KV_GET with KV_SIZE_ONLY), or None on a miss. ``ttls``: as for
+        ``kv_get_into``."""
         hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, KV_SIZE_ONLY, 0), timeout, length=0,
                                   payload=memoryview(key))
+        if ttls is not None:
+            ttls.append(hdr.chunk if hdr.length else 0)
         return hdr.offset if hdr.length else None
 
     async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
