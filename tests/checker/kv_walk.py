@@ -376,10 +376,12 @@ class KVChecker(ProcessFaults):
     def op_grow(self) -> None:
         """One more storage daemon (``tierfs up --storage N+1``): the pools
         re-plan onto it, and keys move to other groups (a target may then
-        hold a key's fragment for another position)."""
-        names = self.env.cl.grow(len(self.env.storage()) + 1)
-        self.env.cl.start(names=names, timeout=60)
-        self.env.wait_online(names)
+        hold a key's fragment for another position). The meta nemesis, if
+        any, waits: registering a daemon is not what it tests."""
+        with self.env.nemesis_paused():
+            names = self.env.cl.grow(len(self.env.storage()) + 1)
+            self.env.cl.start(names=names, timeout=60)
+            self.env.wait_online(names)
 
     def op_fresh_client(self, local: bool = False) -> None:
         """A new client for the walk's next operations; with ``local``, one
@@ -396,12 +398,14 @@ class KVChecker(ProcessFaults):
                              kv_ssd_path=str(ssd), kv_write_back=n % 2 == 0)
 
     def finish(self) -> None:
-        """Heal, then every key of every pool read back (each may miss)."""
-        self.env.heal()
-        for pool in POOLS:
-            for key in range(KEYS):
-                self.log.append(("get", pool, key))
-                self.op_get(pool, key)
+        """Heal, then every key of every pool read back (each may miss),
+        with the meta nemesis (if any) paused."""
+        with self.env.nemesis_paused():
+            self.env.heal()
+            for pool in POOLS:
+                for key in range(KEYS):
+                    self.log.append(("get", pool, key))
+                    self.op_get(pool, key)
 
 
 def _describe(got: bytes, pool: str, key: int, ok: set[int]) -> str:
@@ -463,7 +467,11 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield ("get", pool, key)
 
 
-def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = None) -> KVChecker:
+def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = None,
+             meta_nemesis: bool = False) -> KVChecker:
+    """One walk; with ``meta_nemesis`` (three meta replicas), meta replicas
+    are also killed from a thread at random moments while it runs
+    (:meth:`CheckerCluster.start_meta_nemesis`)."""
     env.heal()
     client = env.client()
     ck = KVChecker(env, client, seed=seed, log_dir=log_dir)
@@ -473,9 +481,12 @@ def run_walk(env: CheckerCluster, seed: int, steps: int, log_dir: Path | None = 
     stop = threading.Event()
     racing = threading.Thread(target=ck.reader, args=(stop, seed), name="kv-walk-reader", daemon=True)
     racing.start()
+    if meta_nemesis:
+        env.start_meta_nemesis(seed)
     try:
         ck.run(kv_random_ops(ck, random.Random(seed), steps))
     finally:
+        env.stop_meta_nemesis()
         stop.set()
         racing.join(60)
         ck.counts["seconds"] = int(time.monotonic() - t0)

@@ -181,12 +181,20 @@ class CheckerCluster:
         return asyncio.run(ask())
 
     def meta_kill(self, name: str) -> None:
+        """SIGKILL meta replica ``name``; one already down (the meta nemesis
+        may have got there between the op's draw and its run) stays down."""
         with self._meta_lock:
+            if name in self.meta_down:
+                return
             self.cl.kill(name)
             self.meta_down.add(name)
 
     def meta_restart(self, name: str) -> None:
+        """Start meta replica ``name`` again; one running (started again by
+        the nemesis meanwhile) is left as it is."""
         with self._meta_lock:
+            if name not in self.meta_down:
+                return
             self.cl.start(names=[name], timeout=60)
             self.meta_down.discard(name)
 

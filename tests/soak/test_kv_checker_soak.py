@@ -4,7 +4,9 @@ after another on one real cluster (1 meta, 6 storage daemons), until
 ``TIERFS_KV_CHECKER_SEEDS`` (comma-separated) are done, each of
 ``TIERFS_KV_CHECKER_STEPS`` operations (default 200).
 ``TIERFS_KV_CHECKER_META=3`` runs three meta replicas and kills them now
-and then (tests/checker/walk.py, ``meta_fault``). ``make soak`` runs it
+and then (tests/checker/walk.py, ``meta_fault``); with
+``TIERFS_KV_CHECKER_META_NEMESIS=1`` a thread also kills them at random
+moments, in the middle of operations. ``make soak`` runs it
 for 300 s; ``make test`` runs the bounded walks of
 tests/checker/test_kv_checker.py. A failing walk's op log is saved under the
 test's tmp dir."""
@@ -25,6 +27,8 @@ SEEDS = [int(s) for s in os.environ.get("TIERFS_KV_CHECKER_SEEDS", "").split(","
 STEPS = int(os.environ.get("TIERFS_KV_CHECKER_STEPS", "200"))
 #: 3: three meta replicas, one SIGKILLed now and then (the leader, mostly), or all of them at once.
 META = int(os.environ.get("TIERFS_KV_CHECKER_META", "1"))
+#: 1 (with META=3): the meta nemesis too, replicas (mostly the leader) killed from a thread mid-operation.
+NEMESIS = os.environ.get("TIERFS_KV_CHECKER_META_NEMESIS", "") == "1"
 
 
 @pytest.mark.skipif(not SECONDS and not SEEDS,
@@ -41,16 +45,20 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
         for seed in seeds:
             if not SEEDS and time.monotonic() >= end:
                 break
+            kills, t0 = len(env.nemesis_log), time.monotonic()
             try:
-                ck = run_walk(env, seed, STEPS, tmp_path / "logs")
+                ck = run_walk(env, seed, STEPS, tmp_path / "logs", meta_nemesis=NEMESIS)
                 walks.append(f"seed {seed}: {ck.counts.get('seconds')}s, {len(ck.log)} steps, "
                              f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
                              f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('ttl-judged', 0)} hits of TTL "
                              f"contents judged"
-                             + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else ""))
+                             + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
+                             + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the "
+                                f"nemesis" if NEMESIS else ""))
                 print(walks[-1], flush=True)
             except CheckFailed as exc:
-                failures.append(str(exc))
+                events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
+                failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))
                 walks.append(f"seed {seed}: FAILED")
     finally:
         env.close()
