@@ -48,6 +48,13 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
 
 
+def before(deadline: float) -> bool:
+    """Still before ``deadline`` now, so an operation that has just returned
+    ran before it: asserting that an object with that expiry was there is
+    sound. (Under a heavy load a test could otherwise race its own TTL.)"""
+    return time.monotonic() < deadline
+
+
 class TierConformance:
     """Subclass and provide ``make_tier`` (see the module docstring)."""
 
@@ -394,18 +401,25 @@ class TierConformance:
     def test_an_object_is_gone_at_its_deadline(self, tier: Tier) -> None:
         async def main() -> None:
             short, keep, late = b"exp-short", b"exp-none", b"exp-late"
-            deadline = time.monotonic() + 1.0
-            assert await tier.put(short, memoryview(pattern(short, 5000)), expires=deadline)
+            deadline = time.monotonic() + 1.5
+            t0 = time.monotonic()
+            stored = await tier.put(short, memoryview(pattern(short, 5000)), expires=deadline)
+            # the cluster's daemons start the TTL when the put reaches them:
+            # their copy may outlive the deadline by at most the put's time
+            hop = time.monotonic() - t0 + 0.01
+            assert stored or not before(deadline)
             assert await tier.put(keep, memoryview(pattern(keep, 5000)))
             # already past: not stored, and nothing changes
             assert not await tier.put(late, memoryview(pattern(late, 5000)), expires=time.monotonic() - 1)
-            assert await tier.contains([short, keep, late]) == [True, True, False]
+            present = await tier.contains([short, keep, late])
+            assert present[1:] == [True, False] and (present[0] or not before(deadline))
             out = bytearray(5000)
-            assert await tier.get_into(short, memoryview(out)) == 5000 and out == pattern(short, 5000)
-            # what a TierStack promotes it with, asked right after a hit (the
-            # cluster's daemons start the TTL on arrival: a network hop later)
-            assert 0 < tier.expiry_of(short) <= deadline + 0.1
-            while time.monotonic() <= deadline + 0.1:
+            n = await tier.get_into(short, memoryview(out))
+            if before(deadline):
+                assert n == 5000 and out == pattern(short, 5000)
+                # what a TierStack promotes it with, asked right after a hit
+                assert 0 < tier.expiry_of(short) <= deadline + hop
+            while time.monotonic() <= deadline + hop:
                 await asyncio.sleep(0.05)
             assert await tier.get_into(short, memoryview(out)) is None
             assert await tier.contains([short, keep]) == [False, True]
@@ -483,9 +497,10 @@ class DemotingTierConformance(TierConformance):
         t = self.demoting(new_tier, on_evict)
 
         async def main() -> None:
-            soon = time.monotonic() + 0.5
+            soon = time.monotonic() + 1.0
             later = time.monotonic() + 600
-            assert await t.put(b"soon", memoryview(pattern(b"soon", size)), expires=soon)
+            stored = await t.put(b"soon", memoryview(pattern(b"soon", size)), expires=soon)
+            assert stored or not before(soon)
             assert await t.put(b"later", memoryview(pattern(b"later", size)), expires=later)
             while time.monotonic() <= soon:
                 await asyncio.sleep(0.05)

@@ -634,16 +634,24 @@ def test_local_tiers_drop_an_object_when_its_cluster_ttl_runs_out(cl: LocalClust
     with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB, kv_ssd_bytes=8 * MiB, kv_ssd_path=str(tmp_path / "ssd"),
                 kv_timeout=1.0, request_timeout=2.0) as c:
         kv = c.kv_pool(pool)
-        other.put(theirs, payload(theirs, 30 * KiB), ttl=2.0)
-        assert kv.put(mine, payload(mine, 30 * KiB), ttl=2.0)
+        ttl = 3.0
+        deadline = time.monotonic() + ttl  # no later than either put's own
+        other.put(theirs, payload(theirs, 30 * KiB), ttl=ttl)
+        kv.put(mine, payload(mine, 30 * KiB), ttl=ttl)
         assert kv.put(kept, payload(kept, 30 * KiB))
-        assert kv.get(theirs) == payload(theirs, 30 * KiB)  # now in the local tiers too
+        # Each check that a TTL object is there holds only if it ran before
+        # the deadline (a heavily loaded machine could take the test past it).
+        got = kv.get(theirs)  # now in the local tiers too
+        assert got == payload(theirs, 30 * KiB) or time.monotonic() >= deadline
         bufs = [bytearray(30 * KiB) for _ in range(3)]
-        assert kv.batch_get_into([mine, theirs, kept], bufs) == [30 * KiB] * 3
+        sizes = kv.batch_get_into([mine, theirs, kept], bufs)
+        assert sizes == [30 * KiB] * 3 or (sizes[2] == 30 * KiB and time.monotonic() >= deadline)
         hits = kv.stats()["cluster"]["hits"]
         # the three are served locally now: no request reaches the cluster
-        assert kv.get(mine) == payload(mine, 30 * KiB) and kv.get(theirs) == payload(theirs, 30 * KiB)
-        assert kv.stats()["cluster"]["hits"] == hits
+        got2 = (kv.get(mine), kv.get(theirs))
+        if time.monotonic() < deadline:
+            assert got2 == (payload(mine, 30 * KiB), payload(theirs, 30 * KiB))
+            assert kv.stats()["cluster"]["hits"] == hits
         wait_for(lambda: other.get(mine) is None and other.get(theirs) is None, 20, "the cluster's TTLs to run out")
         assert kv.get(mine) is None and kv.get(theirs) is None
         assert kv.batch_get_into([mine, theirs, kept], bufs) == [None, None, 30 * KiB]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.kv.conformance import MiB, pattern, run
+from tests.kv.conformance import MiB, before, pattern, run
 from tierfs.buffers import BufferPool
 from tierfs.errors import ConfigError, InvalidArgumentError
 from tierfs.kv.stack import TierStack
@@ -69,21 +69,26 @@ def test_an_expiry_goes_with_every_copy(tmp_path: Path) -> None:
             (tmp_path / str(write_back)).mkdir()
             dram, ssd, bottom = three(tmp_path / str(write_back))
             s = TierStack([dram, ssd, bottom], write_back=write_back)
-            deadline = time.monotonic() + 1.5
+            deadline = time.monotonic() + 3.0
             assert await bottom.put(b"cold", memoryview(pattern(b"cold", SIZE)), expires=deadline)
             out = bytearray(SIZE)
-            assert await s.get_into(b"cold", out) == SIZE  # promoted into dram and ssd
-            assert dram.expiry_of(b"cold") == ssd.expiry_of(b"cold") == deadline
-            assert await s.put(b"hot", memoryview(pattern(b"hot", SIZE)), expires=deadline)
+            # (each check that an object is there holds only if it ran before
+            # the deadline: under a heavy load the test could pass it)
+            n = await s.get_into(b"cold", out)  # promoted into dram and ssd
+            if before(deadline):
+                assert n == SIZE and dram.expiry_of(b"cold") == ssd.expiry_of(b"cold") == deadline
+            await s.put(b"hot", memoryview(pattern(b"hot", SIZE)), expires=deadline)
             await s.flush()
-            assert bottom.expiry_of(b"hot") == ssd.expiry_of(b"hot") == deadline
+            if before(deadline):
+                assert bottom.expiry_of(b"hot") == ssd.expiry_of(b"hot") == deadline
             # fill dram: both are demoted into ssd (which has them) or beyond
             for i in range(40):
                 assert await s.put(key(i), memoryview(pattern(key(i), SIZE)))
             await s.flush()
             assert await dram.contains([b"cold", b"hot"]) == [False, False]
-            assert await s.get_into(b"hot", out) == SIZE and out == pattern(b"hot", SIZE)
-            assert dram.expiry_of(b"hot") == deadline
+            n = await s.get_into(b"hot", out)
+            if before(deadline):
+                assert n == SIZE and out == pattern(b"hot", SIZE) and dram.expiry_of(b"hot") == deadline
             while time.monotonic() <= deadline:
                 await asyncio.sleep(0.05)
             assert await s.get_into(b"hot", out) is None and await s.get_into(b"cold", out) is None

@@ -31,9 +31,9 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import xxhash
 
@@ -77,6 +77,7 @@ def _ec_tail(n: int, j: int) -> int:
 
 
 _Tag = tuple[int, int, int]  # (format, value length, value CRC32C or 0)
+_R = TypeVar("_R")
 
 
 def _ec_fragment(v: Any, j: int) -> tuple[_Tag, memoryview] | None:
@@ -99,6 +100,18 @@ def expiry_at(t0: float, ttl_ms: int) -> float:
     answer to a request sent at ``t0``, has ``ttl_ms`` left (0.0: none).
     Counted from the request, not the answer: never later than the daemon's."""
     return t0 + ttl_ms / 1000 if ttl_ms else 0.0
+
+
+async def _timed(fetch: Callable[[list[int]], Awaitable[_R]], expiries: list[float] | None) -> _R:
+    """``fetch(ttls)``; with ``expiries``, the deadline of what it found
+    appended (0.0: no TTL, or a miss), from the last TTL a daemon answered
+    and the time the fetch started."""
+    t0 = time.monotonic()
+    ttls: list[int] = []
+    got = await fetch(ttls)
+    if expiries is not None:
+        expiries.append(expiry_at(t0, ttls[-1]) if got is not None and ttls else 0.0)
+    return got
 
 
 def _soonest(ttls: Sequence[int]) -> int:
@@ -571,12 +584,7 @@ class ClusterTier:
     async def get(self, key: bytes, expiries: list[float] | None = None) -> bytes | None:
         """The value as ``bytes`` (any size), or None. ``expiries``: as for
         ``get_into``."""
-        t0 = time.monotonic()
-        ttls: list[int] = []
-        value = await self._get_bytes(key, ttls)
-        if expiries is not None:
-            expiries.append(expiry_at(t0, ttls[-1]) if value is not None and ttls else 0.0)
-        return value
+        return await _timed(lambda ttls: self._get_bytes(key, ttls), expiries)
 
     async def _get_bytes(self, key: bytes, ttls: list[int]) -> bytes | None:
         route = await self._read_route(1)
@@ -661,12 +669,7 @@ class ClusterTier:
         replica), or None. An EC pool keeps the size in each fragment's
         trailer: one fragment is fetched to read it. ``expiries``: as for
         ``get_into`` (for EC, the fragment's)."""
-        t0 = time.monotonic()
-        ttls: list[int] = []
-        n = await self._size_of(key, ttls)
-        if expiries is not None:
-            expiries.append(expiry_at(t0, ttls[-1]) if n is not None and ttls else 0.0)
-        return n
+        return await _timed(lambda ttls: self._size_of(key, ttls), expiries)
 
     async def _size_of(self, key: bytes, ttls: list[int]) -> int | None:
         route = await self._read_route(1)
