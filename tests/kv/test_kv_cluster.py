@@ -38,6 +38,25 @@ def pool_ready(client: Client, name: str) -> None:
     pool_served(client.config.meta, name)
 
 
+#: Pools more than one test uses: each test makes sure of its own (the
+#: tests of this module may run in any order, or on different workers).
+SHARED_POOLS: dict[str, dict[str, object]] = {
+    "two": {"redundancy": "replica:2", "target_memory": 8 * MiB, "target_disk": 16 * MiB},
+    "disk": {"redundancy": "replica:1", "target_memory": 1 * MiB, "target_disk": 32 * MiB},
+}
+
+
+def shared_pool(cl: LocalCluster, client: Client, name: str) -> None:
+    """Pool ``name`` of SHARED_POOLS, created if this is the first test to use it, and served."""
+    async def exists() -> bool:
+        async with MetaClient(cl.meta_addrs) as mc:
+            return any(p.name == name for p in (await mc.list_kv_pools()).pools)
+
+    if not asyncio.run(exists()):
+        create_pool(cl, name, **SHARED_POOLS[name])
+    pool_ready(client, name)
+
+
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path_factory.mktemp("kv"), n_storage=4, extra_meta_args=list(FAST_META))
@@ -225,8 +244,7 @@ def test_gets_racing_eviction_never_return_wrong_bytes(cl: LocalCluster, client:
 
 
 def test_replica2_serves_with_one_daemon_down(cl: LocalCluster, client: Client) -> None:
-    create_pool(cl, "two", redundancy="replica:2", target_memory=8 * MiB, target_disk=16 * MiB)
-    pool_ready(client, "two")
+    shared_pool(cl, client, "two")
     kv = client.kv_pool("two")
     keys = [f"r2-{i}" for i in range(60)]
     kv.batch_put(keys, [payload(k, 20 * KiB) for k in keys])
@@ -305,8 +323,7 @@ def test_a_node_leaving_remaps_only_its_share_of_keys(cl: LocalCluster, client: 
 
 
 def test_restart_keeps_objects_on_disk(cl: LocalCluster, client: Client) -> None:
-    create_pool(cl, "disk", redundancy="replica:1", target_memory=1 * MiB, target_disk=32 * MiB)
-    pool_ready(client, "disk")
+    shared_pool(cl, client, "disk")
     kv = client.kv_pool("disk")
     keys = [f"d{i}" for i in range(80)]
     kv.batch_put(keys, [payload(k, 48 * KiB) for k in keys])
@@ -319,6 +336,8 @@ def test_restart_keeps_objects_on_disk(cl: LocalCluster, client: Client) -> None
 
 
 def test_corrupted_object_on_disk_is_a_miss_or_the_other_copy(cl: LocalCluster, client: Client) -> None:
+    shared_pool(cl, client, "disk")
+    shared_pool(cl, client, "two")
     kv1, kv2 = client.kv_pool("disk"), client.kv_pool("two")
     v = payload("rot", 100 * KiB)
     kv1.put("rot", v, overwrite=True)
@@ -340,6 +359,7 @@ def test_corrupted_object_on_disk_is_a_miss_or_the_other_copy(cl: LocalCluster, 
 
 
 def test_meta_leader_killed_during_kv_load_loses_nothing(cl: LocalCluster, client: Client) -> None:
+    shared_pool(cl, client, "two")
     kv = client.kv_pool("two")
     keys = [f"lead-{i}" for i in range(200)]
     done = threading.Event()
@@ -372,6 +392,7 @@ def test_meta_leader_killed_during_kv_load_loses_nothing(cl: LocalCluster, clien
 
 
 def test_sigkill_during_puts_and_gets_leaves_no_wrong_bytes(cl: LocalCluster, client: Client) -> None:
+    shared_pool(cl, client, "two")
     kv = client.kv_pool("two")
     stop = threading.Event()
     wrong: list[str] = []
