@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "6e89d9b837288c3fb59d1c633b0c54e359ee14e7"
+PREVIOUS = "9612ee1e41e42976caeb973e83869b63ff39bf8a"
 
 REPO = Path(__file__).resolve().parents[2]
 
