@@ -112,6 +112,11 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         (tmp_path / "before.bin").write_bytes(before)
         r = _old_cli(old_py, cl, "put", str(tmp_path / "before.bin"), "/before.bin")
         assert r.returncode == 0, r.stderr.decode()
+        # A KV object too (the default pool keeps it on disk across restarts).
+        kv_before = random_bytes(300_000, 903)
+        (tmp_path / "kv-before.bin").write_bytes(kv_before)
+        r = _old_cli(old_py, cl, "kv", "put", "upgrade-kv-before", str(tmp_path / "kv-before.bin"))
+        assert r.returncode == 0, r.stderr.decode()
 
         ledger = Ledger()
         stop = threading.Event()
@@ -157,11 +162,19 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
             assert digest(c.read_bytes("/before.bin")) == digest(before)
             after = random_bytes(2 << 20, 902)
             c.write_bytes("/after.bin", after)
+            # The previous release's KV object, through the new client (its
+            # daemons restarted with their disk copies, never marked down).
+            assert c.kv.get("upgrade-kv-before") == kv_before
+            kv_after = random_bytes(200_000, 904)
+            assert c.kv.put("upgrade-kv-after", kv_after)
         # Every daemon now runs the new code.
         assert {_code_of(p.pid) for p in cl.procs} == {Path.cwd()}
         # A client of the previous release reads what the new one wrote.
         r = _old_cli(old_py, cl, "get", "/after.bin", str(tmp_path / "after.bin"))
         assert r.returncode == 0, r.stderr.decode()
         assert digest((tmp_path / "after.bin").read_bytes()) == digest(after)
+        r = _old_cli(old_py, cl, "kv", "get", "upgrade-kv-after", str(tmp_path / "kv-after.bin"))
+        assert r.returncode == 0, r.stderr.decode()
+        assert (tmp_path / "kv-after.bin").read_bytes() == kv_after
     finally:
         cl.stop()

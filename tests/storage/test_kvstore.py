@@ -341,6 +341,78 @@ def test_restart_keeps_disk_objects(tmp_path: Path, pool: BufferPool) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec", [mem_pool(), disk_pool(), disk_pool(memory=0)], ids=["memory", "both", "disk"])
+def test_placement_stamps(tmp_path: Path, pool: BufferPool, spec: KVPoolSpec) -> None:
+    """A copy put with an earlier placement stamp than a get requires is a
+    miss (docs/kv.md, "Overwrites and map changes"), for get, the size-only
+    path and contains; a put without overwrite replaces it rather than being
+    a no-op; the stamp survives a restart (in the header, past the key's CRC)."""
+    pid = spec.pool_id
+
+    async def first(s: KVStore) -> None:
+        assert await put(s, pid, b"a", b"old", stamp=5)
+        assert await get(s, pid, b"a") == b"old"  # no stamp asked: as before
+        got = await s.get(pid, b"a", since=5)
+        assert got is not None and bytes(got[0]) == b"old"
+        s.release(got[0])
+        assert await s.get(pid, b"a", since=6) is None
+        assert await s.get_with_ttl(pid, b"a", since=6) is None
+        assert s.contains(pid, [b"a"], since=5) == [True] and s.contains(pid, [b"a"], since=6) == [False]
+        assert usage(s, pid).objects == 1
+        assert not await put(s, pid, b"a", b"same", stamp=5)  # a no-op, as always
+        assert await put(s, pid, b"a", b"new", stamp=7)  # the old copy is stale for this writer
+        got = await s.get(pid, b"a", since=7)
+        assert got is not None and bytes(got[0]) == b"new"
+        s.release(got[0])
+        assert await put(s, pid, b"b", b"kept", stamp=(1 << 56) - 1)
+
+    async def second(s: KVStore) -> None:
+        if not spec.disk_bytes:
+            return
+        got = await s.get(pid, b"a", since=7)
+        assert got is not None and bytes(got[0]) == b"new"
+        s.release(got[0])
+        assert await s.get(pid, b"a", since=8) is None
+        assert s.contains(pid, [b"b"], since=(1 << 56) - 1) == [True]
+
+    run(tmp_path, pool, [spec], first)
+    run(tmp_path, pool, [spec], second)
+
+
+@pytest.mark.timeout(60)
+def test_stamped_header_torn_and_unstamped_files(tmp_path: Path, pool: BufferPool) -> None:
+    """A header whose stamp fails its CRC is torn (discarded at open); a
+    file with zeros past the key's CRC (written before stamps) reads as stamp 0."""
+    spec = disk_pool(2, memory=0)
+
+    async def first(s: KVStore) -> None:
+        assert await put(s, 2, b"torn", b"x" * 100, stamp=9)
+        assert await put(s, 2, b"plain", b"y" * 100, stamp=9)
+
+    run(tmp_path, pool, [spec], first)
+    torn = plain = None
+    for f in object_files(tmp_path, 2):
+        data = bytearray(f.read_bytes())
+        klen = int.from_bytes(data[12:16], "little")
+        at = 60 + klen + 4  # past the key and its CRC
+        if data[60:60 + klen].endswith(b"torn"):
+            data[at] ^= 0xFF  # the stamp's first byte
+            torn = f
+        else:
+            data[at:at + 12] = bytes(12)  # as a file from before stamps
+            plain = f
+        f.write_bytes(bytes(data))
+    assert torn is not None and plain is not None
+
+    async def second(s: KVStore) -> None:
+        assert usage(s, 2).torn_discarded == 1
+        assert await get(s, 2, b"torn") is None
+        assert s.contains(2, [b"plain"], since=0) == [True] and s.contains(2, [b"plain"], since=1) == [False]
+
+    run(tmp_path, pool, [spec], second)
+
+
+@pytest.mark.timeout(60)
 def test_restart_over_io_backend(tmp_path: Path, pool: BufferPool, make_backend: Callable[..., IOBackend]) -> None:
     spec = disk_pool(2, memory=0)
 

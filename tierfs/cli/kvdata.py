@@ -100,7 +100,7 @@ async def kv_get(client: Any, key: str, local: str, out: IO[bytes], *, pool: str
 
 
 async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, Any]:
-    from tierfs.kv.cluster import group_of
+    from tierfs.kv.cluster import group_of, placement
     from tierfs.kv.keys import normalize_key
 
     h = client.kv_pool(pool)
@@ -109,11 +109,11 @@ async def kv_stat(client: Any, key: str, *, pool: str = "default") -> dict[str, 
     if not route.groups:
         raise InvalidArgumentError(f"KV pool {pool!r} has no placement groups yet")
     gi = group_of(k, len(route.groups))
-    targets = route.groups[gi]
+    targets, stamps = placement(route, k)
     holders = []
-    for t in targets:
+    for t, stamp in zip(targets, stamps, strict=True):
         try:
-            if (await h.cluster.data.kv_exists(t, route.pool_id, [k], timeout=h.cluster.timeout))[0]:
+            if (await h.cluster.data.kv_exists(t, route.pool_id, [k], timeout=h.cluster.timeout, since=stamp))[0]:
                 holders.append(t)
         except Exception:
             pass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.errors import NotFoundError, StaleVersionError, TierFSError
@@ -40,9 +40,15 @@ class KVPoolRoute:
     k: int
     m: int
     groups: tuple[tuple[int, ...], ...]
+    # Placement stamps (docs/kv.md, "Overwrites and map changes"): each
+    # member's since (parallel to groups), the group count's changes as
+    # ((map version, count), ...), and each target's up_since (only those set).
+    since: tuple[tuple[int, ...], ...] = ()
+    history: tuple[tuple[int, int], ...] = ()
+    up: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
-    def of(cls, p: Any) -> KVPoolRoute:
+    def of(cls, p: Any, up: dict[int, int] | None = None) -> KVPoolRoute:
         red = p.redundancy or "replica:1"
         copies = k = m = 0
         kind, _, arg = red.partition(":")
@@ -51,7 +57,10 @@ class KVPoolRoute:
         elif kind == "ec":
             a, _, b = arg.partition("+")
             k, m = int(a), int(b)
-        return cls(p.pool_id, p.name, red, copies, k, m, tuple(tuple(g.target_ids) for g in p.groups))
+        h = list(getattr(p, "count_history", ()))
+        return cls(p.pool_id, p.name, red, copies, k, m, tuple(tuple(g.target_ids) for g in p.groups),
+                   tuple(tuple(getattr(g, "member_since", ())) for g in p.groups),
+                   tuple((h[i], h[i + 1]) for i in range(0, len(h) - 1, 2)), dict(up or {}))
 
 _READABLE = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
 
@@ -111,7 +120,8 @@ class Router:
             g.group_id: {t: (g.rebuild_sources[i] if i < len(g.rebuild_sources) else 0)
                          for i, t in enumerate(g.rebuilding)}
             for g in cmap.groups if g.rebuilding}
-        self.kv_pools = {p.name: KVPoolRoute.of(p) for p in getattr(cmap, "kv_pools", ())}
+        up = {t.target_id: t.up_since for t in cmap.targets if getattr(t, "up_since", 0)}
+        self.kv_pools = {p.name: KVPoolRoute.of(p, up) for p in getattr(cmap, "kv_pools", ())}
         self.version = cmap.version
 
     async def kv_pool(self, name: str) -> KVPoolRoute:

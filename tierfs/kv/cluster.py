@@ -46,7 +46,7 @@ from tierfs.errors import (
     UnavailableError,
 )
 from tierfs.kv.tiers import Tier, TierStats, check_key, dest_view, source_view
-from tierfs.net.protocol import KV_OVERWRITE, KV_PIN_SHIFT, MAX_KV_EXISTS_KEYS
+from tierfs.net.protocol import KV_OVERWRITE, KV_PIN_SHIFT, KV_STAMP_SHIFT, MAX_KV_EXISTS_KEYS
 
 if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from tierfs.client.routing import KVPoolRoute, Router
     from tierfs.net import DataClient
 
-__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of", "jump_hash"]
+__all__ = ["ClusterKVTier", "ClusterStats", "ClusterTier", "KVCapabilities", "group_of", "jump_hash", "jump_span",
+           "mapped_since", "placement"]
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +143,59 @@ def jump_hash(h: int, n: int) -> int:
     ``n`` buckets to ``n + 1`` moves exactly the keys that land in the new
     last bucket (1/(n+1) of them) and no other; going back moves only those.
     About ln(n) steps."""
+    return jump_span(h, n)[0]
+
+
+def jump_span(h: int, n: int) -> tuple[int, int]:
+    """``(b, nx)``: ``jump_hash(h, n)`` and the next point the key jumps at,
+    so that the key lands in bucket ``b`` for every count ``m`` with
+    ``b < m <= nx`` and in no other."""
     b, j = -1, 0
     while j < n:
         b = j
         h = (h * _JUMP_MUL + 1) & _U64
         j = int((b + 1) * (2147483648.0 / ((h >> 33) + 1)))
-    return b
+    return b, j
+
+
+def mapped_since(history: Sequence[tuple[int, int]], b: int, nx: int) -> int:
+    """The map version from which a key of bucket ``b`` (next jump ``nx``)
+    has lived in that bucket without a break, from the pool's group count
+    changes (``(version, count)``, oldest first). A spell with no groups
+    breaks nothing (no put could go anywhere). 0 when the key has lived
+    there since the history began (the pool's creation, with count 0, or
+    a version-0 entry: what the pool had before stamps); past the oldest
+    change kept (a history cut short), that change's version."""
+    for i in range(len(history) - 1, 0, -1):
+        m = history[i - 1][1]
+        if m and not b < m <= nx:
+            return history[i][0]
+    if not history:
+        return 0
+    v0, n0 = history[0]
+    return 0 if n0 == 0 or v0 == 0 else v0
+
+
+def placement(route: KVPoolRoute, key: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The targets of ``key``'s group, and the placement stamp of each: the
+    map version from which that target has held the key's position without
+    a break (docs/kv.md, "Overwrites and map changes"). The later of: the
+    member's ``since`` in its group, when the key came to this group
+    (``mapped_since``) and, where a put skips a target the map calls down
+    (every pool but ``replica:1``), the target's ``up_since``. A put sends
+    it; a get asks for at least it, so a copy put before a break in its
+    holding (it may have missed an overwrite) is a miss."""
+    if not route.groups:
+        raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
+    b, nx = jump_span(xxhash.xxh3_64_intdigest(key), len(route.groups))
+    members = route.groups[b]
+    if not (route.history or route.up or route.since):
+        return members, (0,) * len(members)
+    floor = mapped_since(route.history, b, nx)
+    since = route.since[b] if b < len(route.since) else ()
+    up = route.up if route.copies != 1 else {}
+    return members, tuple(max(floor, since[j] if j < len(since) else 0, up.get(t, 0))
+                          for j, t in enumerate(members))
 
 
 def group_of(key: bytes, n_groups: int) -> int:
@@ -310,21 +358,24 @@ class ClusterTier:
             raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
         return route.groups[group_of(key, len(route.groups))]
 
-    def _orders(self, route: KVPoolRoute, keys: Sequence[bytes]) -> list[list[int]]:
-        """The read order of each key, computed once per group (a batch of
-        a thousand keys touches a handful of groups)."""
-        if not route.groups:
-            raise UnavailableError(f"KV pool {route.name!r} has no placement groups yet (too few storage nodes?)")
-        groups, n = route.groups, len(route.groups)
-        cache: dict[int, list[int]] = {}
+    def _orders(self, route: KVPoolRoute, keys: Sequence[bytes]) -> list[list[tuple[int, int]]]:
+        """The read order of each key, as (target, placement stamp) pairs;
+        the order is computed once per group (a batch of a thousand keys
+        touches a handful of groups)."""
+        cache: dict[tuple[int, ...], list[int]] = {}
         out = []
         for k in keys:
-            g = group_of(k, n)
-            o = cache.get(g)
+            members, stamps = placement(route, k)
+            o = cache.get(members)
             if o is None:
-                o = cache[g] = self._read_order(groups[g])
-            out.append(o)
+                o = cache[members] = self._read_order(members)
+            out.append([(t, stamps[members.index(t)]) for t in o])
         return out
+
+    def _read_pairs(self, route: KVPoolRoute, key: bytes) -> list[tuple[int, int]]:
+        """One key's read order as (target, placement stamp) pairs."""
+        members, stamps = placement(route, key)
+        return [(t, stamps[members.index(t)]) for t in self._read_order(members)]
 
     def _read_order(self, targets: tuple[int, ...]) -> list[int]:
         """Usable copies first (in group order), then those the map has no
@@ -347,8 +398,9 @@ class ClusterTier:
         route = self.router.kv_pools.get(self.pool)
         if route is not None and route.copies == 1 and not pin_ttl_ms:
             # One copy: one request on the lightest path (no batch grouping).
-            t = self._targets(route, key)[0]
-            flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
+            members, stamps = placement(route, key)
+            t = members[0]
+            flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT) | stamps[0] << KV_STAMP_SHIFT
             try:
                 stored = await self.data.kv_put(t, route.pool_id, key, buf, flags=flags, ttl_ms=ttl_ms,
                                                 timeout=self._deadline(len(buf)))
@@ -383,26 +435,39 @@ class ClusterTier:
 
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             crc = crc32c(buf)  # once per object, not once per copy
-            for t in self._targets(route, key):
+            members, stamps = placement(route, key)
+            for t, stamp in zip(members, stamps, strict=True):
                 if self.router.down(t) and route.copies > 1:
                     continue
-                items.append((t, route.pool_id, key, buf, crc, flags, ttl_ms))
+                items.append((t, route.pool_id, key, buf, crc, flags | stamp << KV_STAMP_SHIFT, ttl_ms))
                 owner.append(i)
         res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3)) if pin_ttl_ms == 0 else \
             [await self._put_one(it, pin_ttl_ms) for it in items]
         stored = [False] * len(keys)
         reached = [False] * len(keys)
         first_error: list[TierFSError | None] = [None] * len(keys)
+        missed: dict[int, list[int]] = {}
         for it, i, r in zip(items, owner, res, strict=True):
             if isinstance(r, TierFSError):
                 self._failed(it[0], r)
                 if first_error[i] is None:
                     first_error[i] = r
+                missed.setdefault(i, []).append(it[0])
                 continue
             reached[i] = True
             stored[i] = stored[i] or r
             self.router.mark_ok(it[0])
+        stuck: set[int] = set()
+        if overwrite:
+            for i, targets in missed.items():
+                if reached[i] and not await self._drop_copies(route, keys[i], targets):
+                    stuck.add(i)
         for i, buf in enumerate(bufs):
+            if i in stuck:
+                self.counters.put_failures += 1
+                raise UnavailableError(
+                    f"KV overwrite of {keys[i]!r} in pool {route.name!r} failed on target(s) {missed[i]}, and their "
+                    f"copy of the previous value could not be deleted either: {first_error[i]}")
             if not reached[i]:
                 self.counters.put_failures += 1
                 err = first_error[i]
@@ -415,6 +480,21 @@ class ClusterTier:
             else:
                 self.counters.put_skipped += 1
         return stored
+
+    async def _drop_copies(self, route: KVPoolRoute, key: bytes, targets: Sequence[int]) -> bool:
+        """After an overwrite that some of ``key``'s targets failed (their
+        copy may still hold the previous value, and a get may ask them
+        first): delete it there. False when a delete failed too: the
+        overwrite is then not acknowledged (it raises), since the old value
+        may still be served."""
+        ok = True
+        for t in targets:
+            try:
+                await self.data.kv_delete(t, route.pool_id, key, timeout=self.timeout)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                ok = False
+        return ok
 
     async def _put_one(self, it: tuple[int, int, bytes, memoryview, int | None, int, int],
                        pin_ttl_ms: int) -> bool | TierFSError:
@@ -439,11 +519,11 @@ class ClusterTier:
             return (await self._ec_get(route, [key], [dest], expiries))[0]
         # One key: one request on the lightest path (no batch grouping).
         ttls: list[int] | None = None if expiries is None else []
-        for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+        for attempt, (t, stamp) in enumerate(self._read_pairs(route, key)):
             t0 = time.monotonic()
             try:
                 n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)),
-                                                ttls=ttls)
+                                                ttls=ttls, since=stamp)
             except InvalidArgumentError:
                 self.counters.errors += 1
                 raise
@@ -484,7 +564,8 @@ class ClusterTier:
         attempt = 0
         too_small: InvalidArgumentError | None = None
         while todo:
-            items = [(orders[i][attempt], route.pool_id, keys[i], dests[i]) for i in todo]
+            items = [(orders[i][attempt][0], route.pool_id, keys[i], dests[i], orders[i][attempt][1])
+                     for i in todo]
             ttls: list[int] = []
             t0 = time.monotonic()
             res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3), ttls=ttls)
@@ -493,11 +574,11 @@ class ClusterTier:
                 if isinstance(r, TierFSError):
                     if isinstance(r, InvalidArgumentError) and too_small is None:
                         too_small = r
-                    self._failed(orders[i][attempt], r)
+                    self._failed(orders[i][attempt][0], r)
                 elif r is not None:
                     out[i] = r
                     deadlines[i] = expiry_at(t0, ttl)
-                    self.router.mark_ok(orders[i][attempt])
+                    self.router.mark_ok(orders[i][attempt][0])
                     self.counters.hits += 1
                     self.counters.bytes_out += r
                     if attempt:
@@ -527,7 +608,9 @@ class ClusterTier:
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         while todo:
-            by_target: dict[int, list[int]] = {}
+            # One KV_EXISTS per (target, placement stamp): keys of one group
+            # share their stamps unless they came to it at different times.
+            by_target: dict[tuple[int, int], list[int]] = {}
             for i in todo:
                 by_target.setdefault(orders[i][attempt], []).append(i)
             targets = list(by_target)
@@ -544,12 +627,13 @@ class ClusterTier:
             attempt += 1
         return out
 
-    async def _exists_on(self, t: int, pool_id: int, keys: list[bytes]) -> list[bool]:
+    async def _exists_on(self, where: tuple[int, int], pool_id: int, keys: list[bytes]) -> list[bool]:
+        t, stamp = where
         out: list[bool] = []
         for s in range(0, len(keys), MAX_KV_EXISTS_KEYS):
             part = keys[s:s + MAX_KV_EXISTS_KEYS]
             try:
-                out += await self.data.kv_exists(t, pool_id, part, timeout=self.timeout)
+                out += await self.data.kv_exists(t, pool_id, part, timeout=self.timeout, since=stamp)
             except TierFSError as exc:
                 self._failed(t, exc)
                 out += [False] * len(part)
@@ -592,9 +676,9 @@ class ClusterTier:
             return None
         if route.copies == 0:
             return await self._ec_get_bytes(route, key, ttls)
-        for attempt, t in enumerate(self._read_order(self._targets(route, key))):
+        for attempt, (t, stamp) in enumerate(self._read_pairs(route, key)):
             try:
-                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
+                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
@@ -607,14 +691,15 @@ class ClusterTier:
         return None
 
     async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes, ttls: list[int]) -> bytes | None:
-        targets = self._targets(route, key)
+        targets, stamps = placement(route, key)
         order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
         frag_ttl: dict[int, int] = {}
 
         async def one(j: int) -> tuple[int, bytes | None]:
             got: list[int] = []
             try:
-                v = await self.data.kv_get(targets[j], route.pool_id, key, timeout=self.timeout, ttls=got)
+                v = await self.data.kv_get(targets[j], route.pool_id, key, timeout=self.timeout, ttls=got,
+                                           since=stamps[j])
             except TierFSError as exc:
                 self._failed(targets[j], exc)
                 return j, None
@@ -675,12 +760,11 @@ class ClusterTier:
         route = await self._read_route(1)
         if route is None:
             return None
-        targets = self._targets(route, key)
         if route.copies == 0:
-            return await self._ec_size(route, key, targets, ttls)
-        for t in self._read_order(targets):
+            return await self._ec_size(route, key, ttls)
+        for t, stamp in self._read_pairs(route, key):
             try:
-                n = await self.data.kv_size(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
+                n = await self.data.kv_size(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
@@ -688,11 +772,11 @@ class ClusterTier:
                 return n
         return None
 
-    async def _ec_size(self, route: KVPoolRoute, key: bytes, targets: tuple[int, ...],
-                       ttls: list[int]) -> int | None:
-        for t in self._read_order(targets):
+    async def _ec_size(self, route: KVPoolRoute, key: bytes, ttls: list[int]) -> int | None:
+        targets, _ = placement(route, key)
+        for t, stamp in self._read_pairs(route, key):
             try:
-                frag = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls)
+                frag = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp)
             except TierFSError as exc:
                 self._failed(t, exc)
                 continue
@@ -735,7 +819,7 @@ class ClusterTier:
                 frags: list[Any] = codec.encode(memoryview(enc), n, n)
             else:
                 frags = [b""] * (route.k + route.m)
-            targets = self._targets(route, key)
+            targets, stamps = placement(route, key)
             items = []
             for j, frag in enumerate(frags):
                 if self.router.down(targets[j]):
@@ -743,12 +827,15 @@ class ClusterTier:
                 body = bytearray(len(frag) + _TRAILER.size)
                 body[:len(frag)] = frag
                 _TRAILER.pack_into(body, len(frag), crc, _ec_tail(n, j))
-                items.append((targets[j], route.pool_id, key, memoryview(body), None, flags, ttl_ms))
+                items.append((targets[j], route.pool_id, key, memoryview(body), None,
+                              flags | stamps[j] << KV_STAMP_SHIFT, ttl_ms))
             res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3))
             ok = [r for r in res if not isinstance(r, TierFSError)]
+            failed = []
             for it, r in zip(items, res, strict=True):
                 if isinstance(r, TierFSError):
                     self._failed(it[0], r)
+                    failed.append(it[0])
             # K+1 fragments, as the file path asks: one more failure survivable.
             # Only when the map already calls targets down is K enough (a
             # cache keeps taking puts with a node out).
@@ -757,6 +844,11 @@ class ClusterTier:
                 self.counters.put_failures += 1
                 raise UnavailableError(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments "
                                        f"in pool {route.name!r}; at least {need} are needed")
+            if overwrite and failed and not await self._drop_copies(route, key, failed):
+                # K fragments of the previous value could still agree there.
+                self.counters.put_failures += 1
+                raise UnavailableError(f"KV overwrite of {key!r} in pool {route.name!r} failed on target(s) "
+                                       f"{failed}, and their fragment of the previous value could not be deleted")
             stored = any(ok)
             out.append(stored)
             if stored:
@@ -772,7 +864,7 @@ class ClusterTier:
         for key, dest in zip(keys, dests, strict=True):
             frag_ttl: dict[int, int] = {}
             t0 = time.monotonic()
-            targets = self._targets(route, key)
+            targets, stamps = placement(route, key)
             cap = -(-len(dest) // route.k) + _TRAILER.size
             bufs = [memoryview(bytearray(cap)) for _ in targets]
             order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
@@ -786,7 +878,7 @@ class ClusterTier:
                 # count together: ask on until K of one value answered.
                 want = order[pos:pos + route.k - have]
                 pos += len(want)
-                reqs = [(targets[j], route.pool_id, key, bufs[j]) for j in want]
+                reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in want]
                 ttls: list[int] = []
                 res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
                 for j, r, ttl in zip(want, res, ttls, strict=True):

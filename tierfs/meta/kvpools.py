@@ -30,6 +30,7 @@ __all__ = [
     "pool_from_json",
     "pool_to_json",
     "replan_groups",
+    "set_groups",
 ]
 
 DEFAULT_POOL_NAME = "default"
@@ -59,15 +60,52 @@ class KVPoolRecord(Tracked):
     groups: list[list[int]] = field(default_factory=list)
     # Whose namespace a caller's keys live in: "user" (uid) or "group" (gid).
     tenant: str = "user"
+    # Parallel to groups: the map version from which each member has held
+    # its position without a break (set_groups; 0 = from before this was kept).
+    since: list[list[int]] = field(default_factory=list)
+    # The latest changes of the group count, oldest first: (map version,
+    # count from then on), at most HISTORY_KEPT.
+    history: list[list[int]] = field(default_factory=list)
 
     def to_pb(self) -> pb.KVPool:
         out = pb.KVPool(pool_id=self.id, name=self.name, redundancy=self.redundancy, target_memory=self.target_memory,
                         target_disk=self.target_disk, fsync=self.fsync, pin_quota=self.pin_quota,
                         policy=self.policy, created_ns=self.created, width=self.width,
                         tenant=self.tenant)
+        since = self.since
         for i, members in enumerate(self.groups):
-            out.groups.append(pb.PlacementGroup(group_id=i + 1, width=len(members), target_ids=members))
+            out.groups.append(pb.PlacementGroup(group_id=i + 1, width=len(members), target_ids=members,
+                                                member_since=since[i] if i < len(since) else ()))
+        for v, n in self.history:
+            out.count_history.extend((v, n))
         return out
+
+
+#: Group count changes a pool remembers (KVPoolRecord.history). A key whose
+#: group is older than all of them is bounded by the oldest one kept: its
+#: copies from before that are not served (a miss, once).
+HISTORY_KEPT = 64
+
+
+def set_groups(pool: KVPoolRecord, groups: list[list[int]], at: int) -> None:
+    """Give ``pool`` these groups from map version ``at`` on, keeping each
+    member's ``since`` where it holds the same position as before and
+    recording a change of the group count (docs/kv.md, "Overwrites and map
+    changes"). Assigns new lists (the undo log tracks assignments)."""
+    old, old_since = pool.groups, pool.since
+    since: list[list[int]] = []
+    for i, g in enumerate(groups):
+        prev = old[i] if i < len(old) else None
+        ps = old_since[i] if i < len(old_since) else []
+        since.append([(ps[j] if j < len(ps) else 0) if prev is not None and j < len(prev) and prev[j] == t else at
+                      for j, t in enumerate(g)])
+    if len(groups) != len(old) or not pool.history:
+        # A pool from before the history was kept starts it with its count
+        # then, at version 0 (its keys lived there since, as far as we know).
+        hist = [list(h) for h in pool.history] or ([[0, len(old)]] if old else [])
+        pool.history = [*hist, [at, len(groups)]][-HISTORY_KEPT:]
+    pool.groups = groups
+    pool.since = since
 
 
 def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int, *,
@@ -151,8 +189,11 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
 
 
 def pool_to_json(p: KVPoolRecord) -> list[Any]:
+    # tenant, since and history came later; older readers take row[:11] or row[:12]
+    extra: list[Any] = [p.tenant, [list(s) for s in p.since], [list(h) for h in p.history]] \
+        if p.since or p.history else ([p.tenant] if p.tenant != "user" else [])
     return [p.id, p.name, p.redundancy, p.width, p.target_memory, p.target_disk, p.fsync, p.pin_quota, p.policy,
-            p.created, [list(g) for g in p.groups], *([p.tenant] if p.tenant != "user" else [])]
+            p.created, [list(g) for g in p.groups], *extra]
 
 
 def pool_from_json(row: list[Any]) -> KVPoolRecord:
@@ -161,4 +202,6 @@ def pool_from_json(row: list[Any]) -> KVPoolRecord:
     tenant = row[11] if len(row) > 11 else "user"
     return KVPoolRecord(id=pid, name=name, redundancy=red, width=width, target_memory=mem, target_disk=disk,
                         fsync=fsync, pin_quota=pin, policy=policy, created=created,
-                        groups=[list(g) for g in groups], tenant=tenant)
+                        groups=[list(g) for g in groups], tenant=tenant,
+                        since=[list(x) for x in row[12]] if len(row) > 12 else [],
+                        history=[list(h) for h in row[13]] if len(row) > 13 else [])

@@ -63,6 +63,7 @@ from tierfs.meta.kvpools import (
     pool_from_json,
     pool_to_json,
     replan_groups,
+    set_groups,
 )
 from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
@@ -106,7 +107,13 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 1)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 2)
+#: Entries of this format on keep KV placement stamps (docs/kv.md,
+#: "Overwrites and map changes"): pool members' since, the group count
+#: history, targets' up_since. Entries of older leaders leave them empty,
+#: so a replica's state is the same whether it replayed those entries or
+#: loaded a snapshot an older replica took.
+KV_STAMPS_FORMAT = 2
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -185,6 +192,9 @@ class Target(Tracked):
     reported: int = ONLINE  # what the storage daemon says about its disk
     present: bool = True  # offered in the node's latest registration
     down_since: int = 0  # clock when it stopped being usable; 0 while usable
+    # map version from which it has been usable without a break (KV copies
+    # it holds from before are not served: docs/kv.md); 0 = since it joined
+    up_since: int = 0
     removed: bool = False  # declared dead (`tierfs target rm`): never used again
 
 
@@ -240,6 +250,8 @@ class MetaStateMachine(Tracked):
         self.next_session = 1
         self.next_gc = 1
         self.map_version = 1
+        self._op_version = 1  # the map version when the op being applied began
+        self._stamping = False  # whether that op keeps KV placement stamps (KV_STAMPS_FORMAT)
         self.inodes: dict[int, Inode] = {
             ROOT_INODE: Inode(id=ROOT_INODE, type=DIR, mode=0o755, uid=0, gid=0, mtime=0, ctime=0,
                               nlink=2, parent=ROOT_INODE, layout=DEFAULT_LAYOUT),
@@ -320,7 +332,8 @@ class MetaStateMachine(Tracked):
                 validate_op(msg)
                 kind = msg.WhichOneof("body")
                 check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
-                version = self.map_version
+                version = self._op_version = self.map_version
+                self._stamping = msg.min_format >= KV_STAMPS_FORMAT
                 reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
                 if self.map_version != version and not msg.kv_planned and kind != "kv_groups":
                     # Every change of which targets are usable bumps the
@@ -897,6 +910,21 @@ class MetaStateMachine(Tracked):
             return OFFLINE
         return t.reported
 
+    def _set_kv_groups(self, pool: KVPoolRecord, groups: list[list[int]]) -> None:
+        """Give ``pool`` these groups; with placement stamps when the op
+        keeps them, else (entries of older leaders) without any."""
+        if self._stamping:
+            set_groups(pool, groups, self._changed_at())
+            return
+        pool.groups = groups
+        if pool.since or pool.history:
+            pool.since, pool.history = [], []
+
+    def _changed_at(self) -> int:
+        """The map version a change the current op makes is first seen in
+        (every such op bumps the map): later than every map before it."""
+        return self._op_version + 1
+
     def _eligible(self) -> dict[int, int]:
         return {t.id: t.node for t in self.targets.values()
                 if self._target_state(t) == ONLINE and not self.nodes[t.node].draining}
@@ -1350,6 +1378,10 @@ class MetaStateMachine(Tracked):
         for tid in sorted(self.targets):
             t = self.targets[tid]
             if self._target_state(t) in (ONLINE, pb.TARGET_STATE_READ_ONLY):
+                if t.down_since and self._stamping:
+                    # Back: what it holds of KV pools missed the writes made
+                    # while it was down (the op that brought it back bumps the map).
+                    t.up_since = self._changed_at()
                 t.down_since = 0
             elif not t.down_since:
                 t.down_since = self.clock
@@ -1554,7 +1586,7 @@ class MetaStateMachine(Tracked):
                             target_memory=r.target_memory, target_disk=r.target_disk, fsync=r.fsync,
                             pin_quota=r.pin_quota, policy=policy, created=self.clock, tenant=r.tenant or "user")
         self.next_kv_pool += 1
-        pool.groups = replan_groups([], self._eligible(), width) if plan else []
+        self._set_kv_groups(pool, replan_groups([], self._eligible(), width) if plan else [])
         self.kv_pools[pool.id] = pool
         if r.name == DEFAULT_POOL_NAME:
             self.kv_default_done = True
@@ -1583,7 +1615,7 @@ class MetaStateMachine(Tracked):
             pool = self.kv_pools[pid]
             groups = replan_groups([list(g) for g in pool.groups], eligible, pool.width)
             if groups != pool.groups:
-                pool.groups = groups
+                self._set_kv_groups(pool, groups)
 
     def _op_create_kv_pool(self, op: pb.MetaOp, r: pb.CreateKVPoolRequest) -> Message:
         return self._kv_create(r, plan=not op.kv_planned).to_pb()
@@ -1633,7 +1665,7 @@ class MetaStateMachine(Tracked):
                 else:
                     groups.append(members)
             if groups != pool.groups:
-                pool.groups = groups
+                self._set_kv_groups(pool, groups)
                 changed = True
         if changed:
             self.map_version += 1
@@ -1815,7 +1847,8 @@ class MetaStateMachine(Tracked):
         for tid in sorted(self.targets):
             t = self.targets[tid]
             out.targets.append(pb.ClusterTarget(target_id=t.id, node_id=t.node, path=t.path, capacity=t.capacity,
-                                                used=t.used, state=self._target_state(t)))  # type: ignore[arg-type]
+                                                used=t.used, state=self._target_state(t),  # type: ignore[arg-type]
+                                                up_since=t.up_since))
         for gid in sorted(self.groups):
             rb = sorted(self.rebuilding.get(gid, ()))
             srcs = self.rebuild_sources.get(gid, {})
@@ -1904,7 +1937,8 @@ class MetaStateMachine(Tracked):
             "inodes": inodes,
             "nodes": [[n.id, n.uuid, n.hostname, n.data_addr, n.control_addr, n.state, n.last_hb, n.targets]
                       for _, n in sorted(self.nodes.items())],
-            "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present, t.down_since]
+            "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present, t.down_since,
+                         *([t.up_since] if t.up_since else [])]
                         for _, t in sorted(self.targets.items())],
             "groups": [[g, self.groups[g]] for g in sorted(self.groups)],
             "rebuilding": [[g, sorted(self.rebuilding[g])] for g in sorted(self.rebuilding)],
@@ -1952,7 +1986,8 @@ class MetaStateMachine(Tracked):
         self.nodes = {n[0]: Node(id=n[0], uuid=n[1], hostname=n[2], data_addr=n[3], control_addr=n[4],
                                  state=n[5], last_hb=n[6], targets=list(n[7])) for n in doc["nodes"]}
         self.targets = {t[0]: Target(id=t[0], node=t[1], path=t[2], capacity=t[3], used=t[4], reported=t[5],
-                                     present=t[6], down_since=t[7]) for t in doc["targets"]}
+                                     present=t[6], down_since=t[7], up_since=t[8] if len(t) > 8 else 0)
+                        for t in doc["targets"]}
         self.groups = {g: list(m) for g, m in doc["groups"]}
         self.rebuilding = {g: set(m) for g, m in doc["rebuilding"]}
         # Keys added after format 1 was fixed: absent from older snapshots.

@@ -38,6 +38,7 @@ from tierfs.net.protocol import (
     HEADER_SIZE,
     KV_OPS,
     KV_SIZE_ONLY,
+    KV_STAMP_SHIFT,
     MAX_CAP_SLOTS,
     Header,
     Limits,
@@ -158,8 +159,9 @@ class _Req:
 
 #: (target, pool id, key, value, value CRC32C or None, put flags, TTL ms)
 KVPutItem = tuple[int, int, bytes, memoryview, int | None, int, int]
-#: (target, pool id, key, dest)
-KVGetItem = tuple[int, int, bytes, memoryview]
+#: (target, pool id, key, dest), then optionally the placement stamp the
+#: reader's map requires (0: none; tierfs.net.protocol.KV_STAMP_SHIFT)
+KVGetItem = tuple[int, int, bytes, memoryview] | tuple[int, int, bytes, memoryview, int]
 
 
 def _kv_put_req(item: KVPutItem, pin_ttl_ms: int = 0) -> _Req:
@@ -780,12 +782,13 @@ class DataClient:
         return bool(hdr.length)
 
     async def kv_get_into(self, target: int, pool: int, key: bytes, dest: memoryview, *,
-                          timeout: float | None = None, ttls: list[int] | None = None) -> int | None:
+                          timeout: float | None = None, ttls: list[int] | None = None, since: int = 0) -> int | None:
         """Fetch ``key`` straight into ``dest``: its size, or None on a miss.
         The answer's CRC32C is the object's stored one, checked on arrival.
         ``ttls``, if given, gets the milliseconds the object has left to live
-        appended (0: no TTL, or a miss)."""
-        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
+        appended (0: no TTL, or a miss). ``since``: an object put with an
+        earlier placement stamp is a miss."""
+        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
                                   length=min(len(dest), self.limits.max_frame_bytes), payload=memoryview(key),
                                   dest=dest)
         if ttls is not None:
@@ -793,21 +796,22 @@ class DataClient:
         return hdr.payload_len if hdr.length else None
 
     async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
-                      ttls: list[int] | None = None) -> int | None:
+                      ttls: list[int] | None = None, since: int = 0) -> int | None:
         """The size of ``key``'s object on ``target`` without its bytes (a
         KV_GET with KV_SIZE_ONLY), or None on a miss. ``ttls``: as for
         ``kv_get_into``."""
-        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, KV_SIZE_ONLY, 0), timeout, length=0,
+        hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, KV_SIZE_ONLY | since << KV_STAMP_SHIFT, 0), timeout,
+                                  length=0,
                                   payload=memoryview(key))
         if ttls is not None:
             ttls.append(hdr.chunk if hdr.length else 0)
         return hdr.offset if hdr.length else None
 
     async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
-                     ttls: list[int] | None = None) -> bytes | None:
+                     ttls: list[int] | None = None, since: int = 0) -> bytes | None:
         """The value of ``key`` (any size up to the frame limit), or None.
-        ``ttls``: as for ``kv_get_into``."""
-        hdr, body = await self._call(target, Op.KV_GET, (pool, 0, 0, 0), timeout,
+        ``ttls``, ``since``: as for ``kv_get_into``."""
+        hdr, body = await self._call(target, Op.KV_GET, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
                                      length=self.limits.max_frame_bytes, payload=memoryview(key))
         if ttls is not None:
             ttls.append(hdr.chunk if hdr.length else 0)
@@ -816,12 +820,14 @@ class DataClient:
         return bytes(body) if body is not None else b""
 
     async def kv_exists(self, target: int, pool: int, keys: Sequence[bytes], *,
-                        timeout: float | None = None) -> list[bool]:
-        """Which of ``keys`` ``target`` holds: one request for all of them."""
+                        timeout: float | None = None, since: int = 0) -> list[bool]:
+        """Which of ``keys`` ``target`` holds: one request for all of them
+        (those put with a placement stamp before ``since`` do not count)."""
         from tierfs.net.protocol import pack_keys
 
-        _hdr, body = await self._call(target, Op.KV_EXISTS, (pool, 0, 0, 0), timeout, offset=len(keys),
-                                     payload=memoryview(pack_keys(list(keys))))
+        _hdr, body = await self._call(target, Op.KV_EXISTS, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
+                                      offset=len(keys),
+                                      payload=memoryview(pack_keys(list(keys))))
         bits = bytes(body or b"")
         if len(bits) != (len(keys) + 7) // 8:
             raise ProtocolError(f"KV_EXISTS answer of {len(bits)} bytes for {len(keys)} keys")
@@ -859,9 +865,9 @@ class DataClient:
         None for a miss, or the error. ``ttls``, if given, gets one entry per
         item appended, as for ``kv_get_into`` (0 for an error too)."""
         reqs: list[_Req | TierFSError] = [
-            _Req(Op.KV_GET, target, (pool, 0, 0, 0), length=min(len(dest), self.limits.max_frame_bytes),
-                 payload=memoryview(key), dest=dest)
-            for target, pool, key, dest in items]
+            _Req(Op.KV_GET, it[0], (it[1], 0, it[4] << KV_STAMP_SHIFT if len(it) > 4 else 0, 0),  # type: ignore[misc]
+                 length=min(len(it[3]), self.limits.max_frame_bytes), payload=memoryview(it[2]), dest=it[3])
+            for it in items]
         res = await self._batch(reqs, timeout)
         if ttls is not None:
             ttls.extend(r.chunk if isinstance(r, Header) and r.length else 0 for r in res)

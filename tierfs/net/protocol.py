@@ -28,8 +28,10 @@ KV ops reuse the header (``inode`` = pool id throughout):
                of the value (the server checks crc32c(key, fversion) ==
                payload_crc, which proves it without a second pass over the
                value); chunk = TTL in ms (0 none); fragment = flags
-               (KV_OVERWRITE, pin kind << KV_PIN_SHIFT); length = pin TTL ms.
-               Reply: length = 1 stored, 0 already there (a no-op).
+               (KV_OVERWRITE, pin kind << KV_PIN_SHIFT, and the writer's
+               placement stamp << KV_STAMP_SHIFT); length = pin TTL ms.
+               Reply: length = 1 stored, 0 already there (a no-op; an object
+               there with an earlier stamp is replaced).
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
                payload_crc the object's stored CRC32C (checked end to end);
@@ -42,7 +44,12 @@ KV ops reuse the header (``inode`` = pool id throughout):
                length is ignored; the object is read and CRC-checked like a
                get, so a torn or corrupt one is a miss, and it counts as an
                access for the pool's eviction policy).
-    KV_EXISTS  payload = keys, each as u16 length + bytes; offset = count.
+               fragment >> KV_STAMP_SHIFT = the placement stamp the reader's
+               map requires: an object put with an earlier one is a miss
+               (docs/kv.md, "Overwrites and map changes"). Daemons up to
+               stop 29 mask the flags and ignore the stamp.
+    KV_EXISTS  payload = keys, each as u16 length + bytes; offset = count;
+               fragment >> KV_STAMP_SHIFT = the least stamp that counts.
                Reply: payload = a bitmap, bit i set if key i is present:
                one request per target for a whole batch.
     KV_DELETE  payload = key. Reply: length = 1 existed / 0 not.
@@ -85,11 +92,13 @@ __all__ = [
     "KV_OVERWRITE",
     "KV_PIN_SHIFT",
     "KV_SIZE_ONLY",
+    "KV_STAMP_SHIFT",
     "MAGIC",
     "MAX_CAP_PAYLOAD",
     "MAX_CAP_SLOTS",
     "MAX_KV_EXISTS_KEYS",
     "MAX_KV_KEY",
+    "MAX_KV_STAMP",
     "PAYLOAD_OPS",
     "VERSION",
     "Flag",
@@ -149,6 +158,10 @@ MAX_KV_EXISTS_KEYS = 4096
 #: KV_PUT flag bits (in the ``fragment`` field).
 KV_OVERWRITE = 0x1
 KV_PIN_SHIFT = 1  # two bits: 0 none, 1 soft, 2 hard
+#: KV_PUT / KV_GET / KV_EXISTS: the placement stamp in the flags word's
+#: bits 8-63 (older daemons read only the low bits)
+KV_STAMP_SHIFT = 8
+MAX_KV_STAMP = (1 << 56) - 1
 #: KV_GET flag bit (in the ``fragment`` field): answer with the size only.
 KV_SIZE_ONLY = 0x1
 

@@ -73,17 +73,19 @@ class KVTargetStore(Protocol):
         """Give back a buffer from ``alloc`` (not put) or a view from ``get``."""
 
     async def put(self, pool_id: int, key: bytes, value: memoryview, crc: int, *, overwrite: bool = False,
-                  ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> bool:
+                  ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0, stamp: int = 0) -> bool:
         """Store ``value`` (its CRC32C checked by the caller); False if ``key``
-        was there (a no-op). Takes ownership of ``value``."""
+        was there with a stamp of at least ``stamp`` (a no-op). Takes
+        ownership of ``value``."""
 
-    async def get(self, pool_id: int, key: bytes) -> tuple[memoryview, int] | None:
-        """(value, CRC32C), valid until ``release``; None is a miss."""
+    async def get(self, pool_id: int, key: bytes, since: int = 0) -> tuple[memoryview, int] | None:
+        """(value, CRC32C), valid until ``release``; None is a miss (also
+        an object put with a placement stamp before ``since``)."""
 
-    async def get_with_ttl(self, pool_id: int, key: bytes) -> tuple[memoryview, int, int] | None:
+    async def get_with_ttl(self, pool_id: int, key: bytes, since: int = 0) -> tuple[memoryview, int, int] | None:
         """``get`` and the milliseconds the object has left (0: no TTL)."""
 
-    def contains(self, pool_id: int, keys: list[bytes]) -> list[bool]: ...
+    def contains(self, pool_id: int, keys: list[bytes], since: int = 0) -> list[bool]: ...
 
     def has_pool(self, pool_id: int) -> bool: ...
 

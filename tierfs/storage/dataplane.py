@@ -56,6 +56,7 @@ from tierfs.net.protocol import (
     KV_OVERWRITE,
     KV_PIN_SHIFT,
     KV_SIZE_ONLY,
+    KV_STAMP_SHIFT,
     MAX_CAP_PAYLOAD,
     MAX_CAP_SLOTS,
     MAX_KV_EXISTS_KEYS,
@@ -468,14 +469,15 @@ class _ServerConnection(FrameProtocol):
                 put = None  # the store owns the value buffer from here on
                 flags = hdr.fragment
                 stored = await kv.put(pool, tenant_key(tenant, key), value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
-                                      ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length)
+                                      ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length,
+                                      stamp=flags >> KV_STAMP_SHIFT)
                 self._reply(hdr, length=1 if stored else 0)
                 return
             if payload is None:
                 raise InvalidArgumentError(f"{Op(op).name} without a key")
             if op == Op.KV_GET:
                 self.counters["kv_gets"] += 1
-                got = await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)))
+                got = await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)), hdr.fragment >> KV_STAMP_SHIFT)
                 if got is None:
                     self._reply(hdr, length=0)
                     return
@@ -500,7 +502,7 @@ class _ServerConnection(FrameProtocol):
                     keys = unpack_keys(payload, hdr.offset)
                 except ProtocolError as exc:
                     raise InvalidArgumentError(str(exc)) from None
-                present = kv.contains(pool, [tenant_key(tenant, k) for k in keys])
+                present = kv.contains(pool, [tenant_key(tenant, k) for k in keys], hdr.fragment >> KV_STAMP_SHIFT)
                 bits = 0
                 for i, hit in enumerate(present):
                     if hit:

@@ -100,6 +100,10 @@ HEADER_BYTES = ALIGN
 # then a CRC32C of everything before it
 _HDR = struct.Struct("<8sHHIQQQIqq")
 _U32 = struct.Struct("<I")
+# After the key's CRC: the placement stamp and a CRC32C of the header up to
+# it. Zeros (a file written before stamps) read as stamp 0; readers of that
+# release stop at the key's CRC, so the format number did not change.
+_EXT = struct.Struct("<QI")
 # CRC work above this size runs in a worker thread while other operations are in flight
 _CRC_THREAD_MIN = 1 << 20
 
@@ -174,7 +178,7 @@ class KVPoolUsage:
 
 _COUNTERS = (
     "puts", "hits", "misses", "evictions", "expired", "corrupt", "torn_discarded",
-    "bytes_in", "bytes_out", "memory_evictions", "deletes",
+    "bytes_in", "bytes_out", "memory_evictions", "deletes", "stale",
 )
 
 
@@ -203,6 +207,9 @@ class _Obj:
     mem: _MemBuf | None = None
     in_cap: bool = False  # in the capacity tier's policy (evictable)
     in_mem: bool = False  # in the memory tier's policy (disk pools: the copy is evictable)
+    # The writer's placement stamp (docs/kv.md, "Overwrites and map changes"):
+    # a get that asks for a later one (``since``) is a miss. 0: none given.
+    stamp: int = 0
 
     def expired(self, now_ns: int) -> bool:
         return 0 < self.expiry_ns <= now_ns
@@ -319,7 +326,10 @@ def _pack_header(buf: memoryview, pool_id: int, obj: _Obj) -> None:
     end = _HDR.size + n
     buf[_HDR.size:end] = obj.key
     _U32.pack_into(buf, end, _crc32c(buf[:end]))
-    buf[end + 4:] = bytes(buf.nbytes - end - 4)
+    _EXT.pack_into(buf, end + 4, obj.stamp, 0)
+    _U32.pack_into(buf, end + 12, _crc32c(buf[:end + 12]))
+    tail = end + _U32.size + _EXT.size
+    buf[tail:] = bytes(buf.nbytes - tail)
 
 
 def _parse_header(buf: memoryview | bytes, path: str) -> tuple[int, _Obj]:
@@ -336,7 +346,10 @@ def _parse_header(buf: memoryview | bytes, path: str) -> tuple[int, _Obj]:
     if _crc32c(bytes(buf[:end])) != stored:
         raise ValueError(f"{path}: header checksum mismatch")
     key = bytes(buf[_HDR.size:end])
-    return pool_id, _Obj(key, size, crc, gen, expiry, pin, pin_expiry, path)
+    stamp, ext_crc = _EXT.unpack_from(buf, end + 4)
+    if (stamp or ext_crc) and _crc32c(bytes(buf[:end + 12])) != ext_crc:
+        raise ValueError(f"{path}: header stamp checksum mismatch")
+    return pool_id, _Obj(key, size, crc, gen, expiry, pin, pin_expiry, path, stamp=stamp)
 
 
 def _obj_path(directory: Path, gen: int) -> str:
@@ -680,6 +693,7 @@ class KVStore:
         ttl_ms: int = 0,
         pin: int = PIN_NONE,
         pin_ttl_ms: int = 0,
+        stamp: int = 0,
     ) -> bool:
         """Store ``value`` (whose CRC32C ``crc`` the caller has verified) under
         ``key``. True: stored; False: the key exists (nothing done) unless
@@ -687,7 +701,9 @@ class KVStore:
         this call on (it may become the memory copy, or is released).
         Evicts first when the pool is full; NoSpaceError only when nothing
         is evictable or the hard-pin quota would be passed, and then nothing
-        changed. NotFoundError for an unknown pool."""
+        changed. NotFoundError for an unknown pool. ``stamp``: the writer's
+        placement stamp; an object there with an earlier one is replaced
+        (a reader as up to date as the writer would not be served it)."""
         owned = isinstance(value, memoryview) and self._take_alloc(value)
         try:
             view = _byte_view(value)
@@ -700,7 +716,8 @@ class KVStore:
             p = self._pool(pool_id)
             self._busy += 1
             try:
-                kept = await self._put(p, key, view, crc & 0xFFFFFFFF, owned, overwrite, ttl_ms, pin, pin_ttl_ms)
+                kept = await self._put(p, key, view, crc & 0xFFFFFFFF, owned, overwrite, ttl_ms, pin, pin_ttl_ms,
+                                       stamp)
             finally:
                 self._busy -= 1
             if kept:
@@ -712,7 +729,7 @@ class KVStore:
 
     async def _put(
         self, p: _Pool, key: bytes, view: memoryview, crc: int, owned: bool, overwrite: bool,
-        ttl_ms: int, pin: int, pin_ttl_ms: int,
+        ttl_ms: int, pin: int, pin_ttl_ms: int, stamp: int = 0,
     ) -> bool | None:
         """None: not stored (the key existed); else whether ``view`` became the memory copy."""
         size = view.nbytes
@@ -732,7 +749,7 @@ class KVStore:
                 self._remove(p, old)
                 p.counters["expired"] += 1
                 old = None
-            if old is not None and not overwrite:
+            if old is not None and not overwrite and old.stamp >= stamp:
                 return None
             if pin == PIN_HARD:
                 freed = old.size if old is not None and old.pin == PIN_HARD else 0
@@ -751,7 +768,8 @@ class KVStore:
             self._make_room(p, cap, charge, capacity=True)
             cap.used += charge  # reserved while the object is written
             self._gen += 1
-            obj = _Obj(key, size, crc, self._gen, now + ttl_ms * 1_000_000 if ttl_ms else 0, PIN_NONE, 0)
+            obj = _Obj(key, size, crc, self._gen, now + ttl_ms * 1_000_000 if ttl_ms else 0, PIN_NONE, 0,
+                       stamp=stamp)
             mb: _MemBuf | None = None
             kept = False
             try:
@@ -807,23 +825,29 @@ class KVStore:
             ttl_ms = DEFAULT_SOFT_PIN_TTL_MS
         return now + ttl_ms * 1_000_000 if pin and ttl_ms else 0
 
-    async def get(self, pool_id: int, key: bytes) -> tuple[memoryview, int] | None:
+    async def get(self, pool_id: int, key: bytes, since: int = 0) -> tuple[memoryview, int] | None:
         """(a read-only view of the value, its CRC32C), or None: a miss
         (absent, expired, or found torn or corrupt on disk, which is then
         deleted and counted). Give the view back with ``release``; until
         then it keeps its bytes whatever happens to the object."""
-        got = await self.get_with_ttl(pool_id, key)
+        got = await self.get_with_ttl(pool_id, key, since)
         return None if got is None else (got[0], got[1])
 
-    async def get_with_ttl(self, pool_id: int, key: bytes) -> tuple[memoryview, int, int] | None:
+    async def get_with_ttl(self, pool_id: int, key: bytes, since: int = 0) -> tuple[memoryview, int, int] | None:
         """``get``, and the milliseconds the object has left to live (0: no
-        TTL), rounded down so that a copy kept that long never outlives it."""
+        TTL), rounded down so that a copy kept that long never outlives it.
+        ``since``: the placement stamp the caller's map requires; an object
+        put with an earlier one may predate an overwrite it missed, so it is
+        a miss (counted ``stale``; a put with the caller's stamp replaces it)."""
         key = _normalize_key(key)
         p = self._pool(pool_id)
         obj = p.index.get(key)
         if obj is not None and obj.expired(self._now_ns()):
             self._remove(p, obj)
             p.counters["expired"] += 1
+            obj = None
+        if obj is not None and obj.stamp < since:
+            p.counters["stale"] += 1
             obj = None
         if obj is None:
             p.counters["misses"] += 1
@@ -857,14 +881,15 @@ class KVStore:
             return 0
         return max(1, (obj.expiry_ns - self._now_ns()) // 1_000_000)
 
-    def contains(self, pool_id: int, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` are present (no I/O; expired ones are not)."""
+    def contains(self, pool_id: int, keys: Sequence[bytes], since: int = 0) -> list[bool]:
+        """Which of ``keys`` are present (no I/O; expired ones are not, nor
+        ones put with a placement stamp before ``since``)."""
         p = self._pool(pool_id)
         now = self._now_ns()
         out: list[bool] = []
         for k in keys:
             obj = p.index.get(_normalize_key(k))
-            out.append(obj is not None and not obj.expired(now))
+            out.append(obj is not None and not obj.expired(now) and obj.stamp >= since)
         return out
 
     async def delete(self, pool_id: int, key: bytes) -> bool:
@@ -1147,7 +1172,7 @@ class KVStore:
                 body[size:padded] = bytes(padded - size)
             # the header carries the pin it will have once installed
             _pack_header(hdr, p.spec.pool_id,
-                         _Obj(obj.key, size, obj.crc, obj.gen, obj.expiry_ns, pin, pin_expiry_ns))
+                         _Obj(obj.key, size, obj.crc, obj.gen, obj.expiry_ns, pin, pin_expiry_ns, stamp=obj.stamp))
             tmp = f"{p.dir}/tmp/{obj.gen:016x}.tmp"
             final = _obj_path(p.dir, obj.gen)
             try:

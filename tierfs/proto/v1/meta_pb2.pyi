@@ -1350,6 +1350,7 @@ class ClusterTarget(_message.Message):
     USED_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     FREE_FIELD_NUMBER: _builtins.int
+    UP_SINCE_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
     node_id: _builtins.int
     path: _builtins.str
@@ -1359,6 +1360,11 @@ class ClusterTarget(_message.Message):
     free: _builtins.int
     """The free bytes its daemon last reported to this leader (TargetReport.free);
     0 when not known (a follower's map, an older daemon).
+    """
+    up_since: _builtins.int
+    """The map version from which the target has been usable without a break
+    (the version that brought it back, for one that was down): KV copies it
+    holds from before are not served. 0 from older leaders.
     """
     def __init__(
         self,
@@ -1370,10 +1376,11 @@ class ClusterTarget(_message.Message):
         used: _builtins.int = ...,
         state: Global___TargetState.ValueType = ...,
         free: _builtins.int = ...,
+        up_since: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "up_since", b"up_since", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1388,6 +1395,7 @@ class PlacementGroup(_message.Message):
     TARGET_IDS_FIELD_NUMBER: _builtins.int
     REBUILDING_FIELD_NUMBER: _builtins.int
     REBUILD_SOURCES_FIELD_NUMBER: _builtins.int
+    MEMBER_SINCE_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     width: _builtins.int
     @_builtins.property
@@ -1408,6 +1416,14 @@ class PlacementGroup(_message.Message):
         the survivors.
         """
 
+    @_builtins.property
+    def member_since(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """KV pool groups only (docs/kv.md, "Overwrites and map changes"):
+        parallel to target_ids, the map version from which target_ids[j] has
+        held position j of this group without a break. A KV copy put before it
+        is not served. Empty from older leaders (0: no bound).
+        """
+
     def __init__(
         self,
         *,
@@ -1416,10 +1432,11 @@ class PlacementGroup(_message.Message):
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
         rebuilding: _abc.Iterable[_builtins.int] | None = ...,
         rebuild_sources: _abc.Iterable[_builtins.int] | None = ...,
+        member_since: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "rebuild_sources", b"rebuild_sources", "rebuilding", b"rebuilding", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "member_since", b"member_since", "rebuild_sources", b"rebuild_sources", "rebuilding", b"rebuilding", "target_ids", b"target_ids", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1510,6 +1527,7 @@ class KVPool(_message.Message):
     CREATED_NS_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    COUNT_HISTORY_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.int
     """> 0, never reused"""
     name: _builtins.str
@@ -1541,6 +1559,14 @@ class KVPool(_message.Message):
         dropped at the end (one group per eligible target).
         """
 
+    @_builtins.property
+    def count_history(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The latest changes of the group count, oldest first, as pairs
+        (map version, count from that version on): a client finds from them
+        since when a key has mapped to its group (docs/kv.md, "Overwrites and
+        map changes"). At most 64 pairs; empty from older leaders.
+        """
+
     def __init__(
         self,
         *,
@@ -1556,10 +1582,11 @@ class KVPool(_message.Message):
         created_ns: _builtins.int = ...,
         width: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        count_history: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ns", b"created_ns", "fsync", b"fsync", "groups", b"groups", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "pool_id", b"pool_id", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "tenant", b"tenant", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count_history", b"count_history", "created_ns", b"created_ns", "fsync", b"fsync", "groups", b"groups", "name", b"name", "pin_quota", b"pin_quota", "policy", b"policy", "pool_id", b"pool_id", "redundancy", b"redundancy", "target_disk", b"target_disk", "target_memory", b"target_memory", "tenant", b"tenant", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,162 @@
+"""KV overwrites across map changes, on a real cluster (docs/kv.md,
+"Overwrites and map changes"): a copy that missed an overwrite is never
+served once it is back in the key's group.
+
+Two ways a copy misses an overwrite, each run with real daemons killed and
+restarted: its target was down (a ``replica:N`` put skips it), or the key
+was in another group for a while (a node joined, then left). Both returned
+the previous value before placement stamps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.harness import FAST_META
+from tests.kv.pools import wait_for
+from tests.kv.test_kv_cluster import (
+    _holders,
+    _target_state,
+    create_pool,
+    payload,
+    pool_ready,
+    restart,
+)
+from tierfs.client import Client
+from tierfs.errors import UnavailableError
+from tierfs.kv.cluster import group_of
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+
+pytestmark = pytest.mark.timeout(240)
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("kvmap"), n_storage=3, extra_meta_args=list(FAST_META))
+    c.up(timeout=120)
+    yield c
+    c.stop()
+
+
+def _groups(cl: LocalCluster, pool: str) -> int:
+    async def get() -> int:
+        async with MetaClient(cl.meta_addrs) as mc:
+            pools = await mc.list_kv_pools()
+        return next((len(p.groups) for p in pools.pools if p.name == pool), 0)
+    return asyncio.run(get())
+
+
+def test_a_copy_that_was_down_during_an_overwrite_is_not_served(cl: LocalCluster) -> None:
+    """``replica:3`` on three nodes: with one down, the pool keeps its groups
+    (no node to replace it on) and an overwrite skips that copy. The daemon
+    comes back with the previous value on disk. Every get, by a client that
+    asks it first, must return the new value (from the other copies)."""
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as client:
+        create_pool(cl, "r3", redundancy="replica:3", target_memory=4 * MiB, target_disk=16 * MiB)
+        pool_ready(client, "r3")
+        kv = client.kv_pool("r3")
+        keys = [f"r3-{i}" for i in range(24)]
+        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])
+        victim = "storage-0"
+        first = [k for k in keys if _holders(cl, "r3", k)[0] == victim]
+        assert first, "no key has the victim as its first copy"
+        new = {k: bytes(reversed(payload(k, 8 * KiB))) for k in keys}
+        cl.kill(victim)
+        try:
+            wait_for(lambda: _target_state(cl, victim) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
+                     f"the map to call {victim} down")
+
+            def overwrite() -> bool:
+                try:
+                    kv.batch_put(keys, [new[k] for k in keys], overwrite=True)
+                    return True
+                except UnavailableError:  # the client's map does not call it down yet
+                    return False
+            wait_for(overwrite, 30, "the overwrite")
+        finally:
+            restart(cl, victim)
+        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:  # asks the victim first
+        fk = fresh.kv_pool("r3")
+        assert [k for k in first if fk.get(k) != new[k]] == []
+        bufs = [bytearray(8 * KiB) for _ in keys]
+        assert fk.batch_get_into(keys, bufs) == [8 * KiB] * len(keys)
+        assert [k for k, b in zip(keys, bufs, strict=True) if bytes(b) != new[k]] == []
+        assert fk.batch_contains(keys) == [True] * len(keys)
+        # the victim's own copies are misses now; a put of the same key
+        # (no overwrite) replaces them there rather than being a no-op
+        assert fk.put(first[0], new[first[0]]) is True
+
+
+def test_a_key_back_from_a_group_that_left_does_not_find_its_old_value(cl: LocalCluster) -> None:
+    """``replica:1`` on three nodes: a fourth joins (a group more, some keys
+    move to it), those keys are overwritten there, and the fourth node dies
+    (the group goes, the keys move back to groups whose members never
+    changed, which hold the value from before the join). Those keys must be
+    misses (the new value died with the node), never the old value; keys
+    that never moved keep their copies."""
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as client:
+        create_pool(cl, "r1", redundancy="replica:1", target_memory=8 * MiB)
+        pool_ready(client, "r1")
+        n0 = _groups(cl, "r1")
+        keys = [f"r1-{i}" for i in range(240)]
+        old = {k: payload(k, 4 * KiB) for k in keys}
+        client.kv_pool("r1").batch_put(keys, [old[k] for k in keys])
+    added = cl.grow(4)
+    assert len(added) == 1
+    cl.start(names=added, timeout=60)
+    wait_for(lambda: _groups(cl, "r1") == n0 + 1, 60, "a group for the new node")
+    moved = [k for k in keys if group_of(k.encode(), n0 + 1) == n0]
+    assert moved, "no key moved to the new group"
+    new = {k: bytes(reversed(old[k])) for k in moved}
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as grown:  # a map with the new group
+        kv = grown.kv_pool("r1")
+        kv.batch_put(moved, [new[k] for k in moved], overwrite=True)
+        assert all(kv.get(k) == new[k] for k in moved)
+    cl.kill(added[0])
+    wait_for(lambda: _groups(cl, "r1") == n0, 60, "the pool back to its groups")
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        fk = fresh.kv_pool("r1")
+        stale = [k for k in moved if fk.get(k) == old[k]]
+        assert stale == [], f"{len(stale)} of {len(moved)} moved keys returned the value from before the overwrite"
+        assert all(fk.get(k) is None for k in moved)
+        stayed = [k for k in keys if k not in new]
+        bufs = [bytearray(4 * KiB) for _ in stayed]
+        assert fk.batch_get_into(stayed, bufs) == [4 * KiB] * len(stayed), "keys that never moved were lost"
+        assert all(bytes(b) == old[k] for k, b in zip(stayed, bufs, strict=True))
+
+
+def test_an_overwrite_a_live_copy_missed_is_not_acknowledged(cl: LocalCluster) -> None:
+    """A copy the map does not call down misses an overwrite (its daemon is
+    stopped: a gray failure, not yet noticed). It may keep the previous
+    value, and a get may ask it first, so the client deletes the key there;
+    when that fails too, the overwrite is not acknowledged (it raises).
+    Once the daemon resumes, its queued put and delete land, and every get
+    returns the new value."""
+    with Client(cl.meta_addrs, kv_timeout=0.5, request_timeout=2.0) as client:
+        create_pool(cl, "r2g", redundancy="replica:2", target_memory=8 * MiB)
+        pool_ready(client, "r2g")
+        kv = client.kv_pool("r2g")
+        key = "r2g-key"
+        old, new = payload(key, 16 * KiB), bytes(reversed(payload(key, 16 * KiB)))
+        assert kv.put(key, old)
+        gray = _holders(cl, "r2g", key)[1]
+        pid = cl.kill(gray, signal.SIGSTOP)
+        try:
+            with pytest.raises(UnavailableError, match="could not be deleted"):
+                kv.put(key, new, overwrite=True)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        fk = fresh.kv_pool("r2g")
+        wait_for(lambda: fk.batch_contains([key]) == [True], 30, "the key readable")
+        for _ in range(5):
+            assert fk.get(key) == new
