@@ -133,6 +133,9 @@ class KVChecker(ProcessFaults):
     untimed: set[tuple[str, int, int]] = field(default_factory=set)
     timing: set[tuple[str, int, int]] = field(default_factory=set)  # TTL puts in flight: no deadline yet
     old_clients: list[Client] = field(default_factory=list)
+    # Where each stale read happened: the step, how, what it served and what
+    # was allowed, and the steps since the last op that changed the map.
+    stale_notes: list[str] = field(default_factory=list)
 
     def kname(self, key: int) -> str:
         """A walk's own keys: walks on one cluster never see each other's."""
@@ -215,6 +218,12 @@ class KVChecker(ProcessFaults):
             self._judge_expiry(pool, key, match, how, started)
             if stale:
                 self.counts["stale"] = self.counts.get("stale", 0) + 1
+                changed = [i for i, op in enumerate(self.log) if op[0] in ("grow", "kill", "restart", "stop", "cont")]
+                self.stale_notes.append(
+                    f"step {len(self.log)} ({self.log[-1][0] if self.log else '-'}), {how} of "
+                    f"{pool}/{self.kname(key)}: content {match}, allowed {sorted(self.allowed.get(pk, ()))}; "
+                    f"last map-changing op: {self.log[changed[-1]] if changed else None} at step "
+                    f"{changed[-1] + 1 if changed else None}")
             return
         ok = sorted(list(self.ever.get(pk, ())))
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "

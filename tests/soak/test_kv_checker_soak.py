@@ -56,6 +56,8 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                              + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the "
                                 f"nemesis" if NEMESIS else ""))
                 print(walks[-1], flush=True)
+                for note in ck.stale_notes[:5]:
+                    print(f"    stale: {note}", flush=True)
             except CheckFailed as exc:
                 events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
                 failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))

@@ -18,49 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from tierfs.errors import NotFoundError, StaleVersionError, TierFSError
+from tierfs.kv.placement import KVPoolRoute
 from tierfs.meta.client import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["KVPoolRoute", "Router"]
 
-
-@dataclass(frozen=True, slots=True)
-class KVPoolRoute:
-    """What the client needs of a KV pool: its id, redundancy and groups."""
-
-    pool_id: int
-    name: str
-    redundancy: str
-    copies: int  # replica:N -> N; ec:K+M -> 0
-    k: int
-    m: int
-    groups: tuple[tuple[int, ...], ...]
-    # Placement stamps (docs/kv.md, "Overwrites and map changes"): each
-    # member's since (parallel to groups), the group count's changes as
-    # ((map version, count), ...), and each target's up_since (only those set).
-    since: tuple[tuple[int, ...], ...] = ()
-    history: tuple[tuple[int, int], ...] = ()
-    up: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
-
-    @classmethod
-    def of(cls, p: Any, up: dict[int, int] | None = None) -> KVPoolRoute:
-        red = p.redundancy or "replica:1"
-        copies = k = m = 0
-        kind, _, arg = red.partition(":")
-        if kind == "replica":
-            copies = int(arg or 1)
-        elif kind == "ec":
-            a, _, b = arg.partition("+")
-            k, m = int(a), int(b)
-        h = list(getattr(p, "count_history", ()))
-        return cls(p.pool_id, p.name, red, copies, k, m, tuple(tuple(g.target_ids) for g in p.groups),
-                   tuple(tuple(getattr(g, "member_since", ())) for g in p.groups),
-                   tuple((h[i], h[i + 1]) for i in range(0, len(h) - 1, 2)), dict(up or {}))
 
 _READABLE = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
 

@@ -8,6 +8,7 @@ store; the store never sees sockets, the server never sees files.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,7 +86,7 @@ class KVTargetStore(Protocol):
     async def get_with_ttl(self, pool_id: int, key: bytes, since: int = 0) -> tuple[memoryview, int, int] | None:
         """``get`` and the milliseconds the object has left (0: no TTL)."""
 
-    def contains(self, pool_id: int, keys: list[bytes], since: int = 0) -> list[bool]: ...
+    def contains(self, pool_id: int, keys: list[bytes], since: int | Sequence[int] = 0) -> list[bool]: ...
 
     def has_pool(self, pool_id: int) -> bool: ...
 

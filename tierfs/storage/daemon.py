@@ -207,6 +207,8 @@ class StorageNode:
         #: The KV store of each target (parallel to ``engines``).
         self.kvstores: list[Any] = []
         self._kv_map_version = -1
+        self._kv_routes: dict[int, Any] = {}  # pool id -> KVPoolRoute of the last map applied (kv_gate)
+        self._kv_gate_task: asyncio.Task[None] | None = None
         self._kv_pool_names: list[str] = []
         self._kv_refresh_lock = asyncio.Lock()
         self._kv_refreshed = 0.0
@@ -344,6 +346,7 @@ class StorageNode:
         # objects on its disks) from its first request on.
         await self._refresh_kv_pools()
         self.server.on_unknown_kv_pool = self._kv_pool_missing
+        self.server.kv_gate = self._kv_gate
         self.registered.set()
         # The repair queue first thing: a restarted node may hold positions
         # that degraded writes recorded missing while it was away.
@@ -542,10 +545,42 @@ class StorageNode:
                  for p in getattr(cmap, "kv_pools", ())]
         for kv in self.kvstores:
             kv.configure(specs)
+        from tierfs.kv.placement import KVPoolRoute
+
+        up = {t.target_id: t.up_since for t in cmap.targets if getattr(t, "up_since", 0)}
+        self._kv_routes = {int(p.pool_id): KVPoolRoute.of(p, up) for p in getattr(cmap, "kv_pools", ())}
         if self._kv_map_version < 0 or [s.name for s in specs] != self._kv_pool_names:
             log.info("KV pools: %s", ", ".join(f"{s.name} (id {s.pool_id})" for s in specs) or "none")
         self._kv_pool_names = [s.name for s in specs]
         self._kv_map_version = int(cmap.version)
+
+    def _kv_gate(self, pool_id: int, target: int, key: bytes, asked: int) -> int | None:
+        """The placement stamp to require of ``target``'s copy of ``key``
+        (docs/kv.md, "Overwrites and map changes"): the later of what the
+        client asked (``asked``, from its map) and what this daemon's map
+        says, which follows meta within a heartbeat while a client's may be
+        older. None (a miss) when this map puts the key elsewhere and is no
+        older than the client's (its stamp is no later than this map). A
+        client of a release before stamps asks 0 and is not checked."""
+        from tierfs.kv.placement import placement
+
+        route = self._kv_routes.get(pool_id)
+        if not asked or route is None or not route.groups:
+            return asked
+        members, stamps = placement(route, key)
+        if target in members:
+            return max(asked, stamps[members.index(target)])
+        if asked > self._kv_map_version:
+            # The client has seen a newer map (the key came to this target
+            # since): trust it, and catch up.
+            self._kv_gate_refresh()
+            return asked
+        return None
+
+    def _kv_gate_refresh(self) -> None:
+        if self._kv_gate_task is None or self._kv_gate_task.done():
+            self._kv_gate_task = asyncio.get_running_loop().create_task(
+                self._kv_pool_missing(0), name="storage-kv-map-refresh")
 
     def _catch_up(self) -> None:
         if self.repairer is not None:

@@ -477,7 +477,11 @@ class _ServerConnection(FrameProtocol):
                 raise InvalidArgumentError(f"{Op(op).name} without a key")
             if op == Op.KV_GET:
                 self.counters["kv_gets"] += 1
-                got = await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)), hdr.fragment >> KV_STAMP_SHIFT)
+                since: int | None = hdr.fragment >> KV_STAMP_SHIFT
+                gate = self.server.kv_gate
+                if gate is not None:
+                    since = gate(pool, hdr.target, bytes(payload), since or 0)
+                got = None if since is None else await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)), since)
                 if got is None:
                     self._reply(hdr, length=0)
                     return
@@ -502,7 +506,15 @@ class _ServerConnection(FrameProtocol):
                     keys = unpack_keys(payload, hdr.offset)
                 except ProtocolError as exc:
                     raise InvalidArgumentError(str(exc)) from None
-                present = kv.contains(pool, [tenant_key(tenant, k) for k in keys], hdr.fragment >> KV_STAMP_SHIFT)
+                least = hdr.fragment >> KV_STAMP_SHIFT
+                gate = self.server.kv_gate
+                if gate is None:
+                    present = kv.contains(pool, [tenant_key(tenant, k) for k in keys], least)
+                else:
+                    needs = [gate(pool, hdr.target, k, least) for k in keys]
+                    present = [need is not None and hit for need, hit in zip(needs, kv.contains(
+                        pool, [tenant_key(tenant, k) for k in keys],
+                        [least if need is None else need for need in needs]), strict=True)]
                 bits = 0
                 for i, hit in enumerate(present):
                     if hit:
@@ -622,6 +634,12 @@ class DataPlaneServer:
         #: Called (and awaited) before a KV request for a pool the store does
         #: not know: the daemon refreshes its pools from the cluster map.
         self.on_unknown_kv_pool: Callable[[int], Awaitable[None]] | None = None
+        #: (pool, target, key, the stamp the client asked) -> the placement
+        #: stamp to require of the target's copy, or None for a miss: the
+        #: daemon's own map has its say too (tierfs.storage.daemon), so that
+        #: a client whose map is older than a change is not served a copy
+        #: the change left behind.
+        self.kv_gate: Callable[[int, int, bytes, int], int | None] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         #: Whether every request needs a capability (the storage daemon's

@@ -881,15 +881,17 @@ class KVStore:
             return 0
         return max(1, (obj.expiry_ns - self._now_ns()) // 1_000_000)
 
-    def contains(self, pool_id: int, keys: Sequence[bytes], since: int = 0) -> list[bool]:
+    def contains(self, pool_id: int, keys: Sequence[bytes], since: int | Sequence[int] = 0) -> list[bool]:
         """Which of ``keys`` are present (no I/O; expired ones are not, nor
-        ones put with a placement stamp before ``since``)."""
+        ones put with a placement stamp before ``since``: one for all, or
+        one per key)."""
         p = self._pool(pool_id)
         now = self._now_ns()
+        least = [since] * len(keys) if isinstance(since, int) else since
         out: list[bool] = []
-        for k in keys:
+        for k, s in zip(keys, least, strict=True):
             obj = p.index.get(_normalize_key(k))
-            out.append(obj is not None and not obj.expired(now) and obj.stamp >= since)
+            out.append(obj is not None and not obj.expired(now) and obj.stamp >= s)
         return out
 
     async def delete(self, pool_id: int, key: bytes) -> bool:
