@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -96,34 +97,43 @@ def test_a_copy_that_was_down_during_an_overwrite_is_not_served(cl: LocalCluster
         assert fk.put(first[0], new[first[0]]) is True
 
 
-def test_a_key_back_from_a_group_that_left_does_not_find_its_old_value(cl: LocalCluster) -> None:
+@pytest.fixture
+def own(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A cluster of its own, for a test that leaves a dead node behind."""
+    c = LocalCluster(tmp_path / "own", n_storage=3, extra_meta_args=list(FAST_META))
+    c.up(timeout=120)
+    yield c
+    c.stop()
+
+
+def test_a_key_back_from_a_group_that_left_does_not_find_its_old_value(own: LocalCluster) -> None:
     """``replica:1`` on three nodes: a fourth joins (a group more, some keys
     move to it), those keys are overwritten there, and the fourth node dies
     (the group goes, the keys move back to groups whose members never
     changed, which hold the value from before the join). Those keys must be
     misses (the new value died with the node), never the old value; keys
     that never moved keep their copies."""
-    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as client:
-        create_pool(cl, "r1", redundancy="replica:1", target_memory=8 * MiB)
+    with Client(own.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as client:
+        create_pool(own, "r1", redundancy="replica:1", target_memory=8 * MiB)
         pool_ready(client, "r1")
-        n0 = _groups(cl, "r1")
+        n0 = _groups(own, "r1")
         keys = [f"r1-{i}" for i in range(240)]
         old = {k: payload(k, 4 * KiB) for k in keys}
         client.kv_pool("r1").batch_put(keys, [old[k] for k in keys])
-    added = cl.grow(4)
+    added = own.grow(4)
     assert len(added) == 1
-    cl.start(names=added, timeout=60)
-    wait_for(lambda: _groups(cl, "r1") == n0 + 1, 60, "a group for the new node")
+    own.start(names=added, timeout=60)
+    wait_for(lambda: _groups(own, "r1") == n0 + 1, 60, "a group for the new node")
     moved = [k for k in keys if group_of(k.encode(), n0 + 1) == n0]
     assert moved, "no key moved to the new group"
     new = {k: bytes(reversed(old[k])) for k in moved}
-    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as grown:  # a map with the new group
+    with Client(own.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as grown:  # a map with the new group
         kv = grown.kv_pool("r1")
         kv.batch_put(moved, [new[k] for k in moved], overwrite=True)
         assert all(kv.get(k) == new[k] for k in moved)
-    cl.kill(added[0])
-    wait_for(lambda: _groups(cl, "r1") == n0, 60, "the pool back to its groups")
-    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+    own.kill(added[0])
+    wait_for(lambda: _groups(own, "r1") == n0, 60, "the pool back to its groups")
+    with Client(own.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
         fk = fresh.kv_pool("r1")
         stale = [k for k in moved if fk.get(k) == old[k]]
         assert stale == [], f"{len(stale)} of {len(moved)} moved keys returned the value from before the overwrite"
@@ -160,3 +170,31 @@ def test_an_overwrite_a_live_copy_missed_is_not_acknowledged(cl: LocalCluster) -
         wait_for(lambda: fk.batch_contains([key]) == [True], 30, "the key readable")
         for _ in range(5):
             assert fk.get(key) == new
+
+
+def test_a_reader_with_an_old_map_is_not_served_what_a_change_left_behind(cl: LocalCluster) -> None:
+    """``replica:1``: a key's daemon dies, the pool re-plans its group onto
+    another target, the key is overwritten there, and the daemon comes back
+    with the previous value. A reader that still holds the map from before
+    (clients refresh it every ``map_max_age``, or on errors) asks the
+    returning daemon, with the old stamp: that daemon's own map, fresh
+    from its restart, says the key lives elsewhere now, so the answer is a
+    miss, never the previous value."""
+    create_pool(cl, "r1old", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB)
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0, map_max_age=600.0) as reader:
+        pool_ready(reader, "r1old")
+        key = "r1old-key"
+        old, new = payload(key, 8 * KiB), bytes(reversed(payload(key, 8 * KiB)))
+        assert reader.kv_pool("r1old").put(key, old)
+        assert reader.kv_pool("r1old").get(key) == old  # the reader's map is from here
+        victim = _holders(cl, "r1old", key)[0]
+        cl.kill(victim)
+        try:
+            wait_for(lambda: _holders(cl, "r1old", key)[0] != victim, 60, "the group re-planned without the victim")
+            with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
+                assert writer.kv_pool("r1old").put(key, new, overwrite=True)
+        finally:
+            restart(cl, victim)
+        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+        for _ in range(3):
+            assert reader.kv_pool("r1old").get(key) in (None, new)
