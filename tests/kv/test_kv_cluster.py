@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -525,6 +525,28 @@ def _holders(cl: LocalCluster, pool: str, key: str) -> list[str]:
     return asyncio.run(get())
 
 
+def overwrite_while_down(cl: LocalCluster, victim: str, overwrite: Callable[[], object],
+                         check: Callable[[], bool] | None = None) -> None:
+    """SIGKILL ``victim``; once the map calls it down, ``overwrite`` (tried
+    again while it raises UnavailableError: the client's map does not call
+    it down yet), then ``check`` must hold; then ``victim`` is restarted."""
+    cl.kill(victim)
+    try:
+        wait_for(lambda: _target_state(cl, victim) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
+                 f"the map to call {victim} down")
+
+        def attempt() -> bool:
+            try:
+                overwrite()
+                return True
+            except UnavailableError:
+                return False
+        wait_for(attempt, 30, "the overwrite")
+        assert check is None or check()
+    finally:
+        restart(cl, victim)
+
+
 def _target_state(cl: LocalCluster, name: str) -> int:
     async def get() -> int:
         async with MetaClient(cl.meta_addrs) as mc:
@@ -550,21 +572,7 @@ def test_ec_overwrite_with_a_fragment_holder_down_never_mixes_versions(cl: Local
     kv.put(key, old)
     assert kv.get(key) == old
     first = _holders(cl, "ecv", key)[0]
-    cl.kill(first)
-    try:
-        wait_for(lambda: _target_state(cl, first) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
-                 f"the map to call {first} down")
-
-        def overwrite() -> bool:
-            try:
-                kv.put(key, new, overwrite=True)
-                return True
-            except UnavailableError:  # the client's map does not call it down yet
-                return False
-        wait_for(overwrite, 30, "the overwrite")
-        assert kv.get(key) == new
-    finally:
-        restart(cl, first)
+    overwrite_while_down(cl, first, lambda: kv.put(key, new, overwrite=True), lambda: kv.get(key) == new)
     with Client(cl.meta_addrs) as fresh:  # no memory of failures: asks fragment 0 first
         wait_for(lambda: _target_state(cl, first) == pb.TARGET_STATE_ONLINE, 60, f"{first} back online")
         for got in (fresh.kv_pool("ecv").get(key), kv.get(key)):

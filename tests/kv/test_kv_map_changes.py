@@ -24,6 +24,7 @@ from tests.kv.test_kv_cluster import (
     _holders,
     _target_state,
     create_pool,
+    overwrite_while_down,
     payload,
     pool_ready,
     restart,
@@ -70,20 +71,7 @@ def test_a_copy_that_was_down_during_an_overwrite_is_not_served(cl: LocalCluster
         first = [k for k in keys if _holders(cl, "r3", k)[0] == victim]
         assert first, "no key has the victim as its first copy"
         new = {k: bytes(reversed(payload(k, 8 * KiB))) for k in keys}
-        cl.kill(victim)
-        try:
-            wait_for(lambda: _target_state(cl, victim) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
-                     f"the map to call {victim} down")
-
-            def overwrite() -> bool:
-                try:
-                    kv.batch_put(keys, [new[k] for k in keys], overwrite=True)
-                    return True
-                except UnavailableError:  # the client's map does not call it down yet
-                    return False
-            wait_for(overwrite, 30, "the overwrite")
-        finally:
-            restart(cl, victim)
+        overwrite_while_down(cl, victim, lambda: kv.batch_put(keys, [new[k] for k in keys], overwrite=True))
         wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
     with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:  # asks the victim first
         fk = fresh.kv_pool("r3")
