@@ -4,6 +4,7 @@ loopback, KV pools of each redundancy, real processes killed and restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,12 +58,22 @@ def shared_pool(cl: LocalCluster, client: Client, name: str) -> None:
     pool_ready(client, name)
 
 
+@contextlib.contextmanager
+def kv_cluster(path: Path, n_storage: int) -> Iterator[LocalCluster]:
+    """A running cluster for the KV tests (3 meta replicas with FAST_META,
+    ``n_storage`` daemons), stopped at the end."""
+    c = LocalCluster(path, n_storage=n_storage, extra_meta_args=list(FAST_META))
+    try:
+        c.up(timeout=120)
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("kv"), n_storage=4, extra_meta_args=list(FAST_META))
-    c.up(timeout=120)
-    yield c
-    c.stop()
+    with kv_cluster(tmp_path_factory.mktemp("kv"), 4) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

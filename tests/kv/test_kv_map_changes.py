@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import FAST_META
 from tests.kv.pools import wait_for
 from tests.kv.test_kv_cluster import (
     _holders,
     _target_state,
     create_pool,
+    kv_cluster,
     overwrite_while_down,
     payload,
     pool_ready,
@@ -42,10 +42,8 @@ KiB, MiB = 1 << 10, 1 << 20
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("kvmap"), n_storage=3, extra_meta_args=list(FAST_META))
-    c.up(timeout=120)
-    yield c
-    c.stop()
+    with kv_cluster(tmp_path_factory.mktemp("kvmap"), 3) as c:
+        yield c
 
 
 def _groups(cl: LocalCluster, pool: str) -> int:
@@ -88,10 +86,8 @@ def test_a_copy_that_was_down_during_an_overwrite_is_not_served(cl: LocalCluster
 @pytest.fixture
 def own(tmp_path: Path) -> Iterator[LocalCluster]:
     """A cluster of its own, for a test that leaves a dead node behind."""
-    c = LocalCluster(tmp_path / "own", n_storage=3, extra_meta_args=list(FAST_META))
-    c.up(timeout=120)
-    yield c
-    c.stop()
+    with kv_cluster(tmp_path / "own", 3) as c:
+        yield c
 
 
 def test_a_key_back_from_a_group_that_left_does_not_find_its_old_value(own: LocalCluster) -> None:
