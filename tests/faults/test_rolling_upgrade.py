@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "9612ee1e41e42976caeb973e83869b63ff39bf8a"
+PREVIOUS = "06e530974e9fa21b429dedb1b5a5078a662bedad"
 
 REPO = Path(__file__).resolve().parents[2]
 
