@@ -160,6 +160,11 @@ class KVChecker(ProcessFaults):
             tb = "".join(traceback.format_exception(exc, limit=-6))
             self.violation("unexpected-error", f"the checker itself failed: {type(exc).__name__}: {exc}\n{tb}")
         finally:
+            for c in [*self.old_clients, self.client]:
+                for pool in POOLS:  # puts a daemon refused as misplaced, then put again
+                    with contextlib.suppress(Exception):
+                        self.counts["map_retries"] = self.counts.get("map_retries", 0) + int(
+                            c.kv_pool(pool).stats()["cluster"].get("map_retries", 0))
             for c in self.old_clients:
                 with contextlib.suppress(Exception):
                     c.close()
@@ -399,16 +404,21 @@ class KVChecker(ProcessFaults):
     def op_fresh_client(self, local: bool = False) -> None:
         """A new client for the walk's next operations; with ``local``, one
         with its own small DRAM and SSD tiers (so that objects are demoted,
-        evicted and promoted through them) and write-back half the time."""
+        evicted and promoted through them) and write-back half the time.
+        Every third one keeps its cluster map for the rest of the walk
+        (unless an error makes it look): its puts and gets meet the
+        daemons' placement checks with a map older than theirs."""
         self.old_clients.append(self.client)
-        if not local:
-            self.client = self.env.client()
-            return
         n = len(self.old_clients)
+        late: dict[str, Any] = {"map_max_age": 600.0} if n % 3 == 0 else {}
+        self.counts["late_clients"] = self.counts.get("late_clients", 0) + bool(late)
+        if not local:
+            self.client = self.env.client(**late)
+            return
         ssd = self.env.cl.dir / f"kv-walk-ssd-{self.seed}-{n}"
         self.client = Client(self.env.meta, request_timeout=2.0, connect_timeout=1.0, retries=2,
                              meta_deadline=30.0, kv_dram_bytes=512 * KiB, kv_ssd_bytes=1024 * KiB,
-                             kv_ssd_path=str(ssd), kv_write_back=n % 2 == 0)
+                             kv_ssd_path=str(ssd), kv_write_back=n % 2 == 0, **late)
 
     def finish(self) -> None:
         """Heal, then every key of every pool read back (each may miss),

@@ -141,10 +141,10 @@ class CheckerCluster:
     def storage(self) -> list[str]:
         return [p.name for p in self.cl.procs if p.kind == "storage"]
 
-    def client(self) -> Client:
+    def client(self, **kw: Any) -> Client:
         # Short timeouts (a stopped node costs seconds, not tens of them), but
         # not so short that a loaded machine times healthy nodes out.
-        return Client(self.meta, request_timeout=2.0, connect_timeout=1.0, retries=2, meta_deadline=30.0)
+        return Client(self.meta, request_timeout=2.0, connect_timeout=1.0, retries=2, meta_deadline=30.0, **kw)
 
     def kill(self, name: str) -> None:
         if self.down.get(name) == "stopped":

@@ -15,6 +15,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +183,48 @@ def test_a_reader_with_an_old_map_is_not_served_what_a_change_left_behind(cl: Lo
         wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
         for _ in range(3):
             assert reader.kv_pool("r1old").get(key) in (None, new)
+
+
+def test_a_writer_with_an_old_map_puts_where_readers_look(cl: LocalCluster) -> None:
+    """``replica:1``: a key's daemon dies, the pool re-plans its group onto
+    another target, a writer with the new map overwrites the key there, and
+    the daemon comes back. Writers still holding the map from before the
+    change overwrite the key again: their map sends the put to the
+    returning daemon, outside the key's group. That daemon's own map is
+    newer, so it refuses the put; the writer refreshes its map and puts
+    again, into the group readers ask. Before the daemons checked puts, the
+    acknowledged value went where no reader looked, and every reader got the
+    earlier one. One late writer takes the single-put path, one a batch."""
+    create_pool(cl, "r1w", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB)
+    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
+    with Client(cl.meta_addrs, **opts) as one, Client(cl.meta_addrs, **opts) as many:
+        pool_ready(one, "r1w")
+        keys = [f"r1w-{i}" for i in range(48)]
+        one.kv_pool("r1w").batch_put(keys, [payload(k, 8 * KiB) for k in keys])
+        assert many.kv_pool("r1w").batch_contains(keys) == [True] * len(keys)  # both maps are from here
+        victim = _holders(cl, "r1w", keys[0])[0]
+        theirs = [k for k in keys if _holders(cl, "r1w", k)[0] == victim]
+        assert len(theirs) >= 2, "too few keys on the victim"
+        first = {k: bytes(reversed(payload(k, 8 * KiB))) for k in theirs}
+        last = {k: payload(k + "-last", 8 * KiB) for k in theirs}
+        cl.kill(victim)
+        try:
+            wait_for(lambda: all(_holders(cl, "r1w", k)[0] != victim for k in theirs), 60,
+                     "the group re-planned without the victim")
+            with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
+                writer.kv_pool("r1w").batch_put(theirs, [first[k] for k in theirs], overwrite=True)
+        finally:
+            restart(cl, victim)
+        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+        assert all(_holders(cl, "r1w", k)[0] != victim for k in theirs), "the group moved back to the victim"
+        assert one.kv_pool("r1w").put(theirs[0], last[theirs[0]], overwrite=True)
+        rest = theirs[1:]
+        assert many.kv_pool("r1w").batch_put(rest, [last[k] for k in rest], overwrite=True) == [True] * len(rest)
+        for late, n in ((one, 1), (many, len(rest))):
+            assert late.kv_pool("r1w").stats()["cluster"].get("map_retries", 0) == n
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        fk = fresh.kv_pool("r1w")
+        got = {k: fk.get(k) for k in theirs}
+        lost = [k for k in theirs if got[k] != last[k]]
+        assert lost == [], (f"{len(lost)} of {len(theirs)} acknowledged overwrites unseen by a reader with the "
+                            f"current map ({sum(got[k] == first[k] for k in lost)} returned the earlier value)")

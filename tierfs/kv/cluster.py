@@ -39,6 +39,7 @@ from tierfs.errors import (
     InvalidArgumentError,
     NoSpaceError,
     NotFoundError,
+    StaleVersionError,
     TierFSError,
     TimeoutError_,
     UnavailableError,
@@ -70,6 +71,8 @@ _LEN = struct.Struct("<Q")
 _TRAILER = struct.Struct("<IQ")
 _EC_MARK = 0xEC
 _N_BITS = 48
+#: Maps a KV put tries before it gives up on daemons that place its key elsewhere.
+_MAP_TRIES = 3
 
 
 def _ec_tail(n: int, j: int) -> int:
@@ -324,6 +327,13 @@ class ClusterTier:
             try:
                 stored = await self.data.kv_put(t, route.pool_id, key, buf, flags=flags, ttl_ms=ttl_ms,
                                                 timeout=self._deadline(len(buf)))
+            except StaleVersionError:
+                # The daemon's map moved the key: the batch path refreshes
+                # the map and puts again.
+                self._misplaced(1)
+                await self.router.refresh(force=True)
+                return (await self.batch_put([key], [buf], overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
+                                             _tries=1))[0]
             except (InvalidArgumentError, NotFoundError, NoSpaceError):
                 self.counters.put_failures += 1
                 raise
@@ -342,12 +352,45 @@ class ClusterTier:
                                      pin_ttl_ms=pin_ttl_ms))[0]
 
     async def batch_put(self, keys: Sequence[bytes], bufs: Sequence[memoryview], *, overwrite: bool = False,
-                        ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0) -> list[bool]:
+                        ttl_ms: int = 0, pin: int = 0, pin_ttl_ms: int = 0, _tries: int = 0) -> list[bool]:
         """Store each object on its targets; True where stored, False where it
-        was there already. UnavailableError when an object reached no target."""
-        route = await self.route()
-        if route.copies == 0:
-            return await self._ec_put(route, keys, bufs, overwrite=overwrite, ttl_ms=ttl_ms)
+        was there already. UnavailableError when an object reached no target.
+
+        A daemon whose map is newer than ours refuses a key that a change
+        moved out of its group (StaleVersionError): those keys are put
+        again with a refreshed map, up to ``_MAP_TRIES`` maps in all."""
+        out = [False] * len(keys)
+        todo = list(range(len(keys)))
+        while True:
+            route = await self.route()
+            moved: list[int] = []
+            sub_keys, sub_bufs = [keys[i] for i in todo], [bufs[i] for i in todo]
+            if route.copies == 0:
+                res = await self._ec_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms, moved=moved)
+            else:
+                res = await self._copies_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
+                                             pin_ttl_ms=pin_ttl_ms, moved=moved)
+            for j, i in enumerate(todo):
+                out[i] = res[j]
+            if not moved:
+                return out
+            todo = [todo[j] for j in moved]
+            _tries += 1
+            if _tries >= _MAP_TRIES:
+                self.counters.put_failures += len(todo)
+                raise UnavailableError(
+                    f"KV put of {keys[todo[0]]!r} in pool {route.name!r}: the daemons kept placing it elsewhere "
+                    f"than this client's map after {_tries} refreshes (map version {self.router.version})")
+            self._misplaced(len(todo))
+            await self.router.refresh(force=True)
+
+    def _misplaced(self, n: int) -> None:
+        self.counters.extra["map_retries"] = self.counters.extra.get("map_retries", 0) + n
+
+    async def _copies_put(self, route: KVPoolRoute, keys: Sequence[bytes], bufs: Sequence[memoryview], *,
+                          overwrite: bool, ttl_ms: int, pin: int, pin_ttl_ms: int, moved: list[int]) -> list[bool]:
+        """One pass of :meth:`batch_put` in a ``replica:N`` pool; the indexes
+        of keys a daemon refused as misplaced go to ``moved``."""
         flags = (KV_OVERWRITE if overwrite else 0) | ((pin & 3) << KV_PIN_SHIFT)
         items: list[tuple[int, int, bytes, memoryview, int | None, int, int]] = []
         owner: list[int] = []
@@ -367,7 +410,11 @@ class ClusterTier:
         reached = [False] * len(keys)
         first_error: list[TierFSError | None] = [None] * len(keys)
         missed: dict[int, list[int]] = {}
+        misplaced: set[int] = set()
         for it, i, r in zip(items, owner, res, strict=True):
+            if isinstance(r, StaleVersionError):
+                misplaced.add(i)
+                continue
             if isinstance(r, TierFSError):
                 self._failed(it[0], r)
                 if first_error[i] is None:
@@ -377,12 +424,15 @@ class ClusterTier:
             reached[i] = True
             stored[i] = stored[i] or r
             self.router.mark_ok(it[0])
+        moved.extend(sorted(misplaced))
         stuck: set[int] = set()
         if overwrite:
             for i, targets in missed.items():
-                if reached[i] and not await self._drop_copies(route, keys[i], targets):
+                if i not in misplaced and reached[i] and not await self._drop_copies(route, keys[i], targets):
                     stuck.add(i)
         for i, buf in enumerate(bufs):
+            if i in misplaced:
+                continue
             if i in stuck:
                 self.counters.put_failures += 1
                 raise UnavailableError(
@@ -722,13 +772,15 @@ class ClusterTier:
         return c
 
     async def _ec_put(self, route: KVPoolRoute, keys: Sequence[bytes], bufs: Sequence[memoryview], *,
-                      overwrite: bool, ttl_ms: int) -> list[bool]:
+                      overwrite: bool, ttl_ms: int, moved: list[int]) -> list[bool]:
+        """One pass of :meth:`batch_put` in an EC pool; the indexes of keys
+        a daemon refused as misplaced go to ``moved``."""
         from tierfs.net.protocol import crc32c
 
         codec = self._codec(route)
         flags = KV_OVERWRITE if overwrite else 0
         out: list[bool] = []
-        for key, buf in zip(keys, bufs, strict=True):
+        for idx, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             n = len(buf)
             if n >> _N_BITS:
                 raise InvalidArgumentError(f"KV object of {n} bytes is too large for an EC pool")
@@ -750,6 +802,10 @@ class ClusterTier:
                 items.append((targets[j], route.pool_id, key, memoryview(body), None,
                               flags | stamps[j] << KV_STAMP_SHIFT, ttl_ms))
             res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3))
+            if any(isinstance(r, StaleVersionError) for r in res):
+                moved.append(idx)
+                out.append(False)
+                continue
             ok = [r for r in res if not isinstance(r, TierFSError)]
             failed = []
             for it, r in zip(items, res, strict=True):

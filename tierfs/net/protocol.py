@@ -31,7 +31,10 @@ KV ops reuse the header (``inode`` = pool id throughout):
                (KV_OVERWRITE, pin kind << KV_PIN_SHIFT, and the writer's
                placement stamp << KV_STAMP_SHIFT); length = pin TTL ms.
                Reply: length = 1 stored, 0 already there (a no-op; an object
-               there with an earlier stamp is replaced).
+               there with an earlier stamp is replaced). Error
+               STALE_VERSION: the daemon's map, newer than the writer's,
+               places the key in a group without this target (the writer
+               refreshes its map and puts again; stamp 0 is not checked).
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
                payload_crc the object's stored CRC32C (checked end to end);

@@ -43,6 +43,7 @@ from tierfs.errors import (
     InternalError,
     InvalidArgumentError,
     ProtocolError,
+    StaleVersionError,
     TierFSError,
     UnauthenticatedError,
     UnavailableError,
@@ -84,6 +85,9 @@ _COUNTERS = (
     "connections_total", "connections_active", "protocol_violations", "requests_total",
     "requests_failed", "bytes_received", "bytes_sent", "reads", "writes", "deletes", "stats", "pings",
     "kv_puts", "kv_gets", "kv_hits", "kv_exists", "kv_deletes", "kv_pins",
+    # KV puts refused because this daemon's newer map places the key in
+    # another group (the client's map is older: it refreshes and puts again).
+    "kv_puts_misplaced",
     # Capabilities (docs/security-caps.md): CAP frames, and requests refused
     # by reason (no capability, forged/malformed, expired, another inode's or
     # pool's, the wrong operation, no keys from meta yet).
@@ -466,11 +470,27 @@ class _ServerConnection(FrameProtocol):
                 # CRC (which the store keeps) to it without a pass over the value.
                 if crc32c(key, hdr.fversion) != hdr.payload_crc:
                     raise InvalidArgumentError("KV_PUT value CRC32C does not match its payload")
-                put = None  # the store owns the value buffer from here on
                 flags = hdr.fragment
+                stamp = flags >> KV_STAMP_SHIFT
+                gate = self.server.kv_gate
+                if gate is not None and stamp:
+                    # A writer whose map is older than a change that moved the
+                    # key would leave its value where no up-to-date reader
+                    # looks, and those readers would go on finding an older
+                    # value in the key's new group: refuse it, and the writer
+                    # refreshes its map and puts again (docs/kv.md). The copy
+                    # is stamped with the later of the two maps' stamps.
+                    need = gate(pool, hdr.target, key, stamp)
+                    if need is None:
+                        self.counters["kv_puts_misplaced"] += 1
+                        raise StaleVersionError(
+                            f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
+                            "which is newer than the writer's; refresh the map and put again")
+                    stamp = need
+                put = None  # the store owns the value buffer from here on
                 stored = await kv.put(pool, tenant_key(tenant, key), value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
                                       ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length,
-                                      stamp=flags >> KV_STAMP_SHIFT)
+                                      stamp=stamp)
                 self._reply(hdr, length=1 if stored else 0)
                 return
             if payload is None:
