@@ -51,6 +51,13 @@ Operations (paths are relative to the walk's root; ``d*`` are directories,
                                             member ``i`` removed and SIGKILLed (``dead``: SIGKILLed
                                             before the new one is started)
 ``("settle",)``                             resolve every pending operation (above)
+``("cut", i, j)``, ``("cut_client", i)``    partitions (a cluster of hosts, tests/hosts.py's
+``("isolate", i)``, ``("mend",)``           HostMetaCluster, only): the link between replicas
+                                            ``i`` and ``j`` cut, replica ``i`` cut from the walk's
+                                            client (it reaches the others), replica ``i`` cut from
+                                            every other replica (its clients still reach it), every
+                                            cut mended; ``("isolate_leader",)`` is logged as the
+                                            ``("isolate", i)`` it became. A settle mends them all.
 ==========================================  =====================================================
 """
 
@@ -137,6 +144,13 @@ class MetaChecker:
     log_dir: Path | None = None
     mc: MetaClient | None = None
     members: list[int] = field(default_factory=list)  # replica indexes in the Raft group
+    #: links cut (partitions): (i, j) between replicas, (i, -1) between replica i and the walk's client
+    cuts: set[tuple[int, int]] = field(default_factory=set)
+
+    @property
+    def partitions(self) -> bool:
+        """Whether the cluster can cut links (its replicas run on hosts of their own)."""
+        return hasattr(self.cluster, "cut")
 
     def client(self) -> MetaClient:
         return MetaClient([self.cluster.addresses[i] for i in self.members], deadline=DEADLINE,
@@ -341,7 +355,7 @@ class MetaChecker:
             return
         except TierFSError as exc:
             self.count(f"indeterminate:{type(exc).__name__}")
-            if not self.down:
+            if not self.down and not self.cuts:
                 self.count("indeterminate_no_fault")
             if want is None and changes:
                 before = {q: self.model.get(q) for q in changes}
@@ -649,7 +663,40 @@ class MetaChecker:
                 time.sleep(0.2)
         self.violation("unavailable", f"{how} member {i} not done within 60 s: {last}")
 
+    # ---- partitions (HostMetaCluster) ------------------------------------------------
+
+    def _cut(self, a: int, b: int) -> None:
+        if (a, b) in self.cuts or (b, a) in self.cuts:
+            return
+        self.cluster.cut(f"meta{a}", "test" if b < 0 else f"meta{b}")  # type: ignore[attr-defined]
+        self.cuts.add((a, b))
+        self.count("cuts")
+
+    async def op_cut(self, i: int, j: int) -> None:
+        self._cut(i, j)
+
+    async def op_cut_client(self, i: int) -> None:
+        self._cut(i, -1)
+
+    async def op_isolate(self, i: int) -> None:
+        for j in self.members:
+            if j != i:
+                self._cut(i, j)
+
+    async def op_isolate_leader(self) -> None:
+        # Resolved now, logged as what it became (as kill_leader).
+        leader = await asyncio.to_thread(self.cluster.leader)
+        self.log[-1] = ("isolate", leader) if leader is not None else ("kill_leader_none",)
+        if leader is not None:
+            await self.op_isolate(leader)
+
+    async def op_mend(self) -> None:
+        if self.cuts:
+            self.cluster.mend_all()  # type: ignore[attr-defined]
+        self.cuts.clear()
+
     async def heal(self) -> None:
+        await self.op_mend()
         for i, how in sorted(self.down.items()):
             if how == "stopped":
                 self.cont_proc(i)
@@ -790,6 +837,20 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
         # A second replica down now and then: no quorum for a while.
         return rng.choices([back, ("kill", rng.choice(up)), ("stop", rng.choice(up))], weights=[6, 0.6, 0.6])[0]
 
+    def partition() -> Op:
+        if ck.cuts and rng.random() < 0.45:
+            return ("mend",)
+        up = [i for i in members() if i not in ck.down] or members()
+        r = rng.random()
+        if r < 0.35:
+            return ("isolate_leader",)
+        if r < 0.55 and len(up) >= 2:
+            i, j = rng.sample(up, 2)
+            return ("cut", i, j)
+        if r < 0.8:
+            return ("cut_client", rng.choice(up))
+        return ("isolate", rng.choice(up))
+
     produced = 0
     while produced < steps:
         makers: list[tuple[float, Callable[[], Op]]] = [
@@ -804,6 +865,9 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
             (1.5, lambda: ("snapshot", rng.choice(members()))),
             (4 if ck.pending else 0, lambda: ("settle",)),
             (9.4 if not ck.down else 7.2 if len(ck.down) == 1 else 30, fault),
+            # Last, and weight 0 without partitions: the walks of a given seed
+            # on a cluster without them stay what they were.
+            ((6 if ck.cuts else 3) if ck.partitions else 0, partition),
         ]
         op = rng.choices([m for _, m in makers], weights=[w for w, _ in makers])[0]()
         if op[0] in ("burst", "storm"):
@@ -834,10 +898,18 @@ def meta_random_ops(seed: int, steps: int, ck: MetaChecker) -> Iterator[Op]:
 META_WALK_ARGS = ("--heartbeat-timeout=36000", "--snapshot-min-entries=60")
 
 
-def meta_walk_cluster(path: Path) -> MetaCluster:
+def meta_walk_cluster(path: Path, partitions: bool = False) -> MetaCluster:
     """Three meta replicas, and six registered storage nodes of one target
-    each (no storage daemons: files are created, never written)."""
-    cluster = MetaCluster(path, n=3, state_machine="meta", extra_args=META_WALK_ARGS)
+    each (no storage daemons: files are created, never written). With
+    ``partitions``, each replica on a host of its own (tests/hosts.py's
+    HostMetaCluster; skips where network namespaces are not allowed), so
+    that walks can cut links."""
+    if partitions:
+        from tests.hosts import HostMetaCluster
+
+        cluster: MetaCluster = HostMetaCluster(path, 3, state_machine="meta", extra_args=META_WALK_ARGS)
+    else:
+        cluster = MetaCluster(path, n=3, state_machine="meta", extra_args=META_WALK_ARGS)
 
     async def register() -> None:
         async with MetaClient(cluster.addresses, deadline=60) as mc:
@@ -876,7 +948,8 @@ def replay(log_file: Path) -> None:
 
     saved = json.loads(Path(log_file).read_text())
     ops = [tuple(op) for op in saved["ops"]]
-    with tempfile.TemporaryDirectory() as tmp, meta_walk_cluster(Path(tmp) / "meta") as cluster:
+    cuts = any(op[0] in ("cut", "cut_client", "isolate", "mend") for op in ops)
+    with tempfile.TemporaryDirectory() as tmp, meta_walk_cluster(Path(tmp) / "meta", partitions=cuts) as cluster:
         ck = MetaChecker(cluster, saved["root"], seed=saved.get("seed"))
         asyncio.run(ck.run(ops))
         print(f"replayed {len(ops)} operations: no violation ({dict(sorted(ck.counts.items()))})")
