@@ -566,6 +566,20 @@ class HostMetaCluster(HostNet, MetaCluster):
     def command(self, r: Any) -> list[str]:
         return ["ip", "netns", "exec", self.host_of(r.index).ns, *MetaCluster.command(self, r)]
 
+    def _answers(self, r: Any) -> bool:
+        """Started: it answers, or, when its host is cut from the test's
+        namespace (nothing here can reach it), it listens in its own."""
+        h = self.host_of(r.index)
+        if "test" not in h.cut:
+            return MetaCluster._answers(self, r)
+        if r.proc is not None and r.proc.poll() is not None:
+            raise AssertionError(f"replica {r.index} exited with {r.proc.returncode}; log:\n{self.log(r.index)}")
+        res = subprocess.run(["ip", "netns", "exec", h.ns, "ss", "-Hltn", f"sport = :{META_GRPC}"],
+                             capture_output=True, text=True, timeout=20)
+        if res.returncode != 0 or not res.stdout.strip():
+            raise OSError(f"replica {r.index} not listening on :{META_GRPC} in {h.ns} yet")
+        return True
+
     def add_replica(self) -> int:
         from tests.cluster import Replica
 
