@@ -163,8 +163,9 @@ class KVChecker(ProcessFaults):
             for c in [*self.old_clients, self.client]:
                 for pool in POOLS:  # puts a daemon refused as misplaced, then put again
                     with contextlib.suppress(Exception):
-                        self.counts["map_retries"] = self.counts.get("map_retries", 0) + int(
-                            c.kv_pool(pool).stats()["cluster"].get("map_retries", 0))
+                        n = int(c.kv_pool(pool).stats()["cluster"].get("map_retries", 0))
+                        self.counts["map_retries"] = self.counts.get("map_retries", 0) + n
+                        self.counts[f"map_retries:{pool}"] = self.counts.get(f"map_retries:{pool}", 0) + n
             for c in self.old_clients:
                 with contextlib.suppress(Exception):
                     c.close()

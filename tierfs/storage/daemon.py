@@ -134,6 +134,10 @@ class _Collector:
         for k, v in node.counters.items():
             nc.add_metric([k], v)
         yield nc
+        kvmap = GaugeMetricFamily("tierfs_storage_kv_map_version",
+                                  "Cluster-map version the KV placement checks use (-1: no map yet)")
+        kvmap.add_metric([], node._kv_map_version)
+        yield kvmap
         if node.server is not None:
             dp = GaugeMetricFamily("tierfs_dataplane", "Data-plane server counters", labels=["counter"])
             counters = dict(node.server.counters)
