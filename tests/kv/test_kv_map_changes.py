@@ -228,3 +228,71 @@ def test_a_writer_with_an_old_map_puts_where_readers_look(cl: LocalCluster) -> N
         lost = [k for k in theirs if got[k] != last[k]]
         assert lost == [], (f"{len(lost)} of {len(theirs)} acknowledged overwrites unseen by a reader with the "
                             f"current map ({sum(got[k] == first[k] for k in lost)} returned the earlier value)")
+
+
+def test_a_delete_with_an_old_map_reaches_the_keys_group(cl: LocalCluster) -> None:
+    """As above, with deletes: a client holding the map from before a
+    re-plan deletes keys whose group moved. Its map sends the deletes to the
+    returning daemon, which still holds the keys' earlier copies; that
+    daemon's newer map says they live elsewhere, so it refuses, and the
+    client refreshes its map and deletes them in their group. Before, the
+    deletes went to the returning daemon, answered True, and every reader
+    with the current map still got the values."""
+    create_pool(cl, "r1d", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB)
+    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
+    with Client(cl.meta_addrs, **opts) as late:
+        pool_ready(late, "r1d")
+        kv = late.kv_pool("r1d")
+        keys = [f"r1d-{i}" for i in range(48)]
+        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
+        victim = _holders(cl, "r1d", keys[0])[0]
+        theirs = [k for k in keys if _holders(cl, "r1d", k)[0] == victim]
+        new = {k: bytes(reversed(payload(k, 8 * KiB))) for k in theirs}
+        cl.kill(victim)
+        try:
+            wait_for(lambda: all(_holders(cl, "r1d", k)[0] != victim for k in theirs), 60,
+                     "the group re-planned without the victim")
+            with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
+                writer.kv_pool("r1d").batch_put(theirs, [new[k] for k in theirs], overwrite=True)
+        finally:
+            restart(cl, victim)
+        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+        assert all(_holders(cl, "r1d", k)[0] != victim for k in theirs), "the group moved back to the victim"
+        assert [kv.delete(k) for k in theirs] == [True] * len(theirs)  # each was there, in its group
+        assert kv.stats()["cluster"].get("map_retries", 0) == 1
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        fk = fresh.kv_pool("r1d")
+        left = [k for k in theirs if fk.get(k) is not None]
+        assert left == [], f"{len(left)} of {len(theirs)} acknowledged deletes unseen by a reader with the current map"
+
+
+def test_a_delete_that_misses_a_live_copy_is_not_acknowledged(cl: LocalCluster) -> None:
+    """``replica:2``: one copy's daemon is stopped (a gray failure the map
+    has not noticed), so a delete cannot reach it and that copy may be
+    served again. The delete raises rather than answering True; once the
+    daemon resumes, the delete goes through and the key is gone."""
+    with Client(cl.meta_addrs, kv_timeout=0.5, request_timeout=2.0) as client:
+        create_pool(cl, "r2d", redundancy="replica:2", target_memory=8 * MiB)
+        pool_ready(client, "r2d")
+        kv = client.kv_pool("r2d")
+        key = "r2d-key"
+        assert kv.put(key, payload(key, 16 * KiB))
+        gray = _holders(cl, "r2d", key)[1]
+        pid = cl.kill(gray, signal.SIGSTOP)
+        try:
+            with pytest.raises(UnavailableError, match="may still be served"):
+                kv.delete(key)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: _delete_went_through(kv, key), 30, "the delete through")
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        assert fresh.kv_pool("r2d").get(key) is None
+        assert fresh.kv_pool("r2d").batch_contains([key]) == [False]
+
+
+def _delete_went_through(kv: Any, key: str) -> bool:
+    try:
+        kv.delete(key)
+    except UnavailableError:
+        return False
+    return True

@@ -610,15 +610,46 @@ class ClusterTier:
         return out
 
     async def delete(self, key: bytes) -> bool:
-        route = await self.route()
-        existed = False
-        for t in self._targets(route, key):
-            try:
-                existed = await self.data.kv_delete(t, route.pool_id, key, timeout=self.timeout) or existed
-            except TierFSError as exc:
-                self._failed(t, exc)
-        self.counters.deletes += existed
-        return existed
+        """Delete every copy (or fragment) a get could still be served;
+        True if any held the key. A copy on a target the map calls down is
+        skipped in pools whose puts skip it too (its copies are stale when
+        it returns: placement stamps). UnavailableError when a copy that
+        could still be served was not reached: the delete is then not
+        acknowledged (in an EC pool, when K fragments may be left). A
+        daemon whose newer map places the key elsewhere refuses: the map is
+        refreshed and the delete tried again (``_MAP_TRIES`` maps)."""
+        for _ in range(_MAP_TRIES):
+            route = await self.route()
+            members, stamps = placement(route, key)
+            existed, misplaced = False, False
+            failed: list[int] = []
+            error: TierFSError | None = None
+            for t, stamp in zip(members, stamps, strict=True):
+                if route.copies != 1 and self.router.down(t):
+                    continue
+                try:
+                    existed = await self.data.kv_delete(t, route.pool_id, key, timeout=self.timeout,
+                                                        since=stamp) or existed
+                except StaleVersionError:
+                    misplaced = True
+                    break
+                except TierFSError as exc:
+                    self._failed(t, exc)
+                    failed.append(t)
+                    error = error or exc
+            if misplaced:
+                self._misplaced(1)
+                await self.router.refresh(force=True)
+                continue
+            if failed and (route.copies > 0 or len(failed) >= route.k):
+                raise UnavailableError(
+                    f"KV delete of {key!r} in pool {route.name!r} did not reach target(s) {failed}, and the key "
+                    f"may still be served from there: {error}")
+            self.counters.deletes += existed
+            return existed
+        raise UnavailableError(f"KV delete of {key!r} in pool {self.pool!r}: the daemons kept placing it elsewhere "
+                               f"than this client's map after {_MAP_TRIES} refreshes (map version "
+                               f"{self.router.version})")
 
     async def pin(self, key: bytes, kind: int, ttl_ms: int = 0) -> bool:
         """Pin (kind 1 soft, 2 hard) or unpin (0) on every copy; True if any had it."""

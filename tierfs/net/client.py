@@ -834,8 +834,13 @@ class DataClient:
         v = int.from_bytes(bits, "little")
         return [bool((v >> i) & 1) for i in range(len(keys))]
 
-    async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None) -> bool:
-        hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, 0, 0), timeout, payload=memoryview(key))
+    async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
+                        since: int = 0) -> bool:
+        """Delete ``key`` there; ``since``: the placement stamp of the
+        deleter's map for this copy (the daemon refuses, StaleVersionError,
+        when its newer map places the key elsewhere; 0: not checked)."""
+        hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
+                                  payload=memoryview(key))
         return bool(hdr.length)
 
     async def kv_pin(self, target: int, pool: int, key: bytes, kind: int, ttl_ms: int = 0, *,

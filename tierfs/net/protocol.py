@@ -55,7 +55,9 @@ KV ops reuse the header (``inode`` = pool id throughout):
                fragment >> KV_STAMP_SHIFT = the least stamp that counts.
                Reply: payload = a bitmap, bit i set if key i is present:
                one request per target for a whole batch.
-    KV_DELETE  payload = key. Reply: length = 1 existed / 0 not.
+    KV_DELETE  payload = key; fragment >> KV_STAMP_SHIFT = the deleter's
+               placement stamp (0: not checked; STALE_VERSION as for
+               KV_PUT). Reply: length = 1 existed / 0 not.
     KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
                TTL ms. Reply: length = 1 found / 0 not.
 

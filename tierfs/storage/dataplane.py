@@ -85,9 +85,10 @@ _COUNTERS = (
     "connections_total", "connections_active", "protocol_violations", "requests_total",
     "requests_failed", "bytes_received", "bytes_sent", "reads", "writes", "deletes", "stats", "pings",
     "kv_puts", "kv_gets", "kv_hits", "kv_exists", "kv_deletes", "kv_pins",
-    # KV puts refused because this daemon's newer map places the key in
-    # another group (the client's map is older: it refreshes and puts again).
-    "kv_puts_misplaced",
+    # KV puts and deletes refused because this daemon's newer map places the
+    # key in another group (the client's map is older: it refreshes and
+    # tries again).
+    "kv_puts_misplaced", "kv_deletes_misplaced",
     # Capabilities (docs/security-caps.md): CAP frames, and requests refused
     # by reason (no capability, forged/malformed, expired, another inode's or
     # pool's, the wrong operation, no keys from meta yet).
@@ -543,6 +544,15 @@ class _ServerConnection(FrameProtocol):
                 self._reply(hdr, payload=memoryview(bitmap), store=_NOT_POOLED, length=len(keys))
             elif op == Op.KV_DELETE:
                 self.counters["kv_deletes"] += 1
+                stamp = hdr.fragment >> KV_STAMP_SHIFT
+                gate = self.server.kv_gate
+                if gate is not None and stamp and gate(pool, hdr.target, bytes(payload), stamp) is None:
+                    # As for a put: a deleter with an older map would leave the
+                    # key's copy in its current group, served on.
+                    self.counters["kv_deletes_misplaced"] += 1
+                    raise StaleVersionError(
+                        f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
+                        "which is newer than the deleter's; refresh the map and delete again")
                 existed = await kv.delete(pool, tenant_key(tenant, bytes(payload)))
                 self._reply(hdr, length=1 if existed else 0)
             elif op == Op.KV_PIN:  # pragma: no branch
