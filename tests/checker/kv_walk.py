@@ -340,10 +340,16 @@ class KVChecker(ProcessFaults):
                                                 [content(pool, k, self.current[(pool, k)]) for k in keys])
 
     def op_delete(self, pool: str, key: int) -> None:
-        # The allowed contents stay: a delete that missed a holder leaves
-        # what it held (a cache may serve it; it is still a value put).
-        with contextlib.suppress(TierFSError):
+        # A delete that raised may have left copies (a cache may serve them:
+        # they are still values put), so the allowed contents stay. One
+        # acknowledged removed every copy a get could be served (docs/kv.md,
+        # "Deletes"): an earlier content read after it is `stale`.
+        try:
             self.client.kv_pool(pool).delete(self.kname(key))
+        except TierFSError:
+            self.counts["delete-failed"] = self.counts.get("delete-failed", 0) + 1
+            return
+        self.allowed[(pool, key)] = set()
 
     def op_get(self, pool: str, key: int) -> None:
         started = time.monotonic()

@@ -52,7 +52,8 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                              f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
                              f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('ttl-judged', 0)} hits of TTL "
                              f"contents judged, {ck.counts.get('late_clients', 0)} late clients, "
-                             f"{ck.counts.get('map_retries', 0)} puts re-placed ("
+                             f"{ck.counts.get('delete', 0)} deletes ({ck.counts.get('delete-failed', 0)} not "
+                             f"acknowledged), {ck.counts.get('map_retries', 0)} puts re-placed ("
                              + ", ".join(f"{p} {ck.counts.get('map_retries:' + p, 0)}" for p in POOLS) + ")"
                              + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
                              + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the "
