@@ -37,6 +37,7 @@ import pytest
 from tests.faults.harness import Ledger, digest, random_bytes
 from tierfs.cli.cluster import cluster_status
 from tierfs.client import Client
+from tierfs.errors import TierFSError
 from tierfs.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,13 +122,35 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         ledger = Ledger()
         stop = threading.Event()
         writes = {"n": 0}
+        # KV through this release's client while daemons of both releases
+        # serve (stamped puts, gets and deletes to daemons that ignore the
+        # stamps, then to ones that check them): a value acknowledged reads
+        # back as itself or a miss, never another, and an acknowledged
+        # delete leaves a miss.
+        kv_ops = {"ok": 0, "errors": 0}
+        kv_wrong: list[str] = []
+
+        def kv_round(c: Client, i: int) -> None:
+            key, value = f"upgrade-kv-load-{i % 8}", random_bytes(40_000 + i, 3000 + i)
+            try:
+                assert c.kv.put(key, value, overwrite=True)
+                got = c.kv.get(key)
+                if got not in (None, value):
+                    kv_wrong.append(f"{key}: {len(got)} bytes, not the value just put")
+                c.kv.delete(key)
+                if (got := c.kv.get(key)) is not None:
+                    kv_wrong.append(f"{key}: {len(got)} bytes after an acknowledged delete")
+                kv_ops["ok"] += 1
+            except TierFSError:
+                kv_ops["errors"] += 1  # its daemon restarting
 
         def writer() -> None:
-            with Client(cl.meta_addrs, request_timeout=2.0) as c:
+            with Client(cl.meta_addrs, request_timeout=2.0, kv_timeout=1.0) as c:
                 c.mkdir("/load", exist_ok=True)
                 i = 0
                 while not stop.is_set():
                     ledger.write(c, f"/load/f{i % 40}", random_bytes(200_000 + 997 * i, 1000 + i))
+                    kv_round(c, i)
                     writes["n"] += 1
                     i += 1
 
@@ -156,6 +179,9 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
             t.join(60)
         assert not t.is_alive()
         assert len(ledger.acked) >= 10, ledger.errors[-5:]
+        assert kv_wrong == []
+        print(f"KV rounds during the upgrade: {kv_ops}")
+        assert kv_ops["ok"] >= 10, kv_ops
 
         with Client(cl.meta_addrs, request_timeout=5.0) as c:
             assert ledger.verify(c) > 0
