@@ -589,11 +589,16 @@ class MetaChecker:
         self.down.pop(i, None)
 
     async def op_kill_leader(self) -> None:
-        # Resolved now, logged as what it became: a replay kills the same replica.
+        await self.to_leader("kill")
+
+    async def to_leader(self, what: str) -> None:
+        """``what`` (an op taking a replica) done to the leader, resolved
+        now and logged as what it became: a replay does it to the same
+        replica."""
         leader = await asyncio.to_thread(self.cluster.leader)
-        self.log[-1] = ("kill", leader) if leader is not None else ("kill_leader_none",)
+        self.log[-1] = (what, leader) if leader is not None else ("kill_leader_none",)
         if leader is not None:
-            await self.op_kill(leader)
+            await getattr(self, "op_" + what)(leader)
 
     async def op_kill_leader_none(self) -> None:
         pass
@@ -684,11 +689,7 @@ class MetaChecker:
                 self._cut(i, j)
 
     async def op_isolate_leader(self) -> None:
-        # Resolved now, logged as what it became (as kill_leader).
-        leader = await asyncio.to_thread(self.cluster.leader)
-        self.log[-1] = ("isolate", leader) if leader is not None else ("kill_leader_none",)
-        if leader is not None:
-            await self.op_isolate(leader)
+        await self.to_leader("isolate")
 
     async def op_mend(self) -> None:
         if self.cuts:

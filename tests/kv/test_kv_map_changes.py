@@ -185,6 +185,29 @@ def test_a_reader_with_an_old_map_is_not_served_what_a_change_left_behind(cl: Lo
             assert reader.kv_pool("r1old").get(key) in (None, new)
 
 
+def _overwrite_across_a_replan(cl: LocalCluster, pool: str, keys: list[str]) -> tuple[list[str], dict[str, bytes]]:
+    """Kill the daemon of ``keys[0]`` (``replica:1``), wait until the pool
+    re-plans its group onto another target, overwrite the keys that lived
+    there through a client with the new map, and restart the daemon (it
+    comes back with their earlier copies, outside their group). Returns
+    those keys and the values they now hold."""
+    victim = _holders(cl, pool, keys[0])[0]
+    theirs = [k for k in keys if _holders(cl, pool, k)[0] == victim]
+    assert len(theirs) >= 2, "too few keys on the victim"
+    first = {k: bytes(reversed(payload(k, 8 * KiB))) for k in theirs}
+    cl.kill(victim)
+    try:
+        wait_for(lambda: all(_holders(cl, pool, k)[0] != victim for k in theirs), 60,
+                 "the group re-planned without the victim")
+        with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
+            writer.kv_pool(pool).batch_put(theirs, [first[k] for k in theirs], overwrite=True)
+    finally:
+        restart(cl, victim)
+    wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+    assert all(_holders(cl, pool, k)[0] != victim for k in theirs), "the group moved back to the victim"
+    return theirs, first
+
+
 def test_a_writer_with_an_old_map_puts_where_readers_look(cl: LocalCluster) -> None:
     """``replica:1``: a key's daemon dies, the pool re-plans its group onto
     another target, a writer with the new map overwrites the key there, and
@@ -202,21 +225,8 @@ def test_a_writer_with_an_old_map_puts_where_readers_look(cl: LocalCluster) -> N
         keys = [f"r1w-{i}" for i in range(48)]
         one.kv_pool("r1w").batch_put(keys, [payload(k, 8 * KiB) for k in keys])
         assert many.kv_pool("r1w").batch_contains(keys) == [True] * len(keys)  # both maps are from here
-        victim = _holders(cl, "r1w", keys[0])[0]
-        theirs = [k for k in keys if _holders(cl, "r1w", k)[0] == victim]
-        assert len(theirs) >= 2, "too few keys on the victim"
-        first = {k: bytes(reversed(payload(k, 8 * KiB))) for k in theirs}
+        theirs, first = _overwrite_across_a_replan(cl, "r1w", keys)
         last = {k: payload(k + "-last", 8 * KiB) for k in theirs}
-        cl.kill(victim)
-        try:
-            wait_for(lambda: all(_holders(cl, "r1w", k)[0] != victim for k in theirs), 60,
-                     "the group re-planned without the victim")
-            with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
-                writer.kv_pool("r1w").batch_put(theirs, [first[k] for k in theirs], overwrite=True)
-        finally:
-            restart(cl, victim)
-        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
-        assert all(_holders(cl, "r1w", k)[0] != victim for k in theirs), "the group moved back to the victim"
         assert one.kv_pool("r1w").put(theirs[0], last[theirs[0]], overwrite=True)
         rest = theirs[1:]
         assert many.kv_pool("r1w").batch_put(rest, [last[k] for k in rest], overwrite=True) == [True] * len(rest)
@@ -245,19 +255,7 @@ def test_a_delete_with_an_old_map_reaches_the_keys_group(cl: LocalCluster) -> No
         kv = late.kv_pool("r1d")
         keys = [f"r1d-{i}" for i in range(48)]
         kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
-        victim = _holders(cl, "r1d", keys[0])[0]
-        theirs = [k for k in keys if _holders(cl, "r1d", k)[0] == victim]
-        new = {k: bytes(reversed(payload(k, 8 * KiB))) for k in theirs}
-        cl.kill(victim)
-        try:
-            wait_for(lambda: all(_holders(cl, "r1d", k)[0] != victim for k in theirs), 60,
-                     "the group re-planned without the victim")
-            with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as writer:
-                writer.kv_pool("r1d").batch_put(theirs, [new[k] for k in theirs], overwrite=True)
-        finally:
-            restart(cl, victim)
-        wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
-        assert all(_holders(cl, "r1d", k)[0] != victim for k in theirs), "the group moved back to the victim"
+        theirs, _ = _overwrite_across_a_replan(cl, "r1d", keys)
         assert [kv.delete(k) for k in theirs] == [True] * len(theirs)  # each was there, in its group
         assert kv.stats()["cluster"].get("map_retries", 0) == 1
     with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
