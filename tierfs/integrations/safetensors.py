@@ -312,7 +312,11 @@ class Slice:
             t = await reader.tensor(self.info)
         else:
             t = await reader.tensor(self.info, rows)
-        return t[local].contiguous()
+        t = t[local].contiguous()
+        device = self._owner._device
+        # The handle's device applies to slices too (as in safetensors): a
+        # tensor-parallel loader slicing its shard onto the GPU gets it there.
+        return t if str(device) == "cpu" else t.to(device)
 
     def __getitem__(self, key: Any) -> Any:
         owner = self._owner
@@ -326,6 +330,7 @@ class Slice:
 
 class _Handle:
     _reader: _Reader
+    _device: Any
     _header: Header | None = None
 
     def _h(self) -> Header:
