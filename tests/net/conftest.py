@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from dataplane_helpers import TRANSPORTS
+from dataplane_helpers import TRANSPORTS, transport_params, use_transport
 
 
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    """Every transport that can run here (rdma skips without a device)."""
-    return str(request.param)
+@pytest.fixture(params=transport_params(TRANSPORTS))
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every transport that can run here (rdma skips without a device), each
+    with and without the receive offload (dataplane_helpers.OFFLOAD)."""
+    return use_transport(request, monkeypatch)

@@ -34,6 +34,28 @@ TRANSPORTS = [
     ]),
 ]
 
+#: Each transport runs with answers checked on the loop ("") and with every
+#: answer of 64 KiB or more checked, and (shm) copied, on worker threads
+#: ("+offload"; tierfs.net.framing, "Off the loop"): the default on 8 CPUs or more.
+OFFLOAD = {"": "0", "+offload": str(64 << 10)}
+
+
+def transport_params(transports: list[Any]) -> list[Any]:
+    """(transport, offload) parameters: each of ``transports`` both ways."""
+    out = []
+    for t in transports:
+        name, marks = (t.values[0], t.marks) if hasattr(t, "values") else (t, ())
+        out += [pytest.param((name, o), marks=marks, id=f"{name}{o}") for o in OFFLOAD]
+    return out
+
+
+def use_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport of a ``transport_params`` parameter, its offload set
+    (TIERFS_OFFLOAD_MIN_BYTES, read when a client's Limits are made)."""
+    name, offload = request.param
+    monkeypatch.setenv("TIERFS_OFFLOAD_MIN_BYTES", OFFLOAD[offload])
+    return str(name)
+
 
 def arun(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on a fresh uvloop loop (what the daemons run on)."""

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dataplane_helpers import TRANSPORTS, FaultyStore, arun, disk_store, wait_for
+from dataplane_helpers import (
+    TRANSPORTS,
+    FaultyStore,
+    arun,
+    disk_store,
+    transport_params,
+    use_transport,
+    wait_for,
+)
 
 from tierfs.chunk import crc32c
 from tierfs.errors import (
@@ -39,9 +47,9 @@ from tierfs.tls import TlsFiles, issue, make_local_ca
 SIZES = [0, 1, 4095, 4096, 4097, 1 << 20, 64 << 20]
 
 
-@pytest.fixture(params=[*TRANSPORTS, "tcp+tls"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=transport_params([*TRANSPORTS, "tcp+tls"]))
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return use_transport(request, monkeypatch)
 
 
 def _base(transport: str) -> str:

@@ -188,6 +188,7 @@ class _ClientConnection(FrameProtocol):
 
     def __init__(self, limits: Limits) -> None:
         super().__init__(limits)
+        self.offload_min = limits.offload_min_bytes
         self.pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._lost: asyncio.Future[None] | None = None
@@ -231,6 +232,13 @@ class _ClientConnection(FrameProtocol):
         if hdr.payload_len > len(p.dest):
             raise ProtocolError(f"read answer of {hdr.payload_len} bytes for a {len(p.dest)}-byte buffer")
         return p.dest[: hdr.payload_len]
+
+    def _forget(self, hdr: Header) -> bool:
+        p = self.pending.get(hdr.request_id)
+        if p is not None and p.abandoned:
+            del self.pending[hdr.request_id]
+            return True
+        return False
 
     def _on_frame(self, hdr: Header, payload: memoryview | None) -> None:
         if not hdr.flags & F_RESPONSE:
@@ -376,6 +384,10 @@ class _ClientConnection(FrameProtocol):
         return results
 
     def _abandon(self, rid: int, p: _Pending) -> None:
+        # Copies of its answer running on workers (framing, "Off the loop")
+        # finish before the caller hears of the failure, even on a
+        # connection already closing.
+        self.settle_copies(rid)
         if self.closed:
             return
         p.abandoned = True

@@ -79,8 +79,9 @@ from one, with no I/O.
 from __future__ import annotations
 
 import enum
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c as _crc32c
 
@@ -265,6 +266,18 @@ def decode_header(buf: bytes | bytearray | memoryview, max_payload: int) -> Head
                   offset, length, payload_len, payload_crc)
 
 
+def default_offload_min() -> int:
+    """``Limits.offload_min_bytes`` unless given: TIERFS_OFFLOAD_MIN_BYTES, else
+    512 KiB where there are 8 CPUs or more, else 0."""
+    env = os.environ.get("TIERFS_OFFLOAD_MIN_BYTES", "").strip()
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ConfigError(f"not a byte count: {env!r}", field="TIERFS_OFFLOAD_MIN_BYTES") from None
+    return 512 << 10 if (os.cpu_count() or 1) >= 8 else 0
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Per-connection hard limits, enforced by both ends."""
@@ -279,6 +292,14 @@ class Limits:
     max_inflight_requests: int = 256
     #: Size of each direction's shared-memory ring (shm transport).
     shm_ring_bytes: int = 16 << 20
+    #: A client connection checks the CRC of an answer's payload of at least
+    #: this many bytes on a worker thread, and the shm transport copies it
+    #: out of the ring there, so that the event loop goes on receiving
+    #: meanwhile (tierfs.net.framing, "Off the loop"). 0: all on the loop.
+    #: Default: 512 KiB on a host of 8 CPUs or more, else 0 (on 2 cores the
+    #: workers only compete with the loop and the daemons); the environment
+    #: variable TIERFS_OFFLOAD_MIN_BYTES overrides it.
+    offload_min_bytes: int = field(default_factory=lambda: default_offload_min())
     #: Socket send/receive buffer size asked of the kernel (tcp).
     socket_buffer_bytes: int = 4 << 20
 
@@ -289,6 +310,8 @@ class Limits:
                 raise ConfigError("must be positive", field=name)
         if self.max_inflight_bytes < self.max_frame_bytes:
             raise ConfigError("must be at least max_frame_bytes", field="max_inflight_bytes")
+        if self.offload_min_bytes < 0:
+            raise ConfigError("must be 0 (off) or positive", field="offload_min_bytes")
         if self.shm_ring_bytes < HEADER_SIZE * 2:
             raise ConfigError(f"must be at least {HEADER_SIZE * 2}", field="shm_ring_bytes")
 

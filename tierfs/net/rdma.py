@@ -126,6 +126,8 @@ class _Endpoint:
 
 
 class _RdmaStreamTransport(ShmStreamTransport):
+    _offload_copies = False  # _copy_out reads the memory region through the verbs library
+
     def __init__(self, ep: _Endpoint, protocol: FrameProtocol, peer: str) -> None:
         super().__init__(None, None, protocol, peer, size=ep.size)
         self.ep = ep

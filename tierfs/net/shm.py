@@ -44,7 +44,7 @@ import struct
 from typing import Any
 
 from tierfs.errors import UnavailableError
-from tierfs.net.framing import FrameProtocol, log
+from tierfs.net.framing import FrameProtocol, log, memmove, offload_pool
 from tierfs.net.protocol import Limits
 from tierfs.net.transport import Listener, ProtocolFactory, Transport
 
@@ -62,6 +62,8 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 #: seals a ring must carry before the server maps it (a shrink would SIGBUS the mapper)
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MIN_RING = 1 << 16
+#: A piece of a deferred payload smaller than this is copied on the loop.
+_OFFLOAD_PIECE = 64 << 10
 _MAX_RING = 1 << 32
 
 
@@ -107,6 +109,9 @@ class _Bells(asyncio.Protocol):
 class ShmStreamTransport(asyncio.Transport):
     """An asyncio-transport look-alike over a pair of shared-memory rings."""
 
+    #: the receive ring is mapped here, so a worker thread may copy out of it
+    _offload_copies = True
+
     def __init__(self, tx: mmap.mmap | None, rx: mmap.mmap | None, protocol: FrameProtocol, peer: str,
                  size: int = 0) -> None:
         super().__init__()
@@ -126,8 +131,12 @@ class ShmStreamTransport(asyncio.Transport):
         self._high = 64 * 1024
         self._low = 16 * 1024
         self._write_paused = False
-        # Receiver.
+        # Receiver. ``_credited``: ring bytes handed back to the sender; the
+        # bytes from the first copy still running on a worker are not
+        # (``_copying``: (start, copy) in ring order; framing, "Off the loop").
         self._rpos = 0
+        self._credited = 0
+        self._copying: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._avail = 0
         self._reading_paused = False
         self._drain_scheduled = False
@@ -245,7 +254,6 @@ class ShmStreamTransport(asyncio.Transport):
 
     def _drain(self) -> None:
         self._drain_scheduled = False
-        consumed = 0
         size, proto = self._size, self._protocol
         try:
             while self._avail and not self._reading_paused and not self._closing:
@@ -254,18 +262,36 @@ class ShmStreamTransport(asyncio.Transport):
                 n = min(len(buf), self._avail, size - pos)
                 if n <= 0:
                     raise RuntimeError("get_buffer returned an empty buffer")
-                self._copy_out(buf, pos, n)
+                if self._offload_copies and proto.deferring and n >= _OFFLOAD_PIECE:
+                    # The copy runs on a worker; its ring bytes are handed
+                    # back once it is done (_return_credit).
+                    copy = proto.add_copy(offload_pool().submit(memmove, buf[:n], self._rx[pos:pos + n]))
+                    self._copying.append((self._rpos, copy))
+                    copy.add_done_callback(self._copied)
+                else:
+                    self._copy_out(buf, pos, n)
                 del buf
                 self._rpos += n
                 self._avail -= n
-                consumed += n
                 proto.buffer_updated(n)
         except Exception as exc:
             self._fail(f"receive failed: {exc!r}")
             return
         finally:
-            if consumed and self._bells is not None and not self._bells.is_closing():
-                self._bells.write(_BELL.pack(b"C", consumed))
+            self._return_credit()
+
+    def _copied(self, _: asyncio.Future[None]) -> None:
+        self._return_credit()
+
+    def _return_credit(self) -> None:
+        copying = self._copying
+        while copying and copying[0][1].done():
+            copying.popleft()
+        upto = copying[0][0] if copying else self._rpos
+        n = upto - self._credited
+        if n > 0 and self._bells is not None and not self._bells.is_closing():
+            self._credited = upto
+            self._bells.write(_BELL.pack(b"C", n))
 
     # --- teardown ----------------------------------------------------------------
 
