@@ -1,8 +1,8 @@
 """The GPU (HBM) path of the KV API: CUDA tensors in and out, and an HBM tier.
 
-None of this has run here: this environment has neither torch nor a GPU
-(``tests/kv/test_gpu_tier.py`` skips with "needs CUDA"). docs/kv_tiers.md,
-"GPU path", says what was and was not run.
+It runs where a GPU is: tests/kv/test_gpu_tier.py and tests/engines/test_cuda.py
+passed on an H200 (scripts/gpu_check.sh); elsewhere they skip with "needs
+CUDA". docs/kv_tiers.md, "GPU path", says what ran and what it measured.
 
 * **Staging.** The data plane and the host tiers move host memory. A put
   or a ``get_into`` with a CUDA tensor goes through a pinned (page-locked)
