@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import proc_cpu_s
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -37,18 +39,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds the processes used so far (/proc, Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
-def _self_cpu_s() -> float:
+def _selfproc_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
@@ -179,7 +170,7 @@ def _raw_cluster(mode: str, seconds: float, tmp: Path) -> dict[str, float]:
                 with lock:
                     if "mark" in msg:
                         with contextlib.suppress(OSError):
-                            marks[msg["mark"]] = _cpu_s(pids)
+                            marks[msg["mark"]] = proc_cpu_s(pids)
                     else:
                         result.update(msg)
 
@@ -243,13 +234,13 @@ async def _drive(addrs: list[str], seconds: float, pids: list[int]) -> dict[str,
             lat: list[float] = []
             entries0 = await _log_len(mc)
             calls0, batched0 = mc.batch_calls, mc.batched_ops
-            cpu0, self0 = _cpu_s(pids), _self_cpu_s()
+            cpu0, self0 = proc_cpu_s(pids), _selfproc_cpu_s()
             t0 = time.perf_counter()
             await asyncio.gather(*(_creator(mc, f"c{conc}-{w}", seconds, lat) for w in range(conc)))
             out[f"create_{conc}"] = len(lat) / (time.perf_counter() - t0)
             # CPU of the three replicas, and of this (the client's) process
-            out[f"create_{conc}_cpu_us"] = (_cpu_s(pids) - cpu0) / max(1, len(lat)) * 1e6
-            out[f"create_{conc}_client_cpu_us"] = (_self_cpu_s() - self0) / max(1, len(lat)) * 1e6
+            out[f"create_{conc}_cpu_us"] = (proc_cpu_s(pids) - cpu0) / max(1, len(lat)) * 1e6
+            out[f"create_{conc}_client_cpu_us"] = (_selfproc_cpu_s() - self0) / max(1, len(lat)) * 1e6
             # group commit: how many creates shared one Raft entry (the
             # periodic tick's entries count too, so this is a lower bound)
             out[f"create_{conc}_per_entry"] = len(lat) / max(1, await _log_len(mc) - entries0)

@@ -35,7 +35,6 @@ the load time. Writes ``bench/results/engines_lmcache.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import faulthandler
 import json
@@ -62,8 +61,8 @@ from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
+from bench.common import create_kv_pool  # noqa: E402
 from tierfs.local import LocalCluster, free_ports  # noqa: E402
-from tierfs.meta import MetaClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
@@ -274,24 +273,6 @@ def stop_redis(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-def create_pool(meta: list[str], name: str, memory: int) -> None:
-    async def go() -> None:
-        async with MetaClient(meta) as mc:
-            await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            async with MetaClient(meta) as mc:
-                r = await mc.list_kv_pools()
-            p = next((p for p in r.pools if p.name == name), None)
-            if p is not None and p.groups:
-                members = {t for g in p.groups for t in g.target_ids}
-                if members <= {u.target_id for u in r.usage if u.pool_id == p.pool_id}:
-                    return
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"KV pool {name} was not served within 60 s")
-    asyncio.run(go())
-
-
 def markdown(res: dict[str, Any]) -> str:
     n = res["tokens"]
     lines = [
@@ -381,7 +362,7 @@ def main() -> None:
                 assert cluster is not None
                 # replica:1 over 3 targets; each target's memory budget holds the
                 # whole prefix, so placement skew never pushes a chunk to disk.
-                create_pool(cluster.meta_addrs, pool_b, memory=nbytes + 64 * MiB)
+                create_kv_pool(cluster.meta_addrs, pool_b, memory=nbytes + 64 * MiB)
             print(f"[{b}] ...", flush=True)
             row = run_backend(b, backend_config(b, meta, pool_b, port), tokens, kv, ns.reps, cpu_gb)
             print(f"[{b}] {json.dumps(row)}", flush=True)

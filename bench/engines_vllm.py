@@ -51,6 +51,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.common import create_kv_pool
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -99,23 +101,6 @@ def _offloading_config(tokens: int, meta: str, pool: str, transport: str) -> Any
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
-
-
-async def _make_pool(meta: list[str], name: str, memory: int) -> None:
-    from tierfs.meta import MetaClient
-
-    async with MetaClient(meta) as mc:
-        await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            r = await mc.list_kv_pools()
-            p = next((p for p in r.pools if p.name == name), None)
-            if p is not None and p.groups:
-                members = {t for g in p.groups for t in g.target_ids}
-                if members <= {u.target_id for u in r.usage if u.pool_id == p.pool_id}:
-                    return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"KV pool {name} not served within 60 s")
 
 
 class Bench:
@@ -292,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         meta = ",".join(cluster.meta_addrs)
         pool = "bench-vllm"
         # replica:1 over 3 targets: each holds about a third; room for both runs.
-        asyncio.run(_make_pool(cluster.meta_addrs, pool, max(64 * MiB, n_bytes)))
+        create_kv_pool(cluster.meta_addrs, pool, max(64 * MiB, n_bytes))
         for transport in args.transports:
             t_setup = time.perf_counter()
             bench = Bench(tokens, meta, pool, args.step_ms / 1e3, transport)

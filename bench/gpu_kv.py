@@ -45,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.common import create_kv_pool, proc_cpu_s
+
 MiB = 1 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 = 128 KiB
@@ -81,17 +83,6 @@ def timed(fn: Callable[[], Any], reps: int, check: Callable[[], None] | None = N
         if check:
             check()
     return out
-
-
-def proc_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far (from /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def cpu_share(fn: Callable[[], Any], daemons: list[int]) -> dict[str, float]:
@@ -168,24 +159,24 @@ def gpu_tier(n: int, chunk: int, reps: int) -> dict[str, Any]:
     return {"put_s": p, "get_s": g, "copies_one_sync_s": one_sync, "copies_each_sync_s": each_sync}
 
 
-def _pool(meta: list[str], name: str, memory: int) -> None:
-    from tierfs.meta import MetaClient
+def _calls(kv: Any, prefix: str, src: Any, dst: Any, chunk: int) -> tuple[Callable[[], None], ...]:
+    """A batch put of ``src``'s rows, a batch get into ``dst``'s, and a check
+    that they are equal (which zeroes ``dst`` for the next get)."""
+    torch = _torch()
+    n = len(src)
+    keys = [f"{prefix}{i}" for i in range(n)]
 
-    async def go() -> None:
-        async with MetaClient(meta) as mc:
-            await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                r = await mc.list_kv_pools()
-                p = next((p for p in r.pools if p.name == name), None)
-                if p is not None and p.groups:
-                    members = {t for g in p.groups for t in g.target_ids}
-                    if members <= {u.target_id for u in r.usage if u.pool_id == p.pool_id}:
-                        return
-                await asyncio.sleep(0.1)
-        raise TimeoutError(f"KV pool {name} not served within 60 s")
+    def put() -> None:
+        assert kv.batch_put(keys, [src[i] for i in range(n)], overwrite=True) == [True] * n
 
-    asyncio.run(go())
+    def get() -> None:
+        assert kv.batch_get_into(keys, [dst[i] for i in range(n)]) == [chunk] * n
+
+    def check() -> None:
+        assert torch.equal(dst, src)
+        dst.zero_()
+
+    return put, get, check
 
 
 def cluster_kv(meta: list[str], pool: str, transport: str, n: int, chunk: int, reps: int,
@@ -201,31 +192,8 @@ def cluster_kv(meta: list[str], pool: str, transport: str, n: int, chunk: int, r
     transport, _, conns = transport.partition(":")
     with Client(meta, kv_pool=pool, transport=transport, connections_per_peer=int(conns or 2), kv_timeout=30.0,
                 request_timeout=30.0) as c:
-        kv = c.kv
-        keys = [f"{transport}-{i}" for i in range(n)]
-
-        def put_dev() -> None:
-            assert kv.batch_put(keys, [src[i] for i in range(n)], overwrite=True) == [True] * n
-
-        def get_dev() -> None:
-            assert kv.batch_get_into(keys, [dst[i] for i in range(n)]) == [chunk] * n
-
-        def check_dev() -> None:
-            assert torch.equal(dst, src)
-            dst.zero_()
-
-        hkeys = [f"{transport}-h{i}" for i in range(n)]
-
-        def put_host() -> None:
-            assert kv.batch_put(hkeys, [hsrc[i] for i in range(n)], overwrite=True) == [True] * n
-
-        def get_host() -> None:
-            assert kv.batch_get_into(hkeys, [hdst[i] for i in range(n)]) == [chunk] * n
-
-        def check_host() -> None:
-            assert torch.equal(hdst, hsrc)
-            hdst.zero_()
-
+        put_dev, get_dev, check_dev = _calls(c.kv, f"{transport}-", src, dst, chunk)
+        put_host, get_host, check_host = _calls(c.kv, f"{transport}-h", hsrc, hdst, chunk)
         out["put_cuda_s"] = timed(put_dev, reps)
         out["get_cuda_s"] = timed(get_dev, reps, check_dev)
         out["put_host_s"] = timed(put_host, reps)
@@ -385,7 +353,7 @@ def main() -> None:
     try:
         pool = "bench-gpu"
         daemons = [p.pid for p in cluster.procs if p.kind == "storage"]
-        _pool(cluster.meta_addrs, pool, 4 * nbytes // args.storage + 256 * MiB)
+        create_kv_pool(cluster.meta_addrs, pool, 4 * nbytes // args.storage + 256 * MiB)
         for t in args.transports:
             t0 = time.perf_counter()
             try:

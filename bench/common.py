@@ -1,0 +1,42 @@
+"""Helpers more than one benchmark uses: a served KV pool, and the CPU time
+of processes (to say where a benchmark's time went)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+
+def create_kv_pool(meta: list[str], name: str, memory: int, *, disk: int | None = None,
+                   timeout: float = 60.0) -> None:
+    """Define KV pool ``name`` (``memory`` bytes per target, ``disk`` or
+    twice that on disk) and wait until every target of its groups serves it."""
+    from tierfs.meta import MetaClient
+
+    async def go() -> None:
+        async with MetaClient(meta) as mc:
+            await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory if disk is None else disk)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                r = await mc.list_kv_pools()
+                p = next((p for p in r.pools if p.name == name), None)
+                if p is not None and p.groups:
+                    members = {t for g in p.groups for t in g.target_ids}
+                    if members <= {u.target_id for u in r.usage if u.pool_id == p.pool_id}:
+                        return
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"KV pool {name} was not served within {timeout:g} s")
+
+    asyncio.run(go())
+
+
+def proc_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes used so far (/proc, Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
