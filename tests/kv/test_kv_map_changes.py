@@ -282,15 +282,102 @@ def test_a_delete_that_misses_a_live_copy_is_not_acknowledged(cl: LocalCluster) 
                 kv.delete(key)
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: _delete_went_through(kv, key), 30, "the delete through")
+        wait_for(lambda: _went_through(lambda: kv.delete(key)), 30, "the delete through")
     with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
         assert fresh.kv_pool("r2d").get(key) is None
         assert fresh.kv_pool("r2d").batch_contains([key]) == [False]
 
 
-def _delete_went_through(kv: Any, key: str) -> bool:
+
+
+def _pinned_bytes(cl: LocalCluster, pool: str) -> dict[str, int]:
+    """Bytes pinned in ``pool`` on each storage daemon, as last reported to meta."""
+    async def get() -> dict[str, int]:
+        async with MetaClient(cl.meta_addrs) as mc:
+            pools = await mc.list_kv_pools()
+            cmap = await mc.get_cluster_map()
+        pid = next(p.pool_id for p in pools.pools if p.name == pool)
+        out: dict[str, int] = {}
+        for u in pools.usage:
+            if u.pool_id != pid:
+                continue
+            node = next(t.node_id for t in cmap.targets if t.target_id == u.target_id)
+            addr = next(n.data_addr for n in cmap.nodes if n.node_id == node)
+            name = next(pr.name for pr in cl.procs if pr.addr == addr)
+            out[name] = out.get(name, 0) + int(u.pinned)
+        return out
+    return asyncio.run(get())
+
+
+def test_a_pin_with_an_old_map_pins_the_copy_readers_get(cl: LocalCluster) -> None:
+    """As above, with hard pins: a client holding the map from before a
+    re-plan pins keys whose group moved. Its map sends the pins to the
+    returning daemon, which still holds the keys' earlier copies; that
+    daemon's newer map says they live elsewhere, so it refuses, and the
+    client refreshes its map and pins the copies in the keys' group, the
+    ones readers get. Before, the pins landed on the earlier copies, the
+    served ones stayed bare (free to be evicted), and every pin answered
+    True."""
+    create_pool(cl, "r1p", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB,
+                pin_quota=2 * MiB)
+    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
+    with Client(cl.meta_addrs, **opts) as late:
+        pool_ready(late, "r1p")
+        kv = late.kv_pool("r1p")
+        keys = [f"r1p-{i}" for i in range(48)]
+        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
+        victim = _holders(cl, "r1p", keys[0])[0]
+        theirs, first = _overwrite_across_a_replan(cl, "r1p", keys)
+        assert [kv.pin(k, hard=True) for k in theirs] == [True] * len(theirs)
+        assert kv.stats()["cluster"].get("map_retries", 0) == 1
+    want: dict[str, int] = {}
+    for k in theirs:
+        holder = _holders(cl, "r1p", k)[0]
+        want[holder] = want.get(holder, 0) + len(first[k])
+    wait_for(lambda: all(_pinned_bytes(cl, "r1p").get(h, 0) >= n for h, n in want.items()), 30,
+             f"the pins on the keys' current daemons {want} (reported: {_pinned_bytes(cl, 'r1p')})")
+    assert _pinned_bytes(cl, "r1p").get(victim, 0) == 0, "a pin landed on a copy outside the key's group"
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        assert [fresh.kv_pool("r1p").unpin(k) for k in theirs] == [True] * len(theirs)
+
+
+def test_a_pin_or_unpin_that_cannot_reach_the_copy_is_not_acknowledged(cl: LocalCluster) -> None:
+    """``replica:1``: the key's daemon is stopped (a gray failure the map has
+    not noticed). A pin cannot know whether it took, so it raises instead
+    of answering False ("not there"); with one of two copies unreachable
+    (``replica:2``), a pin that took on the other answers True, an unpin
+    raises (the stopped copy may stay pinned). Both go through once the
+    daemon resumes."""
+    with Client(cl.meta_addrs, kv_timeout=0.5, request_timeout=2.0) as client:
+        create_pool(cl, "r1g", redundancy="replica:1", target_memory=8 * MiB, pin_quota=1 * MiB)
+        create_pool(cl, "r2g", redundancy="replica:2", target_memory=8 * MiB, pin_quota=1 * MiB)
+        for pool in ("r1g", "r2g"):
+            pool_ready(client, pool)
+            assert client.kv_pool(pool).put(f"{pool}-key", payload(pool, 16 * KiB))
+        one, two = client.kv_pool("r1g"), client.kv_pool("r2g")
+        pid = cl.kill(_holders(cl, "r1g", "r1g-key")[0], signal.SIGSTOP)
+        try:
+            with pytest.raises(UnavailableError, match="not known to have taken"):
+                one.pin("r1g-key", hard=True)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: _went_through(lambda: one.pin("r1g-key", hard=True)), 30, "the pin through")
+        assert one.unpin("r1g-key")
+        gray = _holders(cl, "r2g", "r2g-key")[1]
+        pid = cl.kill(gray, signal.SIGSTOP)
+        try:
+            assert two.pin("r2g-key") is True  # the other copy took it: reads are served from there
+            with pytest.raises(UnavailableError, match=r"KV unpin .* not known to have taken"):
+                two.unpin("r2g-key")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: _went_through(lambda: two.unpin("r2g-key")), 30, "the unpin through")
+
+
+def _went_through(call: Any) -> bool:
+    """``call()`` raised no UnavailableError."""
     try:
-        kv.delete(key)
+        call()
     except UnavailableError:
         return False
     return True

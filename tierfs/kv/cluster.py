@@ -652,19 +652,49 @@ class ClusterTier:
                                f"{self.router.version})")
 
     async def pin(self, key: bytes, kind: int, ttl_ms: int = 0) -> bool:
-        """Pin (kind 1 soft, 2 hard) or unpin (0) on every copy; True if any had it."""
-        route = await self.route()
-        found = False
-        errors: list[TierFSError] = []
-        for t in self._targets(route, key):
-            try:
-                found = await self.data.kv_pin(t, route.pool_id, key, kind, ttl_ms, timeout=self.timeout) or found
-            except TierFSError as exc:
-                if isinstance(exc, NoSpaceError):
+        """Pin (kind 1 soft, 2 hard) or unpin (0) every copy a get could be
+        served from; True if any held the key. Copies on targets the map
+        calls down are skipped, as by a delete. UnavailableError, rather than
+        an answer, when it is not known to have taken: a pin that reached no
+        copy holding the key while another failed (or, in an EC pool, pinned
+        fewer than K fragments), an unpin that missed a copy. A daemon whose
+        newer map places the key elsewhere refuses: the map is refreshed and
+        the pin tried again (``_MAP_TRIES`` maps)."""
+        for _ in range(_MAP_TRIES):
+            route = await self.route()
+            members, stamps = placement(route, key)
+            held, misplaced = 0, False
+            failed: list[int] = []
+            error: TierFSError | None = None
+            for t, stamp in zip(members, stamps, strict=True):
+                if route.copies != 1 and self.router.down(t):
+                    continue
+                try:
+                    held += await self.data.kv_pin(t, route.pool_id, key, kind, ttl_ms, timeout=self.timeout,
+                                                   since=stamp)
+                except StaleVersionError:
+                    misplaced = True
+                    break
+                except NoSpaceError:
                     raise
-                errors.append(exc)
-                self._failed(t, exc)
-        return found
+                except TierFSError as exc:
+                    self._failed(t, exc)
+                    failed.append(t)
+                    error = error or exc
+            if misplaced:
+                self._misplaced(1)
+                await self.router.refresh(force=True)
+                continue
+            enough = held >= (1 if route.copies else route.k)
+            if failed and (kind == 0 or not enough):
+                what = "unpin" if kind == 0 else "pin"
+                raise UnavailableError(
+                    f"KV {what} of {key!r} in pool {route.name!r} did not reach target(s) {failed}, so it is not "
+                    f"known to have taken ({held} reached held the key): {error}")
+            return held > 0
+        raise UnavailableError(f"KV pin of {key!r} in pool {self.pool!r}: the daemons kept placing it elsewhere "
+                               f"than this client's map after {_MAP_TRIES} refreshes (map version "
+                               f"{self.router.version})")
 
     async def get(self, key: bytes, expiries: list[float] | None = None) -> bytes | None:
         """The value as ``bytes`` (any size), or None. ``expiries``: as for

@@ -856,9 +856,10 @@ class DataClient:
         return bool(hdr.length)
 
     async def kv_pin(self, target: int, pool: int, key: bytes, kind: int, ttl_ms: int = 0, *,
-                     timeout: float | None = None) -> bool:
-        """Pin (kind 1 soft, 2 hard) or unpin (kind 0) ``key``; False if absent."""
-        hdr, _ = await self._call(target, Op.KV_PIN, (pool, 0, kind, 0), timeout, length=ttl_ms,
+                     timeout: float | None = None, since: int = 0) -> bool:
+        """Pin (kind 1 soft, 2 hard) or unpin (kind 0) ``key``; False if
+        absent. ``since``: as for :meth:`kv_delete`."""
+        hdr, _ = await self._call(target, Op.KV_PIN, (pool, since, kind, 0), timeout, length=ttl_ms,
                                   payload=memoryview(key))
         return bool(hdr.length)
 

@@ -59,7 +59,9 @@ KV ops reuse the header (``inode`` = pool id throughout):
                placement stamp (0: not checked; STALE_VERSION as for
                KV_PUT). Reply: length = 1 existed / 0 not.
     KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
-               TTL ms. Reply: length = 1 found / 0 not.
+               TTL ms; chunk = the pinner's placement stamp (0: not
+               checked; STALE_VERSION as for KV_DELETE; daemons up to
+               stop 31 ignore it). Reply: length = 1 found / 0 not.
 
 Capabilities (docs/security-caps.md): a storage daemon that requires them
 serves a request only under a capability meta signed.

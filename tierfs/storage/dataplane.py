@@ -88,7 +88,7 @@ _COUNTERS = (
     # KV puts and deletes refused because this daemon's newer map places the
     # key in another group (the client's map is older: it refreshes and
     # tries again).
-    "kv_puts_misplaced", "kv_deletes_misplaced",
+    "kv_puts_misplaced", "kv_deletes_misplaced", "kv_pins_misplaced",
     # Capabilities (docs/security-caps.md): CAP frames, and requests refused
     # by reason (no capability, forged/malformed, expired, another inode's or
     # pool's, the wrong operation, no keys from meta yet).
@@ -557,6 +557,14 @@ class _ServerConnection(FrameProtocol):
                 self._reply(hdr, length=1 if existed else 0)
             elif op == Op.KV_PIN:  # pragma: no branch
                 self.counters["kv_pins"] += 1
+                gate = self.server.kv_gate
+                if gate is not None and hdr.chunk and gate(pool, hdr.target, bytes(payload), hdr.chunk) is None:
+                    # As for a delete: a pinner with an older map would pin a
+                    # copy outside the key's group and leave the served one bare.
+                    self.counters["kv_pins_misplaced"] += 1
+                    raise StaleVersionError(
+                        f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
+                        "which is newer than the pinner's; refresh the map and pin again")
                 key = tenant_key(tenant, bytes(payload))
                 found = kv.unpin(pool, key) if hdr.fragment == 0 else kv.pin(pool, key, hdr.fragment, hdr.length)
                 self._reply(hdr, length=1 if found else 0)
