@@ -203,15 +203,21 @@ def cluster_kv(meta: list[str], pool: str, transport: str, n: int, chunk: int, r
     return out
 
 
-def prefill(tokens: int, reps: int, layers: int = 32) -> dict[str, Any]:
-    """A Llama-3-8B-shaped model, random bf16 weights, prefill of ``tokens``."""
+#: Llama-3-8B's shape; the dry run (--device cpu) prefills a toy of the same kind
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256}
+TOY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "vocab_size": 1024}
+
+
+def prefill(tokens: int, reps: int, shape: dict[str, int] = LLAMA_8B) -> dict[str, Any]:
+    """A model of ``shape`` (Llama-3-8B's), random bf16 weights, prefill of ``tokens``."""
     torch = _torch()
     import transformers
     from transformers import LlamaConfig, LlamaModel
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=max(8192, tokens),
-                      rope_theta=500000.0, attn_implementation="sdpa")
+    cfg = LlamaConfig(**shape, max_position_embeddings=max(8192, tokens), rope_theta=500000.0,
+                      attn_implementation="sdpa")
     torch.manual_seed(0)
     t0 = time.perf_counter()
     old = torch.get_default_dtype()
@@ -219,7 +225,7 @@ def prefill(tokens: int, reps: int, layers: int = 32) -> dict[str, Any]:
     try:
         with torch.device(DEVICE):
             model = LlamaModel(cfg).eval()
-            head = torch.nn.Linear(4096, cfg.vocab_size, bias=False)
+            head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     finally:
         torch.set_default_dtype(old)
     build_s = time.perf_counter() - t0
@@ -232,7 +238,8 @@ def prefill(tokens: int, reps: int, layers: int = 32) -> dict[str, Any]:
             head(h[:, -1])
 
     times = timed(fwd, reps)
-    return {"tokens": tokens, "params": params, "build_s": build_s, "prefill_s": times,
+    return {"tokens": tokens, "shape": "Llama-3-8B" if shape == LLAMA_8B else "toy", "params": params,
+            "build_s": build_s, "prefill_s": times,
             "transformers": transformers.__version__}
 
 
@@ -284,7 +291,8 @@ def markdown(r: dict[str, Any]) -> str:
         s = med(p["prefill_s"])
         flops = 2 * p["params"] * p["tokens"]
         kv_bytes = p["tokens"] * BYTES_PER_TOKEN
-        lines.append(f"| prefill (recompute) of {p['tokens']:,} tokens, Llama-3-8B shape | {s * 1e3:,.1f} | | "
+        lines.append(f"| prefill (recompute) of {p['tokens']:,} tokens, {p.get('shape', 'Llama-3-8B')} shape | "
+                     f"{s * 1e3:,.1f} | | "
                      f"{flops / s / 1e12:,.0f} TFLOP/s counting 2N per token | |")
         for t, gbps in fetch.items():
             f_s = kv_bytes / gbps / 1e9
@@ -316,7 +324,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="cpu: a dry run of the code (no GpuTier, no pinned memory, a 1-layer model)")
+                    help="cpu: a dry run of the code (no GpuTier, no pinned memory, a toy model)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -366,7 +374,7 @@ def main() -> None:
         cluster.stop()
     if not args.skip_prefill:
         for tokens in args.prefill_tokens or [args.tokens]:
-            section(f"prefill_{tokens}", lambda t=tokens: prefill(t, args.reps, 32 if DEVICE == "cuda" else 1))
+            section(f"prefill_{tokens}", lambda t=tokens: prefill(t, args.reps, LLAMA_8B if DEVICE == "cuda" else TOY))
     if DEVICE == "cuda":
         gpu = torch.cuda.get_device_name()
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
