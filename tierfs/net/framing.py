@@ -35,7 +35,7 @@ import threading
 from typing import Any
 
 from tierfs.errors import ProtocolError
-from tierfs.net.protocol import HEADER_SIZE, Header, Limits, crc32c, decode_header
+from tierfs.net.protocol import HEADER_SIZE, Header, Limits, crc32c, decode_header, usable_cpus
 
 __all__ = ["FrameProtocol", "log"]
 
@@ -54,7 +54,7 @@ def offload_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL, _POOL_PID
     with _POOL_LOCK:
         if _POOL is None or os.getpid() != _POOL_PID:
-            workers = max(2, min(8, (os.cpu_count() or 2) - 1))
+            workers = max(2, min(8, usable_cpus() - 1))
             _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierfs-rx")
             _POOL_PID = os.getpid()
         return _POOL

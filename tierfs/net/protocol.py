@@ -270,14 +270,23 @@ def decode_header(buf: bytes | bytearray | memoryview, max_payload: int) -> Head
 
 def default_offload_min() -> int:
     """``Limits.offload_min_bytes`` unless given: TIERFS_OFFLOAD_MIN_BYTES, else
-    512 KiB where there are 8 CPUs or more, else 0."""
+    512 KiB where this process may use 8 CPUs or more, else 0."""
     env = os.environ.get("TIERFS_OFFLOAD_MIN_BYTES", "").strip()
     if env:
         try:
             return int(env)
         except ValueError:
             raise ConfigError(f"not a byte count: {env!r}", field="TIERFS_OFFLOAD_MIN_BYTES") from None
-    return 512 << 10 if (os.cpu_count() or 1) >= 8 else 0
+    return 512 << 10 if usable_cpus() >= 8 else 0
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's cpuset
+    counts, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +307,9 @@ class Limits:
     #: this many bytes on a worker thread, and the shm transport copies it
     #: out of the ring there, so that the event loop goes on receiving
     #: meanwhile (tierfs.net.framing, "Off the loop"). 0: all on the loop.
-    #: Default: 512 KiB on a host of 8 CPUs or more, else 0 (on 2 cores the
-    #: workers only compete with the loop and the daemons); the environment
-    #: variable TIERFS_OFFLOAD_MIN_BYTES overrides it.
+    #: Default: 512 KiB where this process may use 8 CPUs or more (its
+    #: affinity mask), else 0 (on 2 cores the workers only compete with the
+    #: loop and the daemons); TIERFS_OFFLOAD_MIN_BYTES overrides it.
     offload_min_bytes: int = field(default_factory=lambda: default_offload_min())
     #: Socket send/receive buffer size asked of the kernel (tcp).
     socket_buffer_bytes: int = 4 << 20
