@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,25 @@ def _overwrite_across_a_replan(cl: LocalCluster, pool: str, keys: list[str]) -> 
     return theirs, first
 
 
+@contextmanager
+def _late_client_across_a_replan(cl: LocalCluster, pool: str,
+                                 **pool_kw: Any) -> Iterator[tuple[Any, list[str], dict[str, bytes], str]]:
+    """A ``replica:1`` pool, and a client (``map_max_age`` 600 s) whose map
+    is from before :func:`_overwrite_across_a_replan`; yields its handle on
+    the pool, the keys that moved, the values they now hold, and the daemon
+    they left (it holds their earlier copies)."""
+    create_pool(cl, pool, redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB, **pool_kw)
+    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
+    with Client(cl.meta_addrs, **opts) as late:
+        pool_ready(late, pool)
+        kv = late.kv_pool(pool)
+        keys = [f"{pool}-{i}" for i in range(48)]
+        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
+        victim = _holders(cl, pool, keys[0])[0]
+        theirs, first = _overwrite_across_a_replan(cl, pool, keys)
+        yield kv, theirs, first, victim
+
+
 def test_a_writer_with_an_old_map_puts_where_readers_look(cl: LocalCluster) -> None:
     """``replica:1``: a key's daemon dies, the pool re-plans its group onto
     another target, a writer with the new map overwrites the key there, and
@@ -248,14 +268,7 @@ def test_a_delete_with_an_old_map_reaches_the_keys_group(cl: LocalCluster) -> No
     client refreshes its map and deletes them in their group. Before, the
     deletes went to the returning daemon, answered True, and every reader
     with the current map still got the values."""
-    create_pool(cl, "r1d", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB)
-    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
-    with Client(cl.meta_addrs, **opts) as late:
-        pool_ready(late, "r1d")
-        kv = late.kv_pool("r1d")
-        keys = [f"r1d-{i}" for i in range(48)]
-        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
-        theirs, _ = _overwrite_across_a_replan(cl, "r1d", keys)
+    with _late_client_across_a_replan(cl, "r1d") as (kv, theirs, _, _):
         assert [kv.delete(k) for k in theirs] == [True] * len(theirs)  # each was there, in its group
         assert kv.stats()["cluster"].get("map_retries", 0) == 1
     with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
@@ -318,16 +331,7 @@ def test_a_pin_with_an_old_map_pins_the_copy_readers_get(cl: LocalCluster) -> No
     ones readers get. Before, the pins landed on the earlier copies, the
     served ones stayed bare (free to be evicted), and every pin answered
     True."""
-    create_pool(cl, "r1p", redundancy="replica:1", target_memory=4 * MiB, target_disk=16 * MiB,
-                pin_quota=2 * MiB)
-    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0, "map_max_age": 600.0}
-    with Client(cl.meta_addrs, **opts) as late:
-        pool_ready(late, "r1p")
-        kv = late.kv_pool("r1p")
-        keys = [f"r1p-{i}" for i in range(48)]
-        kv.batch_put(keys, [payload(k, 8 * KiB) for k in keys])  # the late client's map is from here
-        victim = _holders(cl, "r1p", keys[0])[0]
-        theirs, first = _overwrite_across_a_replan(cl, "r1p", keys)
+    with _late_client_across_a_replan(cl, "r1p", pin_quota=2 * MiB) as (kv, theirs, first, victim):
         assert [kv.pin(k, hard=True) for k in theirs] == [True] * len(theirs)
         assert kv.stats()["cluster"].get("map_retries", 0) == 1
     want: dict[str, int] = {}

@@ -618,36 +618,51 @@ class ClusterTier:
         acknowledged (in an EC pool, when K fragments may be left). A
         daemon whose newer map places the key elsewhere refuses: the map is
         refreshed and the delete tried again (``_MAP_TRIES`` maps)."""
+        route, existed, failed, error = await self._each_copy(
+            key, "delete", lambda r, t, stamp: self.data.kv_delete(t, r.pool_id, key, timeout=self.timeout,
+                                                                   since=stamp))
+        if failed and (route.copies > 0 or len(failed) >= route.k):
+            raise UnavailableError(
+                f"KV delete of {key!r} in pool {route.name!r} did not reach target(s) {failed}, and the key "
+                f"may still be served from there: {error}")
+        self.counters.deletes += existed > 0
+        return existed > 0
+
+    async def _each_copy(self, key: bytes, what: str, call: Callable[[KVPoolRoute, int, int], Awaitable[bool]],
+                         reraise: tuple[type[TierFSError], ...] = ()) -> tuple[KVPoolRoute, int, list[int],
+                                                                                TierFSError | None]:
+        """``call(route, target, stamp)`` on every copy (or fragment) of
+        ``key`` a get could be served from, skipping a target the map calls
+        down in pools whose puts skip it too. Returns the route, how many
+        calls answered True, the targets that failed and the first error. A
+        daemon whose newer map places the key elsewhere refuses
+        (StaleVersionError): the map is refreshed and every copy tried again
+        (``_MAP_TRIES`` maps)."""
         for _ in range(_MAP_TRIES):
             route = await self.route()
             members, stamps = placement(route, key)
-            existed, misplaced = False, False
+            hits, misplaced = 0, False
             failed: list[int] = []
             error: TierFSError | None = None
             for t, stamp in zip(members, stamps, strict=True):
                 if route.copies != 1 and self.router.down(t):
                     continue
                 try:
-                    existed = await self.data.kv_delete(t, route.pool_id, key, timeout=self.timeout,
-                                                        since=stamp) or existed
+                    hits += bool(await call(route, t, stamp))
                 except StaleVersionError:
                     misplaced = True
                     break
+                except reraise:
+                    raise
                 except TierFSError as exc:
                     self._failed(t, exc)
                     failed.append(t)
                     error = error or exc
-            if misplaced:
-                self._misplaced(1)
-                await self.router.refresh(force=True)
-                continue
-            if failed and (route.copies > 0 or len(failed) >= route.k):
-                raise UnavailableError(
-                    f"KV delete of {key!r} in pool {route.name!r} did not reach target(s) {failed}, and the key "
-                    f"may still be served from there: {error}")
-            self.counters.deletes += existed
-            return existed
-        raise UnavailableError(f"KV delete of {key!r} in pool {self.pool!r}: the daemons kept placing it elsewhere "
+            if not misplaced:
+                return route, hits, failed, error
+            self._misplaced(1)
+            await self.router.refresh(force=True)
+        raise UnavailableError(f"KV {what} of {key!r} in pool {self.pool!r}: the daemons kept placing it elsewhere "
                                f"than this client's map after {_MAP_TRIES} refreshes (map version "
                                f"{self.router.version})")
 
@@ -660,41 +675,16 @@ class ClusterTier:
         fewer than K fragments), an unpin that missed a copy. A daemon whose
         newer map places the key elsewhere refuses: the map is refreshed and
         the pin tried again (``_MAP_TRIES`` maps)."""
-        for _ in range(_MAP_TRIES):
-            route = await self.route()
-            members, stamps = placement(route, key)
-            held, misplaced = 0, False
-            failed: list[int] = []
-            error: TierFSError | None = None
-            for t, stamp in zip(members, stamps, strict=True):
-                if route.copies != 1 and self.router.down(t):
-                    continue
-                try:
-                    held += await self.data.kv_pin(t, route.pool_id, key, kind, ttl_ms, timeout=self.timeout,
-                                                   since=stamp)
-                except StaleVersionError:
-                    misplaced = True
-                    break
-                except NoSpaceError:
-                    raise
-                except TierFSError as exc:
-                    self._failed(t, exc)
-                    failed.append(t)
-                    error = error or exc
-            if misplaced:
-                self._misplaced(1)
-                await self.router.refresh(force=True)
-                continue
-            enough = held >= (1 if route.copies else route.k)
-            if failed and (kind == 0 or not enough):
-                what = "unpin" if kind == 0 else "pin"
-                raise UnavailableError(
-                    f"KV {what} of {key!r} in pool {route.name!r} did not reach target(s) {failed}, so it is not "
-                    f"known to have taken ({held} reached held the key): {error}")
-            return held > 0
-        raise UnavailableError(f"KV pin of {key!r} in pool {self.pool!r}: the daemons kept placing it elsewhere "
-                               f"than this client's map after {_MAP_TRIES} refreshes (map version "
-                               f"{self.router.version})")
+        what = "unpin" if kind == 0 else "pin"
+        route, held, failed, error = await self._each_copy(
+            key, what, lambda r, t, stamp: self.data.kv_pin(t, r.pool_id, key, kind, ttl_ms, timeout=self.timeout,
+                                                            since=stamp), reraise=(NoSpaceError,))
+        enough = held >= (1 if route.copies else route.k)
+        if failed and (kind == 0 or not enough):
+            raise UnavailableError(
+                f"KV {what} of {key!r} in pool {route.name!r} did not reach target(s) {failed}, so it is not "
+                f"known to have taken ({held} reached held the key): {error}")
+        return held > 0
 
     async def get(self, key: bytes, expiries: list[float] | None = None) -> bytes | None:
         """The value as ``bytes`` (any size), or None. ``expiries``: as for
