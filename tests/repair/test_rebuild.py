@@ -28,9 +28,9 @@ from tierfs.proto.v1 import meta_pb2 as pb
 
 @pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
-    # A slow rebuild (512 KiB/s of fetched fragments per node, a few seconds here) so
+    # A slow rebuild (256 KiB/s of fetched fragments per node, a few seconds here) so
     # that reads and status are seen while it runs.
-    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=512KiB", "--metrics-addr=127.0.0.1:0"))
+    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-rate=256KiB", "--metrics-addr=127.0.0.1:0"))
     try:
         yield cl
     finally:
