@@ -44,7 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "8c177aeb232bcd9fee1ae1b713d5a63931f0a7fd"
+PREVIOUS = "81b0b8c200257fc212dc8b37e64c71c9b5491cd4"
 
 REPO = Path(__file__).resolve().parents[2]
 
