@@ -502,6 +502,9 @@ def test_large_batch_deadline_grows_with_its_bytes(cl: LocalCluster, client: Cli
             flat.kv.delete(k)
         with pytest.raises(UnavailableError, match="reached no target"):
             flat.kv.batch_put(keys, bufs)
+    # Other keys from here: the daemons may still store the flat batch after
+    # its client gave up (a put may wait for a map change to take effect).
+    keys = [f"deadline-scaled-{i}" for i in range(4)]
     for k in keys:
         client.kv.delete(k)
     with Client(cl.meta_addrs, kv_timeout=0.01) as scaled:
@@ -735,8 +738,10 @@ def test_reads_with_no_map_while_meta_is_down_are_misses(cl: LocalCluster, clien
     # Meta back: a fresh client gets its map and works, and what was put
     # before is still there: no node was marked offline after the outage, so
     # the pool's groups were not re-planned (docs/meta.md, "Data model", heartbeats).
+    # The outage outlasted the daemons' KV map leases: their gets are misses
+    # until a heartbeat renews them (docs/kv.md, "Map leases").
     with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
-        assert fresh.kv.get("nomap-1") == value
+        wait_for(lambda: fresh.kv.get("nomap-1") == value, 20.0, "the daemons' leases renewed after the outage")
         again = payload("nomap-3", 7000)
         fresh.kv.put("nomap-3", again)
         assert fresh.kv.get("nomap-3") == again

@@ -564,8 +564,12 @@ class MetaClient:
         return await self._call("RegisterNode", req, pb.RegisterNodeReply, mutating=True)
 
     async def heartbeat(self, node_id: int, targets: Sequence[pb.TargetReport],
-                        kv_usage: Sequence[pb.KVTargetUsage] = ()) -> pb.HeartbeatReply:
-        req = pb.HeartbeatRequest(node_id=node_id, targets=list(targets), kv_usage=list(kv_usage))
+                        kv_usage: Sequence[pb.KVTargetUsage] = (), *, kv_map_version: int | None = None,
+                        ) -> pb.HeartbeatReply:
+        """``kv_map_version``: the map the node's KV checks use (it then
+        takes KV map leases: docs/kv.md, "Map leases"); None: no leases."""
+        req = pb.HeartbeatRequest(node_id=node_id, targets=list(targets), kv_usage=list(kv_usage),
+                                  kv_map_version=max(0, kv_map_version or 0), kv_leases=kv_map_version is not None)
         return await self._call("Heartbeat", req, pb.HeartbeatReply, mutating=True)
 
     async def get_cluster_map(self, known_version: int = 0) -> pb.ClusterMap:

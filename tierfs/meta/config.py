@@ -102,6 +102,14 @@ class MetaConfig(BaseConfig):
     submit_timeout: float = field(5.0, "How long a mutation may wait for its commit.", kind="duration")
     heartbeat_timeout: float = field(10.0, "A storage node missing heartbeats this long goes offline.", kind="duration")
     lease_duration: float = field(30.0, "Write-session lease.", kind="duration")
+    kv_lease: float = field(
+        5.0,
+        "KV map lease: a storage node acts on stamped KV requests only this long after a heartbeat found its map "
+        "current, and a change that moves KV keys takes effect once every node has it or its lease ran out "
+        "(docs/kv.md, 'Map leases'). A meta outage longer than this stops KV puts and turns gets into misses. "
+        "At most heartbeat_timeout is used. 0 = no leases (the window before them: a writer and a daemon both on an old map).",
+        kind="duration",
+    )
     tick_interval: float = field(1.0, "Period of the leader's housekeeping tick op.", kind="duration")
     replace_after: float = field(
         30.0,
@@ -204,6 +212,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be >= 0", field="rebalance_write_defer")
         if self.heartbeat_interval <= 0:
             raise ConfigError("must be > 0", field="heartbeat_interval")
+        if not 0 <= self.kv_lease <= 60:
+            raise ConfigError("must be between 0 and 60 seconds", field="kv_lease")
         if self.election_timeout_min <= 3 * self.heartbeat_interval:
             raise ConfigError("must exceed 3 x heartbeat_interval", field="election_timeout_min")
         if self.election_timeout_max <= self.election_timeout_min:

@@ -214,6 +214,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
                                       ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     svc = add_meta_service(
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
+        kv_lease=cfg.kv_lease,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
         gc_grace=cfg.gc_grace, root_squash=cfg.root_squash, cluster_secret=secret, accepted_secrets=accepted,
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,

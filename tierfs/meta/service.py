@@ -152,6 +152,13 @@ DEFAULT_GC_GRACE = 300.0
 #: reconnect, the next beat). With one timeout, a whole-meta restart on a
 #: busy machine marked nodes offline that were beating all along.
 NEW_LEADER_GRACE = 2
+#: KV map leases: meta counts a lease as running this much longer than the
+#: node does (a relative clock-rate difference, and a fixed margin for a
+#: check that ran just before the lease ended and its reply).
+LEASE_DRIFT = 0.01
+#: The longest KV map lease, as a share of ``heartbeat_timeout``.
+KV_LEASE_OF_TIMEOUT = 1.0
+LEASE_MARGIN_NS = 100_000_000
 #: gRPC refuses a request larger than this before decoding it (set it as the
 #: server's ``grpc.max_receive_message_length``); requests below it are
 #: checked against the finer caps of tierfs.meta.ops.
@@ -215,6 +222,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         rebalance_max_moving: int = 4,
         rebalance_write_defer: float = 30.0,
         accepted_secrets: Sequence[bytes] = (),
+        kv_lease: float = 5.0,
     ) -> None:
         """``cluster_secret``: the root of the data-plane capability keys
         (None: no capabilities are minted and no keys handed out, so storage
@@ -235,7 +243,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         (:meth:`forward`) instead of answering NotLeaderError;
         ``forward_wait``: how long it holds a call while no leader is known
         (an election); ``peer_tls``: the TLS files it dials the leader with
-        (its own certificate and CA; None: plaintext)."""
+        (its own certificate and CA; None: plaintext).
+
+        ``kv_lease``: how long a storage node may act on stamped KV requests
+        after a heartbeat that found its map current (docs/kv.md, "Map
+        leases"; 0: no leases, the behaviour before them), at most
+        KV_LEASE_OF_TIMEOUT x ``heartbeat_timeout``."""
+        if not 0 <= kv_lease <= 60:
+            raise ValueError(f"kv_lease {kv_lease} must be between 0 and 60 seconds")
         if not 0 <= gc_grace <= MAX_GC_GRACE:
             raise ValueError(f"gc_grace {gc_grace} must be between 0 and {MAX_GC_GRACE:.0f} seconds")
         self._r = replicator
@@ -283,6 +298,15 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._usage_logged: dict[int, int] = {}  # node id -> monotonic ns usage was last committed
         # node id -> {(pool id, target id): latest KV usage reported}
         self._kv_used: dict[int, dict[tuple[int, int], pb.KVTargetUsage]] = {}
+        # No longer than the time a silent node takes to go offline, so a dead
+        # node's lease has run out (but for the margin) by the re-plan that
+        # moves its keys.
+        self.kv_lease = min(kv_lease, KV_LEASE_OF_TIMEOUT * heartbeat_timeout) if heartbeat_timeout else kv_lease
+        # KV map leases (docs/kv.md, "Map leases"), per leadership: node id ->
+        # monotonic ns of the latest lease this leader granted it, and the map
+        # version it last reported applying.
+        self._kv_granted: dict[int, int] = {}
+        self._kv_applied: dict[int, int] = {}
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
@@ -324,6 +348,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._hb_free.clear()
             self._usage_logged.clear()
             self._kv_used.clear()
+            self._kv_granted.clear()
+            self._kv_applied.clear()
         return True
 
     def now_ns(self) -> int:
@@ -692,13 +718,46 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 await self.rebalancer.top_up()  # targets back online get their groups
                 self.rebalancer.trigger()
         else:
+            if req.kv_leases and self.kv_lease:
+                # A lease must come from a leader that still leads after the
+                # heartbeat was sent (a deposed one, paused and resumed, would
+                # grant it on its own stale map); a committed op proves it too.
+                await self._r.read_barrier(self.submit_timeout)
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
+        if req.kv_leases and self.kv_lease and sm.nodes.get(req.node_id) is not None:
+            self._kv_applied[req.node_id] = req.kv_map_version
+            self._kv_granted[req.node_id] = self._mono()
+            reply.kv_lease_ms = int(self.kv_lease * 1000)
+        reply.kv_published = self.kv_published(sm)
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
         self._hb_free[req.node_id] = {t.target_id: t.free for t in req.targets if t.free}
         self._remember_kv_usage(sm, req)
         reply.cap_keys.extend(self.cap_keys())
         return reply
+
+    def kv_published(self, sm: MetaStateMachine) -> int:
+        """The latest map version no storage node can still act against on
+        an older map (docs/kv.md, "Map leases"): the current one, or, while
+        a node whose lease is running has not reported applying it, the
+        oldest such node's map. A node this leader has not heard from counts
+        as leased for a lease from when it started leading (an earlier
+        leader's grants came before that). Nodes without leases (releases
+        before them, or ``kv_lease`` 0) are not waited for."""
+        v = sm.map_version
+        if not self.kv_lease or not self._leadership():
+            return v if not self.kv_lease else 0
+        now = self._mono()
+        span = int(self.kv_lease * 1e9 * (1 + LEASE_DRIFT)) + LEASE_MARGIN_NS
+        pub = v
+        for nid in set(sm.nodes) | set(self._kv_granted):
+            applied = self._kv_applied.get(nid)
+            if applied is not None and applied >= v:
+                continue
+            if now >= max(self._kv_granted.get(nid, 0), self._lead_since) + span:
+                continue  # its lease has run out
+            pub = min(pub, applied if applied is not None else 0)
+        return pub
 
     def _remember_kv_usage(self, sm: MetaStateMachine, req: pb.HeartbeatRequest) -> None:
         """Keep the node's latest KV usage. Entries for pools removed or

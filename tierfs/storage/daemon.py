@@ -47,7 +47,7 @@ from typing import Any
 
 from tierfs.buffers import BufferPool
 from tierfs.config import load
-from tierfs.errors import ConfigError, NotFoundError, TierFSError
+from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
 from tierfs.fsutil import fsync_dir, makedirs_durable
 from tierfs.meta.ops import MAX_GC_ACKS
 from tierfs.storage.api import FragmentKey
@@ -64,6 +64,8 @@ log = logging.getLogger("tierfs.storage")
 #: Lifetime of the node capability a daemon mints for its own repair reads
 #: (re-minted at every heartbeat).
 _NODE_CAP_TTL_MS = 300_000
+#: The least time between two heartbeats, however often one is asked for.
+HEARTBEAT_MIN_GAP = 0.1
 
 
 def load_node_uuid(data_dir: Path) -> str:
@@ -138,6 +140,15 @@ class _Collector:
                                   "Cluster-map version the KV placement checks use (-1: no map yet)")
         kvmap.add_metric([], node._kv_map_version)
         yield kvmap
+        lease = GaugeMetricFamily("tierfs_storage_kv_lease_seconds",
+                                  "KV map lease time left (docs/kv.md, 'Map leases'; -1: meta grants none)")
+        lease.add_metric([], -1.0 if node._kv_leases is False else
+                         max(0.0, node._kv_lease_until - time.monotonic()))
+        yield lease
+        pub = GaugeMetricFamily("tierfs_storage_kv_published_version",
+                                "The latest map version meta said has taken effect on every leased node")
+        pub.add_metric([], node._kv_published)
+        yield pub
         if node.server is not None:
             dp = GaugeMetricFamily("tierfs_dataplane", "Data-plane server counters", labels=["counter"])
             counters = dict(node.server.counters)
@@ -216,6 +227,14 @@ class StorageNode:
         self._kv_pool_names: list[str] = []
         self._kv_refresh_lock = asyncio.Lock()
         self._kv_refreshed = 0.0
+        # KV map leases (docs/kv.md, "Map leases"): None until meta's first
+        # heartbeat answer, False where it grants none (leases off, or a
+        # leader of a release before them).
+        self._kv_leases: bool | None = None
+        self._kv_lease_s = 0.0  # the length meta grants
+        self._kv_lease_until = 0.0  # time.monotonic()
+        self._kv_published = 0  # the latest map version meta said has taken effect
+        self._kv_lease_changed = asyncio.Event()
         self._target_ids = list(target_ids)
         self.server: Any = None
         self.meta: Any = None
@@ -231,7 +250,7 @@ class StorageNode:
         self._hb_wake = asyncio.Event()
         self.counters: dict[str, int] = dict.fromkeys(
             ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
-             "scrub_bytes", "catch_ups"), 0
+             "scrub_bytes", "catch_ups", "kv_lease_waits", "kv_lease_refusals"), 0
         )
 
     @property
@@ -351,6 +370,8 @@ class StorageNode:
         await self._refresh_kv_pools()
         self.server.on_unknown_kv_pool = self._kv_pool_missing
         self.server.kv_gate = self._kv_gate
+        self.server.kv_lease_ok = self._kv_lease_ok
+        self.server.kv_settle = self._kv_settle
         self.registered.set()
         # The repair queue first thing: a restarted node may hold positions
         # that degraded writes recorded missing while it was away.
@@ -468,14 +489,16 @@ class StorageNode:
     async def _heartbeat_loop(self) -> None:
         from tierfs.proto.v1 import meta_pb2 as pb
 
-        last_ok = time.monotonic()
+        last_ok = t_sent = time.monotonic()
         missed = False
         sent: dict[int, int] = {}
         while True:
             self._hb_wake.clear()
             try:
                 reports = self.reports()
-                reply = await self.meta.heartbeat(self.node_id, reports, kv_usage=self.kv_reports())
+                t_sent = time.monotonic()
+                reply = await self.meta.heartbeat(self.node_id, reports, kv_usage=self.kv_reports(),
+                                                  kv_map_version=max(self._kv_map_version, 0))
                 self.counters["heartbeats"] += 1
                 back = [r.target_id for r in reports if r.state == pb.TARGET_STATE_ONLINE
                         and sent.get(r.target_id) == pb.TARGET_STATE_READ_ONLY]
@@ -488,6 +511,7 @@ class StorageNode:
                 self._take_cap_keys(reply.cap_keys)
                 if reply.map_version != self._kv_map_version:
                     await self._refresh_kv_pools(retry=False)
+                self._take_kv_lease(reply, t_sent)
                 now = time.monotonic()
                 if missed or now - last_ok > 3 * self.cfg.heartbeat_interval + 1.0:
                     # Back after failed heartbeats or a freeze (SIGSTOP, a
@@ -507,6 +531,60 @@ class StorageNode:
                 log.warning("heartbeat failed: %s", err)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._hb_wake.wait(), self.cfg.heartbeat_interval)
+            # Woken early (a map to report, a KV request waiting on meta):
+            # no more than one beat per HEARTBEAT_MIN_GAP all the same.
+            await asyncio.sleep(max(0.0, t_sent + HEARTBEAT_MIN_GAP - time.monotonic()))
+
+    def _take_kv_lease(self, reply: Any, t_sent: float) -> None:
+        """A heartbeat answer: a KV map lease from ``t_sent`` when meta
+        grants one and this node's map is at least the one meta has."""
+        if not reply.kv_lease_ms:
+            self._kv_leases = False
+        else:
+            self._kv_leases = True
+            self._kv_lease_s = reply.kv_lease_ms / 1000
+            if self._kv_map_version >= reply.map_version:
+                self._kv_lease_until = max(self._kv_lease_until, t_sent + self._kv_lease_s)
+        self._kv_published = max(self._kv_published, int(reply.kv_published))
+        self._kv_lease_changed.set()
+
+    def _kv_lease_ok(self) -> bool:
+        """Whether this node may act on stamped KV requests now: its map was
+        found current within the lease (or meta grants no leases)."""
+        if self._kv_leases is None:
+            return False
+        return not self._kv_leases or time.monotonic() < self._kv_lease_until
+
+    async def _kv_settle(self, stamp: int) -> None:
+        """Wait until this node holds a lease and a copy stamped ``stamp``
+        may be taken: every leased node has that map, or its lease ran out
+        (meta's ``kv_published``), so none can still take the key where it
+        was. Raises UnavailableError after a lease and a few beats."""
+        now = time.monotonic()
+        deadline = now + max(self._kv_lease_s, 1.0) + 3 * self.cfg.heartbeat_interval
+        if self._kv_leases and now >= self._kv_lease_until:
+            deadline = now + self.cfg.heartbeat_interval  # ran out: meta unreachable? one more beat
+        waited = False
+        while True:
+            if self._kv_lease_ok() and (not self._kv_leases or stamp <= self._kv_published):
+                if waited:
+                    self.counters["kv_lease_waits"] += 1
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counters["kv_lease_refusals"] += 1
+                if not self._kv_lease_ok():
+                    raise UnavailableError(
+                        f"storage node {self.node_id}: its KV map has not been confirmed by meta for "
+                        f"{self._kv_lease_s:.1f}s (meta unreachable?); KV puts, deletes and pins wait for it")
+                raise UnavailableError(
+                    f"storage node {self.node_id}: map version {stamp} has not taken effect on every storage "
+                    f"node yet (meta says {self._kv_published}); put again")
+            waited = True
+            self._kv_lease_changed.clear()
+            self._hb_wake.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kv_lease_changed.wait(), min(left, 0.5))
 
     async def _kv_pool_missing(self, pool_id: int) -> None:
         """A KV request named a pool this node has not configured: refresh
@@ -556,6 +634,10 @@ class StorageNode:
         if self._kv_map_version < 0 or [s.name for s in specs] != self._kv_pool_names:
             log.info("KV pools: %s", ", ".join(f"{s.name} (id {s.pool_id})" for s in specs) or "none")
         self._kv_pool_names = [s.name for s in specs]
+        if self._kv_map_version >= 0 and int(cmap.version) > self._kv_map_version:
+            # Tell meta at once (the next beat): a change takes effect for KV
+            # once every leased node has its map.
+            self._hb_wake.set()
         self._kv_map_version = int(cmap.version)
 
     def _kv_gate(self, pool_id: int, target: int, key: bytes, asked: int) -> int | None:

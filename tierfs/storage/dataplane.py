@@ -89,6 +89,10 @@ _COUNTERS = (
     # key in another group (the client's map is older: it refreshes and
     # tries again).
     "kv_puts_misplaced", "kv_deletes_misplaced", "kv_pins_misplaced",
+    # KV map leases (docs/kv.md, "Map leases"): gets and exists answered as
+    # misses without a lease, requests refused when it ran out, requests
+    # whose key's placement changed while they ran.
+    "kv_lease_misses", "kv_lease_refusals", "kv_moved_during",
     # Capabilities (docs/security-caps.md): CAP frames, and requests refused
     # by reason (no capability, forged/malformed, expired, another inode's or
     # pool's, the wrong operation, no keys from meta yet).
@@ -472,7 +476,7 @@ class _ServerConnection(FrameProtocol):
                 if crc32c(key, hdr.fversion) != hdr.payload_crc:
                     raise InvalidArgumentError("KV_PUT value CRC32C does not match its payload")
                 flags = hdr.fragment
-                stamp = flags >> KV_STAMP_SHIFT
+                stamp = asked = flags >> KV_STAMP_SHIFT
                 gate = self.server.kv_gate
                 if gate is not None and stamp:
                     # A writer whose map is older than a change that moved the
@@ -481,7 +485,7 @@ class _ServerConnection(FrameProtocol):
                     # value in the key's new group: refuse it, and the writer
                     # refreshes its map and puts again (docs/kv.md). The copy
                     # is stamped with the later of the two maps' stamps.
-                    need = gate(pool, hdr.target, key, stamp)
+                    need = await self._kv_admit(pool, hdr.target, key, stamp)
                     if need is None:
                         self.counters["kv_puts_misplaced"] += 1
                         raise StaleVersionError(
@@ -492,17 +496,25 @@ class _ServerConnection(FrameProtocol):
                 stored = await kv.put(pool, tenant_key(tenant, key), value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
                                       ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length,
                                       stamp=stamp)
+                if gate is not None and stamp:
+                    self._kv_still(pool, hdr.target, key, asked, stamp)
                 self._reply(hdr, length=1 if stored else 0)
                 return
             if payload is None:
                 raise InvalidArgumentError(f"{Op(op).name} without a key")
             if op == Op.KV_GET:
                 self.counters["kv_gets"] += 1
-                since: int | None = hdr.fragment >> KV_STAMP_SHIFT
+                asked = hdr.fragment >> KV_STAMP_SHIFT
+                since: int | None = asked
                 gate = self.server.kv_gate
                 if gate is not None:
-                    since = gate(pool, hdr.target, bytes(payload), since or 0)
+                    since = gate(pool, hdr.target, bytes(payload), asked) if self._kv_leased(asked) else None
                 got = None if since is None else await kv.get_with_ttl(pool, tenant_key(tenant, bytes(payload)), since)
+                if got is not None and gate is not None and asked and not self._kv_served(
+                        pool, hdr.target, bytes(payload), asked, since or 0):
+                    # The map moved, or the lease ran out, during the read.
+                    kv.release(got[0])
+                    got = None
                 if got is None:
                     self._reply(hdr, length=0)
                     return
@@ -532,7 +544,8 @@ class _ServerConnection(FrameProtocol):
                 if gate is None:
                     present = kv.contains(pool, [tenant_key(tenant, k) for k in keys], least)
                 else:
-                    needs = [gate(pool, hdr.target, k, least) for k in keys]
+                    leased = self._kv_leased(least)
+                    needs = [gate(pool, hdr.target, k, least) if leased else None for k in keys]
                     present = [need is not None and hit for need, hit in zip(needs, kv.contains(
                         pool, [tenant_key(tenant, k) for k in keys],
                         [least if need is None else need for need in needs]), strict=True)]
@@ -546,19 +559,25 @@ class _ServerConnection(FrameProtocol):
                 self.counters["kv_deletes"] += 1
                 stamp = hdr.fragment >> KV_STAMP_SHIFT
                 gate = self.server.kv_gate
-                if gate is not None and stamp and gate(pool, hdr.target, bytes(payload), stamp) is None:
-                    # As for a put: a deleter with an older map would leave the
-                    # key's copy in its current group, served on.
-                    self.counters["kv_deletes_misplaced"] += 1
-                    raise StaleVersionError(
-                        f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
-                        "which is newer than the deleter's; refresh the map and delete again")
+                need = None
+                if gate is not None and stamp:
+                    need = await self._kv_admit(pool, hdr.target, bytes(payload), stamp)
+                    if need is None:
+                        # As for a put: a deleter with an older map would leave
+                        # the key's copy in its current group, served on.
+                        self.counters["kv_deletes_misplaced"] += 1
+                        raise StaleVersionError(
+                            f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
+                            "which is newer than the deleter's; refresh the map and delete again")
                 existed = await kv.delete(pool, tenant_key(tenant, bytes(payload)))
+                if need is not None:
+                    self._kv_still(pool, hdr.target, bytes(payload), stamp, need)
                 self._reply(hdr, length=1 if existed else 0)
             elif op == Op.KV_PIN:  # pragma: no branch
                 self.counters["kv_pins"] += 1
                 gate = self.server.kv_gate
-                if gate is not None and hdr.chunk and gate(pool, hdr.target, bytes(payload), hdr.chunk) is None:
+                if gate is not None and hdr.chunk and await self._kv_admit(pool, hdr.target, bytes(payload),
+                                                                           hdr.chunk) is None:
                     # As for a delete: a pinner with an older map would pin a
                     # copy outside the key's group and leave the served one bare.
                     self.counters["kv_pins_misplaced"] += 1
@@ -582,6 +601,67 @@ class _ServerConnection(FrameProtocol):
             if put is not None:
                 put[0].release(put[1])
             self._done(reserve)
+
+    # -- KV map leases (docs/kv.md, "Map leases") ----------------------------
+
+    def _kv_leased(self, asked: int) -> bool:
+        """Whether a stamped KV request may be served here now (a request
+        without a stamp, from a release before stamps, is not checked); a
+        get or exists of a node without a lease is a miss."""
+        ok = self.server.kv_lease_ok
+        if not asked or ok is None or ok():
+            return True
+        self.counters["kv_lease_misses"] += 1
+        return False
+
+    async def _kv_admit(self, pool: int, target: int, key: bytes, asked: int) -> int | None:
+        """The stamp a put, delete or pin of ``key`` on ``target`` acts with
+        (the gate's), once it may: the node holds a lease and meta says that
+        stamp's map has taken effect everywhere (no node can still take the
+        key where it was before). None when the daemon's map puts the key
+        elsewhere."""
+        gate = self.server.kv_gate
+        settle = self.server.kv_settle
+        assert gate is not None
+        need = gate(pool, target, key, asked)
+        for _ in range(3):
+            if need is None or settle is None:
+                return need
+            await settle(need)
+            again = gate(pool, target, key, asked)  # the map may have moved meanwhile
+            if again == need:
+                return need
+            need = again
+        raise UnavailableError(f"KV pool {pool}: the key's placement kept changing; try again")
+
+    def _kv_still(self, pool: int, target: int, key: bytes, asked: int, stamp: int) -> None:
+        """After a put or delete ran: acknowledge it only if the daemon's map
+        still places the key here with no later stamp and the lease held
+        throughout (the copy acted on would otherwise be one no reader
+        looks for). The copy stays; the writer is told to try again."""
+        gate = self.server.kv_gate
+        assert gate is not None
+        need = gate(pool, target, key, asked)
+        if need is None or need > stamp:
+            self.counters["kv_moved_during"] += 1
+            raise StaleVersionError(f"KV pool {pool}: the key's placement changed while the request ran on "
+                                    f"target {target}; refresh the map and try again")
+        ok = self.server.kv_lease_ok
+        if ok is not None and not ok():
+            self.counters["kv_lease_refusals"] += 1
+            raise UnavailableError(f"target {target}: the node's KV map lease ran out while the request ran "
+                                   "(meta unreachable?); try again")
+
+    def _kv_served(self, pool: int, target: int, key: bytes, asked: int, since: int) -> bool:
+        """After a get read its copy: serve it only if the map still wants
+        no later copy here and the lease held."""
+        gate = self.server.kv_gate
+        assert gate is not None
+        need = gate(pool, target, key, asked)
+        if need is None or need > since:
+            self.counters["kv_moved_during"] += 1
+            return False
+        return self._kv_leased(asked)
 
     def _reply(self, hdr: Header, *, payload: memoryview | None = None, store: _Releaser | None = None,
                length: int = 0, payload_crc: int | None = None, offset: int | None = None,
@@ -678,6 +758,11 @@ class DataPlaneServer:
         #: a client whose map is older than a change is not served a copy
         #: the change left behind.
         self.kv_gate: Callable[[int, int, bytes, int], int | None] | None = None
+        #: Whether the node holds a KV map lease now (docs/kv.md, "Map
+        #: leases"), and a wait until a stamp may be taken (raises
+        #: UnavailableError when it cannot be soon); None: not checked.
+        self.kv_lease_ok: Callable[[], bool] | None = None
+        self.kv_settle: Callable[[int], Awaitable[None]] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         #: Whether every request needs a capability (the storage daemon's

@@ -1239,7 +1239,15 @@ class HeartbeatRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     KV_USAGE_FIELD_NUMBER: _builtins.int
+    KV_MAP_VERSION_FIELD_NUMBER: _builtins.int
+    KV_LEASES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
+    kv_map_version: _builtins.int
+    """KV map leases (docs/kv.md, "Map leases"): the cluster map version the
+    node's KV placement checks use now, and whether it honours leases
+    (nodes of releases before them send false and are not waited for).
+    """
+    kv_leases: _builtins.bool
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___TargetReport]: ...
     @_builtins.property
@@ -1255,10 +1263,12 @@ class HeartbeatRequest(_message.Message):
         node_id: _builtins.int = ...,
         targets: _abc.Iterable[Global___TargetReport] | None = ...,
         kv_usage: _abc.Iterable[Global___KVTargetUsage] | None = ...,
+        kv_map_version: _builtins.int = ...,
+        kv_leases: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_usage", b"kv_usage", "node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_leases", b"kv_leases", "kv_map_version", b"kv_map_version", "kv_usage", b"kv_usage", "node_id", b"node_id", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1271,8 +1281,19 @@ class HeartbeatReply(_message.Message):
     MAP_VERSION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     CAP_KEYS_FIELD_NUMBER: _builtins.int
+    KV_LEASE_MS_FIELD_NUMBER: _builtins.int
+    KV_PUBLISHED_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     state: Global___NodeState.ValueType
+    kv_lease_ms: _builtins.int
+    """KV map lease: the node may act on stamped KV requests for this long
+    from when it sent the heartbeat, once its map is at least map_version.
+    0: leases are off (or an older leader): act without one.
+    """
+    kv_published: _builtins.int
+    """The latest map version every leased node has applied or whose old
+    lease has run out: a copy stamped later may not be taken yet.
+    """
     @_builtins.property
     def cap_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapabilityKey]: ...
     def __init__(
@@ -1281,10 +1302,12 @@ class HeartbeatReply(_message.Message):
         map_version: _builtins.int = ...,
         state: Global___NodeState.ValueType = ...,
         cap_keys: _abc.Iterable[Global___CapabilityKey] | None = ...,
+        kv_lease_ms: _builtins.int = ...,
+        kv_published: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "map_version", b"map_version", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "kv_lease_ms", b"kv_lease_ms", "kv_published", b"kv_published", "map_version", b"map_version", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,76 @@
+"""KV map leases on the meta side (docs/kv.md, "Map leases"): what a
+heartbeat answer grants, and when a map change takes effect
+(``kv_published``), on a real gRPC MetaService with a driven clock. The
+daemons' side runs on real clusters in tests/kv/test_kv_map_leases.py."""
+
+from __future__ import annotations
+
+from meta_helpers import SEC, Clock, meta_server, register_async, run
+
+from tierfs.meta.service import LEASE_DRIFT, LEASE_MARGIN_NS
+
+
+def _lapse(lease_s: float) -> int:
+    """How long meta counts a lease granted now as running, plus 1 ns."""
+    return int(lease_s * SEC * (1 + LEASE_DRIFT)) + LEASE_MARGIN_NS + 1
+
+
+def test_a_change_takes_effect_once_every_leased_node_has_it_or_its_lease_ran_out() -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with meta_server(clock=clock, heartbeat_timeout=10.0, kv_lease=5.0) as (mc, _svc, _):
+            regs = await register_async(mc, nodes=3, targets=1)
+            v1 = (await mc.get_cluster_map()).version
+            # Nodes this leader has not heard from hold a change back for a
+            # lease from its start (an earlier leader may have granted one).
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v1)
+            assert hb.kv_lease_ms == 5000 and hb.map_version == v1 and hb.kv_published == 0
+            for r in regs:
+                hb = await mc.heartbeat(r.node_id, [], kv_map_version=v1)
+            assert hb.kv_published == v1  # every node has reported v1
+
+            await mc.create_kv_pool("p", target_memory=1 << 20)  # a map change
+            v2 = (await mc.get_cluster_map()).version
+            assert v2 > v1
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v1)
+            assert hb.map_version == v2 and hb.kv_published == v1
+            await mc.heartbeat(regs[0].node_id, [], kv_map_version=v2)
+            hb = await mc.heartbeat(regs[1].node_id, [], kv_map_version=v2)
+            assert hb.kv_published == v1, "node 2 still holds a lease on v1"
+
+            # Node 2 goes silent: its lease, granted at its last heartbeat,
+            # runs out, and the change takes effect without it.
+            clock.now += _lapse(5.0) - 2 * SEC
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v2)
+            assert hb.kv_published == v1
+            clock.now += 2 * SEC
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v2)
+            assert hb.kv_published == v2
+
+            # A node of a release before leases is neither granted one nor
+            # waited for.
+            await mc.create_kv_pool("q", target_memory=1 << 20)
+            v3 = (await mc.get_cluster_map()).version
+            old = await mc.heartbeat(regs[2].node_id, [])
+            assert old.kv_lease_ms == 0
+            await mc.heartbeat(regs[1].node_id, [], kv_map_version=v3)
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v3)
+            assert hb.kv_published == v3
+
+    run(main())
+
+
+def test_the_lease_is_no_longer_than_heartbeat_timeout_and_zero_turns_it_off() -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with meta_server(clock=clock, heartbeat_timeout=3.0, kv_lease=5.0) as (mc, _svc, _):
+            regs = await register_async(mc, nodes=1, targets=1)
+            v = (await mc.get_cluster_map()).version
+            assert (await mc.heartbeat(regs[0].node_id, [], kv_map_version=v)).kv_lease_ms == 3000
+        async with meta_server(clock=clock, kv_lease=0.0) as (mc, _svc, _):
+            regs = await register_async(mc, nodes=2, targets=1)
+            v = (await mc.get_cluster_map()).version
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v - 1)
+            assert hb.kv_lease_ms == 0 and hb.kv_published == v  # nothing is held back
+
+    run(main())
