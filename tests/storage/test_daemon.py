@@ -126,6 +126,7 @@ def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: li
     assert 'tierfs_target_fragments{target="11"} 1.0' in text
     assert 'tierfs_target_events_total{event="writes",target="12"} 1.0' in text
     assert "tierfs_storage_kv_map_version -1.0" in text  # no meta: no map to check KV placement against
+    assert "tierfs_storage_kv_lease_seconds 0.0" in text  # and no lease from it
     assert d.stop(signal.SIGKILL) == -signal.SIGKILL
 
     # restarted (same data dir, ids now from target.json): same identity, same data

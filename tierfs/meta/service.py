@@ -89,7 +89,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from tierfs import capability as capmod
 from tierfs.errors import (
@@ -730,6 +730,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._kv_granted[req.node_id] = self._mono()
             reply.kv_lease_ms = int(self.kv_lease * 1000)
         reply.kv_published = self.kv_published(sm)
+        KV_MAP_VERSION.set(sm.map_version)
+        KV_PUBLISHED.set(reply.kv_published)
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
         self._hb_free[req.node_id] = {t.target_id: t.free for t in req.targets if t.free}
         self._remember_kv_usage(sm, req)
@@ -1194,6 +1196,10 @@ _LOCAL_RPCS = frozenset({"GetStatus", "Digest", "ForceSnapshot", "WhoAmI"})
 _METHODS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["MetaService"].methods)
 #: What a follower forwards to the leader: every call but the replica-local ones.
 _FORWARDABLE = _METHODS - _LOCAL_RPCS
+KV_MAP_VERSION = Gauge("tierfs_meta_kv_map_version", "The cluster map version, on the leader (last heartbeat)")
+KV_PUBLISHED = Gauge("tierfs_meta_kv_published_version",
+                     "The latest map version every storage node holding a KV map lease has applied "
+                     "(docs/kv.md, 'Map leases'); below tierfs_meta_kv_map_version while a change waits")
 FORWARDED = Counter("tierfs_meta_forwarded_total", "Calls this follower forwarded to the leader", ["method"])
 RPCS = Counter("tierfs_meta_rpcs_total", "MetaService calls answered, by method and gRPC status", ["method", "code"])
 RPC_SECONDS = Histogram("tierfs_meta_rpc_seconds", "MetaService call latency on this replica (forwarding included)",
