@@ -24,7 +24,7 @@ def test_a_change_takes_effect_once_every_leased_node_has_it_or_its_lease_ran_ou
             # Nodes this leader has not heard from hold a change back for a
             # lease from its start (an earlier leader may have granted one).
             hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v1)
-            assert hb.kv_lease_ms == 5000 and hb.map_version == v1 and hb.kv_published == 0
+            assert hb.kv_lease_ms == 5000 and hb.kv_lease_granted and hb.map_version == v1 and hb.kv_published == 0
             for r in regs:
                 hb = await mc.heartbeat(r.node_id, [], kv_map_version=v1)
             assert hb.kv_published == v1  # every node has reported v1
@@ -56,6 +56,36 @@ def test_a_change_takes_effect_once_every_leased_node_has_it_or_its_lease_ran_ou
             await mc.heartbeat(regs[1].node_id, [], kv_map_version=v3)
             hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v3)
             assert hb.kv_published == v3
+
+    run(main())
+
+
+def test_a_node_that_does_not_apply_the_map_it_was_told_loses_its_lease() -> None:
+    """A node that keeps beating but never applies the newer map meta names
+    (it cannot fetch it) is granted no lease after that answer, so the change
+    takes effect one lease later instead of never."""
+    async def main() -> None:
+        clock = Clock()
+        async with meta_server(clock=clock, heartbeat_timeout=10.0, kv_lease=5.0) as (mc, _svc, _):
+            regs = await register_async(mc, nodes=2, targets=1)
+            clock.now += _lapse(5.0)  # past the new leader's wait for nodes it has not heard from
+            v1 = (await mc.get_cluster_map()).version
+            for r in regs:
+                assert (await mc.heartbeat(r.node_id, [], kv_map_version=v1)).kv_lease_granted
+            await mc.create_kv_pool("p", target_memory=1 << 20)
+            v2 = (await mc.get_cluster_map()).version
+            stuck, good = regs[0].node_id, regs[1].node_id
+            hb = await mc.heartbeat(stuck, [], kv_map_version=v1)
+            assert hb.kv_lease_granted and hb.map_version == v2  # it had applied what it was told (v1)
+            assert (await mc.heartbeat(good, [], kv_map_version=v1)).kv_lease_granted
+            assert (await mc.heartbeat(good, [], kv_map_version=v2)).kv_lease_granted
+            for _ in range(8):  # beating every second, never applying v2
+                clock.now += SEC
+                hb = await mc.heartbeat(stuck, [], kv_map_version=v1)
+                assert not hb.kv_lease_granted and hb.kv_lease_ms == 5000
+                hb = await mc.heartbeat(good, [], kv_map_version=v2)
+                assert hb.kv_lease_granted
+            assert hb.kv_published == v2  # the stuck node's last lease ran out
 
     run(main())
 

@@ -307,6 +307,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         # version it last reported applying.
         self._kv_granted: dict[int, int] = {}
         self._kv_applied: dict[int, int] = {}
+        self._kv_told: dict[int, int] = {}  # node id -> map version of this leader's last answer
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
@@ -350,6 +351,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self._kv_used.clear()
             self._kv_granted.clear()
             self._kv_applied.clear()
+            self._kv_told.clear()
         return True
 
     def now_ns(self) -> int:
@@ -727,7 +729,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._hb_seen[req.node_id] = mono
         if req.kv_leases and self.kv_lease and sm.nodes.get(req.node_id) is not None:
             self._kv_applied[req.node_id] = req.kv_map_version
-            self._kv_granted[req.node_id] = self._mono()
+            if req.kv_map_version >= self._kv_told.get(req.node_id, 0):
+                # A lease only to a node that applied the map this leader's
+                # previous answer named: one that cannot fetch maps holds
+                # changes back for one lease, not for as long as it beats.
+                self._kv_granted[req.node_id] = self._mono()
+                reply.kv_lease_granted = True
+            self._kv_told[req.node_id] = reply.map_version
             reply.kv_lease_ms = int(self.kv_lease * 1000)
         reply.kv_published = self.kv_published(sm)
         KV_MAP_VERSION.set(sm.map_version)

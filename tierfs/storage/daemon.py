@@ -537,13 +537,14 @@ class StorageNode:
 
     def _take_kv_lease(self, reply: Any, t_sent: float) -> None:
         """A heartbeat answer: a KV map lease from ``t_sent`` when meta
-        grants one and this node's map is at least the one meta has."""
+        grants one (this node had applied the map meta's previous answer
+        named; after fetching a newer map it beats again at once)."""
         if not reply.kv_lease_ms:
             self._kv_leases = False
         else:
             self._kv_leases = True
             self._kv_lease_s = reply.kv_lease_ms / 1000
-            if self._kv_map_version >= reply.map_version:
+            if reply.kv_lease_granted:
                 self._kv_lease_until = max(self._kv_lease_until, t_sent + self._kv_lease_s)
         self._kv_published = max(self._kv_published, int(reply.kv_published))
         self._kv_lease_changed.set()

@@ -1283,16 +1283,22 @@ class HeartbeatReply(_message.Message):
     CAP_KEYS_FIELD_NUMBER: _builtins.int
     KV_LEASE_MS_FIELD_NUMBER: _builtins.int
     KV_PUBLISHED_FIELD_NUMBER: _builtins.int
+    KV_LEASE_GRANTED_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     state: Global___NodeState.ValueType
     kv_lease_ms: _builtins.int
     """KV map lease: the node may act on stamped KV requests for this long
-    from when it sent the heartbeat, once its map is at least map_version.
+    from when it sent the heartbeat (when kv_lease_granted).
     0: leases are off (or an older leader): act without one.
     """
     kv_published: _builtins.int
     """The latest map version every leased node has applied or whose old
     lease has run out: a copy stamped later may not be taken yet.
+    """
+    kv_lease_granted: _builtins.bool
+    """Whether this answer extends the node's lease: it reported at least the
+    map version the leader's previous answer named (a node that cannot fetch
+    the map must not hold changes back for longer than a lease).
     """
     @_builtins.property
     def cap_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapabilityKey]: ...
@@ -1304,10 +1310,11 @@ class HeartbeatReply(_message.Message):
         cap_keys: _abc.Iterable[Global___CapabilityKey] | None = ...,
         kv_lease_ms: _builtins.int = ...,
         kv_published: _builtins.int = ...,
+        kv_lease_granted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "kv_lease_ms", b"kv_lease_ms", "kv_published", b"kv_published", "map_version", b"map_version", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap_keys", b"cap_keys", "kv_lease_granted", b"kv_lease_granted", "kv_lease_ms", b"kv_lease_ms", "kv_published", b"kv_published", "map_version", b"map_version", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
