@@ -5,6 +5,8 @@ daemons' side runs on real clusters in tests/kv/test_kv_map_leases.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 from meta_helpers import SEC, Clock, meta_server, register_async, run
 
 from tierfs.meta.service import LEASE_DRIFT, LEASE_MARGIN_NS
@@ -102,5 +104,28 @@ def test_the_lease_is_no_longer_than_heartbeat_timeout_and_zero_turns_it_off() -
             v = (await mc.get_cluster_map()).version
             hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v - 1)
             assert hb.kv_lease_ms == 0 and hb.kv_published == v  # nothing is held back
+
+    run(main())
+
+
+def test_a_map_watch_returns_when_the_map_changes_or_its_wait_ends() -> None:
+    """GetClusterMap with ``wait_ms``: how storage daemons learn a change in
+    a round trip rather than at their next heartbeat."""
+    async def main() -> None:
+        async with meta_server() as (mc, _svc, _):
+            await register_async(mc, nodes=1, targets=1)
+            v = (await mc.get_cluster_map()).version
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert (await mc.get_cluster_map(v, wait=0.3)).unchanged
+            assert loop.time() - t0 >= 0.3  # held for the wait, nothing changed
+            watch = asyncio.ensure_future(mc.get_cluster_map(v, wait=5.0))
+            await asyncio.sleep(0.2)
+            assert not watch.done()
+            t0 = loop.time()
+            await mc.create_kv_pool("w", target_memory=1 << 20)
+            got = await asyncio.wait_for(watch, 5.0)
+            assert not got.unchanged and got.version > v and any(p.name == "w" for p in got.kv_pools)
+            assert loop.time() - t0 < 2.0  # woken by the change, not the end of the wait
 
     run(main())

@@ -572,9 +572,14 @@ class MetaClient:
                                   kv_map_version=max(0, kv_map_version or 0), kv_leases=kv_map_version is not None)
         return await self._call("Heartbeat", req, pb.HeartbeatReply, mutating=True)
 
-    async def get_cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
-        return await self._call("GetClusterMap", pb.GetClusterMapRequest(known_version=known_version),
-                                pb.ClusterMap)
+    async def get_cluster_map(self, known_version: int = 0, *, wait: float = 0.0) -> pb.ClusterMap:
+        """The cluster map (``unchanged`` when ``known_version`` is current);
+        ``wait`` > 0: the leader holds the answer up to that long (at most
+        5 s) until the map changes."""
+        wait_ms = min(5000, int(wait * 1000))
+        req = pb.GetClusterMapRequest(known_version=known_version, wait_ms=wait_ms)
+        return await self._call("GetClusterMap", req, pb.ClusterMap,
+                                attempt_timeout=(wait_ms / 1000 + self.attempt_timeout) if wait_ms else None)
 
     async def list_group_chunks(self, group_id: int, after_inode: int = 0,
                                 limit: int = 0) -> pb.ListGroupChunksReply:

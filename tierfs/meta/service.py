@@ -156,6 +156,8 @@ NEW_LEADER_GRACE = 2
 #: node does (a relative clock-rate difference, and a fixed margin for a
 #: check that ran just before the lease ended and its reply).
 LEASE_DRIFT = 0.01
+#: The longest a GetClusterMap call may wait for a change (``wait_ms``).
+MAX_MAP_WAIT_MS = 5000
 #: The longest KV map lease, as a share of ``heartbeat_timeout``.
 KV_LEASE_OF_TIMEOUT = 1.0
 LEASE_MARGIN_NS = 100_000_000
@@ -308,6 +310,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._kv_granted: dict[int, int] = {}
         self._kv_applied: dict[int, int] = {}
         self._kv_told: dict[int, int] = {}  # node id -> map version of this leader's last answer
+        # GetClusterMap calls waiting for a change (wait_ms): set, and
+        # replaced, when a commit here moves the map past _map_notified.
+        self._map_event = asyncio.Event()
+        self._map_notified = -1
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
@@ -444,6 +450,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 await self.kv_planner.settle()
             except TierFSError as err:  # the op is done; the planner's loop retries
                 log.debug("kv pool planning after %s failed: %s", kind, err)
+        self._map_changed()  # wake the storage daemons watching the map
         return res
 
     async def submit(self, op: pb.MetaOp, reply_cls: type[_R]) -> _R:
@@ -996,8 +1003,32 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def GetClusterMap(self, request: pb.GetClusterMapRequest, context: Ctx) -> pb.ClusterMap:
-        await self._read(request)
+        sm = await self._read(request)
+        if request.wait_ms and request.known_version and sm.map_version == request.known_version:
+            await self._wait_map_change(request.known_version, min(request.wait_ms, MAX_MAP_WAIT_MS) / 1000)
         return self.cluster_map(request.known_version)
+
+    async def _wait_map_change(self, known: int, timeout: float) -> None:
+        """Until the map is past ``known`` or ``timeout`` passed (a storage
+        daemon watching the map: docs/kv.md, "Map leases")."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self.state.map_version == known:
+            left = end - loop.time()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                # Woken by this leader's commits; the cap catches a change
+                # applied without one (an earlier leader's entries).
+                await asyncio.wait_for(self._map_event.wait(), min(left, 0.5))
+
+    def _map_changed(self) -> None:
+        sm = self._r.state_machine
+        v = sm.map_version if isinstance(sm, MetaStateMachine) else None
+        if v is not None and v != self._map_notified:
+            self._map_notified = v
+            ev, self._map_event = self._map_event, asyncio.Event()
+            ev.set()
 
     @grpc_errors
     async def ListGroupChunks(self, request: pb.ListGroupChunksRequest, context: Ctx) -> pb.ListGroupChunksReply:

@@ -66,6 +66,8 @@ log = logging.getLogger("tierfs.storage")
 _NODE_CAP_TTL_MS = 300_000
 #: The least time between two heartbeats, however often one is asked for.
 HEARTBEAT_MIN_GAP = 0.1
+#: How long one map watch (GetClusterMap wait) may be held by meta.
+MAP_WATCH_WAIT = 2.0
 
 
 def load_node_uuid(data_dir: Path) -> str:
@@ -375,7 +377,7 @@ class StorageNode:
         self.registered.set()
         # The repair queue first thing: a restarted node may hold positions
         # that degraded writes recorded missing while it was away.
-        loops = [self._heartbeat_loop(), self._gc_loop(), self.repairer.run(),
+        loops = [self._heartbeat_loop(), self._map_watch_loop(), self._gc_loop(), self.repairer.run(),
                  self.repairer.run_queue(self.cfg.repair_interval)]
         if self.cfg.scrub_rate > 0:
             loops.append(self.scrubber.run(self.cfg.scrub_rate, self.cfg.scrub_interval))
@@ -534,6 +536,25 @@ class StorageNode:
             # Woken early (a map to report, a KV request waiting on meta):
             # no more than one beat per HEARTBEAT_MIN_GAP all the same.
             await asyncio.sleep(max(0.0, t_sent + HEARTBEAT_MIN_GAP - time.monotonic()))
+
+    async def _map_watch_loop(self) -> None:
+        """Watch the cluster map: a GetClusterMap that meta holds until the
+        map changes, so a change reaches this node in a round trip rather
+        than at its next heartbeat, and takes effect for KV that much sooner
+        (every leased node must have it: docs/kv.md, "Map leases")."""
+        while True:
+            t0 = time.monotonic()
+            try:
+                cmap = await self.meta.get_cluster_map(max(self._kv_map_version, 0), wait=MAP_WATCH_WAIT)
+            except TierFSError as err:
+                log.debug("watching the cluster map: %s", err)
+                await asyncio.sleep(self.cfg.heartbeat_interval)
+                continue
+            if not cmap.unchanged:
+                self._apply_kv_pools(cmap)
+            elif time.monotonic() - t0 < MAP_WATCH_WAIT / 2:
+                # A leader of a release before map watching answers at once.
+                await asyncio.sleep(self.cfg.heartbeat_interval)
 
     def _take_kv_lease(self, reply: Any, t_sent: float) -> None:
         """A heartbeat answer: a KV map lease from ``t_sent`` when meta

@@ -1477,16 +1477,25 @@ class GetClusterMapRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
     known_version: _builtins.int
     """If equal to the current version the reply has unchanged=true and no lists."""
+    wait_ms: _builtins.int
+    """When > 0 and known_version is current: hold the answer up to this long
+    (at most 5000) until the map changes. Storage daemons watch the map this
+    way, so a change reaches them in a round trip rather than at their next
+    heartbeat (docs/kv.md, "Map leases"). Leaders of earlier releases answer
+    at once.
+    """
     def __init__(
         self,
         *,
         known_version: _builtins.int = ...,
+        wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
