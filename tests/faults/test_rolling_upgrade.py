@@ -44,7 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "81b0b8c200257fc212dc8b37e64c71c9b5491cd4"
+PREVIOUS = "2702af0728d99009e86469acf7ebb78d30c79342"
 
 REPO = Path(__file__).resolve().parents[2]
 
