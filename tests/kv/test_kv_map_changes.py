@@ -305,6 +305,73 @@ def test_a_delete_that_misses_a_live_copy_is_not_acknowledged(cl: LocalCluster) 
 
 
 
+@contextmanager
+def _late_client_through_a_return(cl: LocalCluster, pool: str) -> Iterator[tuple[Any, Any, list[str], dict[str, bytes]]]:
+    """``replica:3`` on three nodes. One daemon is killed; a client
+    (``map_max_age`` 600 s) takes its map while the map calls it down; the
+    daemon comes back, and a client with the current map overwrites every
+    key on all three copies. Yields the late client's handle on the pool,
+    the current one's, the keys whose first copy is the returned daemon's
+    (a get asks it first) and the values the current client put."""
+    create_pool(cl, pool, redundancy="replica:3", target_memory=4 * MiB, target_disk=16 * MiB)
+    opts: dict[str, Any] = {"kv_timeout": 1.0, "request_timeout": 2.0}
+    keys = [f"{pool}-{i}" for i in range(24)]
+    with Client(cl.meta_addrs, **opts) as setup:
+        pool_ready(setup, pool)
+        setup.kv_pool(pool).batch_put(keys, [payload(k, 8 * KiB) for k in keys])
+    victim = _holders(cl, pool, keys[0])[0]
+    first = [k for k in keys if _holders(cl, pool, k)[0] == victim]
+    cl.kill(victim)
+    try:
+        wait_for(lambda: _target_state(cl, victim) in (pb.TARGET_STATE_OFFLINE, pb.TARGET_STATE_FAILED), 60,
+                 f"the map to call {victim} down")
+        late = Client(cl.meta_addrs, map_max_age=600.0, **opts)
+        assert late.kv_pool(pool).get(keys[0]) is not None  # its map is from here: it calls the victim down
+    finally:
+        restart(cl, victim)
+    wait_for(lambda: _target_state(cl, victim) == pb.TARGET_STATE_ONLINE, 60, f"{victim} back online")
+    with late, Client(cl.meta_addrs, **opts) as current:
+        mid = {k: bytes(reversed(payload(k, 8 * KiB))) for k in keys}
+        wait_for(lambda: _went_through(lambda: current.kv_pool(pool).batch_put(keys, [mid[k] for k in keys],
+                                                                                overwrite=True)),
+                 30, "the overwrite by a client with the current map")
+        yield late.kv_pool(pool), current.kv_pool(pool), first, mid
+
+
+def test_a_writer_whose_map_calls_a_returned_copy_down_does_not_leave_it_behind(cl: LocalCluster) -> None:
+    """``replica:3``: a writer whose map still calls a returned daemon down
+    overwrites keys after a client with the current map did. Its put skips
+    that daemon's copy, which holds the current client's value and is
+    asked first by readers. Its daemons' maps call the whole group up, with
+    a later stamp than the writer's, so they refuse the put; the writer
+    refreshes its map and puts again, to all three copies. Before, the put
+    was acknowledged on two copies and readers asking the third got the
+    value it overwrote."""
+    with _late_client_through_a_return(cl, "r3ret") as (late, _current, first, mid):
+        last = {k: payload(k + "-last", 8 * KiB) for k in first}
+        assert late.batch_put(first, [last[k] for k in first], overwrite=True) == [True] * len(first)
+        assert late.stats()["cluster"].get("map_retries", 0) >= 1  # refused, refreshed, put again
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:  # asks the returned daemon first
+        got = {k: fresh.kv_pool("r3ret").get(k) for k in first}
+        lost = [k for k in first if got[k] != last[k]]
+        assert lost == [], (f"{len(lost)} of {len(first)} acknowledged overwrites unseen by a reader with the "
+                            f"current map ({sum(got[k] == mid[k] for k in lost)} returned the value they overwrote)")
+
+
+def test_a_delete_whose_map_calls_a_returned_copy_down_reaches_it(cl: LocalCluster) -> None:
+    """As above, with deletes: a deleter whose map calls the returned daemon
+    down skips its copy, which holds the current client's value. The other
+    daemons refuse; the deleter refreshes its map and deletes all three.
+    Before, the delete was acknowledged and readers asking the returned
+    daemon first still got the value."""
+    with _late_client_through_a_return(cl, "r3del") as (late, _current, first, _mid):
+        assert [late.delete(k) for k in first] == [True] * len(first)
+        assert late.stats()["cluster"].get("map_retries", 0) == 1  # the first refused; the map is current since
+    with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as fresh:
+        left = [k for k in first if fresh.kv_pool("r3del").get(k) is not None]
+        assert left == [], f"{len(left)} of {len(first)} acknowledged deletes undone for a reader with the current map"
+
+
 def _pinned_bytes(cl: LocalCluster, pool: str) -> dict[str, int]:
     """Bytes pinned in ``pool`` on each storage daemon, as last reported to meta."""
     async def get() -> dict[str, int]:

@@ -46,7 +46,13 @@ from tierfs.errors import (
 )
 from tierfs.kv.placement import group_of, jump_hash, jump_span, mapped_since, placement
 from tierfs.kv.tiers import Tier, TierStats, check_key, dest_view, source_view
-from tierfs.net.protocol import KV_OVERWRITE, KV_PIN_SHIFT, KV_STAMP_SHIFT, MAX_KV_EXISTS_KEYS
+from tierfs.net.protocol import (
+    KV_GROUP,
+    KV_OVERWRITE,
+    KV_PIN_SHIFT,
+    KV_STAMP_SHIFT,
+    MAX_KV_EXISTS_KEYS,
+)
 
 if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
@@ -399,9 +405,17 @@ class ClusterTier:
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             crc = crc32c(buf)  # once per object, not once per copy
             members, stamps = placement(route, key)
+            if route.copies > 1:
+                # Skipping a copy the map calls down: each copy gets the
+                # group stamp, so that a daemon whose map has that copy back
+                # (or replaced) refuses (docs/kv.md, "Writers that skip a copy").
+                grouped = flags | KV_GROUP | max(stamps) << KV_STAMP_SHIFT
+                for t in members:
+                    if not self.router.down(t):
+                        items.append((t, route.pool_id, key, buf, crc, grouped, ttl_ms))
+                        owner.append(i)
+                continue
             for t, stamp in zip(members, stamps, strict=True):
-                if self.router.down(t) and route.copies > 1:
-                    continue
                 items.append((t, route.pool_id, key, buf, crc, flags | stamp << KV_STAMP_SHIFT, ttl_ms))
                 owner.append(i)
         res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3)) if pin_ttl_ms == 0 else \
@@ -620,7 +634,8 @@ class ClusterTier:
         refreshed and the delete tried again (``_MAP_TRIES`` maps)."""
         route, existed, failed, error = await self._each_copy(
             key, "delete", lambda r, t, stamp: self.data.kv_delete(t, r.pool_id, key, timeout=self.timeout,
-                                                                   since=stamp))
+                                                                   since=stamp, group=r.copies != 1),
+            grouped=True)
         if failed and (route.copies > 0 or len(failed) >= route.k):
             raise UnavailableError(
                 f"KV delete of {key!r} in pool {route.name!r} did not reach target(s) {failed}, and the key "
@@ -629,18 +644,23 @@ class ClusterTier:
         return existed > 0
 
     async def _each_copy(self, key: bytes, what: str, call: Callable[[KVPoolRoute, int, int], Awaitable[bool]],
-                         reraise: tuple[type[TierFSError], ...] = ()) -> tuple[KVPoolRoute, int, list[int],
-                                                                                TierFSError | None]:
+                         reraise: tuple[type[TierFSError], ...] = (), grouped: bool = False,
+                         ) -> tuple[KVPoolRoute, int, list[int], TierFSError | None]:
         """``call(route, target, stamp)`` on every copy (or fragment) of
         ``key`` a get could be served from, skipping a target the map calls
         down in pools whose puts skip it too. Returns the route, how many
         calls answered True, the targets that failed and the first error. A
         daemon whose newer map places the key elsewhere refuses
         (StaleVersionError): the map is refreshed and every copy tried again
-        (``_MAP_TRIES`` maps)."""
+        (``_MAP_TRIES`` maps). ``grouped``: outside ``replica:1`` pools,
+        every call gets the group stamp (the latest of the group's
+        positions: docs/kv.md, "Writers that skip a copy") instead of its
+        copy's own."""
         for _ in range(_MAP_TRIES):
             route = await self.route()
             members, stamps = placement(route, key)
+            if grouped and route.copies != 1:
+                stamps = (max(stamps),) * len(stamps)
             hits, misplaced = 0, False
             failed: list[int] = []
             error: TierFSError | None = None
@@ -843,6 +863,7 @@ class ClusterTier:
             else:
                 frags = [b""] * (route.k + route.m)
             targets, stamps = placement(route, key)
+            grouped = flags | KV_GROUP | max(stamps) << KV_STAMP_SHIFT  # as in _copies_put
             items = []
             for j, frag in enumerate(frags):
                 if self.router.down(targets[j]):
@@ -850,8 +871,7 @@ class ClusterTier:
                 body = bytearray(len(frag) + _TRAILER.size)
                 body[:len(frag)] = frag
                 _TRAILER.pack_into(body, len(frag), crc, _ec_tail(n, j))
-                items.append((targets[j], route.pool_id, key, memoryview(body), None,
-                              flags | stamps[j] << KV_STAMP_SHIFT, ttl_ms))
+                items.append((targets[j], route.pool_id, key, memoryview(body), None, grouped, ttl_ms))
             res = await self.data.kv_put_batch(items, timeout=self._batch_deadline(items, 3))
             if any(isinstance(r, StaleVersionError) for r in res):
                 moved.append(idx)

@@ -36,6 +36,7 @@ from tierfs.net.protocol import (
     F_MORE,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_GROUP,
     KV_OPS,
     KV_SIZE_ONLY,
     KV_STAMP_SHIFT,
@@ -847,11 +848,14 @@ class DataClient:
         return [bool((v >> i) & 1) for i in range(len(keys))]
 
     async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
-                        since: int = 0) -> bool:
+                        since: int = 0, group: bool = False) -> bool:
         """Delete ``key`` there; ``since``: the placement stamp of the
         deleter's map for this copy (the daemon refuses, StaleVersionError,
-        when its newer map places the key elsewhere; 0: not checked)."""
-        hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
+        when its newer map places the key elsewhere; 0: not checked), or,
+        ``group``, its group stamp (KV_GROUP: refused also when the daemon's
+        map has a later one)."""
+        flags = since << KV_STAMP_SHIFT | (KV_GROUP if group and since else 0)
+        hdr, _ = await self._call(target, Op.KV_DELETE, (pool, 0, flags, 0), timeout,
                                   payload=memoryview(key))
         return bool(hdr.length)
 

@@ -30,10 +30,18 @@ KV ops reuse the header (``inode`` = pool id throughout):
                value); chunk = TTL in ms (0 none); fragment = flags
                (KV_OVERWRITE, pin kind << KV_PIN_SHIFT, and the writer's
                placement stamp << KV_STAMP_SHIFT); length = pin TTL ms.
+               With KV_GROUP set (writers of stop 34 on, in replica:N and
+               EC pools) the stamp is the writer's *group* stamp: the
+               latest placement stamp of any position in the key's group in
+               its map, since the writer may have skipped a position it
+               calls down (daemons up to stop 33 ignore the bit and take
+               the stamp as this position's).
                Reply: length = 1 stored, 0 already there (a no-op; an object
                there with an earlier stamp is replaced). Error
                STALE_VERSION: the daemon's map, newer than the writer's,
-               places the key in a group without this target (the writer
+               places the key in a group without this target, or (KV_GROUP)
+               has a later group stamp for it: a position the writer
+               skipped came back or was replaced since its map (the writer
                refreshes its map and puts again; stamp 0 is not checked).
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
@@ -57,6 +65,7 @@ KV ops reuse the header (``inode`` = pool id throughout):
                one request per target for a whole batch.
     KV_DELETE  payload = key; fragment >> KV_STAMP_SHIFT = the deleter's
                placement stamp (0: not checked; STALE_VERSION as for
+               KV_PUT), its group stamp when fragment has KV_GROUP (as for
                KV_PUT). Reply: length = 1 existed / 0 not.
     KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
                TTL ms; chunk = the pinner's placement stamp (0: not
@@ -96,6 +105,7 @@ __all__ = [
     "F_RESPONSE",
     "HEADER_FORMAT",
     "HEADER_SIZE",
+    "KV_GROUP",
     "KV_OPS",
     "KV_OVERWRITE",
     "KV_PIN_SHIFT",
@@ -166,6 +176,9 @@ MAX_KV_EXISTS_KEYS = 4096
 #: KV_PUT flag bits (in the ``fragment`` field).
 KV_OVERWRITE = 0x1
 KV_PIN_SHIFT = 1  # two bits: 0 none, 1 soft, 2 hard
+#: KV_PUT / KV_DELETE: the stamp is the writer's group stamp (the latest of
+#: its group's positions in the writer's map), not this position's own.
+KV_GROUP = 0x8
 #: KV_PUT / KV_GET / KV_EXISTS: the placement stamp in the flags word's
 #: bits 8-63 (older daemons read only the low bits)
 KV_STAMP_SHIFT = 8

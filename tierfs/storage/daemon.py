@@ -372,6 +372,7 @@ class StorageNode:
         await self._refresh_kv_pools()
         self.server.on_unknown_kv_pool = self._kv_pool_missing
         self.server.kv_gate = self._kv_gate
+        self.server.kv_group = self._kv_group
         self.server.kv_lease_ok = self._kv_lease_ok
         self.server.kv_settle = self._kv_settle
         self.registered.set()
@@ -684,6 +685,18 @@ class StorageNode:
             self._kv_gate_refresh()
             return asked
         return None
+
+    def _kv_group(self, pool_id: int, key: bytes) -> int:
+        """The latest placement stamp of any position in ``key``'s group in
+        this daemon's map (0: the pool is not known here). A writer whose
+        group stamp is older has a map from before a change to a position it
+        may have skipped (dataplane ``_kv_group_check``)."""
+        from tierfs.kv.placement import placement
+
+        route = self._kv_routes.get(pool_id)
+        if route is None or not route.groups:
+            return 0
+        return max(placement(route, key)[1])
 
     def _kv_gate_refresh(self) -> None:
         if self._kv_gate_task is None or self._kv_gate_task.done():

@@ -53,6 +53,7 @@ from tierfs.net.protocol import (
     ALL,
     F_RESPONSE,
     HEADER_SIZE,
+    KV_GROUP,
     KV_OPS,
     KV_OVERWRITE,
     KV_PIN_SHIFT,
@@ -89,6 +90,10 @@ _COUNTERS = (
     # key in another group (the client's map is older: it refreshes and
     # tries again).
     "kv_puts_misplaced", "kv_deletes_misplaced", "kv_pins_misplaced",
+    # KV puts and deletes refused because the writer's group stamp is older
+    # than this daemon's for the key's group: a copy the writer skipped (its
+    # map calls it down) came back or was replaced since.
+    "kv_group_behind",
     # KV map leases (docs/kv.md, "Map leases"): gets and exists answered as
     # misses without a lease, requests refused when it ran out, requests
     # whose key's placement changed while they ran.
@@ -478,7 +483,10 @@ class _ServerConnection(FrameProtocol):
                 flags = hdr.fragment
                 stamp = asked = flags >> KV_STAMP_SHIFT
                 gate = self.server.kv_gate
+                grouped = bool(flags & KV_GROUP)
                 if gate is not None and stamp:
+                    if grouped:
+                        self._kv_group_check(pool, key, asked, "put")
                     # A writer whose map is older than a change that moved the
                     # key would leave its value where no up-to-date reader
                     # looks, and those readers would go on finding an older
@@ -497,7 +505,7 @@ class _ServerConnection(FrameProtocol):
                                       ttl_ms=hdr.chunk, pin=(flags >> KV_PIN_SHIFT) & 3, pin_ttl_ms=hdr.length,
                                       stamp=stamp)
                 if gate is not None and stamp:
-                    self._kv_still(pool, hdr.target, key, asked, stamp)
+                    self._kv_still(pool, hdr.target, key, asked, stamp, grouped=grouped)
                 self._reply(hdr, length=1 if stored else 0)
                 return
             if payload is None:
@@ -559,8 +567,11 @@ class _ServerConnection(FrameProtocol):
                 self.counters["kv_deletes"] += 1
                 stamp = hdr.fragment >> KV_STAMP_SHIFT
                 gate = self.server.kv_gate
+                grouped = bool(hdr.fragment & KV_GROUP)
                 need = None
                 if gate is not None and stamp:
+                    if grouped:
+                        self._kv_group_check(pool, bytes(payload), stamp, "delete")
                     need = await self._kv_admit(pool, hdr.target, bytes(payload), stamp)
                     if need is None:
                         # As for a put: a deleter with an older map would leave
@@ -571,7 +582,7 @@ class _ServerConnection(FrameProtocol):
                             "which is newer than the deleter's; refresh the map and delete again")
                 existed = await kv.delete(pool, tenant_key(tenant, bytes(payload)))
                 if need is not None:
-                    self._kv_still(pool, hdr.target, bytes(payload), stamp, need)
+                    self._kv_still(pool, hdr.target, bytes(payload), stamp, need, grouped=grouped)
                 self._reply(hdr, length=1 if existed else 0)
             elif op == Op.KV_PIN:  # pragma: no branch
                 self.counters["kv_pins"] += 1
@@ -634,15 +645,37 @@ class _ServerConnection(FrameProtocol):
             need = again
         raise UnavailableError(f"KV pool {pool}: the key's placement kept changing; try again")
 
-    def _kv_still(self, pool: int, target: int, key: bytes, asked: int, stamp: int) -> None:
+    def _kv_group_check(self, pool: int, key: bytes, asked: int, what: str) -> None:
+        """A put or delete whose stamp is the writer's group stamp
+        (KV_GROUP): refuse it when this daemon's map has a later one for the
+        key's group. The writer's map is then older than a change to a
+        position it may have skipped (a target it calls down came back, or
+        was replaced), which would keep the value it overwrote, or deleted,
+        and serve it to readers that ask there first (docs/kv.md, "Writers
+        that skip a copy")."""
+        group = self.server.kv_group
+        if group is None:
+            return
+        latest = group(pool, key)
+        if asked < latest:
+            self.counters["kv_group_behind"] += 1
+            raise StaleVersionError(
+                f"KV pool {pool}: the key's group changed at map version {latest}, after the "
+                f"{'writer' if what == 'put' else 'deleter'}'s map "
+                f"(group stamp {asked}): a copy it skipped is back or was replaced; refresh the map and {what} again")
+
+    def _kv_still(self, pool: int, target: int, key: bytes, asked: int, stamp: int, *, grouped: bool = False) -> None:
         """After a put or delete ran: acknowledge it only if the daemon's map
-        still places the key here with no later stamp and the lease held
-        throughout (the copy acted on would otherwise be one no reader
-        looks for). The copy stays; the writer is told to try again."""
+        still places the key here with no later stamp (nor, ``grouped``, a
+        later group stamp than the writer's) and the lease held throughout
+        (the copy acted on would otherwise be one no reader looks for, or
+        one beside a skipped copy that holds another value). The copy stays;
+        the writer is told to try again."""
         gate = self.server.kv_gate
         assert gate is not None
         need = gate(pool, target, key, asked)
-        if need is None or need > stamp:
+        group = self.server.kv_group
+        if need is None or need > stamp or (grouped and group is not None and group(pool, key) > asked):
             self.counters["kv_moved_during"] += 1
             raise StaleVersionError(f"KV pool {pool}: the key's placement changed while the request ran on "
                                     f"target {target}; refresh the map and try again")
@@ -762,6 +795,9 @@ class DataPlaneServer:
         #: leases"), and a wait until a stamp may be taken (raises
         #: UnavailableError when it cannot be soon); None: not checked.
         self.kv_lease_ok: Callable[[], bool] | None = None
+        #: (pool, key) -> the daemon's group stamp for the key: the latest
+        #: placement stamp of any position in its group (0: not known).
+        self.kv_group: Callable[[int, bytes], int] | None = None
         self.kv_settle: Callable[[int], Awaitable[None]] | None = None
         self.limits = limits
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
