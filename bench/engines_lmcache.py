@@ -26,6 +26,12 @@ Backends (each started by this script, on loopback):
 * ``resp``: the same redis-server through LMCache's native RESP client
   (``remote_url: resp://...``), LMCache's fastest Redis path.
 
+Each backend runs in a process of its own (``--child``): LMCache keeps
+engines, connectors and their threads per process, and a backend that
+stalls (its connectors cannot be closed: see ``destroy``) must not stall or
+slow the next one. Before, a RESP run after the Redis one hung in
+``retrieve`` (2026-12-04) while it ran alone in 0.56 s.
+
 TTFT saved = the prefill it replaces (tokens / a stated prefill rate) minus
 the load time. Writes ``bench/results/engines_lmcache.{json,md}``.
 
@@ -85,7 +91,6 @@ def _k(rate: int) -> str:
     return f"{rate / 1000:g}k"
 #: Seconds one backend may take (store, wait, loads) before it is reported hung.
 BACKEND_BUDGET_S = 90
-HUNG: list[str] = []
 
 
 class CPUKVConnector(GPUConnectorInterface):  # type: ignore[misc]
@@ -159,10 +164,21 @@ def backend_config(name: str, meta: str, pool: str, redis_port: int) -> dict[str
             "remote_storage_plugin.tierfs.meta": meta, "remote_storage_plugin.tierfs.pool": pool,
             "remote_storage_plugin.tierfs.transport": name.split("-", 1)[1]}}
     if name == "redis":
-        return {"remote_url": f"redis://127.0.0.1:{redis_port}", "remote_serde": "naive"}
+        # redis-py 6 and later time a socket write out after 5 s by default
+        # (before: never). LMCache's RedisConnector sends a whole prefix's
+        # chunks at once (16 x 32 MiB here), which a loaded 2-core host does
+        # not drain in 5 s: the put failed ("Timeout writing to socket"), and
+        # LMCache's retrieve then waited on it for ever. The URL's own
+        # socket_timeout (redis-py parses it) gives it the time it needs.
+        return {"remote_url": f"redis://127.0.0.1:{redis_port}?socket_timeout={REDIS_SOCKET_TIMEOUT_S}",
+                "remote_serde": "naive"}
     # LMCache's RESP client stores raw chunks without metadata, so it refuses save_chunk_meta.
     return {"remote_url": f"resp://127.0.0.1:{redis_port}", "remote_serde": "naive",
             "extra_config": {"save_chunk_meta": False}}
+
+
+#: Socket timeout for LMCache's redis-py connections (see backend_config).
+REDIS_SOCKET_TIMEOUT_S = 60
 
 
 class Hung(Exception):
@@ -233,8 +249,7 @@ def run_backend(name: str, cfg: dict[str, Any], tokens: torch.Tensor, kv: torch.
     finally:
         signal.alarm(0)
     if isinstance(row.get("error"), str) and row["error"].startswith("Hung"):
-        HUNG.append(name)  # its threads are stuck: leave its engines, exit hard at the end
-        return row
+        return row  # its threads are stuck: leave its engines (the process exits hard)
     for iid in (w_id, r_id):
         if LMCacheEngineBuilder.get(iid) is not None:
             destroy(iid)
@@ -325,6 +340,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="prefix length (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default=",".join(BACKENDS))
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # one backend, in this process
+    ap.add_argument("--meta", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--pool", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--redis-port", type=int, default=0, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.tokens % CHUNK:
         ap.error(f"--tokens must be a multiple of {CHUNK}")
@@ -333,10 +352,8 @@ def main() -> None:
         if b not in BACKENDS:
             ap.error(f"unknown backend {b!r} ({', '.join(BACKENDS)})")
     nbytes = ns.tokens * TOKEN_BYTES
-    cpu_gb = (nbytes + 128 * MiB) / 1024**3
-    tokens = torch.arange(10_000, 10_000 + ns.tokens)
-    kv = torch.randint(-(1 << 15), 1 << 15, (2, LAYERS, ns.tokens, KV_HEADS * HEAD_DIM),
-                       dtype=torch.int16).view(torch.bfloat16)
+    if ns.child:
+        child(ns, nbytes)
     tmp = Path(tempfile.mkdtemp(prefix="bench-lmcache-"))
     # `timeout` and Ctrl-C stop the daemons and redis-server too (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -371,7 +388,7 @@ def main() -> None:
                 # whole prefix, so placement skew never pushes a chunk to disk.
                 create_kv_pool(cluster.meta_addrs, pool_b, memory=nbytes + 64 * MiB)
             print(f"[{b}] ...", flush=True)
-            row = run_backend(b, backend_config(b, meta, pool_b, port), tokens, kv, ns.reps, cpu_gb)
+            row = run_child(b, meta, pool_b, port, ns)
             print(f"[{b}] {json.dumps(row)}", flush=True)
             res["rows"].append(row)
     finally:
@@ -383,10 +400,41 @@ def main() -> None:
     (RESULTS / "engines_lmcache.json").write_text(json.dumps(res, indent=1) + "\n")
     (RESULTS / "engines_lmcache.md").write_text(markdown(res))
     print(markdown(res))
-    if HUNG:
-        # A hung backend's LMCache threads never finish; the results are written.
-        sys.stdout.flush()
-        os._exit(0)
+
+
+def child(ns: argparse.Namespace, nbytes: int) -> None:
+    """``--child B``: run backend B alone, print its row, and exit hard
+    (LMCache's threads of a dropped connector never finish)."""
+    cpu_gb = (nbytes + 128 * MiB) / 1024**3
+    tokens = torch.arange(10_000, 10_000 + ns.tokens)
+    kv = torch.randint(-(1 << 15), 1 << 15, (2, LAYERS, ns.tokens, KV_HEADS * HEAD_DIM),
+                       dtype=torch.int16).view(torch.bfloat16)
+    row = run_backend(ns.child, backend_config(ns.child, ns.meta, ns.pool, ns.redis_port), tokens, kv, ns.reps,
+                      cpu_gb)
+    print(_ROW + json.dumps(row), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_ROW = "ROW "
+
+
+def run_child(name: str, meta: str, pool: str, redis_port: int, ns: argparse.Namespace) -> dict[str, Any]:
+    """Backend ``name`` in a process of its own (see the module's docstring):
+    its row, or one that says how the process failed."""
+    cmd = [sys.executable, "-m", "bench.engines_lmcache", "--child", name, "--meta", meta, "--pool", pool,
+           "--redis-port", str(redis_port), "--tokens", str(ns.tokens), "--reps", str(ns.reps)]
+    limit = BACKEND_BUDGET_S + 60  # the child's own alarm fires first
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=limit,
+                              cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return {"backend": name, "error": f"Hung: its process did not finish within {limit} s"}
+    rows = [ln[len(_ROW):] for ln in proc.stdout.splitlines() if ln.startswith(_ROW)]
+    if not rows:
+        return {"backend": name, "error": f"its process exited with {proc.returncode} and no result (stderr above)"}
+    row: dict[str, Any] = json.loads(rows[-1])
+    return row
 
 
 if __name__ == "__main__":
