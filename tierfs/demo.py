@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"\ndemo failed: {type(exc).__name__}: {exc}")
         rc = 1
     data = ns.data
+    from tierfs.cli.cluster import exports
+
+    exported = exports(cl).replace("\n", "\n    ")
     hint = ("\n(From this directory the CLI also finds ./.tierfs/cluster.toml without the export.)"
             if os.path.abspath(ns.data) == os.path.abspath("./.tierfs") else "")
     if ns.stop:
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _say(f"""
 The cluster keeps running. Use it:
-    export TIERFS_META={','.join(cl.meta_addrs)}
+    {exported}
     .venv/bin/tierfs ls -l /demo/checkpoint
     .venv/bin/tierfs put ./some-file /demo/      # and get, cat, stat, mkdir, rm, mv
     .venv/bin/tierfs status{hint}

@@ -79,7 +79,14 @@ def test_up_twice_reuses_the_running_cluster(cluster: dict[str, Any]) -> None:
     pids = LocalCluster.open(cluster["data_dir"]).running()
     r = _cli("up", "--data", cluster["data_dir"])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == cluster["export"] == f"export TIERFS_META={','.join(cluster['meta'])}"
+    token = Path(cluster["data_dir"]).resolve() / "admin.token"
+    assert r.stdout.strip() == cluster["export"] == (f"export TIERFS_META={','.join(cluster['meta'])}\n"
+                                                     f"export TIERFS_TOKEN_FILE={token}")
+    # eval'd in a shell elsewhere, with no credential of its own, the lines are enough for the CLI
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFS_")}
+    sh = subprocess.run(["bash", "-c", f'eval "$1" && exec {sys.executable} -m tierfs.cli ls /', "-", r.stdout],
+                        env=env, cwd="/", capture_output=True, text=True, timeout=30)
+    assert sh.returncode == 0, sh.stderr
     assert "already running" in r.stderr
     again = LocalCluster.open(cluster["data_dir"])
     assert again.running() == pids and all(pids.values())

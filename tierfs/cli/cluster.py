@@ -7,6 +7,7 @@ returns plain data; :mod:`tierfs.cli.main` prints it."""
 from __future__ import annotations
 
 import asyncio
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,6 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
     cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage or 6, targets_per_node=targets_per_node, tls=tls)
     added = cl.grow(n_storage) if cl.reused and n_storage and n_storage > cl.counts["storage"] else []
     started = cl.up(timeout=timeout)
-    meta = ",".join(cl.meta_addrs)
     return {
         "data_dir": str(cl.dir),
         "meta": cl.meta_addrs,
@@ -53,8 +53,23 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
         "tls_ca": str(cl.tls_dir / "ca.pem") if cl.tls else "",
         # Prometheus endpoints of the meta replicas (deploy/grafana/tierfs.json)
         "metrics": cl.metrics_addrs,
-        "export": f"export TIERFS_META={meta}",
+        "export": exports(cl),
     }
+
+
+def exports(cl: LocalCluster) -> str:
+    """The shell lines that point the CLI and clients at ``cl`` from any
+    directory: its meta addresses, its admin token and, with TLS, its CA
+    and client certificate (absolute paths). Without the token line a
+    shell outside the data directory's parent got "no credential"."""
+    env = {"TIERFS_META": ",".join(cl.meta_addrs), "TIERFS_TOKEN_FILE": str(cl.admin_token_file.resolve())}
+    if cl.tls:
+        from tierfs.tls import CA_FILE, CLIENT_NAME
+
+        tls = cl.tls_dir.resolve()
+        env |= {"TIERFS_TLS_CA": str(tls / CA_FILE), "TIERFS_TLS_CERT": str(tls / f"{CLIENT_NAME}.pem"),
+                "TIERFS_TLS_KEY": str(tls / f"{CLIENT_NAME}.key")}
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
 
 
 def cluster_down(data_dir: str, *, timeout: float = 15.0) -> dict[str, Any]:
