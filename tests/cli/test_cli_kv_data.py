@@ -107,6 +107,7 @@ def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -
         time.sleep(0.3)
     rc, out, _ = cli(meta, "kv", "stats")
     assert rc == 0 and "pool default (replica:1)" in out and "  target " in out
+    assert "last reported at their heartbeats" in out  # says why a put made just now may not show
     _, out, _ = cli(meta, "status", "--json")
     st = json.loads(out)
     default = next(p for p in st["kv_pools"] if p["name"] == "default")

@@ -158,6 +158,10 @@ def render_stats(r: dict[str, Any]) -> str:
             lines.append(f"  target {t['id']}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
                          f"{human_size(t['disk_used'])} disk, hits {t['hits']}, misses {t['misses']}, "
                          f"evictions {t['evictions']}")
+    if lines:
+        # Meta knows what the daemons said in their last heartbeats (every
+        # second by default): a put made just now may not show yet.
+        lines.append("(as the storage daemons last reported at their heartbeats: a few seconds behind at most)")
     return "\n".join(lines) or "no KV pools"
 
 
