@@ -222,6 +222,11 @@ def test_expected_errors_are_one_line_and_exit_1(cli: Run, tmp_path: Path) -> No
     rc, _, err = cli("put", str(tmp_path / "missing"), "/nope")
     assert rc == 1 and "cannot read local file" in err and "missing" in err
     assert cli("stat", "/nope")[0] == 1  # a failed put creates nothing
+    (tmp_path / "present").write_bytes(b"x")
+    for dest in ("/nodir/", "/nodir/f"):  # as cp: no directory is made, and the error says how to make it
+        rc, _, err = cli("put", str(tmp_path / "present"), dest)
+        assert rc == 1 and "/nodir: no such directory" in err and "tierfs mkdir -p /nodir" in err, err
+    assert cli("stat", "/nodir")[0] == 1
     rc, _, err = cli("set-layout", "/", "--redundancy", "ec:4")
     assert rc == 1 and "ec:K+M" in err and "Traceback" not in err
     rc, _, err = cli("set-layout", "/", "--chunk-size", "3MiB")

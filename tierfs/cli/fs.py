@@ -98,7 +98,13 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
     done = 0
     t0 = time.perf_counter()
     try:
-        f = await client.open(tmp, "xb")
+        try:
+            f = await client.open(tmp, "xb")
+        except NotFoundError:
+            if parent in ("", "/") or await client.exists(parent):
+                raise
+            # As cp: no directory is made. Say how to make it.
+            raise NotFoundError(f"{parent}: no such directory (make it first: tierfs mkdir -p {parent})") from None
         try:
             if progress:
                 progress(0, total)
