@@ -227,6 +227,23 @@ def test_expected_errors_are_one_line_and_exit_1(cli: Run, tmp_path: Path) -> No
         rc, _, err = cli("put", str(tmp_path / "present"), dest)
         assert rc == 1 and "/nodir: no such directory" in err and "tierfs mkdir -p /nodir" in err, err
     assert cli("stat", "/nodir")[0] == 1
+    rc, _, err = cli("mkdir", "/nodir/sub")
+    assert rc == 1 and "mkdir -p makes the missing parents too" in err, err
+
+
+def test_mkdir_and_rm_take_several_paths_and_go_on_past_a_failure(cli: Run) -> None:
+    assert cli("mkdir", "-p", "/many/a", "/many/b/c", "/many/d") == (0, "", "")
+    rc, out, _ = cli("ls", "/many")
+    assert rc == 0 and out.split() == ["a/", "b/", "d/"]
+    rc, out, err = cli("mkdir", "/many/e", "/many/a", "/many/f")  # /many/a exists: the others are made
+    assert rc == 1 and err.count("tierfs: ") == 1 and "/many/a" in err, err
+    assert cli("ls", "/many")[1].split() == ["a/", "b/", "d/", "e/", "f/"]
+    rc, out, err = cli("rm", "/many/a", "/many/b", "/many/d", "--json")  # /many/b is not empty
+    r = json.loads(out)
+    assert rc == 1 and [x["path"] for x in r["results"]] == ["/many/a", "/many/d"], out
+    assert [e["path"] for e in r["errors"]] == ["/many/b"] and "rm -r" in err, err
+    assert cli("rm", "-r", "/many/b", "/many/e", "/many/f") == (0, "", "")
+    assert cli("ls", "/many")[1].split() == []
     rc, _, err = cli("set-layout", "/", "--redundancy", "ec:4")
     assert rc == 1 and "ec:K+M" in err and "Traceback" not in err
     rc, _, err = cli("set-layout", "/", "--chunk-size", "3MiB")

@@ -14,7 +14,7 @@ import posixpath
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 from tierfs.client import AsyncClient, FileStat
@@ -257,8 +257,28 @@ async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
 
 
 async def mkdir(client: AsyncClient, path: str, *, parents: bool = False) -> dict[str, Any]:
-    await client.mkdir(path, parents=parents, exist_ok=parents)
+    try:
+        await client.mkdir(path, parents=parents, exist_ok=parents)
+    except NotFoundError as exc:
+        if parents:
+            raise
+        raise NotFoundError(f"{exc} (mkdir -p makes the missing parents too)") from None
     return {"path": path, "created": True}
+
+
+async def each(client: AsyncClient, fn: Callable[..., Awaitable[dict[str, Any]]], paths: Sequence[str],
+               **kw: Any) -> dict[str, Any]:
+    """``fn(client, path, **kw)`` for each path in order (``mkdir`` and
+    ``rm`` of several paths): every path is tried; the results, and the
+    failures as ``{"path", "code", "message"}``."""
+    results: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            results.append(await fn(client, path, **kw))
+        except TierFSError as exc:
+            errors.append({"path": path, "code": exc.code_name, "message": str(exc)})
+    return {"results": results, "errors": errors}
 
 
 async def rm(client: AsyncClient, path: str, *, recursive: bool = False) -> dict[str, Any]:

@@ -126,11 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-l", dest="long", action="store_true", help="long format")
     p = cmd("stat", "attributes and layout of a file or directory")
     p.add_argument("path")
-    p = cmd("mkdir", "make a directory")
-    p.add_argument("path")
+    p = cmd("mkdir", "make directories")
+    p.add_argument("path", nargs="+")
     p.add_argument("-p", dest="parents", action="store_true", help="make parents; no error if it exists")
-    p = cmd("rm", "remove a file or an empty directory")
-    p.add_argument("path")
+    p = cmd("rm", "remove files or empty directories")
+    p.add_argument("path", nargs="+")
     p.add_argument("-r", dest="recursive", action="store_true", help="remove a directory and its contents")
     p = cmd("mv", "rename or move")
     p.add_argument("src")
@@ -534,12 +534,19 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         s = _client_call(ns, env, fs.stat, ns.path)
         emit(s, _stat_text(s))
         return EXIT_OK
-    if c == "mkdir":
-        emit(_client_call(ns, env, fs.mkdir, ns.path, parents=ns.parents), None)
-        return EXIT_OK
-    if c == "rm":
-        emit(_client_call(ns, env, fs.rm, ns.path, recursive=ns.recursive), None)
-        return EXIT_OK
+    if c in ("mkdir", "rm"):
+        one: Callable[..., Coroutine[Any, Any, dict[str, Any]]] = fs.mkdir if c == "mkdir" else fs.rm
+        kw = {"parents": ns.parents} if c == "mkdir" else {"recursive": ns.recursive}
+        if len(ns.path) == 1:
+            emit(_client_call(ns, env, one, ns.path[0], **kw), None)
+            return EXIT_OK
+        # Several paths, in order, as mkdir(1) and rm(1) do: one failing does
+        # not stop the others; each failure gets its line, and the exit is 1.
+        r = _client_call(ns, env, fs.each, one, ns.path, **kw)
+        for e in r["errors"]:
+            err.write(f"tierfs: {e['message']}\n")
+        emit(r, None)
+        return EXIT_FAILED if r["errors"] else EXIT_OK
     if c == "mv":
         emit(_client_call(ns, env, fs.mv, ns.src, ns.dst), None)
         return EXIT_OK
