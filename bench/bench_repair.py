@@ -36,6 +36,12 @@ network): the issue's target is >= 0.5 for the rebuild. The rebuild is also
 reported against its own I/O pattern on the raw disk (how close to this
 machine's hardware it gets).
 
+The file is 4 GiB in a full run (768 MiB rebuilt, a few seconds), 256 MiB
+with ``--quick``: at 1 GiB (the size until 2026-12-04) the rebuild took
+about a second on a fast disk, and the map change and the workers' first
+poll were a large share of it (0.43 of the I/O ceiling against 0.90-1.05
+at 4 GiB; docs/repair.md, Round 5).
+
     python -m bench.bench_repair [--quick] [--mib N]
 """
 
@@ -301,7 +307,7 @@ async def _scenario(cl: LocalCluster, size: int) -> dict[str, Any]:
 
 
 def run(quick: bool, mib: int = 0) -> dict[str, Any]:
-    size = (mib or (256 if quick else 1024)) * MiB
+    size = (mib or (256 if quick else 4096)) * MiB
     load0 = os.getloadavg()[0]
     raw = _raw_decode(1.0 if quick else 3.0)
     net = _raw_network((256 if quick else 1024) * MiB)
