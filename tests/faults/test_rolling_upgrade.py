@@ -44,7 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "2702af0728d99009e86469acf7ebb78d30c79342"
+PREVIOUS = "354f6ac7880d26e639b4a7b3b412f4331e5287d9"
 
 REPO = Path(__file__).resolve().parents[2]
 
