@@ -253,3 +253,20 @@ def test_drain_then_rm_never_degrades(cluster: LocalCluster) -> None:
     assert all(g["state"] == "healthy" for g in st["groups"])
     asyncio.run(_check(cluster, files))
     _kill_two_and_read(cluster, {name}, files)
+
+
+@pytest.mark.timeout(90)
+def test_rebuild_starts_when_the_map_changes_not_at_the_next_poll(tmp_path: Path) -> None:
+    # The workers poll only every 600 s here: the rebuild can only start
+    # because each daemon's map watch sees the target's removal.
+    cl = start(tmp_path / "c", n_storage=7, storage_args=("--rebuild-interval=600",))
+    try:
+        files = asyncio.run(_write(cl))
+        cmap = asyncio.run(map_now(cl))
+        tid = _node_of(cmap, cl, "storage-2").target_ids[0]
+        code, out, err = _cli(cl, "target", "rm", str(tid))
+        assert code == 0 and out["groups_stuck"] == [], (code, out, err)
+        asyncio.run(wait_map(cl, _whole({tid}), 45, "the removed target's groups to be rebuilt without a poll"))
+        _kill_two_and_read(cl, {"storage-2"}, files)
+    finally:
+        cl.stop()

@@ -64,7 +64,7 @@ class StorageConfig(BaseConfig):
     rebuild_rate: int = field(
         256 << 20, "Bytes per second the rebuild worker fetches from peers (0: unlimited).", kind="size"
     )
-    rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild.", kind="duration")
+    rebuild_interval: float = field(2.0, "How often the rebuild worker looks for groups to rebuild (it also looks at once when the cluster map changes).", kind="duration")
     rebuild_concurrency: int = field(
         16, "Fragments this node rebuilds at once, over all groups and the repair queue (each holds K fetched "
         "fragments in pooled buffers meanwhile: 16 x 5 x 1.25 MiB for ec:4+2 with 4 MiB chunks).")

@@ -661,6 +661,8 @@ class StorageNode:
             # Tell meta at once (the next beat): a change takes effect for KV
             # once every leased node has its map.
             self._hb_wake.set()
+            if self.repairer is not None:
+                self.repairer.map_changed()  # a group to rebuild starts now, not at the next poll
         self._kv_map_version = int(cmap.version)
 
     def _kv_gate(self, pool_id: int, target: int, key: bytes, asked: int) -> int | None:

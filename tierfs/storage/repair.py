@@ -360,6 +360,7 @@ class Repairer:
         self.queue_pending = 0
         self.queue_error = ""
         self._wake = asyncio.Event()
+        self._rebuild_wake = asyncio.Event()
 
     @property
     def engines(self) -> dict[int, ChunkEngine]:
@@ -887,16 +888,24 @@ class Repairer:
                  prog.bytes, prog.finished - prog.started)
         return True
 
+    def map_changed(self) -> None:
+        """The cluster map changed (the daemon's map watch saw it): look
+        for groups to rebuild now rather than at the next poll."""
+        self._rebuild_wake.set()
+
     async def run(self) -> None:
-        """The rebuild worker: poll the cluster map, rebuild, repeat."""
+        """The rebuild worker: read the cluster map, rebuild, repeat every
+        ``poll_interval`` or at once when the map changes (:meth:`map_changed`)."""
         while True:
+            self._rebuild_wake.clear()
             try:
                 await self.rebuild_once()
             except TierFSError as exc:
                 log.warning("rebuild round failed: %s", exc)
             except Exception:  # a bug must not stop the worker (nor the node's other loops)
                 log.exception("rebuild round failed")
-            await asyncio.sleep(self.poll_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rebuild_wake.wait(), self.poll_interval)
 
     def status(self) -> list[GroupProgress]:
         return [self.progress[k] for k in sorted(self.progress)]
