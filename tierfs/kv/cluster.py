@@ -696,9 +696,15 @@ class ClusterTier:
         newer map places the key elsewhere refuses: the map is refreshed and
         the pin tried again (``_MAP_TRIES`` maps)."""
         what = "unpin" if kind == 0 else "pin"
-        route, held, failed, error = await self._each_copy(
-            key, what, lambda r, t, stamp: self.data.kv_pin(t, r.pool_id, key, kind, ttl_ms, timeout=self.timeout,
-                                                            since=stamp), reraise=(NoSpaceError,))
+
+        def call(r: KVPoolRoute, t: int, stamp: int) -> Awaitable[bool]:
+            # Outside replica:1 the group stamp too: a pin that skips a copy
+            # its map calls down is refused where the daemon's map says that
+            # copy came back since (as for puts and deletes).
+            group = max(placement(r, key)[1]) if r.copies != 1 else 0
+            return self.data.kv_pin(t, r.pool_id, key, kind, ttl_ms, timeout=self.timeout, since=stamp, group=group)
+
+        route, held, failed, error = await self._each_copy(key, what, call, reraise=(NoSpaceError,))
         enough = held >= (1 if route.copies else route.k)
         if failed and (kind == 0 or not enough):
             raise UnavailableError(

@@ -860,10 +860,13 @@ class DataClient:
         return bool(hdr.length)
 
     async def kv_pin(self, target: int, pool: int, key: bytes, kind: int, ttl_ms: int = 0, *,
-                     timeout: float | None = None, since: int = 0) -> bool:
+                     timeout: float | None = None, since: int = 0, group: int = 0) -> bool:
         """Pin (kind 1 soft, 2 hard) or unpin (kind 0) ``key``; False if
-        absent. ``since``: as for :meth:`kv_delete`."""
-        hdr, _ = await self._call(target, Op.KV_PIN, (pool, since, kind, 0), timeout, length=ttl_ms,
+        absent. ``since``: the placement stamp of the pinner's map for this
+        copy, as for :meth:`kv_delete`; ``group``: its group stamp (the
+        daemon refuses, StaleVersionError, when its map has a later one;
+        0: not checked)."""
+        hdr, _ = await self._call(target, Op.KV_PIN, (pool, since, kind, group), timeout, length=ttl_ms,
                                   payload=memoryview(key))
         return bool(hdr.length)
 

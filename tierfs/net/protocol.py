@@ -70,7 +70,10 @@ KV ops reuse the header (``inode`` = pool id throughout):
     KV_PIN     payload = key; fragment = pin kind (0 = unpin); length = pin
                TTL ms; chunk = the pinner's placement stamp (0: not
                checked; STALE_VERSION as for KV_DELETE; daemons up to
-               stop 31 ignore it). Reply: length = 1 found / 0 not.
+               stop 31 ignore it); fversion = the pinner's group stamp
+               (clients of stop 35 on, outside replica:1; 0: not checked;
+               STALE_VERSION as for a KV_DELETE with KV_GROUP; daemons up
+               to stop 34 ignore it). Reply: length = 1 found / 0 not.
 
 Capabilities (docs/security-caps.md): a storage daemon that requires them
 serves a request only under a capability meta signed.

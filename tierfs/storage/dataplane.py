@@ -587,6 +587,10 @@ class _ServerConnection(FrameProtocol):
             elif op == Op.KV_PIN:  # pragma: no branch
                 self.counters["kv_pins"] += 1
                 gate = self.server.kv_gate
+                if gate is not None and hdr.chunk and hdr.fversion:
+                    # The pinner's group stamp (clients of stop 35 on, outside
+                    # replica:1): as for a grouped delete.
+                    self._kv_group_check(pool, bytes(payload), hdr.fversion, "pin")
                 if gate is not None and hdr.chunk and await self._kv_admit(pool, hdr.target, bytes(payload),
                                                                            hdr.chunk) is None:
                     # As for a delete: a pinner with an older map would pin a
@@ -661,7 +665,7 @@ class _ServerConnection(FrameProtocol):
             self.counters["kv_group_behind"] += 1
             raise StaleVersionError(
                 f"KV pool {pool}: the key's group changed at map version {latest}, after the "
-                f"{'writer' if what == 'put' else 'deleter'}'s map "
+                f"{ {'put': 'writer', 'delete': 'deleter'}.get(what, 'pinner')}'s map "
                 f"(group stamp {asked}): a copy it skipped is back or was replaced; refresh the map and {what} again")
 
     def _kv_still(self, pool: int, target: int, key: bytes, asked: int, stamp: int, *, grouped: bool = False) -> None:
