@@ -299,6 +299,29 @@ def test_namespace(client: Client) -> None:
         client.open("/adir/missing", "r+b")
 
 
+def test_bad_arguments_get_clear_errors_and_change_nothing(client: Client) -> None:
+    """Inputs a user can type: the root directory to ``rm -r`` (before,
+    every file went and then the root's own rmdir failed), and numbers out
+    of their field's range (before, protobuf's bare "Value out of range: -1",
+    and a traceback from the CLI)."""
+    client.mkdir("/bad/sub", parents=True)
+    client.write_bytes("/bad/sub/f", b"kept")
+    for root in ("/", "//", "/bad/.."):
+        with pytest.raises(InvalidArgumentError, match="refusing to remove the root directory"):
+            client.rm(root, recursive=True)
+    assert client.read_bytes("/bad/sub/f") == b"kept"
+    with pytest.raises(InvalidArgumentError, match="truncate: size -1 is out of range"):
+        client.truncate("/bad/sub/f", -1)
+    with pytest.raises(InvalidArgumentError, match="size 18446744073709551616 is out of range"):
+        client.truncate("/bad/sub/f", 1 << 64)
+    assert client.read_bytes("/bad/sub/f") == b"kept"
+    with pytest.raises(InvalidArgumentError, match="chunk_size -1 is out of range"):
+        client.set_layout("/bad", chunk_size=-1)
+    with pytest.raises(InvalidArgumentError, match="mode -1 is out of range"):
+        client.mkdir("/bad/m", mode=-1)
+    assert client.ls("/bad") == ["sub"]
+
+
 def _fragment_files(cluster: LocalCluster, inode: int, chunk: int, fragment: int) -> list[str]:
     name = f"{chunk:x}.{fragment:x}.*"
     return glob.glob(str(cluster.dir / "storage-*" / "t*" / "frags" / f"{inode & 0xff:02x}" / f"{inode:016x}" / name))

@@ -31,7 +31,7 @@ from fsspec.tests.abstract import (
 
 import tierfs.integrations.fsspec as tfs_mod
 from tierfs.client import AsyncClient, Client
-from tierfs.errors import ConfigError
+from tierfs.errors import ConfigError, InvalidArgumentError
 from tierfs.integrations.fsspec import TierFSFileSystem
 from tierfs.local import LocalCluster
 
@@ -435,6 +435,13 @@ def test_mv_rm_and_trees(tfs: TierFSFileSystem) -> None:
     tfs.rm("/deep/a/b", recursive=True, maxdepth=1)
     assert tfs.ls("/deep/a", detail=False) == []
     tfs.rm("/deep", recursive=True)
+    # The root, alone or among others: refused before anything goes.
+    tfs.pipe({"/keep/f": b"kept"})
+    for root in ("tierfs:///", "/", ["/keep/f", "/"]):
+        with pytest.raises(InvalidArgumentError, match="refusing to remove the root directory"):
+            tfs.rm(root, recursive=True)
+    assert tfs.cat("/keep/f") == b"kept"
+    tfs.rm("/keep", recursive=True)
 
 
 # ---- processes ---------------------------------------------------------------------------------------

@@ -181,6 +181,8 @@ def test_target_rm_rebuilds_elsewhere_and_scrub_drops_its_copies(cluster: LocalC
     assert code != 0 and "already removed" in err
     code, _, err = _cli(cluster, "target", "rm", "9999")
     assert code != 0 and "no target 9999" in err
+    code, _, err = _cli(cluster, "target", "rm", "-1")  # was a traceback
+    assert code != 0 and "target_id -1 is out of range" in err and "Traceback" not in err, err
     asyncio.run(wait_map(cluster, _whole({tid}), 60, "the removed target's groups to be rebuilt"))
     asyncio.run(_check(cluster, files))
     # Its fragments are orphans now: the scrub deletes them (grace 0 here).

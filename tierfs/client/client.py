@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import posixpath
 import stat as _stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -483,8 +484,11 @@ class AsyncClient:
 
     async def rm(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, a symlink, or a directory (its contents too with
-        ``recursive``; an empty one without)."""
+        ``recursive``; an empty one without). The root directory is
+        refused (InvalidArgumentError), with nothing removed."""
         path = _norm(path)
+        if posixpath.normpath("/" + path.lstrip("/")) == "/":
+            raise InvalidArgumentError("refusing to remove the root directory (remove what is in it instead)")
         st = await self.meta.stat(path)
         if st.attr.type != pb.INODE_TYPE_DIRECTORY:
             await self.meta.unlink(path)

@@ -37,7 +37,13 @@ from fsspec.utils import isfilelike, tokenize  # type: ignore[import-untyped]
 
 from tierfs.client import AsyncClient, AsyncFile, ClientConfig, FileStat
 from tierfs.config import load
-from tierfs.errors import AlreadyExistsError, ConfigError, NotADirectoryError_, NotFoundError
+from tierfs.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    InvalidArgumentError,
+    NotADirectoryError_,
+    NotFoundError,
+)
 from tierfs.integrations.common import resolve
 
 __all__ = ["TierFSFile", "TierFSFileSystem"]
@@ -446,6 +452,9 @@ class TierFSFileSystem(AsyncFileSystem):  # type: ignore[misc]
     async def _rm(self, path: str | list[str], recursive: bool = False, batch_size: int | None = None,
                   maxdepth: int | None = None, **kwargs: Any) -> None:
         c = await self._get_client()
+        if "/" in self._strip_protocol([path] if isinstance(path, str) else list(path)):
+            # As rm(1) without --no-preserve-root: refused before anything goes.
+            raise InvalidArgumentError("refusing to remove the root directory (remove what is in it instead)")
         if maxdepth is not None:
             # Only what lies within maxdepth: deepest first, one level at a time
             # (a directory goes once its children have).

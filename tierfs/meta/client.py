@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import inspect
 import itertools
 import random
 import uuid
@@ -53,6 +55,7 @@ __all__ = ["MetaClient", "Where"]
 #: An existing object: absolute path, inode id, or (parent inode, name).
 Where = str | int | tuple[int, str]
 _R = TypeVar("_R", bound=Message)
+_C = TypeVar("_C")
 
 
 #: The BatchItem field of each RPC that may travel in a Batch call.
@@ -115,6 +118,39 @@ def _layout(layout: pb.Layout | None, chunk_size: int, redundancy: str, stripe_w
     return None
 
 
+def _range_checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with protobuf's bare "Value out of range: -1" (an argument that
+    does not fit its field, e.g. a negative size or id) turned into an
+    InvalidArgumentError that names the argument; nothing was sent."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    async def checked(self: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return await fn(self, *args, **kw)
+        except ValueError as exc:
+            if not str(exc).startswith("Value out of range"):
+                raise
+            try:
+                bound = sig.bind(self, *args, **kw).arguments
+            except TypeError:
+                bound = {}
+            bad = [f"{k} {v}" for k, v in bound.items()
+                   if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < 1 << 64]
+            what = ", ".join(bad) if bad else f"a value ({str(exc).rpartition(':')[2].strip()})"
+            raise InvalidArgumentError(f"{fn.__name__}: {what} is out of range") from None
+
+    return checked
+
+
+def _check_ranges(cls: type[_C]) -> type[_C]:
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(fn):
+            setattr(cls, name, _range_checked(fn))
+    return cls
+
+
+@_check_ranges
 class MetaClient:
     """Async client for the meta service. ``addrs``: gRPC addresses of the
     meta replicas (host:port). ``deadline``: seconds one call may spend in
