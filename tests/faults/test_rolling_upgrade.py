@@ -49,14 +49,19 @@ PREVIOUS = "354f6ac7880d26e639b4a7b3b412f4331e5287d9"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _previous_tree(dest: Path) -> Path:
-    """The previous release's ``tierfs`` package under ``dest``."""
+#: The last release whose meta took any KV policy name of the right form
+#: (later ones refuse a policy that does not exist).
+POLICY_FORM_ONLY = "354f6ac7880d26e639b4a7b3b412f4331e5287d9"
+
+
+def _previous_tree(dest: Path, commit: str = PREVIOUS) -> Path:
+    """The ``tierfs`` package of ``commit`` (the previous release) under ``dest``."""
     try:
-        tar = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS, "tierfs"], check=True,
+        tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "tierfs"], check=True,
                              capture_output=True, timeout=60).stdout
     except subprocess.CalledProcessError as exc:
         raise AssertionError(
-            f"the rolling-upgrade rehearsal needs commit {PREVIOUS} in this clone's history "
+            f"the rolling-upgrade rehearsal needs commit {commit} in this clone's history "
             f"(a full `git clone`, not a shallow one): {exc.stderr.decode(errors='replace')}") from None
     dest.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True, timeout=60)
@@ -202,5 +207,38 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         r = _old_cli(old_py, cl, "kv", "get", "upgrade-kv-after", str(tmp_path / "kv-after.bin"))
         assert r.returncode == 0, r.stderr.decode()
         assert (tmp_path / "kv-after.bin").read_bytes() == kv_after
+    finally:
+        cl.stop()
+
+
+def test_storage_daemons_serve_a_pool_whose_policy_they_do_not_know(tmp_path: Path) -> None:
+    """A meta of a release that took any policy name of the right form (or
+    of a later release, with a policy this one lacks) defines a KV pool
+    whose eviction policy the storage daemons do not have. They run it with
+    LRU and say so. Before, every daemon failed to apply the map (each
+    heartbeat and map update raised), so no daemon held a KV map lease and
+    every pool, the default one too, missed on gets and refused puts."""
+    from tests.kv.pools import define_pool, pool_served
+
+    old_py = _python_in(_previous_tree(tmp_path / "old", POLICY_FORM_ONLY), tmp_path / "python-old")
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=3, python=old_py,
+                      extra_storage_args=["--heartbeat-interval=0.2"])
+    try:
+        cl.up(timeout=90)
+        storage = [p.name for p in cl.procs if p.kind == "storage"]
+        cl.stop(names=storage)
+        cl.python = sys.executable
+        cl.start(timeout=60, names=storage)
+        assert all(_code_of(p.pid) != tmp_path / "old" for p in cl.procs if p.kind == "storage")
+        define_pool(cl.meta_addrs, "oddpolicy", target_memory=8 << 20, policy="no-such-policy")
+        pool_served(cl.meta_addrs, "oddpolicy")
+        with Client(cl.meta_addrs, request_timeout=5.0, kv_timeout=2.0) as c:
+            for pool in ("oddpolicy", "default"):
+                value = random_bytes(50_000, len(pool))
+                assert c.kv_pool(pool).put(f"{pool}-key", value), pool
+                assert c.kv_pool(pool).get(f"{pool}-key") == value, pool
+        logs = "".join((cl.dir / "logs" / f"{n}.log").read_text() for n in storage)
+        assert "asks for eviction policy 'no-such-policy'" in logs and "running LRU" in logs
+        assert "heartbeat failed" not in logs
     finally:
         cl.stop()

@@ -317,6 +317,16 @@ def test_service_pools_and_heartbeat_usage() -> None:
                 await mc.create_kv_pool("hot", target_memory=MiB)
             with pytest.raises(InvalidArgumentError, match="is not 'ec:K\\+M'"):
                 await mc.create_kv_pool("x", redundancy="bad", target_memory=MiB)
+            # A policy of the right form that does not exist: refused by the
+            # service (apply checks the form only, so journals replay alike).
+            applied = (await mc.status()).applied_index
+            with pytest.raises(InvalidArgumentError,
+                               match="'x': unknown eviction policy 'bogus'; known: lru, leaf-lru, s3fifo"):
+                await mc.create_kv_pool("x", target_memory=MiB, policy="bogus")
+            assert (await mc.status()).applied_index == applied
+            assert [p.name for p in (await mc.list_kv_pools()).pools] == ["default", "hot"]
+            assert (await mc.create_kv_pool("y", target_memory=MiB, policy="s3fifo")).policy == "s3fifo"
+            await mc.remove_kv_pool("y")
             n0, t0 = regs[0].node_id, regs[0].targets[0].target_id
             t1 = regs[1].targets[0].target_id
             applied = (await mc.status()).applied_index

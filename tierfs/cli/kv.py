@@ -147,7 +147,8 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser],
     c.add_argument("--fsync", action="store_true", help="fsync each put before acknowledging it")
     c.add_argument("--pin-quota", type=parse_size_arg, default=0, metavar="SIZE",
                    help="hard-pinned bytes allowed per target (default 0)")
-    c.add_argument("--policy", default="", metavar="NAME", help="eviction policy (default lru)")
+    c.add_argument("--policy", default="", metavar="NAME",
+                   help="eviction policy: lru (the default), leaf-lru, s3fifo, arc or chain (docs/kv_policies.md)")
     c.add_argument("--tenant", default="", choices=["user", "group"],
                    help="whose key namespace a caller uses: its uid (user, default) or its gid (group)")
     c = psub.add_parser("ls", help="list KV pools with their usage", description="list KV pools with their usage")

@@ -1108,6 +1108,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def CreateKVPool(self, request: pb.CreateKVPoolRequest, context: Ctx) -> pb.KVPool:
+        from tierfs.kv.policy import policy_names
+
+        # Checked here, not in apply (which checks the name's form only), so
+        # that a journal replays the same whatever policies a release has.
+        # Every storage daemon must be able to build the pool: an unknown
+        # name used to fail each one's map update (KV leases lapsed, every
+        # pool's gets missed and puts were refused).
+        if (request.policy or "lru") not in policy_names():
+            raise InvalidArgumentError(f"create_kv_pool {request.name!r}: unknown eviction policy "
+                                       f"{request.policy[:40]!r}; known: {', '.join(policy_names())}")
         reply = await self._mutate(context, "create_kv_pool", request, pb.KVPool)
         # Apply made it without groups; the planner gave it some since.
         pool = self.state.kv_pools.get(reply.pool_id)

@@ -224,6 +224,7 @@ class StorageNode:
         #: The KV store of each target (parallel to ``engines``).
         self.kvstores: list[Any] = []
         self._kv_map_version = -1
+        self._kv_policy_warned: set[tuple[str, str]] = set()
         self._kv_routes: dict[int, Any] = {}  # pool id -> KVPoolRoute of the last map applied (kv_gate)
         self._kv_gate_task: asyncio.Task[None] | None = None
         self._kv_pool_names: list[str] = []
@@ -532,6 +533,10 @@ class StorageNode:
                 self.counters["heartbeat_errors"] += 1
                 missed = True
                 log.warning("heartbeat failed: %s", err)
+            except Exception:  # a bug (or a disk error applying the map) must not stop the heartbeats
+                self.counters["heartbeat_errors"] += 1
+                missed = True
+                log.exception("heartbeat failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._hb_wake.wait(), self.cfg.heartbeat_interval)
             # Woken early (a map to report, a KV request waiting on meta):
@@ -552,7 +557,11 @@ class StorageNode:
                 await asyncio.sleep(self.cfg.heartbeat_interval)
                 continue
             if not cmap.unchanged:
-                self._apply_kv_pools(cmap)
+                try:
+                    self._apply_kv_pools(cmap)
+                except Exception:  # as in the heartbeat loop: logged, tried again with the next map
+                    log.exception("applying the cluster map's KV pools failed")
+                    await asyncio.sleep(self.cfg.heartbeat_interval)
             elif time.monotonic() - t0 < MAP_WATCH_WAIT / 2:
                 # A leader of a release before map watching answers at once.
                 await asyncio.sleep(self.cfg.heartbeat_interval)
@@ -646,7 +655,7 @@ class StorageNode:
 
         specs = [KVPoolSpec(pool_id=int(p.pool_id), name=p.name, memory_bytes=int(p.target_memory),
                             disk_bytes=int(p.target_disk), fsync=bool(p.fsync), pin_quota_bytes=int(p.pin_quota),
-                            policy=p.policy or "lru")
+                            policy=self._kv_policy(p.name, p.policy or "lru"))
                  for p in getattr(cmap, "kv_pools", ())]
         for kv in self.kvstores:
             kv.configure(specs)
@@ -664,6 +673,23 @@ class StorageNode:
             if self.repairer is not None:
                 self.repairer.map_changed()  # a group to rebuild starts now, not at the next poll
         self._kv_map_version = int(cmap.version)
+
+    def _kv_policy(self, pool: str, name: str) -> str:
+        """The eviction policy to run for ``pool``: ``name``, or LRU when this
+        release does not know it (a pool defined through a meta of a later
+        release, or before meta checked the name). Eviction order is a
+        matter of hit rates, never of correctness; a pool this daemon could
+        not build would fail every map update, and with them the KV map
+        lease for every pool."""
+        from tierfs.kv.policy import policy_names
+
+        if name in policy_names():
+            return name
+        if (pool, name) not in self._kv_policy_warned:
+            self._kv_policy_warned.add((pool, name))
+            log.warning("KV pool %r asks for eviction policy %r, which this release does not have (%s): "
+                        "running LRU for it", pool, name, ", ".join(policy_names()))
+        return "lru"
 
     def _kv_gate(self, pool_id: int, target: int, key: bytes, asked: int) -> int | None:
         """The placement stamp to require of ``target``'s copy of ``key``
