@@ -43,11 +43,13 @@ class Run:
     def __init__(self, meta: str) -> None:
         self.meta = meta
 
-    def __call__(self, *args: str, cluster: bool = True, tty: bool = False) -> tuple[int, str, str]:
+    def __call__(self, *args: str, cluster: bool = True, tty: bool = False,
+                 env: dict[str, str] | None = None) -> tuple[int, str, str]:
         out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
         err = io.StringIO()
         argv = [*args, "--meta", self.meta] if cluster else list(args)
-        rc = run(argv, stdout=out, stderr=err, env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=tty)
+        env = {"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]} if env is None else env
+        rc = run(argv, stdout=out, stderr=err, env=env, tty=tty)
         out.buffer.seek(0)
         text = out.buffer.read().decode(errors="replace")
         out.close()
@@ -282,14 +284,19 @@ def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
     rc, out, err = Run("")("up", "--data", str(data), "--meta", "2", cluster=False)
     assert rc == 1 and "odd" in err and not (data / "cluster.toml").exists()
     try:
-        rc, out, err = Run("")("up", "--data", str(data), "--meta", "1", "--storage", "1", "--json", cluster=False)
+        # A shell that exported an earlier cluster's lines, whose directory
+        # is gone (or not made yet): up makes it (it used to fail: "token
+        # file not found"), and down too needs no credential.
+        gone = {"TIERFS_TOKEN_FILE": str(data / "admin.token")}
+        rc, out, err = Run("")("up", "--data", str(data), "--meta", "1", "--storage", "1", "--json", cluster=False,
+                               env=gone)
         assert rc == 0, err
         info = json.loads(out)
         assert info["counts"] == {"meta": 1, "storage": 1, "targets_per_node": 1} and len(info["started"]) == 2
         rc, out, err = Run("")("up", "--data", str(data), cluster=False)  # default counts: the plan wins
         assert rc == 0 and "reused as planned" in err and "already running" in err
     finally:
-        rc, out, err = Run("")("down", "--data", str(data), cluster=False)
+        rc, out, err = Run("")("down", "--data", str(data), cluster=False, env={"TIERFS_TOKEN_FILE": "/nonexistent"})
     assert rc == 0 and "stopped 2 daemons" in out, err
 
 

@@ -626,10 +626,16 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
         # dials with DIR/tls/ (a `tierfs up --tls` cluster) when it is there.
         from tierfs.meta.auth import default_token, resolve_token
 
-        token = resolve_token(None, getattr(ns, "token_file", None), ns.data or DEFAULT_DATA, env)
+        if ns.cmd in ("up", "down", "placement"):
+            # Their own credentials, or none: a $TIERFS_TOKEN_FILE naming the
+            # admin.token of a cluster not made yet (or just deleted) must
+            # not stop `tierfs up` from making it.
+            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        else:
+            ctx = default_token(resolve_token(None, getattr(ns, "token_file", None), ns.data or DEFAULT_DATA, env))
         scope = default_data_dir.set(ns.data) if ns.data else None
         try:
-            with default_token(token):
+            with ctx:
                 return _execute(ns, out, err, env, err.isatty() if tty is None else tty)
         finally:
             if scope is not None:
