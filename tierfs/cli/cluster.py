@@ -94,6 +94,21 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
             "applied_index": st.applied_index, "auth": st.auth}
 
 
+def kv_lease_summary(reply: Any) -> dict[str, Any] | None:
+    """The KV map leases of a ListKVPools answer (docs/kv.md, "Map leases"):
+    None when the leader grants none (or predates the field)."""
+    if not reply.leases_on:
+        return None
+    return {
+        "map_version": reply.map_version,
+        "published": reply.kv_published,
+        "nodes": [{"node_id": n.node_id, "leased": n.leased, "applied_map_version": n.applied_map_version,
+                   "granted_ms_ago": n.granted_ms_ago if n.granted_ms_ago or n.leased else None,
+                   "stalled": n.stalled} for n in reply.leases],
+        "stalled": [n.node_id for n in reply.leases if n.stalled],
+    }
+
+
 async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
                          timeout: float = 5.0) -> dict[str, Any]:
     """Every daemon with its role and state, every target with its capacity
@@ -195,6 +210,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             if out["id"] in progress:
                 out["rebuild"] = progress[out["id"]]
 
+    kv_leases = kv_lease_summary(kv_reply)
     healthy = (
         len(leaders) == 1
         and all(m["state"] == "up" for m in meta_out)
@@ -202,6 +218,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         and all(t["state"] == "online" for t in targets.values())
         and all(g["state"] == "healthy" for g in groups_out)
         and repairs == 0
+        and not (kv_leases and kv_leases["stalled"])
     )
     auth = {r.get("auth") for r in replicas if r["state"] == "up"}
     return {
@@ -216,6 +233,9 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         "repairs_pending": repairs,
         # Definitions and the usage storage nodes last reported (zeros where none).
         "kv_pools": pool_summaries(kv_reply),
+        # KV map leases as the leader sees them (None: no leases, or a leader
+        # of an older release); a stalled node makes the cluster degraded.
+        "kv_leases": kv_leases,
         # The leader's rebalance progress and the failure-domain sentence (docs/rebalance.md).
         "rebalance": rebalance,
         "capacity": sum(t["capacity"] for t in targets.values()),

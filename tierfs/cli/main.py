@@ -205,11 +205,26 @@ def render_status(st: dict[str, Any]) -> str:
         from tierfs.cli.rebalance import rebalance_line
 
         out += [rebalance_line(st["rebalance"]), st["rebalance"]["failure_domain"]]
+    if st.get("kv_leases"):
+        out.append(kv_lease_line(st["kv_leases"]))
     if "kv_pools" in st:
         from tierfs.cli.kv import render_pools
 
         out += ["", render_pools(st["kv_pools"], per_target=True)]
     return "\n".join(out)
+
+
+def kv_lease_line(kl: dict[str, Any]) -> str:
+    """One line on the KV map leases (the leader's view)."""
+    n, v = len(kl["nodes"]), kl["map_version"]
+    if kl["stalled"]:
+        behind = sorted({x["applied_map_version"] for x in kl["nodes"] if x["stalled"]})
+        return (f"kv leases: node(s) {kl['stalled']} hold no KV map lease (their KV gets miss and puts are "
+                f"refused); they report map version(s) {behind} applied, meta is at {v}: see their logs")
+    leased = sum(x["leased"] for x in kl["nodes"])
+    effect = (f"map version {v} in effect everywhere" if kl["published"] >= v else
+              f"map version {v} taking effect ({kl['published']} in effect everywhere)")
+    return f"kv leases: {leased} of {n} storage nodes leased; {effect}"
 
 
 def _ls_long(entries: list[dict[str, Any]]) -> str:

@@ -798,7 +798,30 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         usage = [u for per_node in self._kv_used.values() for (pool, target), u in per_node.items()
                  if pool in sm.kv_pools and target in sm.targets]
         reply.usage.extend(sorted(usage, key=lambda u: (u.pool_id, u.target_id)))
+        if self.kv_lease:
+            reply.leases_on, reply.map_version = True, sm.map_version
+            reply.kv_published = self.kv_published(sm)
+            reply.leases.extend(self.kv_leases(sm))
         return reply
+
+    def kv_leases(self, sm: MetaStateMachine) -> list[pb.KVNodeLease]:
+        """Each storage node that asks for KV map leases, as this leader
+        sees it: leased now, the map it applied, and stalled (it beats but
+        has held no lease for two lease spans: its KV requests are refused
+        or miss, and `tierfs status` calls the cluster degraded)."""
+        now = self._mono()
+        span = int(self.kv_lease * 1e9)
+        out = []
+        for nid in sorted(n for n in self._kv_applied if n in sm.nodes):
+            granted = self._kv_granted.get(nid, 0)
+            node = sm.nodes[nid]
+            beating = node.state == pb.NODE_STATE_ONLINE and now - self._hb_seen.get(nid, 0) < span
+            stalled = beating and now - max(granted, self._lead_since) >= 2 * span
+            out.append(pb.KVNodeLease(node_id=nid, leased=bool(granted) and now - granted < span,
+                                      applied_map_version=self._kv_applied[nid],
+                                      granted_ms_ago=(now - granted) // 1_000_000 if granted else 0,
+                                      stalled=stalled))
+        return out
 
     def _heartbeat_changes(self, sm: MetaStateMachine, req: pb.HeartbeatRequest, mono: int) -> bool:
         node = sm.nodes[req.node_id]

@@ -1811,6 +1811,20 @@ class ListKVPoolsReply(_message.Message):
 
     POOLS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    LEASES_ON_FIELD_NUMBER: _builtins.int
+    KV_PUBLISHED_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    leases_on: _builtins.bool
+    """KV map leases (docs/kv.md, "Map leases"), from the leader only: empty
+    from a follower, a leader of a release before this field, or with
+    kv_lease 0 (leases_on false).
+    """
+    kv_published: _builtins.int
+    """The latest map version no leased storage node can still act against on
+    an older map; map_version: the leader's.
+    """
+    map_version: _builtins.int
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVPool]: ...
     @_builtins.property
@@ -1820,19 +1834,66 @@ class ListKVPoolsReply(_message.Message):
         report is absent: read it as zeros.
         """
 
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVNodeLease]:
+        """One per storage node that asks for leases, sorted by node id."""
+
     def __init__(
         self,
         *,
         pools: _abc.Iterable[Global___KVPool] | None = ...,
         usage: _abc.Iterable[Global___KVTargetUsage] | None = ...,
+        leases_on: _builtins.bool = ...,
+        kv_published: _builtins.int = ...,
+        map_version: _builtins.int = ...,
+        leases: _abc.Iterable[Global___KVNodeLease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_published", b"kv_published", "leases", b"leases", "leases_on", b"leases_on", "map_version", b"map_version", "pools", b"pools", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListKVPoolsReply: _TypeAlias = ListKVPoolsReply  # noqa: Y015
+
+@_typing.final
+class KVNodeLease(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    LEASED_FIELD_NUMBER: _builtins.int
+    APPLIED_MAP_VERSION_FIELD_NUMBER: _builtins.int
+    GRANTED_MS_AGO_FIELD_NUMBER: _builtins.int
+    STALLED_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    leased: _builtins.bool
+    """A lease granted less than kv_lease ago: the node acts on KV requests."""
+    applied_map_version: _builtins.int
+    """The map version the node last reported having applied."""
+    granted_ms_ago: _builtins.int
+    """Milliseconds since this leader last granted it a lease (0: never)."""
+    stalled: _builtins.bool
+    """Its heartbeats arrive, but it has held no lease for two lease spans
+    (counting from when this leader started leading): its KV gets miss and
+    its puts are refused. Usually it cannot apply the cluster map (its log
+    says why).
+    """
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        leased: _builtins.bool = ...,
+        applied_map_version: _builtins.int = ...,
+        granted_ms_ago: _builtins.int = ...,
+        stalled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_map_version", b"applied_map_version", "granted_ms_ago", b"granted_ms_ago", "leased", b"leased", "node_id", b"node_id", "stalled", b"stalled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVNodeLease: _TypeAlias = KVNodeLease  # noqa: Y015
 
 @_typing.final
 class FinishRebuildRequest(_message.Message):
