@@ -222,8 +222,8 @@ def kv_lease_line(kl: dict[str, Any]) -> str:
         return (f"kv leases: node(s) {kl['stalled']} hold no KV map lease (their KV gets miss and puts are "
                 f"refused); they report map version(s) {behind} applied, meta is at {v}: see their logs")
     leased = sum(x["leased"] for x in kl["nodes"])
-    effect = (f"map version {v} in effect everywhere" if kl["published"] >= v else
-              f"map version {v} taking effect ({kl['published']} in effect everywhere)")
+    effect = (f"map version {v} in effect on every leased node" if kl["published"] >= v else
+              f"map version {v} taking effect ({kl['published']} in effect on every leased node)")
     return f"kv leases: {leased} of {n} storage nodes leased; {effect}"
 
 
