@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.kv import public_trace_path
+from tests.kv.pools import define_pool, pool_served
 from tierfs.cli import run
 from tierfs.local import LocalCluster
 
@@ -87,6 +88,18 @@ def test_bad_input_errors(meta: str, tmp_path: Path) -> None:
     assert rc == 1 and "unknown KV pool 'nope'" in err
     rc, _, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")
     assert rc == 1 and "ttl must be > 0" in err
+    # An endless source is cut at the largest object the pool could take
+    # (it used to be read until memory ran out).
+    rc, _, err = cli(meta, "kv", "put", "zeros", "/dev/zero")
+    assert rc == 1 and "/dev/zero holds more than 134217728 bytes" in err, err
+    assert cli(meta, "kv", "stat", "zeros")[0] == 1
+    # An EC value whose fragments exceed the per-target budget: the daemons'
+    # reason, as the error's class, not "unavailable" (which invites retries).
+    define_pool(meta.split(","), "tiny-ec", redundancy="ec:2+1", target_memory=1 << 20)
+    pool_served(meta.split(","), "tiny-ec")
+    (tmp_path / "big.bin").write_bytes(bytes(4 << 20))
+    rc, _, err = cli(meta, "kv", "put", "big", str(tmp_path / "big.bin"), "--pool", "tiny-ec")
+    assert rc == 1 and "stored 0 of 2+1 fragments" in err and "can never fit" in err, err
 
 
 def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -> None:

@@ -59,21 +59,29 @@ def add_kv_data_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--tokens-per-block", type=int, default=512)
 
 
-def _read_local(path: str) -> bytes:
-    if path == "-":
-        return sys.stdin.buffer.read()
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        from tierfs.cli.fs import LocalFileError
+def _read_local(path: str, limit: int, pool: str) -> bytes:
+    """The whole of ``path`` (``-``: stdin), at most ``limit`` bytes: a
+    longer one (``/dev/zero``, an endless pipe) is refused after reading
+    ``limit + 1`` bytes instead of filling memory."""
+    from tierfs.cli.fs import LocalFileError
 
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as exc:
         raise LocalFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise LocalFileError(f"{path} holds more than {limit} bytes, more than a KV object of pool {pool!r} "
+                             f"can be (store large files with `tierfs put`)")
+    return data
 
 
 async def kv_put(client: Any, key: str, local: str, *, pool: str = "default", overwrite: bool = False,
                  ttl: float | None = None, pin: str | None = None) -> dict[str, Any]:
-    data = _read_local(local)
+    data = _read_local(local, await client.kv_pool(pool).cluster.max_object_bytes(), pool)
     t0 = time.perf_counter()
     stored = await client.kv_pool(pool).put(key, data, overwrite=overwrite, ttl=ttl, pin=pin)
     return {"pool": pool, "key": key, "bytes": len(data), "stored": stored,

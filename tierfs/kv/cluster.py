@@ -253,6 +253,16 @@ class ClusterTier:
     async def route(self) -> KVPoolRoute:
         return await self.router.kv_pool(self.pool)
 
+    async def max_object_bytes(self) -> int:
+        """An upper bound on the value a put to this pool can send: one
+        frame per copy, K fragments of a frame each in an EC pool (the
+        pool's per-target budgets may allow less; a put says so)."""
+        route = await self.route()
+        frame = int(self.data.limits.max_frame_bytes)
+        if route.copies == 0:
+            return min((1 << _N_BITS) - 1, route.k * (frame - _TRAILER.size))
+        return frame
+
     async def _read_route(self, n: int) -> KVPoolRoute | None:
         """The route for a read of ``n`` keys; None when the client has no
         map of the pool yet and meta cannot be reached (no leader, all
@@ -895,8 +905,15 @@ class ClusterTier:
             need = max(route.k, min(route.k + 1, route.k + route.m - (len(frags) - len(items))))
             if len(ok) < need:
                 self.counters.put_failures += 1
-                raise UnavailableError(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments "
-                                       f"in pool {route.name!r}; at least {need} are needed")
+                errs = [r for r in res if isinstance(r, TierFSError)]
+                # Every daemon refused it for the same lasting reason (a
+                # fragment larger than the pool's per-target budget, the pin
+                # quota): that error, not "unavailable", which invites retries.
+                lasting = (errs and isinstance(errs[0], (InvalidArgumentError, NoSpaceError))
+                           and all(type(e) is type(errs[0]) for e in errs))
+                cls = type(errs[0]) if lasting else UnavailableError
+                raise cls(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments in pool "
+                          f"{route.name!r}; at least {need} are needed" + (f" ({errs[0]})" if errs else ""))
             if overwrite and failed and not await self._drop_copies(route, key, failed):
                 # K fragments of the previous value could still agree there.
                 self.counters.put_failures += 1
