@@ -134,6 +134,29 @@ def test_ls_l_shows_replica_layout(meta: str, tmp_path: Path) -> None:
                                                     "unknown": 0}
 
 
+def test_names_with_control_characters_cannot_drive_the_terminal(meta: str, tmp_path: Path) -> None:
+    """A file name may hold any character but '/' and NUL: one with an
+    escape sequence (here "clear the screen") or a newline, made by any
+    user, used to reach an admin's terminal raw from `ls`, and to split a
+    row of `ls -l`. Now human output shows them escaped, as ls -b does;
+    --json keeps the real name."""
+    evil, split = "evil\x1b[2Jname", "new\nline"
+    (tmp_path / "f").write_bytes(b"x")
+    assert cli(meta, "mkdir", "/ctl")[0] == 0
+    for name in (evil, split):
+        assert cli(meta, "put", str(tmp_path / "f"), f"/ctl/{name}")[0] == 0
+    for args in (("ls", "/ctl"), ("ls", "-l", "/ctl"), ("stat", f"/ctl/{evil}")):
+        rc, out, err = cli(meta, *args)
+        assert rc == 0, err
+        assert "\x1b" not in out and "evil\\x1b[2Jname" in out, (args, out)
+    rc, out, _ = cli(meta, "ls", "-l", "/ctl")
+    assert len(out.splitlines()) == 3 and "new\\nline" in out, out  # the header and one row per file
+    rc, out, _ = cli(meta, "ls", "/ctl", "--json")
+    assert sorted(e["path"] for e in json.loads(out)) == sorted(f"/ctl/{n}" for n in (evil, split))
+    rc, _, err = cli(meta, "cat", f"/ctl/{evil}x")  # the name in an error, too
+    assert rc == 1 and "\x1b" not in err and "evil\\x1b[2Jnamex" in err, err
+
+
 @pytest.mark.timeout(60)
 def test_tree_copy_errors_are_reported_and_the_rest_copied(meta: str, tmp_path: Path) -> None:
     src = tmp_path / "src"

@@ -22,7 +22,15 @@ from typing import IO, Any, TextIO, TypeVar
 
 from tierfs.cli.fs import LocalFileError
 from tierfs.cli.tree import DEFAULT_JOBS, TreeProgress
-from tierfs.cli.util import DEFAULT_DATA, human_rate, human_size, parse_size_arg, resolve_meta
+from tierfs.cli.util import (
+    DEFAULT_DATA,
+    human_rate,
+    human_size,
+    parse_size_arg,
+    resolve_meta,
+    shown,
+    terminal_safe,
+)
 from tierfs.cli.util import table as _table
 from tierfs.errors import TierFSError, UnavailableError
 from tierfs.tls import default_data_dir
@@ -371,10 +379,10 @@ def _tree(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bool,
     with shown if shown is not None else contextlib.nullcontext():
         r = _client_call(ns, env, fn, *args, jobs=ns.jobs, progress=shown, preserve=ns.preserve, **kw)
     for e in r["errors"]:
-        err.write(f"tierfs: {ns.cmd} -r: {e['path']}: {e['error']}\n")
+        err.write(terminal_safe(f"tierfs: {ns.cmd} -r: {e['path']}: {e['error']}\n"))
     if not ns.quiet:
         for e in r["skipped"]:
-            err.write(f"tierfs: {ns.cmd} -r: skipped {e['path']}: {e['reason']}\n")
+            err.write(terminal_safe(f"tierfs: {ns.cmd} -r: skipped {e['path']}: {e['reason']}\n"))
     emit(r, f"{r['src']} -> {r['dst']}: {r['files']} of {r['files_total']} files, {r['dirs']} directories, "
             f"{r['symlinks']} symlinks, {human_size(r['bytes'])} in {r['seconds']:.2f} s "
             f"({human_rate(r['bytes'], r['seconds'])})" + (f"; {len(r['errors'])} FAILED" if r["errors"] else ""))
@@ -452,7 +460,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         if ns.json:
             out.write(json.dumps(data, indent=2, default=str) + "\n")
         elif text:
-            out.write(text + "\n")
+            out.write(terminal_safe(text) + "\n")
 
     c = ns.cmd
     if c == "up":
@@ -512,7 +520,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         r = _client_call(ns, env, usage.du, ns.paths, summarize=ns.summarize)
         emit(r, _du_text(r, ns.human))
         for e in r["errors"]:
-            err.write(f"tierfs: du: {e['path']}: {e['error']}\n")
+            err.write(terminal_safe(f"tierfs: du: {e['path']}: {e['error']}\n"))
         return EXIT_FAILED if r["errors"] else EXIT_OK
     if c == "df":
         from tierfs.cli import usage
@@ -542,7 +550,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c == "ls":
         entries = _client_call(ns, env, fs.ls, ns.path)
         text = _ls_long(entries) if ns.long else "\n".join(
-            e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "") for e in entries)
+            shown(e["path"].rsplit("/", 1)[-1]) + ("/" if e["type"] == "directory" else "") for e in entries)
         emit(entries, text)
         return EXIT_OK
     if c == "stat":
@@ -559,7 +567,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         # not stop the others; each failure gets its line, and the exit is 1.
         r = _client_call(ns, env, fs.each, one, ns.path, **kw)
         for e in r["errors"]:
-            err.write(f"tierfs: {e['message']}\n")
+            err.write(terminal_safe(f"tierfs: {e['message']}\n"))
         emit(r, None)
         return EXIT_FAILED if r["errors"] else EXIT_OK
     if c == "mv":
@@ -661,12 +669,12 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
     except TierFSError as exc:
         if want_json:
             out.write(json.dumps({"error": {"code": exc.code_name, "message": str(exc)}}) + "\n")
-        err.write(f"tierfs: {exc}{_hint(exc)}\n")
+        err.write(terminal_safe(f"tierfs: {exc}{_hint(exc)}\n"))
         return EXIT_FAILED
     except LocalFileError as exc:
         if want_json:
             out.write(json.dumps({"error": {"code": "LOCAL_FILE", "message": str(exc)}}) + "\n")
-        err.write(f"tierfs: {exc}\n")
+        err.write(terminal_safe(f"tierfs: {exc}\n"))
         return EXIT_FAILED
     except SystemExit as exc:  # -h / --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
@@ -680,7 +688,7 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
         os.close(with_devnull)
         return EXIT_OK
     except OSError as exc:
-        err.write(f"tierfs: {exc}\n")
+        err.write(terminal_safe(f"tierfs: {exc}\n"))
         return EXIT_FAILED
 
 

@@ -4,6 +4,7 @@ human-readable sizes and rates."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 from tierfs.config import parse_size
 from tierfs.errors import ConfigError
 
-__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta", "table"]
+__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta", "shown", "table",
+           "terminal_safe"]
 
 #: Where ``tierfs up`` and ``make run`` keep a local cluster by default.
 DEFAULT_DATA = "./.tierfs"
@@ -79,8 +81,31 @@ def human_rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s"
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or f"\\x{ord(c):02x}"
+
+
+def shown(s: str) -> str:
+    """``s`` (a file name, a key) for a terminal: control characters as
+    escapes (``\\n``, ``\\x1b``), so a name cannot move the cursor, clear
+    the screen or split a table row. JSON output keeps the real bytes."""
+    return _CONTROL.sub(_escape, s)
+
+
+def terminal_safe(text: str) -> str:
+    """Human output of several lines: :func:`shown` but for newlines and tabs."""
+    return _CONTROL_BUT_LINES.sub(_escape, text)
+
+
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    """Left-aligned columns under ``header``; None cells print as "-"."""
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    """Left-aligned columns under ``header``; None cells print as "-"; each
+    cell :func:`shown` (a name with a newline or an escape stays one cell)."""
+    cells = [[str(h) for h in header]] + [["-" if c is None else shown(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
