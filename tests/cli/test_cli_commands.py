@@ -352,3 +352,24 @@ def test_status_degraded_then_down_then_up_keeps_data(cluster: dict[str, Any], c
     assert info["reused"] is True and len(info["started"]) == 9 and info["meta"] == cluster["meta"]
     back.unlink()
     assert cli("get", "/keep.bin", str(back))[0] == 0 and back.read_bytes() == payload
+
+
+def test_kv_lease_line_reads_the_leaders_view() -> None:
+    from tierfs.cli.main import kv_lease_line
+
+    def node(i: int, leased: bool = True, applied: int = 12, stalled: bool = False) -> dict[str, Any]:
+        return {"node_id": i, "leased": leased, "applied_map_version": applied, "granted_ms_ago": 100,
+                "stalled": stalled}
+
+    ok = {"map_version": 12, "published": 12, "nodes": [node(1), node(2)], "stalled": [], "online_nodes": 2}
+    assert kv_lease_line(ok) == ("kv leases: 2 of 2 online storage nodes leased; map version 12 in effect on every "
+                                 "leased node")
+    moving = {**ok, "published": 11}
+    assert kv_lease_line(moving).endswith("map version 12 taking effect (version 11 in effect on every leased node)")
+    # Right after a failover the new leader has heard from some nodes only.
+    new = {**ok, "published": 0, "nodes": [node(1)], "online_nodes": 6}
+    assert kv_lease_line(new) == ("kv leases: 1 of 6 online storage nodes leased; map version 12 taking effect "
+                                  "(a new leader waits for every node to report, up to one lease)")
+    stuck = {**ok, "nodes": [node(1), node(2, leased=False, applied=9, stalled=True)], "stalled": [2]}
+    assert kv_lease_line(stuck) == ("kv leases: node(s) [2] hold no KV map lease (their KV gets miss and puts are "
+                                    "refused); they report map version(s) [9] applied, meta is at 12: see their logs")

@@ -260,7 +260,7 @@ def test_a_pool_whose_policy_daemons_lack_is_seen_by_status_and_served_after_the
         assert all(_code_of(p.pid) != tmp_path / "old" for p in cl.procs)
         pool_served(cl.meta_addrs, "oddpolicy")
         st = wait(lambda st: st["healthy"] and not st["kv_leases"]["stalled"], "a healthy cluster, no node stalled")
-        assert "kv leases: 3 of 3 storage nodes leased" in render_status(st)
+        assert "kv leases: 3 of 3 online storage nodes leased; map version" in render_status(st)
         with Client(cl.meta_addrs, request_timeout=5.0, kv_timeout=2.0) as c:
             for pool in ("oddpolicy", "default"):
                 value = random_bytes(50_000, len(pool))

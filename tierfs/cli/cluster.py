@@ -211,6 +211,9 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
                 out["rebuild"] = progress[out["id"]]
 
     kv_leases = kv_lease_summary(kv_reply)
+    if kv_leases is not None:
+        # Nodes a new leader has not heard from yet are not in its list.
+        kv_leases["online_nodes"] = sum(s["state"] == "online" for s in storage_out)
     healthy = (
         len(leaders) == 1
         and all(m["state"] == "up" for m in meta_out)

@@ -230,9 +230,14 @@ def kv_lease_line(kl: dict[str, Any]) -> str:
         return (f"kv leases: node(s) {kl['stalled']} hold no KV map lease (their KV gets miss and puts are "
                 f"refused); they report map version(s) {behind} applied, meta is at {v}: see their logs")
     leased = sum(x["leased"] for x in kl["nodes"])
-    effect = (f"map version {v} in effect on every leased node" if kl["published"] >= v else
-              f"map version {v} taking effect ({kl['published']} in effect on every leased node)")
-    return f"kv leases: {leased} of {n} storage nodes leased; {effect}"
+    online = kl.get("online_nodes", n)
+    if kl["published"] >= v:
+        effect = f"map version {v} in effect on every leased node"
+    elif kl["published"]:
+        effect = f"map version {v} taking effect (version {kl['published']} in effect on every leased node)"
+    else:  # a new leader: nodes it has not heard from hold changes back for up to one lease
+        effect = f"map version {v} taking effect (a new leader waits for every node to report, up to one lease)"
+    return f"kv leases: {leased} of {online} online storage nodes leased; {effect}"
 
 
 def _ls_long(entries: list[dict[str, Any]]) -> str:
