@@ -33,6 +33,7 @@ from tests.repair.util import (
 from tierfs.cli.main import run
 from tierfs.client import AsyncClient
 from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.storage.api import FragmentKey
@@ -122,6 +123,61 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     asyncio.run(check())
     again = _scrub(cluster)
     assert again["clean"], again
+
+
+@pytest.mark.timeout(90)
+def test_a_fragment_listed_missing_but_on_disk_is_a_last_resort_source(cluster: LocalCluster) -> None:
+    """A degraded write lists a position missing, yet its holder may have
+    the fragment all the same (the write landed after the commit: the node
+    was only slow). Two more fragments of the chunk are then lost, so K
+    valid ones remain only counting that one. The repair took no source
+    from a listed-missing position, so nothing could be rebuilt and the
+    chunk stayed one loss from gone (the file checker soak, seed 8000:
+    three repairing scrubs, each with errors). Now such positions are a
+    last resort, and what they decode to is checked against the record's
+    CRC32C as always."""
+    data = random_bytes(300_000, 77)
+
+    async def write() -> tuple[int, int]:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/lm")
+            await c.set_layout("/lm", chunk_size=512 * 1024, redundancy="ec:4+2")
+            await c.write_bytes("/lm/f", data)
+            return (await c.stat("/lm/f")).inode, (await generations(cluster, "/lm/f"))[0]
+
+    ino, gen = asyncio.run(write())
+    by_pos = {int(p.name.split(".")[1], 16): p for p in fragments(cluster) if p.parent.name == f"{ino:016x}"}
+    assert sorted(by_pos) == list(range(6))
+    good = {j: p.read_bytes() for j, p in by_pos.items()}
+    by_pos[2].unlink()
+    by_pos[5].unlink()
+
+    async def list_missing() -> None:
+        async with MetaClient(cluster.meta_addrs) as mc:
+            await mc.mark_fragments([pb.RepairItem(inode=ino, chunk=0, version=gen, fragment=1)], done=False)
+
+    asyncio.run(list_missing())
+    rep = _scrub(cluster)
+    t = rep["total"]
+    assert t["missing"] == 2 and t["errors"] == 0 and t["repaired"] >= 2, rep
+    assert by_pos[2].read_bytes() == good[2] and by_pos[5].read_bytes() == good[5]
+
+    async def drained() -> bool:
+        async with MetaClient(cluster.meta_addrs) as mc:
+            return (await mc.list_repairs([], limit=1)).pending == 0
+
+    end = time.monotonic() + 30
+    while not asyncio.run(drained()):
+        assert time.monotonic() < end, "position 1 still listed missing after 30 s"
+        time.sleep(0.2)
+    assert {j: p.read_bytes() for j, p in by_pos.items()} == good
+    assert _scrub(cluster)["clean"]
+
+    async def read() -> bytes:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            return await c.read_bytes("/lm/f")
+
+    assert digest(asyncio.run(read())) == digest(data)
 
 
 @pytest.mark.timeout(90)

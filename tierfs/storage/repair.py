@@ -584,6 +584,13 @@ class Repairer:
         others = [i for i in range(width) if i not in skip and members[i] != eng.target_id]
         # Readable members first, data fragments before parity.
         order = sorted(others, key=lambda i: (not self.readable(members[i]), i))
+        # Last, only when the others are too few: positions listed missing,
+        # whose holders may have the fragment all the same (a write that
+        # landed after the degraded commit, a node back with its disk). Safe:
+        # what the sources decode to (a copy, for replicas) is checked
+        # against the record's CRC32C before anything is written.
+        late = [i for i in sorted(set(rec.missing) - {j}) if i < width and members[i] != eng.target_id]
+        order += sorted(late, key=lambda i: (not self.readable(members[i]), i))
         if f.replicated:
             return await self._restore_copy(eng, key, rec, members, order, sizes[j])
         have: dict[int, memoryview] = {}
