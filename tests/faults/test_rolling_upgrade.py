@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "354f6ac7880d26e639b4a7b3b412f4331e5287d9"
+PREVIOUS = "a43d111a92ccde2cb2279a62717e05863203b8e3"
 
 REPO = Path(__file__).resolve().parents[2]
 
