@@ -295,3 +295,51 @@ def test_whole_chunk_scrub_finds_a_wrong_but_crc_valid_fragment(six: LocalCluste
     assert again["clean"], again
     with Client(cl.meta_addrs, request_timeout=1.0) as c:
         assert c.read_bytes("/w/f") == data
+
+
+@pytest.mark.timeout(120)
+def test_repair_finds_a_wrong_source_among_more_than_k(six: LocalCluster) -> None:
+    """A fragment is lost (its file gone, its position listed missing) while
+    another fragment of the chunk is wrong although its own CRC32C holds.
+    The repair's first K sources include the wrong one, so they decode to a
+    chunk that does not match the record. The repair gave up there (nothing
+    written) and its queue retried the same K sources forever, although the
+    fifth fragment made a good rebuild possible; the read path already
+    judged all fragments in that case (``_heal_chunk``). Now the repair
+    does the same: it fetches every candidate, leaves out the ones that
+    differ from what the others decode to, rebuilds the lost fragment and
+    reports the wrong one, which its holder then rebuilds."""
+    cl = six
+    data = random_bytes(64 * KiB, 11)
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        c.mkdir("/v")
+        c.set_layout("/v", chunk_size=64 * KiB, redundancy="ec:4+2")
+        c.write_bytes("/v/f", data)
+    info = asyncio.run(_info(cl, "/v/f"))
+    ino, gen = info.attr.inode, info.chunks[0].generation
+    good = asyncio.run(_read_fragments(cl, info, 0))
+    assert sorted(good) == list(range(6))
+
+    async def plant_and_lose() -> None:
+        cmap = await map_now(cl)
+        members = _members(cmap, info, 0)
+        addr = {n.node_id: n.data_addr for n in cmap.nodes}
+        routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
+        async with grant_all(DataClient(routes=routes), cl) as dc:
+            await dc.write(members[1], FragmentKey(ino, 0, 1, gen), os.urandom(16 * KiB))
+        (lost,) = [p for p in _generation_files(cl, ino, gen) if int(p.name.split(".")[1], 16) == 3]
+        lost.unlink()
+        async with MetaClient(cl.meta_addrs) as mc:
+            await mc.mark_fragments([pb.RepairItem(inode=ino, chunk=0, version=gen, fragment=3)], done=False)
+
+    asyncio.run(plant_and_lose())
+    # Position 3 is rebuilt from 0, 2, 4 and 5; position 1, reported, is
+    # then rebuilt by its holder: every fragment is what was first written.
+    _wait_whole(cl, "/v/f", 40)
+    end = time.monotonic() + 30
+    while (now := asyncio.run(_read_fragments(cl, info, 0))) != good:
+        assert time.monotonic() < end, f"fragments differ from those written: {sorted(j for j in good if now.get(j) != good[j])}"
+        time.sleep(0.2)
+    assert _scrub(cl)["clean"]
+    with Client(cl.meta_addrs, request_timeout=1.0) as c:
+        assert c.read_bytes("/v/f") == data

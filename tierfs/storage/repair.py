@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import ssl
@@ -354,7 +355,7 @@ class Repairer:
         self.counters: dict[str, int] = dict.fromkeys(
             ("fragments_rebuilt", "fragments_copied", "bytes_rebuilt", "bytes_fetched", "rebuild_errors",
              "groups_finished", "fetch_us", "decode_us", "write_us", "crc_mismatches", "queue_rounds",
-             "queue_rebuilt", "queue_errors"), 0)
+             "queue_rebuilt", "queue_errors", "wrong_sources"), 0)
         #: The repair queue as last seen: positions pending cluster-wide, and
         #: the last error of an item of ours ('' if the last round had none).
         self.queue_pending = 0
@@ -600,6 +601,7 @@ class Repairer:
         t0 = time.perf_counter()
         errs: dict[int, TierFSError] = {}
         pos = 0
+        mismatch: CorruptError | None = None
         bufs: list[memoryview] = []
         outs: dict[int, memoryview] = {}
         try:
@@ -644,7 +646,9 @@ class Repairer:
                 raise
             except CorruptError as exc:
                 self.counters["crc_mismatches"] += 1
-                raise CorruptError(f"{key}: {exc}; nothing written") from exc
+                if len(order) <= f.k:
+                    raise CorruptError(f"{key}: {exc}; nothing written") from exc
+                mismatch = exc  # more candidates than K: judge them all (below)
             finally:
                 # The rebuilt payload has its own buffer: the sources can go back now.
                 have.clear()
@@ -653,16 +657,56 @@ class Repairer:
                     eng.release(b)
                 bufs.clear()
             t2 = time.perf_counter()
-            await eng.write(key, payload, crc)
+            if mismatch is None:
+                await eng.write(key, payload, crc)
         finally:
             for b in bufs:
                 eng.release(b)
             for b in outs.values():
                 eng.release(b)
+        if mismatch is not None:
+            return await self._restore_judged(eng, key, f, rec, members, order, sizes, mismatch)
         # Where a decode rebuild's time goes (Prometheus tierfs_repair_total).
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["decode_us"] += int((t2 - t1) * 1e6)
         self.counters["write_us"] += int((time.perf_counter() - t2) * 1e6)
+        return len(payload), False
+
+    async def _restore_judged(self, eng: ChunkEngine, key: FragmentKey, f: _File, rec: ChunkRecord,
+                              members: list[int], order: list[int], sizes: Sequence[int],
+                              mismatch: CorruptError) -> tuple[int, bool]:
+        """The K sources decoded to a chunk that does not match the record, so
+        one of them is wrong although its own CRC32C held. As the read path
+        does (``Client._heal_chunk``) and the whole-chunk scrub: fetch every
+        candidate, find the ones that differ from what the others decode to
+        (fewest first), rebuild fragment ``key`` from the rest and report the
+        wrong ones to meta (their holders rebuild them from the repair
+        queue). No K of them decoding to the record's CRC32C: CorruptError,
+        nothing written. Before this, the repair gave up at the first K and
+        its queue retried the same K for ever, although a good rebuild was
+        possible (docs/repair.md, "Sources")."""
+        j = key.fragment
+        have, errs = await self._fetch(key, members, order, sizes)
+        await self.limiter.take(sum(len(v) for v in have.values()))
+        verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have) if len(have) > f.k else None
+        if verdict is None:
+            detail = "; ".join(f"fragment {i} on target {members[i]}: {type(e).__name__}: {e}"
+                               for i, e in sorted(errs.items()))
+            raise CorruptError(f"{key}: {mismatch}; and no {f.k} of the fragments {sorted(have)} decode to the "
+                               f"record's crc32c {rec.crc:#010x}: nothing written" + (f" ({detail})" if detail else ""))
+        good = {i: v for i, v in have.items() if i not in verdict}
+        out = await asyncio.to_thread(solve_chunk, f, rec, good, [j])
+        payload = out[j]
+        await eng.write(key, payload, crc32c(payload))
+        self.counters["wrong_sources"] += len(verdict)
+        log.warning("%s: rebuilt from %s; fragment(s) %s differ from what the others decode to (their own "
+                    "crc32c held): reported for repair", key, sorted(good)[: f.k],
+                    ", ".join(f"{i} on target {members[i]}" for i in sorted(verdict)))
+        if verdict:
+            try:
+                await self.mark([dataclasses.replace(key, fragment=i) for i in sorted(verdict)], done=False)
+            except TierFSError as exc:  # the whole-chunk scrub finds them again
+                log.warning("%s: reporting the wrong fragments failed: %s", key, exc)
         return len(payload), False
 
     async def _restore_copy(self, eng: ChunkEngine, key: FragmentKey, rec: ChunkRecord, members: list[int],
