@@ -325,3 +325,46 @@ def test_idle_leader_writes_no_ticks() -> None:
             assert await svc.tick(force=True)
             await mc.heartbeat(regs[0].node_id, [])
     run(main())
+
+
+def test_a_new_leader_marks_used_figures_it_has_not_been_told() -> None:
+    """Right after a failover the new leader's map carried the committed
+    `used` of every target, up to `usage_interval` (30 s) old, as if fresh:
+    `make run`'s status showed 0 B on three targets holding 128.5 MiB each.
+    The map now marks such figures (`used_unreported`) until the node's
+    first heartbeat reaches this leader, and `tierfs df` / `status` show
+    them with a `*` and a note."""
+    from tierfs.cli.main import UNREPORTED_NOTE, _df_text
+    from tierfs.cli.usage import df
+
+    async def go() -> None:
+        async with meta_server() as (mc, svc, _addr):
+            regs = await register_async(mc, nodes=2, targets=1)
+            (n0, t0), (n1, t1) = [(r.node_id, r.targets[0].target_id) for r in regs]
+
+            def used(cmap: pb.ClusterMap) -> dict[int, tuple[int, bool]]:
+                return {t.target_id: (t.used, t.used_unreported) for t in cmap.targets}
+
+            assert used(await mc.get_cluster_map()) == {t0: (0, True), t1: (0, True)}
+            await mc.heartbeat(n0, [pb.TargetReport(target_id=t0, used=7000, capacity=1 << 40)])
+            assert used(await mc.get_cluster_map()) == {t0: (7000, False), t1: (0, True)}
+            # A second servicer over the same state: a new leader, which has the
+            # committed figures (no usage committed yet: 0) and no heartbeats.
+            server = grpc.aio.server()
+            add_meta_service(server, LocalReplicator(svc.state))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            try:
+                async with MetaClient([f"127.0.0.1:{port}"], deadline=5.0) as mc2:
+                    assert used(await mc2.get_cluster_map()) == {t0: (0, True), t1: (0, True)}
+                    text = _df_text(await df([f"127.0.0.1:{port}"]), True)
+                    assert UNREPORTED_NOTE in text and text.count("0 B*") >= 2, text
+                    await mc2.heartbeat(n0, [pb.TargetReport(target_id=t0, used=7000, capacity=1 << 40)])
+                    await mc2.heartbeat(n1, [pb.TargetReport(target_id=t1, used=9000, capacity=1 << 40)])
+                    assert used(await mc2.get_cluster_map()) == {t0: (7000, False), t1: (9000, False)}
+                    text = _df_text(await df([f"127.0.0.1:{port}"]), True)
+                    assert UNREPORTED_NOTE not in text and "*" not in text, text
+            finally:
+                await server.stop(None)
+
+    run(go())

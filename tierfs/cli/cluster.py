@@ -172,6 +172,8 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             "id": t.target_id, "node_id": t.node_id, "path": t.path,
             "state": _state(pb.TargetState.Name(t.state), "TARGET_STATE_"),
             "capacity": t.capacity, "used": t.used,
+            # The last committed figure (a new leader not yet reported to).
+            "used_unreported": t.used_unreported,
         }
     storage_out = []
     seen_addrs = set()

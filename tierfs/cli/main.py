@@ -172,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- output ------------------------------------------------------------------------
 
 
+#: Under a table where a USED figure is marked ``*``.
+UNREPORTED_NOTE = ("* used as last committed, up to meta's usage_interval (30 s) old: the meta leader has had no "
+                   "report from the node since it took over (a failover a moment ago, or the node is down)")
+
+
 def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
     out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
@@ -194,10 +199,13 @@ def render_status(st: dict[str, Any]) -> str:
             node = s["id"] if not s.get("name") else f"{s['id'] or '-'} ({s['name']})"
             state = s["state"] + (" (draining)" if s.get("draining") else "")
             head = [node, s["data_addr"], state, s["pid"]] if i == 0 else ["", "", "", ""]
-            tail = ([t["id"], t["state"], human_size(t["used"]), human_size(t["capacity"]), t["path"]]
+            tail = ([t["id"], t["state"], human_size(t["used"]) + ("*" if t.get("used_unreported") else ""),
+                     human_size(t["capacity"]), t["path"]]
                     if t else [None] * 5)
             rows.append(head + tail)
     out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", "PID", "TARGET", "TSTATE", "USED", "CAPACITY", "PATH"]))
+    if any(t and t.get("used_unreported") for s in st["storage"] for t in s["targets"]):
+        out.append(UNREPORTED_NOTE)
     out.append("")
     by_state: dict[str, list[int]] = {}
     for g in st["groups"]:
@@ -415,14 +423,16 @@ def _df_text(r: dict[str, Any], human: bool) -> str:
     for t in r["targets"]:
         rows.append([t["id"], t["node"], t["hostname"] or None] + ([t["rack"] or None] if racks else [])
                     + [t["state"] if t["node_state"] == "online" else f"{t['state']} (node {t['node_state']})",
-                       size(t["capacity"]), size(t["used"]), size(t["free"]), pct(t["used"], t["capacity"]),
-                       t["path"]])
+                       size(t["capacity"]), size(t["used"]) + ("*" if t.get("used_unreported") else ""),
+                       size(t["free"]), pct(t["used"], t["capacity"]), t["path"]])
     tot = r["total"]
     rows.append(["total", "", ""] + ([""] if racks else []) + [
         f"{tot['targets']} targets", size(tot["capacity"]), size(tot["used"]), size(tot["free"]),
         pct(tot["used"], tot["capacity"]), ""])
     out = [_table(rows, ["TARGET", "NODE", "HOST"] + (["RACK"] if racks else [])
                   + ["STATE", "SIZE", "USED", "FREE", "USE%", "PATH"])]
+    if any(t.get("used_unreported") for t in r["targets"]):
+        out.append(UNREPORTED_NOTE)
     fg = r["file_groups"]
     out += ["", f"files: {fg['groups']} placement groups"
             + (" (" + ", ".join(f"{c} of width {w}" for w, c in fg["by_width"].items()) + ")" if fg["groups"] else "")]

@@ -143,6 +143,8 @@ async def df(meta: Sequence[str], *, timeout: float = 20.0) -> dict[str, Any]:
             "node_state": _state(pb.NodeState.Name(n.state), "NODE_STATE_") if n else "unknown",
             "state": _state(pb.TargetState.Name(t.state), "TARGET_STATE_"), "path": t.path,
             "capacity": t.capacity, "used": t.used,
+            # The last committed figure (a new leader not yet reported to).
+            "used_unreported": t.used_unreported,
             # What its file system really has free (other data may share
             # it); capacity - used when the leader has no report of it.
             "free": min(t.free, max(0, t.capacity - t.used)) if t.free else max(0, t.capacity - t.used),

@@ -853,6 +853,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             used = self._hb_used.get(t.node_id, {}).get(t.target_id)
             if used is not None:
                 t.used = used
+            else:  # the committed figure: up to usage_interval old (status marks it)
+                t.used_unreported = True
             t.free = self._hb_free.get(t.node_id, {}).get(t.target_id, 0)
         return cmap
 

@@ -1381,6 +1381,7 @@ class ClusterTarget(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     FREE_FIELD_NUMBER: _builtins.int
     UP_SINCE_FIELD_NUMBER: _builtins.int
+    USED_UNREPORTED_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
     node_id: _builtins.int
     path: _builtins.str
@@ -1396,6 +1397,12 @@ class ClusterTarget(_message.Message):
     (the version that brought it back, for one that was down): KV copies it
     holds from before are not served. 0 from older leaders.
     """
+    used_unreported: _builtins.bool
+    """True when this leader has had no report from the target's node since it
+    took over (a failover a moment ago, or the node is down): `used` is then
+    the last committed figure, up to the meta `usage_interval` (30 s) old.
+    False from followers' maps and from older leaders.
+    """
     def __init__(
         self,
         *,
@@ -1407,10 +1414,11 @@ class ClusterTarget(_message.Message):
         state: Global___TargetState.ValueType = ...,
         free: _builtins.int = ...,
         up_since: _builtins.int = ...,
+        used_unreported: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "up_since", b"up_since", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "free", b"free", "node_id", b"node_id", "path", b"path", "state", b"state", "target_id", b"target_id", "up_since", b"up_since", "used", b"used", "used_unreported", b"used_unreported"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
