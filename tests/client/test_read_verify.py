@@ -150,6 +150,33 @@ def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
     asyncio.run(go())
 
 
+def test_a_position_listed_missing_helps_tell_a_wrong_fragment_from_the_rest(six: LocalCluster) -> None:
+    """ec:4+2, one chunk: position 1 is listed missing although its holder
+    has the fragment (a degraded write's fragment that landed late),
+    position 2 is wrong but self-consistent, position 5 is gone. Counting 1
+    there are five fragments to judge from, and the chunk reads right from
+    0, 1, 3 and 4. The read failed with CorruptError: the heal judged only
+    the positions not listed missing (four, one of them wrong). Now those
+    are its last resort, as they are the plain read's, judged like the rest."""
+    data = random_bytes(CS, 21)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, "/lm/f", "ec:4+2", data)
+            gen = info.chunks[0].generation
+            # Planted before position 1 is listed: with four good sources its
+            # holder's repair queue would rebuild it at once and unlist it.
+            await _plant(six, info, {(0, 2): os.urandom(16 * KiB), (0, 5): None})
+            await ac.meta.mark_fragments([pb.RepairItem(inode=info.attr.inode, chunk=0, version=gen, fragment=1)],
+                                         done=False)
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            assert list((await ac.meta.stat("/lm/f")).chunks[0].missing) == [1]
+            assert await ac.read_bytes("/lm/f") == data
+            assert ac.corrupt_fragments == 1
+
+    asyncio.run(go())
+
+
 def test_too_many_wrong_fragments_fail_the_read_instead_of_returning_them(six: LocalCluster) -> None:
     data = random_bytes(2 * CS, 13)
 
