@@ -99,6 +99,24 @@ def truncate_zeroes_tail() -> list[Op]:
     ]
 
 
+def forged_fragments() -> list[Op]:
+    """Fragments rewritten whole with other bytes (their own CRC32C valid),
+    one of them next to a lost fragment: reads must decode around the
+    forged ones, and a repairing scrub must rebuild them and the lost one."""
+    return [
+        ("write_file", "g", ("rand", 7, 200_000)),  # four chunks
+        ("forge", "g", 0, 1),
+        ("read_file", "g"),
+        ("read_range", "g", 100, 50),
+        ("forge", "g", 1, 0),
+        ("delete_frag", "g", 1, 3),
+        ("read_file", "g"),
+        ("read_range", "g", CS + 10, 3000),
+        ("scrub", True),
+        ("read_file", "g"),
+    ]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", ["ec", "rep"])
 def test_regression_degraded_reupload(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
@@ -113,6 +131,14 @@ def test_regression_truncate_zeroes_tail(env: CheckerCluster, kind: str, tmp_pat
     ck = checker(env, kind, tmp_path)
     ck.run(truncate_zeroes_tail())
     assert ck.model.files["s"].cands == [b"SEC" + bytes(70000 - 3)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ec", "rep"])
+def test_regression_forged_fragments(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
+    ck = checker(env, kind, tmp_path)
+    ck.run(forged_fragments())
+    assert ck.counts.get("forged") == 2, ck.counts
 
 
 #: (layout, seed, steps). Bounded for `make test`; tests/soak runs longer walks.

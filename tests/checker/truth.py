@@ -144,6 +144,8 @@ class Truth:
     fragments: int = 0
     #: (inode, chunk) -> positions holding a valid committed fragment, and on which node each.
     valid: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
+    #: (inode, chunk, position) -> CRC32C of the payload of each valid position.
+    payload_crc: dict[tuple[int, int, int], int] = field(default_factory=dict)
     records: dict[int, dict[int, Rec]] = field(default_factory=dict)
     widths: dict[int, tuple[Codec, int]] = field(default_factory=dict)  # inode -> codec, chunk size
 
@@ -248,6 +250,7 @@ async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessi
                         continue
                 have[j] = payload
                 nodes[j] = good[0].node
+                t.payload_crc[(ino, idx, j)] = _crc32c.crc32c(payload)
             t.valid[(ino, idx)] = nodes
             problem = _consistency(codec, cs, rec, have)
             if problem:

@@ -25,6 +25,8 @@ Operations (``h*``: handle ids; paths are under the checker's directory):
 ``("kill", node)``, ``("restart", node)``, ``("stop", node)``, ``("cont", node)``
 ``("kill_holder", path, chunk, j)``   SIGKILL the node holding fragment j of the chunk
 ``("corrupt", path, chunk, j)``       flip a payload byte of that fragment on disk
+``("forge", path, chunk, j)``         rewrite that fragment through the data plane with other
+                                      bytes: well formed, its own CRC32C valid, wrong
 ``("target_rm", node)``               ``tierfs target rm`` of the node's target, then wait for
                                       the rebuild
 ``("scrub",)``                        heal, ``tierfs scrub``, verdict checked against the truth
@@ -62,6 +64,7 @@ import numpy as np
 
 from tests.checker.model import MFile, MHandle, Model, apply_write, resized
 from tests.checker.truth import Truth, chunk_table, scan
+from tests.checker.truth import _stored as _stored_len
 from tierfs.cli.main import run as cli
 from tierfs.cli.repair import scrub_cluster
 from tierfs.client import Client, File
@@ -76,6 +79,8 @@ from tierfs.errors import (
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
+from tierfs.storage.api import FragmentKey
+from tierfs.storage.engine import crc32c as crc32c_of
 
 __all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "listing", "meta_fault", "own_failure", "random_ops", "save_log"]
 
@@ -376,6 +381,8 @@ class Checker(ProcessFaults):
     violations: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     scrubs: list[dict[str, Any]] = field(default_factory=list)
+    #: (inode, chunk, position, generation) -> CRC32C of the bytes ``op_forge`` wrote there.
+    forged: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
     log_dir: Path | None = None
     old_clients: list[Client] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per kind of operation
@@ -465,7 +472,7 @@ class Checker(ProcessFaults):
         need = 1 if codec.replicated else codec.k
         short, stale_missing = [], []
         for idx, rec in sorted(recs.items()):
-            live = {j: n for j, n in truth.valid.get((inode, idx), {}).items() if n not in self.env.down}
+            live = {j: n for j, n in self._good(truth, inode, idx).items() if n not in self.env.down}
             if len(live) < need:
                 short.append(idx)
             elif len(set(live) - set(rec.missing)) < need:
@@ -478,6 +485,14 @@ class Checker(ProcessFaults):
         self.violation("availability", f"{what} failed ({type(exc).__name__}: {exc}) although every chunk has "
                        f"{need}+ valid fragments of its committed generation on live nodes (down: "
                        f"{dict(self.env.down)}){extra}")
+
+    def _good(self, truth: Truth, inode: int, idx: int) -> dict[int, str]:
+        """The chunk's valid positions (and their nodes), less those that
+        still hold bytes this walk forged (``op_forge``)."""
+        rec = truth.records.get(inode, {}).get(idx)
+        gen = rec.generation if rec is not None else -1
+        return {j: n for j, n in truth.valid.get((inode, idx), {}).items()
+                if self.forged.get((inode, idx, j, gen)) != truth.payload_crc.get((inode, idx, j))}
 
     def _truth(self) -> Truth:
         sessions = {}
@@ -846,7 +861,7 @@ class Checker(ProcessFaults):
             truth = self._truth()
             codec, _cs = truth.widths[ino]
             need = 1 if codec.replicated else codec.k
-            valid = set(truth.valid.get((ino, chunk), {})) - {j % codec.width}
+            valid = set(self._good(truth, ino, chunk)) - {j % codec.width}
             if len(valid) < need:
                 self.counts["corrupt_skipped"] = self.counts.get("corrupt_skipped", 0) + 1
                 return
@@ -859,6 +874,54 @@ class Checker(ProcessFaults):
                 fh.seek(at)
                 fh.write(bytes([raw[at] ^ 0x5A]))
                 self.counts["corrupted"] = self.counts.get("corrupted", 0) + 1
+
+    def op_forge(self, path: str, chunk: int, j: int) -> None:
+        """Rewrite fragment ``j`` of the chunk through the data plane (a node
+        capability, as a daemon holds) with other bytes of its stored length:
+        a well-formed fragment whose own CRC32C holds but which disagrees with
+        the rest of its chunk, as a misdirected or buggy write would leave it.
+        No per-fragment check can see it: reads must decode around it (never
+        return it), the whole-chunk scrub must find it, a repair must not
+        build from it. Never the last good fragments, as for ``corrupt``."""
+        if path not in self.model.files:
+            return
+        try:
+            tid, node, ino = self._holder(path, chunk, j)
+            truth = self._truth()
+        except TierFSError:
+            return
+        rec = truth.records.get(ino, {}).get(chunk)
+        if rec is None or rec.length is None or ino not in truth.widths or node in self.env.down:
+            return
+        codec, cs = truth.widths[ino]
+        pos = j % codec.width
+        size = _stored_len(codec, cs, rec.length, pos)
+        need = 1 if codec.replicated else codec.k
+        if not size or len(set(self._good(truth, ino, chunk)) - {pos}) < need:
+            self.counts["forge_skipped"] = self.counts.get("forge_skipped", 0) + 1
+            return
+        seed = crc32c_of(f"{ino}:{chunk}:{pos}:{rec.generation}".encode())
+        payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+        crc = crc32c_of(payload)
+        if crc == truth.payload_crc.get((ino, chunk, pos)):
+            return
+        try:
+            cmap = self.env.cmap()
+            asyncio.run(self._plant(cmap, tid, FragmentKey(ino, chunk, pos, rec.generation), payload))
+        except TierFSError:
+            self.counts["forge_failed"] = self.counts.get("forge_failed", 0) + 1
+            return
+        self.forged[(ino, chunk, pos, rec.generation)] = crc
+        self.counts["forged"] = self.counts.get("forged", 0) + 1
+
+    async def _plant(self, cmap: pb.ClusterMap, tid: int, key: FragmentKey, payload: bytes) -> None:
+        from tests.repair.util import grant_all
+        from tierfs.net import DataClient
+
+        addr = {n.node_id: n.data_addr for n in cmap.nodes}
+        routes = {t.target_id: addr[t.node_id] for t in cmap.targets}
+        async with grant_all(DataClient(routes=routes, request_timeout=2.0, connect_timeout=1.0), self.env.cl) as dc:
+            await dc.write(tid, key, payload)
 
     def op_target_rm(self, node: str) -> None:
         tid = self.env.target_of_node(node)
@@ -1061,7 +1124,7 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
             path = rng.choice(sorted(ck.model.files))
             size = max((len(c) for c in ck.model.files[path].cands), default=0)
             if size:
-                yield ("corrupt", path, rng.randrange(-(-size // cs)), rng.randrange(6))
+                yield (rng.choice(("corrupt", "forge")), path, rng.randrange(-(-size // cs)), rng.randrange(6))
         elif r < 0.18:
             yield ("fresh_client",)
         elif r < 0.22 and ck.model.files and len(handles) < 3:
