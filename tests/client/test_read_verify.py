@@ -177,6 +177,32 @@ def test_a_position_listed_missing_helps_tell_a_wrong_fragment_from_the_rest(six
     asyncio.run(go())
 
 
+def test_a_target_found_slow_helps_tell_a_wrong_fragment_from_the_rest(six: LocalCluster) -> None:
+    """ec:4+2, one chunk: position 2 wrong but self-consistent, position 5
+    gone, and the target of position 0 found slow a moment ago (a hedged
+    read lagged there), so reads go around it. Five targets looked usable,
+    enough to tell a wrong fragment from the rest, and the heal skipped the
+    slow one; but only four answered, one of them wrong, and the read failed
+    with CorruptError although 0, 1, 3 and 4 were good (the file checker
+    soak, seed 12012, with a corrupt fragment for the deleted one). Now the
+    targets skipped are a last resort there."""
+    data = random_bytes(CS, 22)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, "/slow/f", "ec:4+2", data)
+            await _plant(six, info, {(0, 2): os.urandom(16 * KiB), (0, 5): None})
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            cmap = await map_now(six)
+            gid = info.layout.groups[0]
+            router = ac._parts()[2]
+            router.mark_slow(next(g.target_ids for g in cmap.groups if g.group_id == gid)[0], 60.0)
+            assert await ac.read_bytes("/slow/f") == data
+            assert ac.corrupt_fragments == 1
+
+    asyncio.run(go())
+
+
 def test_too_many_wrong_fragments_fail_the_read_instead_of_returning_them(six: LocalCluster) -> None:
     data = random_bytes(2 * CS, 13)
 

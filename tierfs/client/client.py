@@ -793,7 +793,6 @@ class AsyncClient:
         codec, cs, ver = view.codec, view.chunk_size, rec.generation
         k, width = codec.k, codec.width
         sizes = [fragment_size(j, k, cs, rec.length) for j in range(width)]
-        passed_over = skip  # listed missing, being rebuilt: a last resort (below)
         ask = [j for j in range(width) if j not in skip and sizes[j]]
         # Targets that answer now, unless too few are left to tell a bad
         # fragment from the rest (K + 1).
@@ -817,12 +816,16 @@ class AsyncClient:
         f = _File(kind=pb.REDUNDANCY_KIND_EC, k=k, m=codec.m, chunk_size=cs, size=rec.length, groups=[],
                   chunks={idx: rec}, writing=False, data_version=0)
         verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have) if len(have) >= k else None
-        late = [j for j in sorted(passed_over) if j < width and j not in have and j not in short]
+        asked = set(ask)
+        late = [j for j in range(width) if j not in asked and j not in have]
         if verdict is None and late:
             # As a last resort, as ``_read_chunk`` does: the positions passed
-            # over (listed missing, members being rebuilt) may hold the
-            # committed fragment all the same, and one more good fragment is
-            # what tells a wrong one from the rest. Judged like the others.
+            # over (listed missing, members being rebuilt, targets that
+            # failed a moment ago) may hold the committed fragment all the
+            # same, and one more good fragment is what tells a wrong one from
+            # the rest. Judged like the others. (The file checker soak, seed
+            # 12012: a target skipped as just failed while the K + 1 thought
+            # usable held a forged and a corrupt fragment.)
             lbufs = {j: memoryview(bytearray(sizes[j])) for j in late if sizes[j]}
             lres = await data.read_batch([(targets[j], FragmentKey(view.inode, idx, j, ver), lbufs[j], 0)
                                           for j in lbufs], timeout=self.config.request_timeout)
