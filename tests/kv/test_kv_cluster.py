@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -637,6 +638,50 @@ def test_ec_fragments_of_the_first_format_are_still_read(cl: LocalCluster, clien
                                    memoryview(bytes(codec.encode(memoryview(enc), n, n)[1]) + struct.pack("<Q", n)),
                                    flags=KV_OVERWRITE | stamps[1] << KV_STAMP_SHIFT)
             assert await kv.get(key) == other  # fragments 0 and 2: the old one is left out
+    asyncio.run(main())
+
+
+def test_ec_a_wrong_fragment_with_a_right_trailer_is_left_out(cl: LocalCluster, client: Client) -> None:
+    """A fragment rewritten with other bytes but the value's trailer (a
+    misdirected or buggy write): the first K fragments fetched decode to a
+    value whose CRC32C is not the trailer's. That was a miss for as long as
+    the object lived (and engines that test presence before storing never
+    store it again). Now the other fragments are fetched too, and any K that
+    decode to the CRC32C give the value; with too few good ones, a miss,
+    never wrong bytes."""
+    from tierfs.client import AsyncClient
+    from tierfs.kv.cluster import _TRAILER, _ec_tail, placement
+    from tierfs.net.protocol import KV_OVERWRITE, KV_STAMP_SHIFT, crc32c
+
+    create_pool(cl, "ecw", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "ecw")
+
+    async def main() -> None:
+        async with AsyncClient(cl.meta_addrs) as c:
+            kv = c.kv_pool("ecw")
+            tier = kv.cluster
+            route = await tier.route()
+            codec = tier._codec(route)
+            key, n = b"wrong-frag", 70_001
+            value = payload("wrong-frag", n)
+            assert await kv.put(key, value, overwrite=True)
+            targets, stamps = placement(route, key)
+
+            async def forge(j: int) -> None:
+                size = len(codec.encode(memoryview(bytearray(codec.encode_size(n))), n, n)[j])
+                body = bytearray(os.urandom(size) + bytes(_TRAILER.size))
+                _TRAILER.pack_into(body, size, crc32c(value), _ec_tail(n, j))
+                await tier.data.kv_put(targets[j], route.pool_id, key, memoryview(body),
+                                       flags=KV_OVERWRITE | stamps[j] << KV_STAMP_SHIFT)
+
+            await forge(0)  # among the first K asked
+            assert await kv.get(key) == value
+            buf = bytearray(n)
+            assert await kv.get_into(key, buf) == n and bytes(buf) == value
+            assert tier.counters.extra.get("wrong_fragments", 0) >= 2
+            await forge(1)  # two of three wrong: a miss, not their bytes
+            assert await kv.get(key) is None
+            assert await kv.get_into(key, bytearray(n)) is None
     asyncio.run(main())
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import struct
 import time
@@ -126,6 +127,12 @@ async def _timed(fetch: Callable[[list[int]], Awaitable[_R]], expiries: list[flo
 def _soonest(ttls: Sequence[int]) -> int:
     """The shortest of the TTLs that are set (0: none is)."""
     return min((t for t in ttls if t), default=0)
+
+
+def _judge_more(tag: _Tag | None, fetched: int, width: int) -> bool:
+    """After K fragments of one value (``tag``) failed to decode to its
+    CRC32C: whether positions are left unfetched (fetch them all and judge)."""
+    return tag is not None and tag[0] == 2 and fetched < width
 
 
 def _ec_agreeing(got: dict[int, tuple[_Tag, memoryview]], k: int) -> tuple[int, _Tag | None]:
@@ -774,6 +781,12 @@ class ClusterTier:
                     got[j] = frag
             have, tag = _ec_agreeing(got, route.k)
         value = self._ec_decode(route, got, tag)
+        if value is None and _judge_more(tag, pos, len(order)):
+            # A wrong fragment among the K: the others too, then judged.
+            for j, v in await asyncio.gather(*(one(j) for j in order[pos:])):
+                if v is not None and (frag := _ec_fragment(v, j)) is not None:
+                    got[j] = frag
+            value = self._ec_decode(route, got, tag)
         if value is None:
             self.counters.misses += 1
             return None
@@ -802,7 +815,15 @@ class ClusterTier:
             from tierfs.net.protocol import crc32c
 
             if crc32c(value) != crc:
+                # A fragment whose trailer agrees but whose bytes are wrong
+                # (a misdirected or buggy write): any K of the others that
+                # decode to the value's CRC32C, else a miss.
                 self.counters.errors += 1
+                for keep in itertools.combinations(sorted(frags), route.k) if len(frags) > route.k else ():
+                    value = memoryview(codec.decode({j: frags[j] for j in keep}, f))[:size]
+                    if crc32c(value) == crc:
+                        self.counters.extra["wrong_fragments"] = self.counters.extra.get("wrong_fragments", 0) + 1
+                        return value
                 return None
         return value
 
@@ -963,6 +984,19 @@ class ClusterTier:
             if too_small and tag is None:
                 raise InvalidArgumentError(f"KV object {key!r} does not fit the {len(dest)}-byte buffer")
             value = self._ec_decode(route, got, tag)
+            if value is None and _judge_more(tag, pos, len(order)):
+                # A wrong fragment among the K: the others too, then judged.
+                rest = order[pos:]
+                reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in rest]
+                ttls = []
+                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
+                for j, r, ttl in zip(rest, res, ttls, strict=True):
+                    frag_ttl[j] = ttl
+                    if isinstance(r, TierFSError):
+                        self._failed(targets[j], r)
+                    elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
+                        got[j] = frag
+                value = self._ec_decode(route, got, tag)
             if value is None:
                 # Too few fragments of any one value, or a decode that does
                 # not match the value's CRC: a miss, never mixed bytes.
