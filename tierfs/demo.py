@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -124,6 +125,24 @@ async def _leader(cl: LocalCluster) -> str:
     raise TierFSError("no meta leader")
 
 
+async def _wait_usage_reported(mc: Any, timeout: float = 10.0) -> bool:
+    """Until the meta leader has heard every online node's usage since it
+    took over (a new leader's map marks the committed figures it has not
+    been told, up to meta's usage_interval old)."""
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(TierFSError):
+            cmap = await mc.get_cluster_map()
+            online = {n.node_id for n in cmap.nodes if n.state == pb.NODE_STATE_ONLINE}
+            if not any(t.used_unreported for t in cmap.targets if t.node_id in online):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+
+
 async def _wait_digests_equal(cl: LocalCluster, mc: Any, timeout: float = 20.0) -> tuple[bool, str]:
     deadline = time.monotonic() + timeout
     while True:
@@ -196,6 +215,7 @@ async def demo(cl: LocalCluster, size: int, step: Callable[[str], None]) -> dict
         same, digest = await _wait_digests_equal(cl, meta)
         _say(f"    restarted {old}; replica state digests {'identical' if same else 'DIFFER'}: {digest[:16]}")
         await cl.wait_healthy(60)
+        await _wait_usage_reported(meta)  # else status shows the committed used figures, marked '*'
 
         step("Cluster status (`tierfs status`)")
         status = await cluster_status(cl.meta_addrs, data_dir=str(cl.dir))
