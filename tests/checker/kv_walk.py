@@ -1,8 +1,9 @@
 """The model-based checker of the KV store: seeded random walks of puts,
 overwrites, deletes and gets on KV pools of every redundancy, against a
 real cluster, with storage daemons killed, restarted, stopped (SIGSTOP: a
-gray failure), resumed, and their object files corrupted on disk, and the
-cluster grown by a daemon now and then (the pools re-plan: keys move).
+gray failure), resumed, and their object files corrupted on disk, EC
+fragments forged (rewritten with other bytes under the value's trailer), and
+the cluster grown by a daemon now and then (the pools re-plan: keys move).
 
 The KV store is a cache: any get may miss. What it must never do is
 return wrong bytes. The model holds, for each key, the *contents* it may
@@ -42,6 +43,7 @@ the seed and the op log (replay it with :meth:`KVChecker.run`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -398,6 +400,44 @@ class KVChecker(ProcessFaults):
                 fh.seek(at)
                 fh.write(bytes([b[0] ^ 0x5A]))
 
+    def op_forge(self, pool: str, key: int, j: int) -> None:
+        """Rewrite fragment ``j`` (modulo the width) of the key's object in an
+        EC pool with other bytes under the same trailer (the value's CRC32C
+        and length), as a misdirected or buggy write would leave it: neither
+        the frame's CRC nor the trailer can tell. A get must decode around it
+        or miss, never return it. Replica pools are not forged: there a copy
+        is the only witness of its own CRC (docs/kv.md)."""
+        if not POOLS[pool][0].startswith("ec:"):
+            return
+        with contextlib.suppress(TierFSError):
+            if asyncio.run(self._forge(pool, key, j)):
+                self.counts["forged"] = self.counts.get("forged", 0) + 1
+
+    async def _forge(self, pool: str, key: int, j: int) -> bool:
+        from tierfs.client import AsyncClient
+        from tierfs.kv.cluster import _TRAILER, placement
+        from tierfs.net.protocol import KV_GROUP, KV_OVERWRITE, KV_STAMP_SHIFT
+
+        name = self.kname(key).encode()
+        async with AsyncClient(self.env.meta, request_timeout=2.0, connect_timeout=1.0) as c:
+            kv = c.kv_pool(pool)
+            await kv.get(name)  # the route and the pool's capability
+            tier = kv.cluster
+            route = await tier.route()
+            targets, stamps = placement(route, name)
+            j %= len(targets)
+            frag = await tier.data.kv_get(targets[j], route.pool_id, name, timeout=2.0, since=stamps[j])
+            if frag is None or len(frag) <= _TRAILER.size:
+                return False
+            n = len(frag) - _TRAILER.size
+            body = bytearray(frag)
+            body[:n] = np.random.default_rng([self.seed, key, j, len(self.log)]).integers(0, 256, n, dtype=np.uint8).tobytes()
+            if body == frag:
+                return False
+            await tier.data.kv_put(targets[j], route.pool_id, name, memoryview(body),
+                                   flags=KV_OVERWRITE | KV_GROUP | max(stamps) << KV_STAMP_SHIFT)
+            return True
+
     def op_grow(self) -> None:
         """One more storage daemon (``tierfs up --storage N+1``): the pools
         re-plan onto it, and keys move to other groups (a target may then
@@ -481,6 +521,8 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield ("batch_get", pool, sorted(rng.sample(range(KEYS), 5)))
         elif r < 0.80:
             yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
+        elif r < 0.81:
+            yield ("forge", pool, key, rng.randrange(6))
         elif r < 0.83:
             yield ("outlive",)
         elif r < 0.85:
