@@ -513,16 +513,17 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
             yield ("batch_put", pool, sorted(rng.sample(range(KEYS), 4)))
         elif r < 0.44:
             yield ("delete", pool, key)
-        elif r < 0.60:
+        elif r < 0.58:
             yield ("get", pool, key)
+        elif r < 0.60:
+            ec = [p for p, (red, _, _) in POOLS.items() if red.startswith("ec:")]
+            yield ("forge", rng.choice(ec), key, rng.randrange(6))
         elif r < 0.70:
             yield ("get_into", pool, key)
         elif r < 0.78:
             yield ("batch_get", pool, sorted(rng.sample(range(KEYS), 5)))
         elif r < 0.80:
             yield ("corrupt", rng.choice(nodes), rng.randrange(1 << 30))
-        elif r < 0.81:
-            yield ("forge", pool, key, rng.randrange(6))
         elif r < 0.83:
             yield ("outlive",)
         elif r < 0.85:
