@@ -56,9 +56,24 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="fail if committed output drifted")
     ns = ap.parse_args()
     if not ns.check:
-        if OUT.exists():
-            shutil.rmtree(OUT)
-        generate(OUT)
+        # Generated beside the package, then each file swapped in with an
+        # atomic rename, and only then stale files removed: the package is
+        # never missing or half-written, so a daemon that starts meanwhile (a
+        # soak's restart) imports the old files or the new ones. Deleting the
+        # directory first broke such a start with "No module named
+        # tierfs.proto.v1".
+        stage = OUT.parent / ".v1.new"
+        if stage.exists():
+            shutil.rmtree(stage)
+        generate(stage)
+        OUT.mkdir(parents=True, exist_ok=True)
+        made = {f.name for f in stage.iterdir()}
+        for name in sorted(made):
+            os.replace(stage / name, OUT / name)
+        for old in OUT.glob("*"):
+            if old.is_file() and old.name not in made:
+                old.unlink()
+        stage.rmdir()
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp) / "v1"
