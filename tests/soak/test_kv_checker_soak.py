@@ -13,6 +13,7 @@ test's tmp dir."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from tests.checker.walk import CheckerCluster, CheckFailed
 
 SECONDS = float(os.environ.get("TIERFS_KV_CHECKER_SECONDS", "0"))
 SEEDS = [int(s) for s in os.environ.get("TIERFS_KV_CHECKER_SEEDS", "").split(",") if s.strip()]
+# A seed names its walk's keys: the same seed twice on one cluster would meet its own old values.
+assert len(set(SEEDS)) == len(SEEDS), "TIERFS_KV_CHECKER_SEEDS lists a seed twice"
 STEPS = int(os.environ.get("TIERFS_KV_CHECKER_STEPS", "200"))
 #: 3: three meta replicas, one SIGKILLed now and then (the leader, mostly), or all of them at once.
 META = int(os.environ.get("TIERFS_KV_CHECKER_META", "1"))
@@ -62,6 +65,13 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                 print(walks[-1], flush=True)
                 for note in ck.stale_notes[:5]:
                     print(f"    stale: {note}", flush=True)
+                if ck.stale_notes:  # the op log, to trace them (a nemesis walk does not replay step for step)
+                    (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
+                    f = tmp_path / "logs" / f"kv-walk-{seed}-stale.json"
+                    f.write_text(json.dumps({"seed": seed, "ops": ck.log, "stale": ck.stale_notes,
+                                             "nemesis": [(round(at - t0, 2), what)
+                                                         for at, what in env.nemesis_log[kills:]]}))
+                    print(f"    op log of the walk with its stale reads: {f}", flush=True)
             except CheckFailed as exc:
                 events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
                 failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))
