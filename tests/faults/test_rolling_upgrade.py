@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "a43d111a92ccde2cb2279a62717e05863203b8e3"
+PREVIOUS = "4211a6dfd82027949a5757bda0ae4a9e77761c0c"
 
 REPO = Path(__file__).resolve().parents[2]
 
