@@ -710,6 +710,45 @@ def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, cli
         assert other.kv.get(key) == new
 
 
+def test_a_delete_after_a_write_back_put_is_not_undone_by_it(cl: LocalCluster, tmp_path: Path) -> None:
+    """A write-back client puts a large object and deletes it at once. The
+    put returned when the object was local; its send to the cluster was
+    still on its way when the delete ran, and on a client's second
+    connection the small delete overtook it, so the put landed after the
+    acknowledged delete and every client got the object back (KV checker
+    soak, seed 82: reads of a deleted key, most likely this). The delete
+    now waits for the key's write-back send. Before: 3 of 6 such deletes
+    undone at 16 MiB. Then a prefetch racing a delete: what it fetched
+    before the delete must not be filled into the local tiers after it
+    (before: 3 of 6 deleted objects still served to the deleting client)."""
+    size = 16 * MiB
+    create_pool(cl, "wbdel", redundancy="replica:1", target_memory=4 * MiB, target_disk=160 * MiB)
+    keys = [f"wbdel-{i}" for i in range(8)]
+    with Client(cl.meta_addrs, kv_dram_bytes=3 * size, kv_write_back=True, kv_write_back_bytes=3 * size) as c, \
+            Client(cl.meta_addrs) as other:
+        pool_ready(c, "wbdel")
+        kv = c.kv_pool("wbdel")
+        existed = []
+        for k in keys:
+            kv.put(k, payload(k, size))
+            existed.append(kv.delete(k))
+        kv.flush()
+        assert existed == [True] * len(keys), "a delete ran before its key's write-back put reached the cluster"
+        assert kv.stats()["write_back_waits"] >= 1
+        back = [k for k in keys if other.kv_pool("wbdel").get(k) is not None or kv.get(k) is not None]
+        assert back == [], f"{len(back)} of {len(keys)} acknowledged deletes undone by an earlier write-back put"
+
+        # A prefetch racing a delete: what it fetched is not filled in after the drop.
+        for k in keys[:6]:
+            assert other.kv_pool("wbdel").put(k, payload(k, size))
+        for k in keys[:6]:
+            kv.prefetch([k])
+            assert kv.delete(k)
+        kv.flush()
+        kept = [k for k in keys[:6] if kv.get(k) is not None]
+        assert kept == [], f"{len(kept)} of 6 deleted objects filled into the local tiers by a prefetch"
+
+
 @pytest.mark.parametrize("pool", ["default", "ttl-ec"])
 def test_local_tiers_drop_an_object_when_its_cluster_ttl_runs_out(cl: LocalCluster, client: Client, tmp_path: Path,
                                                                   pool: str) -> None:

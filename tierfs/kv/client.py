@@ -94,9 +94,18 @@ class AsyncKV:
         self._wb_bytes = 0
         self._wb_room = asyncio.Condition()
         self._wb_tasks: set[asyncio.Task[None]] = set()
+        # key -> its write-back sends in flight: a later delete, overwrite,
+        # TTL put or pin of the key waits for them (_after_write_back)
+        self._wb_keys: dict[bytes, set[asyncio.Task[None]]] = {}
+        # Local fills racing a drop (_fill_local): drops so far, and each
+        # key's last drop while a fill is running.
+        self._drops = 0
+        self._dropped: dict[bytes, int] = {}
+        self._filling = 0
         self._wb_errors: collections.deque[TierFSError] = collections.deque(maxlen=16)
         self._prefetches: set[asyncio.Task[None]] = set()
-        self.counters = {"write_back_pending": 0, "write_back_failed": 0, "prefetched": 0, "prefetch_misses": 0}
+        self.counters = {"write_back_pending": 0, "write_back_failed": 0, "write_back_waits": 0, "prefetched": 0,
+                         "prefetch_misses": 0}
 
     def _lk(self, key: bytes) -> bytes:
         return self._prefix + key
@@ -129,19 +138,27 @@ class AsyncKV:
             if got is not None:
                 return got
         expiries: list[float] = []
-        value = await self.cluster.get(k, expiries)
-        if value is not None and self._local is not None:
-            await self._local.stack.put(self._lk(k), memoryview(value), expires=expiries[0])
+        mark = self._fill_start()
+        try:
+            value = await self.cluster.get(k, expiries)
+            if value is not None:
+                await self._fill_local(k, memoryview(value), expiries[0], mark)
+        finally:
+            self._fill_end()
         return value
 
     async def exists(self, key: str | bytes) -> bool:
         return (await self.batch_contains([key]))[0]
 
     async def delete(self, key: str | bytes) -> bool:
-        """Remove the object from every tier; True if the cluster had it."""
+        """Remove the object from every tier; True if the cluster had it.
+        A write-back put of the key still on its way to the cluster is
+        waited for first: sent after the delete, it would bring the object
+        back once the delete was acknowledged."""
         k = normalize_key(key)
         if self._local is not None:
-            await self._local.stack.delete(self._lk(k))
+            await self._drop_local(k)
+        await self._after_write_back([k])
         return await self.cluster.delete(k)
 
     # ---- batches -----------------------------------------------------------------
@@ -178,12 +195,17 @@ class AsyncKV:
                     # A local tier's put keeps what it holds (content
                     # addressing): the old value would go on being served
                     # here, to the client that overwrote it.
-                    await self._local.stack.delete(self._lk(k))
+                    await self._drop_local(k)
                 await self._local.stack.put(self._lk(k), v, parent=parent, expires=expires)
                 parent = self._lk(k)
         if self._write_back and not overwrite and not ttl_ms and not pin_kind:
             await self._queue_write_back(ks, views)
             return [True] * len(ks)
+        if overwrite or ttl_ms or pin_kind:
+            # after this client's earlier write-back puts of these keys, as
+            # issued: a late one could replace an overwrite (another stamp)
+            # or outlive a TTL put's object
+            await self._after_write_back(ks)
         return await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
                                             pin_ttl_ms=pin_ttl_ms)
 
@@ -213,11 +235,15 @@ class AsyncKV:
             todo = rest
         if todo:
             expiries: list[float] = []
-            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
-            for i, n, exp in zip(todo, got, expiries, strict=True):
-                out[i] = n
-                if n is not None and self._local is not None:
-                    await self._local.stack.put(self._lk(ks[i]), views[i][:n], expires=exp)
+            mark = self._fill_start()
+            try:
+                got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
+                for i, n, exp in zip(todo, got, expiries, strict=True):
+                    out[i] = n
+                    if n is not None:
+                        await self._fill_local(ks[i], views[i][:n], exp, mark)
+            finally:
+                self._fill_end()
         for i, n in enumerate(out):
             size = itemsize_of(bufs[i])
             if n is not None and n % size:
@@ -271,24 +297,31 @@ class AsyncKV:
             if hit:
                 continue
             expiries: list[float] = []
+            mark = self._fill_start()
             try:
-                value = await self.cluster.get(k, expiries)
-            except TierFSError:
-                value = None
-            if value is None:
-                self.counters["prefetch_misses"] += 1
-                continue
-            await self._local.stack.put(self._lk(k), memoryview(value), expires=expiries[0])
-            self.counters["prefetched"] += 1
+                try:
+                    value = await self.cluster.get(k, expiries)
+                except TierFSError:
+                    value = None
+                if value is None:
+                    self.counters["prefetch_misses"] += 1
+                    continue
+                if await self._fill_local(k, memoryview(value), expiries[0], mark):
+                    self.counters["prefetched"] += 1
+            finally:
+                self._fill_end()
 
     async def pin(self, key: str | bytes, *, hard: bool = False, ttl: float | None = None) -> bool:
         """Keep ``key`` from eviction in the cluster: a soft pin (expires
         after ``ttl`` s) or a hard one (counted against the pool's pin quota;
         NoSpaceError past it). False if the object is not there."""
+        await self._after_write_back([normalize_key(key)])
         return await self.cluster.pin(normalize_key(key), PIN_HARD if hard else PIN_SOFT, _ttl_ms(ttl, "ttl"))
 
     async def unpin(self, key: str | bytes) -> bool:
-        return await self.cluster.pin(normalize_key(key), 0)
+        k = normalize_key(key)
+        await self._after_write_back([k])
+        return await self.cluster.pin(k, 0)
 
     async def flush(self) -> None:
         """Wait until every write-back put is in the cluster (and prefetches are done).
@@ -337,6 +370,56 @@ class AsyncKV:
         task = asyncio.get_running_loop().create_task(self._send_back(ks, copies, need))
         self._wb_tasks.add(task)
         task.add_done_callback(self._wb_tasks.discard)
+        for k in ks:
+            self._wb_keys.setdefault(k, set()).add(task)
+        task.add_done_callback(lambda t: self._wb_forget(t, ks))
+
+    def _wb_forget(self, task: asyncio.Task[None], ks: list[bytes]) -> None:
+        for k in ks:
+            pending = self._wb_keys.get(k)
+            if pending is not None:
+                pending.discard(task)
+                if not pending:
+                    del self._wb_keys[k]
+
+    async def _after_write_back(self, ks: Sequence[bytes]) -> None:
+        """Wait until no write-back send of any of ``ks`` is in flight (each
+        ends in the cluster or as a failure ``flush`` reports), so that this
+        client's operations on a key reach the cluster in the order it made
+        them (docs/kv.md, "Writes")."""
+        if not self._wb_keys:
+            return
+        pending = {t for k in ks for t in self._wb_keys.get(k, ())}
+        if pending:
+            self.counters["write_back_waits"] += 1
+            await asyncio.wait(pending)
+
+    # A cluster read that fills the local tiers may have fetched the object
+    # before this client deleted or overwrote the key (a prefetch, or a get
+    # running beside the delete); filled after, it would be served here
+    # again. A fill skips a key dropped since it started.
+
+    def _fill_start(self) -> int:
+        self._filling += 1
+        return self._drops
+
+    def _fill_end(self) -> None:
+        self._filling -= 1
+        if not self._filling:
+            self._dropped.clear()
+
+    async def _fill_local(self, k: bytes, view: memoryview, expires: float, mark: int) -> bool:
+        if self._local is None or self._dropped.get(k, 0) > mark:
+            return False
+        await self._local.stack.put(self._lk(k), view, expires=expires)
+        return True
+
+    async def _drop_local(self, k: bytes) -> None:
+        assert self._local is not None
+        self._drops += 1
+        if self._filling:
+            self._dropped[k] = self._drops
+        await self._local.stack.delete(self._lk(k))
 
     async def _send_back(self, ks: list[bytes], copies: list[memoryview], need: int) -> None:
         try:
