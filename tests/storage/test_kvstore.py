@@ -413,6 +413,53 @@ def test_stamped_header_torn_and_unstamped_files(tmp_path: Path, pool: BufferPoo
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["overwritten", "evicted"])
+def test_a_deleted_key_does_not_come_back_from_a_file_left_for_the_reaper(tmp_path: Path, pool: BufferPool,
+                                                                          how: str) -> None:
+    """An overwrite or an eviction leaves the key's old file to the reaper
+    (in the background). A delete of the key acknowledged before the reaper
+    got to it left that file on disk, and a daemon that died then found it
+    at its next open as the key's newest file: the deleted key was served
+    again. The reaper is kept busy here with a large dropped pool (its
+    directory is removed first), and the "crash" is a second store opened
+    over the same directory right after the delete."""
+    junk = tmp_path / "kv" / "5" / "00"
+    junk.mkdir(parents=True)
+    for i in range(20000):  # not object files: open() leaves them, the drop's rmtree takes a while
+        (junk / f"junk-{i}").touch()
+    spec = disk_pool(2, memory=0, disk=64 * KiB)
+    key = b"the-key"
+
+    async def main() -> None:
+        s = KVStore(tmp_path, target_id=3, pool=pool)
+        await s.open()
+        try:
+            s.configure([spec])  # pool 5 is not listed: its directory goes to the reaper
+            assert await put(s, 2, key, pattern(key, 9000))
+            if how == "overwritten":
+                assert await put(s, 2, key, pattern(key, 9000, 1), overwrite=True)
+                assert await s.delete(2, key)
+            else:
+                for i in range(12):  # the key is the oldest: evicted first
+                    assert await put(s, 2, b"other-%d" % i, pattern(b"x", 9000, i))
+                assert not s.contains(2, [key])[0]
+                assert not await s.delete(2, key)
+            assert s._reaper is not None and not s._reaper.done(), "the reaper was not busy"
+            again = KVStore(tmp_path, target_id=4, pool=pool)  # the daemon died here, and started again
+            await again.open()
+            try:
+                again.configure([disk_pool(2, memory=0, disk=1 * MiB)])  # room for every file it finds
+                assert await get(again, 2, key) is None
+            finally:
+                await again.close()
+        finally:
+            await s.close()
+
+    asyncio.run(main())
+    assert pool.stats().in_use_buffers == 0
+
+
+@pytest.mark.timeout(60)
 def test_restart_over_io_backend(tmp_path: Path, pool: BufferPool, make_backend: Callable[..., IOBackend]) -> None:
     spec = disk_pool(2, memory=0)
 

@@ -402,6 +402,7 @@ class KVStore:
         # regions handed out by alloc(), not yet given to put() or release()
         self._allocs: dict[int, object] = {}
         self._unlink_q: list[str] = []
+        self._reaping: asyncio.Future[None] | None = None  # the reaper's unlink batch in flight
         self._trash_q: list[str] = []
         self._dirty: dict[int, tuple[_Pool, _Obj]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -901,22 +902,43 @@ class KVStore:
         p = self._pool(pool_id)
         async with self._locks.hold((pool_id, key)):
             obj = p.index.get(key)
-            if obj is None or p.dead:
+            if p.dead:
+                return False
+            if obj is None:
+                # Evicted, or never here: a file of the key that an eviction
+                # or an overwrite left for the reaper goes now (below).
+                await self._unlink_queued(p, None)
                 return False
             self._remove(p, obj, unlink=False)
             if obj.expired(self._now_ns()):
                 p.counters["expired"] += 1
-                self._unlink_later(obj.path)
+                await self._unlink_queued(p, obj.path)
                 return False
-            if obj.path is not None:
-                try:
-                    await asyncio.to_thread(_unlink_all, [obj.path])
-                    if p.spec.fsync:
-                        await asyncio.to_thread(fsync_dir, os.path.dirname(obj.path))
-                except OSError as exc:
-                    raise self._io_error("unlink", obj.path, exc) from exc
+            await self._unlink_queued(p, obj.path)
             p.counters["deletes"] += 1
             return True
+
+    async def _unlink_queued(self, p: _Pool, path: str | None) -> None:
+        """Unlink ``path`` and every file queued for the reaper so far, and
+        wait for a batch the reaper is unlinking now. An object file an
+        overwrite or an eviction left for the reaper is otherwise still on
+        disk when a delete of its key is acknowledged, and if the daemon dies
+        before the reaper gets to it, the next ``open()`` finds it as the
+        key's newest file and serves the deleted key again."""
+        queued, self._unlink_q = self._unlink_q, []
+        paths = ([path] if path is not None else []) + queued
+        try:
+            if paths:
+                await asyncio.to_thread(_unlink_all, paths)
+                if p.spec.fsync:
+                    for d in sorted({os.path.dirname(x) for x in paths}):
+                        await asyncio.to_thread(fsync_dir, d)
+        except OSError as exc:
+            self._unlink_q.extend(x for x in queued if os.path.lexists(x))  # the reaper tries them again
+            raise self._io_error("unlink", path or queued[0], exc) from exc
+        busy = self._reaping
+        if busy is not None:
+            await asyncio.wait({busy})
 
     def pin(self, pool_id: int, key: bytes, kind: int, ttl_ms: int = 0) -> bool:
         """Keep ``key`` from eviction: PIN_SOFT for ``ttl_ms`` (default
@@ -1320,7 +1342,13 @@ class KVStore:
             paths, self._unlink_q = self._unlink_q, []
             dirs, self._trash_q = self._trash_q, []
             try:
-                await asyncio.to_thread(_unlink_all, paths)
+                if paths:
+                    # a delete waits for this batch (_unlink_queued)
+                    fut = self._reaping = asyncio.ensure_future(asyncio.to_thread(_unlink_all, paths))
+                    try:
+                        await fut
+                    finally:
+                        self._reaping = None
                 for d in dirs:
                     await asyncio.to_thread(shutil.rmtree, d, True)
             except OSError as exc:
