@@ -156,10 +156,17 @@ class AsyncKV:
         waited for first: sent after the delete, it would bring the object
         back once the delete was acknowledged."""
         k = normalize_key(key)
-        if self._local is not None:
-            await self._drop_local(k)
+        if self._local is None:
+            await self._after_write_back([k])
+            return await self.cluster.delete(k)
+        await self._drop_local(k)
         await self._after_write_back([k])
-        return await self.cluster.delete(k)
+        try:
+            return await self.cluster.delete(k)
+        finally:
+            # A get of this client's that ran meanwhile may have filled the
+            # key in again from the cluster, before the delete reached it.
+            await self._drop_local(k)
 
     # ---- batches -----------------------------------------------------------------
 
