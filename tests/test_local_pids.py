@@ -53,3 +53,18 @@ def test_a_reused_pid_is_not_taken_for_a_dead_daemon(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_daemon_that_dies_during_start_up_is_reported_with_how_it_ended(tmp_path: Path) -> None:
+    """A daemon killed by a signal during start-up leaves nothing in its
+    log; the error names the signal (a meta nemesis once failed a soak with
+    only "exited during start-up" and a log that ended mid-start)."""
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=1)
+    meta = cl.proc("meta-0")
+    args = meta.argv[2:]  # the daemon's own flags (its --data-dir marks it as this cluster's)
+    meta.argv = ["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "-m", "tierfs.meta.daemon", *args]
+    with pytest.raises(Exception, match=r"meta-0 \(pid \d+\) exited during start-up, killed by signal 9 \(SIGKILL\)"):
+        cl.start(timeout=20, names=["meta-0"])
+    meta.argv = ["-c", "raise SystemExit(3)", "-m", "tierfs.meta.daemon", *args]
+    with pytest.raises(Exception, match="exited during start-up, exited with status 3"):
+        cl.start(timeout=20, names=["meta-0"])

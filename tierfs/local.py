@@ -137,6 +137,25 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+#: pid -> how a child of this process ended (``os.waitpid`` status), kept when
+#: :func:`pid_alive` reaps it: a daemon that dies during start-up is reported
+#: with it (a signal leaves nothing in its log).
+_ENDED: dict[int, int] = {}
+
+
+def exit_description(pid: int) -> str:
+    """How child ``pid`` ended, as far as :func:`pid_alive` saw it reaped."""
+    status = _ENDED.get(pid)
+    if status is None:
+        return "its exit status is not known (not reaped here)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"killed by signal {sig}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
 def pid_alive(pid: int, marker: str | None = None) -> bool:
     """True if ``pid`` runs a TierFS daemon (not a zombie, not a reused pid).
 
@@ -148,7 +167,11 @@ def pid_alive(pid: int, marker: str | None = None) -> bool:
     if pid <= 0:
         return False
     with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+        done, status = os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+        if done == pid:
+            if len(_ENDED) > 4096:
+                _ENDED.clear()
+            _ENDED[pid] = status
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
@@ -451,8 +474,8 @@ class LocalCluster:
                         if isinstance(json.loads(line), dict):
                             return
             if not p.alive():
-                raise UnavailableError(f"{p.name} exited during start-up; see {self.dir / 'logs' / (p.name + '.log')}:\n"
-                                       + self._tail(p.name))
+                raise UnavailableError(f"{p.name} (pid {p.pid}) exited during start-up, {exit_description(p.pid)}; "
+                                       f"see {self.dir / 'logs' / (p.name + '.log')}:\n" + self._tail(p.name))
             if time.monotonic() > deadline:
                 raise UnavailableError(f"{p.name} did not become ready in time; see {self.dir / 'logs' / (p.name + '.log')}:\n"
                                        + self._tail(p.name))

@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import os
 import random
 import signal
@@ -85,6 +86,7 @@ from tierfs.storage.engine import crc32c as crc32c_of
 __all__ = ["CheckFailed", "Checker", "CheckerCluster", "Op", "ProcessFaults", "data_of", "listing", "meta_fault", "own_failure", "random_ops", "save_log"]
 
 Op = tuple[Any, ...]
+log = logging.getLogger(__name__)
 KiB = 1024
 
 #: One meta replica (CPU is scarce); a node missing heartbeats for 1.5 s is
@@ -235,7 +237,14 @@ class CheckerCluster:
                 self._nemesis_stop.wait(rng.uniform(0.3, 2.0))
                 with self._meta_lock:
                     if victim in self.meta_down:
-                        self.cl.start(names=[victim], timeout=60)
+                        try:
+                            self.cl.start(names=[victim], timeout=60)
+                        except TierFSError as exc:
+                            # Left down: the walk's next meta_restart or heal
+                            # starts it, and fails the walk if it cannot.
+                            self.nemesis_log.append((time.monotonic(), f"start {victim} failed: {exc}"))
+                            log.warning("meta nemesis: starting %s failed (left down for the walk): %s", victim, exc)
+                            continue
                         self.meta_down.discard(victim)
                         self.nemesis_log.append((time.monotonic(), f"start {victim}"))
 
