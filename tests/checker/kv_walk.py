@@ -15,16 +15,26 @@ apart):
   are content-addressed in real use: a key means one value);
 * an overwrite writes the next content.
 
-A get may return any content ever put for the key: an earlier one too
-(stale). Since stop 30 placement stamps keep a copy that missed an
+A get may return a content put for the key before the one it is meant to
+return (stale) only where no acknowledged overwrite or delete came between
+(below). Since stop 30 placement stamps keep a copy that missed an
 overwrite (skipped while down, or left behind by a key remapped while a
 node was out and back) from being served (docs/kv.md, "Overwrites and map
-changes"), but an overwrite by a client whose map is older than a change
-can still leave the key's new group behind. The walk counts those reads
-(``stale``, each noted in ``stale_notes``): 199 in seeds 1-6 on the code
-before stamps; none since the daemons check stamps against their own map.
+changes"), and map leases (stop 33) and group stamps (stop 34) keep a
+client whose map is older than a change from leaving the key's new group
+behind. The walk counts stale reads (``stale``, each noted in
+``stale_notes``): 199 in seeds 1-6 on the code before stamps.
 It must never return bytes that match no content: two contents' fragments
 decoded together, a corrupted object, another key's value.
+
+Overwrites and deletes are stricter (since stop 37): once one is
+acknowledged, a get that started after the acknowledgement may return only
+a content put since (its attempt counts) or one some *unacknowledged* put
+may still bring back (``maybe``): a put or overwrite that raised, or a
+write-back put whose send failed or was left behind by a client the walk
+replaced. Anything else is a ``superseded`` violation. A write-back put
+followed by a delete of the same key was undone that way until the client
+ordered them (docs/kv.md, "Writes").
 
 Some puts and overwrites carry a TTL (0.3-2 s). A content put only with
 TTLs, each acknowledged while no daemon was stopped, must not be served
@@ -139,6 +149,15 @@ class KVChecker(ProcessFaults):
     # Where each stale read happened: the step, how, what it served and what
     # was allowed, and the steps since the last op that changed the map.
     stale_notes: list[str] = field(default_factory=list)
+    #: Contents an unacknowledged put may still bring back at any time.
+    maybe: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    #: Each key's last acknowledged overwrite or delete: (its number, which).
+    settled: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)
+    settles: int = 0
+    #: Contents the walk's write-back client queued (landed unless its
+    #: sends failed: ``wb_failed`` of them seen so far).
+    wb_puts: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    wb_failed: int = 0
 
     def kname(self, key: int) -> str:
         """A walk's own keys: walks on one cluster never see each other's."""
@@ -199,6 +218,46 @@ class KVChecker(ProcessFaults):
         self.allowed.setdefault(pk, set()).add(c)
         self.ever.setdefault(pk, set()).add(c)
 
+    def _settle(self, pk: tuple[str, int], how: str, now: set[int]) -> None:
+        """An overwrite or delete of ``pk`` was acknowledged: ``now`` is what
+        a get may return from here on (with what is put later, and the
+        maybes)."""
+        self._wb_settle()  # it waited for the key's write-back send: failed, that may land later
+        self.allowed[pk] = now
+        self.settles += 1
+        self.settled[pk] = (self.settles, how)
+
+    def _maybe(self, pk: tuple[str, int], c: int) -> None:
+        """A put of content ``c`` that was not acknowledged: it may land at
+        any time, even after a later delete."""
+        self.maybe.setdefault(pk, set()).add(c)
+
+    def _queued(self, pk: tuple[str, int], c: int) -> None:
+        """A plain put through a write-back client: acknowledged once local,
+        sent in the background."""
+        if self._write_back(self.client):
+            self.wb_puts.setdefault(pk, set()).add(c)
+
+    @staticmethod
+    def _write_back(client: Client) -> bool:
+        return bool(client.config.kv_write_back and (client.config.kv_dram_bytes or client.config.kv_ssd_bytes))
+
+    def _wb_settle(self, *, leaving: bool = False) -> None:
+        """Count the write-back client's failed sends: if any failed since
+        the last look (or the client is being replaced, its sends still in
+        flight), every content it queued is only a maybe."""
+        if not self.wb_puts:
+            return
+        failed = 0
+        for pool in POOLS:
+            with contextlib.suppress(Exception):
+                failed += int(self.client.kv_pool(pool).stats().get("write_back_failed", 0))
+        if leaving or failed > self.wb_failed:
+            for pk, cs in self.wb_puts.items():
+                self.maybe.setdefault(pk, set()).update(cs)
+            self.wb_puts.clear()
+        self.wb_failed = failed
+
     def _timed(self, pk: tuple[str, int], c: int, ttl: float, ok: bool) -> None:
         """A TTL put of content ``c`` returned (``ok``: acknowledged while no
         daemon was stopped); its deadline, unless it has none."""
@@ -209,7 +268,11 @@ class KVChecker(ProcessFaults):
             self.deadline[(*pk, c)] = max(end, self.deadline.get((*pk, c), 0.0))
         self.timing.discard((*pk, c))  # after the deadline is set: a racing get checks in this order
 
-    def _judge(self, pool: str, key: int, got: bytes | None, how: str, started: float | None = None) -> None:
+    def _judge(self, pool: str, key: int, got: bytes | None, how: str, started: float | None = None,
+               settled: tuple[int, str] | bool | None = True) -> None:
+        """``settled``: the key's last acknowledged overwrite or delete when
+        the get started (a racing reader's; True: the walk's own get, which
+        starts after every op before it)."""
         if got is None:
             self.counts["miss"] = self.counts.get("miss", 0) + 1
             return
@@ -227,6 +290,12 @@ class KVChecker(ProcessFaults):
             self._judge_expiry(pool, key, match, how, started)
             if stale:
                 self.counts["stale"] = self.counts.get("stale", 0) + 1
+                d = self.settled.get(pk)
+                if d is not None and (settled is True or settled == d) and match not in self.maybe.get(pk, ()):
+                    self.violation("superseded", f"{how} of {pool}/{self.kname(key)} returned content {match} "
+                                   f"after an acknowledged {d[1]} (#{d[0]}) left {sorted(self.allowed.get(pk, ()))}, "
+                                   f"and no unacknowledged put may bring it back (maybe: "
+                                   f"{sorted(self.maybe.get(pk, ()))})")
                 changed = [i for i, op in enumerate(self.log) if op[0] in ("grow", "kill", "restart", "stop", "cont")]
                 self.stale_notes.append(
                     f"step {len(self.log)} ({self.log[-1][0] if self.log else '-'}), {how} of "
@@ -263,13 +332,14 @@ class KVChecker(ProcessFaults):
             while not stop.is_set():
                 pool, key = rng.choice(pools), rng.randrange(KEYS)
                 started = time.monotonic()
+                settled = self.settled.get((pool, key))
                 try:
                     got = client.kv_pool(pool).get(self.kname(key))
                 except TierFSError:
                     continue
                 self.counts["raced"] = self.counts.get("raced", 0) + 1
                 if got is not None:
-                    self._judge(pool, key, got, "racing get", started)
+                    self._judge(pool, key, got, "racing get", started, settled)
 
     # ---- operations ------------------------------------------------------------------
 
@@ -277,8 +347,12 @@ class KVChecker(ProcessFaults):
         pk = (pool, key)
         c = self.current.setdefault(pk, 0)
         self._attempt(pk, c)
-        with contextlib.suppress(TierFSError):
+        try:
             self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c))
+        except TierFSError:
+            self._maybe(pk, c)
+            return
+        self._queued(pk, c)
 
     def op_overwrite(self, pool: str, key: int) -> None:
         pk = (pool, key)
@@ -288,8 +362,9 @@ class KVChecker(ProcessFaults):
             self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c), overwrite=True)
         except TierFSError:
             self.counts["put-failed"] = self.counts.get("put-failed", 0) + 1
+            self._maybe(pk, c)
             return
-        self.allowed[pk] = {c}
+        self._settle(pk, "overwrite", {c})
 
     def op_put_ttl(self, pool: str, key: int, ttl: float) -> None:
         """A put of the key's current content with a TTL."""
@@ -301,6 +376,7 @@ class KVChecker(ProcessFaults):
             self.client.kv_pool(pool).put(self.kname(key), content(pool, key, c), ttl=ttl)
         except TierFSError:
             self._timed(pk, c, ttl, False)
+            self._maybe(pk, c)
             return
         self._timed(pk, c, ttl, calm)
 
@@ -315,9 +391,10 @@ class KVChecker(ProcessFaults):
         except TierFSError:
             self.counts["put-failed"] = self.counts.get("put-failed", 0) + 1
             self._timed(pk, c, ttl, False)
+            self._maybe(pk, c)
             return
         self._timed(pk, c, ttl, calm)
-        self.allowed[pk] = {c}
+        self._settle(pk, "overwrite", {c})
 
     def op_outlive(self) -> None:
         """Wait out the next TTL to run out (at most 3 s), then read its key
@@ -337,9 +414,15 @@ class KVChecker(ProcessFaults):
     def op_batch_put(self, pool: str, keys: list[int]) -> None:
         for k in keys:
             self._attempt((pool, k), self.current.setdefault((pool, k), 0))
-        with contextlib.suppress(TierFSError):
+        try:
             self.client.kv_pool(pool).batch_put([self.kname(k) for k in keys],
                                                 [content(pool, k, self.current[(pool, k)]) for k in keys])
+        except TierFSError:
+            for k in keys:
+                self._maybe((pool, k), self.current[(pool, k)])
+            return
+        for k in keys:
+            self._queued((pool, k), self.current[(pool, k)])
 
     def op_delete(self, pool: str, key: int) -> None:
         # A delete that raised may have left copies (a cache may serve them:
@@ -351,7 +434,7 @@ class KVChecker(ProcessFaults):
         except TierFSError:
             self.counts["delete-failed"] = self.counts.get("delete-failed", 0) + 1
             return
-        self.allowed[(pool, key)] = set()
+        self._settle((pool, key), "delete", set())
 
     def op_get(self, pool: str, key: int) -> None:
         started = time.monotonic()
@@ -455,6 +538,7 @@ class KVChecker(ProcessFaults):
         Every third one keeps its cluster map for the rest of the walk
         (unless an error makes it look): its puts and gets meet the
         daemons' placement checks with a map older than theirs."""
+        self._wb_settle(leaving=True)
         self.old_clients.append(self.client)
         n = len(self.old_clients)
         late: dict[str, Any] = {"map_max_age": 600.0} if n % 3 == 0 else {}

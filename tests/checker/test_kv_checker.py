@@ -27,3 +27,39 @@ def test_kv_walks_never_return_wrong_bytes(tmp_path: Path) -> None:
         assert ck.counts.get("hit", 0) > 20, ck.counts
         assert ck.counts.get("overwrite", 0) > 5 and ck.counts.get("kill", 0) + ck.counts.get("stop", 0) > 2, \
             ck.counts
+
+
+@pytest.mark.timeout(30)
+def test_the_model_refuses_a_content_an_acknowledged_overwrite_or_delete_superseded() -> None:
+    """The judge alone (no cluster): after an acknowledged delete or
+    overwrite, a get that started after it may return only what was put
+    since, or what an unacknowledged put may still bring back; a racing get
+    that started before it may return the old content."""
+    from tests.checker.kv_walk import KVChecker, content
+
+    ck = KVChecker(env=None, client=None, seed=1)  # type: ignore[arg-type]
+    pk = ("kr1", 3)
+    ck.log.append(("put", *pk))
+    ck._attempt(pk, 0)
+    ck._judge(*pk, content(*pk, 0), "get")
+    before = ck.settled.get(pk)
+    ck._settle(pk, "delete", set())
+    ck._judge(*pk, content(*pk, 0), "racing get", None, before)  # started before the delete
+    assert ck.violations == []
+    ck._judge(*pk, content(*pk, 0), "get")
+    assert len(ck.violations) == 1 and "[superseded]" in ck.violations[0] and "delete" in ck.violations[0]
+
+    ck.violations.clear()
+    ck._attempt(pk, 1)  # an overwrite to content 1, acknowledged
+    ck._settle(pk, "overwrite", {1})
+    ck._judge(*pk, content(*pk, 1), "get")
+    assert ck.violations == []
+    ck._judge(*pk, content(*pk, 0), "get")
+    assert len(ck.violations) == 1 and "overwrite" in ck.violations[0]
+
+    ck.violations.clear()
+    ck._attempt(pk, 2)  # an overwrite that raised: it may land at any time
+    ck._maybe(pk, 2)
+    ck._settle(pk, "delete", set())
+    ck._judge(*pk, content(*pk, 2), "get")
+    assert ck.violations == [] and ck.counts["stale"] == 4
