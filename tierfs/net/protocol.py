@@ -41,8 +41,11 @@ KV ops reuse the header (``inode`` = pool id throughout):
                STALE_VERSION: the daemon's map, newer than the writer's,
                places the key in a group without this target, or (KV_GROUP)
                has a later group stamp for it: a position the writer
-               skipped came back or was replaced since its map (the writer
-               refreshes its map and puts again; stamp 0 is not checked).
+               skipped came back or was replaced since its map, or (stop 37
+               on) a later placement stamp for this position than the
+               writer's, checked again after any wait for a lease (the
+               writer refreshes its map and puts again; stamp 0 is not
+               checked).
     KV_GET     payload = key; length = the most bytes the caller can take.
                Reply: length = 1 hit / 0 miss; payload = the value, its
                payload_crc the object's stored CRC32C (checked end to end);

@@ -94,6 +94,12 @@ _COUNTERS = (
     # than this daemon's for the key's group: a copy the writer skipped (its
     # map calls it down) came back or was replaced since.
     "kv_group_behind",
+    # KV puts, deletes and pins refused because the key's position on this
+    # target has a later placement stamp in this daemon's map than in the
+    # writer's: the target lost the position and got it back since (a
+    # write from before that, a late one included, may be older than what
+    # was written meanwhile elsewhere).
+    "kv_stamp_behind",
     # KV map leases (docs/kv.md, "Map leases"): gets and exists answered as
     # misses without a lease, requests refused when it ran out, requests
     # whose key's placement changed while they ran.
@@ -491,14 +497,19 @@ class _ServerConnection(FrameProtocol):
                     # key would leave its value where no up-to-date reader
                     # looks, and those readers would go on finding an older
                     # value in the key's new group: refuse it, and the writer
-                    # refreshes its map and puts again (docs/kv.md). The copy
-                    # is stamped with the later of the two maps' stamps.
+                    # refreshes its map and puts again (docs/kv.md). So is one
+                    # whose map is older than this position's placement stamp
+                    # (_kv_admit): the copy is stamped with the writer's stamp.
                     need = await self._kv_admit(pool, hdr.target, key, stamp)
                     if need is None:
                         self.counters["kv_puts_misplaced"] += 1
                         raise StaleVersionError(
                             f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
                             "which is newer than the writer's; refresh the map and put again")
+                    if grouped:
+                        # Again: the admission may have waited (for a lease, or
+                        # for a change to take effect), and the map moved meanwhile.
+                        self._kv_group_check(pool, key, asked, "put")
                     stamp = need
                 put = None  # the store owns the value buffer from here on
                 stored = await kv.put(pool, tenant_key(tenant, key), value, hdr.fversion, overwrite=bool(flags & KV_OVERWRITE),
@@ -580,6 +591,8 @@ class _ServerConnection(FrameProtocol):
                         raise StaleVersionError(
                             f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
                             "which is newer than the deleter's; refresh the map and delete again")
+                    if grouped:
+                        self._kv_group_check(pool, bytes(payload), stamp, "delete")  # as for a put: again
                 existed = await kv.delete(pool, tenant_key(tenant, bytes(payload)))
                 if need is not None:
                     self._kv_still(pool, hdr.target, bytes(payload), stamp, need, grouped=grouped)
@@ -599,6 +612,8 @@ class _ServerConnection(FrameProtocol):
                     raise StaleVersionError(
                         f"KV pool {pool}: target {hdr.target} is not in this key's group in the daemon's map, "
                         "which is newer than the pinner's; refresh the map and pin again")
+                if gate is not None and hdr.chunk and hdr.fversion:
+                    self._kv_group_check(pool, bytes(payload), hdr.fversion, "pin")  # as for a put: again
                 key = tenant_key(tenant, bytes(payload))
                 found = kv.unpin(pool, key) if hdr.fragment == 0 else kv.pin(pool, key, hdr.fragment, hdr.length)
                 self._reply(hdr, length=1 if found else 0)
@@ -640,6 +655,17 @@ class _ServerConnection(FrameProtocol):
         assert gate is not None
         need = gate(pool, target, key, asked)
         for _ in range(3):
+            if need is not None and need > asked:
+                # This target lost the key's position and got it back after
+                # the writer's map: what it writes may be older than what was
+                # written elsewhere meanwhile (a request that sat in a stopped
+                # daemon's socket, say). Stamped with the later stamp it would
+                # be served again; refused, the writer refreshes its map and
+                # writes once more if it still means to.
+                self.counters["kv_stamp_behind"] += 1
+                raise StaleVersionError(
+                    f"KV pool {pool}: the key's position on target {target} has placement stamp {need} in the "
+                    f"daemon's map, later than the writer's {asked}; refresh the map and try again")
             if need is None or settle is None:
                 return need
             await settle(need)
