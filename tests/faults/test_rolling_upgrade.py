@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "4211a6dfd82027949a5757bda0ae4a9e77761c0c"
+PREVIOUS = "919c78cadc7df79c76e55a11fec1d519e70f0c07"
 
 REPO = Path(__file__).resolve().parents[2]
 
