@@ -117,6 +117,34 @@ def forged_fragments() -> list[Op]:
     ]
 
 
+def forged_after_a_verified_read() -> list[Op]:
+    """The file checker soak, seed 15017, shrunk: a partial read verifies
+    chunk 0 (the file was truncated into it), a fragment of it is then
+    forged, and an ``r+`` handle rewrites the chunk's first bytes: the rest
+    of the chunk, read back for the write, must be the chunk's own bytes,
+    not the forged ones (they were, and the close committed them)."""
+    return [
+        ("write_file", "v", ("rand", 671034029, 65537)),
+        ("truncate", "v", 32768),
+        ("read_file", "v"),  # a partial read of chunk 0: verified
+        ("forge", "v", 0, 0),
+        ("open", "h1", "v", "r+"),
+        ("write", "h1", 0, ("rand", 1066880568, 1000)),
+        ("read", "h1", 65541),
+        ("close", "h1"),
+        ("fresh_client",),
+        ("read_file", "v"),
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ec", "rep"])
+def test_regression_forged_after_a_verified_read(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
+    ck = checker(env, kind, tmp_path)
+    ck.run(forged_after_a_verified_read())
+    assert ck.counts.get("forged") == 1, ck.counts
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", ["ec", "rep"])
 def test_regression_degraded_reupload(env: CheckerCluster, kind: str, tmp_path: Path) -> None:

@@ -135,6 +135,36 @@ def test_a_partial_read_checks_the_stored_crcs_once_per_chunk_generation(six: Lo
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("redundancy", sorted(PARTIAL))
+def test_a_verified_chunk_is_checked_again_once_a_fragment_file_is_replaced(six: LocalCluster,
+                                                                            redundancy: str) -> None:
+    """A partial read that was verified is remembered with the serials of the
+    fragment files it read; a later partial read of the same chunk whose
+    answer comes from another file (here: one planted wrong, with its own
+    CRC32C) is verified again. The file checker soak (seed 15017) found
+    it: remembered per chunk generation, the planted bytes were returned,
+    and an ``r+`` write of the chunk committed them into its next
+    generation."""
+    data = random_bytes(2 * CS, 15)
+    wrong, wrong_size, _, _, _, _ = PARTIAL[redundancy]
+    path = f"/reverify-{redundancy.replace(':', '-')}/f"
+    at = wrong[1] * 16 * KiB + 700 if redundancy.startswith("ec") else 700  # inside the fragment planted
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, path, redundancy, data)
+            part = bytearray(3000)
+            for _ in range(2):  # verified, then read again from the same files
+                assert await ac.read_into(path, part, at) == 3000 and part == data[at: at + 3000]
+            assert len(ac._verified) == 1 and ac.corrupt_fragments == 0
+            await _plant(six, info, {wrong: os.urandom(wrong_size)})
+            assert await ac.read_into(path, part, at) == 3000
+            assert part == data[at: at + 3000], "the planted fragment's bytes were returned"
+            assert ac.corrupt_fragments == 1
+
+    asyncio.run(go())
+
+
 def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
     data = random_bytes(2 * CS + 999, 12)
 

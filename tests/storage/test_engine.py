@@ -319,6 +319,48 @@ def test_read_with_crc(make_backend: Callable[..., IOBackend], pool: BufferPool,
     _run(make_backend, pool, tmp_path, body)
 
 
+@pytest.mark.timeout(60)
+def test_a_fragment_file_has_a_serial_that_changes_when_it_is_replaced(
+    make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path
+) -> None:
+    """READ and STAT answers carry the serial of the fragment file they read
+    or describe (docs/dataplane.md, "Serials"): a client that verified a
+    copy once trusts later partial reads only while it stays the same file."""
+    key, other = FragmentKey(12, 0, 0, 1), FragmentKey(12, 1, 0, 1)
+    a, b = _data(100_000, 1), _data(100_000, 2)
+    seen: list[int] = []
+
+    async def read_serial(eng: ChunkEngine, off: int, ln: int) -> tuple[bytes, int]:
+        view, _, serial = await eng.read_with_info(key, off, ln)
+        try:
+            return bytes(view), serial
+        finally:
+            eng.release(view)
+
+    async def first(eng: ChunkEngine) -> None:
+        await _put(eng, key, a)
+        await _put(eng, other, a)
+        got, s1 = await read_serial(eng, 10, 500)
+        assert got == a[10:510] and s1 > 0
+        assert (await eng.stat(key)).serial == s1 == eng.serial(key)
+        assert (await read_serial(eng, 0, -1))[1] == s1  # whole or part: the same file
+        assert (await eng.stat(other)).serial not in (0, s1)  # another file
+        await _put(eng, key, b)  # replaced (a repair, or other bytes under the same key)
+        got, s2 = await read_serial(eng, 10, 500)
+        assert got == b[10:510] and s2 not in (0, s1)
+        assert (await eng.stat(key)).serial == s2
+        seen.extend((s1, s2))
+
+    _run(make_backend, pool, tmp_path, first)
+
+    async def second(eng: ChunkEngine) -> None:
+        # A restarted daemon indexes the file anew: a serial of this run.
+        got, s3 = await read_serial(eng, 10, 500)
+        assert got == b[10:510] and s3 not in (0, *seen)
+
+    _run(make_backend, pool, tmp_path, second)
+
+
 @pytest.mark.timeout(30)
 def test_scrub_quarantines_what_reads_found_corrupt(
     make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path

@@ -252,7 +252,9 @@ class AsyncClient:
         self.last_resort_reads = 0
         #: Chunk generations (inode, chunk, generation) whose data fragments'
         #: stored CRC32Cs matched the record on a partial read (oldest first).
-        self._verified: collections.OrderedDict[tuple[int, ...], None] = collections.OrderedDict()
+        #: Chunk generations (EC) and copies (replicas) whose partial reads
+        #: were verified: the serials of the fragment files verified.
+        self._verified: collections.OrderedDict[tuple[int, ...], dict[int, int]] = collections.OrderedDict()
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
         #: Open writers by inode: what renews a write capability (their lease).
@@ -689,23 +691,29 @@ class AsyncClient:
             hedge = self._hedge_delay()
             res: list[int | TierFSError]
             crcs: list[int] = []
+            serials: list[int] = []
             nonempty = [j for j in range(codec.k) if fragment_size(j, codec.k, cs, rec.length)]
             # A partial read: the data fragments' stored CRC32Cs, asked
-            # alongside, stand in for the whole chunk's (once per generation).
-            stats: asyncio.Task[list[FragmentInfo | TierFSError]] | None = None
+            # alongside, stand in for the whole chunk's. Once they matched,
+            # the fragment files' serials are remembered: a later partial
+            # read whose answers carry the same serials read the very files
+            # verified and needs no stat (docs/client.md, "Partial reads").
+            stats: asyncio.Future[list[FragmentInfo | TierFSError]] | None = None
             vkey = (view.inode, idx, ver)
+            partial = self.config.verify_partial_reads and not (a == 0 and b >= rec.length)
+            cached = self._verified.get(vkey) if partial else None
             # Only where every target answers now: a stat must never hold a read up.
-            if (self.config.verify_partial_reads and not (a == 0 and b >= rec.length) and vkey not in self._verified
-                    and all(router.usable(targets[j]) for j in nonempty)):
+            if partial and cached is None and all(router.usable(targets[j]) for j in nonempty):
                 stats = asyncio.ensure_future(data.stat_batch(
                     [(targets[j], FragmentKey(view.inode, idx, j, ver)) for j in nonempty],
                     timeout=self.config.request_timeout))
             t0 = time.monotonic()
             try:
                 if hedge is None:
-                    res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs)
+                    res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs,
+                                                serials=serials)
                 else:
-                    res = await self._hedged_batch(items, hedge, codec.m, crcs)
+                    res = await self._hedged_batch(items, hedge, codec.m, crcs, serials=serials)
             except BaseException:
                 if stats is not None:
                     stats.cancel()
@@ -726,10 +734,21 @@ class AsyncClient:
                 else:
                     bad[j] = r
                     self._note(targets[j], r)
+            read_serials = {j: sr for (j, _, _), sr in zip(pieces, serials, strict=True)}
             if stats is not None and bad:
                 stats.cancel()  # the decode checks the chunk's CRC32C itself
                 await asyncio.gather(stats, return_exceptions=True)
-            elif stats is not None:
+            elif not bad and cached is not None and all(sr and cached.get(j) == sr for j, sr in read_serials.items()):
+                return  # the very fragment files verified before
+            elif not bad and cached is not None:
+                # Some fragment read was replaced since the chunk was verified
+                # (a repair, or bytes that are not the chunk's): verify again.
+                self._verified.pop(vkey, None)
+                if all(router.usable(targets[j]) for j in nonempty):
+                    stats = asyncio.ensure_future(data.stat_batch(
+                        [(targets[j], FragmentKey(view.inode, idx, j, ver)) for j in nonempty],
+                        timeout=self.config.request_timeout))
+            if stats is not None and not bad:
                 # The stats may take a little longer than the read, not a
                 # stalled target's timeout: past that the chunk stays
                 # unverified (the next partial read asks again).
@@ -740,7 +759,7 @@ class AsyncClient:
                     stats.cancel()
                     await asyncio.gather(stats, return_exceptions=True)
                     return
-                why = self._check_stats(stats.result(), nonempty, codec.k, cs, rec)
+                why = self._check_stats(stats.result(), nonempty, codec.k, cs, rec, read_serials)
                 if why:
                     await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip, why)
                 return
@@ -759,22 +778,33 @@ class AsyncClient:
         await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
 
     def _check_stats(self, infos: list[FragmentInfo | TierFSError], stored: list[int], k: int, cs: int,
-                     rec: ChunkRecord) -> str:
+                     rec: ChunkRecord, read_serials: dict[int, int]) -> str:
         """The verdict on a partial read's data-fragment stats: '' when their
-        stored lengths and CRC32Cs match the chunk record (the chunk
-        generation is then remembered as verified) or could not all be had
-        (a target that did not answer a stat: the bytes read were checked
-        against their own CRC, the next read asks again); else what is wrong."""
+        stored lengths and CRC32Cs match the chunk record or could not all
+        be had (a target that did not answer a stat: the bytes read were
+        checked against their own CRC, the next read asks again); else what
+        is wrong. ``read_serials``: the serial of each fragment file the read
+        got its bytes from. A stat that describes another file than the one
+        read (replaced between the two) proves nothing about the bytes: the
+        chunk is then judged whole (the heal path). When every serial is
+        known and they agree, the fragment files are remembered as verified."""
         if any(isinstance(i, TierFSError) for i in infos):
             return ""
         got = [i for i in infos if not isinstance(i, TierFSError)]
-        for j, i in zip(stored, got, strict=True):
+        by_j = dict(zip(stored, got, strict=True))
+        for j, sr in read_serials.items():
+            i = by_j.get(j)
+            if i is not None and sr and i.serial and sr != i.serial:
+                return f"its data fragment {j} was replaced while it was read"
+        for j, i in by_j.items():
             if i.size != fragment_size(j, k, cs, rec.length):
                 return f"its data fragment {j} is stored with {i.size} bytes, not {fragment_size(j, k, cs, rec.length)}"
         crc = chunk_crc_of((i.crc32c, i.size) for i in got)
         if crc != rec.crc:
             return f"its data fragments' stored crc32c combine to {crc:#010x}"
-        self._remember_verified((got[0].key.inode, got[0].key.chunk, got[0].key.version))
+        if all(i.serial for i in got) and all(sr == by_j[j].serial for j, sr in read_serials.items() if j in by_j):
+            self._remember_verified((got[0].key.inode, got[0].key.chunk, got[0].key.version),
+                                    {j: i.serial for j, i in by_j.items()})
         return ""
 
     async def _heal_chunk(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
@@ -871,7 +901,7 @@ class AsyncClient:
 
     async def _hedged_batch(self, items: Sequence[tuple[int, FragmentKey, memoryview, int]], hedge: float,
                             m: int, crcs: list[int] | None = None, *,
-                            peers_first: bool = False) -> list[int | TierFSError]:
+                            peers_first: bool = False, serials: list[int] | None = None) -> list[int | TierFSError]:
         """``read_batch`` with one request per fragment; those still running
         after ``hedge`` seconds (and three times as long as the slowest
         answer so far, up to a quarter of the request timeout: a busy client
@@ -890,13 +920,16 @@ class AsyncClient:
         last = 0.0  # when the latest answer so far came (since t0)
 
         got_crcs: dict[int, int] = {}
+        got_serials: dict[int, int] = {}
 
         async def one(n: int, item: tuple[int, FragmentKey, memoryview, int]) -> int | TierFSError:
             nonlocal last
             c: list[int] = []
-            r = (await data.read_batch([item], timeout=timeout, crcs=c))[0]
+            sr: list[int] = []
+            r = (await data.read_batch([item], timeout=timeout, crcs=c, serials=sr))[0]
             if isinstance(r, int):
                 got_crcs[n] = c[0]
+                got_serials[n] = sr[0]
                 last = loop.time() - t0
                 lat.add(last)
             return r
@@ -950,6 +983,8 @@ class AsyncClient:
                 out.append(t.result())
         if crcs is not None:
             crcs[:] = [got_crcs.get(n, 0) for n in range(len(items))]
+        if serials is not None:
+            serials[:] = [got_serials.get(n, 0) for n in range(len(items))]
         return out
 
     async def _decode_into(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
@@ -1084,17 +1119,19 @@ class AsyncClient:
                 others = any(x not in perm and router.usable(targets[x]) for x in order[i + 1:])
                 crcs: list[int] = []
                 # A partial read: the copy's stored length and CRC32C, asked
-                # alongside, stand in for the whole copy's (once per copy and
-                # generation), as for an EC chunk's data fragments.
+                # alongside, stand in for the whole copy's, as for an EC
+                # chunk's data fragments; once they matched, later partial
+                # reads of the same fragment file (same serial) need no stat.
                 vkey = (view.inode, idx, ver, j)
+                partial = cfg.verify_partial_reads and not (a == 0 and b >= rec.length)
+                cached = self._verified.get(vkey) if partial else None
                 stat: asyncio.Future[FragmentInfo] | None = None
-                if (cfg.verify_partial_reads and not (a == 0 and b >= rec.length) and vkey not in self._verified
-                        and router.usable(targets[j])):
+                if partial and cached is None and router.usable(targets[j]):
                     stat = asyncio.ensure_future(data.stat(targets[j], key, timeout=cfg.request_timeout))
                 t_read = loop.time()
                 try:
                     why = await self._read_copy(view, idx, rec, targets, j, key, a, dest, crcs, errors, perm, hedge,
-                                                others, stat, t_read)
+                                                others, stat, t_read, None if cached is None else cached.get(0, 0))
                 finally:
                     if stat is not None:
                         stat.cancel()
@@ -1127,21 +1164,28 @@ class AsyncClient:
     async def _read_copy(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], j: int,
                          key: FragmentKey, a: int, dest: memoryview, crcs: list[int],
                          errors: dict[int, TierFSError], perm: set[int], hedge: float | None, others: bool,
-                         stat: asyncio.Future[FragmentInfo] | None, t_read: float) -> str | None:
+                         stat: asyncio.Future[FragmentInfo] | None, t_read: float,
+                         verified: int | None = None) -> str | None:
         """Read copy ``j`` of a replicated chunk into ``dest`` from ``a``.
         None: it could not be read (the reason is in ``errors``); '': its
         bytes are in ``dest`` and match what can be checked; else why the
-        copy is wrong (self-consistent, but not the chunk's bytes)."""
+        copy is wrong (self-consistent, but not the chunk's bytes).
+        ``verified``: for a partial read, the serial of this copy's fragment
+        file when it was verified (None: not verified yet; ``stat`` then
+        asks, when the target is usable)."""
         _, data, router = self._parts()
         cfg = self.config
         loop = asyncio.get_running_loop()
+        serials: list[int] = []
         try:
             if hedge is None or not others:
-                n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs)
+                n = await data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs,
+                                         serials=serials)
             else:
                 try:
                     n = await asyncio.wait_for(
-                        data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs), hedge)
+                        data.read_into(targets[j], key, dest, a, timeout=cfg.request_timeout, crcs=crcs,
+                                       serials=serials), hedge)
                 except TimeoutError as exc:
                     if isinstance(exc, TierFSError):
                         raise  # the request's own deadline, not the hedge
@@ -1164,6 +1208,16 @@ class AsyncClient:
         if a == 0 and n == rec.length and crcs and crcs[0] != rec.crc:
             # The whole copy, self-consistent but not the chunk's bytes.
             return f"has crc32c {crcs[0]:#010x}, the chunk record {rec.crc:#010x}"
+        serial = serials[0] if serials else 0
+        vkey = (view.inode, idx, rec.generation, j)
+        if verified is not None and stat is None:
+            if serial and serial == verified:
+                return ""  # the very fragment file verified before
+            # Replaced since it was verified (a repair, or bytes that are not
+            # the chunk's): verify again.
+            self._verified.pop(vkey, None)
+            if router.usable(targets[j]):
+                stat = asyncio.ensure_future(data.stat(targets[j], key, timeout=cfg.request_timeout))
         if stat is None:
             return ""
         # The stat may take a little longer than the read, not a stalled
@@ -1174,15 +1228,25 @@ class AsyncClient:
         if not stat.done() or stat.cancelled() or stat.exception() is not None:
             return ""
         info = stat.result()
+        if serial and info.serial and serial != info.serial:
+            # The stat describes another file than the one read (replaced
+            # between the two): it proves nothing about the bytes read.
+            errors[j] = UnavailableError(f"copy {j} on target {targets[j]} was replaced while it was read")
+            return None
         if info.size != rec.length:
             return f"is stored with {info.size} bytes, not the chunk record's {rec.length}"
         if info.crc32c != rec.crc:
             return f"is stored with crc32c {info.crc32c:#010x}, the chunk record {rec.crc:#010x}"
-        self._remember_verified((view.inode, idx, rec.generation, j))
+        if serial and info.serial:
+            self._remember_verified(vkey, {0: serial})
         return ""
 
-    def _remember_verified(self, vkey: tuple[int, ...]) -> None:
-        self._verified[vkey] = None
+    def _remember_verified(self, vkey: tuple[int, ...], serials: dict[int, int]) -> None:
+        """Remember that the fragment files with these serials (by position)
+        held chunk ``vkey``'s recorded bytes: partial reads that get their
+        bytes from those same files need no stat."""
+        self._verified[vkey] = serials
+        self._verified.move_to_end(vkey)
         while len(self._verified) > 65536:
             self._verified.popitem(last=False)
 

@@ -46,6 +46,7 @@ from tierfs.net.protocol import (
     Op,
     crc32c,
     encode_header,
+    serial_of,
 )
 from tierfs.net.shm import ShmRefusedError
 from tierfs.net.transport import Transport, get_transport
@@ -639,11 +640,13 @@ class DataClient:
         await self._call(target, Op.WRITE, key, timeout, payload=view)
 
     async def read_into(self, target: int, key: FragmentKey, dest: Any, offset: int = 0, *,
-                        timeout: float | None = None, crcs: list[int] | None = None) -> int:
+                        timeout: float | None = None, crcs: list[int] | None = None,
+                        serials: list[int] | None = None) -> int:
         """Read ``len(dest)`` bytes of ``key`` from ``offset`` straight into
         ``dest``; returns how many arrived (fewer at the fragment's end).
         With ``crcs`` (a list), it gets the CRC32C of the bytes read, which
-        the framing layer checked on arrival."""
+        the framing layer checked on arrival; with ``serials``, the serial
+        of the fragment file they came from (0: the daemon did not say)."""
         view = memoryview(dest).cast("B")
         if view.readonly:
             raise InvalidArgumentError("read_into needs a writable buffer")
@@ -655,6 +658,8 @@ class DataClient:
         hdr, _ = await self._call(target, Op.READ, key, timeout, offset=offset, length=len(view), dest=view)
         if crcs is not None:
             crcs[:] = [hdr.payload_crc]
+        if serials is not None:
+            serials[:] = [serial_of(hdr.length)]
         return hdr.payload_len
 
     async def read(self, target: int, key: FragmentKey, offset: int = 0, length: int = -1, *,
@@ -672,7 +677,7 @@ class DataClient:
 
     async def stat(self, target: int, key: FragmentKey, *, timeout: float | None = None) -> FragmentInfo:
         hdr, _ = await self._call(target, Op.STAT, key, timeout)
-        return FragmentInfo(key, hdr.length, hdr.payload_crc)
+        return FragmentInfo(key, hdr.length, hdr.payload_crc, serial_of(hdr.offset))
 
     async def stat_batch(self, items: Sequence[tuple[int, FragmentKey]], *,
                          timeout: float | None = None) -> list[FragmentInfo | TierFSError]:
@@ -680,18 +685,19 @@ class DataClient:
         sent like :meth:`read_batch`; results in item order, the error in
         its own slot."""
         res = await self._batch([_Req(Op.STAT, t, k) for t, k in items], timeout)
-        return [FragmentInfo(k, r.length, r.payload_crc) if isinstance(r, Header) else r
+        return [FragmentInfo(k, r.length, r.payload_crc, serial_of(r.offset)) if isinstance(r, Header) else r
                 for (_, k), r in zip(items, res, strict=True)]
 
     async def read_batch(self, items: Iterable[ReadItem], *, timeout: float | None = None,
-                         crcs: list[int] | None = None) -> list[int | TierFSError]:
+                         crcs: list[int] | None = None, serials: list[int] | None = None) -> list[int | TierFSError]:
         """Many ``read_into`` at once. The requests for one server go out as
         back-to-back frames in a single ``writelines`` (MORE flag on all but
         the last); answers land in their buffers in any order. Results come
         back in item order: bytes read, or the error in its own slot. With
         ``crcs`` (a list), it gets the CRC32C of each item's bytes read (0
         for an error), which the framing layer checked on arrival: callers
-        need no pass of their own."""
+        need no pass of their own; with ``serials``, each item's fragment-file
+        serial (0: an error, or the daemon did not say)."""
         reqs: list[_Req | TierFSError] = []
         for target, key, dest, offset in items:
             view = memoryview(dest).cast("B")
@@ -704,6 +710,8 @@ class DataClient:
         res = await self._batch(reqs, timeout)
         if crcs is not None:
             crcs[:] = [r.payload_crc if isinstance(r, Header) else 0 for r in res]
+        if serials is not None:
+            serials[:] = [serial_of(r.length) if isinstance(r, Header) else 0 for r in res]
         return [r.payload_len if isinstance(r, Header) else r for r in res]
 
     async def write_batch(self, items: Iterable[WriteItem], *, timeout: float | None = None) -> list[TierFSError | None]:

@@ -124,6 +124,7 @@ __all__ = [
     "MAX_KV_KEY",
     "MAX_KV_STAMP",
     "PAYLOAD_OPS",
+    "SERIAL",
     "VERSION",
     "Flag",
     "Header",
@@ -133,6 +134,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "pack_keys",
+    "serial_of",
     "unpack_keys",
 ]
 
@@ -145,6 +147,15 @@ _CRC_SPAN = HEADER_SIZE - 4
 _U64 = (1 << 64) - 1
 #: ``length`` value meaning "to the end of the fragment".
 ALL = _U64
+#: Set in a READ answer's ``length`` and a STAT answer's ``offset`` when the
+#: rest of the field is the serial of the fragment file read or described
+#: (releases before it answer 0 there): docs/dataplane.md, "Serials".
+SERIAL = 1 << 63
+
+
+def serial_of(field_value: int) -> int:
+    """The fragment-file serial an answer field carries (0: none)."""
+    return field_value & (SERIAL - 1) if field_value & SERIAL else 0
 
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:

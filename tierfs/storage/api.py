@@ -32,6 +32,11 @@ class FragmentInfo:
     key: FragmentKey
     size: int
     crc32c: int
+    #: The serial of the fragment file described (0: not known): it changes
+    #: whenever the file is replaced. READ answers carry the serial of the
+    #: file they read, so a stat's verdict applies to the bytes of a read
+    #: with the same serial (docs/dataplane.md, "Serials").
+    serial: int = 0
 
 
 class FragmentStore(Protocol):

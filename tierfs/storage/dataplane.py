@@ -64,6 +64,7 @@ from tierfs.net.protocol import (
     MAX_KV_EXISTS_KEYS,
     MAX_KV_KEY,
     PAYLOAD_OPS,
+    SERIAL,
     Header,
     Limits,
     Op,
@@ -420,9 +421,15 @@ class _ServerConnection(FrameProtocol):
                 # Optional store extension: a store that verified the whole
                 # fragment against its stored CRC32C hands that CRC over, and
                 # the answer needs no second pass over the bytes.
+                # A store that knows its fragment files' serials says which
+                # file the bytes came from (docs/dataplane.md, "Serials").
+                read_with_info = getattr(store, "read_with_info", None)
                 read_with_crc = getattr(store, "read_with_crc", None)
                 crc: int | None = None
-                if read_with_crc is not None:
+                serial = 0
+                if read_with_info is not None:
+                    out, crc, serial = await read_with_info(hdr.key, hdr.offset, length)
+                elif read_with_crc is not None:
                     out, crc = await read_with_crc(hdr.key, hdr.offset, length)
                 else:
                     out = await store.read(hdr.key, hdr.offset, length)
@@ -430,7 +437,7 @@ class _ServerConnection(FrameProtocol):
                 if len(out) > self.limits.max_frame_bytes:
                     raise InvalidArgumentError(
                         f"fragment range of {len(out)} bytes exceeds the frame limit {self.limits.max_frame_bytes}")
-                self._reply(hdr, payload=out, store=store, payload_crc=crc)
+                self._reply(hdr, payload=out, store=store, payload_crc=crc, length=SERIAL | serial if serial else 0)
                 out = None  # owned by the send queue now
             elif op == Op.DELETE:
                 self.counters["deletes"] += 1
@@ -439,7 +446,8 @@ class _ServerConnection(FrameProtocol):
             elif op == Op.STAT:
                 self.counters["stats"] += 1
                 info = await store.stat(hdr.key)
-                self._reply(hdr, length=info.size, payload_crc=info.crc32c)
+                self._reply(hdr, length=info.size, payload_crc=info.crc32c,
+                            offset=SERIAL | info.serial if info.serial else hdr.offset)
             elif op == Op.PING:  # pragma: no branch
                 self.counters["pings"] += 1
                 self._reply(hdr)

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ import secrets
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -158,11 +159,21 @@ class _Header:
     prefix: tuple[int, ...]
 
 
+#: Serials of index entries: a new one for every fragment file installed or
+#: found at start-up, from a random start per process (so that one daemon's
+#: serials do not repeat its previous run's), below 2**62.
+_serials = itertools.count(secrets.randbits(61) + 1)
+
+
 @dataclass(slots=True)
 class _Entry:
     file_len: int
     size: int = -1  # -1: not learned yet (after a restart, before first access)
     crc: int = 0
+    #: Changes whenever the fragment's file is replaced (a repair, a rewrite):
+    #: READ and STAT answers carry it, so a client that verified this copy
+    #: once knows whether later partial reads still read what it verified.
+    serial: int = field(default_factory=lambda: next(_serials))
 
 
 def _parse_header(buf: memoryview, key: FragmentKey, path: Path | str) -> _Header:
@@ -524,13 +535,25 @@ class ChunkEngine:
         """``read`` plus the verified CRC32C of the returned bytes when they are
         the whole fragment (None for a part): the data plane then needs no
         second pass over the payload."""
+        view, crc, _ = await self.read_with_info(key, offset, length)
+        return view, crc
+
+    async def read_with_info(self, key: FragmentKey, offset: int = 0,
+                             length: int = -1) -> tuple[memoryview, int | None, int]:
+        """``read_with_crc`` plus the serial of the fragment file the bytes
+        came from (0 when it was replaced while they were read)."""
         self._busy += 1
         try:
             return await self._read(key, offset, length)
         finally:
             self._busy -= 1
 
-    async def _read(self, key: FragmentKey, offset: int, length: int) -> tuple[memoryview, int | None]:
+    def serial(self, key: FragmentKey) -> int:
+        """The serial of the fragment file now indexed for ``key`` (0: none)."""
+        entry = self._index.get(key)
+        return 0 if entry is None else entry.serial
+
+    async def _read(self, key: FragmentKey, offset: int, length: int) -> tuple[memoryview, int | None, int]:
         self._check_readable()
         if offset < 0 or length < -1:
             raise InvalidArgumentError(f"bad range offset={offset} length={length}")
@@ -560,7 +583,9 @@ class ChunkEngine:
             await self.backend.close(fd)
         self.counters["reads"] += 1
         self.counters["bytes_read"] += view.nbytes
-        return view, crc
+        # The file opened is the one this entry describes unless it was
+        # replaced meanwhile: then no serial (the client verifies again).
+        return view, crc, entry.serial if self._index.get(key) is entry else 0
 
     async def delete(self, key: FragmentKey) -> bool:
         self._check_readable()
@@ -600,7 +625,7 @@ class ChunkEngine:
                 raise
             finally:
                 await self.backend.close(fd)
-        return FragmentInfo(key, entry.size, entry.crc)
+        return FragmentInfo(key, entry.size, entry.crc, entry.serial)
 
     # -- beyond the protocol ---------------------------------------------------------
 
@@ -815,6 +840,11 @@ class ChunkEngine:
             break
         else:
             raise InternalError(f"could not install {path}")
+        old = self._index.get(key)
+        if old is not None:
+            # Until the new entry is indexed, a read may open the new file
+            # while finding the old entry: it must not vouch for those bytes.
+            old.serial = 0
         syncs = [self._dirsync.sync(ino_dir)]
         if new_dir:
             syncs.append(self._dirsync.sync(str(path.parent.parent)))
