@@ -1,6 +1,6 @@
 """Replay a checker op log on a fresh cluster::
 
-    PYTHONPATH=. .venv/bin/python -m tests.checker.replay LOG.json [--layout ec|rep] [--dir DIR]
+    PYTHONPATH=. .venv/bin/python -m tests.checker.replay LOG.json [--layout ec|rep] [--dir DIR] [--meta N]
 
 ``LOG.json`` is what a failing run saved (``{"root", "seed", "ops",
 "violations"}``: what it found is printed first), or
@@ -36,14 +36,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: from the log's root directory name (ec*/rep*)")
     ap.add_argument("--dir", default=None, help="cluster directory (default: a new temporary one)")
     ap.add_argument("--chunk-size", type=int, default=64 << 10)
+    ap.add_argument("--meta", type=int, default=None,
+                    help="meta replicas (default: 3 when the log kills meta replicas, else 1)")
     a = ap.parse_args(argv)
     doc = json.loads(Path(a.log).read_text())
     ops = _ops(doc)
     root = str(doc.get("root", "/ec")) if isinstance(doc, dict) else "/ec"
     for v in doc.get("violations", []) if isinstance(doc, dict) else []:
         print(f"the logged run found: {v}")
-    kind = a.layout or ("rep" if root.lstrip("/").startswith("rep") else "ec")
-    env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")))
+    # /rep..., /ec... (tests), /soak-rep-SEED, /soak-ec-SEED (the soak)
+    kind = a.layout or ("rep" if root.lstrip("/").removeprefix("soak-").startswith("rep") else "ec")
+    n_meta = a.meta or (3 if any(str(op[0]).startswith("meta_") for op in ops) else 1)
+    env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")), n_meta=n_meta)
     try:
         env.cl.export_token()  # security is on: this process's clients and CLI calls use the admin token
         client = env.client()

@@ -29,6 +29,9 @@ Operations (``h*``: handle ids; paths are under the checker's directory):
                                       bytes: well formed, its own CRC32C valid, wrong
 ``("target_rm", node)``               ``tierfs target rm`` of the node's target, then wait for
                                       the rebuild
+``("grow",)``                         one more storage daemon (``tierfs up --storage N+1``): the
+                                      rebalancer moves group members onto it while the walk
+                                      goes on, faults included (``random_ops(grow=)``)
 ``("scrub",)``                        heal, ``tierfs scrub``, verdict checked against the truth
 ``("settle",)``                       heal and wait for the cluster to be healthy
 ``("meta_kill", name)``               SIGKILL a meta replica (three of them: ``n_meta=3``);
@@ -311,6 +314,21 @@ class CheckerCluster:
             time.sleep(0.2)
         return False
 
+    def grow(self, timeout: float = 90.0) -> str:
+        """Add one storage daemon, as ``tierfs up --storage N+1`` does on a
+        running cluster, and wait until meta calls it online. The leader's
+        rebalancer then moves group members onto it in the background."""
+        new = self.cl.grow(len(self.storage()) + 1)
+        self.cl.start(names=new, timeout=timeout)
+        self.wait_online(new, timeout=timeout)
+        return new[0]
+
+    def rebalance(self) -> pb.RebalanceStatus:
+        async def get() -> pb.RebalanceStatus:
+            async with MetaClient(self.meta, deadline=20) as mc:
+                return await mc.rebalance_status()
+        return asyncio.run(get())
+
     def node_of_target(self, tid: int) -> str:
         cmap = self.cmap()
         node = next(t.node_id for t in cmap.targets if t.target_id == tid)
@@ -395,6 +413,7 @@ class Checker(ProcessFaults):
     log_dir: Path | None = None
     old_clients: list[Client] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # time spent per kind of operation
+    grown: list[str] = field(default_factory=list)  # storage daemons op_grow added
 
     # ---- running ------------------------------------------------------------------
 
@@ -943,6 +962,20 @@ class Checker(ProcessFaults):
         if not self.env.wait_rebuilt():
             self.violation("rebuild", f"the groups of removed target {tid} still rebuild after 30 s")
 
+    def op_grow(self) -> None:
+        """One more storage daemon joins while the walk goes on: group
+        members move onto it (copied under the storage daemons'
+        ``rebuild_rate``) while files are written, read, truncated and
+        renamed and nodes are killed, and every read must still return
+        committed bytes."""
+        try:
+            name = self.env.grow()
+        except AssertionError as exc:
+            self.violation("grow", f"a new storage daemon did not come online: {exc}")
+            return
+        self.counts["grown"] = self.counts.get("grown", 0) + 1
+        self.grown.append(name)
+
     def op_scrub(self, repair: bool = True) -> dict[str, Any]:
         """Heal, scrub (repairing, or only reporting), and check the verdict:
         a report that calls the cluster clean must be right about the truth
@@ -1086,16 +1119,19 @@ def meta_fault(env: CheckerCluster, rng: random.Random, p: float = 0.05) -> Op |
 
 
 def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * KiB, max_down: int = 2,
-               n_files: int = 4, target_rm: bool = True) -> Iterator[Op]:
+               n_files: int = 4, target_rm: bool = True, grow: int = 0) -> Iterator[Op]:
     """``steps`` operations drawn from ``rng``, each looking at the model
     (which handles are open, which files exist) and at the faults active.
     At most ``max_down`` storage nodes are down or stopped at once. With
     three meta replicas, one of them (the leader, mostly) is SIGKILLed now
     and then and restarted later: every call must go on through the
-    failover."""
+    failover. ``grow``: storage daemons the walk may add (``("grow",)``,
+    while no node is down), each starting rebalance moves that run on
+    through the steps after it; 0 leaves a seed's walk as it always was."""
     names = [f"f{i}" for i in range(n_files)]
     env = ck.env
     removed_once = False
+    grown = 0
     nh = 0
 
     def offset(size: int) -> int:
@@ -1129,6 +1165,9 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
         elif r < 0.14 and target_rm and not removed_once and not env.removed and not env.down:
             removed_once = True
             yield ("target_rm", rng.choice(up))
+        elif grow and r < 0.15 and grown < grow and not env.down:
+            grown += 1
+            yield ("grow",)
         elif r < 0.16 and ck.model.files:
             path = rng.choice(sorted(ck.model.files))
             size = max((len(c) for c in ck.model.files[path].cands), default=0)

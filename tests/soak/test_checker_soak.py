@@ -36,6 +36,8 @@ FIRST_SEED = int(os.environ.get("TIERFS_CHECKER_FIRST_SEED", "100"))
 META = int(os.environ.get("TIERFS_CHECKER_META", "1"))
 #: 1 (with META=3): the meta nemesis too, leaders killed in the middle of operations.
 NEMESIS = os.environ.get("TIERFS_CHECKER_META_NEMESIS", "") == "1"
+#: N: walks add storage daemons (one a walk at most) until there are N.
+GROW = int(os.environ.get("TIERFS_CHECKER_GROW", "0"))
 CS = 64 << 10
 LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
 
@@ -70,10 +72,12 @@ def test_checker_soak(tmp_path: Path) -> None:
             ck = Checker(env, client, root, seed=seed, log_dir=tmp_path / "logs")
             t0 = time.monotonic()
             kills = len(env.nemesis_log)
+            moved0 = env.rebalance().moves_done if GROW else 0
             if NEMESIS:
                 env.start_meta_nemesis(seed)
             try:
-                ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0))
+                grow = 1 if len(env.storage()) < GROW else 0
+                ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0, grow=grow))
             except CheckFailed as exc:
                 events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
                 failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))
@@ -85,7 +89,9 @@ def test_checker_soak(tmp_path: Path) -> None:
                          f"{ck.counts.get('read_failed', 0)} reads failed"
                          + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
                          + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the nemesis"
-                            if NEMESIS else ""))
+                            if NEMESIS else "")
+                         + (f", {len(ck.grown)} storage daemons added, "
+                            f"{env.rebalance().moves_done - moved0} group moves done" if GROW else ""))
             print(walks[-1], flush=True)
     finally:
         env.close()
