@@ -13,6 +13,7 @@ import pytest
 
 from tests.cluster import MetaCluster, auth_channel, meta_cluster_from_env, replica_status, wait_for
 from tierfs.meta import MetaClient
+from tierfs.meta.journal import DurableJournal
 from tierfs.meta.raft import leader_lost_window, pre_vote_grant
 from tierfs.meta.service import LEADER_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -170,6 +171,45 @@ def test_pre_vote_grant_only_without_a_working_leader_and_to_an_up_to_date_log()
     assert not pre_vote_grant(**{**base, "leader_alive": True})  # we hear a leader: it is cut off, not the leader
     assert not pre_vote_grant(**{**base, "leading": True})
     assert not pre_vote_grant(**{**base, "recovering": True})  # forgot its votes: no say until caught up
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_with_a_newer_term_and_a_shorter_log_lets_the_other_be_elected(tmp_path: Path) -> None:
+    """Two replicas of three up, the third gone for good: one (A) has the
+    newer term but the shorter log, the other (B) the longer log but an
+    older term. Neither may be elected by pre-vote rules alone: A's log is
+    behind B's, and B asks for a term that is not newer than A's. Pre-vote
+    answers carry no term, so B never learned A's and the pair stayed
+    without a leader for good (the file checker soak, seed 16011: a leader
+    elected with one follower's vote was SIGKILLed 10 ms later, before it
+    sent that follower its first entry, while the replica with the longer
+    log was restarting). Now a refusal carries the voter's term, B takes
+    it, asks for the next one, and is elected."""
+    if meta_cluster_from_env() is not None:
+        pytest.skip("kills replicas: needs a local cluster")
+    with MetaCluster(tmp_path, n=3) as c:
+        leader = c.wait_leader()
+        c.put("k0", "0")
+        a, b = [i for i in range(3) if i != leader]
+        c.stop(a)  # A misses what follows
+        for n in range(1, 6):
+            c.put(f"k{n}", str(n))
+        term = max(c.status(i).term for i in (leader, b))
+        for i in (leader, b):
+            c.stop(i)
+        # A's term moves past everything B has seen, as a vote for a leader
+        # that died before sending A anything would have moved it.
+        j = DurableJournal(c.replicas[a].data_dir)
+        j.setCurrentTerm(term + 5, None)
+        j.sync()
+        j.close()
+        c.start(a)
+        c.start(b)
+        new = c.wait_leader(30)
+        assert new == b, "A's log is behind: only B can be elected"
+        assert c.status(b).term > term + 5
+        c.put("after", "x")
+        assert c.get("k5") == "5" and c.get("after") == "x"
 
 
 def _raft_addr(c: MetaCluster, i: int) -> str:

@@ -131,7 +131,7 @@ LEADER_CHANGES = Counter("tierfs_meta_leader_changes_total",
 PRE_VOTE_ROUNDS = Counter("tierfs_meta_pre_vote_rounds_total",
                           "Pre-vote rounds this replica started, by outcome (won: a real election followed; "
                           "the others did not disturb the cluster)", ["outcome"])
-for _outcome in ("won", "lost", "leader_heard"):
+for _outcome in ("won", "lost", "leader_heard", "newer_term"):
     PRE_VOTE_ROUNDS.labels(_outcome)  # exported from the start, at 0
 FRAMES_REFUSED = Counter("tierfs_meta_raft_frames_refused_total",
                          "Raft-port frames dropped (with their connection) because they were not "
@@ -594,12 +594,31 @@ class _Node(SyncObj):  # type: ignore[misc]
                       (self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex()),
                       self._SyncObj__raftCurrentTerm, getattr(leader, "id", None),
                       _raft_clock() - self.tfs_leader_heard, self.tfs_leader_conn_lost)
-        transport.send(src, {"type": PRE_VOTE_REPLY, "tfs_term": cand_term, "granted": granted})
+        # Our term goes with the answer (not as ``term``: see PRE_VOTE): a
+        # candidate whose term is behind learns it, else a replica with an
+        # older term but a longer log could never be elected by one with a
+        # newer term but a shorter log, nor the other way round.
+        transport.send(src, {"type": PRE_VOTE_REPLY, "tfs_term": cand_term, "granted": granted,
+                             "tfs_voter_term": self._SyncObj__raftCurrentTerm})
 
     def tfs_on_pre_vote_reply(self, src: Any, message: dict[str, Any]) -> None:
         """Tick thread: count a yes for the round running; at a majority,
         campaign now (pysyncobj's next tick raises the term and asks for
-        real votes)."""
+        real votes). A refusal from a replica whose term is newer than ours
+        moves us to that term as a follower (as any Raft message with a newer
+        term does), so that the next round asks for a term it can grant."""
+        voter_term = message.get("tfs_voter_term")
+        if (isinstance(voter_term, int) and voter_term > self._SyncObj__raftCurrentTerm
+                and self._SyncObj__raftState != 2 and src in self._SyncObj__otherNodes):
+            log.info("raft %s: %s is at term %d, newer than our %d: taking it (as a follower)",
+                     self.tfs_owner.node_id, getattr(src, "id", src), voter_term, self._SyncObj__raftCurrentTerm)
+            PRE_VOTE_ROUNDS.labels("newer_term").inc()
+            self._SyncObj__setCurrentTerm(voter_term, None)
+            self._SyncObj__setState(0)  # follower (onStateChanged runs as for pysyncobj's own changes)
+            self._SyncObj__raftLeader = None
+            self.tfs_pre_vote_term = 0
+            self.tfs_pre_vote_won = 0
+            return
         term = self.tfs_pre_vote_term
         if not term or message.get("tfs_term") != term or not message.get("granted") \
                 or term != self._SyncObj__raftCurrentTerm + 1 or self._SyncObj__raftState == 2 \
