@@ -160,7 +160,33 @@ def test_a_verified_chunk_is_checked_again_once_a_fragment_file_is_replaced(six:
             await _plant(six, info, {wrong: os.urandom(wrong_size)})
             assert await ac.read_into(path, part, at) == 3000
             assert part == data[at: at + 3000], "the planted fragment's bytes were returned"
-            assert ac.corrupt_fragments == 1
+            assert ac.corrupt_fragments == 1 and ac.unverified_reads == 0
+
+    asyncio.run(go())
+
+
+def test_a_partial_read_that_cannot_be_verified_is_counted(six: LocalCluster) -> None:
+    """ec:4+2: a partial read inside data fragment 0 while the target of data
+    fragment 2 (not read, but its stored CRC32C is part of the check) is
+    marked failed: the bytes come back checked only against their own CRC,
+    and ``unverified_reads`` says so; once the target is usable again the
+    next partial read is verified."""
+    data = random_bytes(CS, 16)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, "/unverified/f", "ec:4+2", data)
+            cmap = await map_now(six)
+            gid = info.layout.groups[0]
+            members = next(g.target_ids for g in cmap.groups if g.group_id == gid)
+            router = ac._parts()[2]
+            router.mark_failed(members[2])
+            part = bytearray(1000)
+            assert await ac.read_into("/unverified/f", part, 100) == 1000 and part == data[100:1100]
+            assert ac.unverified_reads == 1 and len(ac._verified) == 0
+            router.mark_ok(members[2])
+            assert await ac.read_into("/unverified/f", part, 100) == 1000 and part == data[100:1100]
+            assert ac.unverified_reads == 1 and len(ac._verified) == 1
 
     asyncio.run(go())
 

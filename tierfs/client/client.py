@@ -250,10 +250,14 @@ class AsyncClient:
         #: Chunks read only from positions the first attempt passed over
         #: (members being rebuilt, positions recorded missing).
         self.last_resort_reads = 0
-        #: Chunk generations (inode, chunk, generation) whose data fragments'
-        #: stored CRC32Cs matched the record on a partial read (oldest first).
-        #: Chunk generations (EC) and copies (replicas) whose partial reads
-        #: were verified: the serials of the fragment files verified.
+        #: Partial reads returned with their bytes checked only against
+        #: their own CRC32C: a target did not answer the STAT in time, or was
+        #: not usable when the read began (``verify_partial_reads``).
+        self.unverified_reads = 0
+        #: Chunk generations (EC: (inode, chunk, generation)) and copies
+        #: (replicas: the same and the position) whose partial reads were
+        #: verified, with the serials of the fragment files verified, by
+        #: position (oldest first).
         self._verified: collections.OrderedDict[tuple[int, ...], dict[int, int]] = collections.OrderedDict()
         self._kv_pools: dict[str, Any] = {}
         self._kv_tiers: Any = None
@@ -758,7 +762,10 @@ class AsyncClient:
                 if not stats.done():
                     stats.cancel()
                     await asyncio.gather(stats, return_exceptions=True)
+                    self.unverified_reads += 1
                     return
+                if any(isinstance(i, TierFSError) for i in stats.result()):
+                    self.unverified_reads += 1
                 why = self._check_stats(stats.result(), nonempty, codec.k, cs, rec, read_serials)
                 if why:
                     await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip, why)
@@ -774,6 +781,8 @@ class AsyncClient:
                     if got != rec.crc:
                         await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip,
                                                f"its data fragments have crc32c {got:#010x}")
+                elif partial:
+                    self.unverified_reads += 1  # a data fragment's target was not usable for its STAT
                 return
         await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
 
@@ -1219,6 +1228,8 @@ class AsyncClient:
             if router.usable(targets[j]):
                 stat = asyncio.ensure_future(data.stat(targets[j], key, timeout=cfg.request_timeout))
         if stat is None:
+            if cfg.verify_partial_reads and not (a == 0 and n >= rec.length):
+                self.unverified_reads += 1  # the target was not usable for its STAT
             return ""
         # The stat may take a little longer than the read, not a stalled
         # target's timeout: past that the copy stays unverified (the next
@@ -1226,6 +1237,7 @@ class AsyncClient:
         took = loop.time() - t_read
         await asyncio.wait({stat}, timeout=min(cfg.request_timeout / 4, max(cfg.hedge_min, 3 * took)))
         if not stat.done() or stat.cancelled() or stat.exception() is not None:
+            self.unverified_reads += 1
             return ""
         info = stat.result()
         if serial and info.serial and serial != info.serial:
