@@ -191,6 +191,42 @@ def test_a_partial_read_that_cannot_be_verified_is_counted(six: LocalCluster) ->
     asyncio.run(go())
 
 
+def test_a_write_into_a_chunk_never_carries_a_wrong_fragment_into_its_next_generation(six: LocalCluster) -> None:
+    """An ``r+`` write into part of a chunk reads the chunk's other bytes back
+    and commits them in the chunk's next generation. That read is of the
+    whole stored chunk (checked against the record's CRC32C every time),
+    not of the file's part of it (checked only when every STAT answers):
+    here (ec:4+2) the file ends inside chunk 0 (truncated), data fragment 0
+    is planted wrong, and the target of data fragment 2 (not read for the
+    file's first bytes, but its stored CRC32C is part of the check) is
+    marked failed, so no STAT round can be had. Before, the planted bytes
+    were committed into the new generation, valid CRC and all."""
+    data = random_bytes(CS, 17)
+    path = "/rmw/f"
+    size = CS // 2
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, path, "ec:4+2", data)
+            await ac.truncate(path, size)
+            info = await ac.meta.stat(path)
+            cmap = await map_now(six)
+            members = next(g.target_ids for g in cmap.groups if g.group_id == info.layout.groups[0])
+            await _plant(six, info, {(0, 0): os.urandom(16 * KiB)})
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            ac._parts()[2].mark_failed(members[2])
+            f = await ac.open(path, "r+")
+            await f.write(b"new!")
+            await f.close()
+            assert ac.corrupt_fragments == 1
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            got = await ac.read_bytes(path)
+            assert got[:4] == b"new!"
+            assert got[4:] == data[4:size], "a planted fragment's bytes were committed into the new generation"
+
+    asyncio.run(go())
+
+
 def test_a_wrong_replica_copy_is_read_around(six: LocalCluster) -> None:
     data = random_bytes(2 * CS + 999, 12)
 

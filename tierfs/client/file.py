@@ -44,8 +44,9 @@ from tierfs.chunk import (
     crc32c,
     generation,
     moved_positions,
+    valid_bytes,
 )
-from tierfs.client.client import FileView, _as_bytes_view
+from tierfs.client.client import FileView, _as_bytes_view, _zero
 from tierfs.client.fanout import first_error, ordered
 from tierfs.errors import (
     AlreadyExistsError,
@@ -438,10 +439,24 @@ class AsyncFile:
         start = idx * cs
         try:
             await self._wait_chunk(idx)  # an upload in flight must land before we read it back
-            exists = idx in self._written or self._committed.get(idx) is not None
-            if exists and start < self.size:
-                fill = await self._client._read_range(self._current_view(), start,
-                                                      buf[: min(cs, self.size - start)])
+            view = self._current_view()
+            rec = view.record(idx)
+            if rec is not None and start < self.size:
+                fill = min(cs, self.size - start)
+                valid = valid_bytes(rec, idx, cs, view.size)
+                if valid:
+                    # The whole stored chunk, also where the file ends inside
+                    # it (a truncate keeps the longer stored chunk): these
+                    # bytes go into the chunk's next generation, and a read
+                    # of a whole chunk is checked against the record's CRC32C
+                    # every time, a partial one only when its STATs answer
+                    # in time (docs/client.md, "Read path").
+                    await self._client._read_chunk(view, idx, rec, 0, rec.length, buf[: rec.length])
+                # Past the valid bytes: zeros (the stored chunk's bytes there
+                # are not the file's).
+                end = max(fill, rec.length if valid else 0)
+                if end > valid:
+                    _zero(buf[valid:end])
         except BaseException:
             pool.put(buf)
             raise
