@@ -137,14 +137,6 @@ def forged_after_a_verified_read() -> list[Op]:
     ]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["ec", "rep"])
-def test_regression_forged_after_a_verified_read(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
-    ck = checker(env, kind, tmp_path)
-    ck.run(forged_after_a_verified_read())
-    assert ck.counts.get("forged") == 1, ck.counts
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", ["ec", "rep"])
 def test_regression_degraded_reupload(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
@@ -161,12 +153,18 @@ def test_regression_truncate_zeroes_tail(env: CheckerCluster, kind: str, tmp_pat
     assert ck.model.files["s"].cands == [b"SEC" + bytes(70000 - 3)]
 
 
+#: The forgery regressions: the fixed walk and how many fragments it forges.
+FORGED = {"forged_fragments": (forged_fragments, 2), "forged_after_a_verified_read": (forged_after_a_verified_read, 1)}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["ec", "rep"])
-def test_regression_forged_fragments(env: CheckerCluster, kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_regression_forged(env: CheckerCluster, kind: str, case: str, tmp_path: Path) -> None:
+    ops, forged = FORGED[case]
     ck = checker(env, kind, tmp_path)
-    ck.run(forged_fragments())
-    assert ck.counts.get("forged") == 2, ck.counts
+    ck.run(ops())
+    assert ck.counts.get("forged") == forged, ck.counts
 
 
 #: (layout, seed, steps). Bounded for `make test`; tests/soak runs longer walks.
