@@ -482,9 +482,14 @@ class Checker(ProcessFaults):
                            + _first_diff(got, cut(cands[0])))
         return ok
 
-    def _excuse(self, what: str, path: str | None, exc: TierFSError, inode: int | None = None) -> None:
+    def _excuse(self, what: str, path: str | None, exc: TierFSError, inode: int | None = None,
+                gens: dict[int, int] | None = None) -> None:
         """A read failed: fine only if some chunk of the file really has too
-        few valid fragments of its committed generation on live nodes."""
+        few valid fragments of its committed generation on live nodes.
+        ``gens``: the generations a handle opened before a rewrite reads
+        (chunk -> generation); the truth is about the committed ones only,
+        so a failed read of an older generation is not judged (counted
+        ``read_failed_unjudged``)."""
         self.counts["read_failed"] = self.counts.get("read_failed", 0) + 1
         try:
             if inode is None:
@@ -495,6 +500,9 @@ class Checker(ProcessFaults):
             return
         recs = truth.records.get(inode)
         if recs is None:
+            return
+        if gens is not None and any(g != recs[i].generation for i, g in gens.items() if i in recs):
+            self.counts["read_failed_unjudged"] = self.counts.get("read_failed_unjudged", 0) + 1
             return
         codec, _cs = truth.widths[inode]
         need = 1 if codec.replicated else codec.k
@@ -748,7 +756,9 @@ class Checker(ProcessFaults):
                 return
             if not h.file.linked:
                 return  # the file is gone: a clean error is all it can give
-            self._excuse(f"{hid}.read({n}) at {pos}", None, exc, real._f.inode)
+            v = real._f._view  # the generations this handle reads (it may predate a rewrite)
+            gens = {i: r.generation for i in range(-(-v.size // v.chunk_size)) if (r := v.record(i)) is not None}
+            self._excuse(f"{hid}.read({n}) at {pos}", None, exc, real._f.inode, gens)
             return
         if h.writable:
             def cut(c: bytes) -> bytes:
