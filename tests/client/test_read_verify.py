@@ -160,17 +160,23 @@ def test_a_verified_chunk_is_checked_again_once_a_fragment_file_is_replaced(six:
             await _plant(six, info, {wrong: os.urandom(wrong_size)})
             assert await ac.read_into(path, part, at) == 3000
             assert part == data[at: at + 3000], "the planted fragment's bytes were returned"
-            assert ac.corrupt_fragments == 1 and ac.unverified_reads == 0
+            assert ac.corrupt_fragments == 1 and ac.whole_chunk_rereads == 0
 
     asyncio.run(go())
 
 
-def test_a_partial_read_that_cannot_be_verified_is_counted(six: LocalCluster) -> None:
-    """ec:4+2: a partial read inside data fragment 0 while the target of data
+def test_a_partial_read_whose_stats_cannot_be_had_reads_the_whole_chunk(six: LocalCluster) -> None:
+    """ec:4+2: partial reads inside data fragment 0 while the target of data
     fragment 2 (not read, but its stored CRC32C is part of the check) is
-    marked failed: the bytes come back checked only against their own CRC,
-    and ``unverified_reads`` says so; once the target is usable again the
-    next partial read is verified."""
+    marked failed, so no STAT round can be had. Each such read reads the
+    whole chunk instead (decoded around fragment 2, checked against the
+    record's CRC32C), and the data fragment files that check covered are
+    remembered: the next partial read from them needs neither. Then
+    fragment 0 is planted wrong (with its own CRC32C): the next partial read
+    comes from another file, cannot be verified by STATs, and the whole
+    chunk, read again, is found wrong and read around. Until stop 39 such a
+    read returned its bytes checked only against their own CRC32C: the
+    planted fragment's bytes."""
     data = random_bytes(CS, 16)
 
     async def go() -> None:
@@ -180,13 +186,41 @@ def test_a_partial_read_that_cannot_be_verified_is_counted(six: LocalCluster) ->
             gid = info.layout.groups[0]
             members = next(g.target_ids for g in cmap.groups if g.group_id == gid)
             router = ac._parts()[2]
-            router.mark_failed(members[2])
+            router.mark_failed(members[2], factor=100.0)
             part = bytearray(1000)
-            assert await ac.read_into("/unverified/f", part, 100) == 1000 and part == data[100:1100]
-            assert ac.unverified_reads == 1 and len(ac._verified) == 0
-            router.mark_ok(members[2])
-            assert await ac.read_into("/unverified/f", part, 100) == 1000 and part == data[100:1100]
-            assert ac.unverified_reads == 1 and len(ac._verified) == 1
+            for _ in range(3):
+                assert await ac.read_into("/unverified/f", part, 100) == 1000 and part == data[100:1100]
+                assert ac.whole_chunk_rereads == 1 and len(ac._verified) == 1
+            await _plant(six, info, {(0, 0): os.urandom(CS // 4)})
+            assert await ac.read_into("/unverified/f", part, 100) == 1000
+            assert part == data[100:1100], "the planted fragment's bytes were returned"
+            assert ac.whole_chunk_rereads == 2 and ac.corrupt_fragments == 1
+
+    asyncio.run(go())
+
+
+def test_a_partial_read_of_a_copy_whose_stat_cannot_be_had_reads_the_whole_copy(six: LocalCluster) -> None:
+    """replica:3: every copy's target marked failed, so a partial read still
+    reads the first copy (nothing better is left) but asks no STAT of it.
+    Copy 0 is planted wrong (with its own CRC32C): the whole copy is read
+    instead, found wrong, and the next copy read (also whole). Until stop
+    39 the planted copy's bytes were returned."""
+    data = random_bytes(CS, 17)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, "/unverified-rep/f", "replica:3", data)
+            cmap = await map_now(six)
+            gid = info.layout.groups[0]
+            members = next(g.target_ids for g in cmap.groups if g.group_id == gid)
+            await _plant(six, info, {(0, 0): os.urandom(CS)})
+            router = ac._parts()[2]
+            for t in members:
+                router.mark_failed(t, factor=100.0)
+            part = bytearray(1000)
+            assert await ac.read_into("/unverified-rep/f", part, 100) == 1000
+            assert part == data[100:1100], "the planted copy's bytes were returned"
+            assert ac.corrupt_fragments == 1 and ac.whole_chunk_rereads == 2
 
     asyncio.run(go())
 

@@ -98,7 +98,7 @@ def test_checker_soak(tmp_path: Path) -> None:
                          f"{sum(v for k, v in ck.counts.items() if k.startswith('violation:'))} violations, "
                          f"{ck.counts.get('corrupted', 0)} fragments corrupted, {ck.counts.get('forged', 0)} forged, "
                          f"{ck.counts.get('read_failed', 0)} reads failed, "
-                         f"{ck.counts.get('unverified_reads', 0)} partial reads unverified"
+                         f"{ck.counts.get('whole_chunk_rereads', 0)} partial reads read whole (no STAT)"
                          + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
                          + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the nemesis"
                             if NEMESIS else "")

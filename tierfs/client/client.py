@@ -250,10 +250,11 @@ class AsyncClient:
         #: Chunks read only from positions the first attempt passed over
         #: (members being rebuilt, positions recorded missing).
         self.last_resort_reads = 0
-        #: Partial reads returned with their bytes checked only against
-        #: their own CRC32C: a target did not answer the STAT in time, or was
-        #: not usable when the read began (``verify_partial_reads``).
-        self.unverified_reads = 0
+        #: Partial reads whose STATs could not all be had (a target did not
+        #: answer in time, was not usable, or holds no fragment there): the
+        #: whole chunk (or copy) was read instead and checked against the
+        #: record's CRC32C (``verify_partial_reads``).
+        self.whole_chunk_rereads = 0
         #: Chunk generations (EC: (inode, chunk, generation)) and copies
         #: (replicas: the same and the position) whose partial reads were
         #: verified, with the serials of the fragment files verified, by
@@ -686,6 +687,8 @@ class AsyncClient:
         bad: dict[int, TierFSError] = {}
         whole: dict[int, int] = {}  # data fragments read whole into dest: bytes they had
         down = [j for j, _, _ in pieces if j in skip or not router.usable(targets[j])]
+        vkey = (view.inode, idx, ver)
+        read_serials: dict[int, int] = {}  # position -> serial of the fragment file read
         if down:
             for j in down:
                 bad[j] = UnavailableError(f"target {targets[j]} is offline, failed just now or being rebuilt")
@@ -703,11 +706,10 @@ class AsyncClient:
             # read whose answers carry the same serials read the very files
             # verified and needs no stat (docs/client.md, "Partial reads").
             stats: asyncio.Future[list[FragmentInfo | TierFSError]] | None = None
-            vkey = (view.inode, idx, ver)
             partial = self.config.verify_partial_reads and not (a == 0 and b >= rec.length)
             cached = self._verified.get(vkey) if partial else None
             # Only where every target answers now: a stat must never hold a read up.
-            if partial and cached is None and all(router.usable(targets[j]) for j in nonempty):
+            if partial and cached is None and all(router.usable(targets[j]) and j not in skip for j in nonempty):
                 stats = asyncio.ensure_future(data.stat_batch(
                     [(targets[j], FragmentKey(view.inode, idx, j, ver)) for j in nonempty],
                     timeout=self.config.request_timeout))
@@ -748,24 +750,25 @@ class AsyncClient:
                 # Some fragment read was replaced since the chunk was verified
                 # (a repair, or bytes that are not the chunk's): verify again.
                 self._verified.pop(vkey, None)
-                if all(router.usable(targets[j]) for j in nonempty):
+                if all(router.usable(targets[j]) and j not in skip for j in nonempty):
                     stats = asyncio.ensure_future(data.stat_batch(
                         [(targets[j], FragmentKey(view.inode, idx, j, ver)) for j in nonempty],
                         timeout=self.config.request_timeout))
             if stats is not None and not bad:
                 # The stats may take a little longer than the read, not a
-                # stalled target's timeout: past that the chunk stays
-                # unverified (the next partial read asks again).
+                # stalled target's timeout: past that (or when one failed)
+                # the whole chunk is read and checked instead.
                 took = time.monotonic() - t0
                 await asyncio.wait({stats}, timeout=min(self.config.request_timeout / 4,
                                                         max(self.config.hedge_min, 3 * took)))
                 if not stats.done():
                     stats.cancel()
                     await asyncio.gather(stats, return_exceptions=True)
-                    self.unverified_reads += 1
+                    await self._reread_whole(view, idx, rec, targets, a, b, dest, skip)
                     return
                 if any(isinstance(i, TierFSError) for i in stats.result()):
-                    self.unverified_reads += 1
+                    await self._reread_whole(view, idx, rec, targets, a, b, dest, skip)
+                    return
                 why = self._check_stats(stats.result(), nonempty, codec.k, cs, rec, read_serials)
                 if why:
                     await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip, why)
@@ -781,25 +784,53 @@ class AsyncClient:
                     if got != rec.crc:
                         await self._heal_chunk(view, idx, rec, targets, a, b, dest, skip,
                                                f"its data fragments have crc32c {got:#010x}")
+                    elif self.config.verify_partial_reads and all(read_serials.values()):
+                        # The very files later partial reads may be served from.
+                        self._remember_verified(vkey, read_serials)
                 elif partial:
-                    self.unverified_reads += 1  # a data fragment's target was not usable for its STAT
+                    # A data fragment's STAT could not be asked (its target
+                    # not usable, or no fragment stored there).
+                    await self._reread_whole(view, idx, rec, targets, a, b, dest, skip)
                 return
-        await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip)
+        used = {j: read_serials.get(j, 0) for j in whole}
+        if await self._decode_into(view, idx, rec, targets, a, b, dest, bad, whole, skip, used) and \
+                self.config.verify_partial_reads and used and all(used.values()):
+            # The data fragments the verified decode used held the chunk's
+            # bytes: partial reads from those same files need no STAT.
+            self._remember_verified(vkey, used)
+
+    async def _reread_whole(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
+                            b: int, dest: memoryview, skip: frozenset[int]) -> None:
+        """A partial read of an EC chunk whose data fragments' STATs could not
+        all be had: its bytes are checked only against their own CRC32C,
+        which a fragment that is wrong but self-consistent passes. Read the
+        whole chunk instead (checked against the record's CRC32C, decoded
+        around a missing or wrong fragment) and return ``[a, b)`` of it. The
+        data fragments it used are remembered as verified, so later partial
+        reads from them need neither a STAT nor this."""
+        self.whole_chunk_rereads += 1
+        n = rec.length
+        buf = self.pool.get(n)
+        try:
+            await self._read_ec(view, idx, rec, targets, 0, n, buf, skip)
+            hi = max(a, min(b, n))
+            dest[: hi - a] = buf[a:hi]
+            _zero(dest[hi - a:])
+        finally:
+            self.pool.put(buf)
 
     def _check_stats(self, infos: list[FragmentInfo | TierFSError], stored: list[int], k: int, cs: int,
                      rec: ChunkRecord, read_serials: dict[int, int]) -> str:
-        """The verdict on a partial read's data-fragment stats: '' when their
-        stored lengths and CRC32Cs match the chunk record or could not all
-        be had (a target that did not answer a stat: the bytes read were
-        checked against their own CRC, the next read asks again); else what
-        is wrong. ``read_serials``: the serial of each fragment file the read
+        """The verdict on a partial read's data-fragment stats (every one
+        answered): '' when their stored lengths and CRC32Cs match the chunk
+        record; else what is wrong. ``read_serials``: the serial of each fragment file the read
         got its bytes from. A stat that describes another file than the one
         read (replaced between the two) proves nothing about the bytes: the
         chunk is then judged whole (the heal path). When every serial is
         known and they agree, the fragment files are remembered as verified."""
-        if any(isinstance(i, TierFSError) for i in infos):
-            return ""
         got = [i for i in infos if not isinstance(i, TierFSError)]
+        if len(got) != len(infos):
+            raise AssertionError("_check_stats: every stat must have answered")
         by_j = dict(zip(stored, got, strict=True))
         for j, sr in read_serials.items():
             i = by_j.get(j)
@@ -998,7 +1029,7 @@ class AsyncClient:
 
     async def _decode_into(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], a: int,
                            b: int, dest: memoryview, bad: dict[int, TierFSError], whole: dict[int, int],
-                           skip: frozenset[int] = frozenset()) -> None:
+                           skip: frozenset[int] = frozenset(), used: dict[int, int] | None = None) -> bool:
         """Fetch whole fragments from any K targets (data first, then parity)
         and rebuild ``dest`` (chunk bytes ``[a, b)``) from them. ``whole``:
         data fragments already read whole into their place in ``dest``
@@ -1007,7 +1038,10 @@ class AsyncClient:
         rest (parity, partial ranges) into pool buffers. Every fragment must
         have the length the chunk record gives it, and the K data fragments
         (fetched or rebuilt) must match the record's CRC32C before a byte is
-        returned."""
+        returned. ``used``: the serials of the fragment files in ``whole``;
+        on return, those of every data fragment the decode used (0: not
+        known). True: decoded and verified; False: the chunk did not match
+        its record, and ``dest`` was filled by ``_heal_chunk`` instead."""
         _, data, router = self._parts()
         codec, cfg = view.codec, self.config
         cs, ver = view.chunk_size, rec.generation
@@ -1057,17 +1091,20 @@ class AsyncClient:
                 # otherwise hold the decode to the request timeout).
                 spare = sum(1 for j in order if j not in have and j not in perm and j not in tried)
                 hedge = self._hedge_delay() if spare else None
+                got_serials: list[int] = []
                 if hedge is None:
-                    res = await data.read_batch(items, timeout=cfg.request_timeout)
+                    res = await data.read_batch(items, timeout=cfg.request_timeout, serials=got_serials)
                 else:
                     # Never on the clock alone while peers are out (it would
                     # give up the very fragments the decode needs), and a
                     # lone fetch not before hedge_min.
                     res = await self._hedged_batch(items, max(hedge, cfg.hedge_min), spare,
-                                                   peers_first=len(items) > 1)
-                for j, (_, _, buf, _), r in zip(pick, items, res, strict=True):
+                                                   peers_first=len(items) > 1, serials=got_serials)
+                for n_, (j, (_, _, buf, _), r) in enumerate(zip(pick, items, res, strict=True)):
                     if isinstance(r, int) and r == sizes[j]:
                         have[j] = buf[:r]
+                        if used is not None and j < k:
+                            used[j] = got_serials[n_] if n_ < len(got_serials) else 0
                         router.mark_ok(targets[j])
                     elif isinstance(r, int):
                         errors[j] = CorruptError(f"{r} bytes, its chunk record gives it {sizes[j]}")
@@ -1088,7 +1125,7 @@ class AsyncClient:
             if got_crc != rec.crc:
                 await self._heal_chunk(view, idx, rec, targets, a, b, dest, frozenset(skip),
                                        f"decoded from fragments {sorted(have)} it has crc32c {got_crc:#010x}")
-                return
+                return False
             for j in range(k):
                 lo, hi = max(a, j * f), min(b, (j + 1) * f)
                 if lo >= hi:
@@ -1100,6 +1137,10 @@ class AsyncClient:
                 src = (got if got is not None else rebuilt[j])[lo - j * f: hi - j * f]
                 dest[lo - a: lo - a + len(src)] = src
                 _zero(dest[lo - a + len(src): hi - a])
+            if used is not None:
+                for j in [j for j in used if j not in have]:
+                    del used[j]  # rebuilt, not read: its file was not what the check covered
+            return True
         finally:
             for buf in bufs:
                 self.pool.put(buf)
@@ -1219,6 +1260,10 @@ class AsyncClient:
             return f"has crc32c {crcs[0]:#010x}, the chunk record {rec.crc:#010x}"
         serial = serials[0] if serials else 0
         vkey = (view.inode, idx, rec.generation, j)
+        if a == 0 and n == rec.length and crcs:
+            if serial and cfg.verify_partial_reads:
+                self._remember_verified(vkey, {0: serial})  # later partial reads of this file need no stat
+            return ""
         if verified is not None and stat is None:
             if serial and serial == verified:
                 return ""  # the very fragment file verified before
@@ -1229,16 +1274,16 @@ class AsyncClient:
                 stat = asyncio.ensure_future(data.stat(targets[j], key, timeout=cfg.request_timeout))
         if stat is None:
             if cfg.verify_partial_reads and not (a == 0 and n >= rec.length):
-                self.unverified_reads += 1  # the target was not usable for its STAT
+                # The target was not usable for its STAT.
+                return await self._reread_copy(view, idx, rec, targets, j, key, a, dest, errors, perm)
             return ""
         # The stat may take a little longer than the read, not a stalled
-        # target's timeout: past that the copy stays unverified (the next
-        # partial read asks again).
+        # target's timeout: past that (or when it failed) the whole copy is
+        # read and checked instead.
         took = loop.time() - t_read
         await asyncio.wait({stat}, timeout=min(cfg.request_timeout / 4, max(cfg.hedge_min, 3 * took)))
         if not stat.done() or stat.cancelled() or stat.exception() is not None:
-            self.unverified_reads += 1
-            return ""
+            return await self._reread_copy(view, idx, rec, targets, j, key, a, dest, errors, perm)
         info = stat.result()
         if serial and info.serial and serial != info.serial:
             # The stat describes another file than the one read (replaced
@@ -1252,6 +1297,43 @@ class AsyncClient:
         if serial and info.serial:
             self._remember_verified(vkey, {0: serial})
         return ""
+
+    async def _reread_copy(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], j: int,
+                           key: FragmentKey, a: int, dest: memoryview, errors: dict[int, TierFSError],
+                           perm: set[int]) -> str | None:
+        """A partial read of copy ``j`` whose STAT could not be had: its bytes
+        are checked only against their own CRC32C, which a copy that is wrong
+        but self-consistent passes. Read the whole copy instead, check it
+        against the record's CRC32C and fill ``dest`` from it; the answer is
+        ``_read_copy``'s. The copy's file is remembered as verified."""
+        _, data, _ = self._parts()
+        self.whole_chunk_rereads += 1
+        buf = self.pool.get(rec.length)
+        try:
+            crcs: list[int] = []
+            serials: list[int] = []
+            try:
+                n = await data.read_into(targets[j], key, buf, 0, timeout=self.config.request_timeout, crcs=crcs,
+                                         serials=serials)
+            except TierFSError as exc:
+                errors[j] = exc
+                self._note(targets[j], exc)
+                if isinstance(exc, _PERMANENT):
+                    perm.add(j)
+                return None
+            if n != rec.length:
+                errors[j] = CorruptError(f"returned {n} of its {rec.length} bytes")
+                perm.add(j)
+                return None
+            crc = crcs[0] if crcs else crc32c(buf)
+            if crc != rec.crc:
+                return f"has crc32c {crc:#010x}, the chunk record {rec.crc:#010x}"
+            dest[:] = buf[a: a + len(dest)]
+            if serials and serials[0]:
+                self._remember_verified((view.inode, idx, rec.generation, j), {0: serials[0]})
+            return ""
+        finally:
+            self.pool.put(buf)
 
     def _remember_verified(self, vkey: tuple[int, ...], serials: dict[int, int]) -> None:
         """Remember that the fragment files with these serials (by position)
