@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "919c78cadc7df79c76e55a11fec1d519e70f0c07"
+PREVIOUS = "8d4608b00a47f278dd427d6625e7ed8e77f3b44c"
 
 REPO = Path(__file__).resolve().parents[2]
 
