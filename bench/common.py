@@ -9,14 +9,15 @@ import time
 
 
 def create_kv_pool(meta: list[str], name: str, memory: int, *, disk: int | None = None,
-                   timeout: float = 60.0) -> None:
+                   timeout: float = 60.0, redundancy: str = "replica:1") -> None:
     """Define KV pool ``name`` (``memory`` bytes per target, ``disk`` or
     twice that on disk) and wait until every target of its groups serves it."""
     from tierfs.meta import MetaClient
 
     async def go() -> None:
         async with MetaClient(meta) as mc:
-            await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory if disk is None else disk)
+            await mc.create_kv_pool(name, target_memory=memory, target_disk=2 * memory if disk is None else disk,
+                                    redundancy=redundancy)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 r = await mc.list_kv_pools()

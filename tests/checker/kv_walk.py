@@ -2,8 +2,9 @@
 overwrites, deletes and gets on KV pools of every redundancy, against a
 real cluster, with storage daemons killed, restarted, stopped (SIGSTOP: a
 gray failure), resumed, and their object files corrupted on disk, EC
-fragments forged (rewritten with other bytes under the value's trailer), and
-the cluster grown by a daemon now and then (the pools re-plan: keys move).
+fragments and replica copies forged (rewritten with other bytes: under the
+value's trailer, or with their own CRC32C), and the cluster grown by a
+daemon now and then (the pools re-plan: keys move).
 
 The KV store is a cache: any get may miss. What it must never do is
 return wrong bytes. The model holds, for each key, the *contents* it may
@@ -158,6 +159,14 @@ class KVChecker(ProcessFaults):
     #: sends failed: ``wb_failed`` of them seen so far).
     wb_puts: dict[tuple[str, int], set[int]] = field(default_factory=dict)
     wb_failed: int = 0
+    #: Replica copies forged (stop 39): the forged bytes of each key, and
+    #: each client's ``unwitnessed`` count for the pool when they were
+    #: forged (by ``id``). A get may serve forged bytes only where its
+    #: client served an unwitnessed hit of that pool since (no other copy
+    #: could vouch for the one read: docs/kv.md, "Forged copies").
+    forged: dict[tuple[str, int], set[bytes]] = field(default_factory=dict)
+    forge_marks: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    reader_client: Client | None = None
 
     def kname(self, key: int) -> str:
         """A walk's own keys: walks on one cluster never see each other's."""
@@ -184,9 +193,13 @@ class KVChecker(ProcessFaults):
             for c in [*self.old_clients, self.client]:
                 for pool in POOLS:  # puts a daemon refused as misplaced, then put again
                     with contextlib.suppress(Exception):
-                        n = int(c.kv_pool(pool).stats()["cluster"].get("map_retries", 0))
+                        cs = c.kv_pool(pool).stats()["cluster"]
+                        n = int(cs.get("map_retries", 0))
                         self.counts["map_retries"] = self.counts.get("map_retries", 0) + n
                         self.counts[f"map_retries:{pool}"] = self.counts.get(f"map_retries:{pool}", 0) + n
+                        # Replica gets: copies that disagreed (a miss), hits no other copy vouched for.
+                        for what in ("disagreements", "unwitnessed"):
+                            self.counts[what] = self.counts.get(what, 0) + int(cs.get(what, 0))
             for c in self.old_clients:
                 with contextlib.suppress(Exception):
                     c.close()
@@ -268,11 +281,21 @@ class KVChecker(ProcessFaults):
             self.deadline[(*pk, c)] = max(end, self.deadline.get((*pk, c), 0.0))
         self.timing.discard((*pk, c))  # after the deadline is set: a racing get checks in this order
 
+    @staticmethod
+    def _unwitnessed(client: Client | None, pool: str) -> int:
+        if client is None:
+            return 0
+        try:
+            return int(client.kv_pool(pool).stats()["cluster"].get("unwitnessed", 0))
+        except Exception:
+            return 0
+
     def _judge(self, pool: str, key: int, got: bytes | None, how: str, started: float | None = None,
-               settled: tuple[int, str] | bool | None = True) -> None:
+               settled: tuple[int, str] | bool | None = True, client: Client | None = None) -> None:
         """``settled``: the key's last acknowledged overwrite or delete when
         the get started (a racing reader's; True: the walk's own get, which
-        starts after every op before it)."""
+        starts after every op before it). ``client``: the one that got it
+        (default: the walk's)."""
         if got is None:
             self.counts["miss"] = self.counts.get("miss", 0) + 1
             return
@@ -304,6 +327,15 @@ class KVChecker(ProcessFaults):
                     f"{changed[-1] + 1 if changed else None}")
             return
         ok = sorted(list(self.ever.get(pk, ())))
+        if got in self.forged.get(pk, ()):
+            c = self.client if client is None else client
+            if self._unwitnessed(c, pool) > self.forge_marks.get(pk, {}).get(id(c), 0):
+                # No other copy could vouch for the one read: the gap docs/kv.md names.
+                self.counts["forged_unwitnessed"] = self.counts.get("forged_unwitnessed", 0) + 1
+                return
+            self.violation("forged-served", f"{how} of {pool}/{self.kname(key)} returned the bytes of a forged "
+                           f"copy, and its client served no unwitnessed hit of the pool since the forgery")
+            return
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
                        f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
                        f"{_describe(got, pool, key, set(ok))})")
@@ -329,6 +361,7 @@ class KVChecker(ProcessFaults):
         rng = random.Random(seed)
         pools = list(POOLS)
         with self.env.client() as client:
+            self.reader_client = client
             while not stop.is_set():
                 pool, key = rng.choice(pools), rng.randrange(KEYS)
                 started = time.monotonic()
@@ -339,7 +372,7 @@ class KVChecker(ProcessFaults):
                     continue
                 self.counts["raced"] = self.counts.get("raced", 0) + 1
                 if got is not None:
-                    self._judge(pool, key, got, "racing get", started, settled)
+                    self._judge(pool, key, got, "racing get", started, settled, client)
 
     # ---- operations ------------------------------------------------------------------
 
@@ -488,9 +521,12 @@ class KVChecker(ProcessFaults):
         EC pool with other bytes under the same trailer (the value's CRC32C
         and length), as a misdirected or buggy write would leave it: neither
         the frame's CRC nor the trailer can tell. A get must decode around it
-        or miss, never return it. Replica pools are not forged: there a copy
-        is the only witness of its own CRC (docs/kv.md)."""
-        if not POOLS[pool][0].startswith("ec:"):
+        or miss, never return it. In a replica pool (stop 39) copy ``j`` is
+        rewritten with other bytes and their own CRC32C: a get must miss
+        rather than serve it wherever another copy can vouch
+        (``forged-served``); where none could, it is counted
+        (``forged_unwitnessed``)."""
+        if POOLS[pool][0] == "replica:1":
             return
         with contextlib.suppress(TierFSError):
             if asyncio.run(self._forge(pool, key, j)):
@@ -510,6 +546,17 @@ class KVChecker(ProcessFaults):
             targets, stamps = placement(route, name)
             j %= len(targets)
             frag = await tier.data.kv_get(targets[j], route.pool_id, name, timeout=2.0, since=stamps[j])
+            if frag is not None and route.copies:
+                pk = (pool, key)
+                rng = np.random.default_rng([self.seed, key, j, len(self.log)])
+                forged = rng.integers(0, 256, len(frag), dtype=np.uint8).tobytes()
+                # Marked before the write: a racing get may see it at once.
+                self.forge_marks[pk] = {id(c): self._unwitnessed(c, pool)
+                                        for c in (self.client, self.reader_client) if c is not None}
+                self.forged.setdefault(pk, set()).add(forged)
+                await tier.data.kv_put(targets[j], route.pool_id, name, memoryview(forged),
+                                       flags=KV_OVERWRITE | KV_GROUP | max(stamps) << KV_STAMP_SHIFT)
+                return True
             if frag is None or len(frag) <= _TRAILER.size:
                 return False
             n = len(frag) - _TRAILER.size
@@ -600,8 +647,8 @@ def kv_random_ops(ck: KVChecker, rng: random.Random, steps: int, *, max_down: in
         elif r < 0.58:
             yield ("get", pool, key)
         elif r < 0.60:
-            ec = [p for p, (red, _, _) in POOLS.items() if red.startswith("ec:")]
-            yield ("forge", rng.choice(ec), key, rng.randrange(6))
+            forgeable = [p for p, (red, _, _) in POOLS.items() if red != "replica:1"]
+            yield ("forge", rng.choice(forgeable), key, rng.randrange(6))
         elif r < 0.70:
             yield ("get_into", pool, key)
         elif r < 0.78:

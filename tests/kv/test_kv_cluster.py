@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ def pool_ready(client: Client, name: str) -> None:
 SHARED_POOLS: dict[str, dict[str, object]] = {
     "two": {"redundancy": "replica:2", "target_memory": 8 * MiB, "target_disk": 16 * MiB},
     "disk": {"redundancy": "replica:1", "target_memory": 1 * MiB, "target_disk": 32 * MiB},
+    "forge2": {"redundancy": "replica:2", "target_memory": 8 * MiB, "target_disk": 16 * MiB},
 }
 
 
@@ -682,6 +684,74 @@ def test_ec_a_wrong_fragment_with_a_right_trailer_is_left_out(cl: LocalCluster, 
             await forge(1)  # two of three wrong: a miss, not their bytes
             assert await kv.get(key) is None
             assert await kv.get_into(key, bytearray(n)) is None
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("form", ["get", "get_into", "batch_get_into"])
+def test_a_forged_replica_copy_is_never_served_while_another_copy_answers(cl: LocalCluster, client: Client,
+                                                                          form: str) -> None:
+    """replica:2: one copy of a key rewritten with other bytes and its own
+    CRC32C (a misdirected or buggy write) passes every check of its own.
+    Each form of get compares the copy it reads with the other copy's
+    stored CRC32C (``kv_verify_copies``), or with a CRC32C the client knows
+    the key's value to have (it put it, or two copies agreed): a copy that
+    differs is a miss, never the forged bytes, and both copies are dropped
+    (``contains`` says so, and the next put stores the key afresh). Until
+    stop 39 the forged copy was served whenever it was the one read. With
+    the check off the forged bytes come back: the test can tell."""
+    from tierfs.client import AsyncClient
+    from tierfs.kv.cluster import placement
+    from tierfs.net.protocol import KV_OVERWRITE, KV_STAMP_SHIFT
+
+    shared_pool(cl, client, "forge2")
+
+    async def get(kv: Any, key: bytes, n: int) -> bytes | None:
+        if form == "get":
+            return await kv.get(key)
+        buf = bytearray(n)
+        got = await (kv.get_into(key, buf) if form == "get_into" else kv.batch_get_into([key], [buf]))
+        got = got[0] if isinstance(got, list) else got
+        return None if got is None else bytes(buf[:got])
+
+    async def main() -> None:
+        async with AsyncClient(cl.meta_addrs) as c, AsyncClient(cl.meta_addrs, kv_verify_copies=False) as unchecked:
+            kv, raw = c.kv_pool("forge2"), unchecked.kv_pool("forge2")
+            tier = kv.cluster
+            route = await tier.route()
+            n = 50_000
+            keys = [f"forged-{form}-{i}".encode() for i in range(2)]
+            for key in keys:
+                assert await kv.put(key, payload(key, n), overwrite=True)
+                assert await get(kv, key, n) == payload(key, n)
+            assert tier.counters.disagreements == 0 and tier.counters.unwitnessed == 0
+
+            async def forge(key: bytes, first: bool) -> None:
+                """Forge the copy a get reads first, or the other one."""
+                targets, stamps = placement(route, key)
+                at = targets.index(tier._read_order(targets)[0])
+                at = at if first else 1 - at
+                await tier.data.kv_put(targets[at], route.pool_id, key, memoryview(os.urandom(n)),
+                                       flags=KV_OVERWRITE | stamps[at] << KV_STAMP_SHIFT)
+
+            # The copy read first is forged: it differs from the CRC32C this
+            # client put, and the other copy, asked then, says so too.
+            await forge(keys[0], first=True)
+            assert await get(raw, keys[0], n) not in (None, payload(keys[0], n))  # unchecked: forged bytes
+            assert await get(kv, keys[0], n) is None, "the forged copy's bytes were served"
+            assert tier.counters.disagreements == 1
+            assert await kv.exists(keys[0]) is False  # both copies dropped
+            assert await kv.put(keys[0], payload(keys[0], n))  # stored afresh
+            assert await get(kv, keys[0], n) == payload(keys[0], n)
+
+            # The other copy is forged: this client reads the right one (its
+            # CRC32C is the one it put); a client that knows nothing of the
+            # key asks the other copy alongside, and the two disagree.
+            await forge(keys[1], first=False)
+            assert await get(kv, keys[1], n) == payload(keys[1], n) and tier.counters.disagreements == 1
+            async with AsyncClient(cl.meta_addrs) as fresh:
+                kv2 = fresh.kv_pool("forge2")
+                assert await get(kv2, keys[1], n) is None
+                assert kv2.cluster.counters.disagreements == 1 and await kv2.exists(keys[1]) is False
     asyncio.run(main())
 
 

@@ -53,7 +53,10 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                 ck = run_walk(env, seed, STEPS, tmp_path / "logs", meta_nemesis=NEMESIS)
                 walks.append(f"seed {seed}: {ck.counts.get('seconds')}s, {len(ck.log)} steps, "
                              f"{ck.counts.get('hit', 0)} hits ({ck.counts.get('stale', 0)} stale), "
-                             f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('forged', 0)} EC fragments forged, "
+                             f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('forged', 0)} fragments or copies forged "
+                             f"({ck.counts.get('disagreements', 0)} copies disagreed, "
+                             f"{ck.counts.get('unwitnessed', 0)} hits unwitnessed, "
+                             f"{ck.counts.get('forged_unwitnessed', 0)} forged bytes served unwitnessed), "
                              f"{ck.counts.get('ttl-judged', 0)} hits of TTL "
                              f"contents judged, {ck.counts.get('late_clients', 0)} late clients, "
                              f"{ck.counts.get('delete', 0)} deletes ({ck.counts.get('delete-failed', 0)} not "

@@ -137,6 +137,8 @@ def test_roundtrip(tmp_path: Path, pool: BufferPool, spec: KVPoolSpec) -> None:
             assert await put(s, pid, key, data)
             assert await get(s, pid, key) == data
         assert s.contains(pid, [b"k0", b"nope", b"k5"]) == [True, False, True]
+        # the stored CRC32Cs (a replica get's witness), from the index
+        assert s.crcs(pid, [b"k0", b"nope", b"k5"]) == [crc32c(b""), None, crc32c(pattern(b"k5", 100 * KiB))]
         # immutable: a second put is a no-op, the old bytes stay
         assert not await put(s, pid, b"k1", b"other")
         assert await get(s, pid, b"k1") == pattern(b"k1", 1)
@@ -358,6 +360,7 @@ def test_placement_stamps(tmp_path: Path, pool: BufferPool, spec: KVPoolSpec) ->
         assert await s.get(pid, b"a", since=6) is None
         assert await s.get_with_ttl(pid, b"a", since=6) is None
         assert s.contains(pid, [b"a"], since=5) == [True] and s.contains(pid, [b"a"], since=6) == [False]
+        assert s.crcs(pid, [b"a"], since=5) == [crc32c(b"old")] and s.crcs(pid, [b"a"], since=6) == [None]
         assert usage(s, pid).objects == 1
         assert not await put(s, pid, b"a", b"same", stamp=5)  # a no-op, as always
         assert await put(s, pid, b"a", b"new", stamp=7)  # the old copy is stale for this writer

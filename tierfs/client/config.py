@@ -95,6 +95,11 @@ class ClientConfig(BaseConfig):
         100 << 20, "Slowest rate (bytes/s) a KV request's bytes may move at: a request's deadline is "
         "kv_timeout plus its bytes at this rate, so a large batch (an engine's whole prefix) is not cut off "
         "for its size. 0: kv_timeout alone.", kind="size")
+    kv_verify_copies: bool = field(
+        True, "Replica pools: a get compares the copy it reads with the next copy's stored CRC32C (asked "
+        "alongside, from that daemon's index); when they differ the get is a miss and both copies are dropped, "
+        "so a copy rewritten with other bytes and its own CRC32C is never served where another copy is "
+        "reachable (docs/kv.md, \"Forged copies\").")
     kv_dram_bytes: int = field(
         0, "Client DRAM tier for KV objects (pre-allocated at first use); 0 = none. Leave it 0 behind an "
         "engine adapter: the engine's own CPU buffer is the DRAM tier.", kind="size")

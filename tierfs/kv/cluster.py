@@ -27,6 +27,7 @@ uses it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -35,6 +36,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import xxhash
 
 from tierfs.errors import (
     InvalidArgumentError,
@@ -88,6 +91,8 @@ def _ec_tail(n: int, j: int) -> int:
 
 _Tag = tuple[int, int, int]  # (format, value length, value CRC32C or 0)
 _R = TypeVar("_R")
+#: CRC32Cs of replica values a client remembers as vouched for (~100 bytes each).
+_KNOWN_MAX = 65_536
 
 
 def _ec_fragment(v: Any, j: int) -> tuple[_Tag, memoryview] | None:
@@ -110,6 +115,13 @@ def expiry_at(t0: float, ttl_ms: int) -> float:
     answer to a request sent at ``t0``, has ``ttl_ms`` left (0.0: none).
     Counted from the request, not the answer: never later than the daemon's."""
     return t0 + ttl_ms / 1000 if ttl_ms else 0.0
+
+
+async def _cancel(fut: asyncio.Future[Any] | None) -> None:
+    """Cancel a request asked alongside another (and wait for it)."""
+    if fut is not None and not fut.done():
+        fut.cancel()
+        await asyncio.gather(fut, return_exceptions=True)
 
 
 async def _timed(fetch: Callable[[list[int]], Awaitable[_R]], expiries: list[float] | None) -> _R:
@@ -157,6 +169,12 @@ class ClusterStats:
     misses: int = 0
     errors: int = 0  # requests that failed (target down, timeout): counted as misses too
     fallbacks: int = 0  # gets served by a copy other than the first
+    # Replica pools (kv_verify_copies): hits whose copy no other copy could
+    # vouch for (none held the key, none answered in time, a daemon before
+    # stop 39), and gets whose copy another copy's CRC32C contradicted (a
+    # miss; both copies dropped).
+    unwitnessed: int = 0
+    disagreements: int = 0
     bytes_in: int = 0  # stored into the cluster
     bytes_out: int = 0  # loaded from the cluster
     deletes: int = 0
@@ -247,11 +265,19 @@ class ClusterTier:
     name = "cluster"
 
     def __init__(self, router: Router, data: DataClient, pool: str, *, timeout: float,
-                 min_bandwidth: int = 0) -> None:
+                 min_bandwidth: int = 0, verify_copies: bool = True) -> None:
         self.router = router
         self.data = data
         self.pool = pool
         self.timeout = timeout
+        #: Replica pools: compare the copy a get reads with another copy's
+        #: stored CRC32C (ClientConfig.kv_verify_copies; docs/kv.md).
+        self.verify_copies = verify_copies
+        #: Replica pools: (pool id, xxh3_64 of the key) -> a CRC32C a value
+        #: of the key is known to have (this client put it, or two copies
+        #: agreed on it), most recent last. A copy read with that CRC32C
+        #: (checked end to end on arrival) needs no witness.
+        self._known: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         #: Bytes/s a request's payload is allowed (ClientConfig.kv_min_bandwidth).
         self.min_bandwidth = min_bandwidth
         self.counters = ClusterStats()
@@ -419,8 +445,10 @@ class ClusterTier:
         owner: list[int] = []
         from tierfs.net.protocol import crc32c
 
+        value_crcs: list[int] = []
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             crc = crc32c(buf)  # once per object, not once per copy
+            value_crcs.append(crc)
             members, stamps = placement(route, key)
             if route.copies > 1:
                 # Skipping a copy the map calls down: each copy gets the
@@ -475,6 +503,8 @@ class ClusterTier:
                 if isinstance(err, (InvalidArgumentError, NotFoundError, NoSpaceError)):
                     raise err
                 raise UnavailableError(f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: {err}")
+            if self.verify_copies and route.copies > 1:
+                self._vouch(route.pool_id, keys[i], value_crcs[i])  # our own value
             if stored[i]:
                 self.counters.puts += 1
                 self.counters.bytes_in += len(buf)
@@ -520,17 +550,27 @@ class ClusterTier:
             return (await self._ec_get(route, [key], [dest], expiries))[0]
         # One key: one request on the lightest path (no batch grouping).
         ttls: list[int] | None = None if expiries is None else []
-        for attempt, (t, stamp) in enumerate(self._read_pairs(route, key)):
+        pairs = self._read_pairs(route, key)
+        known = self._known_crc(route, key)
+        for attempt, (t, stamp) in enumerate(pairs):
             t0 = time.monotonic()
+            witness = None if known is not None else self._ask_witness(route, key, pairs, attempt)
+            crcs: list[int] = []
             try:
                 n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)),
-                                                ttls=ttls, since=stamp)
+                                                ttls=ttls, since=stamp, crcs=crcs)
             except InvalidArgumentError:
                 self.counters.errors += 1
+                await _cancel(witness)
                 raise
             except TierFSError as exc:
                 self._failed(t, exc)
+                await _cancel(witness)
                 continue
+            if n is None:
+                await _cancel(witness)
+            elif not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
+                break  # a miss: the copies disagree
             if n is not None:
                 self.counters.hits += 1
                 self.counters.bytes_out += n
@@ -562,20 +602,35 @@ class ClusterTier:
         deadlines = [0.0] * len(keys)
         orders = self._orders(route, keys)
         todo = [i for i in range(len(keys)) if orders[i]]
+        known = {i: c for i in todo if (c := self._known_crc(route, keys[i])) is not None}
         attempt = 0
         too_small: InvalidArgumentError | None = None
         while todo:
             items = [(orders[i][attempt][0], route.pool_id, keys[i], dests[i], orders[i][attempt][1])
                      for i in todo]
             ttls: list[int] = []
+            crcs: list[int] = []
             t0 = time.monotonic()
-            res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3), ttls=ttls)
+            # Each key's next copy is asked for its stored CRC32C alongside
+            # (one KV_EXISTS per target), the witness of the copy read.
+            witness = self._ask_witnesses(route, keys, orders, [i for i in todo if i not in known], attempt)
+            try:
+                res = await self.data.kv_get_batch(items, timeout=self._batch_deadline(items, 3), ttls=ttls,
+                                                   crcs=crcs)
+            except BaseException:
+                await _cancel(witness)
+                raise
+            hits = [i for i, r in zip(todo, res, strict=True) if isinstance(r, int)]
+            judged = await self._judge_batch(route, keys, orders, attempt, hits,
+                                             {i: c for i, c in zip(todo, crcs, strict=True)}, witness, t0, known)
             again: list[int] = []
             for i, r, ttl in zip(todo, res, ttls, strict=True):
                 if isinstance(r, TierFSError):
                     if isinstance(r, InvalidArgumentError) and too_small is None:
                         too_small = r
                     self._failed(orders[i][attempt][0], r)
+                elif r is not None and not judged.get(i, True):
+                    continue  # a miss: the copies disagree
                 elif r is not None:
                     out[i] = r
                     deadlines[i] = expiry_at(t0, ttl)
@@ -595,6 +650,155 @@ class ClusterTier:
         if expiries is not None:
             expiries.extend(deadlines)
         return out
+
+    # ---- witnesses: a copy read is compared with another copy's CRC32C -------------------
+
+    def _ask_witness(self, route: KVPoolRoute, key: bytes, pairs: list[tuple[int, int]],
+                     attempt: int) -> asyncio.Future[list[int | None] | None] | None:
+        """Ask the copy after the one read at ``attempt`` (in read order) for
+        ``key``'s stored CRC32C, alongside the read; None when there is none
+        or copies are not verified."""
+        if not self.verify_copies or attempt + 1 >= len(pairs):
+            return None
+        t, stamp = pairs[attempt + 1]
+        return asyncio.ensure_future(self.data.kv_crcs(t, route.pool_id, [key], timeout=self.timeout, since=stamp))
+
+    def _ask_witnesses(self, route: KVPoolRoute, keys: Sequence[bytes], orders: list[list[tuple[int, int]]],
+                       todo: list[int], attempt: int) -> asyncio.Future[dict[int, int | None]] | None:
+        """``_ask_witness`` for a batch: one KV_EXISTS (with CRCs) per
+        (target, stamp) of the keys' next copies. The future's answer maps a
+        key's index to its witness CRC32C (None: the witness holds no such
+        object); keys whose witness did not answer, or is of a release that
+        does not know the question, are left out."""
+        if not self.verify_copies:
+            return None
+        by: dict[tuple[int, int], list[int]] = {}
+        for i in todo:
+            if attempt + 1 < len(orders[i]):
+                by.setdefault(orders[i][attempt + 1], []).append(i)
+        if not by:
+            return None
+
+        async def one(where: tuple[int, int], idx: list[int]) -> dict[int, int | None]:
+            out: dict[int, int | None] = {}
+            for s in range(0, len(idx), MAX_KV_EXISTS_KEYS):
+                part = idx[s:s + MAX_KV_EXISTS_KEYS]
+                try:
+                    got = await self.data.kv_crcs(where[0], route.pool_id, [keys[i] for i in part],
+                                                  timeout=self.timeout, since=where[1])
+                except TierFSError:
+                    continue
+                if got is not None:
+                    out.update(zip(part, got, strict=True))
+            return out
+
+        async def all_of() -> dict[int, int | None]:
+            out: dict[int, int | None] = {}
+            for d in await asyncio.gather(*(one(w, idx) for w, idx in by.items())):
+                out.update(d)
+            return out
+
+        return asyncio.ensure_future(all_of())
+
+    async def _witness_answer(self, fut: asyncio.Future[_R] | None, t0: float) -> _R | None:
+        """The witness's answer, waited for a little longer than the read
+        took (at least 50 ms), never a stalled target's whole deadline:
+        past that, None (the copy read goes unwitnessed)."""
+        if fut is None:
+            return None
+        took = time.monotonic() - t0
+        await asyncio.wait({fut}, timeout=min(self.timeout, max(0.05, 3 * took)))
+        if not fut.done():
+            await _cancel(fut)
+            return None
+        if fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    def _known_crc(self, route: KVPoolRoute, key: bytes) -> int | None:
+        """A CRC32C a value of ``key`` is known to have (replica pools, the
+        check on), or None."""
+        if not self.verify_copies or route.copies < 2:
+            return None
+        return self._known.get((route.pool_id, xxhash.xxh3_64_intdigest(key)))
+
+    def _vouch(self, pool_id: int, key: bytes, crc: int) -> None:
+        k = (pool_id, xxhash.xxh3_64_intdigest(key))
+        self._known[k] = crc
+        self._known.move_to_end(k)
+        if len(self._known) > _KNOWN_MAX:
+            self._known.popitem(last=False)
+
+    async def _vouched(self, route: KVPoolRoute, key: bytes, t: int, pairs: list[tuple[int, int]], attempt: int,
+                       crc: int, witness: asyncio.Future[list[int | None] | None] | None, t0: float,
+                       known: int | None = None) -> bool:
+        """One replica get's verdict on the copy it read from ``t`` (stored
+        CRC32C ``crc``): False when the witness holds the key with another
+        CRC32C. A copy rewritten whole with other bytes and its own CRC32C
+        (a misdirected or buggy write) passes every check of its own; only
+        another copy can contradict it, and which of the two is right cannot
+        be told, so the get is a miss and both copies are dropped (the next
+        put stores the key afresh; a cache loses nothing it must keep).
+        ``known``: a CRC32C the key's value is known to have (then no
+        witness was asked alongside): a copy with it needs none; one with
+        another (an overwrite since, or a forgery) asks one now."""
+        if not self.verify_copies:
+            return True
+        if known is not None:
+            if crc == known:
+                self._vouch(route.pool_id, key, crc)
+                return True
+            witness, t0 = self._ask_witness(route, key, pairs, attempt), time.monotonic()
+        got = await self._witness_answer(witness, t0)
+        w = got[0] if got else None
+        if w is None:
+            self.counters.unwitnessed += 1
+            return True
+        if w == crc:
+            self._vouch(route.pool_id, key, crc)
+            return True
+        await self._disagree(route, key, [t, pairs[attempt + 1][0]], crc, w)
+        return False
+
+    async def _judge_batch(self, route: KVPoolRoute, keys: Sequence[bytes], orders: list[list[tuple[int, int]]],
+                           attempt: int, hits: list[int], crcs: dict[int, int],
+                           witness: asyncio.Future[dict[int, int | None]] | None, t0: float,
+                           known: dict[int, int]) -> dict[int, bool]:
+        """``_vouched`` for a batch round: each hit's verdict by key index.
+        Hits of a known CRC32C were asked no witness alongside; those whose
+        copy has another one ask theirs now."""
+        if not self.verify_copies or not hits:
+            await _cancel(witness)
+            return {}
+        got = await self._witness_answer(witness, t0) or {}
+        changed = [i for i in hits if i in known and known[i] != crcs[i]]
+        if changed:
+            later = self._ask_witnesses(route, keys, orders, changed, attempt)
+            extra: dict[int, int | None] | None = await self._witness_answer(later, time.monotonic())
+            got.update(extra or {})
+        out: dict[int, bool] = {}
+        for i in hits:
+            if i in known and known[i] == crcs[i]:
+                self._vouch(route.pool_id, keys[i], crcs[i])
+                continue
+            w = got.get(i)
+            if w is None:
+                self.counters.unwitnessed += 1
+            elif w == crcs[i]:
+                self._vouch(route.pool_id, keys[i], crcs[i])
+            elif w != crcs[i]:
+                out[i] = False
+                await self._disagree(route, keys[i], [orders[i][attempt][0], orders[i][attempt + 1][0]],
+                                     crcs[i], w)
+        return out
+
+    async def _disagree(self, route: KVPoolRoute, key: bytes, targets: list[int], crc: int, other: int) -> None:
+        self.counters.disagreements += 1
+        self._known.pop((route.pool_id, xxhash.xxh3_64_intdigest(key)), None)
+        log.warning("KV pool %s: key %r: the copy on target %d has crc32c %#010x, the one on target %d %#010x: "
+                    "a miss, and both copies dropped", route.name, key, targets[0], crc, targets[1], other)
+        with contextlib.suppress(TierFSError):
+            await self._drop_copies(route, key, targets)
 
     # ---- exists / delete / pin ---------------------------------------------------------
 
@@ -740,12 +944,23 @@ class ClusterTier:
             return None
         if route.copies == 0:
             return await self._ec_get_bytes(route, key, ttls)
-        for attempt, (t, stamp) in enumerate(self._read_pairs(route, key)):
+        pairs = self._read_pairs(route, key)
+        known = self._known_crc(route, key)
+        for attempt, (t, stamp) in enumerate(pairs):
+            t0 = time.monotonic()
+            witness = None if known is not None else self._ask_witness(route, key, pairs, attempt)
+            crcs: list[int] = []
             try:
-                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp)
+                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp,
+                                             crcs=crcs)
             except TierFSError as exc:
                 self._failed(t, exc)
+                await _cancel(witness)
                 continue
+            if got is None:
+                await _cancel(witness)
+            elif not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
+                break  # a miss: the copies disagree
             if got is not None:
                 self.counters.hits += 1
                 self.counters.bytes_out += len(got)
@@ -1084,7 +1299,8 @@ class ClusterKVTier(Tier):
         client = AsyncClient(self.meta, config=self._config, **self._options)
         _, data, router = client._parts()
         tier = ClusterTier(router, data, self.pool, timeout=client.config.kv_timeout,
-                           min_bandwidth=client.config.kv_min_bandwidth)
+                           min_bandwidth=client.config.kv_min_bandwidth,
+                           verify_copies=client.config.kv_verify_copies)
         tier.counters = self.counters  # one set of counts across loops
         self._client, self._tier, self._loop = client, tier, loop
         self._keeper = loop.create_task(self._keep(client), name=f"kv tier {self.name}: client keeper")

@@ -38,8 +38,10 @@ from tierfs.net.protocol import (
     HEADER_SIZE,
     KV_GROUP,
     KV_OPS,
+    KV_PRESENT,
     KV_SIZE_ONLY,
     KV_STAMP_SHIFT,
+    KV_WITH_CRC,
     MAX_CAP_SLOTS,
     Header,
     Limits,
@@ -803,17 +805,21 @@ class DataClient:
         return bool(hdr.length)
 
     async def kv_get_into(self, target: int, pool: int, key: bytes, dest: memoryview, *,
-                          timeout: float | None = None, ttls: list[int] | None = None, since: int = 0) -> int | None:
+                          timeout: float | None = None, ttls: list[int] | None = None, since: int = 0,
+                          crcs: list[int] | None = None) -> int | None:
         """Fetch ``key`` straight into ``dest``: its size, or None on a miss.
         The answer's CRC32C is the object's stored one, checked on arrival.
         ``ttls``, if given, gets the milliseconds the object has left to live
         appended (0: no TTL, or a miss). ``since``: an object put with an
-        earlier placement stamp is a miss."""
+        earlier placement stamp is a miss. ``crcs``, if given, gets the
+        answer's CRC32C appended (0 for a miss)."""
         hdr, _ = await self._call(target, Op.KV_GET, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
                                   length=min(len(dest), self.limits.max_frame_bytes), payload=memoryview(key),
                                   dest=dest)
         if ttls is not None:
             ttls.append(hdr.chunk if hdr.length else 0)
+        if crcs is not None:
+            crcs.append(hdr.payload_crc if hdr.length else 0)
         return hdr.payload_len if hdr.length else None
 
     async def kv_size(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
@@ -829,13 +835,15 @@ class DataClient:
         return hdr.offset if hdr.length else None
 
     async def kv_get(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
-                     ttls: list[int] | None = None, since: int = 0) -> bytes | None:
+                     ttls: list[int] | None = None, since: int = 0, crcs: list[int] | None = None) -> bytes | None:
         """The value of ``key`` (any size up to the frame limit), or None.
-        ``ttls``, ``since``: as for ``kv_get_into``."""
+        ``ttls``, ``since``, ``crcs``: as for ``kv_get_into``."""
         hdr, body = await self._call(target, Op.KV_GET, (pool, 0, since << KV_STAMP_SHIFT, 0), timeout,
                                      length=self.limits.max_frame_bytes, payload=memoryview(key))
         if ttls is not None:
             ttls.append(hdr.chunk if hdr.length else 0)
+        if crcs is not None:
+            crcs.append(hdr.payload_crc if hdr.length else 0)
         if not hdr.length:
             return None
         return bytes(body) if body is not None else b""
@@ -854,6 +862,27 @@ class DataClient:
             raise ProtocolError(f"KV_EXISTS answer of {len(bits)} bytes for {len(keys)} keys")
         v = int.from_bytes(bits, "little")
         return [bool((v >> i) & 1) for i in range(len(keys))]
+
+    async def kv_crcs(self, target: int, pool: int, keys: Sequence[bytes], *,
+                      timeout: float | None = None, since: int = 0) -> list[int | None] | None:
+        """The stored CRC32C of each of ``keys`` on ``target`` (None where
+        absent, as for ``kv_exists``): one KV_EXISTS with KV_WITH_CRC, no
+        I/O on the daemon. None: the daemon is of a release before stop 39
+        and answered presence alone."""
+        from tierfs.net.protocol import pack_keys
+
+        _hdr, body = await self._call(target, Op.KV_EXISTS, (pool, 0, KV_WITH_CRC | since << KV_STAMP_SHIFT, 0),
+                                      timeout, offset=len(keys), payload=memoryview(pack_keys(list(keys))))
+        raw = bytes(body or b"")
+        if len(raw) == (len(keys) + 7) // 8:
+            return None  # a bitmap: the daemon does not know the flag
+        if len(raw) != 8 * len(keys):
+            raise ProtocolError(f"KV_EXISTS (with CRCs) answer of {len(raw)} bytes for {len(keys)} keys")
+        out: list[int | None] = []
+        for i in range(len(keys)):
+            w = int.from_bytes(raw[8 * i: 8 * i + 8], "little")
+            out.append(w & 0xFFFFFFFF if w & KV_PRESENT else None)
+        return out
 
     async def kv_delete(self, target: int, pool: int, key: bytes, *, timeout: float | None = None,
                         since: int = 0, group: bool = False) -> bool:
@@ -893,10 +922,12 @@ class DataClient:
         return [bool(r.length) if isinstance(r, Header) else r for r in res]
 
     async def kv_get_batch(self, items: Iterable[KVGetItem], *, timeout: float | None = None,
-                           ttls: list[int] | None = None) -> list[int | TierFSError | None]:
+                           ttls: list[int] | None = None,
+                           crcs: list[int] | None = None) -> list[int | TierFSError | None]:
         """Many ``kv_get_into`` at once; results in item order: the size,
-        None for a miss, or the error. ``ttls``, if given, gets one entry per
-        item appended, as for ``kv_get_into`` (0 for an error too)."""
+        None for a miss, or the error. ``ttls`` and ``crcs``, if given, get
+        one entry per item appended, as for ``kv_get_into`` (0 for an error
+        too)."""
         reqs: list[_Req | TierFSError] = [
             _Req(Op.KV_GET, it[0], (it[1], 0, it[4] << KV_STAMP_SHIFT if len(it) > 4 else 0, 0),  # type: ignore[misc]
                  length=min(len(it[3]), self.limits.max_frame_bytes), payload=memoryview(it[2]), dest=it[3])
@@ -904,6 +935,8 @@ class DataClient:
         res = await self._batch(reqs, timeout)
         if ttls is not None:
             ttls.extend(r.chunk if isinstance(r, Header) and r.length else 0 for r in res)
+        if crcs is not None:
+            crcs.extend(r.payload_crc if isinstance(r, Header) and r.length else 0 for r in res)
         return [(r.payload_len if r.length else None) if isinstance(r, Header) else r for r in res]
 
     def begin_close(self) -> list[asyncio.Future[Any]]:

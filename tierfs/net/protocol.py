@@ -65,7 +65,13 @@ KV ops reuse the header (``inode`` = pool id throughout):
     KV_EXISTS  payload = keys, each as u16 length + bytes; offset = count;
                fragment >> KV_STAMP_SHIFT = the least stamp that counts.
                Reply: payload = a bitmap, bit i set if key i is present:
-               one request per target for a whole batch.
+               one request per target for a whole batch. With KV_WITH_CRC
+               in fragment (stop 39) the reply is one little-endian u64 per
+               key instead: 0 if absent, else KV_PRESENT | the object's
+               stored CRC32C, from the index (no I/O). Daemons before stop
+               39 ignore the flag and answer the bitmap (ceil(count/8)
+               bytes, never 8 * count): a reader tells the two apart by
+               the length.
     KV_DELETE  payload = key; fragment >> KV_STAMP_SHIFT = the deleter's
                placement stamp (0: not checked; STALE_VERSION as for
                KV_PUT), its group stamp when fragment has KV_GROUP (as for
@@ -115,8 +121,10 @@ __all__ = [
     "KV_OPS",
     "KV_OVERWRITE",
     "KV_PIN_SHIFT",
+    "KV_PRESENT",
     "KV_SIZE_ONLY",
     "KV_STAMP_SHIFT",
+    "KV_WITH_CRC",
     "MAGIC",
     "MAX_CAP_PAYLOAD",
     "MAX_CAP_SLOTS",
@@ -202,6 +210,10 @@ KV_STAMP_SHIFT = 8
 MAX_KV_STAMP = (1 << 56) - 1
 #: KV_GET flag bit (in the ``fragment`` field): answer with the size only.
 KV_SIZE_ONLY = 0x1
+#: KV_EXISTS flag bit (in the ``fragment`` field): answer each key's stored
+#: CRC32C (a u64 each: KV_PRESENT | crc, or 0), not a bitmap.
+KV_WITH_CRC = 0x2
+KV_PRESENT = 1 << 32
 
 
 class Flag(enum.IntFlag):

@@ -93,6 +93,9 @@ class KVTargetStore(Protocol):
 
     def contains(self, pool_id: int, keys: list[bytes], since: int | Sequence[int] = 0) -> list[bool]: ...
 
+    def crcs(self, pool_id: int, keys: list[bytes], since: int | Sequence[int] = 0) -> list[int | None]:
+        """Each key's stored CRC32C, None where ``contains`` says absent."""
+
     def has_pool(self, pool_id: int) -> bool: ...
 
     async def delete(self, pool_id: int, key: bytes) -> bool: ...

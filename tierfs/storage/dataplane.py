@@ -57,8 +57,10 @@ from tierfs.net.protocol import (
     KV_OPS,
     KV_OVERWRITE,
     KV_PIN_SHIFT,
+    KV_PRESENT,
     KV_SIZE_ONLY,
     KV_STAMP_SHIFT,
+    KV_WITH_CRC,
     MAX_CAP_PAYLOAD,
     MAX_CAP_SLOTS,
     MAX_KV_EXISTS_KEYS,
@@ -568,14 +570,27 @@ class _ServerConnection(FrameProtocol):
                     raise InvalidArgumentError(str(exc)) from None
                 least = hdr.fragment >> KV_STAMP_SHIFT
                 gate = self.server.kv_gate
+                tkeys = [tenant_key(tenant, k) for k in keys]
+                if hdr.fragment & KV_WITH_CRC:
+                    # Each key's stored CRC32C (a replica get's witness), as a
+                    # u64: KV_PRESENT | crc, or 0 where absent.
+                    if gate is None:
+                        crcs = kv.crcs(pool, tkeys, least)
+                    else:
+                        leased = self._kv_leased(least)
+                        needs = [gate(pool, hdr.target, k, least) if leased else None for k in keys]
+                        crcs = [None if need is None else c for need, c in zip(needs, kv.crcs(
+                            pool, tkeys, [least if need is None else need for need in needs]), strict=True)]
+                    words = b"".join((0 if c is None else KV_PRESENT | c).to_bytes(8, "little") for c in crcs)
+                    self._reply(hdr, payload=memoryview(words), store=_NOT_POOLED, length=len(keys))
+                    return
                 if gate is None:
-                    present = kv.contains(pool, [tenant_key(tenant, k) for k in keys], least)
+                    present = kv.contains(pool, tkeys, least)
                 else:
                     leased = self._kv_leased(least)
                     needs = [gate(pool, hdr.target, k, least) if leased else None for k in keys]
                     present = [need is not None and hit for need, hit in zip(needs, kv.contains(
-                        pool, [tenant_key(tenant, k) for k in keys],
-                        [least if need is None else need for need in needs]), strict=True)]
+                        pool, tkeys, [least if need is None else need for need in needs]), strict=True)]
                 bits = 0
                 for i, hit in enumerate(present):
                     if hit:

@@ -895,6 +895,19 @@ class KVStore:
             out.append(obj is not None and not obj.expired(now) and obj.stamp >= s)
         return out
 
+    def crcs(self, pool_id: int, keys: Sequence[bytes], since: int | Sequence[int] = 0) -> list[int | None]:
+        """The stored CRC32C of each of ``keys`` (None: not present, as for
+        ``contains``), from the index (no I/O): what a replica get compares
+        the copy it read with (docs/kv.md, "Forged copies")."""
+        p = self._pool(pool_id)
+        now = self._now_ns()
+        least = [since] * len(keys) if isinstance(since, int) else since
+        out: list[int | None] = []
+        for k, s in zip(keys, least, strict=True):
+            obj = p.index.get(_normalize_key(k))
+            out.append(obj.crc if obj is not None and not obj.expired(now) and obj.stamp >= s else None)
+        return out
+
     async def delete(self, pool_id: int, key: bytes) -> bool:
         """Remove ``key``; False if it was not there. Its file is gone when
         this returns (and fsynced away when the pool asks for fsync)."""
