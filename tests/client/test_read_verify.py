@@ -65,6 +65,12 @@ async def _plant(cl: LocalCluster, info: pb.FileInfo, frags: dict[tuple[int, int
                 await dc.write(target, key, payload)
 
 
+async def _members(cl: LocalCluster, info: pb.FileInfo) -> tuple[int, ...]:
+    """The targets of the group holding the file's chunk 0, by position."""
+    cmap = await map_now(cl)
+    return tuple(next(g.target_ids for g in cmap.groups if g.group_id == info.layout.groups[0]))
+
+
 async def _file(ac: AsyncClient, path: str, redundancy: str, data: bytes) -> pb.FileInfo:
     d = os.path.dirname(path)
     await ac.mkdir(d, exist_ok=True)
@@ -182,9 +188,7 @@ def test_a_partial_read_whose_stats_cannot_be_had_reads_the_whole_chunk(six: Loc
     async def go() -> None:
         async with AsyncClient(six.meta_addrs, **OPTS) as ac:
             info = await _file(ac, "/unverified/f", "ec:4+2", data)
-            cmap = await map_now(six)
-            gid = info.layout.groups[0]
-            members = next(g.target_ids for g in cmap.groups if g.group_id == gid)
+            members = await _members(six, info)
             router = ac._parts()[2]
             router.mark_failed(members[2], factor=100.0)
             part = bytearray(1000)
@@ -210,9 +214,7 @@ def test_a_partial_read_of_a_copy_whose_stat_cannot_be_had_reads_the_whole_copy(
     async def go() -> None:
         async with AsyncClient(six.meta_addrs, **OPTS) as ac:
             info = await _file(ac, "/unverified-rep/f", "replica:3", data)
-            cmap = await map_now(six)
-            gid = info.layout.groups[0]
-            members = next(g.target_ids for g in cmap.groups if g.group_id == gid)
+            members = await _members(six, info)
             await _plant(six, info, {(0, 0): os.urandom(CS)})
             router = ac._parts()[2]
             for t in members:
@@ -244,8 +246,7 @@ def test_a_write_into_a_chunk_never_carries_a_wrong_fragment_into_its_next_gener
             info = await _file(ac, path, "ec:4+2", data)
             await ac.truncate(path, size)
             info = await ac.meta.stat(path)
-            cmap = await map_now(six)
-            members = next(g.target_ids for g in cmap.groups if g.group_id == info.layout.groups[0])
+            members = await _members(six, info)
             await _plant(six, info, {(0, 0): os.urandom(16 * KiB)})
         async with AsyncClient(six.meta_addrs, **OPTS) as ac:
             ac._parts()[2].mark_failed(members[2])

@@ -1246,10 +1246,7 @@ class AsyncClient:
                     return None
                 self._lat.add(loop.time() - t_read)
         except TierFSError as exc:
-            errors[j] = exc
-            self._note(targets[j], exc)
-            if isinstance(exc, _PERMANENT):
-                perm.add(j)
+            self._copy_failed(targets, j, exc, errors, perm)
             return None
         if n != len(dest):  # every copy holds the record's length: ours ends early
             errors[j] = CorruptError(f"returned {n} of {len(dest)} bytes")
@@ -1298,6 +1295,15 @@ class AsyncClient:
             self._remember_verified(vkey, {0: serial})
         return ""
 
+    def _copy_failed(self, targets: tuple[int, ...], j: int, exc: TierFSError, errors: dict[int, TierFSError],
+                     perm: set[int]) -> None:
+        """Copy ``j`` could not be read: noted, and not asked again this read
+        when the error is permanent."""
+        errors[j] = exc
+        self._note(targets[j], exc)
+        if isinstance(exc, _PERMANENT):
+            perm.add(j)
+
     async def _reread_copy(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], j: int,
                            key: FragmentKey, a: int, dest: memoryview, errors: dict[int, TierFSError],
                            perm: set[int]) -> str | None:
@@ -1316,10 +1322,7 @@ class AsyncClient:
                 n = await data.read_into(targets[j], key, buf, 0, timeout=self.config.request_timeout, crcs=crcs,
                                          serials=serials)
             except TierFSError as exc:
-                errors[j] = exc
-                self._note(targets[j], exc)
-                if isinstance(exc, _PERMANENT):
-                    perm.add(j)
+                self._copy_failed(targets, j, exc, errors, perm)
                 return None
             if n != rec.length:
                 errors[j] = CorruptError(f"returned {n} of its {rec.length} bytes")

@@ -550,6 +550,25 @@ class ClusterTier:
             return (await self._ec_get(route, [key], [dest], expiries))[0]
         # One key: one request on the lightest path (no batch grouping).
         ttls: list[int] | None = None if expiries is None else []
+        timeout = self._deadline(_nbytes(dest))
+
+        def fetch(t: int, stamp: int, crcs: list[int]) -> Awaitable[int | None]:
+            return self.data.kv_get_into(t, route.pool_id, key, dest, timeout=timeout, ttls=ttls, since=stamp,
+                                         crcs=crcs)
+
+        n, t0 = await self._replica_get(route, key, fetch, int, invalid_raises=True)
+        if expiries is not None:
+            expiries.append(expiry_at(t0, ttls[-1]) if n is not None and ttls else 0.0)
+        return n
+
+    async def _replica_get(self, route: KVPoolRoute, key: bytes,
+                           fetch: Callable[[int, int, list[int]], Awaitable[_R | None]],
+                           size: Callable[[Any], int], *, invalid_raises: bool = False) -> tuple[_R | None, float]:
+        """One key from a replica pool: each copy in read order (``fetch(target,
+        stamp, crcs)``, None on a miss) until one is a hit the copy check
+        does not refuse. Returns it (None: a miss) and when its request began.
+        ``size(hit)``: its bytes. ``invalid_raises``: an InvalidArgumentError
+        (the caller's buffer too small) is raised, not a miss."""
         pairs = self._read_pairs(route, key)
         known = self._known_crc(route, key)
         for attempt, (t, stamp) in enumerate(pairs):
@@ -557,33 +576,28 @@ class ClusterTier:
             witness = None if known is not None else self._ask_witness(route, key, pairs, attempt)
             crcs: list[int] = []
             try:
-                n = await self.data.kv_get_into(t, route.pool_id, key, dest, timeout=self._deadline(_nbytes(dest)),
-                                                ttls=ttls, since=stamp, crcs=crcs)
-            except InvalidArgumentError:
-                self.counters.errors += 1
-                await _cancel(witness)
-                raise
+                got = await fetch(t, stamp, crcs)
             except TierFSError as exc:
+                if invalid_raises and isinstance(exc, InvalidArgumentError):
+                    self.counters.errors += 1
+                    await _cancel(witness)
+                    raise
                 self._failed(t, exc)
                 await _cancel(witness)
                 continue
-            if n is None:
+            if got is None:
                 await _cancel(witness)
-            elif not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
+                continue
+            if not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
                 break  # a miss: the copies disagree
-            if n is not None:
-                self.counters.hits += 1
-                self.counters.bytes_out += n
-                if attempt:
-                    self.counters.fallbacks += 1
-                    self.router.mark_ok(t)
-                if expiries is not None and ttls:
-                    expiries.append(expiry_at(t0, ttls[-1]))
-                return n
+            self.counters.hits += 1
+            self.counters.bytes_out += size(got)
+            if attempt:
+                self.counters.fallbacks += 1
+                self.router.mark_ok(t)
+            return got, t0
         self.counters.misses += 1
-        if expiries is not None:
-            expiries.append(0.0)
-        return None
+        return None, 0.0
 
     async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview],
                              expiries: list[float] | None = None) -> list[int | None]:
@@ -944,30 +958,11 @@ class ClusterTier:
             return None
         if route.copies == 0:
             return await self._ec_get_bytes(route, key, ttls)
-        pairs = self._read_pairs(route, key)
-        known = self._known_crc(route, key)
-        for attempt, (t, stamp) in enumerate(pairs):
-            t0 = time.monotonic()
-            witness = None if known is not None else self._ask_witness(route, key, pairs, attempt)
-            crcs: list[int] = []
-            try:
-                got = await self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp,
-                                             crcs=crcs)
-            except TierFSError as exc:
-                self._failed(t, exc)
-                await _cancel(witness)
-                continue
-            if got is None:
-                await _cancel(witness)
-            elif not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
-                break  # a miss: the copies disagree
-            if got is not None:
-                self.counters.hits += 1
-                self.counters.bytes_out += len(got)
-                self.counters.fallbacks += attempt > 0
-                return got
-        self.counters.misses += 1
-        return None
+
+        def fetch(t: int, stamp: int, crcs: list[int]) -> Awaitable[bytes | None]:
+            return self.data.kv_get(t, route.pool_id, key, timeout=self.timeout, ttls=ttls, since=stamp, crcs=crcs)
+
+        return (await self._replica_get(route, key, fetch, len))[0]
 
     async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes, ttls: list[int]) -> bytes | None:
         targets, stamps = placement(route, key)
