@@ -33,6 +33,7 @@ in :data:`current_identity` for the handler.
 from __future__ import annotations
 
 import base64
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -152,21 +153,43 @@ def tokens_equal(a: str | bytes, b: str | bytes) -> bool:
 
 def write_private_file(path: str | os.PathLike[str], text: str, *, overwrite: bool = False) -> Path:
     """Write ``text`` to ``path`` with mode 0600, durably. Unless
-    ``overwrite``, an existing file is kept as it is."""
+    ``overwrite``, an existing file is kept as it is. An overwrite replaces
+    the file whole (a temporary file in the same directory, renamed over
+    it), so a process reading it meanwhile (a daemon starting, a client)
+    sees the old text or the new, never an empty or partial file; a file
+    that already holds ``text`` is left alone."""
     p = Path(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
+    if overwrite:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if p.read_text() == text and stat.S_IMODE(p.stat().st_mode) == 0o600:
+                return p
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        _write_new(tmp, text)
+        try:
+            os.replace(tmp, p)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        fsync_dir(p.parent)
+        return p
     try:
-        fd = os.open(p, flags, 0o600)
+        _write_new(p, text)
     except FileExistsError:
         return p
+    fsync_dir(p.parent)
+    return p
+
+
+def _write_new(p: Path, text: str) -> None:
+    """Create ``p`` (mode 0600; FileExistsError if it exists) holding ``text``, synced."""
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, text.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(p.parent)
-    return p
 
 
 def load_token_file(path: str | os.PathLike[str], what: str = "token") -> str:

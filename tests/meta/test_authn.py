@@ -360,3 +360,48 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
     assert rc == 1 and "revoked" in err
     rc, out, _ = cli("user", "rm", "hank")
     assert rc == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_credential_file_rewritten_while_read_is_never_seen_empty(tmp_path: Path) -> None:
+    """``tierfs up`` (``LocalCluster``) rewrites ``admin.token`` and
+    ``node.key`` on every start, while daemons that are restarting and
+    clients read them. The rewrite used to truncate the file in place, so
+    a reader could find it empty: a storage daemon restarted by the KV
+    checker soak (seed 204) exited with "node key file ... does not hold
+    one token" while the meta nemesis restarted a meta replica. The file is
+    now replaced whole (a temporary file renamed over it): a reader sees
+    the old token or the new one, never a part."""
+    import threading
+
+    from tierfs.security import load_token_file
+
+    path = tmp_path / "node.key"
+    keys = [node_key(bytes([i]) * 32) for i in range(2)]
+    write_private_file(path, keys[0] + "\n")
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                if load_token_file(path, "node key") not in keys:
+                    errors.append("a token that was never written")
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            if errors:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        for i in range(2000):
+            write_private_file(path, keys[i % 2] + "\n", overwrite=True)
+            if errors:
+                break
+    finally:
+        stop.set()
+        reader.join(10)
+    assert errors == [], errors[0]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no temporary file left
