@@ -159,14 +159,12 @@ class KVChecker(ProcessFaults):
     #: sends failed: ``wb_failed`` of them seen so far).
     wb_puts: dict[tuple[str, int], set[int]] = field(default_factory=dict)
     wb_failed: int = 0
-    #: Replica copies forged (stop 39): the forged bytes of each key, and
-    #: each client's ``unwitnessed`` count for the pool when they were
-    #: forged (by ``id``). A get may serve forged bytes only where its
-    #: client served an unwitnessed hit of that pool since (no other copy
-    #: could vouch for the one read: docs/kv.md, "Forged copies").
+    #: Replica copies forged (stop 39): the forged bytes of each key. A get
+    #: may serve forged bytes only where no other copy could vouch for the
+    #: one it read: its client's ``unwitnessed`` count for the pool grew
+    #: during that get, or the bytes came from the client's own local tiers
+    #: (let in by such a get before; docs/kv.md, "Forged copies").
     forged: dict[tuple[str, int], set[bytes]] = field(default_factory=dict)
-    forge_marks: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
-    reader_client: Client | None = None
 
     def kname(self, key: int) -> str:
         """A walk's own keys: walks on one cluster never see each other's."""
@@ -282,20 +280,25 @@ class KVChecker(ProcessFaults):
         self.timing.discard((*pk, c))  # after the deadline is set: a racing get checks in this order
 
     @staticmethod
-    def _unwitnessed(client: Client | None, pool: str) -> int:
-        if client is None:
-            return 0
+    def _snap(client: Client | None, pool: str) -> tuple[int, int] | None:
+        """What can excuse a forged copy's bytes, before and after one get:
+        the client's unwitnessed cluster hits and its local tiers' hits in
+        the pool (None: not a pool whose copies are forged)."""
+        if client is None or POOLS[pool][0] in ("replica:1",) or POOLS[pool][0].startswith("ec:"):
+            return None
         try:
-            return int(client.kv_pool(pool).stats()["cluster"].get("unwitnessed", 0))
+            st = client.kv_pool(pool).stats()
+            return int(st["cluster"].get("unwitnessed", 0)), sum(int(t.get("hits", 0)) for t in st["tiers"])
         except Exception:
-            return 0
+            return None
 
     def _judge(self, pool: str, key: int, got: bytes | None, how: str, started: float | None = None,
-               settled: tuple[int, str] | bool | None = True, client: Client | None = None) -> None:
+               settled: tuple[int, str] | bool | None = True, client: Client | None = None,
+               before: tuple[int, int] | None = None) -> None:
         """``settled``: the key's last acknowledged overwrite or delete when
         the get started (a racing reader's; True: the walk's own get, which
         starts after every op before it). ``client``: the one that got it
-        (default: the walk's)."""
+        (default: the walk's); ``before``: its ``_snap`` before the get."""
         if got is None:
             self.counts["miss"] = self.counts.get("miss", 0) + 1
             return
@@ -328,13 +331,14 @@ class KVChecker(ProcessFaults):
             return
         ok = sorted(list(self.ever.get(pk, ())))
         if got in self.forged.get(pk, ()):
-            c = self.client if client is None else client
-            if self._unwitnessed(c, pool) > self.forge_marks.get(pk, {}).get(id(c), 0):
+            after = self._snap(self.client if client is None else client, pool)
+            if before is not None and after is not None and after != before:
                 # No other copy could vouch for the one read: the gap docs/kv.md names.
                 self.counts["forged_unwitnessed"] = self.counts.get("forged_unwitnessed", 0) + 1
                 return
             self.violation("forged-served", f"{how} of {pool}/{self.kname(key)} returned the bytes of a forged "
-                           f"copy, and its client served no unwitnessed hit of the pool since the forgery")
+                           f"copy, and it was neither an unwitnessed hit nor a hit of its client's local tiers "
+                           f"(before {before}, after {after})")
             return
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
                        f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
@@ -361,18 +365,18 @@ class KVChecker(ProcessFaults):
         rng = random.Random(seed)
         pools = list(POOLS)
         with self.env.client() as client:
-            self.reader_client = client
             while not stop.is_set():
                 pool, key = rng.choice(pools), rng.randrange(KEYS)
                 started = time.monotonic()
                 settled = self.settled.get((pool, key))
+                before = self._snap(client, pool)
                 try:
                     got = client.kv_pool(pool).get(self.kname(key))
                 except TierFSError:
                     continue
                 self.counts["raced"] = self.counts.get("raced", 0) + 1
                 if got is not None:
-                    self._judge(pool, key, got, "racing get", started, settled, client)
+                    self._judge(pool, key, got, "racing get", started, settled, client, before)
 
     # ---- operations ------------------------------------------------------------------
 
@@ -471,33 +475,36 @@ class KVChecker(ProcessFaults):
 
     def op_get(self, pool: str, key: int) -> None:
         started = time.monotonic()
+        before = self._snap(self.client, pool)
         try:
             got = self.client.kv_pool(pool).get(self.kname(key))
         except TierFSError as exc:
             self.violation("api", f"get raised {type(exc).__name__}: {exc} (a cache misses, it does not fail)")
             return
-        self._judge(pool, key, got, "get", started)
+        self._judge(pool, key, got, "get", started, before=before)
 
     def op_get_into(self, pool: str, key: int) -> None:
         buf = bytearray(key_size(pool, key) + 4 * KiB)
         started = time.monotonic()
+        before = self._snap(self.client, pool)
         try:
             n = self.client.kv_pool(pool).get_into(self.kname(key), buf)
         except TierFSError as exc:
             self.violation("api", f"get_into raised {type(exc).__name__}: {exc}")
             return
-        self._judge(pool, key, None if n is None else bytes(buf[:n]), "get_into", started)
+        self._judge(pool, key, None if n is None else bytes(buf[:n]), "get_into", started, before=before)
 
     def op_batch_get(self, pool: str, keys: list[int]) -> None:
         bufs = [bytearray(key_size(pool, k) + 4 * KiB) for k in keys]
         started = time.monotonic()
+        before = self._snap(self.client, pool)
         try:
             got = self.client.kv_pool(pool).batch_get_into([self.kname(k) for k in keys], bufs)
         except TierFSError as exc:
             self.violation("api", f"batch_get_into raised {type(exc).__name__}: {exc}")
             return
         for k, n, b in zip(keys, got, bufs, strict=True):
-            self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into", started)
+            self._judge(pool, k, None if n is None else bytes(b[:n]), "batch_get_into", started, before=before)
 
     def op_corrupt(self, node: str, pick: int) -> None:
         """Flip a payload byte of one KV object file of ``node`` (the daemon
@@ -550,10 +557,7 @@ class KVChecker(ProcessFaults):
                 pk = (pool, key)
                 rng = np.random.default_rng([self.seed, key, j, len(self.log)])
                 forged = rng.integers(0, 256, len(frag), dtype=np.uint8).tobytes()
-                # Marked before the write: a racing get may see it at once.
-                self.forge_marks[pk] = {id(c): self._unwitnessed(c, pool)
-                                        for c in (self.client, self.reader_client) if c is not None}
-                self.forged.setdefault(pk, set()).add(forged)
+                self.forged.setdefault(pk, set()).add(forged)  # before the write: a racing get may see it at once
                 await tier.data.kv_put(targets[j], route.pool_id, name, memoryview(forged),
                                        flags=KV_OVERWRITE | KV_GROUP | max(stamps) << KV_STAMP_SHIFT)
                 return True

@@ -6,6 +6,7 @@ daemons killed, stopped and corrupted on disk. Longer runs: ``make soak``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,33 +67,39 @@ def test_the_model_refuses_a_content_an_acknowledged_overwrite_or_delete_superse
 
 
 @pytest.mark.timeout(30)
-def test_the_model_lets_a_forged_copy_through_only_after_an_unwitnessed_hit() -> None:
+def test_the_model_lets_a_forged_copy_through_only_from_an_unwitnessed_hit() -> None:
     """The judge alone: the bytes of a forged replica copy are a violation
-    (``forged-served``) unless the client that got them served a hit no
-    other copy could vouch for (its ``unwitnessed`` count grew since the
-    forgery); then they are counted."""
+    (``forged-served``) unless the get that returned them was a hit no
+    other copy could vouch for (its client's ``unwitnessed`` count grew
+    during it) or a hit of the client's own local tiers; then they are
+    counted."""
     from tests.checker.kv_walk import KVChecker
 
-    class Counts:  # what the judge reads of a client: its pool's cluster counters
+    class Counts:  # what the judge reads of a client: its pool's counters
         unwitnessed = 0
+        local_hits = 0
 
         def kv_pool(self, pool: str) -> Counts:
             return self
 
-        def stats(self) -> dict[str, dict[str, int]]:
-            return {"cluster": {"unwitnessed": self.unwitnessed}}
+        def stats(self) -> dict[str, Any]:
+            return {"cluster": {"unwitnessed": self.unwitnessed}, "tiers": [{"hits": self.local_hits}]}
 
     client = Counts()
     ck = KVChecker(env=None, client=client, seed=1)  # type: ignore[arg-type]
     pk, forged = ("kr2", 3), bytes(range(200))
     ck.log.append(("forge", *pk, 0))
-    ck.forge_marks[pk] = {id(client): ck._unwitnessed(client, "kr2")}  # type: ignore[arg-type]
     ck.forged[pk] = {forged}
-    ck._judge(*pk, forged, "get")
+    client.unwitnessed = 5  # unwitnessed hits before this get do not excuse it
+    before = ck._snap(client, "kr2")  # type: ignore[arg-type]
+    ck._judge(*pk, forged, "get", before=before)
     assert len(ck.violations) == 1 and "[forged-served]" in ck.violations[0]
     ck.violations.clear()
-    client.unwitnessed += 1
-    ck._judge(*pk, forged, "get")
-    assert ck.violations == [] and ck.counts["forged_unwitnessed"] == 1
-    ck._judge(*pk, bytes(200), "get")  # bytes no one wrote, forged or not
+    client.unwitnessed += 1  # this get was one
+    ck._judge(*pk, forged, "get", before=before)
+    before = ck._snap(client, "kr2")  # type: ignore[arg-type]
+    client.local_hits += 1  # a hit of the client's own tiers
+    ck._judge(*pk, forged, "get", before=before)
+    assert ck.violations == [] and ck.counts["forged_unwitnessed"] == 2
+    ck._judge(*pk, bytes(200), "get", before=before)  # bytes no one wrote, forged or not
     assert len(ck.violations) == 1 and "[wrong-bytes]" in ck.violations[0]
