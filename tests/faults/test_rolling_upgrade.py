@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tests.faults.harness import Ledger, digest, random_bytes
+from tests.kv.pools import define_pool, pool_served
 from tierfs.cli.cluster import cluster_status
 from tierfs.cli.main import render_status
 from tierfs.client import Client
@@ -126,6 +127,20 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         (tmp_path / "kv-before.bin").write_bytes(kv_before)
         r = _old_cli(old_py, cl, "kv", "put", "upgrade-kv-before", str(tmp_path / "kv-before.bin"))
         assert r.returncode == 0, r.stderr.decode()
+        # A replica pool read by this release's client from daemons of the
+        # previous one: its copy check asks them for CRC32Cs they do not
+        # know how to give (they answer KV_EXISTS's bitmap), so the hit goes
+        # unwitnessed, and is served, not refused.
+        define_pool(cl.meta_addrs, "upgrade-r2", redundancy="replica:2", target_memory=32 << 20,
+                    target_disk=64 << 20)
+        pool_served(cl.meta_addrs, "upgrade-r2")
+        r2_value = random_bytes(70_000, 904)
+        with Client(cl.meta_addrs, request_timeout=5.0) as c:
+            assert c.kv_pool("upgrade-r2").put("upgrade-r2-key", r2_value)
+        with Client(cl.meta_addrs, request_timeout=5.0) as c:  # knows no CRC32C of the key
+            kv = c.kv_pool("upgrade-r2")
+            assert kv.get("upgrade-r2-key") == r2_value
+            assert kv.stats()["cluster"]["unwitnessed"] == 1 and kv.stats()["cluster"]["disagreements"] == 0
 
         ledger = Ledger()
         stop = threading.Event()
