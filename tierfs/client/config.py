@@ -69,7 +69,8 @@ class ClientConfig(BaseConfig):
         "combine to the chunk record's: a wrong but self-consistent fragment is then read around as on a "
         "whole-chunk read. Costs K small requests on the first partial read of each chunk. A partial read of a "
         "replicated chunk checks the copy it reads in the same way (its stored length and CRC32C), once per copy "
-        "and generation.")
+        "and generation. Where those stats cannot all be had (a target down or slow), the whole chunk (or copy) "
+        "is read and checked instead; a fragment file checked once is not asked again until it is replaced.")
     min_write_fragments: int = field(
         0, "Degraded writes: a chunk write succeeds once this many of its fragments are durable; the missing "
         "ones are recorded in meta at commit and rebuilt at once by the storage node holding their "
