@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -338,5 +339,33 @@ def test_chunk_engine_behind_the_data_plane(transport: str, tmp_path: Path) -> N
             assert await c.delete(1, key) is True
             with pytest.raises(NotFoundError):
                 await c.stat(1, key)
+
+    arun(body())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_read_and_stat_answers_carry_the_fragment_serial(tmp_path: Path, kind: str) -> None:
+    """Both stores behind the data plane give a fragment a serial (docs/
+    dataplane.md, "Serials"): a READ answer and a STAT answer of the same
+    fragment carry the same one, and a rewrite under the same key gives a
+    new one. Until stop 39 the in-memory store answered 0 (not known), so a
+    client verified every partial read against it again."""
+
+    async def body() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            store: FragmentStore = MemoryFragmentStore(1) if kind == "memory" else \
+                await stack.enter_async_context(disk_store(tmp_path / "t1", 1))
+            _, c = await stack.enter_async_context(served("tcp", store))
+            key = FragmentKey(9, 0, 0, 1)
+            await c.write(1, key, pattern(10_000, 1))
+            serials: list[int] = []
+            dest = bytearray(100)
+            assert await c.read_into(1, key, dest, 500, serials=serials) == 100
+            s1 = serials[-1]
+            assert s1 and (await c.stat(1, key)).serial == s1
+            await c.write(1, key, pattern(10_000, 2))  # replaced under the same key
+            assert await c.read_into(1, key, dest, 500, serials=serials) == 100
+            assert serials[-1] not in (0, s1) and (await c.stat(1, key)).serial == serials[-1]
 
     arun(body())

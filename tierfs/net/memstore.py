@@ -6,11 +6,15 @@ adopts the buffer it was given when it came from ``alloc`` (no store-side
 copy); ``read`` returns a read-only view of the stored bytes, never a copy.
 A replaced or deleted fragment's buffer goes back to the pool only once the
 last view handed out by ``read`` has been released, so a read answer still in
-a send queue never sees its bytes reused.
+a send queue never sees its bytes reused. Each stored fragment has a serial,
+new whenever it is written or replaced, as the disk engine's fragment files
+do (docs/dataplane.md, "Serials").
 """
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from dataclasses import dataclass, field
 
 from tierfs.buffers import BufferPool
@@ -19,6 +23,9 @@ from tierfs.net.protocol import crc32c
 from tierfs.storage.api import FragmentInfo, FragmentKey
 
 __all__ = ["MemoryFragmentStore"]
+
+#: Serials of stored fragments: from a random start in each process, below 2**62.
+_serials = itertools.count(secrets.randbits(61) + 1)
 
 
 @dataclass(eq=False, slots=True)
@@ -29,6 +36,7 @@ class _Blob:
     readers: int = 0
     dead: bool = False
     views: list[memoryview] = field(default_factory=list)
+    serial: int = field(default_factory=lambda: next(_serials))
 
 
 class MemoryFragmentStore:
@@ -123,10 +131,18 @@ class MemoryFragmentStore:
         """``read`` plus the CRC32C of the returned bytes when it is the
         stored one (a whole-fragment read), else None. The data plane uses
         this optional extension to skip recomputing it."""
+        view, crc, _ = await self.read_with_info(key, offset, length)
+        return view, crc
+
+    async def read_with_info(self, key: FragmentKey, offset: int = 0,
+                             length: int = -1) -> tuple[memoryview, int | None, int]:
+        """``read_with_crc`` plus the serial of the fragment the bytes came
+        from (nothing awaits between the read and the lookup: it is that
+        fragment's)."""
         view = await self.read(key, offset, length)
-        blob = self._blobs.get(key)
-        whole = blob is not None and offset == 0 and len(view) == len(blob.buf)
-        return view, (blob.crc if whole and blob is not None else None)
+        blob = self._lent[id(view)]
+        whole = offset == 0 and len(view) == len(blob.buf)
+        return view, (blob.crc if whole else None), blob.serial
 
     async def delete(self, key: FragmentKey) -> bool:
         return self._drop(key) >= 0
@@ -135,7 +151,7 @@ class MemoryFragmentStore:
         blob = self._blobs.get(key)
         if blob is None:
             raise NotFoundError(f"fragment {key} not found on target {self.target_id}")
-        return FragmentInfo(key, len(blob.buf), blob.crc)
+        return FragmentInfo(key, len(blob.buf), blob.crc, blob.serial)
 
     def corrupt(self, key: FragmentKey, index: int = 0) -> None:
         """Flip a byte of a stored fragment (tests: the CorruptError path)."""
