@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "8d4608b00a47f278dd427d6625e7ed8e77f3b44c"
+PREVIOUS = "fa87b1c57cea6caef1c2bd895cdf007c0b365f79"
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,9 +128,9 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         r = _old_cli(old_py, cl, "kv", "put", "upgrade-kv-before", str(tmp_path / "kv-before.bin"))
         assert r.returncode == 0, r.stderr.decode()
         # A replica pool read by this release's client from daemons of the
-        # previous one: its copy check asks them for CRC32Cs they do not
-        # know how to give (they answer KV_EXISTS's bitmap), so the hit goes
-        # unwitnessed, and is served, not refused.
+        # previous one: its copy check asks the other copy's daemon for the
+        # key's CRC32C (KV_EXISTS with KV_WITH_CRC, which the previous
+        # release answers since stop 39), and the hit is witnessed.
         define_pool(cl.meta_addrs, "upgrade-r2", redundancy="replica:2", target_memory=32 << 20,
                     target_disk=64 << 20)
         pool_served(cl.meta_addrs, "upgrade-r2")
@@ -140,7 +140,7 @@ def test_rolling_upgrade_from_the_previous_release_under_load(tmp_path: Path) ->
         with Client(cl.meta_addrs, request_timeout=5.0) as c:  # knows no CRC32C of the key
             kv = c.kv_pool("upgrade-r2")
             assert kv.get("upgrade-r2-key") == r2_value
-            assert kv.stats()["cluster"]["unwitnessed"] == 1 and kv.stats()["cluster"]["disagreements"] == 0
+            assert kv.stats()["cluster"]["unwitnessed"] == 0 and kv.stats()["cluster"]["disagreements"] == 0
 
         ledger = Ledger()
         stop = threading.Event()
@@ -283,5 +283,42 @@ def test_a_pool_whose_policy_daemons_lack_is_seen_by_status_and_served_after_the
                 assert c.kv_pool(pool).get(f"{pool}-key") == value, pool
         logs = "".join((cl.dir / "logs" / f"{n}.log").read_text() for n in storage)
         assert "asks for eviction policy 'no-such-policy'" in logs and "running LRU" in logs
+    finally:
+        cl.stop()
+
+
+#: The last release whose daemons answer KV_EXISTS with its bitmap only
+#: (stop 39 added ``KV_WITH_CRC``).
+KV_EXISTS_BITMAP_ONLY = "8d4608b00a47f278dd427d6625e7ed8e77f3b44c"
+
+
+def test_a_replica_get_from_daemons_that_answer_no_crcs_goes_unwitnessed_and_is_served(tmp_path: Path) -> None:
+    """Daemons of a release before ``KV_WITH_CRC`` answer the copy check's
+    ``KV_EXISTS`` with a bitmap. This release's client tells the answer
+    apart by its length: the witness is absent, the hit is served and
+    counted as unwitnessed, never taken for a disagreement."""
+    old_py = _python_in(_previous_tree(tmp_path / "old", KV_EXISTS_BITMAP_ONLY), tmp_path / "python-old")
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=3, python=old_py,
+                      extra_storage_args=["--heartbeat-interval=0.2"])
+    try:
+        cl.up(timeout=90)
+        assert {_code_of(p.pid) for p in cl.procs} == {tmp_path / "old"}
+        define_pool(cl.meta_addrs, "bitmap-r2", redundancy="replica:2", target_memory=32 << 20,
+                    target_disk=64 << 20)
+        pool_served(cl.meta_addrs, "bitmap-r2")
+        values = {f"bitmap-key-{i}": random_bytes(20_000 + i, 950 + i) for i in range(4)}
+        with Client(cl.meta_addrs, request_timeout=5.0) as c:
+            for key, value in values.items():
+                assert c.kv_pool("bitmap-r2").put(key, value)
+        with Client(cl.meta_addrs, request_timeout=5.0) as c:  # knows no CRC32C of the keys
+            kv = c.kv_pool("bitmap-r2")
+            assert kv.get("bitmap-key-0") == values["bitmap-key-0"]
+            rest = [k for k in values if k != "bitmap-key-0"]
+            bufs = [bytearray(len(values[k])) for k in rest]
+            assert kv.batch_get_into(rest, bufs) == [len(values[k]) for k in rest]
+            assert [bytes(b) for b in bufs] == [values[k] for k in rest]
+            st = kv.stats()["cluster"]
+            assert st["disagreements"] == 0
+            assert st["unwitnessed"] == len(values), st
     finally:
         cl.stop()
