@@ -1,6 +1,6 @@
 """Prefix hit ratios of the KV eviction policies against LRU and Belady's optimum, on several traces.
 
-    python -m bench.kv_policies [--trace PATH] [--out bench/results]
+    python -m bench.kv_policies [--trace PATH] [--held-out PATH ...] [--out bench/results]
 
 Writes ``kv_policies.json`` and ``kv_policies.md`` (the table in docs/kv_policies.md).
 Pure simulation (tierfs.kv.trace.simulate): no daemons, no I/O, about two minutes
@@ -14,7 +14,10 @@ Traces (fixed before the policies were compared on the held-out ones):
 * ``syn-0``: ``synthetic_trace(0)`` with default parameters (tuning);
 * ``syn-1``: ``synthetic_trace(1)``, default parameters (held out);
 * ``syn-docs``: ``synthetic_trace(2, DOCS)``: document-heavy, more re-asked documents,
-  longer conversations (held out).
+  longer conversations (held out);
+* ``--held-out PATH`` (repeatable): any other trace in the Mooncake format, named
+  by its file's stem, e.g. the FAST'25 release's ``conversation_trace.jsonl``
+  (docs/kv_policies.md, "A trace none of the policies was built on").
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def traces(public_path: Path) -> dict[str, list[Request]]:
     }
 
 
-def measure(name: str, tr: list[Request], policies: list[str]) -> dict[str, Any]:
+def measure(name: str, tr: list[Request], policies: list[str], role: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = []
     for cap in CAPACITIES:
@@ -91,7 +94,7 @@ def measure(name: str, tr: list[Request], policies: list[str]) -> dict[str, Any]
         rows.append(row)
     return {
         "trace": name,
-        "role": ROLE[name],
+        "role": role or ROLE[name],
         "requests": len(tr),
         "blocks": total_blocks(tr),
         "unique_blocks": unique_blocks(tr),
@@ -160,6 +163,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=None, help="the public Mooncake trace")
+    ap.add_argument("--held-out", type=Path, action="append", default=[], metavar="PATH",
+                    help="another Mooncake-format trace to measure as held out (repeatable)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     path = args.trace or find_public_trace()
@@ -169,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, tr in all_traces.items():
         m = measure(name, tr, policies)
         print(f"{name}: {m['seconds']} s", file=sys.stderr, flush=True)
+        measured.append(m)
+    for extra in args.held_out:
+        m = measure(extra.stem, load_trace(extra), policies, role=f"held out, external: {extra.name}")
+        print(f"{extra.stem}: {m['seconds']} s", file=sys.stderr, flush=True)
         measured.append(m)
     result = {
         "name": "kv_policies",
