@@ -819,6 +819,32 @@ def test_a_delete_after_a_write_back_put_is_not_undone_by_it(cl: LocalCluster, t
         assert kept == [], f"{len(kept)} of 6 deleted objects filled into the local tiers by a prefetch"
 
 
+def test_get_into_through_local_tiers_fills_them_and_checks_the_dtype(cl: LocalCluster, client: Client,
+                                                                      tmp_path: Path) -> None:
+    """``get_into`` of one object by a client with a DRAM tier (its own path
+    for a plain byte buffer): a local miss is fetched from the cluster and
+    fills the tier, so the next get is served locally; a typed buffer whose
+    element the object is not a whole number of is refused, as by
+    ``batch_get_into``."""
+    key = "local-get-into"
+    value = payload(key, 24 * KiB)
+    assert client.kv.put(key, value)
+    client.kv.put("local-get-into-six", b"123456")
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB) as c:
+        kv = c.kv
+        buf = bytearray(32 * KiB)
+        assert kv.get_into(key, buf) == 24 * KiB and bytes(buf[:24 * KiB]) == value
+        hits = kv.stats()["cluster"]["hits"]
+        assert hits >= 1
+        view = memoryview(bytearray(24 * KiB))
+        assert kv.get_into(key, view) == 24 * KiB and bytes(view) == value
+        assert kv.stats()["cluster"]["hits"] == hits  # served by the DRAM tier
+        assert kv.get_into("local-get-into-none", bytearray(8)) is None
+        assert kv.get_into("local-get-into-six", memoryview(bytearray(8))) == 6
+        with pytest.raises(InvalidArgumentError, match="whole number of 4-byte elements"):
+            kv.get_into("local-get-into-six", memoryview(np.zeros(4, dtype=np.float32)))
+
+
 @pytest.mark.parametrize("pool", ["default", "ttl-ec"])
 def test_local_tiers_drop_an_object_when_its_cluster_ttl_runs_out(cl: LocalCluster, client: Client, tmp_path: Path,
                                                                   pool: str) -> None:

@@ -127,7 +127,21 @@ class AsyncKV:
     async def get_into(self, key: str | bytes, buf: Any) -> int | None:
         """Copy the object straight into ``buf``; its size, or None on a miss.
         InvalidArgumentError (nothing past the buffer written) if it does not fit."""
-        if self._local is None and type(buf) in _PLAIN:
+        t = type(buf)
+        if t is bytearray or (t is memoryview and buf.itemsize == 1):
+            # One object into a plain byte buffer (no dtype to check): the
+            # common case, without batch_get_into's lists.
+            k = normalize_key(key)
+            view = byte_view(buf, writable=True)
+            if self._local is None:
+                return await self.cluster.get_into(k, view)
+            n = await self._local.stack.get_into(self._lk(k), view)
+            if n is not None:
+                return n
+            out: list[int | None] = [None]
+            await self._from_cluster([k], [view], [0], out)
+            return out[0]
+        if self._local is None and t in _PLAIN:
             return await self.cluster.get_into(normalize_key(key), byte_view(buf, writable=True))
         return (await self.batch_get_into([key], [buf]))[0]
 
@@ -242,16 +256,7 @@ class AsyncKV:
                     out[i] = n
             todo = rest
         if todo:
-            expiries: list[float] = []
-            mark = self._fill_start()
-            try:
-                got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
-                for i, n, exp in zip(todo, got, expiries, strict=True):
-                    out[i] = n
-                    if n is not None:
-                        await self._fill_local(ks[i], views[i][:n], exp, mark)
-            finally:
-                self._fill_end()
+            await self._from_cluster(ks, views, todo, out)
         for i, n in enumerate(out):
             size = itemsize_of(bufs[i])
             if n is not None and n % size:
@@ -259,6 +264,21 @@ class AsyncKV:
                     f"object {ks[i]!r} of {n} bytes is not a whole number of {size}-byte elements of its "
                     f"buffer's dtype")
         return out
+
+    async def _from_cluster(self, ks: list[bytes], views: list[memoryview], todo: list[int],
+                            out: list[int | None]) -> None:
+        """Get ``ks[i]`` for each ``i`` in ``todo`` from the cluster into
+        ``views[i]``, its size into ``out[i]``, and fill the local tiers with the hits."""
+        expiries: list[float] = []
+        mark = self._fill_start()
+        try:
+            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
+            for i, n, exp in zip(todo, got, expiries, strict=True):
+                out[i] = n
+                if n is not None:
+                    await self._fill_local(ks[i], views[i][:n], exp, mark)
+        finally:
+            self._fill_end()
 
     async def batch_contains(self, keys: Sequence[str | bytes]) -> list[bool]:
         """Presence of each key (local tiers, then one request per storage
