@@ -755,6 +755,53 @@ def test_a_forged_replica_copy_is_never_served_while_another_copy_answers(cl: Lo
     asyncio.run(main())
 
 
+def test_with_kv_require_witness_a_copy_no_other_copy_vouches_for_is_a_miss(cl: LocalCluster,
+                                                                             client: Client) -> None:
+    """replica:2, one copy forged and the other gone (evicted apart, or its
+    daemon down): nothing can contradict the forged copy, and a client with
+    the default settings serves it (an unwitnessed hit: the gap docs/kv.md
+    names). With ``kv_require_witness`` every form of get is a miss instead,
+    while a key whose CRC32C the client knows (it put the value) is still a
+    hit with no witness."""
+    from tierfs.client import AsyncClient
+    from tierfs.kv.cluster import placement
+    from tierfs.net.protocol import KV_OVERWRITE, KV_STAMP_SHIFT
+
+    shared_pool(cl, client, "forge2")
+
+    async def main() -> None:
+        n = 30_000
+        key, own = b"strict-forged", b"strict-own"
+        async with AsyncClient(cl.meta_addrs) as writer:
+            kv = writer.kv_pool("forge2")
+            tier = kv.cluster
+            route = await tier.route()
+            assert await kv.put(key, payload(key, n), overwrite=True)
+            targets, stamps = placement(route, key)
+            await tier.data.kv_put(targets[0], route.pool_id, key, memoryview(os.urandom(n)),
+                                   flags=KV_OVERWRITE | stamps[0] << KV_STAMP_SHIFT)
+            assert await tier.data.kv_delete(targets[1], route.pool_id, key, since=stamps[1])
+        async with AsyncClient(cl.meta_addrs) as lax:
+            got = await lax.kv_pool("forge2").get(key)
+            assert got is not None and got != payload(key, n)  # the forged bytes: the gap
+            assert lax.kv_pool("forge2").cluster.counters.unwitnessed == 1
+        async with AsyncClient(cl.meta_addrs, kv_require_witness=True) as strict:
+            kv = strict.kv_pool("forge2")
+            buf = bytearray(n)
+            assert await kv.get(key) is None
+            assert await kv.get_into(key, buf) is None
+            assert await kv.batch_get_into([key], [buf]) == [None]
+            st = kv.cluster.counters
+            assert st.unwitnessed == 3 and st.unwitnessed_misses == 3 and st.disagreements == 0
+            # A value this client put: its CRC32C is known, no witness needed.
+            assert await kv.put(own, payload(own, n), overwrite=True)
+            targets, stamps = placement(await kv.cluster.route(), own)
+            assert await kv.cluster.data.kv_delete(targets[1], route.pool_id, own, since=stamps[1])
+            assert await kv.get(own) == payload(own, n)
+            assert st.unwitnessed_misses == 3
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("write_back", [False, True])
 def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, client: Client, tmp_path: Path,
                                                            write_back: bool) -> None:

@@ -101,6 +101,12 @@ class ClientConfig(BaseConfig):
         "alongside, from that daemon's index); when they differ the get is a miss and both copies are dropped, "
         "so a copy rewritten with other bytes and its own CRC32C is never served where another copy is "
         "reachable (docs/kv.md, \"Forged copies\").")
+    kv_require_witness: bool = field(
+        False, "Replica pools, with kv_verify_copies: a copy read that no other copy can vouch for (the other "
+        "copies evicted, down, slow, or of a release before stop 39; every copy of a replica:1 pool), and whose "
+        "CRC32C this client does not know (it put the value, or two copies agreed), is a miss instead of a "
+        "hit. A forged copy is then never served, at the cost of misses while copies are apart "
+        "(docs/kv.md, \"Forged copies\").")
     kv_dram_bytes: int = field(
         0, "Client DRAM tier for KV objects (pre-allocated at first use); 0 = none. Leave it 0 behind an "
         "engine adapter: the engine's own CPU buffer is the DRAM tier.", kind="size")

@@ -87,7 +87,8 @@ class AsyncKV:
         _, data, router = client._parts()
         self.cluster = ClusterTier(router, data, pool, timeout=client.config.kv_timeout,
                                    min_bandwidth=client.config.kv_min_bandwidth,
-                                   verify_copies=client.config.kv_verify_copies)
+                                   verify_copies=client.config.kv_verify_copies,
+                                   require_witness=client.config.kv_require_witness)
         self._local: LocalTiers | None = client._kv_local()
         self._prefix = pool.encode() + b"\0"
         self._write_back = client.config.kv_write_back and self._local is not None

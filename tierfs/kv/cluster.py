@@ -169,11 +169,13 @@ class ClusterStats:
     misses: int = 0
     errors: int = 0  # requests that failed (target down, timeout): counted as misses too
     fallbacks: int = 0  # gets served by a copy other than the first
-    # Replica pools (kv_verify_copies): hits whose copy no other copy could
+    # Replica pools (kv_verify_copies): copies read that no other copy could
     # vouch for (none held the key, none answered in time, a daemon before
-    # stop 39), and gets whose copy another copy's CRC32C contradicted (a
-    # miss; both copies dropped).
+    # stop 39), served unless kv_require_witness made them misses
+    # (unwitnessed_misses), and gets whose copy another copy's CRC32C
+    # contradicted (a miss; both copies dropped).
     unwitnessed: int = 0
+    unwitnessed_misses: int = 0
     disagreements: int = 0
     bytes_in: int = 0  # stored into the cluster
     bytes_out: int = 0  # loaded from the cluster
@@ -265,7 +267,7 @@ class ClusterTier:
     name = "cluster"
 
     def __init__(self, router: Router, data: DataClient, pool: str, *, timeout: float,
-                 min_bandwidth: int = 0, verify_copies: bool = True) -> None:
+                 min_bandwidth: int = 0, verify_copies: bool = True, require_witness: bool = False) -> None:
         self.router = router
         self.data = data
         self.pool = pool
@@ -273,6 +275,10 @@ class ClusterTier:
         #: Replica pools: compare the copy a get reads with another copy's
         #: stored CRC32C (ClientConfig.kv_verify_copies; docs/kv.md).
         self.verify_copies = verify_copies
+        #: With verify_copies: a copy read that no other copy vouches for,
+        #: and whose CRC32C this client does not know, is a miss
+        #: (ClientConfig.kv_require_witness).
+        self.require_witness = require_witness
         #: Replica pools: (pool id, xxh3_64 of the key) -> a CRC32C a value
         #: of the key is known to have (this client put it, or two copies
         #: agreed on it), most recent last. A copy read with that CRC32C
@@ -589,7 +595,7 @@ class ClusterTier:
                 await _cancel(witness)
                 continue
             if not await self._vouched(route, key, t, pairs, attempt, crcs[0], witness, t0, known):
-                break  # a miss: the copies disagree
+                break  # a miss: the copies disagree, or none vouches and one must
             self.counters.hits += 1
             self.counters.bytes_out += size(got)
             if attempt:
@@ -644,7 +650,7 @@ class ClusterTier:
                         too_small = r
                     self._failed(orders[i][attempt][0], r)
                 elif r is not None and not judged.get(i, True):
-                    continue  # a miss: the copies disagree
+                    continue  # a miss: the copies disagree, or none vouches and one must
                 elif r is not None:
                     out[i] = r
                     deadlines[i] = expiry_at(t0, ttl)
@@ -767,6 +773,9 @@ class ClusterTier:
         w = got[0] if got else None
         if w is None:
             self.counters.unwitnessed += 1
+            if self.require_witness:
+                self.counters.unwitnessed_misses += 1
+                return False
             return True
         if w == crc:
             self._vouch(route.pool_id, key, crc)
@@ -798,6 +807,9 @@ class ClusterTier:
             w = got.get(i)
             if w is None:
                 self.counters.unwitnessed += 1
+                if self.require_witness:
+                    self.counters.unwitnessed_misses += 1
+                    out[i] = False
             elif w == crcs[i]:
                 self._vouch(route.pool_id, keys[i], crcs[i])
             elif w != crcs[i]:
@@ -1295,7 +1307,8 @@ class ClusterKVTier(Tier):
         _, data, router = client._parts()
         tier = ClusterTier(router, data, self.pool, timeout=client.config.kv_timeout,
                            min_bandwidth=client.config.kv_min_bandwidth,
-                           verify_copies=client.config.kv_verify_copies)
+                           verify_copies=client.config.kv_verify_copies,
+                           require_witness=client.config.kv_require_witness)
         tier.counters = self.counters  # one set of counts across loops
         self._client, self._tier, self._loop = client, tier, loop
         self._keeper = loop.create_task(self._keep(client), name=f"kv tier {self.name}: client keeper")
