@@ -46,7 +46,9 @@ failed or ran while a daemon was stopped (it may land later), has no
 deadline.
 
 A second client's gets race the walk's puts and overwrites all along
-(:meth:`KVChecker.reader`), judged the same way.
+(:meth:`KVChecker.reader`), judged the same way. In half the walks (even
+seeds) that client sets ``kv_require_witness``: forged bytes it returns are
+a violation even from an unwitnessed hit.
 
 A get that returns bytes matching no content of the key stops the walk, with
 the seed and the op log (replay it with :meth:`KVChecker.run`).
@@ -165,6 +167,9 @@ class KVChecker(ProcessFaults):
     #: during that get, or the bytes came from the client's own local tiers
     #: (let in by such a get before; docs/kv.md, "Forged copies").
     forged: dict[tuple[str, int], set[bytes]] = field(default_factory=dict)
+    #: ``id()`` of the clients with ``kv_require_witness`` (stop 40): for
+    #: them an unwitnessed copy is a miss, so it excuses nothing.
+    strict_clients: set[int] = field(default_factory=set)
 
     def kname(self, key: int) -> str:
         """A walk's own keys: walks on one cluster never see each other's."""
@@ -331,14 +336,20 @@ class KVChecker(ProcessFaults):
             return
         ok = sorted(list(self.ever.get(pk, ())))
         if got in self.forged.get(pk, ()):
-            after = self._snap(self.client if client is None else client, pool)
-            if before is not None and after is not None and after != before:
+            who = self.client if client is None else client
+            after = self._snap(who, pool)
+            # A client with kv_require_witness turns an unwitnessed copy
+            # into a miss: only its local tiers can excuse forged bytes.
+            strict = id(who) in self.strict_clients
+            if before is not None and after is not None and (
+                    after[1] != before[1] or (after[0] != before[0] and not strict)):
                 # No other copy could vouch for the one read: the gap docs/kv.md names.
                 self.counts["forged_unwitnessed"] = self.counts.get("forged_unwitnessed", 0) + 1
                 return
             self.violation("forged-served", f"{how} of {pool}/{self.kname(key)} returned the bytes of a forged "
                            f"copy, and it was neither an unwitnessed hit nor a hit of its client's local tiers "
-                           f"(before {before}, after {after})")
+                           f"(before {before}, after {after}"
+                           f"{'; its client requires a witness' if strict else ''})")
             return
         self.violation("wrong-bytes", f"{how} of {pool}/{self.kname(key)} returned {len(got)} bytes matching no "
                        f"content ever put (contents {ok}, lengths {[len(content(pool, key, c)) for c in ok]}; "
@@ -364,7 +375,12 @@ class KVChecker(ProcessFaults):
         judge them); bytes are."""
         rng = random.Random(seed)
         pools = list(POOLS)
-        with self.env.client() as client:
+        # Half the walks' readers require a witness (kv_require_witness):
+        # forged bytes they return are a violation, unwitnessed or not.
+        strict = seed % 2 == 0
+        with self.env.client(kv_require_witness=strict) as client:
+            if strict:
+                self.strict_clients.add(id(client))
             while not stop.is_set():
                 pool, key = rng.choice(pools), rng.randrange(KEYS)
                 started = time.monotonic()

@@ -71,8 +71,8 @@ def test_the_model_lets_a_forged_copy_through_only_from_an_unwitnessed_hit() -> 
     """The judge alone: the bytes of a forged replica copy are a violation
     (``forged-served``) unless the get that returned them was a hit no
     other copy could vouch for (its client's ``unwitnessed`` count grew
-    during it) or a hit of the client's own local tiers; then they are
-    counted."""
+    during it, and the client does not require a witness) or a hit of the
+    client's own local tiers; then they are counted."""
     from tests.checker.kv_walk import KVChecker
 
     class Counts:  # what the judge reads of a client: its pool's counters
@@ -103,3 +103,16 @@ def test_the_model_lets_a_forged_copy_through_only_from_an_unwitnessed_hit() -> 
     assert ck.violations == [] and ck.counts["forged_unwitnessed"] == 2
     ck._judge(*pk, bytes(200), "get", before=before)  # bytes no one wrote, forged or not
     assert len(ck.violations) == 1 and "[wrong-bytes]" in ck.violations[0]
+    ck.violations.clear()
+    # A client that requires a witness turns an unwitnessed copy into a
+    # miss: forged bytes from it are a violation, unless its local tiers
+    # served them.
+    ck.strict_clients.add(id(client))
+    before = ck._snap(client, "kr2")  # type: ignore[arg-type]
+    client.unwitnessed += 1
+    ck._judge(*pk, forged, "get", before=before)
+    assert len(ck.violations) == 1 and "requires a witness" in ck.violations[0]
+    before = ck._snap(client, "kr2")  # type: ignore[arg-type]
+    client.local_hits += 1
+    ck._judge(*pk, forged, "get", before=before)
+    assert len(ck.violations) == 1 and ck.counts["forged_unwitnessed"] == 3
