@@ -393,6 +393,12 @@ class KVChecker(ProcessFaults):
                 self.counts["raced"] = self.counts.get("raced", 0) + 1
                 if got is not None:
                     self._judge(pool, key, got, "racing get", started, settled, client, before)
+            if strict:  # the reader's gets that found no witness, and missed for it
+                for pool in POOLS:
+                    with contextlib.suppress(Exception):
+                        n = int(client.kv_pool(pool).stats()["cluster"].get("unwitnessed_misses", 0))
+                        self.counts["strict_misses"] = self.counts.get("strict_misses", 0) + n
+                        self.counts[f"strict_misses:{pool}"] = n
 
     # ---- operations ------------------------------------------------------------------
 

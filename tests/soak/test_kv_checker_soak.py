@@ -56,7 +56,11 @@ def test_kv_checker_soak(tmp_path: Path) -> None:
                              f"{ck.counts.get('miss', 0)} misses, {ck.counts.get('forged', 0)} fragments or copies forged "
                              f"({ck.counts.get('disagreements', 0)} copies disagreed, "
                              f"{ck.counts.get('unwitnessed', 0)} hits unwitnessed, "
-                             f"{ck.counts.get('forged_unwitnessed', 0)} forged bytes served unwitnessed), "
+                             f"{ck.counts.get('forged_unwitnessed', 0)} forged bytes served unwitnessed"
+                             + (f"; racing reader requires a witness: {ck.counts.get('strict_misses', 0)} misses "
+                                f"for want of one (" + ", ".join(f"{p} {ck.counts.get('strict_misses:' + p, 0)}"
+                                                                for p in POOLS) + ")" if seed % 2 == 0 else "")
+                             + "), "
                              f"{ck.counts.get('ttl-judged', 0)} hits of TTL "
                              f"contents judged, {ck.counts.get('late_clients', 0)} late clients, "
                              f"{ck.counts.get('delete', 0)} deletes ({ck.counts.get('delete-failed', 0)} not "
