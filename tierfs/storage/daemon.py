@@ -49,6 +49,7 @@ from tierfs.buffers import BufferPool
 from tierfs.config import load
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
 from tierfs.fsutil import fsync_dir, makedirs_durable
+from tierfs.kv.placement import KVPoolRoute, placement
 from tierfs.meta.ops import MAX_GC_ACKS
 from tierfs.storage.api import FragmentKey
 from tierfs.storage.config import StorageConfig
@@ -659,8 +660,6 @@ class StorageNode:
                  for p in getattr(cmap, "kv_pools", ())]
         for kv in self.kvstores:
             kv.configure(specs)
-        from tierfs.kv.placement import KVPoolRoute
-
         up = {t.target_id: t.up_since for t in cmap.targets if getattr(t, "up_since", 0)}
         self._kv_routes = {int(p.pool_id): KVPoolRoute.of(p, up) for p in getattr(cmap, "kv_pools", ())}
         if self._kv_map_version < 0 or [s.name for s in specs] != self._kv_pool_names:
@@ -699,8 +698,6 @@ class StorageNode:
         older. None (a miss) when this map puts the key elsewhere and is no
         older than the client's (its stamp is no later than this map). A
         client of a release before stamps asks 0 and is not checked."""
-        from tierfs.kv.placement import placement
-
         route = self._kv_routes.get(pool_id)
         if not asked or route is None or not route.groups:
             return asked
@@ -719,8 +716,6 @@ class StorageNode:
         this daemon's map (0: the pool is not known here). A writer whose
         group stamp is older has a map from before a change to a position it
         may have skipped (dataplane ``_kv_group_check``)."""
-        from tierfs.kv.placement import placement
-
         route = self._kv_routes.get(pool_id)
         if route is None or not route.groups:
             return 0
