@@ -762,7 +762,9 @@ def test_with_kv_require_witness_a_copy_no_other_copy_vouches_for_is_a_miss(cl: 
     the default settings serves it (an unwitnessed hit: the gap docs/kv.md
     names). With ``kv_require_witness`` every form of get is a miss instead,
     while a key whose CRC32C the client knows (it put the value) is still a
-    hit with no witness."""
+    hit with no witness. Such a client's ``batch_contains`` and
+    ``batch_exists`` agree with its gets (they used to say present): an
+    engine is not told of blocks its load then misses."""
     from tierfs.client import AsyncClient
     from tierfs.kv.cluster import placement
     from tierfs.net.protocol import KV_OVERWRITE, KV_STAMP_SHIFT
@@ -771,32 +773,44 @@ def test_with_kv_require_witness_a_copy_no_other_copy_vouches_for_is_a_miss(cl: 
 
     async def main() -> None:
         n = 30_000
-        key, own = b"strict-forged", b"strict-own"
+        key, own, both, split = b"strict-forged", b"strict-own", b"strict-both", b"strict-split"
         async with AsyncClient(cl.meta_addrs) as writer:
             kv = writer.kv_pool("forge2")
             tier = kv.cluster
             route = await tier.route()
-            assert await kv.put(key, payload(key, n), overwrite=True)
+            for k in (key, both, split):
+                assert await kv.put(k, payload(k, n), overwrite=True)
+            for k in (key, split):  # copy 0 forged
+                targets, stamps = placement(route, k)
+                await tier.data.kv_put(targets[0], route.pool_id, k, memoryview(os.urandom(n)),
+                                       flags=KV_OVERWRITE | stamps[0] << KV_STAMP_SHIFT)
             targets, stamps = placement(route, key)
-            await tier.data.kv_put(targets[0], route.pool_id, key, memoryview(os.urandom(n)),
-                                   flags=KV_OVERWRITE | stamps[0] << KV_STAMP_SHIFT)
             assert await tier.data.kv_delete(targets[1], route.pool_id, key, since=stamps[1])
         async with AsyncClient(cl.meta_addrs) as lax:
+            assert await lax.kv_pool("forge2").batch_contains([key]) == [True]
             got = await lax.kv_pool("forge2").get(key)
             assert got is not None and got != payload(key, n)  # the forged bytes: the gap
             assert lax.kv_pool("forge2").cluster.counters.unwitnessed == 1
         async with AsyncClient(cl.meta_addrs, kv_require_witness=True) as strict:
             kv = strict.kv_pool("forge2")
+            # Presence as its gets will find it: the forged copy with no
+            # witness and the two copies that differ are absent; two copies
+            # that agree are present.
+            assert await kv.batch_contains([key, both, split]) == [False, True, False]
+            assert await kv.batch_exists([both, key, split]) == 1  # the leading keys present
+            assert await kv.get(both) == payload(both, n)
+            assert await kv.get(split) is None  # the copies disagree: a miss
             buf = bytearray(n)
             assert await kv.get(key) is None
             assert await kv.get_into(key, buf) is None
             assert await kv.batch_get_into([key], [buf]) == [None]
             st = kv.cluster.counters
-            assert st.unwitnessed == 3 and st.unwitnessed_misses == 3 and st.disagreements == 0
+            assert st.unwitnessed == 3 and st.unwitnessed_misses == 3 and st.disagreements == 1
             # A value this client put: its CRC32C is known, no witness needed.
             assert await kv.put(own, payload(own, n), overwrite=True)
             targets, stamps = placement(await kv.cluster.route(), own)
             assert await kv.cluster.data.kv_delete(targets[1], route.pool_id, own, since=stamps[1])
+            assert await kv.batch_contains([own]) == [True]
             assert await kv.get(own) == payload(own, n)
             assert st.unwitnessed_misses == 3
     asyncio.run(main())

@@ -836,6 +836,8 @@ class ClusterTier:
         if route is None:
             return out
         orders = self._orders(route, keys)
+        if self.require_witness and self.verify_copies and route.copies >= 2:
+            return await self._contains_witnessed(route, keys, orders)
         todo = [i for i in range(len(keys)) if orders[i]]
         attempt = 0
         while todo:
@@ -856,6 +858,53 @@ class ClusterTier:
                         again.append(i)
             todo = sorted(again)
             attempt += 1
+        return out
+
+    async def _contains_witnessed(self, route: KVPoolRoute, keys: Sequence[bytes],
+                                  orders: list[list[tuple[int, int]]]) -> list[bool]:
+        """``contains`` for a client with ``kv_require_witness``: present
+        only where a get would hit, so that an engine is not told of blocks
+        its load then misses. Every copy is asked for its stored CRC32C (one
+        KV_EXISTS with KV_WITH_CRC per target and stamp); a get reads the
+        first copy that holds the key and serves it only if the copy after
+        it has the same CRC32C, or the client knows the value has it (it put
+        it, or two copies agreed). A copy that did not answer, or whose
+        daemon is of a release before stop 39 (it cannot say its CRC32C),
+        counts as absent."""
+        by: dict[tuple[int, int], list[int]] = {}
+        for i, order in enumerate(orders):
+            for where in order:
+                by.setdefault(where, []).append(i)
+        places = list(by)
+        answers = await asyncio.gather(*(self._crcs_on(w, route.pool_id, [keys[i] for i in by[w]]) for w in places))
+        crcs: dict[tuple[int, tuple[int, int]], int | None] = {}
+        for w, got in zip(places, answers, strict=True):
+            for i, c in zip(by[w], got, strict=True):
+                crcs[(i, w)] = c
+        out: list[bool] = []
+        for i, order in enumerate(orders):
+            seen = [crcs.get((i, w)) for w in order]
+            first = next((a for a, c in enumerate(seen) if c is not None), None)
+            if first is None:
+                out.append(False)
+                continue
+            c = seen[first]
+            out.append(c == self._known_crc(route, keys[i]) or (first + 1 < len(seen) and seen[first + 1] == c))
+        return out
+
+    async def _crcs_on(self, where: tuple[int, int], pool_id: int, keys: list[bytes]) -> list[int | None]:
+        """Each key's stored CRC32C on one target (None: absent, or not
+        known: no answer, or a daemon too old to give it)."""
+        t, stamp = where
+        out: list[int | None] = []
+        for s in range(0, len(keys), MAX_KV_EXISTS_KEYS):
+            part = keys[s:s + MAX_KV_EXISTS_KEYS]
+            try:
+                got = await self.data.kv_crcs(t, pool_id, part, timeout=self.timeout, since=stamp)
+            except TierFSError as exc:
+                self._failed(t, exc)
+                got = None
+            out += got if got is not None else [None] * len(part)
         return out
 
     async def _exists_on(self, where: tuple[int, int], pool_id: int, keys: list[bytes]) -> list[bool]:
