@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "fa87b1c57cea6caef1c2bd895cdf007c0b365f79"
+PREVIOUS = "3f4986392da5a41b03dd9cf7cd9a71bdce66ff13"
 
 REPO = Path(__file__).resolve().parents[2]
 
