@@ -243,6 +243,7 @@ def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
         pool = BufferPool(16 * MiB)
         be = GatedBackend(pool)
         t = SsdTier(ssd_path, 1 * MiB, backend=be, pool=pool)
+        t.inline_max = 0  # every read through the backend, where it can wait
         size = 256 << 10
         be.gate.set()
         await t.put(b"victim", memoryview(pattern(b"victim", size)))
@@ -266,6 +267,46 @@ def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
         await t.close()
         await be.aclose()
         pool.put(outs[1])  # type: ignore[arg-type]
+        pool.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_ssd_small_reads_are_inline_only_while_no_read_is_in_flight(ssd_path: Path) -> None:
+    """A small object read while the tier has no other read in flight is
+    read in the calling thread (no backend hop); while another read is in
+    flight it goes through the backend with it, so reads still overlap.
+    Both return the object's bytes, into an aligned destination and an
+    unaligned one."""
+
+    async def main() -> None:
+        pool = BufferPool(16 * MiB)
+        be = GatedBackend(pool)
+        t = SsdTier(ssd_path, 4 * MiB, backend=be, pool=pool)
+        be.gate.set()
+        small, big = 64 << 10, (1 << 20) + 3
+        for k, n in ((b"s", small), (b"u", 5000), (b"b", big)):
+            assert await t.put(k, memoryview(pattern(k, n)))
+        be.gate.clear()
+        aligned, unaligned = pool.get(small), memoryview(bytearray(5001))[1:]
+        assert await t.get_into(b"s", aligned) == small and bytes(aligned) == pattern(b"s", small)
+        assert await t.get_into(b"u", unaligned) == 5000 and bytes(unaligned) == pattern(b"u", 5000)
+        assert be.waiting == 0  # inline: the gated backend was not asked
+        held = asyncio.ensure_future(t.get_into(b"b", memoryview(bytearray(big))))
+        while be.waiting < 1:
+            await asyncio.sleep(0)
+        queued = asyncio.ensure_future(t.get_into(b"s", aligned))
+        while be.waiting < 2:  # behind the read in flight, through the backend
+            await asyncio.sleep(0)
+        assert not queued.done()
+        be.gate.set()
+        assert await asyncio.gather(held, queued) == [big, small]
+        assert bytes(aligned) == pattern(b"s", small)
+        assert t.stats().hits == 4
+        pool.put(aligned)
+        await t.close()
+        await be.aclose()
         pool.close()
 
     run(main())
