@@ -33,7 +33,7 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -145,6 +145,24 @@ def _judge_more(tag: _Tag | None, fetched: int, width: int) -> bool:
     """After K fragments of one value (``tag``) failed to decode to its
     CRC32C: whether positions are left unfetched (fetch them all and judge)."""
     return tag is not None and tag[0] == 2 and fetched < width
+
+
+def _fewest_left_out(have: Sequence[int], k: int) -> Iterator[tuple[int, ...]]:
+    """The K-subsets of the positions ``have`` to decode from once they all
+    together decoded wrong (a wrong fragment whose trailer agrees): those
+    that leave out one position first, then two, and so on, each once. One
+    wrong fragment among N is found within N tries. Every K-subset in
+    lexicographic order, as before stop 41, took up to C(N-1, K-1) tries
+    before the first without position 0: 330 for ec:8+4, 3,876 for ec:16+4.
+    Every K-subset still comes in the end (leaving out N-K)."""
+    pos = sorted(have)
+    seen: set[tuple[int, ...]] = set()
+    for r in range(1, len(pos) - k + 1):
+        for out in itertools.combinations(pos, r):
+            keep = tuple(j for j in pos if j not in out)[:k]
+            if keep not in seen:
+                seen.add(keep)
+                yield keep
 
 
 def _ec_agreeing(got: dict[int, tuple[_Tag, memoryview]], k: int) -> tuple[int, _Tag | None]:
@@ -1090,7 +1108,7 @@ class ClusterTier:
                 # (a misdirected or buggy write): any K of the others that
                 # decode to the value's CRC32C, else a miss.
                 self.counters.errors += 1
-                for keep in itertools.combinations(sorted(frags), route.k) if len(frags) > route.k else ():
+                for keep in _fewest_left_out(list(frags), route.k):
                     value = memoryview(codec.decode({j: frags[j] for j in keep}, f))[:size]
                     if crc32c(value) == crc:
                         self.counters.extra["wrong_fragments"] = self.counters.extra.get("wrong_fragments", 0) + 1
