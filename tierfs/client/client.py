@@ -623,17 +623,26 @@ class AsyncClient:
             try:
                 await self._read_from(view, idx, rec, targets, a, b, dest, skip)
                 return
-            except InsufficientTargetsError:
-                # The group may have moved (a target replaced): retry once on a
-                # newer map. Another chunk's refresh may have fetched it already
-                # (then ``refresh`` is rate-limited and says False): what counts
-                # is whether the map differs from the one this attempt used.
+            except (InsufficientTargetsError, CorruptError) as exc:
+                # The group may have moved (a target replaced, or balanced
+                # onto another node): retry once on a newer map. Another
+                # chunk's refresh may have fetched it already (then
+                # ``refresh`` is rate-limited and says False): what counts is
+                # whether the map differs from the one this attempt used. So
+                # too when what this map's members hold does not decode to
+                # the chunk (CorruptError): a former member's copy may be
+                # wrong where the new member's is right (the file checker
+                # soak, seed 16516: a forged fragment on the former member
+                # of a moved position, two nodes down, and a reader whose
+                # map predated the move).
                 if attempt == 0:
                     with contextlib.suppress(TierFSError):
                         await router.refresh()
                     if router.version != used or router.read_targets(gid, router.groups.get(gid, ())) != (
                             targets, rebuilding):
                         continue
+                if isinstance(exc, CorruptError):
+                    raise
                 # Last resort: the positions passed over above, at the group's
                 # current members. A member being rebuilt may hold this
                 # chunk's fragment already (its former member is the one that
