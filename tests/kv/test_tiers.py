@@ -273,11 +273,12 @@ def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_ssd_small_reads_are_inline_only_while_no_read_is_in_flight(ssd_path: Path) -> None:
-    """A small object read while the tier has no other read in flight is
-    read in the calling thread (no backend hop); while another read is in
-    flight it goes through the backend with it, so reads still overlap.
-    Both return the object's bytes, into an aligned destination and an
+def test_ssd_small_reads_are_inline_only_when_alone(ssd_path: Path) -> None:
+    """A small object read alone (no other read of the tier in flight, none
+    gathered with it) is read in the calling thread (no backend hop); while
+    another read is in flight, or with gets gathered together, it goes
+    through the backend with them, so reads still overlap on the device.
+    All return the object's bytes, into an aligned destination and an
     unaligned one."""
 
     async def main() -> None:
@@ -303,7 +304,19 @@ def test_ssd_small_reads_are_inline_only_while_no_read_is_in_flight(ssd_path: Pa
         be.gate.set()
         assert await asyncio.gather(held, queued) == [big, small]
         assert bytes(aligned) == pattern(b"s", small)
-        assert t.stats().hits == 4
+        # Gets gathered together (a batch) with nothing in flight: through
+        # the backend together, not one inline read after another.
+        be.gate.clear()
+        outs = [pool.get(small) for _ in range(3)]
+        batch = asyncio.gather(*(t.get_into(b"s", o) for o in outs))
+        while be.waiting < 5:
+            await asyncio.sleep(0)
+        be.gate.set()
+        assert await batch == [small] * 3
+        assert all(bytes(o) == pattern(b"s", small) for o in outs)
+        assert t.stats().hits == 7
+        for o in outs:
+            pool.put(o)
         pool.put(aligned)
         await t.close()
         await be.aclose()

@@ -781,13 +781,16 @@ class SsdTier(_ExtentTier):
         #: aligned destination directly, all but their last partial page
         self.split_min = 256 << 10
         #: objects up to this size are read in the calling thread (a plain
-        #: ``preadv``) when no other read of this tier is in flight: at one
-        #: read at a time the hop through the backend (a ring's completion,
-        #: or a worker thread, then the event loop's wake-up) cost as much as
-        #: the read itself. The loop is held for one such read (~0.1 ms at
-        #: 64 KiB); with reads in flight, they go through the backend together.
+        #: ``preadv``) when the get is alone: no other read of this tier in
+        #: flight, and none asked for in the same loop turn (a batch's gets,
+        #: gathered). At one read at a time the hop through the backend (a
+        #: ring's completion, or a worker thread, then the event loop's
+        #: wake-up) cost as much as the read itself. The loop is held for one
+        #: such read (~0.1 ms at 64 KiB); gets together go through the
+        #: backend together, so that the device serves them in parallel.
         self.inline_max = 256 << 10
         self._reading = 0
+        self._asking = 0
 
     async def _open(self) -> None:
         # the backend binds to the running loop (io_uring), hence opened lazily
@@ -905,9 +908,19 @@ class SsdTier(_ExtentTier):
         e.refs += 1
         try:
             target = d[:n]
+            inline = n <= self.inline_max and not self._reading and self._fd >= 0
+            if inline:
+                # One loop turn first: gets gathered with this one (a batch)
+                # say so meanwhile, and then all go through the backend.
+                self._asking += 1
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._asking -= 1
+                inline = not self._asking and not self._reading
             # Straight into the caller's memory where it is page aligned; on a
             # CRC mismatch dest then holds what was read, but the answer is a miss.
-            if n <= self.inline_max and not self._reading and self._fd >= 0:
+            if inline:
                 ok = self._read_inline(e, target)
             else:
                 self._reading += 1
