@@ -375,3 +375,26 @@ def test_ssd_config_errors(ssd_path: Path) -> None:
 def test_tier_is_abstract() -> None:
     with pytest.raises(TypeError):
         Tier("x")  # type: ignore[abstract]
+
+
+def test_ssd_inline_size_comes_from_the_client_config(tmp_path: Path) -> None:
+    """``kv_ssd_inline_bytes`` (``TIERFS_KV_SSD_INLINE_BYTES``) sets the
+    client's SSD tier's ``inline_max``: 256 KiB by default, 0 turns inline
+    reads off; a negative size is refused, naming the field."""
+    from types import SimpleNamespace
+
+    from tierfs.client.config import ClientConfig
+    from tierfs.config import load
+    from tierfs.kv.client import LocalTiers
+
+    base = {"meta": "127.0.0.1:1", "kv_ssd_bytes": "4MiB"}
+    for env, want in (({}, 256 << 10), ({"TIERFS_KV_SSD_INLINE_BYTES": "64KiB"}, 64 << 10),
+                      ({"TIERFS_KV_SSD_INLINE_BYTES": "0"}, 0)):
+        cfg = load(ClientConfig, env=env, overrides={**base, "kv_ssd_path": str(tmp_path / f"ssd{want}")})
+        tiers = LocalTiers(SimpleNamespace(config=cfg))  # type: ignore[arg-type]
+        [ssd] = tiers.tiers
+        assert isinstance(ssd, SsdTier) and ssd.inline_max == want
+        run(tiers.close())
+    with pytest.raises(ConfigError) as ei:
+        load(ClientConfig, env={"TIERFS_KV_SSD_INLINE_BYTES": "-1"}, overrides=base)
+    assert ei.value.field == "kv_ssd_inline_bytes"

@@ -114,6 +114,11 @@ class ClientConfig(BaseConfig):
     kv_ssd_path: str = field("", "File of the local-SSD tier (pre-allocated at first use); empty = none.")
     kv_ssd_bytes: int = field(0, "Size of the local-SSD tier file.", kind="size")
     kv_ssd_policy: str = field("lru", "Eviction policy of the local-SSD tier.")
+    kv_ssd_inline_bytes: int = field(
+        256 << 10, "Local-SSD tier: objects up to this size, read while no other read of the tier is in "
+        "flight or asked for, are read in the calling thread (no hop through the I/O backend; the event loop "
+        "waits for that one read); 0 = always through the backend (docs/kv_tiers.md, \"Inline reads\").",
+        kind="size")
     kv_write_back: bool = field(
         False, "Write-back: a put returns once the object is in the local tiers and reaches the cluster in "
         "the background (flush() waits). Off: write-through.")
@@ -140,7 +145,8 @@ class ClientConfig(BaseConfig):
             raise ConfigError("must be >= 1000 (renewals need time to reach meta)", field="lease_ms")
         if self.kv_timeout <= 0:
             raise ConfigError("must be > 0", field="kv_timeout")
-        for name in ("kv_dram_bytes", "kv_ssd_bytes", "kv_write_back_bytes", "kv_min_bandwidth"):
+        for name in ("kv_dram_bytes", "kv_ssd_bytes", "kv_ssd_inline_bytes", "kv_write_back_bytes",
+                     "kv_min_bandwidth"):
             if getattr(self, name) < 0:
                 raise ConfigError("must be >= 0", field=name)
         if self.kv_ssd_bytes and not self.kv_ssd_path:

@@ -69,7 +69,9 @@ class LocalTiers:
         if c.kv_dram_bytes:
             tiers.append(DramTier(c.kv_dram_bytes, policy=c.kv_dram_policy))
         if c.kv_ssd_bytes:
-            tiers.append(SsdTier(c.kv_ssd_path, c.kv_ssd_bytes, policy=c.kv_ssd_policy))
+            ssd = SsdTier(c.kv_ssd_path, c.kv_ssd_bytes, policy=c.kv_ssd_policy)
+            ssd.inline_max = c.kv_ssd_inline_bytes
+            tiers.append(ssd)
         self.tiers = tiers
         self.stack = TierStack(tiers, write_back=False)
 
