@@ -917,7 +917,7 @@ class SsdTier(_ExtentTier):
                     await asyncio.sleep(0)
                 finally:
                     self._asking -= 1
-                inline = not self._asking and not self._reading
+                inline = not self._asking and not self._reading and self._fd >= 0
             # Straight into the caller's memory where it is page aligned; on a
             # CRC mismatch dest then holds what was read, but the answer is a miss.
             if inline:
