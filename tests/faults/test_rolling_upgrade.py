@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "3f4986392da5a41b03dd9cf7cd9a71bdce66ff13"
+PREVIOUS = "3c6452539ffbfc251298033465a4a5826302b026"
 
 REPO = Path(__file__).resolve().parents[2]
 
