@@ -8,10 +8,14 @@ every level it created. These helpers are the one place that rule lives
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "makedirs_durable"]
+#: Overrides the kernel's boot id (tests: a simulated power cut is a reboot).
+BOOT_ID_ENV = "TIERFS_BOOT_ID"
+
+__all__ = ["boot_id", "fsync_dir", "makedirs_durable", "syncfs", "write_durable"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -44,3 +48,52 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> Path:
             continue  # created concurrently by someone else, who syncs it
         fsync_dir(d.parent)
     return p
+
+
+def write_durable(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that after a power cut it holds the
+    old or the new contents, never neither: a temporary file, fsynced,
+    renamed over it, and the directory fsynced."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, p)
+    fsync_dir(p.parent)
+
+
+def boot_id() -> str:
+    """This boot of the machine (``/proc/sys/kernel/random/boot_id``): it
+    changes at every reboot, so state that a process left behind under an
+    older one may have lost whatever was not fsynced. ``TIERFS_BOOT_ID``
+    overrides it (a test's simulated power cut and reboot)."""
+    forced = os.environ.get(BOOT_ID_ENV)
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def syncfs(path: str | os.PathLike[str]) -> None:
+    """Write back everything cached for the file system holding ``path``
+    (``syncfs(2)``; ``sync(2)`` where it is missing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
+from tierfs.fsutil import makedirs_durable, write_durable
 from tierfs.meta.secret import SECRET_FILE_NAME, ensure_secret_file, load_secret
 from tierfs.security import (
     ADMIN_TOKEN_FILE,
@@ -286,7 +287,7 @@ class LocalCluster:
         """Make the credentials now and put the admin token in this process's
         TIERFS_TOKEN (benchmarks: their clients and worker processes then use
         this cluster's token). Returns it."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        makedirs_durable(self.dir)
         self._write_credentials()
         os.environ["TIERFS_TOKEN"] = tok = self.admin_token()
         return tok
@@ -392,7 +393,7 @@ class LocalCluster:
             new.append(p)
         self.procs += new
         if new:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            makedirs_durable(self.dir)
             self._save_state()
         return [p.name for p in new]
 
@@ -430,9 +431,9 @@ class LocalCluster:
                 "extra = { " + ", ".join(f"{k} = {_toml_str(v)}" for k, v in p.extra.items()) + " }",
                 "",
             ]
-        tmp = self.dir / (STATE_FILE + ".tmp")
-        tmp.write_text("\n".join(lines))
-        os.replace(tmp, self.dir / STATE_FILE)
+        # Durably: after a power cut the plan is the old one or the new one,
+        # and it is there (as the data directories it names are).
+        write_durable(self.dir / STATE_FILE, "\n".join(lines).encode())
 
     # --- processes ------------------------------------------------------------
 
@@ -491,7 +492,7 @@ class LocalCluster:
     def start(self, timeout: float = 60.0, names: Sequence[str] | None = None) -> list[str]:
         """Start every daemon that is not running (meta first: storage nodes
         register with meta before they report ready). Returns the names started."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        makedirs_durable(self.dir)
         self._write_credentials()
         if self.tls:
             self._make_certs()
