@@ -62,7 +62,7 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
-from tierfs.fsutil import fsync_dir
+from tierfs.fsutil import boot_id, fsync_dir, makedirs_durable, syncfs, write_durable
 from tierfs.kv.policy import EvictionPolicy, make_policy
 from tierfs.storage.io.base import IOBackend
 from tierfs.storage.io.posix import PosixBackend
@@ -106,6 +106,15 @@ _U32 = struct.Struct("<I")
 _EXT = struct.Struct("<QI")
 # CRC work above this size runs in a worker thread while other operations are in flight
 _CRC_THREAD_MIN = 1 << 20
+
+
+#: In ``kv/`` while a store is open: the boot id of the machine that opened
+#: it. Found at open under another boot id, it says the machine went down
+#: (a power cut, a crash of the kernel) with the store open, so what was not
+#: fsynced may be gone: pools without ``fsync`` start empty (docs/storage_kv.md,
+#: "After a power cut"). A clean ``close()`` writes everything back and
+#: removes it.
+RUNNING_FILE = ".running"
 
 
 def object_file_length(size: int) -> int:
@@ -410,6 +419,10 @@ class KVStore:
         self._persister: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._opened = False
+        #: the machine went down with this store open (see RUNNING_FILE)
+        self.after_power_cut = False
+        self._had_disk = False  # a pool with a disk budget was served: write back at close
+        self._marked = False  # RUNNING_FILE holds this boot
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -428,7 +441,21 @@ class KVStore:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
     def _scan(self) -> tuple[dict[int, _Loaded], int, list[str]]:
-        self.kv_root.mkdir(parents=True, exist_ok=True)
+        makedirs_durable(self.kv_root)
+        running = self.kv_root / RUNNING_FILE
+        now_boot = boot_id()
+        try:
+            then = running.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            then = None
+        self.after_power_cut = then is not None and then != now_boot
+        if self.after_power_cut:
+            # The mark keeps the old boot until configure() has dropped what
+            # needs dropping: a restart before that drops it then.
+            log.warning("target %s: the machine went down with the KV store open (boot %s, now %s): "
+                        "KV pools without fsync start empty", self.target_id, then, now_boot)
+        else:
+            self._mark_running()
         now = self._now_ns()
         loaded: dict[int, _Loaded] = {}
         max_gen = 0
@@ -436,6 +463,8 @@ class KVStore:
         for entry in os.scandir(self.kv_root):
             if entry.name.startswith(".trash-"):
                 trash.append(entry.path)
+                continue
+            if entry.name.startswith(RUNNING_FILE):
                 continue
             try:
                 pool_id = int(entry.name)
@@ -524,6 +553,27 @@ class KVStore:
         self._pools.clear()
         if self._own_backend:
             await self.backend.aclose()
+        # Everything written back, then the mark of an open store goes: the
+        # next open, after a reboot or not, keeps what is on disk.
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(self._clean_shutdown)
+
+    def _mark_running(self) -> None:
+        write_durable(self.kv_root / RUNNING_FILE, boot_id().encode("ascii") + b"\n")
+        self._marked = True
+
+    def _clean_shutdown(self) -> None:
+        if not self._marked:
+            return  # opened after a power cut, never configured: the next open still drops
+        try:
+            if self._had_disk:
+                syncfs(self.kv_root)
+        except OSError as exc:
+            log.warning("target %s: KV store not written back at close (%s): it counts as a power cut "
+                        "after a reboot", self.target_id, exc)
+            return
+        os.unlink(self.kv_root / RUNNING_FILE)
+        fsync_dir(self.kv_root)
 
     # -- configuration -----------------------------------------------------------
 
@@ -556,6 +606,8 @@ class KVStore:
                 self._pools[s.pool_id] = self._new_pool(s)
             else:
                 self._resize(p, s)
+        if not self._marked:
+            self._mark_running()  # after a power cut: what it undid is dropped now
 
     def _new_pool(self, spec: KVPoolSpec) -> _Pool:
         p = _Pool(spec, self.kv_root / str(spec.pool_id))
@@ -564,7 +616,16 @@ class KVStore:
             if found is not None:
                 self._trash_dir(p.dir)
             return p
-        (p.dir / "tmp").mkdir(parents=True, exist_ok=True)
+        if found is not None and self.after_power_cut and not spec.fsync:
+            # Unsynced deletes, overwrites and evictions may have been undone
+            # by the cut: any file here may hold a value the key no longer has.
+            if found.objs:
+                log.warning("%s: %d objects dropped after a power cut (the pool does not fsync)",
+                            p.where(self.target_id), len(found.objs))
+            self._trash_dir(p.dir)
+            found = None
+        self._had_disk = True
+        makedirs_durable(p.dir / "tmp")
         if found is not None:
             p.counters["torn_discarded"] += found.torn
             p.counters["expired"] += found.expired
