@@ -309,3 +309,29 @@ def test_renewed_certificates_are_used_without_a_restart(cluster: LocalCluster, 
             await until(True, "the client's renewed certificate was not picked up")
 
     asyncio.run(client_side())
+
+
+@pytest.mark.timeout(60)
+def test_the_local_ca_and_certificates_survive_a_power_cut(tmp_path: Path) -> None:
+    """`tierfs up --tls` makes them once: a cut right after must not take
+    them (LocalCluster would then restart the daemons without TLS)."""
+    from tests.faults import LazyFS
+
+    if not LazyFS.available():
+        pytest.skip("needs /dev/fuse and fusermount3")
+    fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
+    fs.mount()
+    try:
+        d = tmp_path / "mnt" / "cluster" / "tls"
+        make_local_ca(d)
+        issue(d, "meta-0", ["127.0.0.1"])
+        made = {p.name: p.read_bytes() for p in d.iterdir()}
+        assert {"ca.pem", "ca.key", "meta-0.pem", "meta-0.key"} <= set(made)
+        fs.power_loss()
+        fs.mount()
+        assert {p.name: p.read_bytes() for p in d.iterdir()} == made
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        assert stat.S_IMODE((d / "ca.key").stat().st_mode) == 0o600
+    finally:
+        if fs.mounted:
+            fs.unmount()

@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 
 from tierfs.errors import ConfigError
+from tierfs.fsutil import fsync_dir, makedirs_durable
 
 log = logging.getLogger(__name__)
 
@@ -436,22 +437,26 @@ def grpc_channel(addr: str, tls: TlsFiles | None, options: Sequence[tuple[str, A
 # --- the local CA of `tierfs up --tls` ----------------------------------------------
 
 def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    _write(path, data, 0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
+    _write(path, data, 0o644)
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    # Durably (a power cut right after `tierfs up --tls` must not leave a
+    # cluster whose certificates are gone, which would restart without TLS).
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def make_local_ca(tls_dir: str | os.PathLike[str], *, days: int = 3650) -> Path:
@@ -463,8 +468,7 @@ def make_local_ca(tls_dir: str | os.PathLike[str], *, days: int = 3650) -> Path:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    d = Path(tls_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d = makedirs_durable(tls_dir, 0o700)
     os.chmod(d, 0o700)
     ca_pem, ca_key = d / CA_FILE, d / "ca.key"
     if ca_pem.exists() and ca_key.exists():
