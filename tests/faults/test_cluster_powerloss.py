@@ -53,12 +53,14 @@ class _Model:
         self.kv: dict[str, str | None] = {}  # key -> tag acknowledged (None: deleted)
         self.kv_maybe: dict[str, list[str | None]] = {}
         self.ops = 0  # file operations acknowledged (the cut waits for some)
+        self.moves = ""  # the rebalancer's progress just before the cut
 
     def snapshot(self) -> _Model:
         m = _Model()
         m.files, m.kv = dict(self.files), dict(self.kv)
         m.maybe = {k: list(v) for k, v in self.maybe.items()}
         m.kv_maybe = {k: list(v) for k, v in self.kv_maybe.items()}
+        m.ops, m.moves = self.ops, self.moves
         return m
 
 
@@ -159,9 +161,20 @@ async def _check(meta: list[str], m: _Model) -> list[str]:
     return bad
 
 
+async def _moves(meta: list[str]) -> str:
+    async with MetaClient(meta, deadline=3.0) as mc:
+        st = await mc.rebalance_status()
+    return f"moves done {st.moves_done}, in flight {st.moves_in_flight}, planned {st.moves_planned}"
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("grow", [False, True], ids=["steady", "while-rebalancing"])
 def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grow: bool) -> None:
+    """``while-rebalancing``: two storage daemons join after 15 file
+    operations, so groups move (fragments copied to the new members, the
+    moves committed, the old copies dropped) while the writers go on and
+    when the power goes."""
     seed = int(os.environ.get("TIERFS_POWERCUT_SEED", "4242"))
     rng = random.Random(seed)
     fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
@@ -192,8 +205,14 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
                 tasks = [asyncio.create_task(_file_worker(c, w, m, rng)) for w in range(4)]
                 tasks.append(asyncio.create_task(_kv_worker(c, m, rng)))
                 cut_at = 40 + rng.randrange(20)
+                if grow:
+                    while m.ops < 15:
+                        await asyncio.sleep(0.01)
+                    await asyncio.to_thread(cl.grow, 8)
+                    await asyncio.to_thread(cl.start)
                 while m.ops < cut_at:
                     await asyncio.sleep(0.01)
+                m.moves = await _moves(meta) if grow else ""
                 fs.power_loss()  # the cut: nothing from here on persists
                 # The daemons go on for a moment on the dead disk: whatever
                 # they acknowledge now must be durable too (or refused).
@@ -208,6 +227,8 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
                 return snap
 
         m = asyncio.run(before())
+        print(f"seed {seed}: {m.ops} file operations, {len(m.files)} files acknowledged at the cut, "
+              f"{len(m.maybe)} calls in flight {m.moves}")
         assert len(m.files) >= 5, f"{len(m.files)} acknowledged files at the cut: too few to prove anything"
         cl.stop(timeout=5)
         fs.mount()  # the reboot: only what was fsynced is there
