@@ -164,20 +164,32 @@ async def _check(meta: list[str], m: _Model) -> list[str]:
     return bad
 
 
-async def _moves(meta: list[str]) -> str:
+async def _progress(meta: list[str], case: str) -> str:
+    """The rebalancer's or the rebuild's progress just before the cut."""
     async with MetaClient(meta, deadline=3.0) as mc:
-        st = await mc.rebalance_status()
-    return f"moves done {st.moves_done}, in flight {st.moves_in_flight}, planned {st.moves_planned}"
+        if case == "while-rebalancing":
+            st = await mc.rebalance_status()
+            return f"moves done {st.moves_done}, in flight {st.moves_in_flight}, planned {st.moves_planned}"
+        if case == "while-rebuilding":
+            cmap = await mc.get_cluster_map()
+            rebuilding = sum(1 for g in cmap.groups if len(g.rebuilding))
+            return f"map version {cmap.version}, {rebuilding} of {len(cmap.groups)} groups rebuilding"
+    return ""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("grow", [False, True], ids=["steady", "while-rebalancing"])
+@pytest.mark.parametrize("case", ["steady", "while-rebalancing", "while-rebuilding"])
 def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grow: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """``while-rebalancing``: two storage daemons join after 15 file
     operations, so groups move (fragments copied to the new members, the
     moves committed, the old copies dropped) while the writers go on and
-    when the power goes."""
+    when the power goes. ``while-rebuilding``: one of seven storage daemons
+    is SIGKILLed after 15 file operations; meta calls it offline after 1.5 s
+    and replaces its targets 2 s later, and the survivors rebuild its
+    fragments onto the replacements while the writers go on (degraded until
+    then) and when the power goes. It comes back with the others after the
+    reboot, its copies now orphans."""
     seed = int(os.environ.get("TIERFS_POWERCUT_SEED", "4242"))
     rng = random.Random(seed)
     fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
@@ -185,7 +197,12 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
     root = tmp_path / "mnt" / "cluster"
     cl: LocalCluster | None = None
     try:
-        cl = LocalCluster(root, n_meta=3, n_storage=6)
+        if case == "while-rebuilding":
+            cl = LocalCluster(root, n_meta=3, n_storage=7,
+                              extra_meta_args=["--heartbeat-timeout=1.5", "--replace-after=2", "--tick-interval=0.2"],
+                              extra_storage_args=["--heartbeat-interval=0.2", "--rebuild-interval=0.3"])
+        else:
+            cl = LocalCluster(root, n_meta=3, n_storage=6)
         monkeypatch.setenv("TIERFS_TOKEN", cl.export_token())
         cl.up(timeout=120)
         meta = cl.meta_addrs
@@ -208,14 +225,23 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
                 tasks = [asyncio.create_task(_file_worker(c, w, m, rng)) for w in range(4)]
                 tasks.append(asyncio.create_task(_kv_worker(c, m, rng)))
                 cut_at = 40 + rng.randrange(20)
-                if grow:
+                if case != "steady":
                     while m.ops < 15:
                         await asyncio.sleep(0.01)
+                if case == "while-rebalancing":
                     await asyncio.to_thread(cl.grow, 8)
                     await asyncio.to_thread(cl.start)
+                elif case == "while-rebuilding":
+                    cl.kill("storage-0")
+                    # the cut comes once its targets are replaced and rebuilding
+                    for _ in range(300):
+                        if " 0 of " not in await _progress(meta, case):
+                            break
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(rng.random())
                 while m.ops < cut_at:
                     await asyncio.sleep(0.01)
-                m.moves = await _moves(meta) if grow else ""
+                m.moves = await _progress(meta, case)
                 fs.power_loss()  # the cut: nothing from here on persists
                 # The daemons go on for a moment on the dead disk: whatever
                 # they acknowledge now must be durable too (or refused).
