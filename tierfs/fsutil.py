@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 
 #: Overrides the kernel's boot id (tests: a simulated power cut is a reboot).
@@ -55,7 +56,9 @@ def write_durable(path: str | os.PathLike[str], data: bytes) -> None:
     old or the new contents, never neither: a temporary file, fsynced,
     renamed over it, and the directory fsynced."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    # Its own temporary name: two threads (or processes) writing the same
+    # file must not rename each other's (the last rename wins, whole).
+    tmp = p.with_name(f"{p.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, data)
