@@ -51,17 +51,18 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> Path:
     return p
 
 
-def write_durable(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that after a power cut it holds the
-    old or the new contents, never neither: a temporary file, fsynced,
-    renamed over it, and the directory fsynced."""
+def write_durable(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` (file mode ``mode``) so that after a
+    power cut it holds the old or the new contents, never neither: a
+    temporary file, fsynced, renamed over it, and the directory fsynced."""
     p = Path(path)
     # Its own temporary name: two threads (or processes) writing the same
     # file must not rename each other's (the last rename wins, whole).
     tmp = p.with_name(f"{p.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         os.write(fd, data)
+        os.fchmod(fd, mode)  # whatever the umask
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 
 from tierfs.errors import ConfigError
-from tierfs.fsutil import fsync_dir, makedirs_durable
+from tierfs.fsutil import makedirs_durable, write_durable
 
 log = logging.getLogger(__name__)
 
@@ -437,26 +437,13 @@ def grpc_channel(addr: str, tls: TlsFiles | None, options: Sequence[tuple[str, A
 # --- the local CA of `tierfs up --tls` ----------------------------------------------
 
 def _write_private(path: Path, data: bytes) -> None:
-    _write(path, data, 0o600)
+    # Durably: a power cut right after `tierfs up --tls` must not leave a
+    # cluster whose certificates are gone (it would restart without TLS).
+    write_durable(path, data, 0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
-    _write(path, data, 0o644)
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    # Durably (a power cut right after `tierfs up --tls` must not leave a
-    # cluster whose certificates are gone, which would restart without TLS).
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_durable(path, data, 0o644)
 
 
 def make_local_ca(tls_dir: str | os.PathLike[str], *, days: int = 3650) -> Path:
