@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "3c6452539ffbfc251298033465a4a5826302b026"
+PREVIOUS = "ca934ed33970cc2133f1ae42569d892a9d6c855f"
 
 REPO = Path(__file__).resolve().parents[2]
 
