@@ -5,6 +5,7 @@ wrong data), and the meta leader SIGKILLed in the middle of a large write."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.client.util import digest, random_bytes, start_cluster
-from tierfs.client import Client
-from tierfs.errors import InsufficientTargetsError, TierFSError, UnavailableError
+from tierfs.client import AsyncClient, Client
+from tierfs.errors import BusyError, InsufficientTargetsError, TierFSError, UnavailableError
 from tierfs.local import LocalCluster
 
 MiB = 1 << 20
@@ -196,3 +197,61 @@ def test_reads_follow_a_group_member_replaced(tmp_path: Path, monkeypatch: pytes
             assert digest(client.read_bytes("/r/old.bin")) == digest(old)
     finally:
         cl.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_write_cancelled_while_meta_is_unreachable_returns_within_the_abort_deadline(
+        own_cluster: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """Cancelling a writer aborts its session, best effort: with every meta
+    replica stalled (SIGSTOP) the abort gives up after ``abort_deadline``
+    (2 s here), not after twice ``meta_deadline`` (20 s each) as it did. The
+    file stays what it was, and once meta is back and the lease has run out,
+    the next writer gets it."""
+    cl = own_cluster
+    old, new = random_bytes(5 * MiB + 3, seed=41), random_bytes(13 * MiB + 1, seed=42)
+    metas = [cl.proc(p.name).pid for p in cl.procs if p.name.startswith("meta-")]
+    assert len(metas) == 3
+
+    async def go() -> float:
+        async with AsyncClient(cl.meta_addrs, lease_ms=3000, abort_deadline=2.0, meta_deadline=20.0,
+                               meta_attempt_timeout=3.0) as client:
+            await client.write_bytes("/c.bin", old)
+            flushed = asyncio.Event()
+
+            async def writer() -> None:
+                async with await client.open("/c.bin", "r+b") as f:
+                    await f.write(new)
+                    await f.flush()
+                    flushed.set()
+                    await asyncio.Event().wait()  # until cancelled
+
+            task = asyncio.create_task(writer())
+            await asyncio.wait_for(flushed.wait(), 60)
+            for pid in metas:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 30)
+                elapsed = time.monotonic() - t0
+            finally:
+                for pid in metas:
+                    os.kill(pid, signal.SIGCONT)
+            assert digest(await client.read_bytes("/c.bin")) == digest(old)
+            # The session ends when its lease runs out: until then BusyError.
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    await client.write_bytes("/c.bin", new)
+                    break
+                except BusyError:
+                    assert time.monotonic() < deadline, "the aborted session never ended"
+                    await asyncio.sleep(0.2)
+            assert digest(await client.read_bytes("/c.bin")) == digest(new)
+            return elapsed
+
+    with caplog.at_level(logging.WARNING, logger="tierfs.client.file"):
+        elapsed = asyncio.run(go())
+    assert elapsed < 2.0 + 3.0, elapsed  # abort_deadline plus the cancelled sends' own wind-down
+    assert any("could not be ended" in r.getMessage() for r in caplog.records), caplog.text

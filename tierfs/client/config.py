@@ -32,6 +32,9 @@ class ClientConfig(BaseConfig):
     meta_deadline: float = field(
         20.0, "Total time a metadata call may spend, retries and leader fail-over included.", kind="duration")
     meta_attempt_timeout: float = field(3.0, "Deadline of one metadata RPC attempt.", kind="duration")
+    abort_deadline: float = field(
+        5.0, "Total time an aborted write (an error, a cancel) spends telling meta to end its session; "
+        "past it the session ends when its lease runs out.", kind="duration")
     retries: int = field(3, "Attempts per fragment before it counts as lost (the read then decodes around it).")
     backoff_initial: float = field(0.05, "First retry delay; doubles per attempt.", kind="duration")
     backoff_max: float = field(1.0, "Largest retry delay.", kind="duration")
@@ -136,7 +139,7 @@ class ClientConfig(BaseConfig):
         for name in ("connections_per_peer", "retries", "read_concurrency", "write_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError("must be >= 1", field=name)
-        for name in ("request_timeout", "connect_timeout", "meta_deadline", "meta_attempt_timeout"):
+        for name in ("request_timeout", "connect_timeout", "meta_deadline", "meta_attempt_timeout", "abort_deadline"):
             if getattr(self, name) <= 0:
                 raise ConfigError("must be > 0", field=name)
         if self.backoff_initial < 0 or self.backoff_max < self.backoff_initial:

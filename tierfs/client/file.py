@@ -54,6 +54,8 @@ from tierfs.errors import (
     SessionExpiredError,
     StaleVersionError,
     TierFSError,
+    TimeoutError_,
+    UnavailableError,
 )
 from tierfs.meta.ops import MAX_CHUNKS_PER_REQUEST
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -68,6 +70,11 @@ log = logging.getLogger(__name__)
 #: Commits a writer tries when meta refuses one as stale (the group moved
 #: again between its look at the map and the commit).
 _COMMIT_TRIES = 3
+
+
+def _left(until: float | None) -> float | None:
+    """The seconds left until loop time ``until`` (None: no bound)."""
+    return None if until is None else max(0.0, until - asyncio.get_running_loop().time())
 
 
 def _parse_mode(mode: str) -> tuple[str, bool]:
@@ -544,14 +551,17 @@ class AsyncFile:
             except TierFSError:
                 pass  # meta unreachable for now: what was not sent is sent at the next renewal
 
-    async def _renew(self, *, keep: bool = False) -> tuple[list[tuple[int, int]], list[pb.ChunkRecord]]:
+    async def _renew(self, *, keep: bool = False,
+                     until: float | None = None) -> tuple[list[tuple[int, int]], list[pb.ChunkRecord]]:
         """Renew the lease, telling meta of the uploads begun and staging the
         records of the chunks stored since the last renewal, in requests of
         at most ``MAX_CHUNKS_PER_REQUEST`` of each (a session may write any
         number of chunks; every request stays small). An item leaves the
         backlog only once meta has it, so a renewal that fails or is
         cancelled loses nothing. ``keep``: the last batch is not sent but
-        returned, for the commit or abort to carry."""
+        returned, for the commit or abort to carry. ``until``: the loop time
+        by which it gives up (the abort's bound; None: meta's deadline per
+        request)."""
         assert self._session is not None
         sid, cfg, n = self._session.session_id, self._client.config, MAX_CHUNKS_PER_REQUEST
         async with self._renew_lock:
@@ -562,7 +572,8 @@ class AsyncFile:
                 last = len(self._unreported) <= n and len(self._unstaged) <= n
                 if keep and last:
                     return ups, recs
-                await self._client.meta.renew_lease(sid, uploads=ups, lease_ms=cfg.lease_ms, chunks=recs)
+                await self._client.meta.renew_lease(sid, uploads=ups, lease_ms=cfg.lease_ms, chunks=recs,
+                                                    deadline=_left(until))
                 del self._unreported[: len(ups)]  # uploads begun meanwhile were appended after them
                 for i, rec in sent.items():
                     if self._written[i] is rec:  # not stored again meanwhile
@@ -654,9 +665,21 @@ class AsyncFile:
             await asyncio.wait(list(self._inflight.values()))
         await self._stop_renewer()
         if self._session is not None:
-            with contextlib.suppress(TierFSError):
-                ups, _ = await self._renew(keep=True)  # every upload to meta, so that all go to GC
-                await self._client.meta.abort_write(self._session.session_id, uploads=ups)
+            # Best effort, and bounded by ``abort_deadline`` rather than meta's
+            # deadline (twice over: the renewal, then the abort): an abort
+            # that never reaches meta loses nothing, as the lease expires and
+            # meta takes the reported uploads to GC, scrub the rest as orphans.
+            until = asyncio.get_running_loop().time() + self._client.config.abort_deadline
+            try:
+                ups, _ = await self._renew(keep=True, until=until)  # every upload to meta, so that all go to GC
+                await self._client.meta.abort_write(self._session.session_id, uploads=ups, deadline=_left(until))
+            except TierFSError as exc:
+                # Unreachable meta: say so (the file stays busy for other
+                # writers until the lease runs out). Anything else (the
+                # session already expired, say) leaves nothing to end.
+                level = logging.WARNING if isinstance(exc, UnavailableError | TimeoutError_) else logging.DEBUG
+                log.log(level, "%s: the aborted write session %d could not be ended (%s); meta ends it when its "
+                        "lease expires", self.path, self._session.session_id, exc)
 
     async def _drop_ahead(self) -> None:
         loads = [t for t, _ in self._chunks.values() if not t.done()]

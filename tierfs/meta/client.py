@@ -268,9 +268,12 @@ class MetaClient:
 
     async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
                     addr: str | None = None, attempt_timeout: float | None = None,
-                    token: str | None = None, request_id: int | None = None) -> _R:
+                    token: str | None = None, request_id: int | None = None,
+                    deadline: float | None = None) -> _R:
+        """``deadline``: this call's own bound on its retries, when shorter
+        than the client's."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.deadline
+        end = loop.time() + (self.deadline if deadline is None else max(0.0, min(deadline, self.deadline)))
         md = bearer(self.token if token is None else token)
         if mutating:
             rid = next(self._req) if request_id is None else request_id
@@ -564,13 +567,14 @@ class MetaClient:
                                 pb.OpenWriteReply, mutating=True)
 
     async def renew_lease(self, session_id: int, uploads: Iterable[tuple[int, int]] = (), lease_ms: int = 0,
-                          chunks: Iterable[pb.ChunkRecord] = ()) -> int:
+                          chunks: Iterable[pb.ChunkRecord] = (), *, deadline: float | None = None) -> int:
         """Extend the lease, telling meta of the uploads (chunk, generation)
         begun and staging the records of the chunks stored since the last
-        renewal; returns the new expiry (ns since the epoch)."""
+        renewal; returns the new expiry (ns since the epoch). ``deadline``:
+        a shorter bound than the client's on this call's retries."""
         req = pb.RenewLeaseRequest(session_id=session_id, lease_ms=lease_ms, chunks=list(chunks),
                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
-        reply = await self._call("RenewLease", req, pb.RenewLeaseReply, mutating=True)
+        reply = await self._call("RenewLease", req, pb.RenewLeaseReply, mutating=True, deadline=deadline)
         return reply.lease_expiry_ns
 
     async def commit_write(self, session_id: int, size: int, chunks: Iterable[pb.ChunkRecord],
@@ -584,10 +588,13 @@ class MetaClient:
                                     map_version=map_version)
         return await self._call("CommitWrite", req, pb.FileInfo, mutating=True)
 
-    async def abort_write(self, session_id: int, uploads: Iterable[tuple[int, int]] = ()) -> None:
+    async def abort_write(self, session_id: int, uploads: Iterable[tuple[int, int]] = (), *,
+                          deadline: float | None = None) -> None:
+        """End the session, its uploads to GC. ``deadline``: a shorter bound
+        than the client's on this call's retries."""
         req = pb.AbortWriteRequest(session_id=session_id,
                                    uploads=[pb.ChunkUpload(index=c, generation=g) for c, g in uploads])
-        await self._call("AbortWrite", req, pb.Empty, mutating=True)
+        await self._call("AbortWrite", req, pb.Empty, mutating=True, deadline=deadline)
 
     # ---- cluster map --------------------------------------------------------------
 
