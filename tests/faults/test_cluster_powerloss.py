@@ -22,6 +22,7 @@ import contextlib
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,13 @@ async def _check(meta: list[str], m: _Model) -> list[str]:
     return bad
 
 
+def _up_quietly(cl: LocalCluster) -> None:
+    """``up`` that the power may cut short (the daemons then die of the
+    dead mount, and so may ``up``)."""
+    with contextlib.suppress(Exception):
+        cl.up(timeout=30)
+
+
 async def _progress(meta: list[str], case: str) -> str:
     """The rebalancer's or the rebuild's progress just before the cut."""
     async with MetaClient(meta, deadline=3.0) as mc:
@@ -178,7 +186,7 @@ async def _progress(meta: list[str], case: str) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["steady", "while-rebalancing", "while-rebuilding"])
+@pytest.mark.parametrize("case", ["steady", "while-rebalancing", "while-rebuilding", "again-while-restarting"])
 def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """``while-rebalancing``: two storage daemons join after 15 file
@@ -189,7 +197,13 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
     and replaces its targets 2 s later, and the survivors rebuild its
     fragments onto the replacements while the writers go on (degraded until
     then) and when the power goes. It comes back with the others after the
-    reboot, its copies now orphans."""
+    reboot, its copies now orphans. ``again-while-restarting``: as
+    ``steady``, then the power goes a second time while the cluster starts
+    again after the first cut (meta replaying and truncating its journals,
+    the KV stores finding the boot changed and dropping their pools without
+    fsync, the storage daemons registering and scrubbing), at a moment drawn
+    from the seed; after the second reboot every write acknowledged before
+    the first cut must still be there."""
     seed = int(os.environ.get("TIERFS_POWERCUT_SEED", "4242"))
     rng = random.Random(seed)
     fs = LazyFS(tmp_path / "disk", tmp_path / "mnt")
@@ -262,6 +276,23 @@ def test_a_power_cut_of_the_whole_cluster_keeps_every_acknowledged_write(
         cl.stop(timeout=5)
         fs.mount()  # the reboot: only what was fsynced is there
         monkeypatch.setenv(BOOT_ID_ENV, boot_id() + "-after-the-cut")
+        if case == "again-while-restarting":
+            cl = LocalCluster.open(root)
+            delay = rng.uniform(0.0, 3.0)
+            starting = threading.Thread(target=_up_quietly, args=(cl,), daemon=True)
+            starting.start()
+            starting.join(delay)
+            alive = sum(p.alive() for p in cl.procs)
+            fs.power_loss()  # the second cut, while the cluster starts again
+            print(f"second cut {delay:.2f} s into the restart, {alive} daemons running")
+            starting.join(60)
+            assert not starting.is_alive(), "tierfs up hung after the second cut"
+            for p in cl.procs:
+                if p.alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            cl.stop(timeout=5)
+            fs.mount()
+            monkeypatch.setenv(BOOT_ID_ENV, boot_id() + "-after-the-second-cut")
         cl = LocalCluster.open(root)
         cl.up(timeout=120)
         bad = asyncio.run(_check(cl.meta_addrs, m))
