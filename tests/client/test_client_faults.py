@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.client.test_generations import _holder
 from tests.client.util import digest, random_bytes, start_cluster
 from tierfs.client import AsyncClient, Client
 from tierfs.errors import BusyError, InsufficientTargetsError, TierFSError, UnavailableError
@@ -255,3 +256,26 @@ def test_a_write_cancelled_while_meta_is_unreachable_returns_within_the_abort_de
         elapsed = asyncio.run(go())
     assert elapsed < 2.0 + 3.0, elapsed  # abort_deadline plus the cancelled sends' own wind-down
     assert any("could not be ended" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("redundancy", ["ec:1+1", "ec:2+1"])
+def test_a_decode_never_gives_up_the_fragments_it_needs_for_a_dead_one(
+        own_cluster: LocalCluster, redundancy: str) -> None:
+    """Found by a new user: with a data fragment's node SIGKILLed, a chunk
+    whose surviving fragments take longer to fetch than the hedge delay (64
+    MiB chunks) was unreadable: the decode counted the dead fragment as a
+    spare and hedged away the fragments it needed ("0 of the 1 fragments
+    needed arrived"). Hedging is forced on every fetch here (2 ms)."""
+    cl = own_cluster
+    data = random_bytes(64 * MiB, seed=51)
+    with Client(cl.meta_addrs, request_timeout=10.0, connect_timeout=1.0, hedge_after=0.002,
+                hedge_min=0.001) as client:
+        client.mkdir("/big")
+        client.set_layout("/big", redundancy=redundancy, chunk_size=64 * MiB)
+        client.write_bytes("/big/f", data)
+        victim = next(p.name for p in cl.procs
+                      if p.kind == "storage" and p.addr == client._run(_holder(client.aclient, "/big/f", 0, 0)))
+        cl.kill(victim)
+        for _ in range(3):  # the first read finds the node dead; the next ones know it
+            assert digest(client.read_bytes("/big/f")) == digest(data)

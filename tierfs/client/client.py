@@ -728,7 +728,10 @@ class AsyncClient:
                     res = await data.read_batch(items, timeout=self.config.request_timeout, crcs=crcs,
                                                 serials=serials)
                 else:
-                    res = await self._hedged_batch(items, hedge, codec.m, crcs, serials=serials)
+                    # Parity can stand in only where its target may answer.
+                    stand_in = sum(1 for j in range(codec.k, codec.width) if j not in skip
+                                   and not router.down(targets[j]) and not router.failed_recently(targets[j]))
+                    res = await self._hedged_batch(items, hedge, stand_in, crcs, serials=serials)
             except BaseException:
                 if stats is not None:
                     stats.cancel()
@@ -1098,7 +1101,14 @@ class AsyncClient:
                 # given up for another fragment, while one is left to ask
                 # (a stalled node that no read has marked slow yet would
                 # otherwise hold the decode to the request timeout).
-                spare = sum(1 for j in order if j not in have and j not in perm and j not in tried)
+                # Only fragments that may yet answer count: not one that
+                # failed in this read or whose target failed just now (giving
+                # up a slow but sound fetch for those lost whole chunks whose
+                # surviving fragments take longer than the hedge delay: a
+                # 64 MiB ec:1+1 chunk with its data target down).
+                spare = sum(1 for j in order if j not in have and j not in perm and j not in tried
+                            and isinstance(errors.get(j), _Hedged | None) and not router.down(targets[j])
+                            and not router.failed_recently(targets[j]))
                 hedge = self._hedge_delay() if spare else None
                 got_serials: list[int] = []
                 if hedge is None:
