@@ -201,6 +201,13 @@ def test_cli_simulate_json_and_bad_arguments() -> None:
     assert run(["placement", "simulate", "--nodes", "12", "--racks", "4", "--redundancy", "ec:4+2"],
                stdout=out, stderr=err, env={}) == 0
     assert "up to 2 per rack" in out.getvalue() and "node added" in out.getvalue()
+    assert "NOT PLACED" not in out.getvalue()
+    # Too few nodes for the width after a loss: the text says what it could not place (it only
+    # showed "data moved 0.000%" and a rebuild time, the count being in --json alone).
+    out = io.StringIO()
+    assert run(["placement", "simulate", "--nodes", "6", "--targets-per-node", "1", "--racks", "3",
+                "--redundancy", "ec:4+2"], stdout=out, stderr=err, env={}) == 0
+    assert "NOT PLACED: rebuild" in out.getvalue() and "NOT PLACED: node removed" in out.getvalue(), out.getvalue()
     for bad, msg in ((["--nodes", "5"], "needs at least 10 nodes"), (["--racks", "200"], "--racks"),
                      (["--redundancy", "ec:8"], "redundancy"), (["--disk-bw", "fast"], "not a size")):
         err = io.StringIO()

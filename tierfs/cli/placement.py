@@ -220,6 +220,9 @@ def simulate(nodes: int, targets_per_node: int, racks: int, k: int, m: int, grou
         "moved_fraction_remove_node": (len(drain) + len(rm_moves)) * frag / total,
         "moved_fraction_remove_node_ideal": 1 / nodes,
         "moves_remove_node": len(drain) + len(rm_moves),
+        # fragments of the removed node that found no new member (too few
+        # nodes or racks left for the width): the drain leaves them behind
+        "remove_node_unplaced": sum(1 for ms in gm.values() for t in ms if t in gone) - len(drain),
         "balance_max_over_mean_after_remove": rm_max,
         "balance_min_over_mean_after_remove": rm_min,
         "rack_violations_after_moves": after_viol,
@@ -263,6 +266,12 @@ def render(r: dict[str, Any]) -> str:
          f"ideal 1/N = {pct(r['moved_fraction_remove_node_ideal'])}; then max/mean "
          f"{r['balance_max_over_mean_after_remove']:.3f}, min/mean {r['balance_min_over_mean_after_remove']:.3f}"],
         ["rule violations after moves", r["rack_violations_after_moves"], "must be 0"],
+        *([["NOT PLACED: rebuild", f"{r['rebuild_unplaced']:,} fragments",
+            "no eligible target on a node (or rack) the group does not use: "
+            "they stay lost (the group degraded) until the cluster grows"]] if r.get("rebuild_unplaced") else []),
+        *([["NOT PLACED: node removed", f"{r['remove_node_unplaced']:,} fragments",
+            "no eligible target on a node (or rack) the group does not use: "
+            "the drain cannot move them off"]] if r.get("remove_node_unplaced") else []),
         ["run time", f"{r['seconds']:.1f} s",
          f"{r['cpu_seconds']:.1f} s of CPU: "
          + ", ".join(f"{p} {s:.1f} s" for p, s in r["phase_cpu_seconds"].items())],
