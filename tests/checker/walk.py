@@ -968,7 +968,10 @@ class Checker(ProcessFaults):
     def op_target_rm(self, node: str) -> None:
         tid = self.env.target_of_node(node)
         out, err = io.StringIO(), io.StringIO()
-        code = cli(["target", "rm", str(tid), "--json", "--meta", ",".join(self.env.meta)], stdout=out, stderr=err)
+        # --force: the walk declares the target dead whatever else is down
+        # (a node it killed); its files are within their redundancy.
+        code = cli(["target", "rm", str(tid), "--force", "--json", "--meta", ",".join(self.env.meta)],
+                   stdout=out, stderr=err)
         if code != 0:
             self.violation("rebuild", f"tierfs target rm {tid} exited {code}: {err.getvalue()[-500:]}")
             return

@@ -95,6 +95,7 @@ def test_pool_wider_than_the_cluster_is_made_without_groups(meta: str) -> None:
     (["create", "x"], 1, "give a per-target memory or disk budget"),
     (["create", "bad/name", "--target-memory", "1MiB"], 1, "KV pool name 'bad/name'"),
     (["create", "default", "--target-memory", "1MiB"], 1, "KV pool 'default' already exists"),
+    (["create", "default"], 1, "KV pool 'default' already exists"),  # not "give a ... budget"
     (["rm", "nope"], 1, "no KV pool 'nope'"),
     (["frobnicate"], 2, "invalid choice"),
     ([], 2, "the following arguments are required: ACTION"),

@@ -272,3 +272,59 @@ def test_rebuild_starts_when_the_map_changes_not_at_the_next_poll(tmp_path: Path
         _kill_two_and_read(cl, {"storage-2"}, files)
     finally:
         cl.stop()
+
+
+@pytest.mark.timeout(120)
+def test_target_rm_refuses_to_drop_the_last_readable_copy_without_force(cluster: LocalCluster) -> None:
+    """Found by a new user: ``target rm`` of a healthy target holding the
+    only copy of a ``replica:1`` file dropped it for good (its group then
+    "rebuilt" from nothing, the file unreadable). Now it is refused, naming
+    ``node drain``, and nothing changes; so is removing a healthy member of a
+    group whose other member is down. ``--force`` removes it anyway."""
+    one = random_bytes(300 * 1024, 7)
+
+    async def write() -> int:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/one")
+            await c.set_layout("/one", chunk_size=128 * 1024, redundancy="replica:1")
+            await c.write_bytes("/one/f", one)
+            info = await c.meta.stat("/one/f")
+            cmap = await c.meta.get_cluster_map()
+            gid = info.layout.groups[0]
+            return next(g.target_ids[0] for g in cmap.groups if g.group_id == gid)
+
+    tid = asyncio.run(write())
+    before = asyncio.run(map_now(cluster))
+    code, _, err = _cli(cluster, "target", "rm", str(tid))
+    assert code != 0 and "replica:1" in err and "node drain" in err and "--force" in err, err
+    after = asyncio.run(map_now(cluster))
+    assert after.version == before.version and all(t.state != pb.TARGET_STATE_FAILED for t in after.targets)
+    asyncio.run(_check(cluster, {"/one/f": one}))
+    code, out, err = _cli(cluster, "target", "rm", str(tid), "--force")
+    assert code == 0 and out["target"] == tid, err
+
+    # A replica:2 group with one member's node killed: its healthy member is the last copy.
+    async def write2() -> tuple[int, int]:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/two")
+            await c.set_layout("/two", chunk_size=128 * 1024, redundancy="replica:2")
+            await c.write_bytes("/two/f", one)
+            info = await c.meta.stat("/two/f")
+            cmap = await c.meta.get_cluster_map()
+            gid = info.layout.groups[0]
+            a, b = next(list(g.target_ids) for g in cmap.groups if g.group_id == gid)
+            return a, b
+
+    a, b = asyncio.run(write2())
+    cmap = asyncio.run(map_now(cluster))
+    node_a = next(t.node_id for t in cmap.targets if t.target_id == a)
+    addr_a = next(n.data_addr for n in cmap.nodes if n.node_id == node_a)
+    cluster.kill(next(p.name for p in cluster.procs if p.kind == "storage" and p.addr == addr_a))
+    asyncio.run(wait_map(cluster, lambda m: any(t.target_id == a and t.state == pb.TARGET_STATE_OFFLINE
+                                                    for t in m.targets), 30, f"target {a} offline"))
+    code, _, err = _cli(cluster, "target", "rm", str(b))
+    assert code != 0 and "down or being rebuilt" in err and "--force" in err, err
+    asyncio.run(_check(cluster, {"/two/f": one}))
+    # The dead one may go: its copy is unreadable anyway.
+    code, _, err = _cli(cluster, "target", "rm", str(a))
+    assert code == 0, err

@@ -24,13 +24,15 @@ __all__ = [
 ]
 
 
-async def remove_target(meta: Sequence[str], target_id: int, *, timeout: float = 20.0) -> dict[str, Any]:
+async def remove_target(meta: Sequence[str], target_id: int, *, timeout: float = 20.0,
+                        force: bool = False) -> dict[str, Any]:
     """Declare a target dead: meta replaces it in every group at once and the
-    replacements rebuild its fragments from the survivors."""
+    replacements rebuild its fragments from the survivors. Refused while the
+    target is online and the last readable copy of some group, unless ``force``."""
     from tierfs.meta import MetaClient
 
     async with MetaClient(list(meta), deadline=timeout) as mc:
-        reply = await mc.remove_target(target_id)
+        reply = await mc.remove_target(target_id, force=force)
     return {"target": target_id, "groups_stuck": list(reply.groups_stuck)}
 
 
@@ -238,6 +240,8 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p = cmd("target", "storage targets: rm (declare dead, rebuild its fragments elsewhere)")
     p.add_argument("action", choices=["rm"])
     p.add_argument("id", type=int)
+    p.add_argument("--force", action="store_true",
+                   help="remove it even where it is online and the last readable copy of a group (that data is lost)")
     p = cmd("node", "storage nodes: drain (move all fragments off), rm (forget a drained node) or label "
                     "(--rack R: its failure domain)")
     p.add_argument("action", choices=["drain", "rm", "label"])
@@ -256,7 +260,7 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
             run: Callable[[Any], Any]) -> int | None:
     """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
     if ns.cmd == "target":
-        r = run(remove_target(meta, ns.id, timeout=ns.timeout))
+        r = run(remove_target(meta, ns.id, timeout=ns.timeout, force=ns.force))
         emit(r, f"target {ns.id} removed; its groups are rebuilding elsewhere"
              + (f" (no replacement for groups {r['groups_stuck']}: they stay degraded)" if r["groups_stuck"] else ""))
         return 0

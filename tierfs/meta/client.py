@@ -637,10 +637,12 @@ class MetaClient:
         await self._call("FinishRebuild", pb.FinishRebuildRequest(group_id=group_id, target_id=target_id),
                          pb.Empty, mutating=True)
 
-    async def remove_target(self, target_id: int) -> pb.ReplaceReply:
-        """Declare a target dead: replaced in every group at once, never used again."""
-        return await self._call("RemoveTarget", pb.RemoveTargetRequest(target_id=target_id), pb.ReplaceReply,
-                                mutating=True)
+    async def remove_target(self, target_id: int, *, force: bool = False) -> pb.ReplaceReply:
+        """Declare a target dead: replaced in every group at once, never used
+        again. Refused (``BusyError``) while it is online and the last readable
+        copy of some group, unless ``force``."""
+        return await self._call("RemoveTarget", pb.RemoveTargetRequest(target_id=target_id, force=force),
+                                pb.ReplaceReply, mutating=True)
 
     async def drain_node(self, node_id: int) -> pb.ReplaceReply:
         """Move every fragment off a healthy node (its targets leave every group)."""

@@ -94,6 +94,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from tierfs import capability as capmod
 from tierfs.errors import (
     ERROR_CODE_KEY,
+    AlreadyExistsError,
+    BusyError,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -1067,9 +1069,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def RemoveTarget(self, request: pb.RemoveTargetRequest, context: Ctx) -> pb.ReplaceReply:
-        req = pb.RemoveTargetRequest(target_id=request.target_id)
+        req = pb.RemoveTargetRequest(target_id=request.target_id, force=request.force)
         t = self.state.targets.get(req.target_id)
         if t is not None and not t.removed:  # else apply refuses it, with its message
+            if not request.force:
+                self._refuse_losing_removal(t.id)
             req.replaced.CopyFrom(await self._plan_replacements([t.id], [t.id]))
         return await self._mutate(context, "remove_target", req, pb.ReplaceReply)
 
@@ -1081,6 +1085,42 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             mine = sorted(node.targets)
             req.replaced.CopyFrom(await self._plan_replacements(mine, mine))
         return await self._mutate(context, "drain_node", req, pb.ReplaceReply)
+
+    def _refuse_losing_removal(self, tid: int) -> None:
+        """``BusyError`` when removing target ``tid`` would lose data it still
+        serves: it is readable (online or read-only) and some group of it has
+        no other member to rebuild from (width 1: ``replica:1``), or has
+        another member down or being rebuilt. The rebuild of a removed target
+        decodes from the survivors; a healthy target's fragments can be
+        copied off instead (``tierfs node drain``). ``force`` skips this."""
+        sm = self.state
+        t = sm.targets[tid]
+        readable = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
+        if sm._target_state(t) not in readable:
+            return  # down already: its fragments are unreadable either way
+        alone: list[int] = []
+        weak: list[int] = []
+        for gid, members in sm.groups.items():
+            if tid not in members:
+                continue
+            others = [m for m in members if m != tid]
+            if not others:
+                alone.append(gid)
+            elif any(m in sm.rebuilding.get(gid, ()) or m not in sm.targets
+                     or sm._target_state(sm.targets[m]) not in readable for m in others):
+                weak.append(gid)
+        if not alone and not weak:
+            return
+        why = []
+        if alone:
+            why.append(f"the only member of {len(alone)} group(s) ({', '.join(map(str, sorted(alone)[:5]))}"
+                       f"{', ...' if len(alone) > 5 else ''}: replica:1 data has no other copy)")
+        if weak:
+            why.append(f"a member of {len(weak)} group(s) whose other members are down or being rebuilt "
+                       f"({', '.join(map(str, sorted(weak)[:5]))}{', ...' if len(weak) > 5 else ''})")
+        raise BusyError(f"target {tid} is online and {' and '.join(why)}: removing it would lose what only it "
+                        f"still serves. Copy it off first (`tierfs node drain {t.node}`), or remove it anyway "
+                        f"with --force")
 
     async def _plan_replacements(self, tids: list[int], leaving: list[int]) -> pb.Replacements:
         """The replacements of ``tids`` (tierfs.meta.replace): inputs copied
@@ -1135,6 +1175,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def CreateKVPool(self, request: pb.CreateKVPoolRequest, context: Ctx) -> pb.KVPool:
         from tierfs.kv.policy import policy_names
 
+        if request.name and any(p.name == request.name for p in self.state.kv_pools.values()):
+            # Before the budgets are checked: "give a per-target budget" was
+            # the answer to a second `kv pool create hot`, not "exists".
+            raise AlreadyExistsError(f"KV pool {request.name!r} already exists")
         # Checked here, not in apply (which checks the name's form only), so
         # that a journal replays the same whatever policies a release has.
         # Every storage daemon must be able to build the pool: an unknown

@@ -1576,9 +1576,9 @@ class MetaStateMachine(Tracked):
     def _kv_create(self, r: pb.CreateKVPoolRequest, *, plan: bool) -> KVPoolRecord:
         """A new pool; with ``plan`` (entries of older versions) its groups
         planned here, else none until the leader's KVGroups op."""
-        redundancy, width, policy = check_kv_pool_create(r)
-        if any(p.name == r.name for p in self.kv_pools.values()):
+        if any(p.name == r.name for p in self.kv_pools.values()):  # first: the clearer answer
             raise AlreadyExistsError(f"KV pool {r.name!r} already exists")
+        redundancy, width, policy = check_kv_pool_create(r)
         if len(self.kv_pools) >= MAX_KV_POOLS:
             raise InvalidArgumentError(f"the cluster has {len(self.kv_pools)} KV pools, the most allowed; "
                                        f"remove one first (`tierfs kv pool rm NAME`)")

@@ -1935,7 +1935,13 @@ class RemoveTargetRequest(_message.Message):
 
     TARGET_ID_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
     target_id: _builtins.int
+    force: _builtins.bool
+    """Remove it even where it is the last readable copy of some group (a
+    target still online in a group of width 1, or whose other members are
+    down or being rebuilt): the service refuses that otherwise (BUSY).
+    """
     @_builtins.property
     def replaced(self) -> Global___Replacements:
         """The replacements, computed by the leader's service (not inside apply);
@@ -1947,10 +1953,11 @@ class RemoveTargetRequest(_message.Message):
         *,
         target_id: _builtins.int = ...,
         replaced: Global___Replacements | None = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replaced", b"replaced", "target_id", b"target_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "replaced", b"replaced", "target_id", b"target_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
