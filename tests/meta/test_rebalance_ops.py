@@ -152,3 +152,18 @@ def test_moves_wait_for_a_write_session_a_bounded_time(session_ends: bool) -> No
         assert gid in d.sm.moving
 
     asyncio.run(rounds())
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("done", "ratio", "word"), [
+    (True, 1.05, "rebalance: balanced"), (True, 1.28, "rebalance: idle, not balanced"), (False, 1.28, "moving")])
+def test_status_says_balanced_only_inside_the_band(done: bool, ratio: float, word: str) -> None:
+    """A new user's `rebalance status` said "balanced" at max/mean 1.28 (a
+    drain since the last round): nothing planned is not balanced."""
+    from tierfs.cli.rebalance import rebalance_line
+
+    line = rebalance_line({"enabled": True, "done": done, "moves_in_flight": 0, "moves_planned": 0 if done else 2,
+                           "moves_done": 3, "bytes_moved": 0, "bytes_to_move": 0, "targets": 8,
+                           "balance_max_over_mean": ratio})
+    assert word in line, line
+    assert line.startswith("rebalance: balanced") == (word == "rebalance: balanced"), line

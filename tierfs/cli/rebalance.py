@@ -21,6 +21,10 @@ async def rebalance_status(meta: Sequence[str], *, timeout: float = 10.0) -> dic
     return status_dict(st)
 
 
+#: The rebalancer's default tolerance (``tierfs.meta.rebalance.plan_moves``) as max/mean.
+BALANCED_MAX_OVER_MEAN = 1.10
+
+
 def status_dict(st: Any) -> dict[str, Any]:
     return {
         "enabled": st.enabled, "moves_planned": st.moves_planned, "moves_in_flight": st.moves_in_flight,
@@ -37,7 +41,12 @@ def rebalance_line(r: dict[str, Any]) -> str:
     """One line for ``tierfs status``."""
     from tierfs.cli.util import human_size
 
-    state = "off" if not r["enabled"] else ("balanced" if r["done"] else "moving")
+    # "balanced" only inside the rebalancer's default band (±10% by bytes):
+    # with nothing planned above it (few groups, too few nodes for the
+    # rule, a drain since the last round) it said "balanced" at 1.28.
+    state = "off" if not r["enabled"] else "moving" if not r["done"] else (
+        "balanced" if r["balance_max_over_mean"] <= BALANCED_MAX_OVER_MEAN else
+        f"idle, not balanced (nothing planned; max/mean above {BALANCED_MAX_OVER_MEAN:.2f})")
     return (f"rebalance: {state} ({r['moves_in_flight']} moving, {r['moves_planned']} planned, "
             f"{r['moves_done']} done; {human_size(r['bytes_moved'])} moved, {human_size(r['bytes_to_move'])} to "
             f"move; max/mean {r['balance_max_over_mean']:.2f} over {r['targets']} targets)")
