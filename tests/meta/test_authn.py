@@ -8,6 +8,7 @@ or the state the refused call would have changed."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -253,6 +254,13 @@ def test_rogue_storage_daemon_cannot_register(meta: MetaCluster, tmp_path: Path)
         tok = asyncio.run(user_token())
         with pytest.raises(PermissionDeniedError, match="Scrub is an admin operation"):
             asyncio.run(scrub(tok))
+        # The CLI says it once, not as a table with the error on every node's row.
+        from tierfs.cli.main import run
+
+        out, err = io.StringIO(), io.StringIO()
+        rc = run(["scrub", "--meta", meta.addresses[0]], stdout=out, stderr=err, env={"TIERFS_TOKEN": tok}, tty=False)
+        assert rc == 1 and err.getvalue().count("\n") == 1 and "Scrub is an admin operation" in err.getvalue(), \
+            (rc, out.getvalue(), err.getvalue())
         with pytest.raises(UnauthenticatedError):
             asyncio.run(scrub(None))
         assert asyncio.run(scrub(ADMIN)).node_id == ready["node_id"]
@@ -324,8 +332,6 @@ def test_auth_needs_the_cluster_secret(tmp_path: Path) -> None:
 
 
 def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> None:
-    import io
-
     from tierfs.cli import run
 
     def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

@@ -112,6 +112,7 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
     pass): a node that is down, or a fragment known missing, is not clean."""
     from google.protobuf.json_format import MessageToDict
 
+    from tierfs.errors import PermissionDeniedError
     from tierfs.meta import MetaClient
     from tierfs.proto.v1 import meta_pb2 as pb
     from tierfs.proto.v1 import storage_control_pb2 as spb
@@ -126,6 +127,8 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
             return {"node": n.node_id, "error": "the node registered no control address (an older daemon?)"}
         try:
             rep = await _control(n.control_addr, "Scrub", req, timeout)
+        except PermissionDeniedError:
+            raise  # the caller's token, the same at every node: one error, not a table of them
         except TierFSError as exc:
             return {"node": n.node_id, "error": f"{type(exc).__name__}: {exc}"}
         d = MessageToDict(rep, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
