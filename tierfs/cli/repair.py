@@ -269,13 +269,15 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
         return 0
     if ns.cmd == "node" and ns.action == "drain":
         r = run(drain_node(meta, ns.id, wait=ns.wait, timeout=max(ns.timeout, 600.0) if ns.wait else ns.timeout))
-        state = "drained: `tierfs node rm` may remove it" if r["done"] else (
+        state = ("drained: stop its daemon, then `tierfs node rm` may remove it (a daemon still running "
+                 "registers again as a new node)") if r["done"] else (
             f"draining: {len(r['groups_copying'])} groups copying from it")
         emit(r, f"node {ns.id} {state}"
              + (f"; no replacement for groups {r['groups_stuck']}" if r["groups_stuck"] else ""))
         return 0 if not r["groups_stuck"] else 1
     if ns.cmd == "node" and ns.action == "rm":
-        emit(run(remove_node(meta, ns.id, timeout=ns.timeout)), f"node {ns.id} removed")
+        emit(run(remove_node(meta, ns.id, timeout=ns.timeout)),
+             f"node {ns.id} removed (if its daemon still runs, it registers again as a new node: stop it)")
         return 0
     if ns.cmd == "scrub":
         r = run(scrub_cluster(meta, rate=ns.rate, repair=ns.repair, delete_orphans=ns.orphans,
