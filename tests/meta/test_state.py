@@ -70,6 +70,11 @@ def test_mkdir_create_stat_lookup(d: Driver) -> None:
         d.stat("/a/missing")
     with pytest.raises(NotADirectoryError_):
         d.create("/a/f/g")
+    # A trailing slash names a directory (POSIX ENOTDIR): a new user's
+    # `tierfs stat/cat/rm /a/f/` acted on the file f.
+    with pytest.raises(NotADirectoryError_, match="/a/f/: not a directory"):
+        d.stat("/a/f/")
+    assert d.stat("/a/").attr.inode == a.attr.inode
     with pytest.raises(NotFoundError):
         d.create("/nope/g")
     # mkdir by parent+name

@@ -1789,7 +1789,12 @@ class MetaStateMachine(Tracked):
 
     def stat(self, loc: pb.Loc, *, ident: Identity = ANONYMOUS) -> pb.FileInfo:
         _check_read_loc(loc, "stat")
-        return self._info(self._get(loc, ident, "stat"))
+        n = self._get(loc, ident, "stat")
+        if loc.path.endswith("/") and loc.path != "/" and n.type != DIR:
+            # POSIX: a trailing slash names a directory (ENOTDIR). Checked on
+            # this read path, not in apply: entries replay as they did.
+            raise NotADirectoryError_(f"{loc.path}: not a directory")
+        return self._info(n)
 
     def lookup(self, parent: int, name: str, *, ident: Identity = ANONYMOUS) -> pb.FileInfo:
         _check_read_loc(pb.Loc(parent=parent, name=name), "lookup")
