@@ -129,6 +129,11 @@ def test_config_env_and_validation() -> None:
     with pytest.raises(ConfigError) as ei:
         load(ClientConfig, env={"TIERFS_META": "nohost"})
     assert ei.value.field == "meta"
+    for port in ("99999", "0"):  # 99999 was taken, and reported later as another port
+        with pytest.raises(ConfigError, match="out of range"):
+            load(ClientConfig, env={"TIERFS_META": f"127.0.0.1:{port}"})
+    with pytest.raises(ConfigError, match="abort_deadline"):
+        ClientConfig(abort_deadline=0)
     with pytest.raises(ConfigError):
         ClientConfig(read_concurrency=0)
     with pytest.raises(ConfigError):

@@ -134,6 +134,8 @@ class ClientConfig(BaseConfig):
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ConfigError(f"not a host:port address: {addr!r}", field="meta")
+            if not 0 < int(port) < 65536:
+                raise ConfigError(f"port {port} out of range (1-65535): {addr!r}", field="meta")
         if self.transport not in ("tcp", "shm", "rdma", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r} (tcp, shm, rdma, auto)", field="transport")
         for name in ("connections_per_peer", "retries", "read_concurrency", "write_concurrency"):
