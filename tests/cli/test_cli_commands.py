@@ -373,3 +373,117 @@ def test_kv_lease_line_reads_the_leaders_view() -> None:
     stuck = {**ok, "nodes": [node(1), node(2, leased=False, applied=9, stalled=True)], "stalled": [2]}
     assert kv_lease_line(stuck) == ("kv leases: node(s) [2] hold no KV map lease (their KV gets miss and puts are "
                                     "refused); they report map version(s) [9] applied, meta is at 12: see their logs")
+
+
+# ---- get's local target, temporary names, bad options and paths ----------------------------
+
+
+@pytest.mark.timeout(60)
+def test_get_writes_into_a_fifo_and_through_a_symlink(cli: Run, tmp_path: Path) -> None:
+    import stat
+
+    payload = os.urandom(20_000)  # fits a pipe's buffer: read after get returns
+    (tmp_path / "src").write_bytes(payload)
+    assert cli("put", str(tmp_path / "src"), "/gettarget.bin")[0] == 0
+    # A fifo (as /dev/null, a device) is written into, not replaced by a regular file.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        rc, _, err = cli("get", "/gettarget.bin", str(fifo), "--json")
+        assert rc == 0, err
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the fifo was replaced"
+        assert os.read(reader, 100_000) == payload
+    finally:
+        os.close(reader)
+    # A symbolic link to a regular file: the target gets the bytes, the link stays.
+    target = tmp_path / "real.bin"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.bin"
+    link.symlink_to(target.name)
+    rc, _, err = cli("get", "/gettarget.bin", str(link))
+    assert rc == 0, err
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert target.read_bytes() == payload
+    # A regular file is replaced whole (temporary file + rename): a hard link keeps the old bytes.
+    plain, other = tmp_path / "plain", tmp_path / "plain-hardlink"
+    plain.write_bytes(b"old")
+    os.link(plain, other)
+    assert cli("get", "/gettarget.bin", str(plain))[0] == 0
+    assert plain.read_bytes() == payload and other.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.bin", "plain", "plain-hardlink",
+                                                          "real.bin", "src"]
+
+
+@pytest.mark.timeout(60)
+def test_get_leaves_an_unrelated_part_file_alone(cli: Run, tmp_path: Path) -> None:
+    (tmp_path / "src").write_bytes(b"remote bytes")
+    assert cli("put", str(tmp_path / "src"), "/partcheck.bin")[0] == 0
+    (tmp_path / "src").unlink()
+    notes = tmp_path / "notes.part"
+    notes.write_bytes(b"precious\n")
+    rc, _, err = cli("get", "/nonexist", str(tmp_path / "notes"))
+    assert rc == 1 and "no such file" in err, err
+    assert notes.read_bytes() == b"precious\n"
+    rc, _, err = cli("get", "/partcheck.bin", str(tmp_path / "notes"))
+    assert rc == 0, err
+    assert (tmp_path / "notes").read_bytes() == b"remote bytes" and notes.read_bytes() == b"precious\n"
+    rc, _, err = cli("get", "/partcheck.bin", str(tmp_path / "nodir" / "notes"))
+    assert rc == 1 and "cannot write local file" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "notes.part"]  # no temporary file left
+
+
+@pytest.mark.timeout(90)
+def test_put_and_get_names_at_the_255_byte_limit(cli: Run, tmp_path: Path) -> None:
+    names = ["c" * 255, "é" * 127 + "c", "€" * 85]  # 255 bytes each; the second and third cut inside characters
+    assert all(len(n.encode()) == 255 for n in names)
+    src = tmp_path / "src"
+    src.mkdir()
+    assert cli("mkdir", "/longnames")[0] == 0
+    dst = tmp_path / "back"
+    dst.mkdir()
+    for i, n in enumerate(names):
+        (src / "one.bin").write_bytes(b"%d" % i * 1000)
+        rc, _, err = cli("put", str(src / "one.bin"), f"/longnames/{n}")
+        assert rc == 0, err
+        rc, _, err = cli("get", f"/longnames/{n}", str(dst))
+        assert rc == 0, err
+        assert (dst / n).read_bytes() == b"%d" % i * 1000
+        (src / n).write_bytes(b"tree %d" % i)
+    (src / "one.bin").unlink()
+    rc, out, err = cli("ls", "/longnames")
+    assert rc == 0 and sorted(out.split()) == sorted(names), out  # no temporary name left behind
+    rc, _, err = cli("put", "-r", str(src), "/longtree")
+    assert rc == 0, err
+    rc, _, err = cli("get", "-r", "/longtree", str(tmp_path / "tree"))
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "tree").iterdir()) == sorted(names)
+    for i, n in enumerate(names):
+        assert (tmp_path / "tree" / n).read_bytes() == b"tree %d" % i
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "-inf", "soon"])
+def test_timeout_must_be_a_finite_positive_number(value: str, tmp_path: Path) -> None:
+    for argv in (["ls", "/", "--timeout", value], ["--timeout", value, "ls", "/"]):
+        rc, _, err = Run("127.0.0.1:1")(*argv)
+        assert rc == 2 and "--timeout" in err and "Traceback" not in err, err
+    rc, _, err = Run("127.0.0.1:1")("kv", "put", "k", "/dev/null", "--ttl", value)
+    assert rc == 2 and "--ttl" in err, err
+    rc, _, err = Run("127.0.0.1:1")("mount", str(tmp_path), "--attr-timeout", "nan")
+    assert rc == 2 and "--attr-timeout" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_mkdir_of_a_bad_path_changes_nothing(cli: Run) -> None:
+    for args in (["-p", "/mk1//y/./z/../w"], ["-p", "/mk1/y/z/.."], ["/mk1/" + "n" * 256], ["-p", "/mk1/a/" + "n" * 256]):
+        rc, _, err = cli("mkdir", *args)
+        assert rc == 1 and args[-1] in err, err
+        assert cli("stat", "/mk1")[0] == 1, f"mkdir {args} made /mk1"
+    # Repeated slashes are one, as POSIX has it.
+    assert cli("mkdir", "-p", "/mk1//a///b/") == (0, "", "")
+    assert cli("mkdir", "/mk1//c") == (0, "", "")
+    assert cli("ls", "/mk1")[1].split() == ["a/", "c/"] and cli("ls", "/mk1/a")[1].split() == ["b/"]
+    rc, _, err = cli("mkdir", "/mk1//a/./d")
+    assert rc == 1 and "/mk1//a/./d" in err and "'.'" in err, err
+    assert cli("rm", "-r", "/mk1")[0] == 0

@@ -86,8 +86,8 @@ def test_bad_input_errors(meta: str, tmp_path: Path) -> None:
     assert rc == 1 and "exceeds the limit of 512" in err
     rc, _, err = cli(meta, "kv", "get", "k", "--pool", "nope")
     assert rc == 1 and "unknown KV pool 'nope'" in err
-    rc, _, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")
-    assert rc == 1 and "ttl must be > 0" in err
+    rc, _, err = cli(meta, "kv", "put", "k", "/dev/null", "--ttl", "-1")  # a usage error (before: rc 1)
+    assert rc == 2 and "--ttl" in err and "must be a number of seconds > 0" in err, err
     # An endless source is cut at the largest object the pool could take
     # (it used to be read until memory ran out).
     rc, _, err = cli(meta, "kv", "put", "zeros", "/dev/zero")

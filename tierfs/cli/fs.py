@@ -12,6 +12,7 @@ import dataclasses
 import os
 import posixpath
 import secrets
+import stat as _stat
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,14 +71,40 @@ def _local_error(what: str, path: str, exc: OSError) -> LocalFileError:
     return LocalFileError(f"{what} {path}: {exc.strerror or exc}")
 
 
+#: The longest file name, in bytes, of TierFS (meta's MAX_NAME_BYTES) and of
+#: the usual local file systems.
+NAME_MAX = 255
+
+
+def _cut_utf8(b: bytes, limit: int) -> bytes:
+    """``b``'s first ``limit`` bytes at most, not cutting a UTF-8 character in two."""
+    if len(b) <= limit:
+        return b
+    cut = limit
+    while cut > 0 and (b[cut] & 0xC0) == 0x80:  # b[cut] continues a character: cut before it starts
+        cut -= 1
+    return b[:cut]
+
+
+def temp_name(name: str, tag: str) -> str:
+    """``.NAME.TAG``, with NAME shortened (at a character boundary) so that
+    the whole fits in :data:`NAME_MAX` bytes: a file whose name is at the
+    limit still gets a temporary name. Local names (``os.fsencode``, so
+    undecodable bytes survive) and remote ones (UTF-8) alike."""
+    room = NAME_MAX - len(os.fsencode(f"..{tag}"))
+    return os.fsdecode(b"." + _cut_utf8(os.fsencode(name), room) + b"." + os.fsencode(tag))
+
+
 async def put(client: AsyncClient, local: str, remote: str, *, progress: Progress | None = None,
               stdin: IO[bytes] | None = None, into_dir: bool = True, preserve: bool = False) -> dict[str, Any]:
     """Copy local file ``local`` (``-``: standard input) to ``remote`` (a
     directory, or a path ending in ``/``, receives the local file's name;
     ``into_dir=False``: ``remote`` is the file's own path, unchecked).
-    The data lands under a temporary name and is renamed over ``remote`` at
-    the end: readers see the old file or the whole new one, and a failed
-    put leaves nothing behind. ``preserve``: the copy keeps the local file's
+    The data lands under a temporary name (``.NAME.put-XXXXXXXX``, NAME
+    shortened to fit) and is renamed over ``remote`` at the end: readers see
+    the old file or the whole new one; a put that fails removes its
+    temporary file (one that is killed cannot: the name stays, see
+    docs/operations.md). ``preserve``: the copy keeps the local file's
     permission bits and modification time."""
     if into_dir and (remote.endswith("/") or await _is_dir(client, remote)):
         if local == "-":
@@ -85,7 +112,7 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
         remote = posixpath.join(remote, os.path.basename(local))
     remote = posixpath.normpath(remote)
     parent, name = posixpath.split(remote)
-    tmp = posixpath.join(parent, f".{name}.put-{secrets.token_hex(4)}")
+    tmp = posixpath.join(parent, temp_name(name, f"put-{secrets.token_hex(4)}"))
     try:
         src: IO[bytes] = (stdin or sys.stdin.buffer) if local == "-" else open(local, "rb")  # noqa: SIM115
     except OSError as exc:
@@ -140,14 +167,17 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
     return {"local": local, "remote": remote, "bytes": done, "seconds": dt, "mb_per_s": done / dt / 1e6}
 
 
-async def _stream(client: AsyncClient, remote: str, sink: Callable[[memoryview], Any],
-                  progress: Progress | None) -> tuple[int, FileStat]:
-    """Read ``remote`` block by block; the next block is fetched while the
-    previous one is handed to ``sink`` (in a thread: local writes block)."""
+async def _open_remote(client: AsyncClient, remote: str) -> tuple[FileStat, Any]:
     st = await client.stat(remote)
     if st.is_dir:
         raise IsADirectoryError_(f"{remote}: is a directory")
-    f = await client.open(remote, "rb")
+    return st, await client.open(remote, "rb")
+
+
+async def _stream(f: Any, st: FileStat, sink: Callable[[memoryview], Any], progress: Progress | None) -> int:
+    """Read open remote file ``f`` block by block; the next block is
+    fetched while the previous one is handed to ``sink`` (in a thread: local
+    writes block). Closes ``f``."""
     bufs = [bytearray(min(BLOCK, max(st.size, 1))) for _ in range(2)]
     done = 0
     pending: asyncio.Future[Any] | None = None
@@ -175,46 +205,102 @@ async def _stream(client: AsyncClient, remote: str, sink: Callable[[memoryview],
             with contextlib.suppress(BaseException):
                 await pending
         await f.close()
-    return done, st
+    return done
+
+
+def _local_dest(local: str) -> tuple[str, bool]:
+    """Where ``get`` writes for ``local``: ``(path, direct)``. A symbolic
+    link is followed (its target is written, the link stays). An existing
+    file that is not a regular file (a device such as /dev/null, a fifo) is
+    written straight into (``direct``): it must not be replaced by a regular
+    file. Otherwise the path of a regular file, new or to be replaced."""
+    path = os.path.realpath(local) if os.path.islink(local) else local
+    try:
+        m = os.stat(path).st_mode
+    except OSError:
+        return path, False  # not there (or unreachable: creating the temporary file says why)
+    if _stat.S_ISDIR(m):
+        raise LocalFileError(f"cannot write local file {local}: Is a directory")
+    return path, not _stat.S_ISREG(m)
+
+
+def _open_temp(path: str) -> tuple[str, int]:
+    """A new file of ours next to ``path`` (``.NAME.XXXXXXXX.tierfs-part``,
+    made with O_EXCL: no other file is ever opened or removed)."""
+    d, name = os.path.split(path)
+    while True:
+        tmp = os.path.join(d, temp_name(name, f"{secrets.token_hex(4)}.tierfs-part"))
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
 
 
 async def get(client: AsyncClient, remote: str, local: str, *, progress: Progress | None = None,
               into_dir: bool = True, preserve: bool = False) -> dict[str, Any]:
     """Copy ``remote`` to local file ``local`` (a directory receives the
-    remote file's name unless ``into_dir=False``). Written to ``local.part``
-    and renamed at the end, so ``local`` is never a torn copy. ``preserve``:
-    the copy keeps the remote file's permission bits and modification time."""
+    remote file's name unless ``into_dir=False``). The remote file is opened
+    first (a missing one touches nothing local). A regular file (or a new
+    one) is written to a temporary file of its own next to it
+    (``.NAME.XXXXXXXX.tierfs-part``) and renamed over it at the end, so
+    ``local`` is never a torn copy (hard links to the old file keep the old
+    contents, as with rsync); a symbolic link's target is replaced, not the
+    link. A device or fifo (``/dev/null``) is written straight into, and
+    kept. ``preserve``: the copy keeps the remote file's permission bits and
+    modification time (not a device's)."""
     if into_dir and os.path.isdir(local):
         local = os.path.join(local, posixpath.basename(remote.rstrip("/")))
-    part = f"{local}.part"
     t0 = time.perf_counter()
+    st, f = await _open_remote(client, remote)
+    tmp: str | None = None
     try:
-        out = open(part, "wb")  # noqa: SIM115
-    except OSError as exc:
-        raise _local_error("cannot write local file", local, exc) from None
-    try:
-        with out:
+        path, direct = _local_dest(local)
+        try:
+            if direct:
+                # No O_CREAT, no O_TRUNC: the device stays what it is. A fifo's
+                # open waits for a reader: in a thread, not on the event loop.
+                fd = await asyncio.to_thread(os.open, path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            else:
+                tmp, fd = _open_temp(path)
+        except OSError as exc:
+            raise _local_error("cannot write local file", local, exc) from None
+        out = open(fd, "wb", closefd=True)  # noqa: SIM115
+        try:
             def sink(v: memoryview) -> None:
                 try:
                     out.write(v)
                 except OSError as exc:
                     raise _local_error("cannot write local file", local, exc) from None
 
-            done, st = await _stream(client, remote, sink, progress)
-        if preserve:
+            g, f = f, None  # _stream closes it
+            done = await _stream(g, st, sink, progress)
             try:
-                os.chmod(part, st.mode & 0o7777)
-                mt = int(st.mtime * 1e9)
-                os.utime(part, ns=(mt, mt))
+                out.close()  # the last buffered bytes: /dev/full says ENOSPC here
             except OSError as exc:
-                raise _local_error("cannot set attributes of local file", local, exc) from None
-        try:
-            os.replace(part, local)
-        except OSError as exc:  # e.g. a directory is in the way
-            raise _local_error("cannot write local file", local, exc) from None
+                raise _local_error("cannot write local file", local, exc) from None
+        finally:
+            with contextlib.suppress(OSError):
+                out.close()
+        if tmp is not None:
+            if preserve:
+                try:
+                    os.chmod(tmp, st.mode & 0o7777)
+                    mt = int(st.mtime * 1e9)
+                    os.utime(tmp, ns=(mt, mt))
+                except OSError as exc:
+                    raise _local_error("cannot set attributes of local file", local, exc) from None
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:  # e.g. a directory is in the way
+                raise _local_error("cannot write local file", local, exc) from None
+            tmp = None
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
+        if f is not None:
+            with contextlib.suppress(TierFSError):
+                await f.close()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
     dt = time.perf_counter() - t0
     return {"remote": remote, "local": local, "bytes": done, "seconds": dt, "mb_per_s": done / dt / 1e6}
@@ -228,7 +314,8 @@ async def cat(client: AsyncClient, remote: str, out: IO[bytes]) -> dict[str, Any
         out.write(v)
         out.flush()
 
-    done, _ = await _stream(client, remote, sink, None)
+    st, f = await _open_remote(client, remote)
+    done = await _stream(f, st, sink, None)
     return {"remote": remote, "bytes": done, "seconds": time.perf_counter() - t0}
 
 
@@ -256,9 +343,28 @@ async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
     return out
 
 
-async def mkdir(client: AsyncClient, path: str, *, parents: bool = False) -> dict[str, Any]:
+def _checked_dir_path(path: str) -> str:
+    """``path`` with repeated slashes made one (as POSIX reads them) and a
+    trailing one dropped, every component checked as meta checks names
+    (``.``, ``..``, a name over 255 bytes, a NUL byte are refused, the
+    message naming ``path``), before anything is made: ``mkdir -p`` of a
+    bad path makes no directory."""
+    from tierfs.meta.ops import split_path
+
+    if not path.startswith("/"):
+        raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
+    norm = "/" + "/".join(p for p in path.split("/") if p)
     try:
-        await client.mkdir(path, parents=parents, exist_ok=parents)
+        split_path(norm)
+    except TierFSError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    return norm
+
+
+async def mkdir(client: AsyncClient, path: str, *, parents: bool = False) -> dict[str, Any]:
+    norm = _checked_dir_path(path)
+    try:
+        await client.mkdir(norm, parents=parents, exist_ok=parents)
     except NotFoundError as exc:
         if parents:
             raise

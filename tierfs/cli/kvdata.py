@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from tierfs.cli.util import human_rate, human_size
+from tierfs.cli.util import human_rate, human_size, parse_seconds
 from tierfs.errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["add_kv_data_commands", "execute_kv_data"]
@@ -26,7 +26,7 @@ def add_kv_data_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("local")
     p.add_argument("--pool", default="default")
     p.add_argument("--overwrite", action="store_true", help="replace an existing object")
-    p.add_argument("--ttl", type=float, default=None, metavar="SECONDS", help="expire after this long")
+    p.add_argument("--ttl", type=parse_seconds, default=None, metavar="SECONDS", help="expire after this long")
     p.add_argument("--pin", choices=["soft", "hard"], default=None, help="keep it from eviction")
     p = cmd("get", "write a KV object to a local file (- or nothing for stdout)")
     p.add_argument("key")

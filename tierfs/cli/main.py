@@ -26,6 +26,7 @@ from tierfs.cli.util import (
     DEFAULT_DATA,
     human_rate,
     human_size,
+    parse_seconds,
     parse_size_arg,
     resolve_meta,
     shown,
@@ -71,7 +72,7 @@ def _common(p: argparse.ArgumentParser, *, top: bool, meta: bool = True) -> None
     g.add_argument("--token-file", default=d(None), metavar="FILE",
                    help="credential for meta (default: $TIERFS_TOKEN, $TIERFS_TOKEN_FILE, else DATA/admin.token)")
     g.add_argument("--json", action="store_true", default=d(False), help="print JSON for scripts")
-    g.add_argument("--timeout", type=float, default=d(20.0), metavar="SECONDS",
+    g.add_argument("--timeout", type=parse_seconds, default=d(20.0), metavar="SECONDS",
                    help="give up on an unreachable cluster after this long (default 20)")
 
 

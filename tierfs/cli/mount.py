@@ -7,6 +7,8 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tierfs.cli.util import parse_seconds_or_zero
+
 __all__ = ["add_commands", "execute"]
 
 
@@ -15,9 +17,9 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("mountpoint")
     p.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground until unmounted")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount (FUSE allow_other)")
-    p.add_argument("--attr-timeout", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--attr-timeout", type=parse_seconds_or_zero, default=1.0, metavar="SECONDS",
                    help="how long the kernel caches attributes (default 1; 0: ask meta every time)")
-    p.add_argument("--entry-timeout", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--entry-timeout", type=parse_seconds_or_zero, default=1.0, metavar="SECONDS",
                    help="how long the kernel caches name lookups (default 1)")
     p.add_argument("--read-ahead", type=int, default=4096, metavar="KiB",
                    help="kernel read-ahead of the mount (default 4096)")

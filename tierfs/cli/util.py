@@ -3,6 +3,7 @@ human-readable sizes and rates."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -12,8 +13,8 @@ from typing import Any
 from tierfs.config import parse_size
 from tierfs.errors import ConfigError
 
-__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_size_arg", "resolve_meta", "shown", "table",
-           "terminal_safe"]
+__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_seconds", "parse_seconds_or_zero", "parse_size_arg",
+           "resolve_meta", "shown", "table", "terminal_safe"]
 
 #: Where ``tierfs up`` and ``make run`` keep a local cluster by default.
 DEFAULT_DATA = "./.tierfs"
@@ -65,6 +66,30 @@ def parse_size_arg(value: str) -> int:
         import argparse
 
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(value: str, *, zero: bool) -> float:
+    import argparse
+
+    try:
+        v = float(value)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds {'>= 0' if zero else '> 0'}, not {value!r}")
+    return v
+
+
+def parse_seconds(value: str) -> float:
+    """A duration in seconds, finite and > 0 (argparse type: ``nan``, ``inf``
+    and ``-1`` are usage errors naming the option)."""
+    return _seconds(value, zero=False)
+
+
+def parse_seconds_or_zero(value: str) -> float:
+    """A duration in seconds, finite and >= 0 (argparse type)."""
+    return _seconds(value, zero=True)
 
 
 def human_size(n: float) -> str:
