@@ -264,6 +264,10 @@ def test_namespace(client: Client) -> None:
         client.mkdir("/ns")
     client.mkdir("/ns", exist_ok=True)
     client.mkdir("/ns/a/b", parents=True)
+    # A bad component makes nothing, not the parents before it (a new user's mkdir -p /x//y/./z).
+    with pytest.raises(InvalidArgumentError, match=r"/ns/x//y/\./z: '\.' is not allowed"):
+        client.mkdir("/ns/x//y/./z", parents=True)
+    assert not client.exists("/ns/x")
     client.write_bytes("/ns/a/f1", b"1")
     client.write_bytes("/ns/a/b/f2", b"22")
     assert client.ls("/ns/a") == ["b", "f1"]

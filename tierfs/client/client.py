@@ -64,6 +64,7 @@ from tierfs.errors import (
 )
 from tierfs.meta.auth import resolve_token
 from tierfs.meta.client import MetaClient
+from tierfs.meta.ops import split_path
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.storage.api import FragmentInfo, FragmentKey
@@ -478,6 +479,10 @@ class AsyncClient:
             return
         cur = ""
         parts = [p for p in path.split("/") if p]
+        try:  # every component first: a bad one must leave no parent made
+            split_path("/" + "/".join(parts))
+        except TierFSError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
         for i, name in enumerate(parts):
             cur += "/" + name
             try:
