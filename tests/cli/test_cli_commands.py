@@ -283,6 +283,9 @@ def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
     data = tmp_path / "small"
     rc, out, err = Run("")("up", "--data", str(data), "--meta", "2", cluster=False)
     assert rc == 1 and "odd" in err and not (data / "cluster.toml").exists()
+    for n in ("0", "100000"):  # 0 started the default 6; 100000 ran out of file descriptors
+        rc, out, err = Run("")("up", "--data", str(data), "--storage", n, cluster=False)
+        assert rc == 1 and "storage" in err and "between 1 and 256" in err and not (data / "cluster.toml").exists(), err
     try:
         # A shell that exported an earlier cluster's lines, whose directory
         # is gone (or not made yet): up makes it (it used to fail: "token

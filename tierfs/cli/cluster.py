@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierfs.cli.kv import pool_summaries
-from tierfs.errors import TierFSError, UnavailableError
+from tierfs.errors import ConfigError, TierFSError, UnavailableError
 from tierfs.local import LocalCluster
 
 __all__ = ["cluster_down", "cluster_status", "cluster_up"]
@@ -20,6 +20,10 @@ __all__ = ["cluster_down", "cluster_status", "cluster_up"]
 
 def _state(enum_name: str, prefix: str) -> str:
     return enum_name.removeprefix(prefix).lower()
+
+
+#: The most storage daemons ``tierfs up`` starts on one machine.
+MAX_LOCAL_STORAGE = 256
 
 
 def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, targets_per_node: int = 1,
@@ -34,7 +38,12 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
     ``n_storage`` (default 6) on a directory that holds a cluster grows it:
     storage daemons are added up to that many (the running ones are left
     alone; placement then rebalances onto the new ones)."""
-    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=n_storage or 6, targets_per_node=targets_per_node, tls=tls)
+    if n_storage is not None and not 1 <= n_storage <= MAX_LOCAL_STORAGE:
+        # 0 used to start the default 6; 100000 ran out of file descriptors half-way.
+        raise ConfigError(f"must be between 1 and {MAX_LOCAL_STORAGE} on one machine, not {n_storage}",
+                          field="storage")
+    cl = LocalCluster(data_dir, n_meta=n_meta, n_storage=6 if n_storage is None else n_storage,
+                      targets_per_node=targets_per_node, tls=tls)
     added = cl.grow(n_storage) if cl.reused and n_storage and n_storage > cl.counts["storage"] else []
     started = cl.up(timeout=timeout)
     return {
