@@ -502,7 +502,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                 err.write(f"already running ({shape}); nothing to do\n")
             else:
                 err.write(f"started {len(r['started'])} daemons ({shape}) in {time.perf_counter() - t0:.1f} s; "
-                          f"healthy. Stop with: tierfs down --data {data_dir}\n")
+                          f"every daemon up (`tierfs status` checks targets and groups). "
+                          f"Stop with: tierfs down --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
                       f"{r['cluster_secret']} (mode 0600; commands run here use the admin token)\n")
             if r["metrics"]:
