@@ -55,6 +55,10 @@ def test_put_get_stat_rm(meta: str, tmp_path: Path) -> None:
     assert rc == 0 and "stored in pool default" in out, err
     rc, out, err = cli(meta, "kv", "put", "blk-1", str(src), "--json")
     assert rc == 0 and json.loads(out)["stored"] is False  # a no-op: already there
+    tiny = tmp_path / "tiny.bin"
+    tiny.write_bytes(b"x")
+    rc, out, err = cli(meta, "kv", "put", "blk-1", str(tiny))  # said "blk-1: 1 B already there (kept)"
+    assert rc == 0 and "blk-1: already there in pool default, kept (the 1 B given were not stored" in out, out
     dst = tmp_path / "back.bin"
     rc, out, err = cli(meta, "kv", "get", "blk-1", str(dst))
     assert rc == 0, err

@@ -190,8 +190,11 @@ def execute_kv_data(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[
 
     if a == "put":
         r = client_call(kv_put, ns.key, ns.local, pool=ns.pool, overwrite=ns.overwrite, ttl=ns.ttl, pin=ns.pin)
-        emit(r, f"{ns.key}: {human_size(r['bytes'])} " + ("stored" if r["stored"] else "already there (kept)")
-             + f" in pool {ns.pool} ({human_rate(r['bytes'], r['seconds'])})")
+        # Not "N B already there": N is what was given, not what is kept.
+        emit(r, f"{ns.key}: {human_size(r['bytes'])} stored in pool {ns.pool} "
+                f"({human_rate(r['bytes'], r['seconds'])})" if r["stored"] else
+             f"{ns.key}: already there in pool {ns.pool}, kept (the {human_size(r['bytes'])} given were not "
+             f"stored; --overwrite replaces it)")
         return 0
     if a == "get":
         stream: IO[bytes] = out.buffer if out is not None and hasattr(out, "buffer") else sys.stdout.buffer
