@@ -283,17 +283,18 @@ def test_target_rm_refuses_to_drop_the_last_readable_copy_without_force(cluster:
     group whose other member is down. ``--force`` removes it anyway."""
     one = random_bytes(300 * 1024, 7)
 
-    async def write() -> int:
+    async def write(d: str, redundancy: str) -> list[int]:
+        """A file in a new directory ``d``; the members of its chunk 0's group."""
         async with AsyncClient(cluster.meta_addrs) as c:
-            await c.mkdir("/one")
-            await c.set_layout("/one", chunk_size=128 * 1024, redundancy="replica:1")
-            await c.write_bytes("/one/f", one)
-            info = await c.meta.stat("/one/f")
+            await c.mkdir(d)
+            await c.set_layout(d, chunk_size=128 * 1024, redundancy=redundancy)
+            await c.write_bytes(f"{d}/f", one)
+            info = await c.meta.stat(f"{d}/f")
             cmap = await c.meta.get_cluster_map()
             gid = info.layout.groups[0]
-            return next(g.target_ids[0] for g in cmap.groups if g.group_id == gid)
+            return next(list(g.target_ids) for g in cmap.groups if g.group_id == gid)
 
-    tid = asyncio.run(write())
+    (tid,) = asyncio.run(write("/one", "replica:1"))
     before = asyncio.run(map_now(cluster))
     code, _, err = _cli(cluster, "target", "rm", str(tid))
     assert code != 0 and "replica:1" in err and "node drain" in err and "--force" in err, err
@@ -304,18 +305,7 @@ def test_target_rm_refuses_to_drop_the_last_readable_copy_without_force(cluster:
     assert code == 0 and out["target"] == tid, err
 
     # A replica:2 group with one member's node killed: its healthy member is the last copy.
-    async def write2() -> tuple[int, int]:
-        async with AsyncClient(cluster.meta_addrs) as c:
-            await c.mkdir("/two")
-            await c.set_layout("/two", chunk_size=128 * 1024, redundancy="replica:2")
-            await c.write_bytes("/two/f", one)
-            info = await c.meta.stat("/two/f")
-            cmap = await c.meta.get_cluster_map()
-            gid = info.layout.groups[0]
-            a, b = next(list(g.target_ids) for g in cmap.groups if g.group_id == gid)
-            return a, b
-
-    a, b = asyncio.run(write2())
+    a, b = asyncio.run(write("/two", "replica:2"))
     cmap = asyncio.run(map_now(cluster))
     node_a = next(t.node_id for t in cmap.targets if t.target_id == a)
     addr_a = next(n.data_addr for n in cmap.nodes if n.node_id == node_a)
