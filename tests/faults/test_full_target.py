@@ -111,7 +111,7 @@ def test_full_target_is_skipped_then_rejoins_and_is_repaired(tmp_path_factory: p
             client.set_layout("/n", chunk_size=MiB, redundancy="ec:2+1")
             small = random_bytes(3 * MiB, seed=8)
             client.write_bytes("/n/s", small)
-            states, groups = asyncio.run(_state(meta))
+            _, groups = asyncio.run(_state(meta))
             narrow = {g: m for g, m in groups.items() if len(m) == 3}
             assert narrow and all(tid not in m for m in narrow.values()), narrow
             used = asyncio.run(_layout_groups(meta, "/n/s"))
