@@ -256,6 +256,9 @@ def test_mkdir_and_rm_take_several_paths_and_go_on_past_a_failure(cli: Run) -> N
     assert rc == 2 and "invalid choice" in err
     rc, _, err = cli("set-layout", "/")
     assert rc == 2 and "--redundancy" in err
+    for opt in ("--chunk-size", "--stripe"):  # 0 read as "not given"
+        rc, _, err = cli("set-layout", "/", opt, "0")
+        assert rc == 2 and f"{opt} must be" in err and "not 0" in err, err
     rc, _, err = cli("put", "-", "/", cluster=True)
     assert rc == 1 and "standard input" in err
 

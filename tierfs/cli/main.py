@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("set-layout", "layout of new files under a directory")
     p.add_argument("path")
     p.add_argument("--redundancy", default="", help="ec:K+M or replica:N (e.g. ec:4+2)")
-    p.add_argument("--chunk-size", type=parse_size_arg, default=0, help="power of two, e.g. 4MiB")
-    p.add_argument("--stripe", type=int, default=0, metavar="N", help="placement groups a file spreads over")
+    p.add_argument("--chunk-size", type=parse_size_arg, default=None, help="power of two, e.g. 4MiB")
+    p.add_argument("--stripe", type=int, default=None, metavar="N", help="placement groups a file spreads over")
     from tierfs.cli import repair
 
     repair.add_commands(cmd)
@@ -591,10 +591,15 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         emit(_client_call(ns, env, fs.mv, ns.src, ns.dst), None)
         return EXIT_OK
     if c == "set-layout":
-        if not (ns.redundancy or ns.chunk_size or ns.stripe):
+        if not (ns.redundancy or ns.chunk_size is not None or ns.stripe is not None):
             raise _UsageError("tierfs set-layout: give at least one of --redundancy, --chunk-size, --stripe")
+        # 0 used to read as "not given" (and so did nothing, or the usage line above).
+        if ns.chunk_size is not None and ns.chunk_size <= 0:
+            raise _UsageError(f"tierfs set-layout: --chunk-size must be a power of two > 0, not {ns.chunk_size}")
+        if ns.stripe is not None and ns.stripe <= 0:
+            raise _UsageError(f"tierfs set-layout: --stripe must be >= 1, not {ns.stripe}")
         r = _client_call(ns, env, fs.set_layout, ns.path, redundancy=ns.redundancy,
-                         chunk_size=ns.chunk_size, stripe=ns.stripe)
+                         chunk_size=ns.chunk_size or 0, stripe=ns.stripe or 0)
         emit(r, f"{r['path']}: new files get {r['redundancy']}, chunk {human_size(r['chunk_size'])}, "
                 f"stripe {r['stripe_width'] or 'all groups'}")
         return EXIT_OK
