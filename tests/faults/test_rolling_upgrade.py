@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "ca934ed33970cc2133f1ae42569d892a9d6c855f"
+PREVIOUS = "efd14f70bdd4ec3073d39340fb0f2b1c81ccc76d"
 
 REPO = Path(__file__).resolve().parents[2]
 
