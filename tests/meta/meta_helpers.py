@@ -22,6 +22,7 @@ from tierfs.meta import (
 )
 from tierfs.meta.kvplan import kv_plan_input, plan_kv
 from tierfs.meta.rebalance import plan_top_up, top_up_input
+from tierfs.meta.state import KV_HELD_FORMAT
 from tierfs.proto.v1 import meta_pb2 as pb
 
 R = TypeVar("R", bound=Message)
@@ -47,6 +48,12 @@ class Driver:
         #: after every op that bumped the map (False: the ops of older
         #: versions, which re-plan in apply)
         self.kv_planned = False
+        #: stamped into every op (MetaOp.min_format; 0 = a leader of before
+        #: formats). With kv_planned and KV_HELD_FORMAT or more, the pools
+        #: are planned as this version's leader plans them, with its
+        #: replace_after (``replace_after_ms``).
+        self.min_format = 0
+        self.replace_after_ms = 0
 
     def advance(self, seconds: float) -> None:
         self.now += int(seconds * SEC)
@@ -70,6 +77,7 @@ class Driver:
                        gc_grace_ms=self.gc_grace_ms)
         getattr(op, kind).CopyFrom(req)
         op.kv_planned = self.kv_planned
+        op.min_format = self.min_format
         data = op.SerializeToString(deterministic=True)
         self.log.append(data)
         return self.sm.apply(data)
@@ -79,7 +87,9 @@ class Driver:
         the KV pools' groups and commit them as KVGroups ops. Returns the
         ops applied."""
         n = 0
-        for req in plan_kv(kv_plan_input(self.sm)):
+        held = self.min_format >= KV_HELD_FORMAT
+        for req in plan_kv(kv_plan_input(self.sm, now_ns=self.now,
+                                         replace_after_ms=self.replace_after_ms if held else None)):
             res = pb.MetaResult.FromString(self._apply("kv_groups", req))
             if res.error.code:
                 raise error_from_code(res.error.code, res.error.message)

@@ -26,6 +26,7 @@ from tierfs.meta import state as state_mod
 from tierfs.meta.kvplan import kv_plan_input, plan_kv
 from tierfs.meta.kvpools import DEFAULT_POOL_REQUEST
 from tierfs.meta.ops import MAX_KV_GROUP_CHANGES, MAX_OP_BYTES
+from tierfs.meta.state import OP_FORMAT
 from tierfs.proto.v1 import meta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -348,3 +349,59 @@ def test_10000_targets_apply_replans_nothing(monkeypatch: pytest.MonkeyPatch) ->
     node_of = {t.id: t.node for t in d.sm.targets.values()}
     assert all(len({node_of[t] for t in m}) == len(m) for g in pools.values() for m in g)
     print("\n10,000 targets, 3 KV pools:", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in times.items()))
+
+
+def test_format_3_keeps_the_count_and_holds_a_down_member_until_replace_after() -> None:
+    """A leader of op format 3 (KV_HELD_FORMAT): a node going offline
+    changes no ``replica:2`` group (its members are held) and no pool's
+    group count (12 groups over 10 eligible targets, which apply takes
+    from format 3 on and refuses from an older leader); ``replica:1``
+    replaces its members at once. Past replace_after the held members are
+    replaced in place; back, the node takes positions again, at most one
+    per group. The journal replays to the same state."""
+    d = Driver()
+    d.kv_planned = True
+    d.min_format = OP_FORMAT
+    d.replace_after_ms = 5000
+    d.register(6, 2)
+    for name, red in (("r1", "replica:1"), ("r2", "replica:2")):
+        d.do("create_kv_pool", pb.CreateKVPoolRequest(name=name, redundancy=red, target_memory=MiB), pb.KVPool)
+    start = _pools(d.sm)
+    assert {k: len(v) for k, v in start.items()} == {"r1": 12, "r2": 12}
+    gone = sorted(d.sm.nodes)[5]
+    lost = set(d.sm.nodes[gone].targets)
+    d.advance(1)
+    d.do("tick", pb.TickRequest(offline_nodes=[gone]))
+    down = _pools(d.sm)
+    assert len(d.sm.eligible_targets()) == 10 and {k: len(v) for k, v in down.items()} == {"r1": 12, "r2": 12}
+    assert down["r2"] == start["r2"]  # held: nothing moved
+    assert not any(t in lost for g in down["r1"] for t in g)
+    assert [i for i, (a, b) in enumerate(zip(start["r1"], down["r1"], strict=True)) if a != b] == \
+        [i for i, g in enumerate(start["r1"]) if g[0] in lost]  # only the dead node's groups
+    # an older leader's op with that count is refused: one group per eligible target then
+    r2 = next(p for p in d.sm.kv_pools.values() if p.name == "r2")
+    old = pb.MetaOp(now_ns=d.now, kv_planned=True, kv_groups=pb.KVGroupsRequest(
+        map_version=d.sm.map_version, pools=[pb.KVPoolGroups(pool_id=r2.id, count=12)]))
+    res = pb.MetaResult.FromString(d.sm.apply(old.SerializeToString()))
+    assert "exceed one per eligible target (10)" in res.error.message
+    # replace_after passes: the held members are replaced in place
+    d.advance(6)
+    d.do("tick", pb.TickRequest(replace_after_ms=d.replace_after_ms))
+    d.plan_kv()
+    replaced = _pools(d.sm)["r2"]
+    assert len(replaced) == 12 and not any(t in lost for g in replaced for t in g)
+    assert all(sum(a != b for a, b in zip(x, y, strict=True)) <= 1 for x, y in zip(start["r2"], replaced, strict=True))
+    # back: it takes positions again, at most one per group, none in a group just changed
+    d.advance(1)
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=gone, targets=[pb.TargetReport(target_id=t, capacity=1 << 40)
+                                                                 for t in sorted(lost)]), pb.HeartbeatReply)
+    back = _pools(d.sm)["r2"]
+    assert all(any(t in g for g in back) for t in lost)
+    changed = [i for i, (a, b) in enumerate(zip(replaced, back, strict=True)) if a != b]
+    assert changed and all(sum(a != b for a, b in zip(replaced[i], back[i], strict=True)) == 1 for i in changed)
+    assert not {i for i, (a, b) in enumerate(zip(start["r2"], replaced, strict=True)) if a != b} & set(changed)
+    # the journal replays to the same state
+    again = MetaStateMachine()
+    for op in d.log:
+        again.apply(op)
+    assert again.digest() == d.sm.digest()

@@ -28,13 +28,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierfs.errors import StaleVersionError, TierFSError
 from tierfs.meta.background import BackgroundLoop
 from tierfs.meta.kvpools import replan_groups
 from tierfs.meta.ops import MAX_KV_GROUP_CHANGES
-from tierfs.meta.state import MetaStateMachine
+from tierfs.meta.state import KV_HELD_FORMAT, OP_FORMAT, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["KVPlanInput", "KVPlanner", "kv_plan_input", "plan_kv"]
@@ -54,13 +54,29 @@ class KVPlanInput:
     map_version: int
     eligible: dict[int, int]  # target -> node
     pools: dict[int, tuple[int, list[list[int]]]]  # pool id -> (width, groups)
+    #: Down targets whose positions redundant pools keep (not yet down for
+    #: replace_after); None: plan as op format 2 did (no held targets, one
+    #: group per eligible target, no balancing).
+    held: frozenset[int] | None = None
+    #: The group count to keep (the targets present, down ones included).
+    count: int = 0
+    #: pool id -> its groups' member_since (which groups changed last)
+    since: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
-def kv_plan_input(sm: MetaStateMachine) -> KVPlanInput:
+def kv_plan_input(sm: MetaStateMachine, *, now_ns: int | None = None,
+                  replace_after_ms: int | None = None) -> KVPlanInput:
     """A copy of what :func:`plan_kv` needs (one pass over the pools'
-    groups, on the event loop, where apply runs too: consistent)."""
-    return KVPlanInput(sm.map_version, dict(sm.eligible_targets()),
-                       {pid: (p.width, [list(g) for g in p.groups]) for pid, p in sm.kv_pools.items()})
+    groups, on the event loop, where apply runs too: consistent). With
+    ``replace_after_ms`` (a leader of op format 3 on; 0 = never replace),
+    down targets are held and the group count kept; without, the plan is
+    op format 2's."""
+    pools = {pid: (p.width, [list(g) for g in p.groups]) for pid, p in sm.kv_pools.items()}
+    if replace_after_ms is None:
+        return KVPlanInput(sm.map_version, dict(sm.eligible_targets()), pools)
+    held, count = sm.kv_held_targets(time.time_ns() if now_ns is None else now_ns, replace_after_ms)
+    since = {pid: [list(x) for x in p.since] for pid, p in sm.kv_pools.items()}
+    return KVPlanInput(sm.map_version, dict(sm.eligible_targets()), pools, held, count, since)
 
 
 def plan_kv(inp: KVPlanInput, *, max_changes: int = MAX_KV_GROUP_CHANGES,
@@ -84,7 +100,14 @@ def plan_kv(inp: KVPlanInput, *, max_changes: int = MAX_KV_GROUP_CHANGES,
 
     for pid in sorted(inp.pools):
         width, cur = inp.pools[pid]
-        new = replan_groups(cur, inp.eligible, width, keep_down=True)
+        if inp.held is None:
+            new = replan_groups(cur, inp.eligible, width, keep_down=True)
+        else:
+            # replica:1 keeps no down member: its only copy is gone, and a
+            # new member takes the keys' puts at once.
+            new = replan_groups(cur, inp.eligible, width, keep_down=True,
+                                held=inp.held if width > 1 else (), count=inp.count, balance=True,
+                                since=inp.since.get(pid))
         diffs = [(i, g) for i, g in enumerate(new) if i >= len(cur) or g != cur[i]]
         if not diffs and len(new) == len(cur):
             continue
@@ -114,14 +137,20 @@ class KVPlanner(BackgroundLoop):
     task_name = "meta-kvplan"
 
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
-                 interval: float = 5.0) -> None:
+                 interval: float = 5.0, replace_after: float = 0.0) -> None:
         self._state = state
         self._submit = submit
         self._leading = leading
         self.interval = interval
+        #: meta's replace_after: how long redundant pools keep a down member
+        self.replace_after_ms = int(replace_after * 1000)
         self._lock = asyncio.Lock()
-        #: the map version whose pools were last found fitted
-        self._settled = -1
+        #: (map version, held targets) at which the pools were last found fitted
+        self._settled: tuple[int, frozenset[int] | None] = (-1, None)
+
+    def _input(self, sm: MetaStateMachine) -> KVPlanInput:
+        # A leader of an older format (played in tests) plans as it did.
+        return kv_plan_input(sm, replace_after_ms=self.replace_after_ms if OP_FORMAT >= KV_HELD_FORMAT else None)
         #: (seconds planning, ops committed) of the last plan that changed something
         self.last: tuple[float, int] = (0.0, 0)
 
@@ -133,14 +162,18 @@ class KVPlanner(BackgroundLoop):
         async with self._lock:
             for _ in range(rounds):
                 sm = self._state()
-                if not sm.kv_pools or sm.map_version == self._settled:
+                if not sm.kv_pools:
                     break
-                inp = kv_plan_input(sm)
+                held = sm.kv_held_targets(time.time_ns(), self.replace_after_ms)[0] \
+                    if OP_FORMAT >= KV_HELD_FORMAT else None
+                if (sm.map_version, held) == self._settled:
+                    break
+                inp = self._input(sm)
                 t0 = time.perf_counter()
                 reqs = await asyncio.to_thread(plan_kv, inp)
                 took = time.perf_counter() - t0
                 if not reqs:
-                    self._settled = inp.map_version
+                    self._settled = (inp.map_version, inp.held)
                     break
                 n = 0
                 for req in reqs:

@@ -4,8 +4,10 @@ placement groups and its snapshot encoding.
 A KV pool is a cache (docs/kv_pools.md): its objects are spread over the
 pool's own placement groups by a stable hash of the key, so meta takes no
 operation per key. Remapping a key costs a miss, never data, which is why a
-pool's groups are simply re-planned when the eligible targets change, inside
-the replicated op that changed them (every replica computes the same groups).
+pool's groups are simply re-planned when the eligible targets change, by
+the leader (tierfs.meta.kvplan), or by apply for the entries of releases
+before leader-planned groups. Since op format 3 the leader keeps the group
+count and a redundant pool's down members while a target is only down.
 
 Everything here is a pure function of its arguments; the ops that create and
 remove pools live in :mod:`tierfs.meta.state`.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +112,8 @@ def set_groups(pool: KVPoolRecord, groups: list[list[int]], at: int) -> None:
 
 
 def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int, *,
-                  keep_down: bool = False) -> list[list[int]]:
+                  keep_down: bool = False, held: Collection[int] = (), count: int | None = None,
+                  balance: bool = False, since: list[list[int]] | None = None) -> list[list[int]]:
     """The groups a pool should have over ``eligible`` (target -> node).
 
     One group per eligible target, as for files. A member no longer eligible
@@ -131,6 +135,28 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
     losing every group. A group is changed only when all its down members
     can be replaced, so every group an op carries has only eligible members
     (what apply checks, in this release and the one before).
+
+    The leader's planner (op format 3 on) also passes:
+
+    - ``held``: targets that are down but not yet due for replacement
+      (``replace_after``). A member in ``held`` keeps its position, as
+      ``keep_down`` keeps one that cannot be replaced: the group's other
+      copies (or K fragments) go on serving its keys, and the target takes
+      its position back when it returns. A group with another member that
+      must be replaced has its held members replaced too (an op carries
+      eligible members only).
+    - ``count``: the group count to keep (the targets present, down ones
+      included) instead of one group per eligible target, so that a target
+      going down does not drop the last group and move its keys.
+    - ``balance``: an eligible target holding fewer positions than half
+      the mean (at least one: one that came back after its positions were
+      given away, one that just joined a wide pool) takes positions, one at a time,
+      from the most used target, in groups whose members are all eligible
+      and that this plan has not touched yet (so a group loses at most one
+      copy's worth of keys to a plan), those that went longest without a
+      change first (by their members' ``since``, the pool's
+      ``member_since``): a group whose member was just replaced holds one
+      copy fewer of its keys already.
     """
     if distinct_nodes(eligible) < width:
         return [list(g) for g in current if len(g) == width] if keep_down else []
@@ -141,13 +167,16 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
     # only grows here, so an entry whose usage is no longer current is stale.
     heap: list[tuple[int, int]] | None = None
     kept: list[list[int]] = []
+    held = frozenset(held)
     for g in current:
         members = list(g)
         ok = len(members) == width
+        # Held members stay unless the group changes anyway.
+        keep_held = bool(held) and all(t in eligible or t in held for t in members)
         for j, t in enumerate(members):
             if not ok:
                 break
-            if t in eligible:
+            if t in eligible or (keep_held and t in held):
                 continue
             if heap is None:
                 heap = [(usage[c], c) for c in eligible]
@@ -182,10 +211,79 @@ def replan_groups(current: list[list[int]], eligible: dict[int, int], width: int
                     assert heap is not None
                     heapq.heappush(heap, (usage[t], t))
             kept.append(list(g))
-    want = len(eligible)
+    want = len(eligible) if count is None else count
     if len(kept) > want:
-        return kept[:want]
-    return kept + plan_groups(eligible, kept, width, want - len(kept))
+        out = kept[:want]
+    else:
+        out = kept + plan_groups(eligible, kept, width, want - len(kept))
+    if balance:
+        _balance(out, current, eligible, width, since or [])
+    return out
+
+
+def _balance(groups: list[list[int]], before: list[list[int]], eligible: dict[int, int], width: int,
+             since: list[list[int]]) -> None:
+    """Give positions to the eligible targets below the floor of the mean,
+    in place (replan_groups' ``balance``). Each move takes a position of
+    the most used target in a group whose members are all eligible and
+    that neither re-planning nor an earlier move changed, and that has no
+    member on the taker's node; it stops when no move narrows the spread."""
+    if not eligible or width < 1:
+        return
+    usage: Counter[int] = Counter({t: 0 for t in eligible})
+    # target -> (when its group last changed, index) of the groups it may give up a position in
+    holding: dict[int, list[tuple[int, int]]] = {}
+    for i, g in enumerate(groups):
+        for t in g:
+            if t in usage:
+                usage[t] += 1
+        untouched = i < len(before) and before[i] == g
+        if untouched and len(g) == width and all(t in eligible for t in g):
+            changed = max(since[i]) if i < len(since) and since[i] else 0
+            for t in g:
+                holding.setdefault(t, []).append((changed, i))
+    for lst in holding.values():
+        lst.sort()
+    # Half the mean (at least one): a target back after its positions were
+    # given away holds none; one that just joined holds one per group
+    # added, enough in narrow pools. Each move costs a group one copy of
+    # its keys (all of them in replica:1), so no more are made.
+    fair = max(1, sum(usage.values()) // len(usage) // 2)
+    short = sorted((usage[t], t) for t in usage if usage[t] < fair)
+    if not short:
+        return
+    touched: set[int] = set()
+    donors = [(-usage[t], t) for t in usage]
+    heapq.heapify(donors)
+    for _, taker in short:
+        node = eligible[taker]
+        while usage[taker] < fair:
+            moved = False
+            skipped: list[tuple[int, int]] = []
+            while donors:
+                neg, d = heapq.heappop(donors)
+                if -neg != usage[d]:
+                    continue  # stale entry
+                if usage[d] < usage[taker] + 2:
+                    skipped.append((neg, d))
+                    break  # no donor left that a move would narrow
+                i = next((i for _, i in holding.get(d, ()) if i not in touched
+                          and all(eligible[m] != node and m != taker for m in groups[i])), -1)
+                skipped.append((neg, d))
+                if i < 0:
+                    continue
+                j = groups[i].index(d)
+                groups[i] = [*groups[i][:j], taker, *groups[i][j + 1:]]
+                touched.add(i)
+                usage[d] -= 1
+                usage[taker] += 1
+                skipped[-1] = (-usage[d], d)
+                moved = True
+                break
+            for e in skipped:
+                heapq.heappush(donors, e)
+            if not moved:
+                break
 
 
 def pool_to_json(p: KVPoolRecord) -> list[Any]:

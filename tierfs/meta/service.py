@@ -320,7 +320,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
         self.kv_planner = KVPlanner(lambda: self.state, self._background_op, self._leadership,
-                                    interval=rebalance_interval)
+                                    interval=rebalance_interval, replace_after=replace_after)
 
     async def _background_op(self, kind: str, req: object, reply_cls: type) -> object:
         """Commit an op the leader made itself (placement work)."""

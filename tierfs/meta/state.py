@@ -107,13 +107,19 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 2)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 3)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
 #: so a replica's state is the same whether it replayed those entries or
 #: loaded a snapshot an older replica took.
 KV_STAMPS_FORMAT = 2
+#: Entries of this format on may give a KV pool one group per target
+#: present (down ones included) rather than per eligible target: the
+#: leader's planner keeps a pool's group count, and redundant pools' down
+#: members in place, while a target is only down (docs/kv_pools.md,
+#: "Placement groups").
+KV_HELD_FORMAT = 3
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -945,6 +951,22 @@ class MetaStateMachine(Tracked):
         """Target id -> node id of the targets placement may choose."""
         return self._eligible()
 
+    def _kv_present(self) -> list[Target]:
+        """Targets a KV pool keeps a group for (op format 3 on): every
+        target not removed, still offered by its node, on a node not
+        draining, whether up or down."""
+        return [t for t in self.targets.values()
+                if not t.removed and t.present and not self.nodes[t.node].draining]
+
+    def kv_held_targets(self, now_ns: int, replace_after_ms: int) -> tuple[frozenset[int], int]:
+        """(targets down less than ``replace_after_ms``, or at all when it
+        is 0, whose positions redundant KV pools keep; the group count a
+        pool keeps), for the leader's planner (tierfs.meta.kvplan)."""
+        now, after = self._advance(now_ns), replace_after_ms * NS_PER_MS
+        present = self._kv_present()
+        held = frozenset(t.id for t in present if t.down_since and (not after or now - t.down_since < after))
+        return held, len(present)
+
     def create_width(self, loc: pb.Loc, layout: pb.Layout | None) -> int:
         """The width a Create at ``loc`` would use (0 if it cannot be told:
         apply then gives the real error)."""
@@ -1625,7 +1647,8 @@ class MetaStateMachine(Tracked):
         ``map_version``. Each pool named must exist; each group given must
         have the pool's width, members eligible and on distinct nodes (KV
         pools place without the rack rule: a lost object is a miss); the
-        pool may hold at most one group per eligible target, and a pool
+        pool may hold at most one group per target present (op format 3
+        on; per eligible target before), and a pool
         that grows gets a group for every new position. Anything wrong, or
         the map moved since, refuses the whole op (the leader plans
         again). O(groups changed x width) plus one pass over the targets
@@ -1634,6 +1657,10 @@ class MetaStateMachine(Tracked):
             raise StaleVersionError(f"kv_groups: planned at map version {r.map_version}, the map is now at "
                                     f"{self.map_version}")
         eligible = self._eligible()
+        if op.min_format >= KV_HELD_FORMAT:
+            limit, what_limit = len(self._kv_present()), "target present"
+        else:
+            limit, what_limit = len(eligible), "eligible target"
         todo: list[tuple[KVPoolRecord, int, list[tuple[int, list[int]]]]] = []
         for p in r.pools:
             pool = self.kv_pools.get(p.pool_id)
@@ -1644,9 +1671,9 @@ class MetaStateMachine(Tracked):
             if p.count > have and added != p.count - have:
                 raise InvalidArgumentError(f"kv_groups: pool {pool.name!r} grows from {have} to {p.count} groups "
                                            f"but {added} new group(s) are given")
-            if p.count > len(eligible):
+            if p.count > limit:
                 raise InvalidArgumentError(f"kv_groups: pool {pool.name!r}: {p.count} groups exceed one per "
-                                           f"eligible target ({len(eligible)})")
+                                           f"{what_limit} ({limit})")
             changes = []
             for g in p.groups:
                 members = list(g.target_ids)
