@@ -50,11 +50,13 @@ def six(tmp_path: Path) -> Iterator[LocalCluster]:
         cl.stop()
 
 
-def _scrub(cl: LocalCluster, *extra: str) -> dict[str, Any]:
+def _scrub(cl: LocalCluster, *extra: str, code: int | None = 0) -> dict[str, Any]:
+    """``tierfs scrub --json``; its exit code must be ``code`` (None: 1
+    exactly when the pass left something to fix, ``left``)."""
     out = io.StringIO()
-    code = run(["scrub", "--json", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
+    got = run(["scrub", "--json", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
     doc: dict[str, Any] = json.loads(out.getvalue())
-    assert code == 0, doc
+    assert got == (code if code is not None else int(bool(doc["left"]))), doc
     return doc
 
 
@@ -154,8 +156,9 @@ def test_degraded_reupload_is_repaired_and_its_stale_fragment_counted(six: Local
 
     # Before the repair, with the holder down: stale fragments of the first
     # upload on the live nodes, a position known missing, a node unscrubbed.
-    rep = _scrub(cl, "--no-repair", "--keep-orphans")
+    rep = _scrub(cl, "--no-repair", "--keep-orphans", code=1)  # data at risk: exit 1
     assert not rep["clean"], rep
+    assert "1 node(s) not scrubbed" in rep["left"] and "1 fragment position(s) awaiting rebuild" in rep["left"], rep
     assert rep["total"]["stale"] == live_stale, rep["total"]
     assert rep["total"]["repairs_pending"] == 1 and rep["offline_nodes"], rep
     assert rep["total"]["chunks_verified"] == 1 and rep["total"]["mismatched"] == 0, rep["total"]
@@ -279,7 +282,11 @@ def test_whole_chunk_scrub_finds_a_wrong_but_crc_valid_fragment(six: LocalCluste
                 await dc.write(_members(cmap, info, chunk)[j], FragmentKey(info.attr.inode, chunk, j, gen), payload)
 
     asyncio.run(plant())
-    rep = _scrub(cl)
+    # Handed to their holders' repair queues: exit 1 while the queue still
+    # holds them when the pass ends ("awaiting rebuild"), 0 if they were
+    # rebuilt by then.
+    rep = _scrub(cl, code=None)
+    assert all("awaiting rebuild" in x for x in rep["left"]), rep
     t = rep["total"]
     assert t["mismatched"] == 3 and t["chunks_verified"] == 3, t
     assert t["corrupt"] == 0 and t["errors"] == 0, rep

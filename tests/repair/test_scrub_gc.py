@@ -48,12 +48,18 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         cl.stop()
 
 
-def _scrub(cl: LocalCluster, *extra: str) -> dict:  # type: ignore[type-arg]
+def _scrub(cl: LocalCluster, *extra: str, code: int = 0) -> dict:  # type: ignore[type-arg]
     out = io.StringIO()
-    code = run(["scrub", "--json", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
+    got = run(["scrub", "--json", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
     doc = json.loads(out.getvalue())
-    assert code == 0, doc
+    assert got == code, doc
     return doc  # type: ignore[no-any-return]
+
+
+def _scrub_text(cl: LocalCluster, *extra: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = run(["scrub", "--meta", ",".join(cl.meta_addrs), *extra], stdout=out, stderr=io.StringIO())
+    return code, out.getvalue()
 
 
 @pytest.mark.timeout(90)
@@ -74,10 +80,16 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     #    stale fragment (another generation of a real chunk).
     flipped, deleted = frags[3], frags[17]
     good_flipped, good_deleted = flipped.read_bytes(), deleted.read_bytes()
+    deleted.unlink()
+    # Only reported: the missing fragment is left, data at risk, so it
+    # exits 1 and says so (until stop 44: exit 0, "found problems").
+    code, text = _scrub_text(cluster, "--no-repair", "--keep-orphans")
+    assert code == 1, text
+    assert "scrub found problems it did not fix" in text and "not repaired (--no-repair)" in text, text
+    assert not deleted.exists()
     raw = bytearray(good_flipped)
     raw[4096 + 100] ^= 0x40  # the header is the first 4 KiB; this is payload
     flipped.write_bytes(bytes(raw))
-    deleted.unlink()
     # Both are well-formed fragments no file needs, written straight through
     # the data plane: one of an inode that does not exist, one of a real
     # chunk under a generation that was never committed.
@@ -99,14 +111,14 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     stale = frags[5].parent / f"{chunk:x}.0.{ver + 7:x}"
     assert ghost.exists() and stale.exists()
 
-    rep = _scrub(cluster)
+    rep = _scrub(cluster)  # repairs everything it finds: exit 0
     t = rep["total"]
     assert t["corrupt"] == 1 and t["missing"] == 1 and t["repaired"] == 2, rep
     assert t["orphans"] == 1 and t["orphans_deleted"] == 1, rep
     assert t["stale"] == 1 and t["stale_deleted"] == 1, rep
-    assert t["errors"] == 0 and t["mismatched"] == 0
+    assert t["errors"] == 0 and t["mismatched"] == 0 and t["kept_young"] == 0
     assert t["chunks_verified"] == 2 * 6, rep  # every committed chunk, each by one node
-    assert not rep["clean"]
+    assert not rep["clean"] and rep["left"] == [], rep
     kinds = sorted((i["kind"], i["action"]) for n in rep["nodes"] for i in n.get("issues", []))
     assert kinds == [("corrupt", "repaired"), ("missing", "repaired"), ("orphan", "deleted"), ("stale", "deleted")]
     # The repaired fragment files are byte for byte what was first written.
@@ -123,6 +135,35 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     asyncio.run(check())
     again = _scrub(cluster)
     assert again["clean"], again
+
+
+@pytest.mark.timeout(90)
+def test_orphans_younger_than_the_grace_are_kept_and_not_problems(tmp_path: Path) -> None:
+    """An orphan younger than ``orphan_grace`` (an upload in flight, as far
+    as the node can tell) is kept and counted ``kept_young``: the pass is
+    clean and exits 0. Until stop 44 it said "found problems"."""
+    cl = start(tmp_path / "young", n_storage=3, storage_args=("--orphan-grace=3600",))
+    try:
+        async def plant() -> Path:
+            cmap = await map_now(cl)
+            addr = cl.proc("storage-0").addr
+            node_ids = [n.node_id for n in cmap.nodes if n.data_addr == addr]
+            tid = next(t.target_id for t in cmap.targets if t.node_id in node_ids)
+            async with grant_all(DataClient(routes={tid: addr}), cl) as dc:
+                await dc.write(tid, FragmentKey(0xABCDEF, 0, 0, 1), b"orphan" * 1000)
+            return cl.dir / "storage-0" / "t0" / "frags" / "ef" / f"{0xABCDEF:016x}" / "0.0.1"
+
+        ghost = asyncio.run(plant())
+        assert ghost.exists()
+        rep = _scrub(cl)
+        t = rep["total"]
+        assert t["orphans"] == 1 and t["kept_young"] == 1 and t["orphans_deleted"] == 0, t
+        assert rep["clean"] and rep["left"] == [], rep
+        code, text = _scrub_text(cl)
+        assert code == 0 and "scrub clean in" in text and "1 stale fragment(s) or orphan(s) younger than" in text, text
+        assert ghost.exists()
+    finally:
+        cl.stop()
 
 
 @pytest.mark.timeout(90)

@@ -93,7 +93,7 @@ async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
 
 #: Per-node scrub counts, in the order the table shows them.
 SCRUB_FIELDS = ("fragments", "bytes", "chunks_verified", "corrupt", "missing", "mismatched", "repaired", "stale",
-                "stale_deleted", "orphans", "orphans_deleted", "errors")
+                "stale_deleted", "orphans", "orphans_deleted", "errors", "kept_young")
 #: Counts that say the cluster is not whole (tierfs.storage.scrub.PROBLEMS).
 _PROBLEMS = ("corrupt", "missing", "mismatched", "stale", "orphans", "errors")
 
@@ -107,9 +107,18 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
     each node's ``orphan_grace``). Nodes that cannot be reached are listed
     with their error.
 
-    ``clean`` is true only if every node was scrubbed, none found anything,
-    and meta's repair queue holds no fragment position (asked after the
-    pass): a node that is down, or a fragment known missing, is not clean."""
+    ``clean`` is true only if every node was scrubbed, none found anything
+    (stale fragments and orphans younger than the orphan grace, counted
+    ``kept_young``, are expected: an upload in flight), and meta's repair
+    queue holds no fragment position (asked after the pass): a node that is
+    down, or a fragment known missing, is not clean.
+
+    ``left`` lists what the pass leaves wrong with the data: errors, nodes
+    not scrubbed, fragment positions awaiting rebuild, and, with
+    ``repair`` off, the corrupt, missing and mismatched it found. Empty
+    when the pass fixed everything it found (``tierfs scrub`` exits 0),
+    even if it was not clean. Stale fragments and orphans kept (deletion
+    off) waste space but lose nothing, so they are not in it."""
     from google.protobuf.json_format import MessageToDict
 
     from tierfs.errors import PermissionDeniedError
@@ -151,10 +160,22 @@ async def scrub_cluster(meta: Sequence[str], *, rate: int = 0, repair: bool = Tr
             total["repairs_pending"] = int((await mc.list_repairs([], limit=1)).pending)
     except TierFSError:
         total["repairs_pending"] = -1  # unknown: not clean
+    leftover = total["stale"] + total["orphans"] - total["kept_young"]
     clean = (not offline and total["unreachable"] == 0 and total["repairs_pending"] == 0
-             and not any(total[k] for k in _PROBLEMS))
+             and not any(total[k] for k in _PROBLEMS if k not in ("stale", "orphans")) and leftover <= 0)
+    left = []
+    if total["errors"]:
+        left.append(f"{total['errors']} error(s)")
+    if total["unreachable"] or offline:
+        left.append(f"{total['unreachable'] + len(offline)} node(s) not scrubbed")
+    if total["repairs_pending"]:
+        left.append("repair queue unknown" if total["repairs_pending"] < 0 else
+                    f"{total['repairs_pending']} fragment position(s) awaiting rebuild")
+    if not repair and total["corrupt"] + total["missing"] + total["mismatched"]:
+        left.append(f"{total['corrupt']} corrupt, {total['missing']} missing, {total['mismatched']} mismatched "
+                    f"not repaired (--no-repair)")
     return {"seconds": time.perf_counter() - t0, "total": total, "nodes": per_node, "offline_nodes": offline,
-            "clean": clean}
+            "clean": clean, "left": left}
 
 
 def render_scrub(r: dict[str, Any]) -> str:
@@ -194,7 +215,23 @@ def render_scrub(r: dict[str, Any]) -> str:
     if pending:
         lines.append("repair queue: unknown (meta did not answer)" if pending < 0 else
                      f"repair queue: {pending} fragment position(s) known missing or bad, awaiting rebuild")
-    lines.append(f"scrub {'clean' if r['clean'] else 'found problems'} in {r['seconds']:.2f} s")
+    young = t.get("kept_young", 0)
+    kept = f"; {young} stale fragment(s) or orphan(s) younger than the orphan grace kept (uploads in flight)" \
+        if young else ""
+    took = f"in {r['seconds']:.2f} s"
+    if r["clean"]:
+        lines.append(f"scrub clean {took}{kept}")
+    elif r.get("left"):
+        lines.append(f"scrub found problems it did not fix {took}: {', '.join(r['left'])}{kept}")
+    else:
+        done = [f"repaired {t['repaired']} fragment(s)"] if t["repaired"] else []
+        deleted = t["stale_deleted"] + t["orphans_deleted"]
+        if deleted:
+            done.append(f"deleted {deleted} stale fragment(s) or orphan(s)")
+        spare = t["stale"] + t["orphans"] - deleted - young
+        if spare > 0:
+            done.append(f"kept {spare} stale fragment(s) or orphan(s) past the grace (--keep-orphans)")
+        lines.append(f"scrub {' and '.join(done) or 'found problems'} {took}: no data left at risk{kept}")
     return "\n".join(lines)
 
 
@@ -283,5 +320,5 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
         r = run(scrub_cluster(meta, rate=ns.rate, repair=ns.repair, delete_orphans=ns.orphans,
                               timeout=max(ns.timeout, 600.0)))
         emit(r, render_scrub(r))
-        return 0 if r["total"]["errors"] == 0 and r["total"]["unreachable"] == 0 else 1
+        return 1 if r["left"] else 0
     return None

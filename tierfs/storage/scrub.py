@@ -94,6 +94,8 @@ class ScrubReport:
     stale_deleted: int = 0
     chunks_verified: int = 0
     mismatched: int = 0
+    #: stale fragments and orphans kept because younger than orphan_grace
+    kept_young: int = 0
 
     def add(self, issue: ScrubIssue) -> None:
         if len(self.issues) < MAX_ISSUES:
@@ -101,7 +103,11 @@ class ScrubReport:
 
     @property
     def clean(self) -> bool:
-        return not any(getattr(self, k) for k in PROBLEMS)
+        """Nothing wrong found: stale fragments and orphans younger than the
+        orphan grace are expected (an upload in flight), not problems."""
+        young = self.kept_young
+        return not any(getattr(self, k) for k in PROBLEMS if k not in ("stale", "orphans")) \
+            and self.stale + self.orphans <= young
 
     def to_pb(self) -> Any:
         from tierfs.proto.v1 import storage_control_pb2 as spb
@@ -111,7 +117,7 @@ class ScrubReport:
             missing=self.missing, repaired=self.repaired, orphans=self.orphans,
             orphans_deleted=self.orphans_deleted, errors=self.errors, seconds=self.seconds,
             stale=self.stale, stale_deleted=self.stale_deleted, chunks_verified=self.chunks_verified,
-            mismatched=self.mismatched,
+            mismatched=self.mismatched, kept_young=self.kept_young,
             issues=[spb.ScrubIssue(target_id=i.target_id, inode=i.key.inode, chunk=i.key.chunk,
                                    fragment=i.key.fragment, version=i.key.version, kind=i.kind,
                                    action=i.action, detail=i.detail) for i in self.issues])
@@ -126,7 +132,7 @@ class Scrubber:
         self._node_id = node_id
         self.counters: dict[str, int] = dict.fromkeys(
             ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
-             "orphans_deleted", "stale", "stale_deleted", "chunks_verified", "mismatched", "errors",
+             "orphans_deleted", "stale", "stale_deleted", "chunks_verified", "mismatched", "errors", "kept_young",
              "catch_ups"), 0)
 
     @property
@@ -151,7 +157,7 @@ class Scrubber:
             await self._orphans(tid, eng, rep, {}, delete_orphans)
         rep.seconds = time.monotonic() - t0
         for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "stale", "stale_deleted",
-                  "chunks_verified", "mismatched", "errors"):
+                  "chunks_verified", "mismatched", "errors", "kept_young"):
             self.counters[k] += getattr(rep, k)
         self.counters["verified"] += rep.fragments
         self.counters["verified_bytes"] += rep.bytes
@@ -395,8 +401,13 @@ class Scrubber:
                 age = now - os.stat(fragment_path(eng.root, key)).st_mtime
             except FileNotFoundError:
                 continue
-            if not delete or age < self.orphan_grace:
-                rep.add(ScrubIssue(tid, key, kind, "kept", f"{why}; {age:.0f}s old"))
+            if age < self.orphan_grace:
+                rep.kept_young += 1
+                rep.add(ScrubIssue(tid, key, kind, "kept",
+                                   f"{why}; {age:.0f}s old, younger than the orphan grace ({self.orphan_grace:.0f}s)"))
+                continue
+            if not delete:
+                rep.add(ScrubIssue(tid, key, kind, "kept", f"{why}; {age:.0f}s old; deletion off"))
                 continue
             try:
                 await eng.delete(key)

@@ -118,6 +118,7 @@ class ScrubReport(_message.Message):
     CHUNKS_VERIFIED_FIELD_NUMBER: _builtins.int
     MISMATCHED_FIELD_NUMBER: _builtins.int
     STALE_DELETED_FIELD_NUMBER: _builtins.int
+    KEPT_YOUNG_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments: _builtins.int
     """fragments verified"""
@@ -141,6 +142,11 @@ class ScrubReport(_message.Message):
     mismatched: _builtins.int
     stale_deleted: _builtins.int
     """of the stale ones, deleted (older than the orphan grace)"""
+    kept_young: _builtins.int
+    """Of the stale fragments and orphans, those kept because they are younger
+    than the orphan grace (an upload in flight, a reader of the replaced
+    generation): expected, not problems. Daemons before stop 44 send 0.
+    """
     @_builtins.property
     def issues(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScrubIssue]:
         """at most 1000"""
@@ -163,10 +169,11 @@ class ScrubReport(_message.Message):
         chunks_verified: _builtins.int = ...,
         mismatched: _builtins.int = ...,
         stale_deleted: _builtins.int = ...,
+        kept_young: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale", "stale_deleted", b"stale_deleted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "kept_young", b"kept_young", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale", "stale_deleted", b"stale_deleted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
