@@ -287,3 +287,27 @@ def test_min_write_fragments_and_hedge_config() -> None:
     for _ in range(256):
         lat.add(0.0001)
     assert lat.hedge_delay(0.02, 0.5) == 0.02
+
+
+def test_a_config_made_in_code_takes_meta_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Client(config=ClientConfig(...))`` without meta uses TIERFS_META,
+    as docs/client.md says; until stop 44 it raised "set TIERFS_META" with
+    the variable set (a new user's find)."""
+    from tierfs.client import AsyncClient
+
+    async def go() -> None:
+        monkeypatch.setenv("TIERFS_META", "127.0.0.1:7100, 127.0.0.1:7101")
+        c = AsyncClient(config=ClientConfig(kv_dram_bytes=1 << 20))
+        try:
+            assert c.config.meta == ["127.0.0.1:7100", "127.0.0.1:7101"] and c.config.kv_dram_bytes == 1 << 20
+        finally:
+            await c.close()
+        c = AsyncClient("127.0.0.1:9", config=ClientConfig())  # an explicit address wins
+        try:
+            assert c.config.meta == ["127.0.0.1:9"]
+        finally:
+            await c.close()
+        monkeypatch.delenv("TIERFS_META")
+        with pytest.raises(ConfigError, match=r"ClientConfig\(meta=\[\.\.\.\]\)\) or set TIERFS_META"):
+            AsyncClient(config=ClientConfig())
+    asyncio.run(go())

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import posixpath
 import stat as _stat
 import time
@@ -216,8 +217,13 @@ class AsyncClient:
             config = load(ClientConfig, overrides={**options, **({"meta": meta_list} if meta_list else {})})
         elif meta_list is not None or options:
             config = config.replace(**options, **({"meta": meta_list} if meta_list is not None else {}))
+        if not config.meta and os.environ.get("TIERFS_META", "").strip():
+            # A ClientConfig made in code, without meta: the environment
+            # names it, as for a client built from the environment.
+            config = config.replace(meta=[a.strip() for a in os.environ["TIERFS_META"].split(",") if a.strip()])
         if not config.meta:
-            raise ConfigError("no meta address: pass meta=[...] or set TIERFS_META=host:port,...", field="meta")
+            raise ConfigError("no meta address: pass meta=[...] (or ClientConfig(meta=[...])) or set "
+                              "TIERFS_META=host:port,...", field="meta")
         self.config = config
         # Chosen once, here: the MetaClient is made later, maybe on another
         # thread ("" = no credential, never a second lookup). A token given
