@@ -230,8 +230,8 @@ def test_corrupted_tier_bytes_change_the_output(llm: Any, reference: list[int],
     reset(llm)
     real = tier._akv.batch_get_into
 
-    async def corrupting(keys: list[bytes], bufs: list[memoryview]) -> list[int | None]:
-        got = await real(keys, bufs)
+    async def corrupting(keys: list[bytes], bufs: list[memoryview], **kw: Any) -> list[int | None]:
+        got = await real(keys, bufs, **kw)
         for b, n in zip(bufs, got, strict=True):
             if n:
                 torch.frombuffer(b, dtype=torch.bfloat16).neg_()
@@ -292,11 +292,11 @@ def test_object_gone_between_lookup_and_load_is_recomputed(llm: Any, reference: 
     real = tier._akv.batch_get_into
     gone: list[bytes] = []
 
-    async def evicting(keys: list[bytes], bufs: list[memoryview]) -> list[int | None]:
+    async def evicting(keys: list[bytes], bufs: list[memoryview], **kw: Any) -> list[int | None]:
         if not gone and len(keys) == 6:
             gone.append(keys[2])
             assert await tier._akv.delete(keys[2])
-        return list(await real(keys, bufs))
+        return list(await real(keys, bufs, **kw))
 
     monkeypatch.setattr(tier._akv, "batch_get_into", evicting)
     before = metrics(llm)
@@ -509,7 +509,7 @@ def test_batches_run_a_few_at_a_time_and_a_failed_one_fails_only_its_chunks(
         real_put, real_get = tier._akv.batch_put, tier._akv.batch_get_into
 
         def counted(real: Any) -> Any:
-            async def call(ks: list[bytes], bufs: list[memoryview]) -> Any:
+            async def call(ks: list[bytes], bufs: list[memoryview], **kw: Any) -> Any:
                 nonlocal now, max_now
                 assert len(ks) == 1
                 now += 1
@@ -518,7 +518,7 @@ def test_batches_run_a_few_at_a_time_and_a_failed_one_fails_only_its_chunks(
                     await asyncio.sleep(0.05)    # long enough for the others to start
                     if ks[0] == bad:
                         raise OSError("planted failure")
-                    return await real(ks, bufs)
+                    return await real(ks, bufs, **kw)
                 finally:
                     now -= 1
             return call

@@ -460,6 +460,38 @@ def test_sigkill_during_puts_and_gets_leaves_no_wrong_bytes(cl: LocalCluster, cl
     assert not wrong, wrong[:5]
 
 
+def test_a_batch_with_a_too_small_buffer_raises_in_every_pool(cl: LocalCluster, client: Client) -> None:
+    """A destination smaller than its object raises, naming the key, in a
+    batch as for one key, in replica and EC pools alike, and writes
+    nothing. Until stop 44 a replica pool's batch of two or more keys
+    answered it as a miss (a new user's find). A batch given one str is
+    refused instead of taken as one key per character; an EC object too
+    large for the frames is refused before anything is sent."""
+    shared_pool(cl, client, "two")
+    create_pool(cl, "ecsmall", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
+    pool_ready(client, "ecsmall")
+    for name in ("two", "ecsmall"):
+        kv = client.kv_pool(name)
+        keys = [f"{name}-small-{i}" for i in range(3)]
+        kv.batch_put(keys, [payload(k, 20 * KiB) for k in keys], overwrite=True)
+        bufs = [bytearray(b"\xaa" * (10 * KiB)) for _ in keys]
+        with pytest.raises(InvalidArgumentError, match=f"{keys[0]}.*does not fit"):
+            kv.batch_get_into(keys, bufs)
+        assert all(b == bytearray(b"\xaa" * (10 * KiB)) for b in bufs)
+        # engines ask for a misfit to be that key's miss, not the batch's error
+        mixed = [bytearray(20 * KiB), bytearray(b"\xaa" * (10 * KiB)), bytearray(20 * KiB)]
+        assert kv.batch_get_into(keys, mixed, misfit="miss") == [20 * KiB, None, 20 * KiB]
+        assert mixed[1] == bytearray(b"\xaa" * (10 * KiB)) and bytes(mixed[2]) == payload(keys[2], 20 * KiB)
+        assert kv.batch_get_into(keys, [bytearray(20 * KiB) for _ in keys]) == [20 * KiB] * 3
+        with pytest.raises(InvalidArgumentError, match="sequence of keys, not one str"):
+            kv.batch_put("ab", [b"1", b"2"])
+        assert kv.batch_contains(["a", "b"]) == [False, False]
+    big = memoryview(bytearray((256 << 20) + 1))  # over 2 x (128 MiB frame - trailer)
+    with pytest.raises(InvalidArgumentError, match="would pass the frame limit"):  # before the sends: its own message
+        client.kv_pool("ecsmall").put("too-big", big)
+    assert client.kv_pool("ecsmall").exists("too-big") is False
+
+
 def test_ec_pool_roundtrip_and_degraded(cl: LocalCluster, client: Client) -> None:
     create_pool(cl, "ec", redundancy="ec:2+1", target_memory=8 * MiB, target_disk=16 * MiB)
     pool_ready(client, "ec")

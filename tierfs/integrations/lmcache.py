@@ -238,7 +238,7 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
             return [None] * len(keys)
         try:
             sizes = self.kv.batch_get_into([self._key(k) for k in keys[:len(objs)]],
-                                           [o.byte_array for o in objs])
+                                           [o.byte_array for o in objs], misfit="miss")
         except _IO_ERRORS as e:
             log.warning("TierFS get of %d keys failed (%s): misses", len(objs), e)
             sizes = [None] * len(objs)

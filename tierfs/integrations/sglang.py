@@ -426,10 +426,11 @@ class TierFSHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _get_into(self, okeys: list[str], dests: list[Any]) -> list[int | None]:
         try:
-            got: list[int | None] = self._kv.batch_get_into(okeys, dests)
+            # An object that is not a page (larger than its buffer, or not
+            # whole elements): that key's miss, not the batch's.
+            got: list[int | None] = self._kv.batch_get_into(okeys, dests, misfit="miss")
             return got
         except InvalidArgumentError as e:
-            # A single object larger than its page: a miss (the buffer is untouched).
             self.counters["size_mismatches"] += 1
             log.error("TierFS HiCache storage: %s; treated as a miss", e)
             return [None] * len(okeys)

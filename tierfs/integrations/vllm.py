@@ -378,7 +378,7 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         sizes: list[int | None] = [None] * len(tkeys)
 
         async def one(r: range) -> None:
-            got = await self._akv.batch_get_into([tkeys[i] for i in r], [views[i] for i in r])
+            got = await self._akv.batch_get_into([tkeys[i] for i in r], [views[i] for i in r], misfit="miss")
             for i, n in zip(r, got, strict=True):
                 sizes[i] = n
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierfs.errors import InvalidArgumentError, TierFSError
 from tierfs.kv.cluster import ClusterTier
-from tierfs.kv.keys import byte_view, is_cuda_tensor, itemsize_of, normalize_key
+from tierfs.kv.keys import byte_view, is_cuda_tensor, itemsize_of, normalize_key, normalize_keys
 
 if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
@@ -194,7 +194,7 @@ class AsyncKV:
         """Many puts; the requests for one storage node go out together."""
         if len(keys) != len(bufs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
-        ks = [normalize_key(k) for k in keys]
+        ks = normalize_keys(keys)
         try:
             views = [byte_view(b, writable=False, what=f"buffer {i}") for i, b in enumerate(bufs)]
         except InvalidArgumentError:
@@ -234,11 +234,21 @@ class AsyncKV:
         return await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
                                             pin_ttl_ms=pin_ttl_ms)
 
-    async def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any]) -> list[int | None]:
-        """Many gets, each straight into its buffer: sizes, None for misses."""
+    async def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any], *,
+                             misfit: str = "raise") -> list[int | None]:
+        """Many gets, each straight into its buffer: sizes, None for misses.
+
+        An object that does not fit its buffer, or is not a whole number of
+        its dtype's elements, raises InvalidArgumentError naming the key
+        (``misfit="raise"``, a caller's sizing bug); ``misfit="miss"`` makes
+        it that key's miss instead, for engines, to which bytes under a
+        page's key that are not a page are a miss like any other (the
+        buffer may then hold some of them)."""
+        if misfit not in ("raise", "miss"):
+            raise InvalidArgumentError(f"misfit is 'raise' or 'miss', not {misfit!r}")
         if len(keys) != len(bufs):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(bufs)} buffers")
-        ks = [normalize_key(k) for k in keys]
+        ks = normalize_keys(keys)
         try:
             views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(bufs)]
         except InvalidArgumentError:
@@ -246,36 +256,46 @@ class AsyncKV:
                 raise
             from tierfs.kv.gpu import get_into_cuda
 
-            return await get_into_cuda(self, ks, bufs)
+            return await get_into_cuda(self, ks, bufs, misfit=misfit)
+        miss = misfit == "miss"
         out: list[int | None] = [None] * len(ks)
         todo = list(range(len(ks)))
         if self._local is not None:
             rest = []
             for i in todo:
-                n = await self._local.stack.get_into(self._lk(ks[i]), views[i])
+                try:
+                    n = await self._local.stack.get_into(self._lk(ks[i]), views[i])
+                except InvalidArgumentError:
+                    if not miss:
+                        raise
+                    continue  # the cluster holds the same object: a miss
                 if n is None:
                     rest.append(i)
                 else:
                     out[i] = n
             todo = rest
         if todo:
-            await self._from_cluster(ks, views, todo, out)
+            await self._from_cluster(ks, views, todo, out, misfit_miss=miss)
         for i, n in enumerate(out):
             size = itemsize_of(bufs[i])
             if n is not None and n % size:
+                if miss:
+                    out[i] = None
+                    continue
                 raise InvalidArgumentError(
                     f"object {ks[i]!r} of {n} bytes is not a whole number of {size}-byte elements of its "
                     f"buffer's dtype")
         return out
 
     async def _from_cluster(self, ks: list[bytes], views: list[memoryview], todo: list[int],
-                            out: list[int | None]) -> None:
+                            out: list[int | None], *, misfit_miss: bool = False) -> None:
         """Get ``ks[i]`` for each ``i`` in ``todo`` from the cluster into
         ``views[i]``, its size into ``out[i]``, and fill the local tiers with the hits."""
         expiries: list[float] = []
         mark = self._fill_start()
         try:
-            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries)
+            got = await self.cluster.batch_get_into([ks[i] for i in todo], [views[i] for i in todo], expiries,
+                                                    misfit_miss=misfit_miss)
             for i, n, exp in zip(todo, got, expiries, strict=True):
                 out[i] = n
                 if n is not None:
@@ -286,7 +306,7 @@ class AsyncKV:
     async def batch_contains(self, keys: Sequence[str | bytes]) -> list[bool]:
         """Presence of each key (local tiers, then one request per storage
         target for the rest)."""
-        ks = [normalize_key(k) for k in keys]
+        ks = normalize_keys(keys)
         out = [False] * len(ks)
         todo = list(range(len(ks)))
         if self._local is not None and ks:
@@ -313,7 +333,7 @@ class AsyncKV:
     def prefetch(self, keys: Sequence[str | bytes]) -> asyncio.Task[None] | None:
         """Start loading ``keys`` from the cluster into the local tiers in the
         background (returns the task; None when there are no local tiers)."""
-        ks = [normalize_key(k) for k in keys]
+        ks = normalize_keys(keys)
         if self._local is None or not ks:
             return None
         task = asyncio.get_running_loop().create_task(self._prefetch(ks))
@@ -499,8 +519,9 @@ class KV:
         r: list[bool] = self._run("batch_put", keys, bufs, **kw)
         return r
 
-    def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any]) -> list[int | None]:
-        r: list[int | None] = self._run("batch_get_into", keys, bufs)
+    def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any], *,
+                       misfit: str = "raise") -> list[int | None]:
+        r: list[int | None] = self._run("batch_get_into", keys, bufs, misfit=misfit)
         return r
 
     def batch_contains(self, keys: Sequence[str | bytes]) -> list[bool]:

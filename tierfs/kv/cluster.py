@@ -118,10 +118,17 @@ def expiry_at(t0: float, ttl_ms: int) -> float:
 
 
 async def _cancel(fut: asyncio.Future[Any] | None) -> None:
-    """Cancel a request asked alongside another (and wait for it)."""
-    if fut is not None and not fut.done():
+    """Cancel a request asked alongside another (and wait for it). One that
+    already failed has its exception retrieved: unread, asyncio logs it
+    with a traceback ("Task exception was never retrieved") when the
+    future is collected, as it did for a witness asked of a dead node."""
+    if fut is None:
+        return
+    if not fut.done():
         fut.cancel()
         await asyncio.gather(fut, return_exceptions=True)
+    elif not fut.cancelled():
+        fut.exception()
 
 
 async def _timed(fetch: Callable[[list[int]], Awaitable[_R]], expiries: list[float] | None) -> _R:
@@ -624,18 +631,20 @@ class ClusterTier:
         return None, 0.0
 
     async def batch_get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview],
-                             expiries: list[float] | None = None) -> list[int | None]:
+                             expiries: list[float] | None = None, *, misfit_miss: bool = False) -> list[int | None]:
         """Each object straight into its buffer: its size, or None (a miss).
         One request per key to its first usable copy, all keys of one server
         in one write; misses and errors retry on the next copy. ``expiries``:
-        as for ``get_into``, one entry per key."""
+        as for ``get_into``, one entry per key. An object larger than its
+        buffer raises InvalidArgumentError, or with ``misfit_miss`` is that
+        key's miss (engines: bytes under a page's key that are not a page)."""
         route = await self._read_route(len(keys))
         if route is None:
             if expiries is not None:
                 expiries.extend([0.0] * len(keys))
             return [None] * len(keys)
         if route.copies == 0:
-            return await self._ec_get(route, keys, dests, expiries)
+            return await self._ec_get(route, keys, dests, expiries, misfit_miss=misfit_miss)
         out: list[int | None] = [None] * len(keys)
         deadlines = [0.0] * len(keys)
         orders = self._orders(route, keys)
@@ -663,9 +672,14 @@ class ClusterTier:
                                              {i: c for i, c in zip(todo, crcs, strict=True)}, witness, t0, known)
             again: list[int] = []
             for i, r, ttl in zip(todo, res, ttls, strict=True):
+                if isinstance(r, InvalidArgumentError):
+                    # The caller's buffer is too small: every copy would say
+                    # so, and the call raises (below), as for one key.
+                    self.counters.errors += 1
+                    if too_small is None:
+                        too_small = InvalidArgumentError(f"KV object {keys[i]!r}: {r}")
+                    continue
                 if isinstance(r, TierFSError):
-                    if isinstance(r, InvalidArgumentError) and too_small is None:
-                        too_small = r
                     self._failed(orders[i][attempt][0], r)
                 elif r is not None and not judged.get(i, True):
                     continue  # a miss: the copies disagree, or none vouches and one must
@@ -683,7 +697,9 @@ class ClusterTier:
             todo = again
             attempt += 1
         self.counters.misses += sum(1 for r in out if r is None)
-        if too_small is not None and len(keys) == 1:
+        if too_small is not None and not misfit_miss:
+            # Any key's: a sizing bug must not look like a miss. (Until stop
+            # 44 a batch of two or more keys made it a miss, one key raised.)
             raise too_small
         if expiries is not None:
             expiries.extend(deadlines)
@@ -1181,6 +1197,14 @@ class ClusterTier:
             n = len(buf)
             if n >> _N_BITS:
                 raise InvalidArgumentError(f"KV object of {n} bytes is too large for an EC pool")
+            frame = int(self.data.limits.max_frame_bytes)
+            if -(-n // route.k) + _TRAILER.size > frame:
+                # Refused before the encode and the sends: each fragment
+                # travels in one frame (max_object_bytes).
+                raise InvalidArgumentError(
+                    f"KV object of {n} bytes is too large for pool {route.name!r}: its {route.k} data "
+                    f"fragments would pass the frame limit of {frame} bytes each (at most "
+                    f"{route.k * (frame - _TRAILER.size)} bytes)")
             crc = crc32c(buf)
             if n:
                 enc = bytearray(codec.encode_size(n))
@@ -1239,71 +1263,85 @@ class ClusterTier:
         return out
 
     async def _ec_get(self, route: KVPoolRoute, keys: Sequence[bytes], dests: Sequence[memoryview],
-                      expiries: list[float] | None = None) -> list[int | None]:
+                      expiries: list[float] | None = None, *, misfit_miss: bool = False) -> list[int | None]:
         out: list[int | None] = []
         for key, dest in zip(keys, dests, strict=True):
-            frag_ttl: dict[int, int] = {}
-            t0 = time.monotonic()
-            targets, stamps = placement(route, key)
-            cap = -(-len(dest) // route.k) + _TRAILER.size
-            bufs = [memoryview(bytearray(cap)) for _ in targets]
-            order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
-            got: dict[int, tuple[_Tag, memoryview]] = {}
-            pos = 0
-            too_small = False
-            have, tag = 0, None
-            while tag is None and pos < len(order):
-                # Fragments of different values of the key (an overwrite
-                # that skipped a holder, a put that failed half-way) do not
-                # count together: ask on until K of one value answered.
-                want = order[pos:pos + route.k - have]
-                pos += len(want)
-                reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in want]
-                ttls: list[int] = []
-                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
-                for j, r, ttl in zip(want, res, ttls, strict=True):
-                    frag_ttl[j] = ttl
-                    if isinstance(r, InvalidArgumentError):
-                        too_small = True
-                    elif isinstance(r, TierFSError):
-                        self._failed(targets[j], r)
-                    elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
-                        got[j] = frag
-                have, tag = _ec_agreeing(got, route.k)
-            if too_small and tag is None:
-                raise InvalidArgumentError(f"KV object {key!r} does not fit the {len(dest)}-byte buffer")
-            value = self._ec_decode(route, got, tag)
-            if value is None and _judge_more(tag, pos, len(order)):
-                # A wrong fragment among the K: the others too, then judged.
-                rest = order[pos:]
-                reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in rest]
-                ttls = []
-                res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
-                for j, r, ttl in zip(rest, res, ttls, strict=True):
-                    frag_ttl[j] = ttl
-                    if isinstance(r, TierFSError):
-                        self._failed(targets[j], r)
-                    elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
-                        got[j] = frag
-                value = self._ec_decode(route, got, tag)
-            if value is None:
-                # Too few fragments of any one value, or a decode that does
-                # not match the value's CRC: a miss, never mixed bytes.
-                self.counters.misses += 1
+            try:
+                out.append(await self._ec_get_one(route, key, dest, expiries))
+            except InvalidArgumentError:
+                if not misfit_miss:
+                    raise
+                self.counters.errors += 1
                 out.append(None)
                 if expiries is not None:
                     expiries.append(0.0)
-                continue
-            size = len(value)
-            if size > len(dest):
-                raise InvalidArgumentError(f"KV object of {size} bytes does not fit the {len(dest)}-byte buffer")
-            dest[:size] = value
-            self.counters.hits += 1
-            self.counters.bytes_out += size
-            out.append(size)
-            if expiries is not None:
-                expiries.append(expiry_at(t0, _soonest([frag_ttl[j] for j, (t, _) in got.items() if t == tag])))
         return out
+
+    async def _ec_get_one(self, route: KVPoolRoute, key: bytes, dest: memoryview,
+                          expiries: list[float] | None) -> int | None:
+        """One key of :meth:`_ec_get`: its size, or None (a miss), with its
+        expiry appended to ``expiries``."""
+        frag_ttl: dict[int, int] = {}
+        t0 = time.monotonic()
+        targets, stamps = placement(route, key)
+        cap = -(-len(dest) // route.k) + _TRAILER.size
+        bufs = [memoryview(bytearray(cap)) for _ in targets]
+        order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+        got: dict[int, tuple[_Tag, memoryview]] = {}
+        pos = 0
+        too_small = False
+        have, tag = 0, None
+        while tag is None and pos < len(order):
+            # Fragments of different values of the key (an overwrite
+            # that skipped a holder, a put that failed half-way) do not
+            # count together: ask on until K of one value answered.
+            want = order[pos:pos + route.k - have]
+            pos += len(want)
+            reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in want]
+            ttls: list[int] = []
+            res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
+            for j, r, ttl in zip(want, res, ttls, strict=True):
+                frag_ttl[j] = ttl
+                if isinstance(r, InvalidArgumentError):
+                    too_small = True
+                elif isinstance(r, TierFSError):
+                    self._failed(targets[j], r)
+                elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
+                    got[j] = frag
+            have, tag = _ec_agreeing(got, route.k)
+        if too_small and tag is None:
+            raise InvalidArgumentError(f"KV object {key!r} does not fit the {len(dest)}-byte buffer")
+        value = self._ec_decode(route, got, tag)
+        if value is None and _judge_more(tag, pos, len(order)):
+            # A wrong fragment among the K: the others too, then judged.
+            rest = order[pos:]
+            reqs = [(targets[j], route.pool_id, key, bufs[j], stamps[j]) for j in rest]
+            ttls = []
+            res = await self.data.kv_get_batch(reqs, timeout=self._batch_deadline(reqs, 3), ttls=ttls)
+            for j, r, ttl in zip(rest, res, ttls, strict=True):
+                frag_ttl[j] = ttl
+                if isinstance(r, TierFSError):
+                    self._failed(targets[j], r)
+                elif r is not None and (frag := _ec_fragment(bufs[j][:r], j)) is not None:
+                    got[j] = frag
+            value = self._ec_decode(route, got, tag)
+        if value is None:
+            # Too few fragments of any one value, or a decode that does
+            # not match the value's CRC: a miss, never mixed bytes.
+            self.counters.misses += 1
+            if expiries is not None:
+                expiries.append(0.0)
+            return None
+        size = len(value)
+        if size > len(dest):
+            raise InvalidArgumentError(f"KV object {key!r} of {size} bytes does not fit the {len(dest)}-byte "
+                                       f"buffer")
+        dest[:size] = value
+        self.counters.hits += 1
+        self.counters.bytes_out += size
+        if expiries is not None:
+            expiries.append(expiry_at(t0, _soonest([frag_ttl[j] for j, (t, _) in got.items() if t == tag])))
+        return size
 
 
 _CODECS: dict[tuple[int, int], Any] = {}

@@ -213,9 +213,11 @@ async def put_cuda(kv: AsyncKV, keys: Sequence[Any], bufs: Sequence[Any], **kw: 
             pool.release(s)
 
 
-async def get_into_cuda(kv: AsyncKV, keys: Sequence[Any], bufs: Sequence[Any]) -> list[int | None]:
+async def get_into_cuda(kv: AsyncKV, keys: Sequence[Any], bufs: Sequence[Any], *,
+                        misfit: str = "raise") -> list[int | None]:
     """``kv.batch_get_into`` where some destinations are CUDA tensors: the
-    objects land in pinned buffers, then go up to the device."""
+    objects land in pinned buffers, then go up to the device. ``misfit``:
+    as for ``batch_get_into``."""
     pool = staging_pool()
     staged: dict[int, tuple[StagingBuffer, Any]] = {}
     host: list[Any] = list(bufs)
@@ -226,7 +228,7 @@ async def get_into_cuda(kv: AsyncKV, keys: Sequence[Any], bufs: Sequence[Any]) -
                 s = pool.acquire(flat.numel())
                 staged[i] = (s, flat)
                 host[i] = s.view
-        got = await kv.batch_get_into(keys, host)
+        got = await kv.batch_get_into(keys, host, misfit=misfit)
         devices = set()
         for i, (s, flat) in staged.items():
             n = got[i]
@@ -234,6 +236,9 @@ async def get_into_cuda(kv: AsyncKV, keys: Sequence[Any], bufs: Sequence[Any]) -
                 continue
             size = bufs[i].element_size()
             if n % size:  # checked before anything is written to the tensor
+                if misfit == "miss":
+                    got[i] = None
+                    continue
                 raise InvalidArgumentError(
                     f"object {keys[i]!r} of {n} bytes is not a whole number of {size}-byte elements of its "
                     f"tensor's dtype")

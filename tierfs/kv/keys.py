@@ -16,7 +16,7 @@ from typing import Any
 from tierfs.errors import InvalidArgumentError
 from tierfs.net.protocol import MAX_KV_KEY
 
-__all__ = ["MAX_KEY_BYTES", "byte_view", "is_cuda_tensor", "itemsize_of", "normalize_key"]
+__all__ = ["MAX_KEY_BYTES", "byte_view", "is_cuda_tensor", "itemsize_of", "normalize_key", "normalize_keys"]
 
 #: Longest key, in bytes (the data plane's limit).
 MAX_KEY_BYTES = MAX_KV_KEY
@@ -37,6 +37,16 @@ def normalize_key(key: str | bytes | bytearray | memoryview) -> bytes:
     if len(b) > MAX_KEY_BYTES:
         raise InvalidArgumentError(f"KV key of {len(b)} bytes exceeds the limit of {MAX_KEY_BYTES}")
     return b
+
+
+def normalize_keys(keys: Any) -> list[bytes]:
+    """Each key of a batch as ``bytes`` (normalize_key). A single str or
+    bytes is refused: iterated, it would be taken as one key per character
+    (``batch_put("ab", ...)`` stored keys "a" and "b")."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"a batch takes a sequence of keys, not one {type(keys).__name__} "
+                                   f"(wrap a single key in a list)")
+    return [normalize_key(k) for k in keys]
 
 
 def _is_tensor(obj: Any) -> bool:

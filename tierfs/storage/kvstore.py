@@ -818,7 +818,8 @@ class KVStore:
                 if p.hard_pinned - freed + size > p.spec.pin_quota_bytes:
                     raise NoSpaceError(
                         f"{p.where(self.target_id)}: hard pin of {size} bytes would pass the pin quota "
-                        f"({p.hard_pinned - freed} of {p.spec.pin_quota_bytes} bytes pinned)"
+                        f"({p.hard_pinned - freed} of {p.spec.pin_quota_bytes} bytes pinned; the pool's "
+                        f"pin_quota, `tierfs kv pool create --pin-quota`)"
                     )
             if not self._fits(p, charge, old, now):
                 raise NoSpaceError(
@@ -1031,7 +1032,8 @@ class KVStore:
         if kind == PIN_HARD and obj.pin != PIN_HARD and p.hard_pinned + obj.size > p.spec.pin_quota_bytes:
             raise NoSpaceError(
                 f"{p.where(self.target_id)}: hard pin of {obj.size} bytes would pass the pin quota "
-                f"({p.hard_pinned} of {p.spec.pin_quota_bytes} bytes pinned)"
+                f"({p.hard_pinned} of {p.spec.pin_quota_bytes} bytes pinned; the pool's pin_quota, "
+                f"`tierfs kv pool create --pin-quota`)"
             )
         self._set_pin(p, obj, kind, self._pin_expiry(kind, ttl_ms, self._now_ns()))
         self._persist(p, obj)
