@@ -501,7 +501,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
             if r["already_running"]:
                 err.write(f"already running ({shape}); nothing to do\n")
             else:
-                err.write(f"started {len(r['started'])} daemons ({shape}) in {time.perf_counter() - t0:.1f} s; "
+                n = len(r["started"])
+                err.write(f"started {n} daemon{'s' if n != 1 else ''} ({shape}) in {time.perf_counter() - t0:.1f} s; "
                           f"every daemon up (`tierfs status` checks targets and groups). "
                           f"Stop with: tierfs down --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
