@@ -196,7 +196,11 @@ def test_mv_rm_and_set_layout(cli: Run, tmp_path: Path) -> None:
     assert cli("mv", "/ops/d1/x", "/ops/d2")[0] == 0  # into a directory, as mv(1)
     assert cli("ls", "/ops/d2")[1].split() == ["x"] and cli("ls", "/ops/d1")[1].split() == []
     rc, out, err = cli("set-layout", "/ops/d1", "--redundancy", "replica:3", "--chunk-size", "1MiB")
-    assert rc == 0 and "replica:3" in out, err
+    assert rc == 0 and "replica:3" in out and "warning" not in out, err
+    # wider than the cluster: legal (nodes may join), and said at once
+    assert cli("mkdir", "/ops/wide")[0] == 0
+    rc, out, err = cli("set-layout", "/ops/wide", "--redundancy", "ec:9+9")
+    assert rc == 0 and "warning: ec:9+9 places 18 fragments on distinct storage nodes" in out, (out, err)
     assert cli("put", str(f), "/ops/d1/r")[0] == 0
     st = json.loads(cli("stat", "/ops/d1/r", "--json")[1])
     assert st["layout"]["redundancy"] == "replica:3" and st["layout"]["chunk_size"] == 1 << 20

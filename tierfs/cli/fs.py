@@ -422,5 +422,22 @@ async def set_layout(client: AsyncClient, path: str, *, redundancy: str = "", ch
         raise InvalidArgumentError(f"{path} is not a directory: set-layout applies to directories "
                                    "(files take their directory's layout when created)")
     lay = await client.set_layout(path, chunk_size=chunk_size, redundancy=redundancy, stripe_width=stripe)
-    return {"path": path, "chunk_size": lay.chunk_size, "redundancy": lay.redundancy,
-            "stripe_width": lay.stripe_width}
+    out: dict[str, Any] = {"path": path, "chunk_size": lay.chunk_size, "redundancy": lay.redundancy,
+                           "stripe_width": lay.stripe_width}
+    # A layout wider than the cluster is legal (nodes may join), but every
+    # write under it fails until they do: say so now, not at the first put.
+    kind, _, spec = lay.redundancy.partition(":")
+    try:
+        width = sum(int(x) for x in spec.split("+")) if kind == "ec" else int(spec)
+    except ValueError:
+        width = 0
+    if width:
+        from tierfs.proto.v1 import meta_pb2 as pb
+
+        cmap = await client.meta.get_cluster_map()
+        online = {n.node_id for n in cmap.nodes if n.state == pb.NODE_STATE_ONLINE}
+        nodes = len({t.node_id for t in cmap.targets if t.node_id in online and t.state == pb.TARGET_STATE_ONLINE})
+        if nodes < width:
+            out["warning"] = (f"{lay.redundancy} places {width} fragments on distinct storage nodes, and {nodes} "
+                              f"node(s) have an online target now: writes under {path} fail until {width} do")
+    return out

@@ -602,7 +602,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         r = _client_call(ns, env, fs.set_layout, ns.path, redundancy=ns.redundancy,
                          chunk_size=ns.chunk_size or 0, stripe=ns.stripe or 0)
         emit(r, f"{r['path']}: new files get {r['redundancy']}, chunk {human_size(r['chunk_size'])}, "
-                f"stripe {r['stripe_width'] or 'all groups'}")
+                f"stripe {r['stripe_width'] or 'all groups'}" + (f"\nwarning: {r['warning']}" if r.get("warning") else ""))
         return EXIT_OK
     if c == "kv":
         from tierfs.cli import kv
