@@ -253,3 +253,24 @@ def test_du_sums_sizes_and_df_adds_up(meta: str, tmp_path: Path) -> None:
     assert any(ln.startswith("default") for ln in lines) and "placement groups" in out
     rc, out, _ = cli(meta, "df", "--help")
     assert rc == 0
+
+
+@pytest.mark.timeout(60)
+def test_put_r_skips_a_local_clusters_data_directory(meta: str, tmp_path: Path) -> None:
+    """`tierfs up --data ./data` then `tierfs put -r . /x` from the parent:
+    the cluster's own data directory (it holds cluster.toml) is skipped and
+    said so, not copied into the cluster while its fragment files change."""
+    src = tmp_path / "proj"
+    (src / "code").mkdir(parents=True)
+    (src / "code" / "a.py").write_bytes(b"print(1)\n")
+    data = src / "data"
+    (data / "storage-0" / "t0").mkdir(parents=True)
+    (data / "cluster.toml").write_text("[cluster]\n")
+    (data / "storage-0" / "t0" / "frag").write_bytes(b"x" * 1000)
+    rc, out, err = cli(meta, "put", "-r", str(src), "/proj-skip", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert [s["path"] for s in r["skipped"]] == [str(data)]
+    assert "local TierFS cluster's data directory" in r["skipped"][0]["reason"]
+    assert cli(meta, "stat", "/proj-skip/code/a.py")[0] == 0
+    assert cli(meta, "stat", "/proj-skip/data")[0] != 0

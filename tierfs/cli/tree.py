@@ -35,6 +35,7 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
+from tierfs.local import STATE_FILE
 
 __all__ = ["DEFAULT_JOBS", "TreeProgress", "get_tree", "put_tree"]
 
@@ -173,6 +174,12 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
                 copy.skipped.append({"path": path, "reason": "a symlink loop back to a directory being copied"})
                 return
             seen_dirs.add((st.st_dev, st.st_ino))
+            if rel and os.path.isfile(os.path.join(path, STATE_FILE)):
+                # `tierfs up --data DIR` inside the tree: its fragment files and
+                # logs change while they are copied, into the cluster itself.
+                copy.skipped.append({"path": path, "reason": f"a local TierFS cluster's data directory (holds "
+                                                             f"{STATE_FILE}): not copied"})
+                return
             copy.entries.append(_Entry(rel, "dir", mode=m & 0o7777, mtime_ns=st.st_mtime_ns))
             try:
                 names = sorted(os.listdir(path))
