@@ -274,3 +274,33 @@ def test_put_r_skips_a_local_clusters_data_directory(meta: str, tmp_path: Path) 
     assert "local TierFS cluster's data directory" in r["skipped"][0]["reason"]
     assert cli(meta, "stat", "/proj-skip/code/a.py")[0] == 0
     assert cli(meta, "stat", "/proj-skip/data")[0] != 0
+
+
+@pytest.mark.timeout(60)
+def test_symlinks_are_shown_and_followed_by_cat_and_get(meta: str, tmp_path: Path) -> None:
+    """ls -l and stat show a link's target (stat no empty layout); cat and
+    get follow links in the last component, relative ones from the link's
+    directory, through a chain; a dangling link and a loop are clear
+    errors. Until stop 44 ls -l showed no target, stat an empty layout, and
+    cat and get answered "not a regular file"."""
+    src = tmp_path / "lnk"
+    src.mkdir()
+    (src / "h.txt").write_bytes(b"hello\n")
+    os.symlink("h.txt", src / "rel")
+    os.symlink("/lnk/rel", src / "abs")  # a chain: abs -> rel -> h.txt
+    os.symlink("nowhere", src / "dang")
+    os.symlink("/lnk/loop", src / "loop")
+    assert cli(meta, "put", "-r", str(src), "/", "-q")[0] == 0
+    rc, out, _ = cli(meta, "ls", "-l", "/lnk")
+    assert rc == 0 and "rel -> h.txt" in out and "abs -> /lnk/rel" in out and "dang -> nowhere" in out, out
+    rc, out, _ = cli(meta, "stat", "/lnk/abs")
+    assert rc == 0 and "target: /lnk/rel" in out and "layout" not in out, out
+    assert json.loads(cli(meta, "stat", "/lnk/abs", "--json")[1])["target"] == "/lnk/rel"
+    rc, out, err = cli(meta, "cat", "/lnk/abs")
+    assert rc == 0 and out == "hello\n", err
+    assert cli(meta, "get", "/lnk/rel", str(tmp_path / "got"))[0] == 0
+    assert (tmp_path / "got").read_bytes() == b"hello\n"
+    rc, _, err = cli(meta, "cat", "/lnk/dang")
+    assert rc == 1 and "a symbolic link to nothing" in err, err
+    rc, _, err = cli(meta, "get", "/lnk/loop", str(tmp_path / "never"))
+    assert rc == 1 and "too many levels of symbolic links" in err and not (tmp_path / "never").exists(), err

@@ -167,11 +167,44 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
     return {"local": local, "remote": remote, "bytes": done, "seconds": dt, "mb_per_s": done / dt / 1e6}
 
 
+#: Symbolic links followed on the way to a file at most (Linux's MAXSYMLINKS).
+MAX_LINK_HOPS = 40
+
+
+async def _follow(client: AsyncClient, remote: str) -> tuple[str, FileStat]:
+    """``remote`` with symbolic links in its last component followed, as
+    cat(1) and cp(1) follow them: a relative target is taken from the
+    link's directory. A link in a middle component is not followed (meta
+    walks paths as they are written)."""
+    path = posixpath.normpath(remote)
+    for _ in range(MAX_LINK_HOPS):
+        st = await client.stat(path)
+        if st.type != "symlink":
+            return path, st
+        target = await client.meta.readlink(path)
+        path = posixpath.normpath(target if target.startswith("/") else posixpath.join(posixpath.dirname(path),
+                                                                                           target))
+    raise InvalidArgumentError(f"{remote}: too many levels of symbolic links (more than {MAX_LINK_HOPS})")
+
+
 async def _open_remote(client: AsyncClient, remote: str) -> tuple[FileStat, Any]:
-    st = await client.stat(remote)
+    try:
+        path, st = await _follow(client, remote)
+    except NotFoundError:
+        if await _exists(client, remote):
+            raise NotFoundError(f"{remote}: a symbolic link to nothing (its target does not exist)") from None
+        raise
     if st.is_dir:
         raise IsADirectoryError_(f"{remote}: is a directory")
-    return st, await client.open(remote, "rb")
+    return st, await client.open(path, "rb")
+
+
+async def _exists(client: AsyncClient, path: str) -> bool:
+    try:
+        await client.stat(posixpath.normpath(path))
+        return True
+    except NotFoundError:
+        return False
 
 
 async def _stream(f: Any, st: FileStat, sink: Callable[[memoryview], Any], progress: Progress | None) -> int:
@@ -323,8 +356,15 @@ async def ls(client: AsyncClient, path: str = "/") -> list[dict[str, Any]]:
     """A directory's entries (sorted by name), or the one entry of a file."""
     st = await client.stat(path)
     if not st.is_dir:
-        return [_stat_dict(st)]
-    return [_stat_dict(e) for e in await client.ls(path, detail=True)]
+        return [await _with_target(client, _stat_dict(st))]
+    return [await _with_target(client, _stat_dict(e)) for e in await client.ls(path, detail=True)]
+
+
+async def _with_target(client: AsyncClient, d: dict[str, Any]) -> dict[str, Any]:
+    """A symbolic link's entry gets its ``target`` (ls -l shows it)."""
+    if d["type"] == "symlink":
+        d["target"] = await client.meta.readlink(d["path"])
+    return d
 
 
 async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
@@ -332,7 +372,7 @@ async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
     st = await client.stat(path)
     info = await client.meta.stat(posixpath.normpath(path))
     lay = info.layout
-    out = _stat_dict(st)
+    out = await _with_target(client, _stat_dict(st))
     out["layout"] = {
         "chunk_size": lay.chunk_size, "redundancy": lay.redundancy, "stripe_width": lay.stripe_width,
         "data_shards": lay.data_shards, "parity_shards": lay.parity_shards, "groups": list(lay.groups),

@@ -254,7 +254,8 @@ def _ls_long(entries: list[dict[str, Any]]) -> str:
     for e in entries:
         mtime = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M")
         rows.append([_stat.filemode(int(e["mode"], 8)), e["size"], mtime, e["redundancy"] or "",
-                     e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")])
+                     e["path"].rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")
+                     + (f" -> {e['target']}" if "target" in e else "")])
     header = ["MODE", "SIZE", "MODIFIED", "LAYOUT", "NAME"]
     if not any(r[3] for r in rows):  # only files carry a layout; none here
         rows = [r[:3] + r[4:] for r in rows]
@@ -269,9 +270,12 @@ def _stat_text(s: dict[str, Any]) -> str:
         f"  size: {s['size']} ({human_size(s['size'])})", f"  mode: {_stat.filemode(int(s['mode'], 8))}",
         f"  uid/gid: {s['uid']}/{s['gid']}",
         f"  modified: {datetime.datetime.fromtimestamp(s['mtime']).isoformat(sep=' ', timespec='seconds')}",
-        f"  layout: {lay['redundancy']}, chunk {human_size(lay['chunk_size'])}, stripe {lay['stripe_width']}"
-        + (f", groups {lay['groups']}" if lay["groups"] else ""),
     ]
+    if "target" in s:
+        lines.append(f"  target: {s['target']}")  # a symbolic link: no layout of its own
+    else:
+        lines.append(f"  layout: {lay['redundancy']}, chunk {human_size(lay['chunk_size'])}, "
+                     f"stripe {lay['stripe_width']}" + (f", groups {lay['groups']}" if lay["groups"] else ""))
     if s["type"] == "file":
         lines.append(f"  chunks: {s['chunks']}" + ("  (a writer has it open)" if s["writing"] else ""))
     return "\n".join(lines)
