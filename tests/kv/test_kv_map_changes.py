@@ -33,6 +33,7 @@ from tests.kv.test_kv_cluster import (
     pool_ready,
     restart,
 )
+from tierfs.cli.cluster import cluster_status
 from tierfs.client import Client
 from tierfs.errors import UnavailableError
 from tierfs.kv.cluster import group_of
@@ -614,6 +615,10 @@ def test_a_redundant_pool_keeps_every_key_through_a_node_down_replaced_and_back(
             for name in pools:
                 assert _groups(c, name) == counts[name]
                 assert missing(name) == [], f"{name}: keys lost with a node down"
+            st = asyncio.run(cluster_status(c.meta_addrs, timeout=5.0))
+            held = {p["name"]: p for p in st["kv_pools"] if p["name"] in pools}
+            assert all(p["groups_down"] > 0 and "groups with a member down" in p["placement"]
+                       for p in held.values()), held  # `tierfs status` says so
             wait_for(lambda: not any(mine & _member_targets(c, name) for name in pools), 60,
                      "the down node's positions replaced")
             for name in pools:

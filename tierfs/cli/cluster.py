@@ -221,6 +221,18 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             if out["id"] in progress:
                 out["rebuild"] = progress[out["id"]]
 
+    kv_pools = pool_summaries(kv_reply)
+    for pool in kv_pools:
+        # Groups reading around a member that is down (a redundant pool
+        # holds its position until replace_after: docs/kv_pools.md).
+        down = sum(any(targets.get(t, {}).get("state") not in ("online", "read_only") for t in g)
+                   for g in pool["groups"])
+        pool["groups_down"] = down
+        if down and pool["placement"] == "ok":
+            pool["placement"] = (f"{down} of {len(pool['groups'])} groups with a member down: reads go around it "
+                              f"(held in place until meta's replace_after, then replaced)" if pool["width"] > 1 else
+                              f"{down} of {len(pool['groups'])} groups with their one member down: their keys are "
+                              f"misses until it is replaced")
     kv_leases = kv_lease_summary(kv_reply)
     if kv_leases is not None:
         # Nodes a new leader has not heard from yet are not in its list.
@@ -246,7 +258,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         "groups": groups_out,
         "repairs_pending": repairs,
         # Definitions and the usage storage nodes last reported (zeros where none).
-        "kv_pools": pool_summaries(kv_reply),
+        "kv_pools": kv_pools,
         # KV map leases as the leader sees them (None: no leases, or a leader
         # of an older release); a stalled node makes the cluster degraded.
         "kv_leases": kv_leases,
