@@ -258,6 +258,26 @@ def test_drain_then_rm_never_degrades(cluster: LocalCluster) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_drain_wait_with_no_replacement_returns_the_stuck_groups(tmp_path: Path) -> None:
+    """Six nodes, ``ec:4+2`` groups: a drained node has no replacement in
+    its groups. ``node drain --wait`` says so and exits 1 at once; until
+    stop 44 it waited out its 600 s timeout for groups no copy would move
+    (a new operator's find). The fragments stay where they are."""
+    cl = start(tmp_path / "six", n_storage=6)
+    try:
+        files = asyncio.run(_write(cl))
+        cmap = asyncio.run(map_now(cl))
+        node = _node_of(cmap, cl, "storage-3")
+        code, out, err = _cli(cl, "node", "drain", str(node.node_id), "--wait")
+        assert code == 1, (code, out, err)
+        assert out["groups_stuck"] and not out["done"] and out["groups_copying"] == [], out
+        assert set(out["groups_stuck"]) <= set(out["groups_held"]), out
+        asyncio.run(_check(cl, files))
+    finally:
+        cl.stop()
+
+
+@pytest.mark.timeout(90)
 def test_rebuild_starts_when_the_map_changes_not_at_the_next_poll(tmp_path: Path) -> None:
     # The workers poll only every 600 s here: the rebuild can only start
     # because each daemon's map watch sees the target's removal.

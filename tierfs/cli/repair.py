@@ -41,7 +41,9 @@ async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, t
     """Move every fragment off a healthy node (its targets are replaced in
     every group, the new members copy from it). With ``wait``, return once
     no group is still rebuilding from it (or raise UnavailableError after
-    ``timeout``)."""
+    ``timeout``): done, or with groups it still holds because no target
+    could replace it there (``groups_stuck``; waiting would not move them:
+    until stop 44 ``--wait`` waited out its whole timeout for them)."""
     from tierfs.meta import MetaClient
 
     async with MetaClient(list(meta), deadline=min(timeout, 20.0)) as mc:
@@ -56,11 +58,15 @@ async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, t
             out.update(groups_held=held, groups_copying=feeding, done=not held and not feeding)
             if out["done"] or not wait:
                 return out
+            if not feeding:
+                # Nothing copies from it, yet it holds these: no replacement.
+                out["groups_stuck"] = sorted(set(out["groups_stuck"]) | set(held))
+                return out
             if progress is not None:
                 progress(len(feeding))
             if time.monotonic() > end:
-                raise UnavailableError(f"node {node_id} still feeds rebuilds of groups {feeding} and holds "
-                                       f"{held} after {timeout:.0f}s")
+                raise UnavailableError(f"node {node_id} still feeds rebuilds of groups {feeding}"
+                                       + (f" and holds {held}" if held else "") + f" after {timeout:.0f}s")
             await asyncio.sleep(0.5)
             cmap = await mc.get_cluster_map()
 
