@@ -207,6 +207,9 @@ def render_scrub(r: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     issues = [(n["node"], i) for n in r["nodes"] for i in n.get("issues", [])]
+    # What matters first: bad fragments and chunks, then what was deleted,
+    # then what was kept (young orphans of uploads in flight can be thousands).
+    issues.sort(key=lambda x: (x[1]["kind"] not in ("corrupt", "missing", "mismatched"), x[1]["action"] == "kept"))
     if issues:
         lines.append("")
         for node, i in issues[:50]:
@@ -237,7 +240,12 @@ def render_scrub(r: dict[str, Any]) -> str:
         spare = t["stale"] + t["orphans"] - deleted - young
         if spare > 0:
             done.append(f"kept {spare} stale fragment(s) or orphan(s) past the grace (--keep-orphans)")
-        lines.append(f"scrub {' and '.join(done) or 'found problems'} {took}: no data left at risk{kept}")
+        if not done:  # only findings that put nothing at risk (a bad fragment no file needs, say)
+            found = [f"{t[k] - (young if k == 'orphans' else 0)} {k}" for k in ("corrupt", "missing", "mismatched",
+                                                                                "stale", "orphans")
+                     if t[k] - (young if k == "orphans" else 0) > 0]
+            done = [f"found {', '.join(found) or 'problems'}"]
+        lines.append(f"scrub {' and '.join(done)} {took}: no data left at risk{kept}")
     return "\n".join(lines)
 
 
