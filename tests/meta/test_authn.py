@@ -411,3 +411,45 @@ def test_a_credential_file_rewritten_while_read_is_never_seen_empty(tmp_path: Pa
     assert errors == [], errors[0]
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no temporary file left
+
+
+def test_cli_chmod_and_chown_give_a_user_a_directory(meta: MetaCluster, tmp_path: Path) -> None:
+    """An admin makes a directory a user may write, with `tierfs chmod`
+    and `tierfs chown` (a new operator's find: until stop 44 neither the
+    CLI nor the Python client could, only a FUSE mount); the user's own
+    chmod and chown follow chmod(2)/chown(2)'s rules; bad modes and owners
+    are usage errors (exit 2) that change nothing."""
+    from tierfs.cli import run
+
+    def cli(*args: str, token: Path | None = None) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        extra = ["--token-file", str(token)] if token is not None else []
+        rc = run([*args, "--meta", meta.addresses[0], *extra], stdout=out, stderr=err,
+                 env={"TIERFS_TOKEN": ADMIN}, tty=False)
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = cli("user", "add", "ivy", "--uid", "8101", "--gid", "8102")
+    assert rc == 0, err
+    ivy = write_private_file(tmp_path / "ivy.token", out.splitlines()[0] + "\n")
+    assert cli("mkdir", "/team", "/shared")[0] == 0
+    rc, _, err = cli("mkdir", "/team/x", token=ivy)
+    assert rc == 1 and "permission" in err.lower(), err  # root's 755 directory
+    assert cli("chown", "8101:8102", "/team")[0] == 0
+    assert cli("chmod", "1777", "/shared")[0] == 0
+    st = json.loads(cli("stat", "/team", "--json")[1])
+    assert (st["uid"], st["gid"]) == (8101, 8102)
+    assert int(json.loads(cli("stat", "/shared", "--json")[1])["mode"], 8) & 0o7777 == 0o1777
+    assert cli("mkdir", "/team/x", "/shared/y", token=ivy)[0] == 0
+    assert cli("chmod", "700", "/team/x", token=ivy)[0] == 0  # her own
+    rc, _, err = cli("chown", "0", "/team/x", token=ivy)  # only root gives a file away
+    assert rc == 1, err
+    rc, _, err = cli("chmod", "755", "/", token=ivy)  # not hers
+    assert rc == 1, err
+    for args in (("chmod", "8", "/team"), ("chmod", "17777", "/team"), ("chmod", "rwx", "/team"),
+                 ("chown", "alice", "/team"), ("chown", ":", "/team"), ("chown", "-1", "/team")):
+        rc, _, err = cli(*args)
+        assert rc == 2 and "tierfs ch" in err, (args, err)
+    st = json.loads(cli("stat", "/team", "--json")[1])
+    assert (st["uid"], st["gid"], int(st["mode"], 8) & 0o7777) == (8101, 8102, 0o755)
+    rc, _, err = cli("chmod", "755", "/nope", "/shared")  # each path on its own
+    assert rc == 1 and "/nope" in err, err

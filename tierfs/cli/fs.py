@@ -439,6 +439,16 @@ async def rm(client: AsyncClient, path: str, *, recursive: bool = False) -> dict
     return {"path": path, "removed": True}
 
 
+async def chattr(client: AsyncClient, path: str, *, mode: int | None = None, uid: int | None = None,
+                 gid: int | None = None) -> dict[str, Any]:
+    """chmod (``mode``) or chown (``uid``/``gid``) of one path."""
+    if mode is not None:
+        await client.chmod(path, mode)
+    else:
+        await client.chown(path, uid, gid)
+    return {"path": path}
+
+
 async def mv(client: AsyncClient, src: str, dst: str) -> dict[str, Any]:
     """Rename ``src`` to ``dst`` (into ``dst`` if it is a directory, as mv(1))."""
     if dst.endswith("/") or (await _is_dir(client, dst) and not await _same(client, src, dst)):

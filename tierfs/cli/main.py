@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("mv", "rename or move")
     p.add_argument("src")
     p.add_argument("dst")
+    p = cmd("chmod", "set permission bits (octal, e.g. 755 or 1777; owner or root)")
+    p.add_argument("mode")
+    p.add_argument("path", nargs="+")
+    p = cmd("chown", "set owner and/or group: UID, UID:GID or :GID (numbers; root changes the owner)")
+    p.add_argument("owner")
+    p.add_argument("path", nargs="+")
     p = cmd("set-layout", "layout of new files under a directory")
     p.add_argument("path")
     p.add_argument("--redundancy", default="", help="ec:K+M or replica:N (e.g. ec:4+2)")
@@ -595,6 +601,30 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c == "mv":
         emit(_client_call(ns, env, fs.mv, ns.src, ns.dst), None)
         return EXIT_OK
+    if c in ("chmod", "chown"):
+        if c == "chmod":
+            try:
+                mode = int(ns.mode, 8)
+            except ValueError:
+                mode = -1
+            if not 0 <= mode <= 0o7777:
+                raise _UsageError(f"tierfs chmod: mode must be octal digits from 0 to 7777, not {ns.mode!r}")
+            kw2: dict[str, Any] = {"mode": mode}
+        else:
+            u, _, g = ns.owner.partition(":")
+            try:
+                uid = int(u) if u else None
+                gid = int(g) if g else None
+            except ValueError:
+                uid = gid = -1
+            if (uid is None and gid is None) or any(v is not None and not 0 <= v < 2**32 - 1 for v in (uid, gid)):
+                raise _UsageError(f"tierfs chown: owner is UID, UID:GID or :GID (numbers), not {ns.owner!r}")
+            kw2 = {"uid": uid, "gid": gid}
+        r = _client_call(ns, env, fs.each, fs.chattr, ns.path, **kw2)
+        for e in r["errors"]:
+            err.write(terminal_safe(f"tierfs: {e['message']}\n"))
+        emit(r, None)
+        return EXIT_FAILED if r["errors"] else EXIT_OK
     if c == "set-layout":
         if not (ns.redundancy or ns.chunk_size is not None or ns.stripe is not None):
             raise _UsageError("tierfs set-layout: give at least one of --redundancy, --chunk-size, --stripe")

@@ -527,6 +527,24 @@ class AsyncClient:
     async def truncate(self, path: str, size: int) -> None:
         await self.meta.truncate(_norm(path), size)
 
+    async def chmod(self, path: str, mode: int) -> None:
+        """Set the permission bits (0 to 0o7777; owner or root, as
+        chmod(2): docs/security-authz.md)."""
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise InvalidArgumentError(f"chmod: mode {mode!r} is not a number from 0 to 0o7777")
+        await self.meta.setattr(_norm(path), mode=mode)
+
+    async def chown(self, path: str, uid: int | None = None, gid: int | None = None) -> None:
+        """Set the owner and/or group (None: unchanged; as chown(2): root
+        changes the owner, the owner may change the group to one of its
+        own: docs/security-authz.md)."""
+        for what, v in (("uid", uid), ("gid", gid)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32 - 1):
+                raise InvalidArgumentError(f"chown: {what} {v!r} is not a number from 0 to {2**32 - 2}")
+        if uid is None and gid is None:
+            raise InvalidArgumentError("chown: give a uid, a gid or both")
+        await self.meta.setattr(_norm(path), uid=uid, gid=gid)
+
     async def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "",
                          stripe_width: int = 0) -> pb.Layout:
         """Layout for new files under directory ``path`` (inherited)."""

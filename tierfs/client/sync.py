@@ -183,6 +183,12 @@ class Client:
     def truncate(self, path: str, size: int) -> None:
         self._run(self.aclient.truncate(path, size))
 
+    def chmod(self, path: str, mode: int) -> None:
+        self._run(self.aclient.chmod(path, mode))
+
+    def chown(self, path: str, uid: int | None = None, gid: int | None = None) -> None:
+        self._run(self.aclient.chown(path, uid, gid))
+
     def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "",
                    stripe_width: int = 0) -> pb.Layout:
         return self._run(self.aclient.set_layout(path, chunk_size=chunk_size, redundancy=redundancy,
