@@ -224,6 +224,10 @@ def test_du_sums_sizes_and_df_adds_up(meta: str, tmp_path: Path) -> None:
     assert lines[2].split()[:4] == ["9.0", "MiB", "15.0", "MiB"] and lines[-1].endswith("total")
     rc, _, err = cli(meta, "du", "/du/nope")
     assert rc == 1 and "no such file" in err
+    # several paths, one missing: the others are still listed (as du(1))
+    rc, out, err = cli(meta, "du", "-s", "/du", "/du/nope", "/du/a/b/c")
+    assert rc == 1 and "/du/nope" in err, err
+    assert out.splitlines()[1].endswith("/du") and "/du/a/b/c" in out, out
 
     rc, out, err = cli(meta, "df", "--json")
     assert rc == 0, err

@@ -21,7 +21,7 @@ from typing import Any
 
 from tierfs.chunk import parity_size
 from tierfs.client import AsyncClient, FileStat
-from tierfs.errors import TierFSError, UnavailableError
+from tierfs.errors import NotFoundError, TierFSError, UnavailableError
 
 __all__ = ["df", "du", "stored_bytes"]
 
@@ -95,7 +95,15 @@ async def du(client: AsyncClient, paths: Sequence[str], *, summarize: bool = Fal
     errors: list[dict[str, str]] = []
     for p in paths or ["/"]:
         p = posixpath.normpath("/" + p.lstrip("/"))
-        st = await client.stat(p)
+        try:
+            st = await client.stat(p)
+        except NotFoundError as exc:
+            if len(paths) < 2:
+                raise
+            # Several paths: each on its own, as du(1) (until stop 44 one
+            # missing path printed nothing for the others).
+            errors.append({"path": p, "error": str(exc)})
+            continue
         if st.is_dir:
             top = await _du_tree(client, p, rows, errors, all_dirs=not summarize)
         else:
