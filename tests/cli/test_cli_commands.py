@@ -288,11 +288,16 @@ def test_unreachable_cluster_and_no_address(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
     data = tmp_path / "small"
+    # bad counts are usage errors (exit 2; exit 1 until stop 44), and nothing is made
     rc, out, err = Run("")("up", "--data", str(data), "--meta", "2", cluster=False)
-    assert rc == 1 and "odd" in err and not (data / "cluster.toml").exists()
-    for n in ("0", "100000"):  # 0 started the default 6; 100000 ran out of file descriptors
+    assert rc == 2 and "odd" in err and not data.exists()
+    for n in ("0", "-1", "100000"):  # 0 started the default 6; 100000 ran out of file descriptors
         rc, out, err = Run("")("up", "--data", str(data), "--storage", n, cluster=False)
-        assert rc == 1 and "storage" in err and "between 1 and 256" in err and not (data / "cluster.toml").exists(), err
+        assert rc == 2 and "storage" in err and "between 1 and 256" in err and not data.exists(), err
+    rc, out, err = Run("")("up", "--data", str(data), "--targets-per-node", "0", cluster=False)
+    assert rc == 2 and "targets-per-node" in err and not data.exists(), err
+    rc, out, err = Run("127.0.0.1:1")("node", "label", "1", cluster=False)  # no --rack: refused before any call
+    assert rc == 2 and "--rack R is required" in err, err
     try:
         # A shell that exported an earlier cluster's lines, whose directory
         # is gone (or not made yet): up makes it (it used to fail: "token

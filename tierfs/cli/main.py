@@ -491,6 +491,15 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     c = ns.cmd
     if c == "up":
         data_dir = ns.data or DEFAULT_DATA
+        # Usage errors (exit 2), before anything is made.
+        if ns.n_meta < 1 or ns.n_meta % 2 == 0:
+            raise _UsageError(f"tierfs up: --meta-replicas must be an odd number >= 1 (a Raft majority), "
+                              f"not {ns.n_meta}")
+        if ns.n_storage is not None and not 1 <= ns.n_storage <= cluster.MAX_LOCAL_STORAGE:
+            raise _UsageError(f"tierfs up: --storage must be between 1 and {cluster.MAX_LOCAL_STORAGE} on one "
+                              f"machine, not {ns.n_storage}")
+        if ns.targets_per_node < 1:
+            raise _UsageError(f"tierfs up: --targets-per-node must be >= 1, not {ns.targets_per_node}")
         if not ns.json:
             err.write(f"starting the local cluster in {os.path.abspath(data_dir)} ...\n")
             err.flush()
@@ -656,6 +665,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         code = users.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
         if code is not None:
             return code
+    if c == "node" and ns.action == "label" and ns.rack is None:
+        raise _UsageError("tierfs node label: --rack R is required (--rack '' clears the label)")
     if c == "rebalance" or (c == "node" and ns.action == "label"):
         from tierfs.cli import rebalance
 

@@ -37,7 +37,7 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p = cmd("user", "users and tokens (admin): add, ls, rm, token (issue another), revoke")
     p.add_argument("action", choices=["add", "ls", "rm", "token", "revoke"])
     p.add_argument("name", nargs="?", default="")
-    p.add_argument("--uid", type=int, help="add: the user's uid (0 only with --admin)")
+    p.add_argument("--uid", type=int, help="add: the user's uid (a non-admin uid 0 is judged as nobody under root_squash)")
     p.add_argument("--gid", type=int, help="add: the user's primary gid")
     p.add_argument("--groups", type=_groups, default=[], metavar="GID,...", help="add: supplementary gids")
     p.add_argument("--admin", action="store_true", help="add: an admin (admin operations, root for permissions)")
