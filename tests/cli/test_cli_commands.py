@@ -502,3 +502,28 @@ def test_mkdir_of_a_bad_path_changes_nothing(cli: Run) -> None:
     rc, _, err = cli("mkdir", "/mk1//a/./d")
     assert rc == 1 and "/mk1//a/./d" in err and "'.'" in err, err
     assert cli("rm", "-r", "/mk1")[0] == 0
+
+
+@pytest.mark.timeout(90)
+def test_status_without_a_meta_majority_shows_the_replicas(tmp_path: Path) -> None:
+    """Two of three meta replicas SIGKILLed: `tierfs status --data` shows
+    the replica table (the dead ones named and down) and exits 3, instead
+    of "cluster unreachable" with no table (exit 1) until stop 44."""
+    data = tmp_path / "nomaj"
+    cluster_up(str(data), n_storage=1, timeout=90)
+    try:
+        cl = LocalCluster.open(str(data))
+        for name in ("meta-1", "meta-2"):
+            cl.kill(name)
+        rc, out, err = Run("")("status", "--data", str(data), "--timeout", "3", cluster=False, env={})
+        assert rc == 3, (out, err)
+        assert "no meta leader: 1 of 3 replicas answer" in out, out
+        rows = [line.split() for line in out.splitlines() if line.startswith("meta-")]
+        assert sorted(r[0] for r in rows) == ["meta-0", "meta-1", "meta-2"], rows
+        assert sum("down" in r for r in rows) == 2, rows
+        rc, out, err = Run("")("status", "--data", str(data), "--timeout", "3", "--json", cluster=False, env={})
+        st = json.loads(out)
+        assert rc == 3 and st["healthy"] is False and st["no_leader"], st
+        assert sorted(m["id"] for m in st["meta"]) == ["meta-0", "meta-1", "meta-2"], st["meta"]
+    finally:
+        cluster_down(str(data))

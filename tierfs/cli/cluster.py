@@ -150,19 +150,6 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         errors = "; ".join(f"{r['addr']}: {r['error']}" for r in replicas)
         raise UnavailableError(f"cluster unreachable: tried {', '.join(addrs)} ({errors})")
 
-    async with MetaClient(addrs, deadline=timeout, attempt_timeout=min(timeout, 2.0)) as mc:
-        cmap = await mc.get_cluster_map()
-        # Fragments of committed chunks known missing (degraded writes, scrub
-        # findings) that the repair queue has not rebuilt yet.
-        repairs = (await mc.list_repairs([], limit=1)).pending
-        kv_reply = await mc.list_kv_pools()
-        try:
-            from tierfs.cli.rebalance import status_dict
-
-            rebalance: dict[str, Any] | None = status_dict(await mc.rebalance_status())
-        except TierFSError:
-            rebalance = None  # an older leader, or no leader this moment: status shows the rest
-
     leaders = {r["leader"] for r in replicas if r["state"] == "up" and r["leader"]}
     meta_out = []
     for r in replicas:
@@ -170,11 +157,44 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         if local and pid is not None and r["state"] != "up" and not procs[r["addr"]].alive():
             r["state"] = "down"
         meta_out.append({
-            "id": r["id"], "addr": r["addr"], "role": r["role"], "state": r["state"],
+            # A replica that does not answer is named from the local plan, if any.
+            "id": r["id"] or names.get(r["addr"]), "addr": r["addr"], "role": r["role"], "state": r["state"],
             "pid": pid or None, "term": r["term"], "applied_index": r.get("applied_index"),
         })
 
     meta_out.sort(key=lambda m: (m["id"] is None, m["id"] or "", m["addr"]))
+    try:
+        async with MetaClient(addrs, deadline=timeout, attempt_timeout=min(timeout, 2.0)) as mc:
+            cmap = await mc.get_cluster_map()
+            # Fragments of committed chunks known missing (degraded writes, scrub
+            # findings) that the repair queue has not rebuilt yet.
+            repairs = (await mc.list_repairs([], limit=1)).pending
+            kv_reply = await mc.list_kv_pools()
+            try:
+                from tierfs.cli.rebalance import status_dict
+
+                rebalance: dict[str, Any] | None = status_dict(await mc.rebalance_status())
+            except TierFSError:
+                rebalance = None  # an older leader, or no leader this moment: status shows the rest
+    except TierFSError as exc:
+        if any(r["state"] == "up" and r["role"] == "leader" for r in replicas):
+            raise  # a leader answered us: this is another failure
+        # (A follower may still name a dead leader until its election timeout.)
+        # No majority (or no election won yet): what the replicas say, and
+        # nothing from the map, which only a leader serves. Until stop 44
+        # this was "cluster unreachable" and no table at all.
+        up = sum(m["state"] == "up" for m in meta_out)
+        auth0 = {r.get("auth") for r in replicas if r["state"] == "up"}
+        return {
+            "healthy": False, "security": "mixed" if len(auth0) > 1 else ("on" if auth0 == {True} else "off"),
+            "leader": None, "map_version": None,
+            "no_leader": f"no meta leader: {up} of {len(meta_out)} replicas answer, and a leader needs "
+                         f"{len(meta_out) // 2 + 1} of them (start the ones that are down; `tierfs up --data DIR` "
+                         f"for a local cluster): {exc}",
+            "meta": meta_out, "storage": [], "groups": [], "repairs_pending": 0, "kv_pools": [],
+            "kv_leases": None, "rebalance": None, "capacity": 0, "used": 0,
+        }
+
     targets: dict[int, dict[str, Any]] = {}
     for t in cmap.targets:
         targets[t.target_id] = {

@@ -186,6 +186,11 @@ UNREPORTED_NOTE = ("* used as last committed, up to meta's usage_interval (30 s)
 
 def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
+    if st.get("no_leader"):
+        out = [f"cluster: DEGRADED  ({st['no_leader']})", ""]
+        out.append(_table([[m["id"], m["addr"], m["role"], m["state"], m["pid"]] for m in st["meta"]],
+                          ["META", "ADDRESS", "ROLE", "STATE", "PID"]))
+        return "\n".join(out)
     out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
            f"{human_size(st['used'])} used of {human_size(st['capacity'])})", ""]
     if st.get("security", "on") != "on":
