@@ -298,6 +298,8 @@ def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
     assert rc == 2 and "targets-per-node" in err and not data.exists(), err
     rc, out, err = Run("127.0.0.1:1")("node", "label", "1", cluster=False)  # no --rack: refused before any call
     assert rc == 2 and "--rack R is required" in err, err
+    rc, out, err = Run("127.0.0.1:1")("node", "label", "1", "--rack", "a\nb", cluster=False)
+    assert rc == 2 and "no control characters" in err, err
     try:
         # A shell that exported an earlier cluster's lines, whose directory
         # is gone (or not made yet): up makes it (it used to fail: "token

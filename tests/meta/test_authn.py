@@ -340,6 +340,10 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
                  env={"TIERFS_TOKEN": ADMIN} if env is None else env, tty=False)
         return rc, out.getvalue(), err.getvalue()
 
+    rc, out, err = cli("whoami")
+    assert rc == 0 and out.startswith("root (admin): uid 0 gid 0"), out  # "(admin, admin)" until stop 44
+    rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,,2")
+    assert rc == 2 and "not a comma-separated list of gids" in err, err  # a typo, not groups 1 and 2
     rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,2", "--expires", "30d")
     assert rc == 0, err
     token = out.splitlines()[0]

@@ -96,7 +96,12 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
         async with MetaClient([addr], deadline=timeout, attempt_timeout=min(timeout, 1.0)) as mc:
             st = await mc.status(addr=addr)
     except TierFSError as exc:
-        return {"addr": addr, "id": None, "role": None, "state": "unreachable", "error": str(exc),
+        # The client's own "cluster unreachable: tried ADDR (last error: X)"
+        # would nest in the caller's message: keep X.
+        msg = str(exc)
+        if msg.startswith("cluster unreachable: tried ") and "(last error: " in msg:
+            msg = msg.split("(last error: ", 1)[1].rstrip(")")
+        return {"addr": addr, "id": None, "role": None, "state": "unreachable", "error": msg,
                 "leader": "", "members": [], "term": None}
     return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
             "members": list(st.members), "term": st.term, "commit_index": st.commit_index,

@@ -672,6 +672,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
             return code
     if c == "node" and ns.action == "label" and ns.rack is None:
         raise _UsageError("tierfs node label: --rack R is required (--rack '' clears the label)")
+    if c == "node" and ns.action == "label" and any(ch < " " or "\x7f" <= ch <= "\x9f" for ch in ns.rack):
+        raise _UsageError(f"tierfs node label: a rack label has no control characters, not {ns.rack!r}")
     if c == "rebalance" or (c == "node" and ns.action == "label"):
         from tierfs.cli import rebalance
 

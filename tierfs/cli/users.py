@@ -27,10 +27,17 @@ def parse_expires(value: str) -> float:
 
 
 def _groups(value: str) -> list[int]:
+    """``1,2,3`` (empty: none). An empty item (``1,,2``) is refused: a typo
+    there may have dropped a gid the user was meant to have."""
+    if not value.strip():
+        return []
     try:
-        return [int(g) for g in value.split(",") if g.strip()]
+        out = [int(g) for g in value.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of gids: {value!r}") from None
+    if any(not 0 <= g < 2**32 - 1 for g in out):
+        raise argparse.ArgumentTypeError(f"gids are numbers from 0 to {2**32 - 2}: {value!r}")
+    return out
 
 
 def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
@@ -93,7 +100,8 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
 
     if ns.cmd == "whoami":
         r = run(_run(ns, meta))
-        emit(r, f"{r['name']} ({r['kind']}{', admin' if r['admin'] else ''}): uid {r['uid']} gid {r['gid']}"
+        emit(r, f"{r['name']} ({r['kind']}{', admin' if r['admin'] and r['kind'] != 'admin' else ''}): "
+                f"uid {r['uid']} gid {r['gid']}"
                 + (f" groups {','.join(map(str, r['groups']))}" if r["groups"] else ""))
         return 0
     if ns.cmd != "user":
