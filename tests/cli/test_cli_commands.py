@@ -192,6 +192,9 @@ def test_mv_rm_and_set_layout(cli: Run, tmp_path: Path) -> None:
     f.write_bytes(os.urandom(300_000))
     assert cli("mkdir", "-p", "/ops/d1")[0] == 0
     assert cli("mkdir", "/ops/d2")[0] == 0
+    rc, _, err = cli("mkdir", "/")  # as mkdir(1): it exists ("the root directory has no name" until stop 44)
+    assert rc == 1 and "always exists" in err, err
+    assert cli("mkdir", "-p", "/")[0] == 0
     assert cli("put", str(f), "/ops/d1/x")[0] == 0
     assert cli("mv", "/ops/d1/x", "/ops/d2")[0] == 0  # into a directory, as mv(1)
     assert cli("ls", "/ops/d2")[1].split() == ["x"] and cli("ls", "/ops/d1")[1].split() == []

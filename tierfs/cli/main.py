@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # For `up`, --meta is the number of replicas to start (there are no addresses yet).
     p = cmd("up", "start a local cluster in the background (or reuse a running one)", meta=False)
-    p.add_argument("--meta", "--meta-replicas", "-m", dest="n_meta", type=int, default=3, metavar="N",
+    p.add_argument("--meta-replicas", "--meta", "-m", dest="n_meta", type=int, default=3, metavar="N",
                    help="meta replicas (odd; default 3)")
     p.add_argument("--storage", "-s", dest="n_storage", type=int, default=None, metavar="N",
                    help="storage daemons (default 6: ec:4+2 on distinct nodes); on a running cluster, adds "

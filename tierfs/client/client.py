@@ -476,6 +476,10 @@ class AsyncClient:
 
     async def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, mode: int = 0o755) -> None:
         path = _norm(path)
+        if posixpath.normpath(path) == "/" and not parents:
+            if exist_ok:
+                return
+            raise AlreadyExistsError("/: the root directory always exists")  # as mkdir(1): "File exists"
         if not parents:
             try:
                 await self.meta.mkdir(path, mode=mode)
