@@ -198,6 +198,10 @@ def test_mv_rm_and_set_layout(cli: Run, tmp_path: Path) -> None:
     assert cli("put", str(f), "/ops/d1/x")[0] == 0
     assert cli("mv", "/ops/d1/x", "/ops/d2")[0] == 0  # into a directory, as mv(1)
     assert cli("ls", "/ops/d2")[1].split() == ["x"] and cli("ls", "/ops/d1")[1].split() == []
+    # several paths (each under its name; a missing one is an error, the others listed) and ls -la
+    rc, out, err = cli("ls", "-la", "/ops/d2", "/ops/nope", "/ops")
+    assert rc == 1 and "/ops/nope" in err, (out, err)
+    assert out.startswith("/ops/d2:\nMODE") and "\n\n/ops:\n" in out and "d1/" in out, out
     rc, out, err = cli("set-layout", "/ops/d1", "--redundancy", "replica:3", "--chunk-size", "1MiB")
     assert rc == 0 and "replica:3" in out and "warning" not in out, err
     # wider than the cluster: legal (nodes may join), and said at once

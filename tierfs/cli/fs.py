@@ -360,6 +360,11 @@ async def ls(client: AsyncClient, path: str = "/") -> list[dict[str, Any]]:
     return [await _with_target(client, _stat_dict(e)) for e in await client.ls(path, detail=True)]
 
 
+async def ls_one(client: AsyncClient, path: str) -> dict[str, Any]:
+    """:func:`ls` of one of several paths (``tierfs ls A B``)."""
+    return {"path": path, "entries": await ls(client, path)}
+
+
 async def _with_target(client: AsyncClient, d: dict[str, Any]) -> dict[str, Any]:
     """A symbolic link's entry gets its ``target`` (ls -l shows it)."""
     if d["type"] == "symlink":

@@ -130,9 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help", action="help", help="show this help message and exit")
     p = cmd("cat", "write a TierFS file to standard output")
     p.add_argument("remote")
-    p = cmd("ls", "list a directory")
-    p.add_argument("path", nargs="?", default="/")
+    p = cmd("ls", "list directories (or show files)")
+    p.add_argument("path", nargs="*", default=["/"])
     p.add_argument("-l", dest="long", action="store_true", help="long format")
+    p.add_argument("-a", dest="all", action="store_true", help="accepted for ls -la: every entry is always shown")
     p = cmd("stat", "attributes and layout of a file or directory")
     p.add_argument("path")
     p = cmd("mkdir", "make directories")
@@ -590,11 +591,20 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         _client_call(ns, env, fs.cat, ns.remote, stream)
         return EXIT_OK
     if c == "ls":
-        entries = _client_call(ns, env, fs.ls, ns.path)
-        text = _ls_long(entries) if ns.long else "\n".join(
-            shown(e["path"].rsplit("/", 1)[-1]) + ("/" if e["type"] == "directory" else "") for e in entries)
-        emit(entries, text)
-        return EXIT_OK
+        def listing(entries: list[dict[str, Any]]) -> str:
+            return _ls_long(entries) if ns.long else "\n".join(
+                shown(e["path"].rsplit("/", 1)[-1]) + ("/" if e["type"] == "directory" else "") for e in entries)
+
+        if len(ns.path) == 1:
+            entries = _client_call(ns, env, fs.ls, ns.path[0])
+            emit(entries, listing(entries))
+            return EXIT_OK
+        # Several paths, as ls(1): each under its name; one failing does not stop the others.
+        r = _client_call(ns, env, fs.each, fs.ls_one, ns.path)
+        for e in r["errors"]:
+            err.write(terminal_safe(f"tierfs: {e['message']}\n"))
+        emit(r, "\n\n".join(f"{shown(x['path'])}:\n{listing(x['entries'])}" for x in r["results"]))
+        return EXIT_FAILED if r["errors"] else EXIT_OK
     if c == "stat":
         s = _client_call(ns, env, fs.stat, ns.path)
         emit(s, _stat_text(s))
