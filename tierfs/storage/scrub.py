@@ -96,6 +96,10 @@ class ScrubReport:
     mismatched: int = 0
     #: stale fragments and orphans kept because younger than orphan_grace
     kept_young: int = 0
+    #: fragments found corrupt or missing by their own check this pass: the
+    #: group listing that follows does not count them missing again (with
+    #: repair off they stay quarantined, out of the index)
+    found: set[FragmentKey] = field(default_factory=set)
 
     def add(self, issue: ScrubIssue) -> None:
         if len(self.issues) < MAX_ISSUES:
@@ -250,10 +254,12 @@ class Scrubber:
             with contextlib.suppress(TierFSError):
                 await eng.quarantine(key, "fragment file missing")
             rep.missing += 1
+            rep.found.add(key)
             await self._repair(tid, eng, key, "missing", rep, files, repair)
             return 0
         except CorruptError as exc:
             rep.corrupt += 1
+            rep.found.add(key)
             await eng.quarantine(key, str(exc))
             await self._repair(tid, eng, key, "corrupt", rep, files, repair)
             return 0
@@ -300,8 +306,9 @@ class Scrubber:
                 rec = f.committed(key) if f is not None else None
                 if f is None or rec is None:
                     continue  # changed since the listing
-                if key not in eng or j in rec.missing:
+                if (key not in eng or j in rec.missing) and key not in rep.found:
                     rep.missing += 1
+                    rep.found.add(key)
                     await self._repair(tid, eng, key, "missing", rep, files, repair)
                 if limiter is None:
                     continue
