@@ -93,6 +93,8 @@ def test_pool_wider_than_the_cluster_is_made_without_groups(meta: str) -> None:
     (["create", "x", "--redundancy", "raid5", "--target-memory", "1MiB"], 1, "redundancy 'raid5' is not"),
     (["create", "x", "--target-memory", "1XB"], 2, "not a size: '1XB'"),
     (["create", "x"], 1, "give a per-target memory or disk budget"),
+    (["create", "x", "--target-memory", "1"], 1, "target_memory 1 bytes is below the smallest budget, 64 KiB"),
+    (["create", "x", "--target-memory", "1GiB", "--target-disk", "512"], 1, "target_disk 512 bytes is below"),
     (["create", "bad/name", "--target-memory", "1MiB"], 1, "KV pool name 'bad/name'"),
     (["create", "default", "--target-memory", "1MiB"], 1, "KV pool 'default' already exists"),
     (["create", "default"], 1, "KV pool 'default' already exists"),  # not "give a ... budget"

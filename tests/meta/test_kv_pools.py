@@ -415,6 +415,8 @@ def test_default_pool_settings() -> None:
         load(MetaConfig, overrides={"kv_default_redundancy": "raid5"})
     with pytest.raises(ConfigError, match=r"kv_default_pool: .*give a per-target memory or disk budget"):
         load(MetaConfig, overrides={"kv_default_target_memory": "0", "kv_default_target_disk": "0"})
+    with pytest.raises(ConfigError, match=r"kv_default_pool: .*target_memory 1 bytes is below the smallest"):
+        load(MetaConfig, overrides={"kv_default_target_memory": "1"})
     # disabled: the budgets are not checked
     assert not load(MetaConfig, overrides={"kv_default_pool": "false", "kv_default_target_memory": "0",
                                            "kv_default_target_disk": "0"}).kv_default_pool

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from tierfs.config import BaseConfig, field
 from tierfs.errors import ConfigError, TierFSError
-from tierfs.meta.ops import MAX_GC_GRACE, check_kv_pool_create
+from tierfs.meta.ops import MAX_GC_GRACE, check_kv_budget_floor, check_kv_pool_create
 from tierfs.meta.secret import load_secrets
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.tls import TlsFiles
@@ -239,6 +239,7 @@ class MetaConfig(BaseConfig):
         if self.kv_default_pool:
             try:
                 check_kv_pool_create(self.kv_default_pool_request())
+                check_kv_budget_floor(self.kv_default_pool_request())
             except TierFSError as exc:
                 raise ConfigError(exc.message, field="kv_default_pool") from None
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -59,11 +59,13 @@ __all__ = [
     "MAX_STRING_BYTES",
     "MAX_TARGETS_PER_NODE",
     "MIN_CHUNK_SIZE",
+    "MIN_KV_BUDGET",
     "STRING_CAPS",
     "LayoutSpec",
     "cap",
     "check_addr",
     "check_caps",
+    "check_kv_budget_floor",
     "check_kv_pool_create",
     "check_kv_pool_name",
     "check_loc",
@@ -130,6 +132,11 @@ MAX_STRING_BYTES = 4096
 MAX_KV_USAGE = 2048
 #: Largest per-target KV pool budget accepted (1 PiB): larger is a typo.
 MAX_KV_BUDGET = 1 << 50
+#: The smallest nonzero per-target KV budget a new pool may ask for: less
+#: holds no object worth caching (``--target-memory 1`` was one byte, not
+#: 1 GiB). Checked when a pool is asked for, not in apply, so journals with
+#: older, smaller pools replay as they did.
+MIN_KV_BUDGET = 64 << 10
 _KV_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _KV_POLICY_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 #: Items in one Batch call: as many ops as one Raft entry holds
@@ -313,6 +320,16 @@ def check_kv_pool_name(name: str, what: str) -> None:
     if not _KV_NAME_RE.match(name):
         raise InvalidArgumentError(f"{what}: KV pool name {name!r} must be 1 to 64 characters of A-Z, a-z, 0-9, "
                                    f"'_', '.' or '-'")
+
+
+def check_kv_budget_floor(r: pb.CreateKVPoolRequest) -> None:
+    """Refuse a nonzero budget under :data:`MIN_KV_BUDGET` (a new pool's
+    request only; apply does not call this)."""
+    for what, v in (("target_memory", r.target_memory), ("target_disk", r.target_disk)):
+        if 0 < v < MIN_KV_BUDGET:
+            raise InvalidArgumentError(f"create_kv_pool {r.name!r}: {what} {v} bytes is below the smallest "
+                                       f"budget, {MIN_KV_BUDGET >> 10} KiB, and would hold no object; "
+                                       f"give a unit (e.g. 256MiB) or 0 for none")
 
 
 def check_kv_pool_create(r: pb.CreateKVPoolRequest) -> tuple[str, int, str]:

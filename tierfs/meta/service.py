@@ -119,6 +119,7 @@ from tierfs.meta.ops import (
     cap,
     check_addr,
     check_caps,
+    check_kv_budget_floor,
     check_op_size,
     validate_op,
 )
@@ -1184,6 +1185,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         # Every storage daemon must be able to build the pool: an unknown
         # name used to fail each one's map update (KV leases lapsed, every
         # pool's gets missed and puts were refused).
+        check_kv_budget_floor(request)
         if (request.policy or "lru") not in policy_names():
             raise InvalidArgumentError(f"create_kv_pool {request.name!r}: unknown eviction policy "
                                        f"{request.policy[:40]!r}; known: {', '.join(policy_names())}")
