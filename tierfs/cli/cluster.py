@@ -182,13 +182,15 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             except TierFSError:
                 rebalance = None  # an older leader, or no leader this moment: status shows the rest
     except TierFSError as exc:
-        if any(r["state"] == "up" and r["role"] == "leader" for r in replicas):
-            raise  # a leader answered us: this is another failure
-        # (A follower may still name a dead leader until its election timeout.)
+        up = sum(m["state"] == "up" for m in meta_out)
+        if up > len(meta_out) // 2 and any(r["state"] == "up" and r["role"] == "leader" for r in replicas):
+            raise  # a leader with a majority answered us: this is another failure
+        # (A follower may still name a dead leader until its election timeout,
+        # and a leader that lost its majority still says "leader" until it
+        # steps down, which it may do between our two calls.)
         # No majority (or no election won yet): what the replicas say, and
         # nothing from the map, which only a leader serves. Until stop 44
         # this was "cluster unreachable" and no table at all.
-        up = sum(m["state"] == "up" for m in meta_out)
         auth0 = {r.get("auth") for r in replicas if r["state"] == "up"}
         return {
             "healthy": False, "security": "mixed" if len(auth0) > 1 else ("on" if auth0 == {True} else "off"),
