@@ -344,6 +344,10 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
     assert rc == 0 and out.startswith("root (admin): uid 0 gid 0"), out  # "(admin, admin)" until stop 44
     rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,,2")
     assert rc == 2 and "not a comma-separated list of gids" in err, err  # a typo, not groups 1 and 2
+    rc, out, err = cli("user", "add", "hank", "--uid", str(2**32 - 1), "--gid", "8002")
+    assert rc == 2 and "ids are numbers from 0 to 4294967294" in err, err  # (uid_t)-1 is "no uid"
+    rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--expires", "-1d")
+    assert rc == 2 and "not a lifetime: '-1d' (a lifetime is not negative" in err, err  # not "expected one argument"
     rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,2", "--expires", "30d")
     assert rc == 0, err
     token = out.splitlines()[0]

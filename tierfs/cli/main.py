@@ -715,6 +715,32 @@ def _hint(exc: TierFSError) -> str:
     return ""
 
 
+#: Options whose value a user may type with a leading '-' (a negative
+#: lifetime); argparse took ``--expires -1d`` for two options and said only
+#: "expected one argument".
+_SIGNED_VALUE_OPTIONS = frozenset({"--expires"})
+
+
+def _glue_signed_values(args: list[str]) -> list[str]:
+    """``--expires -1d`` -> ``--expires=-1d``, so that the option's own check
+    says what is wrong with the value."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if (a in _SIGNED_VALUE_OPTIONS and i + 1 < len(args) and args[i + 1][:1] == "-"
+                and args[i + 1][1:2].isdigit()):
+            out.append(f"{a}={args[i + 1]}")
+            i += 2
+            continue
+        if a == "--":
+            out.extend(args[i:])
+            break
+        out.append(a)
+        i += 1
+    return out
+
+
 def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
         env: dict[str, str] | None = None, tty: bool | None = None) -> int:
     """Run one ``tierfs`` command in-process; returns its exit code.
@@ -723,9 +749,10 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     env = dict(os.environ) if env is None else env
-    want_json = "--json" in (argv if argv is not None else sys.argv[1:])
+    args = _glue_signed_values(list(argv if argv is not None else sys.argv[1:]))
+    want_json = "--json" in args
     try:
-        ns = build_parser().parse_args(argv)
+        ns = build_parser().parse_args(args)
         if ns.cmd is None:
             err.write(build_parser().format_help())
             return EXIT_USAGE

@@ -22,8 +22,22 @@ def parse_expires(value: str) -> float:
     """``"30d"`` -> seconds (units s, m, h, d; ``0`` = never); argparse type."""
     m = _EXPIRES_RE.match(value)
     if not m:
-        raise argparse.ArgumentTypeError(f"not a lifetime: {value!r} (examples: 3600, 90m, 12h, 30d; 0 = never)")
+        why = "a lifetime is not negative; " if value.strip().startswith("-") else ""
+        raise argparse.ArgumentTypeError(f"not a lifetime: {value!r} ({why}examples: 3600, 90m, 12h, 30d; "
+                                         f"0 = never)")
     return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _id(value: str) -> int:
+    """A uid or gid: 0 to 2**32 - 2 (2**32 - 1 is (uid_t)-1, "no id", in
+    POSIX; ``chown -1`` leaves an owner unchanged)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 <= n < 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"ids are numbers from 0 to {2**32 - 2}: {value!r}")
+    return n
 
 
 def _groups(value: str) -> list[int]:
@@ -44,8 +58,8 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p = cmd("user", "users and tokens (admin): add, ls, rm, token (issue another), revoke")
     p.add_argument("action", choices=["add", "ls", "rm", "token", "revoke"])
     p.add_argument("name", nargs="?", default="")
-    p.add_argument("--uid", type=int, help="add: the user's uid (a non-admin uid 0 is judged as nobody under root_squash)")
-    p.add_argument("--gid", type=int, help="add: the user's primary gid")
+    p.add_argument("--uid", type=_id, help="add: the user's uid (a non-admin uid 0 is judged as nobody under root_squash)")
+    p.add_argument("--gid", type=_id, help="add: the user's primary gid")
     p.add_argument("--groups", type=_groups, default=[], metavar="GID,...", help="add: supplementary gids")
     p.add_argument("--admin", action="store_true", help="add: an admin (admin operations, root for permissions)")
     p.add_argument("--expires", type=parse_expires, default=0.0, metavar="TIME",
