@@ -248,6 +248,16 @@ def test_du_sums_sizes_and_df_adds_up(meta: str, tmp_path: Path) -> None:
     assert d["file_groups"]["groups"] >= 1 and "6" in d["file_groups"]["by_width"]
     pool = next(p for p in d["kv_pools"] if p["name"] == "default")
     assert pool["targets"] == 6 and pool["memory_budget"] == 6 * 256 * MiB and pool["disk_budget"] == 6 << 30
+    # a pool wider than the cluster has no groups, so no targets and no
+    # budget (every target reports zero usage for it: df said 6 targets)
+    assert cli(meta, "kv", "pool", "create", "df-wide", "--redundancy", "replica:7", "--target-memory", "1MiB")[0] == 0
+    try:
+        rc, out, err = cli(meta, "df", "--json")
+        wide = next(p for p in json.loads(out)["kv_pools"] if p["name"] == "df-wide")
+        assert (wide["groups"], wide["targets"], wide["memory_budget"]) == (0, 0, 0), wide
+        assert wide["placement"].startswith("no placement groups: needs 7 storage nodes"), wide
+    finally:
+        assert cli(meta, "kv", "pool", "rm", "df-wide")[0] == 0
     rc, out, _ = cli(meta, "df", "-h")
     assert rc == 0
     lines = out.splitlines()

@@ -170,7 +170,9 @@ async def df(meta: Sequence[str], *, timeout: float = 20.0) -> dict[str, Any]:
         widths[g.width] = widths.get(g.width, 0) + 1
     pools = []
     for p in pool_summaries(kv):
-        n_t = len(p["targets"])
+        # Its members: a pool without groups has none, though every
+        # target reports (zero) usage for it.
+        n_t = len({t for g in p["groups"] for t in g})
         pools.append({
             "name": p["name"], "id": p["id"], "redundancy": p["redundancy"], "targets": n_t,
             "groups": len(p["groups"]),
