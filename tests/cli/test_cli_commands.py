@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tierfs.cli import cluster_down, cluster_status, cluster_up, fs, resolve_meta, run
+from tierfs.cli.main import render_status
 from tierfs.client import AsyncClient
 from tierfs.errors import ConfigError
 from tierfs.local import LocalCluster
@@ -126,6 +127,12 @@ def test_status_json_has_every_daemon_target_and_group(cluster: dict[str, Any]) 
     st2 = asyncio.run(cluster_status([cluster["meta"][1]]))
     assert len(st2["meta"]) == 3 and all(m["pid"] is None for m in st2["meta"])
     assert all(s["pid"] is None for s in st2["storage"])
+    # and the text has no PID column then (it was a column of dashes)
+    heads = [ln.split() for ln in render_status(st2).splitlines() if ln.startswith(("META ", "NODE "))]
+    assert heads == [["META", "ADDRESS", "ROLE", "STATE"],
+                     ["NODE", "DATA", "ADDRESS", "STATE", "TARGET", "TSTATE", "USED", "CAPACITY", "PATH"]], heads
+    heads = [ln.split() for ln in render_status(st).splitlines() if ln.startswith(("META ", "NODE "))]
+    assert heads[0][-1] == "PID" and heads[1][4] == "PID", heads
 
 
 # ---- file commands ---------------------------------------------------------------

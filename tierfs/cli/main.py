@@ -185,12 +185,19 @@ UNREPORTED_NOTE = ("* used as last committed, up to meta's usage_interval (30 s)
                    "report from the node since it took over (a failover a moment ago, or the node is down)")
 
 
+def _meta_table(st: dict[str, Any]) -> str:
+    """The META table; its PID column only where some pid is known (a local
+    cluster's daemons, with --data)."""
+    pids = any(m.get("pid") for m in st["meta"])
+    return _table([[m["id"], m["addr"], m["role"], m["state"], *([m["pid"]] if pids else [])] for m in st["meta"]],
+                  ["META", "ADDRESS", "ROLE", "STATE", *(["PID"] if pids else [])])
+
+
 def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
     if st.get("no_leader"):
         out = [f"cluster: DEGRADED  ({st['no_leader']})", ""]
-        out.append(_table([[m["id"], m["addr"], m["role"], m["state"], m["pid"]] for m in st["meta"]],
-                          ["META", "ADDRESS", "ROLE", "STATE", "PID"]))
+        out.append(_meta_table(st))
         return "\n".join(out)
     out = [f"cluster: {'healthy' if st['healthy'] else 'DEGRADED'}  (map version {st['map_version']}, "
            f"{human_size(st['used'])} used of {human_size(st['capacity'])})", ""]
@@ -202,21 +209,24 @@ def render_status(st: dict[str, Any]) -> str:
     if st.get("repairs_pending"):
         out[-1:] = [f"fragments awaiting repair: {st['repairs_pending']} (missing since a degraded write or "
                     "found bad by scrub; the nodes holding their positions rebuild them)", ""]
-    out.append(_table([[m["id"], m["addr"], m["role"], m["state"], m["pid"]] for m in st["meta"]],
-                      ["META", "ADDRESS", "ROLE", "STATE", "PID"]))
+    out.append(_meta_table(st))
     out.append("")
+    # PIDs are known for a local cluster's daemons (--data) only: no column
+    # of dashes for a remote one.
+    pids = any(s.get("pid") for s in st["storage"])
     rows = []
     for s in st["storage"]:
         ts = s["targets"] or [None]
         for i, t in enumerate(ts):
             node = s["id"] if not s.get("name") else f"{s['id'] or '-'} ({s['name']})"
             state = s["state"] + (" (draining)" if s.get("draining") else "")
-            head = [node, s["data_addr"], state, s["pid"]] if i == 0 else ["", "", "", ""]
+            head = [node, s["data_addr"], state, *([s["pid"]] if pids else [])] if i == 0 else [""] * (3 + pids)
             tail = ([t["id"], t["state"], human_size(t["used"]) + ("*" if t.get("used_unreported") else ""),
                      human_size(t["capacity"]), t["path"]]
                     if t else [None] * 5)
             rows.append(head + tail)
-    out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", "PID", "TARGET", "TSTATE", "USED", "CAPACITY", "PATH"]))
+    out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", *(["PID"] if pids else []), "TARGET", "TSTATE", "USED",
+                             "CAPACITY", "PATH"]))
     if any(t and t.get("used_unreported") for s in st["storage"] for t in s["targets"]):
         out.append(UNREPORTED_NOTE)
     out.append("")
