@@ -3,6 +3,7 @@ own library module (``tests/cluster.py`` for meta) and are exposed here."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -63,6 +64,60 @@ from tests.skip_policy import (  # noqa: E402, F401 - hooks: a skip not allowed 
     pytest_runtest_makereport,
     pytest_terminal_summary,
 )
+
+
+def _leftovers(root: str) -> list[tuple[int, str]]:
+    """Processes (not this one) whose command line names a path under
+    ``root``: the daemons, mounts and helpers tests started there."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(root in a for a in argv):
+            out.append((int(d), " ".join(argv)[:160]))
+    return out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last test (its fixtures torn down), SIGKILL what its
+    tests started under the session's temp directory and left running, and
+    lazily unmount its FUSE mounts there. A test killed by pytest-timeout
+    in the middle of its own clean-up used to leave a whole cluster
+    running for the rest of the suite (two cores shared with it). Named in
+    the report, so the test that leaked can be fixed. tests/engines is
+    left alone: its cluster is session-scoped."""
+    yield
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    if "engines" in item.path.parts:
+        return
+    try:
+        root = str(item.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return
+    import signal
+
+    left = _leftovers(root)
+    for pid, _ in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    mounts = []
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [ln.split()[1] for ln in f if ln.split()[1].startswith(root)]
+    except OSError:
+        pass
+    for m in mounts:
+        subprocess.run(["fusermount3", "-u", "-z", m], check=False, capture_output=True)
+    if left or mounts:
+        sys.stderr.write(f"\n{item.path.name}: killed {len(left)} process(es) and unmounted {len(mounts)} "
+                         f"mount(s) its tests left behind: " + "; ".join(c for _, c in left[:4]) + "\n")
 
 
 @pytest.fixture
