@@ -53,6 +53,27 @@ def _compose() -> dict[str, Any]:
     return doc
 
 
+def test_every_volume_a_compose_service_writes_is_made_in_the_image_for_its_user() -> None:
+    """A named volume mounted read-write takes its mount point's owner from
+    the image; a mount point the image lacks is made by docker, owned by
+    root, and the image's user (tierfs) cannot write it. secret-init's
+    node-key and admin-token volumes were such: its copy failed, and every
+    meta replica waited on it for ever."""
+    docker = (DEPLOY / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    assert re.search(r"^USER tierfs$", docker, re.M), "the image runs as the tierfs user"
+    made = set(re.findall(r"mkdir -p ([^&]+)", docker)[-1].split())
+    owned = set(re.search(r"chown tierfs:tierfs ([^&]+)", docker).group(1).split())  # type: ignore[union-attr]
+    named = set(_compose().get("volumes", {}))
+    writable = set()
+    for svc in _compose()["services"].values():
+        for v in svc.get("volumes", []):
+            parts = v.split(":")
+            if parts[0] in named and not (len(parts) > 2 and "ro" in parts[2].split(",")):
+                writable.add(parts[1])
+    assert writable, "no read-write named volumes found"
+    assert writable <= made and writable <= owned, (sorted(writable - made), sorted(writable - owned))
+
+
 def test_compose_file_conforms_to_the_compose_spec_schema() -> None:
     schema = json.loads(SCHEMA.read_text())
     doc = _compose()
