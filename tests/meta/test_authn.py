@@ -366,6 +366,11 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
     # no credential at all (no TIERFS_TOKEN, no --data admin.token)
     rc, _, err = cli("ls", "/", "--data", str(tmp_path), env={})
     assert rc == 1 and "no credential" in err
+    # status too: it said "cluster unreachable ... is the cluster running?"
+    rc, _, err = cli("status", env={})
+    assert rc == 1 and err.startswith("tierfs: no credential") and "unreachable" not in err, err
+    rc, _, err = cli("status", "--token-file", str(wrong))
+    assert rc == 1 and err.startswith("tierfs: invalid admin token") and "unreachable" not in err, err
     rc, out, _ = cli("status")
     assert "security: on" in out
     rc, out, _ = cli("user", "revoke", "hank", "--all")

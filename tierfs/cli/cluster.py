@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierfs.cli.kv import pool_summaries
-from tierfs.errors import ConfigError, TierFSError, UnavailableError
+from tierfs.errors import (
+    ConfigError,
+    PermissionDeniedError,
+    TierFSError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from tierfs.local import LocalCluster
 
 __all__ = ["cluster_down", "cluster_status", "cluster_up"]
@@ -102,7 +108,7 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
         if msg.startswith("cluster unreachable: tried ") and "(last error: " in msg:
             msg = msg.split("(last error: ", 1)[1].rstrip(")")
         return {"addr": addr, "id": None, "role": None, "state": "unreachable", "error": msg,
-                "leader": "", "members": [], "term": None}
+                "leader": "", "members": [], "term": None, "exc": exc}
     return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
             "members": list(st.members), "term": st.term, "commit_index": st.commit_index,
             "applied_index": st.applied_index, "auth": st.auth}
@@ -152,6 +158,12 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         if local is not None and not any(local.running().values()):
             raise UnavailableError(f"the local cluster in {local.dir} is not running; "
                                    f"start it with `tierfs up --data {data_dir}`")
+        refused = [r["exc"] for r in replicas if isinstance(r.get("exc"), (UnauthenticatedError,
+                                                                          PermissionDeniedError))]
+        if refused:
+            # They answered, and refused the credential (or its absence):
+            # say that, not "unreachable ... is the cluster running?".
+            raise refused[0]
         errors = "; ".join(f"{r['addr']}: {r['error']}" for r in replicas)
         raise UnavailableError(f"cluster unreachable: tried {', '.join(addrs)} ({errors})")
 
