@@ -171,3 +171,12 @@ def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
     assert not [p for p in json.loads(out) if p["name"].startswith("replay-")]
     rc, out, err = cli(meta, "kv", "replay", str(tmp_path / "nope.jsonl"), "--simulate")
     assert rc == 1 and "Traceback" not in err
+    # a bad policy in a live replay is said as such (it was "no KV pool
+    # 'replay-...'", from removing the pool that was never made)
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--cluster", "5%", "--policy", "bogus")
+    assert rc == 1 and "unknown eviction policy 'bogus'" in err and "no KV pool" not in err, err
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--simulate", "--cluster", "5%", "--limit", "-1")
+    assert rc == 1 and "--limit -1" in err, err  # it silently dropped the last request
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--simulate", "--dram", "5", "--cluster", "5%",
+                       "--policy", "dram=s3fifo", "--json")
+    assert rc == 0 and json.loads(out)["tiers"]["cluster"]["policy"] == "lru", err

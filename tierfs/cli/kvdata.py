@@ -47,11 +47,12 @@ def add_kv_data_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--ssd", default="0", metavar="N|N%", help="local-SSD tier capacity")
     p.add_argument("--cluster", default="0", metavar="N|N%",
                    help="cluster tier capacity (simulate; live: a temporary pool sized to it, 0 = the pool as is)")
-    p.add_argument("--policy", default="lru", help="eviction policy (every tier), or TIER=NAME,...")
+    p.add_argument("--policy", default="lru",
+                   help="eviction policy (every tier), or TIER=NAME,... (a tier left out: lru)")
     p.add_argument("--block-size", default="64KiB", help="bytes per block (live replay)")
     p.add_argument("--pool", default="default", help="live replay: the pool to use when --cluster is 0")
     p.add_argument("--ssd-path", default="", help="live replay: file of the SSD tier (default: a temporary file)")
-    p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N requests")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N requests (0: all)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
                    help="prefill throughput, to report the prefill time the hits saved")
     p.add_argument("--load-gbps", type=float, default=0.0,

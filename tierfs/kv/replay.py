@@ -91,9 +91,12 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 n_targets = max(1, sum(1 for _ in cmap.targets))
                 # replica:1 spreads keys over every target; headroom for the watermark and the hash's spread
                 per_target = int(cluster * block_size / n_targets / 0.85) + block_size
-                created_pool = f"replay-{tag}"
-                await mc.create_kv_pool(created_pool, redundancy="replica:1", target_memory=per_target,
+                name = f"replay-{tag}"
+                await mc.create_kv_pool(name, redundancy="replica:1", target_memory=per_target,
                                         target_disk=0, policy=pols.get("cluster", pol or "lru"))
+                # Only once made: removing a pool that was refused (a bad
+                # policy) raised "no KV pool" over the refusal's own reason.
+                created_pool = name
             pool = created_pool
         opts: dict[str, Any] = {"kv_pool": pool}
         if dram:
@@ -197,6 +200,8 @@ async def _run(kv: Any, trace: Sequence[Request], run: int, tag: str, block_size
 
 def replay_cli(ns: argparse.Namespace, meta: Callable[[], Sequence[str]], run: Callable[[Any], Any]) -> dict[str, Any]:
     trace = load_trace(ns.trace)
+    if ns.limit < 0:
+        raise InvalidArgumentError(f"--limit {ns.limit}: give a number of requests (0: all of them)")
     if ns.limit:
         trace = trace[: ns.limit]
     policy = parse_policy(ns.policy)

@@ -326,10 +326,8 @@ def _policy_per_tier(policy: str | Mapping[str, str], names: Sequence[str]) -> d
     unknown = set(policy) - set(TIERS)
     if unknown:
         raise InvalidArgumentError(f"unknown tier(s) in policy map: {sorted(unknown)}; tiers are {TIERS}")
-    missing = [n for n in names if n not in policy]
-    if missing:
-        raise InvalidArgumentError(f"no policy given for tier(s) {missing}")
-    return {n: policy[n] for n in names}
+    # A tier left out takes the default policy, lru, as in a live replay.
+    return {n: policy.get(n, "lru") for n in names}
 
 
 def simulate(
