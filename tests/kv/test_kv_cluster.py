@@ -912,6 +912,26 @@ def test_overwrite_through_local_tiers_reads_the_new_value(cl: LocalCluster, cli
         assert other.kv.get(key) == new
 
 
+def test_local_tier_counters_count_the_misses_of_get(cl: LocalCluster, client: Client, tmp_path: Path) -> None:
+    """``get`` looks in the local tiers by size first: a key they do not
+    hold is a miss in each (they counted none: kv stats said 0 misses of
+    40 gets all answered by the cluster), and the copy it fills in is the
+    next get's hit."""
+    client.kv.put("ctr-1", payload("ctr-1", 8 * KiB))
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB, kv_ssd_bytes=8 * MiB,
+                kv_ssd_path=str(tmp_path / "ssd")) as c:
+        def counts() -> dict[str, tuple[int, int]]:
+            return {t["name"]: (t["hits"], t["misses"]) for t in c.kv.stats()["tiers"]}
+
+        assert counts() == {"dram": (0, 0), "ssd": (0, 0)}
+        assert c.kv.get("ctr-1") == payload("ctr-1", 8 * KiB)  # from the cluster, filled in locally
+        assert counts() == {"dram": (0, 1), "ssd": (0, 1)}
+        assert c.kv.get("ctr-1") == payload("ctr-1", 8 * KiB)
+        assert counts() == {"dram": (1, 1), "ssd": (0, 1)}
+        assert c.kv.get("ctr-absent") is None
+        assert counts() == {"dram": (1, 2), "ssd": (0, 2)}
+
+
 def test_a_delete_after_a_write_back_put_is_not_undone_by_it(cl: LocalCluster, tmp_path: Path) -> None:
     """A write-back client puts a large object and deletes it at once. The
     put returned when the object was local; its send to the cluster was
