@@ -7,6 +7,8 @@ import asyncio
 import itertools
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,19 +160,38 @@ def test_ssd_file_is_preallocated_locked_and_direct(ssd_path: Path) -> None:
         await t.put(b"k", memoryview(b"v" * 10))
         assert t.direct  # tmp_path is on a disk that takes O_DIRECT here
         await t.close()
-        # closed: the file can be taken again, and starts empty
+        # closed: its space is given back, the file can be taken again, and starts empty
+        assert os.stat(ssd_path).st_size == 0
         t2 = SsdTier(ssd_path, 4 * MiB)
         assert await t2.contains([b"k"]) == [False]
         await t2.close()
+        with pytest.raises(ConfigError, match=r"no directory .* make it first"):
+            SsdTier(ssd_path.parent / "nope" / "tier.bin", 4 * MiB)
 
     run(main())
 
 
 @pytest.mark.timeout(30)
 def test_ssd_directory_path(tmp_path: Path) -> None:
-    t = SsdTier(tmp_path, 1 * MiB)
-    assert t.path == tmp_path / f"kvtier-{os.getpid()}.bin" and t.path.exists()
-    run(t.close())
+    """A tier on a directory names its file by pid and removes it on close;
+    a new one there removes the files that no live tier holds (left by
+    killed processes: each restart of an engine left one, pre-allocated)."""
+    # a file held by a live tier in another process, and one a killed process left
+    held = tmp_path / "kvtier-999999.bin"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); "
+                               "sys.stdin.read()", str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        stale = tmp_path / "kvtier-999998.bin"
+        stale.write_bytes(b"x" * 4096)
+        t = SsdTier(tmp_path, 1 * MiB)
+        assert t.path == tmp_path / f"kvtier-{os.getpid()}.bin" and t.path.exists()
+        assert held.exists() and not stale.exists()
+        run(t.close())
+        assert not t.path.exists() and held.exists()
+    finally:
+        holder.communicate(timeout=10)
 
 
 @pytest.mark.timeout(30)

@@ -721,6 +721,28 @@ class DramTier(_ExtentTier):
 # -- local SSD --------------------------------------------------------------------
 
 
+def _sweep_stale_tier_files(d: Path) -> None:
+    """Remove ``kvtier-*.bin`` files in ``d`` that no live tier holds (its
+    flock): left by processes killed before they closed their tier."""
+    for f in d.glob("kvtier-*.bin"):
+        try:
+            fd = os.open(f, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # in use
+            continue
+        try:
+            f.unlink(missing_ok=True)
+            log.info("removed %s, an SSD tier file no process holds", f)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class SsdTier(_ExtentTier):
     """Objects in one pre-allocated file, in extents of ``page_size`` bytes, read
     and written with O_DIRECT through ``tierfs.storage.io``.
@@ -751,15 +773,38 @@ class SsdTier(_ExtentTier):
         capacity_bytes = capacity_bytes // page_size * page_size
         super().__init__(name, capacity_bytes, page_size, policy)
         p = Path(path)
-        if p.is_dir():
+        #: the tier named its own file (``path`` was a directory): removed
+        #: on close; a file the caller named is kept, emptied
+        self._own_file = p.is_dir()
+        if self._own_file:
+            _sweep_stale_tier_files(p)
             p = p / f"kvtier-{os.getpid()}.bin"
+        elif not p.parent.is_dir():
+            raise ConfigError(f"no directory {str(p.parent)!r} for the SSD tier's file {p.name!r}: make it first",
+                              field="path")
         self.path = p
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
+        for _ in range(5):
+            try:
+                fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise ConfigError(f"cannot open the SSD tier's file {str(p)!r}: {exc.strerror}",
+                                  field="path") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
                 raise ConfigError(f"{p} is in use by another SSD tier", field="path") from None
+            # Another process's sweep may have removed the file between our
+            # open and our lock: lock the file the path names, or try again.
+            try:
+                if os.stat(p).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise ConfigError(f"{p} keeps being removed under the SSD tier", field="path")
+        try:
             os.ftruncate(fd, 0)
             try:
                 os.posix_fallocate(fd, 0, capacity_bytes)
@@ -971,6 +1016,16 @@ class SsdTier(_ExtentTier):
                 await self._backend.aclose()
         if self._own_pool:
             self._pool.close()
+        # Its contents are of no use to anyone once closed (the index lived
+        # in this process): give the space back. A file per process left
+        # behind filled the SSD as engine processes restarted.
+        try:
+            if self._own_file:
+                self.path.unlink(missing_ok=True)
+            else:
+                os.ftruncate(self._lock_fd, 0)
+        except OSError as exc:
+            log.warning("SSD tier %s: could not free its file: %s", self.path, exc)
         os.close(self._lock_fd)
 
 
