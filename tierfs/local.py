@@ -335,6 +335,12 @@ class LocalCluster:
         a cluster planned before meta had one has none)."""
         return {p.name: p.extra["metrics"] for p in self.procs if p.kind == "meta" and p.extra.get("metrics")}
 
+    @property
+    def storage_metrics_addrs(self) -> dict[str, str]:
+        """Prometheus endpoint of each storage daemon (name -> host:port;
+        daemons planned before stop 45 have none)."""
+        return {p.name: p.extra["metrics"] for p in self.procs if p.kind == "storage" and p.extra.get("metrics")}
+
     def proc(self, name: str) -> ProcInfo:
         for p in self.procs:
             if p.name == name:
@@ -342,7 +348,7 @@ class LocalCluster:
         raise KeyError(f"no process {name!r} in {self.dir}")
 
     def _plan(self, n_meta: int, n_storage: int, tpn: int, racks: Sequence[str] = ()) -> list[ProcInfo]:
-        ports = free_ports(3 * n_meta + n_storage)
+        ports = free_ports(3 * n_meta + 2 * n_storage)
         h = self.host
         raft = [f"{h}:{ports[i]}" for i in range(n_meta)]
         grpc = [f"{h}:{ports[n_meta + i]}" for i in range(n_meta)]
@@ -357,18 +363,22 @@ class LocalCluster:
             ]
             procs.append(ProcInfo(f"meta-{i}", "meta", argv, grpc[i], extra={"raft": raft[i], "metrics": metrics[i]}))
         for i in range(n_storage):
-            procs.append(self._storage_proc(i, ports[2 * n_meta + i], tpn, grpc, racks[i] if i < len(racks) else ""))
+            procs.append(self._storage_proc(i, ports[2 * n_meta + i], tpn, grpc, racks[i] if i < len(racks) else "",
+                                            metrics_port=ports[3 * n_meta + n_storage + i]))
         return procs
 
-    def _storage_proc(self, i: int, port: int, tpn: int, meta: Sequence[str], rack: str) -> ProcInfo:
+    def _storage_proc(self, i: int, port: int, tpn: int, meta: Sequence[str], rack: str, *,
+                      metrics_port: int = 0) -> ProcInfo:
         h = self.host
         node_dir = self.dir / f"storage-{i}"
         targets = [f"--target={node_dir / f't{j}'}" for j in range(tpn)]
+        metrics = f"{h}:{metrics_port}" if metrics_port else ""
         argv = [
             "-m", "tierfs.storage.daemon", f"--data-dir={node_dir}", *targets, *[f"--meta={a}" for a in meta],
             f"--host={h}", f"--port={port}", *([f"--rack={rack}"] if rack else []),
+            *([f"--metrics-addr={metrics}"] if metrics else []),
         ]
-        return ProcInfo(f"storage-{i}", "storage", argv, f"{h}:{port}")
+        return ProcInfo(f"storage-{i}", "storage", argv, f"{h}:{port}", extra={"metrics": metrics} if metrics else {})
 
     def grow(self, n_storage: int, racks: Sequence[str] = ()) -> list[str]:
         """Plan storage daemons up to ``n_storage`` (``tierfs up --storage
@@ -383,11 +393,13 @@ class LocalCluster:
                               f"some (drain them: `tierfs node drain ID`, then `tierfs node rm ID`)", field="storage")
         tpn = self.counts["targets_per_node"] or 1
         first = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in have), default=-1)
-        ports = free_ports(n_storage - len(have))
+        n_new = n_storage - len(have)
+        ports = free_ports(2 * n_new)
         used = {p.addr for p in self.procs}
         new: list[ProcInfo] = []
-        for k, port in enumerate(ports):
-            p = self._storage_proc(first + k, port, tpn, self.meta_addrs, racks[k] if k < len(racks) else "")
+        for k, port in enumerate(ports[:n_new]):
+            p = self._storage_proc(first + k, port, tpn, self.meta_addrs, racks[k] if k < len(racks) else "",
+                                   metrics_port=ports[n_new + k])
             if p.addr in used:  # a port of a daemon not running now: planned already
                 raise UnavailableError(f"port {port} is planned for another daemon; try again")
             new.append(p)

@@ -81,6 +81,30 @@ def test_meta_metrics_endpoint_live(tmp_path: Path) -> None:
         cl.stop()
 
 
+@pytest.mark.timeout(120)
+def test_storage_metrics_endpoints_of_a_local_cluster(tmp_path: Path) -> None:
+    """`tierfs up` plans a metrics port for each storage daemon too, and a
+    grown one gets its own (they had none: the KV and data-plane metrics
+    the docs name could not be seen on a local cluster)."""
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=1)
+    try:
+        cl.up(timeout=90)
+        cl.grow(2)
+        cl.start(names=["storage-1"], timeout=60)
+        metrics = cl.storage_metrics_addrs
+        assert sorted(metrics) == ["storage-0", "storage-1"], metrics
+        assert len(set(metrics.values()) | set(cl.metrics_addrs.values())) == 3  # every port its own
+        for name, addr in metrics.items():
+            def served(a: str = addr) -> bool:
+                m = _scrape(a)
+                return _get(m, "tierfs_dataplane", counter="connections_total") >= 0
+            wait_for(served, 30, f"{name}'s data-plane counters at http://{addr}/metrics")
+            m = _scrape(addr)
+            assert any(n.startswith("tierfs_storage_kv_") for n, _ in m), sorted({n for n, _ in m})[:20]
+    finally:
+        cl.stop()
+
+
 def _exported_names() -> tuple[set[str], set[str]]:
     """Metric names the daemons' code registers or yields (string literals
     starting tierfs_), and the prefixes of names built with an f-string."""

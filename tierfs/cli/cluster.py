@@ -68,6 +68,7 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
         "tls_ca": str(cl.tls_dir / "ca.pem") if cl.tls else "",
         # Prometheus endpoints of the meta replicas (deploy/grafana/tierfs.json)
         "metrics": cl.metrics_addrs,
+        "storage_metrics": cl.storage_metrics_addrs,
         "export": exports(cl),
     }
 

@@ -545,6 +545,9 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
             if r["metrics"]:
                 err.write("meta metrics (Prometheus): " + ", ".join(f"{n} http://{a}/metrics"
                                                                   for n, a in r["metrics"].items()) + "\n")
+            if r.get("storage_metrics"):
+                err.write("storage metrics (Prometheus): " + ", ".join(
+                    f"{n} http://{a}/metrics" for n, a in r["storage_metrics"].items()) + "\n")
             if r["tls_ca"]:
                 err.write(f"TLS: CA {r['tls_ca']} (clients under --data {data_dir} use it and its client.pem; "
                           "elsewhere set TIERFS_TLS_CA, TIERFS_TLS_CERT, TIERFS_TLS_KEY)\n")
