@@ -1077,3 +1077,36 @@ def test_reads_with_no_map_while_meta_is_down_are_misses(cl: LocalCluster, clien
         again = payload("nomap-3", 7000)
         fresh.kv.put("nomap-3", again)
         assert fresh.kv.get("nomap-3") == again
+
+
+@pytest.mark.parametrize("redundancy", ["replica:2", "ec:2+1"])
+def test_a_pool_removed_while_in_use_gives_misses_and_puts_say_so_by_name(cl: LocalCluster,
+                                                                           redundancy: str) -> None:
+    """`kv pool rm` under a client that has the pool mapped: its gets are
+    misses, and a put raises NotFoundError naming the pool (it said "no KV
+    pool 2 on target 1" in a replica pool, and "stored 0 of 2+1 fragments"
+    in an EC pool). Defined again, the name works again."""
+    name = "gone-" + redundancy.replace(":", "").replace("+", "")
+    create_pool(cl, name, redundancy=redundancy, target_memory=16 * MiB)
+    pool_served(cl.meta_addrs, name)
+    with Client(cl.meta_addrs) as c:
+        kv = c.kv_pool(name)
+        assert kv.put("k", payload("k", 4 * KiB))
+        assert kv.get("k") == payload("k", 4 * KiB)
+
+        async def rm() -> None:
+            async with MetaClient(cl.meta_addrs) as mc:
+                await mc.remove_kv_pool(name)
+
+        asyncio.run(rm())
+        # the daemons drop it when their map says so: until then a get may still hit
+        wait_for(lambda: kv.get("k") is None, 20, "the removed pool's object to be a miss")
+        assert kv.batch_get_into(["k"], [bytearray(4 * KiB)]) == [None]
+        with pytest.raises(NotFoundError, match=f"KV pool '{name}' was removed|unknown KV pool '{name}'"):
+            kv.put("k2", b"x" * 100)
+        with pytest.raises(NotFoundError, match=f"KV pool '{name}' was removed|unknown KV pool '{name}'"):
+            kv.batch_put(["k3", "k4"], [b"x" * 100, b"y" * 100])
+    create_pool(cl, name, redundancy=redundancy, target_memory=16 * MiB)
+    pool_served(cl.meta_addrs, name)
+    with Client(cl.meta_addrs) as c:
+        assert c.kv_pool(name).put("k", b"again") and c.kv_pool(name).get("k") == b"again"

@@ -414,7 +414,11 @@ class ClusterTier:
                 await self.router.refresh(force=True)
                 return (await self.batch_put([key], [buf], overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
                                              _tries=1))[0]
-            except (InvalidArgumentError, NotFoundError, NoSpaceError):
+            except NotFoundError as exc:
+                self.counters.put_failures += 1
+                await self._raise_if_removed(route, exc)
+                raise
+            except (InvalidArgumentError, NoSpaceError):
                 self.counters.put_failures += 1
                 raise
             except TierFSError as exc:
@@ -445,11 +449,16 @@ class ClusterTier:
             route = await self.route()
             moved: list[int] = []
             sub_keys, sub_bufs = [keys[i] for i in todo], [bufs[i] for i in todo]
-            if route.copies == 0:
-                res = await self._ec_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms, moved=moved)
-            else:
-                res = await self._copies_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin,
-                                             pin_ttl_ms=pin_ttl_ms, moved=moved)
+            try:
+                if route.copies == 0:
+                    res = await self._ec_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms,
+                                             moved=moved)
+                else:
+                    res = await self._copies_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms,
+                                                 pin=pin, pin_ttl_ms=pin_ttl_ms, moved=moved)
+            except (NotFoundError, UnavailableError) as exc:
+                await self._raise_if_removed(route, exc)
+                raise
             for j, i in enumerate(todo):
                 out[i] = res[j]
             if not moved:
@@ -463,6 +472,22 @@ class ClusterTier:
                     f"than this client's map after {_tries} refreshes (map version {self.router.version})")
             self._misplaced(len(todo))
             await self.router.refresh(force=True)
+
+    async def _raise_if_removed(self, route: KVPoolRoute, exc: TierFSError) -> None:
+        """After a put refused by a daemon that has no such pool (it said
+        "no KV pool 2 on target 1", by id): if meta's map no longer has the
+        pool, say so by name. Otherwise (the daemon has not caught up yet,
+        or meta cannot be asked) the caller raises ``exc``."""
+        if "no KV pool" not in str(exc):
+            return
+        try:
+            await self.router.refresh(force=True)
+        except TierFSError:
+            return
+        now = self.router.kv_pools.get(self.pool)
+        if now is None or now.pool_id != route.pool_id:
+            raise NotFoundError(f"KV pool {self.pool!r} was removed (`tierfs kv pool ls` lists the pools); "
+                                f"nothing was stored") from None
 
     def _misplaced(self, n: int) -> None:
         self.counters.extra["map_retries"] = self.counters.extra.get("map_retries", 0) + n
