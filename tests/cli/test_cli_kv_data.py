@@ -18,6 +18,7 @@ import pytest
 from tests.kv import public_trace_path
 from tests.kv.pools import define_pool, pool_served
 from tierfs.cli import run
+from tierfs.cli.kvdata import render_stats
 from tierfs.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -122,8 +123,16 @@ def test_stats_status_and_metrics(cl: LocalCluster, meta: str, tmp_path: Path) -
     while objects() < 12:  # heartbeats carry the usage to meta
         assert time.monotonic() < end, "KV usage never reached meta"
         time.sleep(0.3)
+    rc, out, _ = cli(meta, "kv", "stats", "--json")
+    got = json.loads(out)["pools"][0]
+    assert {t["state"] for t in got["targets"]} == {"online"}, got["targets"]
+    # a target that is not online shows its last report, marked as such (it read as current)
+    got["targets"][0]["state"] = "offline"
+    text = render_stats({"pools": [got]})
+    assert f"  target {got['targets'][0]['id']} (offline: its last report): " in text, text
+    assert text.count("its last report") == 1
     rc, out, _ = cli(meta, "kv", "stats")
-    assert rc == 0 and "pool default (replica:1)" in out and "  target " in out
+    assert rc == 0 and "pool default (replica:1)" in out and "  target " in out and "its last report" not in out
     assert "last reported at their heartbeats" in out  # says why a put made just now may not show
     _, out, _ = cli(meta, "status", "--json")
     st = json.loads(out)

@@ -147,12 +147,22 @@ async def kv_rm(client: Any, key: str, *, pool: str = "default") -> dict[str, An
 async def kv_stats(meta: Sequence[str], *, pool: str | None = None, timeout: float = 20.0) -> dict[str, Any]:
     """Per-pool, per-target usage and counters as the daemons last reported them."""
     from tierfs.cli.kv import pool_ls
+    from tierfs.meta import MetaClient
+    from tierfs.proto.v1 import meta_pb2 as pb
 
     pools = await pool_ls(meta, timeout=timeout)
     if pool is not None:
         pools = [p for p in pools if p["name"] == pool]
         if not pools:
             raise NotFoundError(f"unknown KV pool {pool!r}")
+    # Each target's state: a target that is not online shows what it said
+    # last, marked as such (it read as current).
+    async with MetaClient(list(meta), deadline=timeout, attempt_timeout=min(timeout, 3.0)) as mc:
+        cmap = await mc.get_cluster_map()
+    states = {t.target_id: pb.TargetState.Name(t.state).removeprefix("TARGET_STATE_").lower() for t in cmap.targets}
+    for p in pools:
+        for t in p.get("targets", []):
+            t["state"] = states.get(t["id"], "removed")
     return {"pools": pools}
 
 
@@ -164,7 +174,9 @@ def render_stats(r: dict[str, Any]) -> str:
                      f"{human_size(u['memory_used'])} in memory, {human_size(u['disk_used'])} on disk; "
                      f"puts {u['puts']}, hits {u['hits']}, misses {u['misses']}, evictions {u['evictions']}")
         for t in p.get("targets", []):
-            lines.append(f"  target {t['id']}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
+            state = t.get("state", "online")
+            mark = f" ({state}: its last report)" if state in ("offline", "failed", "removed") else ""
+            lines.append(f"  target {t['id']}{mark}: {t['objects']} objects, {human_size(t['memory_used'])} mem, "
                          f"{human_size(t['disk_used'])} disk, hits {t['hits']}, misses {t['misses']}, "
                          f"evictions {t['evictions']}")
     if lines:
