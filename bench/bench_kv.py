@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.common import results_dir
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "kv_worker.py"
@@ -829,8 +831,7 @@ def run(quick: bool, only: tuple[str, ...] = ("limits", "redis", "mooncake", "ti
     if errors:
         result["errors_seen"] = errors
         result["error"] = "; ".join(e[:300] for e in errors)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "kv.md").write_text(to_markdown(result))
+    (results_dir(quick) / "kv.md").write_text(to_markdown(result))
     return result
 
 
@@ -857,5 +858,5 @@ if __name__ == "__main__":
         os.makedirs(ns.profile, exist_ok=True)
     res = run(ns.quick, tuple(ns.only.split(",")), tuple(ns.transports.split(",")),
               os.path.abspath(ns.profile) if ns.profile else "")
-    (HERE / "results" / "kv.json").write_text(json.dumps(res, indent=1) + "\n")
+    (results_dir(ns.quick) / "kv.json").write_text(json.dumps(res, indent=1) + "\n")
     print(to_markdown(res))

@@ -59,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import results_dir
+
 MiB = 1 << 20
 WORKERS = 8
 CHUNK = 4 * MiB
@@ -68,7 +70,6 @@ LOCAL_REQ = 8 * MiB  # O_DIRECT request of the local read baseline
 REPS = 3
 #: Seconds one worker command may take before the run is declared hung.
 COMMAND_TIMEOUT = 300.0
-RESULTS = Path(__file__).resolve().parent / "results"
 _MAP = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -467,8 +468,7 @@ def run(quick: bool) -> dict[str, Any]:
         "file's CRC32C (both untimed)",
     ]
     result = {"name": "training", "rows": rows, "notes": "; ".join(notes)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training.md").write_text(
+    (results_dir(quick) / "training.md").write_text(
         "# Checkpoint burst and weights fan-out (bench/bench_training.py)\n\n"
         f"`python -m bench.run --only training{' --quick' if quick else ''}`, "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n\n" + to_markdown(result))

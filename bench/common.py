@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 
 def create_kv_pool(meta: list[str], name: str, memory: int, *, disk: int | None = None,
@@ -52,3 +53,14 @@ MEASURED_PREFILL_TOK_S = 33_850
 MEASURED_PREFILL_SOURCE = (
     "33,850 tokens/s was measured: a prefill of 4,096 tokens of a Llama-3-8B-shaped model (transformers, "
     "SDPA, bf16) on one H200 took 121.0 ms, median of 5 (bench/results/gpu_kv.md, stop 32)")
+
+
+def results_dir(quick: bool) -> Path:
+    """Where a benchmark writes its own extra files: bench/results, or
+    bench/results/quick for a ``--quick`` run (whose short figures must not
+    replace the committed full ones; bench.run writes there too)."""
+    d = Path(__file__).resolve().parent / "results"
+    d = d / "quick" if quick else d
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+

@@ -6,7 +6,10 @@ same run and reports a ratio to it, so figures from noisy machines still
 compare. Results go to ``bench/results/<name>.json`` and a Markdown table in
 ``bench/results/README.md``.
 
-    python -m bench.run [--quick] [--only NAME ...]
+    python -m bench.run [--quick] [--only NAME ...] [--out DIR]
+
+A ``--quick`` run writes to ``bench/results/quick/`` unless ``--out`` says
+otherwise: its short figures must not replace the committed full ones.
 """
 
 from __future__ import annotations
@@ -67,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK") == "1",
                     help="short runs (each benchmark < 60 s)")
     ap.add_argument("--only", nargs="*", default=None, help="benchmark names (e.g. meta dataplane)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where the results go (default: bench/results; bench/results/quick with --quick)")
     ns = ap.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = ns.out if ns.out is not None else (RESULTS / "quick" if ns.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
     names = sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
     if ns.only:
         names = [n for n in names if n in ns.only]
@@ -87,14 +93,15 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
         result.update(when=stamp, quick=ns.quick, seconds=round(time.monotonic() - t0, 1),
                       machine=_machine())
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         md = to_markdown(result)
         sections.append(md)
         print(md, flush=True)
     header = [
         "# Benchmark results",
         "",
-        f"Written by `make bench` on {stamp}, {_machine()['cpus']} CPUs. Each ratio is against a baseline "
+        f"Written by `python -m bench.run{' --quick' if ns.quick else ''}` (`make bench` runs it) on {stamp}, "
+        f"{_machine()['cpus']} CPUs. Each ratio is against a baseline "
         "measured in the same run. A run of some benchmarks (`--only`) keeps the others' latest results; "
         "each section says when it ran.",
         "",
@@ -102,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if names:
         # Every benchmark's latest result, not only those of this run.
         sections = []
-        for path in sorted(RESULTS.glob("*.json")):
+        for path in sorted(out.glob("*.json")):
             result = json.loads(path.read_text())
             if "name" not in result:
                 continue  # not a bench_*.py result (bench/engines_*.py write their own .md)
             md = to_markdown(result)
             when = f"{result.get('when', '?')}, {'quick' if result.get('quick') else 'full'}"
             sections.append(md.replace("\n", f"\n\n_run {when}_\n", 1))
-        (RESULTS / "README.md").write_text("\n".join(header + sections))
+        (out / "README.md").write_text("\n".join(header + sections))
+        print(f"results: {out}/", flush=True)
     return 1 if failed else 0
 
 
