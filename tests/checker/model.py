@@ -6,14 +6,16 @@ close), as docs/client.md states it.
   applied) the model holds every possibility (``MFile.cands``) until a read
   tells them apart.
 * ``open``: ``r`` and ``r+`` need the file; ``w``/``a`` create it; ``x``
-  refuses an existing one; ``w`` truncates at open (visible at once). A file
+  refuses an existing one; ``w`` writes the file anew: its handle starts
+  empty, the old contents stay what readers see until its close replaces
+  them (until stop 45 it truncated at open, visible at once). A file
   has at most one writer: another opens for writing with ``BusyError``,
   and truncate is refused while it is open.
 * A writer's bytes are its own until ``close`` publishes them (the size and
   every chunk, at once); an ``r+``/``w+``/``a+`` handle reads its own
   writes. Any failure of a writer aborts its session: nothing of it becomes
-  visible, the file keeps what it had when the writer opened (for ``w``:
-  empty, the truncate at open stays).
+  visible, the file keeps what it had when the writer opened (for ``w``
+  too).
 * A reader (``r``) that holds a file open while it is rewritten returns, per
   read call, the bytes of one version committed since it opened (the one at
   its open or a later one), never a mix; its size stays the one at open.

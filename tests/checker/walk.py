@@ -668,24 +668,29 @@ class Checker(ProcessFaults):
             self.counts["open_failed:" + type(exc).__name__] = self.counts.get("open_failed:" + type(exc).__name__, 0) + 1
             if f is None and self.client.exists(self.p(path)):
                 self.model.new_file(path)  # created, then the write session refused: an empty file
-            elif f is not None and base == "w":
-                f.commit([*f.cands, b""])  # the truncate at open may have happened
-            return
+            return  # (a "w" open of an existing file changes nothing until its close)
         if f is None:
             f = self.model.new_file(path)
-        if base == "w" and f.cands != [b""]:
-            f.commit([b""])  # O_TRUNC, visible at once
         first = len(f.versions) - len(f.cands)
         size = real.size
-        cands = [c for c in f.cands if len(c) == size]
-        if not cands:
-            self.violation("wrong-bytes", f"{what}: size {size}, the model allows sizes {[len(c) for c in f.cands]}")
-        f.cands = cands
+        if base == "w":
+            # Written anew: the handle starts empty, while every reader sees
+            # the old contents until its close replaces them (an abort keeps
+            # them). Until stop 45 "w" truncated at open.
+            if size != 0:
+                self.violation("wrong-bytes", f"{what}: size {size}, a 'w' handle starts empty")
+            cands = [b""]
+        else:
+            cands = [c for c in f.cands if len(c) == size]
+            if not cands:
+                self.violation("wrong-bytes", f"{what}: size {size}, the model allows sizes "
+                                              f"{[len(c) for c in f.cands]}")
+            f.cands = cands
         h = MHandle(hid, f, mode, readable=base == "r" or plus, writable=writable, append=base == "a",
                     pos=size if base == "a" else 0)
         if writable:
             h.cands = list(cands)
-            h.base = list(cands)
+            h.base = list(f.cands)
             f.writer = h
         else:
             h.open_size = size

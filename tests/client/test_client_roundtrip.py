@@ -251,11 +251,22 @@ def test_uncommitted_writes_are_invisible(client: Client) -> None:
     finally:
         f.abort()
     assert client.read_bytes("/visible.bin") == b"old contents"
-    # An exception inside the with block aborts instead of committing.
+    # An exception inside the with block aborts instead of committing, and
+    # a "wb" open replaces the old contents at its commit: they stay as
+    # they were (until stop 45 "wb" truncated at open, and the abort left
+    # an empty file: a checkpoint rewrite that failed lost the previous one).
     with pytest.raises(RuntimeError), client.open("/visible.bin", "wb") as g:
-        g.write(b"new")
+        g.write(random_bytes(5 * MiB, seed=4))
+        g.flush()
+        assert client.read_bytes("/visible.bin") == b"old contents"  # readers see the old contents meanwhile
         raise RuntimeError("caller failed mid-write")
-    assert client.stat("/visible.bin").size == 0  # "wb" truncated at open (O_TRUNC), new data never published
+    assert client.read_bytes("/visible.bin") == b"old contents"
+    # committed: exactly the new contents, old chunks past them gone, holes zeros
+    client.write_bytes("/visible.bin", random_bytes(9 * MiB, seed=5))
+    with client.open("/visible.bin", "wb") as g:
+        g.seek(5 * MiB)
+        g.write(b"tail")
+    assert client.read_bytes("/visible.bin") == bytes(5 * MiB) + b"tail"
 
 
 def test_namespace(client: Client) -> None:

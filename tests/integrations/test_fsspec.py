@@ -381,6 +381,23 @@ def test_transaction(tfs: TierFSFileSystem) -> None:
             f.write(b"discarded")
         raise RuntimeError("boom")
     assert tfs.cat_file("/txn/b") == b""
+    # a rewrite in a transaction that fails leaves the file as it was (it
+    # was emptied: "wb" truncated at open until stop 45)
+    tfs.pipe_file("/txn/precious", b"PRECIOUS DATA")
+    with pytest.raises(RuntimeError), tfs.transaction:
+        with tfs.open("/txn/precious", "wb") as f:
+            f.write(b"new")
+        assert tfs.cat_file("/txn/precious") == b"PRECIOUS DATA"
+        raise RuntimeError("boom")
+    assert tfs.cat_file("/txn/precious") == b"PRECIOUS DATA"
+    with pytest.raises(RuntimeError), tfs.open("/txn/precious", "wb") as f:
+        f.write(data(3 * CHUNK))
+        f.flush()
+        raise RuntimeError("boom")
+    assert tfs.cat_file("/txn/precious") == b"PRECIOUS DATA"
+    with tfs.transaction, tfs.open("/txn/precious", "wb") as f:
+        f.write(b"replaced")
+    assert tfs.cat_file("/txn/precious") == b"replaced"
 
 
 def test_put_get_streaming(tfs: TierFSFileSystem, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,7 +106,8 @@ class AsyncFile:
     """Use :meth:`AsyncClient.open` to get one."""
 
     def __init__(self, client: AsyncClient, path: str, mode: str, info: pb.FileInfo, *,
-                 readable: bool, writable: bool, append: bool, session: pb.OpenWriteReply | None) -> None:
+                 readable: bool, writable: bool, append: bool, session: pb.OpenWriteReply | None,
+                 replace: bool = False) -> None:
         self._client = client
         self.path = path
         self.mode = mode
@@ -124,6 +125,17 @@ class AsyncFile:
         #: opened with, then the one ``_settle_moves`` brought them to.
         self.map_version = 0
         self._committed = chunk_records(info)
+        #: A ``w`` open of a file with contents: the session writes the
+        #: file anew, as if truncated, but the old contents stay what every
+        #: reader sees until the commit replaces them (an abort keeps them;
+        #: the truncate at open lost them to a writer that failed). The old
+        #: chunk indices: those under the new size that this session does
+        #: not write are written as zeros before the commit.
+        self._replaced: set[int] = set()
+        if replace:
+            self._replaced = set(self._committed)
+            self._committed = {}
+            self.size = 0
         self._written: dict[int, ChunkRecord] = {}  # chunks stored in this session
         self._placed: dict[int, tuple[int, ...]] = {}  # chunk -> the targets its fragments in _written are on
         self._uploads: dict[int, int] = {}  # chunk -> uploads begun in this session
@@ -161,16 +173,15 @@ class AsyncFile:
                 await meta.create(path)
             except AlreadyExistsError:
                 if base == "w":
-                    info = await meta.stat(path)
-                    FileView.of(path, info)
-                    if info.attr.size or len(info.chunks):
-                        await meta.truncate(path, 0)  # O_TRUNC: old contents go to GC
+                    FileView.of(path, await meta.stat(path))  # a directory or symlink is refused here
         cfg = client.config
         reply = await meta.open_write(path, owner=f"tierfs-client pid {os.getpid()}", lease_ms=cfg.lease_ms)
         try:
             placed = await client.placement_version()
+            # "w": the old contents, if any, are replaced at close, not
+            # truncated at open (see AsyncFile._replaced).
             f = cls(client, path, mode, reply.file, readable=plus, writable=True, append=base == "a",
-                    session=reply)
+                    session=reply, replace=base == "w" and bool(reply.file.attr.size or len(reply.file.chunks)))
             f.map_version = placed
             return f
         except BaseException:
@@ -593,6 +604,7 @@ class AsyncFile:
             return
         try:
             await self.flush()
+            await self._zero_replaced_holes()
             assert self._session is not None
             for attempt in range(_COMMIT_TRIES):
                 # A retry re-sends with the lease renewed meanwhile, as the
@@ -622,6 +634,25 @@ class AsyncFile:
             await self.abort()
             raise
         self._finish()
+
+    async def _zero_replaced_holes(self) -> None:
+        """A ``w`` session over old contents: each old chunk under the new
+        size that this session did not write (a hole it seeked over) is
+        written as zeros, so the commit leaves none of the old bytes. The
+        commit drops the old chunks past the new size."""
+        if not self._replaced:
+            return
+        cs = self._view.chunk_size
+        holes = sorted(i for i in self._replaced if i * cs < self.size and i not in self._written)
+        self._replaced = set()
+        for idx in holes:
+            buf = self._client.pool.get(self._view.codec.encode_size(cs))
+            fill = min(cs, self.size - idx * cs)
+            _zero(buf[:fill])
+            self._staging = _Staging(idx, buf, fill)
+            await self._stage_out()
+        if holes:
+            await self.flush()
 
     async def _settle_moves(self, *, force: bool) -> None:
         """Bring every chunk this session stored onto its group's members in
