@@ -307,6 +307,19 @@ def test_mount_errors_are_clear(mnt: Path, cluster: LocalCluster, tmp_path: Path
     assert r.returncode == 1 and "unreachable" in r.stderr and "tierfs up" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
     assert find_mount(str(tmp_path / "m")) is None
+    # A dead mount (its daemon SIGKILLed): said as such, with the way out
+    # (it said "does not exist (create it first: mkdir -p ...)").
+    dead_mnt = Mount(tmp_path / "dead", cluster.meta_addrs, tmp_path / "dead.log")
+    try:
+        os.kill(dead_mnt.pid, signal.SIGKILL)
+        wait_gone(dead_mnt.pid, 20)
+        code, err = _cli("mount", str(dead_mnt.path), "--meta", meta)
+        assert code == 1 and "is a dead mount" in err and f"tierfs umount {dead_mnt.path}" in err, err
+        code, err = _cli("umount", str(dead_mnt.path))
+        assert code == 0, err
+        assert find_mount(str(dead_mnt.path)) is None
+    finally:
+        dead_mnt.close()
 
 
 def _read_ahead_kb(mp: Path) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -99,8 +100,16 @@ def find_mount(path: str) -> tuple[str, str, str] | None:
 
 def _check_mountpoint(path: str) -> str:
     p = _resolve(path)
-    if not os.path.exists(p):
-        raise MountError(f"mountpoint {p} does not exist (create it first: mkdir -p {p})")
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {p} does not exist (create it first: mkdir -p {p})") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN and find_mount(p) is not None:
+            # os.path.exists said False for this too, and the hint was mkdir
+            raise MountError(f"{p} is a dead mount (the process that served it is gone): "
+                             f"unmount it first (tierfs umount {p})") from None
+        raise MountError(f"mountpoint {p}: {exc.strerror}") from None
     if not os.path.isdir(p):
         raise MountError(f"mountpoint {p} is not a directory")
     got = find_mount(p)
