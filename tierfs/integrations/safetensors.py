@@ -250,8 +250,11 @@ async def aload_file(client: AsyncClient, path: str, device: Any = "cpu") -> dic
     # Every dtype is checked before any read starts.
     for info in header.tensors.values():
         _torch_dtype(info.dtype, path, info.name)
-    got = await asyncio.gather(*(one(i) for i in header.tensors.values()))
-    return _to(dict(zip(header.tensors, got, strict=True)), device)
+    # In the order of their bytes in the file, as the library's load_file
+    # returns them.
+    infos = sorted(header.tensors.values(), key=lambda i: (i.begin, i.name))
+    got = await asyncio.gather(*(one(i) for i in infos))
+    return _to(dict(zip((i.name for i in infos), got, strict=True)), device)
 
 
 def load_file(client: Client, path: str, device: Any = "cpu") -> dict[str, Any]:
@@ -339,7 +342,12 @@ class _Handle:
         return self._header
 
     def keys(self) -> list[str]:
-        return list(self._h().tensors)
+        """The tensor names, sorted (as the library's ``keys()``)."""
+        return sorted(self._h().tensors)
+
+    def offset_keys(self) -> list[str]:
+        """The tensor names in the order of their bytes in the file."""
+        return [i.name for i in sorted(self._h().tensors.values(), key=lambda i: (i.begin, i.name))]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
