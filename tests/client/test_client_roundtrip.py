@@ -269,6 +269,58 @@ def test_uncommitted_writes_are_invisible(client: Client) -> None:
     assert client.read_bytes("/visible.bin") == bytes(5 * MiB) + b"tail"
 
 
+def test_symbolic_links_are_followed_as_the_kernel_follows_them(client: Client) -> None:
+    """A link in the middle of a path (the "latest checkpoint" pattern) and
+    one at its end are followed by open, read, write and ls; stat shows
+    the link itself (lstat) but follows those before it. They were "not a
+    directory" and "not a regular file" in the SDK (the CLI followed them)."""
+    client.mkdir("/sl/ck/step2", parents=True)
+    client.write_bytes("/sl/ck/step2/.metadata", b"meta2")
+    client.symlink("/sl/ck/latest", "step2")
+    client.symlink("/sl/ck/abs", "/sl/ck/step2/.metadata")
+    client.symlink("/sl/ck/up", "../ck/latest/.metadata")
+    client.symlink("/sl/ck/loop", "loop")
+    client.symlink("/sl/ck/dangling", "made-later")
+    assert client.readlink("/sl/ck/latest") == "step2"
+    for p in ("/sl/ck/latest/.metadata", "/sl/ck/abs", "/sl/ck/up"):
+        assert client.read_bytes(p) == b"meta2", p
+        with client.open(p, "rb") as f:
+            assert f.read() == b"meta2", p
+        buf = bytearray(3)
+        assert client.read_into(p, buf, 2) == 3 and buf == b"ta2", p
+    assert client.ls("/sl/ck/latest") == [".metadata"]
+    assert [s.path for s in client.ls("/sl/ck/latest", detail=True)] == ["/sl/ck/latest/.metadata"]
+    assert client.stat("/sl/ck/latest").type == "symlink"  # the link itself
+    assert client.stat("/sl/ck/latest/.metadata").size == 5
+    assert client.exists("/sl/ck/latest/.metadata") and not client.exists("/sl/ck/latest/nope")
+    assert client.resolve("/sl/ck/up") == "/sl/ck/step2/.metadata"
+    client.write_bytes("/sl/ck/abs", b"through the link")
+    assert client.read_bytes("/sl/ck/step2/.metadata") == b"through the link"
+    assert client.stat("/sl/ck/abs").type == "symlink"
+    with pytest.raises(InvalidArgumentError, match="too many levels of symbolic links"):
+        client.read_bytes("/sl/ck/loop")
+    with pytest.raises(InvalidArgumentError, match="too many levels of symbolic links"):
+        client.ls("/sl/ck/loop/x")
+    with pytest.raises(NotFoundError, match="/sl/ck/made-later"):
+        client.read_bytes("/sl/ck/dangling")
+    client.write_bytes("/sl/ck/dangling", b"new")  # as open(2) with O_CREAT: the target is made
+    assert client.read_bytes("/sl/ck/made-later") == b"new"
+    with pytest.raises(NotADirectoryError):  # a file in the middle of a path is still not a directory
+        client.read_bytes("/sl/ck/step2/.metadata/x")
+    # writing a checkpoint through the link: mkdir -p, write, rename, ls, truncate, rm
+    client.mkdir("/sl/ck/latest/sub/deeper", parents=True)
+    assert client.stat("/sl/ck/step2/sub/deeper").is_dir
+    client.write_bytes("/sl/ck/latest/sub/.tmp", b"x" * 10)
+    client.rename("/sl/ck/latest/sub/.tmp", "/sl/ck/latest/sub/final")
+    client.truncate("/sl/ck/latest/sub/final", 4)
+    assert client.ls("/sl/ck/latest/sub") == ["deeper", "final"]
+    assert client.read_bytes("/sl/ck/step2/sub/final") == b"xxxx"
+    client.rm("/sl/ck/latest/sub", recursive=True)
+    assert not client.exists("/sl/ck/step2/sub")
+    client.rm("/sl/ck/latest")  # the link itself, not its target
+    assert client.exists("/sl/ck/step2/.metadata") and not client.exists("/sl/ck/latest")
+
+
 def test_namespace(client: Client) -> None:
     client.mkdir("/ns")
     with pytest.raises(AlreadyExistsError):

@@ -195,6 +195,20 @@ def test_single_process_views_overwrite_and_rank_local_metadata(tierfs_meta: str
                      use_collectives=False)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_load_through_a_latest_link(tierfs_meta: str, root: str) -> None:
+    """The usual "latest" link to the newest checkpoint directory: DCP
+    loads through it (the reader said "/ckpt/latest is not a directory")."""
+    sd = {"w": torch.randn(64, 32), "step": 7}
+    with Client(tierfs_meta) as c:
+        dcp.save(sd, storage_writer=TierFSStorageWriter(f"{root}/step-7", client=c), no_dist=True)
+        c.symlink(f"{root}/latest", "step-7")
+        got = {"w": torch.zeros(64, 32), "step": 0}
+        dcp.load(got, storage_reader=TierFSStorageReader(f"{root}/latest", client=c), no_dist=True)
+        assert bits_equal(got["w"], sd["w"]) and got["step"] == 7
+
+
 @pytest.mark.timeout(30)
 def test_region_is_one_run_exactly_when_the_box_is_contiguous() -> None:
     """The reader reads a box of a stored tensor in place only when its

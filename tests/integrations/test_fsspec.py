@@ -318,6 +318,26 @@ def test_errors(tfs: TierFSFileSystem, tmp_path: Path) -> None:
     assert tfs.cat_file("/err/file") == b"x"  # none of that changed anything
 
 
+def test_symbolic_links(tfs: TierFSFileSystem) -> None:
+    """A "latest" link to a checkpoint directory: read through, listed
+    through, and info() reports the target's type and size with islink and
+    destination, as fsspec's local filesystem does (it said type "other",
+    and reads through it were "not a directory")."""
+    tfs.pipe_file("/links/step7/.metadata", b"seven")
+    c = tfs._run(tfs._get_client())
+    tfs._run(c.symlink("/links/latest", "step7"))
+    tfs._run(c.symlink("/links/dangling", "nothing"))
+    assert tfs.cat_file("/links/latest/.metadata") == b"seven"
+    with tfs.open("/links/latest/.metadata", "rb") as f:
+        assert f.read() == b"seven"
+    assert tfs.ls("/links/latest", detail=False) == ["/links/latest/.metadata"]
+    info = tfs.info("/links/latest")
+    assert (info["type"], info["islink"], info["destination"]) == ("directory", True, "step7"), info
+    assert tfs.isdir("/links/latest") and tfs.info("/links/latest/.metadata")["size"] == 5
+    dang = tfs.info("/links/dangling")
+    assert (dang["type"], dang["islink"], dang["destination"]) == ("other", True, "nothing"), dang
+
+
 def test_checksum_and_modified(tfs: TierFSFileSystem) -> None:
     t0 = datetime.datetime.now(datetime.UTC)
     tfs.pipe_file("/ck/a", b"same bytes")

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from tierfs.buffers import BufferPool
 from tierfs.chunk import (
@@ -158,6 +158,16 @@ def _norm(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
     return path
+
+
+_T = TypeVar("_T")
+
+#: Symbolic links followed on the way to a path at most (Linux's MAXSYMLINKS).
+MAX_LINK_HOPS = 40
+
+
+class _IsLink(TierFSError):
+    """Internal: the last component is a symbolic link (to be followed)."""
 
 
 class GenerationGoneError(InsufficientTargetsError):
@@ -434,15 +444,81 @@ class AsyncClient:
     # ---- namespace ------------------------------------------------------------
 
     async def stat(self, path: str) -> FileStat:
-        info = await self.meta.stat(_norm(path))
+        """The entry itself (a symbolic link as "symlink", as lstat(2));
+        links in the components before it are followed."""
+        info = await self._via_links(_norm(path), self.meta.stat, last=False)
         return _to_stat(path, info.attr, info.layout, info.writing)
 
     async def exists(self, path: str) -> bool:
         try:
-            await self.meta.stat(_norm(path))
+            await self._via_links(_norm(path), self.meta.stat, last=False)
         except NotFoundError:
             return False
         return True
+
+    async def resolve(self, path: str, *, last: bool = True) -> str:
+        """``path`` with its symbolic links followed, as the kernel follows
+        them: in every component but the last, and in the last too with
+        ``last``; a relative target is taken from the link's directory, at
+        most 40 links (``InvalidArgumentError`` after). From a component that
+        does not exist on, the rest is returned as written (a new file or
+        directory goes there).
+
+        Meta walks a path as written (a link in the middle of one is "not a
+        directory"); the client's methods that read, write or list call this
+        when meta says a component is a link, so ``/ckpt/latest/x`` works
+        with ``latest`` a link (the usual "latest checkpoint" pattern)."""
+        parts = [p for p in _norm(path).split("/") if p not in ("", ".")]
+        cur, hops = "/", 0
+        while parts:
+            name = parts.pop(0)
+            if name == "..":
+                cur = posixpath.dirname(cur)
+                continue
+            nxt = _join(cur, name)
+            if not parts and not last:
+                return nxt
+            try:
+                info = await self.meta.stat(nxt)
+            except NotFoundError:
+                # Nothing past a missing component can be a link: the rest
+                # as written (the caller's call says what is missing, or
+                # makes it: mkdir -p, a new file).
+                return posixpath.normpath(posixpath.join(nxt, *parts))
+            if info.attr.type != pb.INODE_TYPE_SYMLINK:
+                cur = nxt
+                continue
+            hops += 1
+            if hops > MAX_LINK_HOPS:
+                raise InvalidArgumentError(f"{path}: too many levels of symbolic links (more than {MAX_LINK_HOPS})")
+            target = await self.meta.readlink(nxt)
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+            if target.startswith("/"):
+                cur = "/"
+        return cur
+
+    async def _via_links(self, path: str, fn: Callable[[str], Awaitable[_T]], *, last: bool = True) -> _T:
+        """``fn(path)``; when meta says a component of ``path`` is not a
+        directory (a link there), or ``fn`` finds the last one a link
+        (:class:`_IsLink`; with ``last``), ``fn`` again on the path with its
+        links followed. The common case costs nothing more."""
+        try:
+            return await fn(path)
+        except (NotADirectoryError_, _IsLink) as exc:
+            resolved = await self.resolve(path, last=last)
+            if resolved == posixpath.normpath(path):
+                if isinstance(exc, _IsLink):
+                    raise InvalidArgumentError(f"{path} is not a regular file") from None
+                raise
+            return await fn(resolved)
+
+    async def _file_info(self, path: str) -> pb.FileInfo:
+        """meta's stat of ``path``, a link in its last component refused as
+        :class:`_IsLink` (for :meth:`_via_links` to follow)."""
+        info = await self.meta.stat(path)
+        if info.attr.type == pb.INODE_TYPE_SYMLINK:
+            raise _IsLink(path)
+        return info
 
     @overload
     async def ls(self, path: str = ..., *, detail: Literal[False] = ...) -> list[str]: ...
@@ -454,12 +530,18 @@ class AsyncClient:
     async def ls(self, path: str = ..., *, detail: bool) -> list[Any]: ...
 
     async def ls(self, path: str = "/", *, detail: bool = False) -> list[Any]:
-        """Names in a directory (sorted), or FileStat entries with ``detail``."""
+        """Names in a directory (sorted), or FileStat entries with ``detail``
+        (a link to a directory lists the directory, as ls(1) does)."""
         meta = self.meta
-        out: list[Any] = []
-        async for e in meta.iterdir(_norm(path)):
-            out.append(_to_stat(_join(path, e.name), e.attr, e.layout if e.HasField("layout") else None)
-                       if detail else e.name)
+
+        async def listing(p: str) -> list[Any]:
+            out: list[Any] = []
+            async for e in meta.iterdir(p):
+                out.append(_to_stat(_join(path, e.name), e.attr, e.layout if e.HasField("layout") else None)
+                           if detail else e.name)
+            return out
+
+        out = await self._via_links(_norm(path), listing)
         out.sort(key=lambda x: x.path if detail else x)
         return out
 
@@ -475,7 +557,14 @@ class AsyncClient:
                 yield x
 
     async def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, mode: int = 0o755) -> None:
-        path = _norm(path)
+        """As mkdir(2) (``parents``: mkdir -p); links before the last
+        component are followed."""
+        async def make(p: str) -> None:
+            await self._mkdir(p, parents=parents, exist_ok=exist_ok, mode=mode)
+
+        await self._via_links(_norm(path), make, last=False)
+
+    async def _mkdir(self, path: str, *, parents: bool, exist_ok: bool, mode: int) -> None:
         if posixpath.normpath(path) == "/" and not parents:
             if exist_ok:
                 return
@@ -499,6 +588,9 @@ class AsyncClient:
                 await self.meta.mkdir(cur, mode=mode)
             except AlreadyExistsError:
                 st = await self.stat(cur)
+                if st.type == "symlink" and i < len(parts) - 1:
+                    # _via_links follows it (mkdir -p through a link to a directory)
+                    raise NotADirectoryError_(f"{cur} is a symbolic link") from None
                 if not st.is_dir:
                     raise NotADirectoryError_(f"{cur} exists and is not a directory") from None
                 if i == len(parts) - 1 and not exist_ok:
@@ -507,7 +599,14 @@ class AsyncClient:
     async def rm(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, a symlink, or a directory (its contents too with
         ``recursive``; an empty one without). The root directory is
-        refused (InvalidArgumentError), with nothing removed."""
+        refused (InvalidArgumentError), with nothing removed. Links before
+        the last component are followed; a link there is removed itself."""
+        async def remove(p: str) -> None:
+            await self._rm(p, recursive=recursive)
+
+        await self._via_links(_norm(path), remove, last=False)
+
+    async def _rm(self, path: str, *, recursive: bool = False) -> None:
         path = _norm(path)
         if posixpath.normpath("/" + path.lstrip("/")) == "/":
             raise InvalidArgumentError("refusing to remove the root directory (remove what is in it instead)")
@@ -520,16 +619,36 @@ class AsyncClient:
             for name, typ in names:
                 child = _join(path, name)
                 if typ == pb.INODE_TYPE_DIRECTORY:
-                    await self.rm(child, recursive=True)
+                    await self._rm(child, recursive=True)
                 else:
                     await self.meta.unlink(child)
         await self.meta.rmdir(path)
 
     async def rename(self, src: str, dst: str) -> None:
-        await self.meta.rename(_norm(src), _norm(dst))
+        """As rename(2): links before the last components are followed, the
+        last ones are not (a link is renamed or replaced, not its target)."""
+        src, dst = _norm(src), _norm(dst)
+        try:
+            await self.meta.rename(src, dst)
+        except NotADirectoryError_:
+            rs, rd = await self.resolve(src, last=False), await self.resolve(dst, last=False)
+            if (rs, rd) == (posixpath.normpath(src), posixpath.normpath(dst)):
+                raise
+            await self.meta.rename(rs, rd)
+
+    async def symlink(self, path: str, target: str) -> None:
+        """Make ``path`` a symbolic link to ``target`` (absolute, or relative
+        to the link's directory; it need not exist)."""
+        await self.meta.symlink(_norm(path), target)
+
+    async def readlink(self, path: str) -> str:
+        return await self.meta.readlink(_norm(path))
 
     async def truncate(self, path: str, size: int) -> None:
-        await self.meta.truncate(_norm(path), size)
+        async def trunc(p: str) -> None:
+            await self.meta.truncate(p, size)
+
+        await self._via_links(_norm(path), trunc, last=False)
 
     async def chmod(self, path: str, mode: int) -> None:
         """Set the permission bits (0 to 0o7777; owner or root, as
@@ -566,11 +685,11 @@ class AsyncClient:
             raise InvalidArgumentError("read_into needs a writable buffer")
         if offset < 0:
             raise InvalidArgumentError(f"negative offset {offset}")
-        view = FileView.of(path, await self.meta.stat(_norm(path)))
+        view = FileView.of(path, await self._via_links(_norm(path), self._file_info))
         return (await self._read_fresh(view, offset, dest))[0]
 
     async def read_bytes(self, path: str) -> bytes:
-        view = FileView.of(path, await self.meta.stat(_norm(path)))
+        view = FileView.of(path, await self._via_links(_norm(path), self._file_info))
         buf = bytearray(view.size)
         n = (await self._read_fresh(view, 0, memoryview(buf)))[0]
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
@@ -586,7 +705,10 @@ class AsyncClient:
         optional ``+``; always binary)."""
         from tierfs.client.file import AsyncFile
 
-        return await AsyncFile.open(self, _norm(path), mode)
+        async def opened(p: str) -> AsyncFile:
+            return await AsyncFile.open(self, p, mode, links_refused=True)
+
+        return await self._via_links(_norm(path), opened)
 
     # ---- the read path ----------------------------------------------------------
 

@@ -159,7 +159,27 @@ class AsyncFile:
             client._cap_renewers[info.attr.inode] = self._renew
 
     @classmethod
-    async def open(cls, client: AsyncClient, path: str, mode: str) -> AsyncFile:
+    async def open(cls, client: AsyncClient, path: str, mode: str, *, links_refused: bool = False) -> AsyncFile:
+        """``links_refused``: a symbolic link at ``path`` raises the client's
+        ``_IsLink`` (which ``AsyncClient.open`` follows) instead of "not a
+        regular file"."""
+        if not links_refused:
+            return await cls._open(client, path, mode)
+        try:
+            return await cls._open(client, path, mode)
+        except InvalidArgumentError:
+            from tierfs.client.client import _IsLink
+
+            try:
+                info = await client.meta.stat(path)
+            except TierFSError:
+                info = None
+            if info is not None and info.attr.type == pb.INODE_TYPE_SYMLINK:
+                raise _IsLink(path) from None
+            raise
+
+    @classmethod
+    async def _open(cls, client: AsyncClient, path: str, mode: str) -> AsyncFile:
         base, plus = _parse_mode(mode)
         meta = client.meta
         if base == "r" and not plus:

@@ -180,6 +180,15 @@ class Client:
     def rename(self, src: str, dst: str) -> None:
         self._run(self.aclient.rename(src, dst))
 
+    def symlink(self, path: str, target: str) -> None:
+        self._run(self.aclient.symlink(path, target))
+
+    def readlink(self, path: str) -> str:
+        return self._run(self.aclient.readlink(path))
+
+    def resolve(self, path: str, *, last: bool = True) -> str:
+        return self._run(self.aclient.resolve(path, last=last))
+
     def truncate(self, path: str, size: int) -> None:
         self._run(self.aclient.truncate(path, size))
 

@@ -279,7 +279,18 @@ class TierFSFileSystem(AsyncFileSystem):  # type: ignore[misc]
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         path = self._strip_protocol(path)
         c = await self._get_client()
-        return _info(await c.stat(path), path)
+        st = await c.stat(path)
+        if st.type != "symlink":
+            return _info(st, path)
+        # As fsspec's local filesystem: a link's type and size are its
+        # target's, with islink and destination (a dangling one: "other").
+        dest = await c.meta.readlink(path)
+        try:
+            out = _info(await c.stat(await c.resolve(path)), path)
+        except (FileNotFoundError, NotADirectoryError):
+            out = _info(st, path)
+        out.update(islink=True, destination=dest)
+        return out
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         path = self._strip_protocol(path)

@@ -607,6 +607,10 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
                  meta: Sequence[str] | str | None = None) -> None:
         super().__init__()
         self.path = tierfs_path(path)
+        #: the directory the metadata was read from, symbolic links followed
+        #: (a "latest" link): data files are read from the same one even if
+        #: the link is moved to a newer checkpoint meanwhile
+        self._dir = self.path
         self.client, self._owns = _connect(client, meta, "TierFSStorageReader")
         self.storage_data: dict[Any, Any] = {}
         self.metadata: Any = None
@@ -618,6 +622,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         self.storage_data = {}
         if checkpoint_id:
             self.path = tierfs_path(checkpoint_id)
+        self._dir = self.path
         self.load_id = str(uuid.uuid4())
 
     @property
@@ -629,9 +634,9 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
         return TierFSStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self) -> Any:
-        mpath = _join(self.path, METADATA_NAME)
         try:
-            raw = self.client.read_bytes(mpath)
+            self._dir = self.client.resolve(self.path)
+            raw = self.client.read_bytes(_join(self._dir, METADATA_NAME))
         except NotFoundError:
             raise self._why_missing() from None
         md = pickle.loads(raw)
@@ -690,7 +695,7 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
 
         def snap(rel: str) -> _Snapshot:
             if rel not in files:
-                files[rel] = _Snapshot(self, _join(self.path, rel))
+                files[rel] = _Snapshot(self, _join(self._dir, rel))
             return files[rel]
 
         for req, target in jobs:
