@@ -226,10 +226,10 @@ class TierFSOperations(pyfuse3.Operations):
         s.f_frsize = 4096
         s.f_blocks = cap // 4096
         s.f_bfree = s.f_bavail = max(0, cap - used) // 4096
-        # Meta puts no limit on inodes; report a large constant so tools
-        # that check for free inodes go ahead.
-        s.f_files = 1 << 32
-        s.f_ffree = s.f_favail = 1 << 31
+        # Meta puts no limit on inodes: all of a large constant free, so
+        # that tools that check for free inodes go ahead (half of it free
+        # read as "50% of inodes used" in df -i).
+        s.f_files = s.f_ffree = s.f_favail = 1 << 32
         s.f_namemax = 255
         return s
 
