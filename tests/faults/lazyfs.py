@@ -132,8 +132,10 @@ class LazyFS:
         if errors:
             raise LazyFSError(f"lazyfs hit {errors} internal error(s): see its log on stderr")
 
-    def unmount(self, timeout: float = 10.0) -> None:
-        """Clean shutdown: persist everything, then unmount.
+    def unmount(self, timeout: float = 30.0) -> None:
+        """Clean shutdown: persist everything, then unmount. (``timeout``:
+        30 s; 10 s was once too short for the server's exit on a loaded
+        2-core host, after a passing power-cut test.)
 
         Stop the processes using the mount first; writes racing with this call
         may be lost (their mount goes away under them).
