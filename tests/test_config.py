@@ -27,6 +27,7 @@ def test_units() -> None:
     assert parse_size("4MiB") == 4 << 20
     assert parse_size("1GB") == 10**9
     assert parse_size("1PiB") == 1 << 50 and parse_size("2PB") == 2 * 10**15  # "not a size" until stop 45
+    assert parse_size("1EiB") == 1 << 60
     assert parse_size(512) == 512
     assert parse_duration("500ms") == 0.5
     assert parse_duration("2m") == 120.0

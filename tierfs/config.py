@@ -29,7 +29,7 @@ from tierfs.errors import ConfigError
 
 __all__ = ["BaseConfig", "field", "load", "parse_duration", "parse_size"]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
@@ -37,6 +37,7 @@ _SIZE_UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
     "p": 1000**5, "pb": 1000**5, "pib": 1 << 50, "pi": 1 << 50,
+    "e": 1000**6, "eb": 1000**6, "eib": 1 << 60, "ei": 1 << 60,
 }
 _DUR_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _DUR_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}

@@ -208,8 +208,18 @@ def test_cli_simulate_json_and_bad_arguments() -> None:
     assert run(["placement", "simulate", "--nodes", "6", "--targets-per-node", "1", "--racks", "3",
                 "--redundancy", "ec:4+2"], stdout=out, stderr=err, env={}) == 0
     assert "NOT PLACED: rebuild" in out.getvalue() and "NOT PLACED: node removed" in out.getvalue(), out.getvalue()
+    # Removing the only node of a rack leaves fewer racks, where more members per rack
+    # are allowed: no violation (it counted 8, against the full cluster's rule).
+    out = io.StringIO()
+    assert run(["placement", "simulate", "--nodes", "4", "--targets-per-node", "2", "--racks", "3",
+                "--redundancy", "ec:2+1", "--json"], stdout=out, stderr=err, env={}) == 0
+    assert json.loads(out.getvalue())["rack_violations_after_moves"] == 0
     for bad, msg in ((["--nodes", "5"], "needs at least 10 nodes"), (["--racks", "200"], "--racks"),
-                     (["--redundancy", "ec:8"], "redundancy"), (["--disk-bw", "fast"], "not a size")):
+                     (["--redundancy", "ec:8"], "redundancy"), (["--disk-bw", "fast"], "not a size"),
+                     # a fragment of 0 bytes: it was a ZeroDivisionError traceback
+                     (["--nodes", "10", "--fill-bytes", "5"], "--fill-bytes 5 per target gives each"),
+                     (["--nodes", "10", "--tolerance", "2"], "--tolerance must be between 0 and 1"),
+                     (["--nodes", "1000000000"], "fewer --nodes or --targets-per-node")):
         err = io.StringIO()
         assert run(["placement", "simulate", *bad], stdout=io.StringIO(), stderr=err, env={}) == 2
         assert msg in err.getvalue(), err.getvalue()

@@ -106,12 +106,22 @@ def simulate(nodes: int, targets_per_node: int, racks: int, k: int, m: int, grou
         raise SimulateError(f"width {width} (K+M) needs at least {width} nodes; --nodes is {nodes}")
     if racks < 0 or racks > nodes:
         raise SimulateError(f"--racks must be between 0 (unlabelled) and --nodes ({nodes}); got {racks}")
-    if groups < 0 or disk_bw <= 0 or fill <= 0 or not 0 < tolerance < 1:
-        raise SimulateError("--groups must be >= 0, --disk-bw and --fill-bytes > 0, --tolerance in (0, 1)")
+    for bad, what in ((groups < 0, f"--groups must be >= 0 (0: one per target); got {groups}"),
+                      (disk_bw <= 0, f"--disk-bw must be > 0; got {disk_bw}"),
+                      (fill <= 0, f"--fill-bytes must be > 0; got {fill}"),
+                      (not 0 < tolerance < 1, f"--tolerance must be between 0 and 1 (exclusive); got {tolerance}")):
+        if bad:
+            raise SimulateError(what)
     ntg = nodes * targets_per_node
+    given = groups
     groups = groups or ntg
     if groups * width > MAX_SLOTS:
-        raise SimulateError(f"{groups} groups of width {width} is over {MAX_SLOTS:,} members; use fewer groups")
+        fewer = "use fewer --groups" if given else f"fewer --nodes or --targets-per-node (one group per target: {groups:,})"
+        raise SimulateError(f"{groups:,} groups of width {width} is over {MAX_SLOTS:,} members; {fewer}")
+    if fill * ntg < groups * width:
+        # each fragment would be 0 bytes (a division by zero further on)
+        raise SimulateError(f"--fill-bytes {fill} per target gives each of the {groups * width:,} fragments less than "
+                            f"a byte; give at least {-(-groups * width // ntg)}")
     say = progress or (lambda _msg: None)
     t_start, c_start = time.monotonic(), time.process_time()
     phases: dict[str, float] = {}
@@ -177,8 +187,14 @@ def simulate(nodes: int, targets_per_node: int, racks: int, k: int, m: int, grou
 
     add_max, add_min = balance(add_t, after_add)
     rm_max, rm_min = balance(left, after_rm)
-    after_viol = (sum(1 for ms in after_add.values() if rule_violations(ms, add_t, cap, add_r))
-                  + sum(1 for ms in after_rm.values() if rule_violations(ms, left, cap, rmap)))
+    # each cluster's own rule: removing a node may leave fewer racks, where
+    # more members per rack are allowed (checking the removal against the
+    # full cluster's cap counted violations that were none)
+    left_r = {n: r for n, r in rmap.items() if n != nodes}
+    after_viol = (sum(1 for ms in after_add.values()
+                      if rule_violations(ms, add_t, domain_cap(add_t, width, add_r), add_r))
+                  + sum(1 for ms in after_rm.values()
+                        if rule_violations(ms, left, domain_cap(left, width, left_r), left_r)))
     return {
         "targets": ntg,
         "nodes": nodes,
