@@ -28,3 +28,20 @@ def test_grow_adds_storage_daemons_and_keeps_the_plan(tmp_path: Path) -> None:
     assert reopened.grow(4) == []
     with pytest.raises(ConfigError, match="drain"):
         reopened.grow(3)
+
+
+def test_up_with_fewer_storage_than_planned_is_refused(tmp_path: Path) -> None:
+    """`tierfs up --storage 1` on a plan of 2 storage daemons is refused
+    (it said "reused as planned ... nothing to do" and exited 0), and starts
+    nothing."""
+    import io
+
+    from tierfs.cli import run
+
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=2)
+    cl.dir.mkdir(parents=True)
+    cl._save_state()
+    err = io.StringIO()
+    rc = run(["up", "--data", str(cl.dir), "--storage", "1"], stdout=io.StringIO(), stderr=err, env={})
+    assert rc == 1 and "would remove some" in err.getvalue() and "drain" in err.getvalue(), (rc, err.getvalue())
+    assert not any(LocalCluster.open(cl.dir).running().values())
