@@ -88,6 +88,7 @@ def test_scrub_repairs_corrupt_and_missing_and_deletes_orphans(cluster: LocalClu
     assert "scrub found problems it did not fix" in text and "not repaired (--no-repair)" in text, text
     # counted once: by its holder's check, not again by the group listing (until stop 44: twice)
     assert "0 corrupt, 1 missing, 0 mismatched not repaired" in text, text
+    assert ": left (repair off: not rebuilt)" in text, text  # it said "kept" of what is not there
     assert not deleted.exists()
     raw = bytearray(good_flipped)
     raw[4096 + 100] ^= 0x40  # the header is the first 4 KiB; this is payload

@@ -211,7 +211,12 @@ class Scrubber:
     async def _repair(self, tid: int, eng: ChunkEngine, key: FragmentKey, kind: str, rep: ScrubReport,
                       files: dict[int, _File | None], repair: bool) -> None:
         if not repair:
-            rep.add(ScrubIssue(tid, key, kind, "kept", "repair off"))
+            # A corrupt fragment is quarantined whatever the mode (out of
+            # the index: it was said "kept"); a missing one stays missing.
+            if kind == "corrupt":
+                rep.add(ScrubIssue(tid, key, kind, "quarantined", "repair off: moved to quarantine/, not rebuilt"))
+            else:
+                rep.add(ScrubIssue(tid, key, kind, "left", "repair off: not rebuilt"))
             return
         r = self.repairer
         f = await r.file(key.inode, files)

@@ -76,7 +76,8 @@ class ScrubIssue(_message.Message):
     """"corrupt" | "missing" | "orphan" """
     action: _builtins.str
     """"repaired" | "deleted" | "kept" (orphan younger than the grace period,
-    or repair off) | "failed"
+    or nothing to restore) | "quarantined" (corrupt, repair off) | "left"
+    (missing, repair off) | "failed"
     """
     detail: _builtins.str
     def __init__(
