@@ -66,12 +66,28 @@ from tests.skip_policy import (  # noqa: E402, F401 - hooks: a skip not allowed 
 )
 
 
+def _ancestors() -> set[int]:
+    """This process and every process above it (a ``timeout`` or shell that
+    started pytest with ``--basetemp=DIR`` names DIR too)."""
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
 def _leftovers(root: str) -> list[tuple[int, str]]:
-    """Processes (not this one) whose command line names a path under
-    ``root``: the daemons, mounts and helpers tests started there."""
+    """Processes (not this one, nor those above it) whose command line
+    names a path under ``root``: the daemons, mounts and helpers tests
+    started there."""
     out = []
+    mine = _ancestors()
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
+        if not d.isdigit() or int(d) in mine:
             continue
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
