@@ -167,3 +167,23 @@ def test_status_says_balanced_only_inside_the_band(done: bool, ratio: float, wor
                            "balance_max_over_mean": ratio})
     assert word in line, line
     assert line.startswith("rebalance: balanced") == (word == "rebalance: balanced"), line
+
+
+def test_failure_domain_line_speaks_of_the_groups_that_hold_data() -> None:
+    """6 nodes in 3 racks, files only in a replica:3 directory: every group
+    holding data is placed by rack, so status says "rack". It said "node
+    (only 3 racks for width 6 ...)" of the root's default ec:4+2 groups,
+    which no file used."""
+    d = Driver()
+    d.register(6, 1)
+    for i, n in enumerate(sorted(d.sm.nodes)):
+        d.do("label_node", pb.LabelNodeRequest(node_id=n, rack=f"r{i % 3}"))
+    d.top_up()
+    assert d.sm.failure_domain() == "failure domain: node (only 3 racks for width 6: up to 2 fragments per rack)"
+    d.mkdir("/r")
+    d.do("set_layout", pb.SetLayoutRequest(loc=pb.Loc(path="/r"), layout=pb.Layout(
+        kind=pb.REDUNDANCY_KIND_REPLICA, data_shards=1, parity_shards=2)), pb.LayoutReply)
+    d.top_up()
+    d.create("/r/f")
+    d.write("/r/f", 1 << 20, [0])
+    assert d.sm.failure_domain() == "failure domain: rack (3 racks)"

@@ -1100,7 +1100,12 @@ class MetaStateMachine(Tracked):
     def failure_domain(self) -> str:
         """The ``tierfs status`` sentence (tierfs.meta.domains.domain_line)."""
         eligible = self._eligible()
-        width = max((len(g) for g in self.groups.values()), default=max(self.widths, default=0))
+        # The widest groups that hold data (those of a layout no file uses,
+        # the root's default ec:4+2 on a cluster of ec:2+1 directories, say,
+        # made it speak of width 6 while every file was placed by rack);
+        # every group when none holds data yet.
+        width = max((len(g) for gid, g in self.groups.items() if gid in self.ginv),
+                    default=max((len(g) for g in self.groups.values()), default=max(self.widths, default=0)))
         return domain_line(any(n.rack for n in self.nodes.values()), self.eligible_domains(),
                            len(set(eligible.values())), width, self._caps(eligible)(width) if width else 0)
 
