@@ -156,7 +156,9 @@ def test_moves_wait_for_a_write_session_a_bounded_time(session_ends: bool) -> No
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("done", "ratio", "word"), [
-    (True, 1.05, "rebalance: balanced"), (True, 1.28, "rebalance: idle, not balanced"), (False, 1.28, "moving")])
+    (True, 1.05, "rebalance: balanced"), (True, 1.28, "rebalance: idle, not balanced"), (False, 1.28, "moving"),
+    # near the band's edge, three decimals (it printed "max/mean 1.10" next to "above 1.10")
+    (True, 1.104, "max/mean 1.104 over 8")])
 def test_status_says_balanced_only_inside_the_band(done: bool, ratio: float, word: str) -> None:
     """A new user's `rebalance status` said "balanced" at max/mean 1.28 (a
     drain since the last round): nothing planned is not balanced."""
@@ -166,7 +168,7 @@ def test_status_says_balanced_only_inside_the_band(done: bool, ratio: float, wor
                            "moves_done": 3, "bytes_moved": 0, "bytes_to_move": 0, "targets": 8,
                            "balance_max_over_mean": ratio})
     assert word in line, line
-    assert line.startswith("rebalance: balanced") == (word == "rebalance: balanced"), line
+    assert line.startswith("rebalance: balanced") == (word == "rebalance: balanced" or ratio <= 1.10), line
 
 
 def test_failure_domain_line_speaks_of_the_groups_that_hold_data() -> None:

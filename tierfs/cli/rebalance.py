@@ -49,7 +49,13 @@ def rebalance_line(r: dict[str, Any]) -> str:
         f"idle, not balanced (nothing planned; max/mean above {BALANCED_MAX_OVER_MEAN:.2f})")
     return (f"rebalance: {state} ({r['moves_in_flight']} moving, {r['moves_planned']} planned, "
             f"{r['moves_done']} done; {human_size(r['bytes_moved'])} moved, {human_size(r['bytes_to_move'])} to "
-            f"move; max/mean {r['balance_max_over_mean']:.2f} over {r['targets']} targets)")
+            f"move; max/mean {_ratio(r['balance_max_over_mean'])} over {r['targets']} targets)")
+
+
+def _ratio(x: float) -> str:
+    """Two decimals, three near the band's edge (1.104 printed as 1.10 next
+    to "above 1.10")."""
+    return f"{x:.3f}" if abs(x - BALANCED_MAX_OVER_MEAN) < 0.005 else f"{x:.2f}"
 
 
 def render_rebalance(r: dict[str, Any]) -> str:
