@@ -225,8 +225,8 @@ def render_scrub(r: dict[str, Any]) -> str:
         lines.append("repair queue: unknown (meta did not answer)" if pending < 0 else
                      f"repair queue: {pending} fragment position(s) known missing or bad, awaiting rebuild")
     young = t.get("kept_young", 0)
-    kept = f"; {young} stale fragment(s) or orphan(s) younger than the orphan grace kept (uploads in flight)" \
-        if young else ""
+    kept = (f"; {young} stale fragment(s) or orphan(s) younger than the orphan grace kept (uploads in flight, "
+            f"or copies a rebalance or repair moved away from lately; a later scrub deletes them)") if young else ""
     took = f"in {r['seconds']:.2f} s"
     if r["clean"]:
         lines.append(f"scrub clean {took}{kept}")
