@@ -246,8 +246,12 @@ def test_drain_then_rm_never_degrades(cluster: LocalCluster) -> None:
     asyncio.run(repair_counts())
     assert rebuilt > 0 and copied == rebuilt, (copied, rebuilt)
     cluster.stop(names=[name])
-    code, _, err = _cli(cluster, "node", "rm", str(node.node_id))
+    # With the local cluster's directory, its daemon leaves the plan too: a
+    # later `tierfs up --data DIR` started it again as a new node.
+    code, out, err = _cli(cluster, "node", "rm", str(node.node_id), "--data", str(cluster.dir))
     assert code == 0, err
+    assert out["local_daemon"] == name and name not in {p.name for p in LocalCluster.open(cluster.dir).procs}, out
+    cluster._save_state()  # the module's other tests keep the daemon in their plan
     cmap = asyncio.run(map_now(cluster))
     assert node.node_id not in {n.node_id for n in cmap.nodes}
     assert not set(node.target_ids) & {t.target_id for t in cmap.targets}

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tierfs.errors import TierFSError, UnavailableError, from_grpc
@@ -71,13 +72,34 @@ async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, t
             cmap = await mc.get_cluster_map()
 
 
-async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0) -> dict[str, Any]:
-    """Forget a drained (or dead and replaced) node; refused while a group needs it."""
+async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0,
+                      data_dir: str | None = None) -> dict[str, Any]:
+    """Forget a drained (or dead and replaced) node; refused while a group
+    needs it. ``data_dir``: a local cluster's directory; the node's daemon
+    there (matched by its data address) is stopped and dropped from the
+    plan, so that `tierfs up --data DIR` does not start it again as a new
+    node."""
     from tierfs.meta import MetaClient
 
     async with MetaClient(list(meta), deadline=timeout) as mc:
+        cmap = await mc.get_cluster_map()
+        addr = next((n.data_addr for n in cmap.nodes if n.node_id == node_id), "")
         await mc.remove_node(node_id)
-    return {"node": node_id, "removed": True}
+    out: dict[str, Any] = {"node": node_id, "removed": True, "local_daemon": None}
+    if data_dir and addr:
+        from tierfs.local import STATE_FILE, LocalCluster
+
+        if (Path(data_dir) / STATE_FILE).exists():
+            cl = LocalCluster.open(data_dir)
+            # this cluster's plan only (a ./.tierfs of another one is left alone)
+            ours = bool(set(cl.meta_addrs) & set(meta))
+            proc = next((p for p in cl.procs if ours and p.kind == "storage" and p.addr == addr), None)
+            if proc is not None:
+                cl.stop(names=[proc.name])
+                cl.procs.remove(proc)
+                cl._save_state()
+                out["local_daemon"] = proc.name
+    return out
 
 
 async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
@@ -327,8 +349,12 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
              + (f"; no replacement for groups {r['groups_stuck']}" if r["groups_stuck"] else ""))
         return 0 if not r["groups_stuck"] else 1
     if ns.cmd == "node" and ns.action == "rm":
-        emit(run(remove_node(meta, ns.id, timeout=ns.timeout)),
-             f"node {ns.id} removed (if its daemon still runs, it registers again as a new node: stop it)")
+        from tierfs.cli.util import DEFAULT_DATA
+
+        r = run(remove_node(meta, ns.id, timeout=ns.timeout, data_dir=ns.data or DEFAULT_DATA))
+        emit(r, f"node {ns.id} removed; " + (
+            f"its local daemon {r['local_daemon']} stopped and dropped from the local cluster's plan"
+            if r["local_daemon"] else "if its daemon still runs, it registers again as a new node: stop it"))
         return 0
     if ns.cmd == "scrub":
         r = run(scrub_cluster(meta, rate=ns.rate, repair=ns.repair, delete_orphans=ns.orphans,
