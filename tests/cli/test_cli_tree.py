@@ -318,3 +318,17 @@ def test_symlinks_are_shown_and_followed_by_cat_and_get(meta: str, tmp_path: Pat
     assert rc == 1 and "a symbolic link to nothing" in err, err
     rc, _, err = cli(meta, "get", "/lnk/loop", str(tmp_path / "never"))
     assert rc == 1 and "too many levels of symbolic links" in err and not (tmp_path / "never").exists(), err
+    # a link in the middle of the path (the "latest" pattern), since stop 45
+    (src / "step1").mkdir()
+    (src / "step1" / "m.bin").write_bytes(b"step one\n")
+    assert cli(meta, "put", "-r", str(src / "step1"), "/lnk/step1", "-q")[0] == 0
+    from tierfs.client import Client
+
+    with Client(meta) as c:
+        c.symlink("/lnk/latest", "step1")
+    rc, out, err = cli(meta, "cat", "/lnk/latest/m.bin")
+    assert rc == 0 and out == "step one\n", err
+    rc, out, err = cli(meta, "ls", "/lnk/latest")
+    assert rc == 0 and "m.bin" in out, (out, err)  # a link to a directory lists it, as ls(1)
+    rc, out, err = cli(meta, "stat", "/lnk/latest/m.bin")
+    assert rc == 0 and "size: 9" in out.replace("  ", " "), (out, err)

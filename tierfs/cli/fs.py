@@ -23,6 +23,7 @@ from tierfs.errors import (
     DirectoryNotEmptyError,
     InvalidArgumentError,
     IsADirectoryError_,
+    NotADirectoryError_,
     NotFoundError,
     TierFSError,
 )
@@ -174,14 +175,14 @@ MAX_LINK_HOPS = 40
 async def _follow(client: AsyncClient, remote: str) -> tuple[str, FileStat]:
     """``remote`` with symbolic links in its last component followed, as
     cat(1) and cp(1) follow them: a relative target is taken from the
-    link's directory. A link in a middle component is not followed (meta
-    walks paths as they are written)."""
+    link's directory. Links in the components before it are followed by
+    the client's stat and readlink."""
     path = posixpath.normpath(remote)
     for _ in range(MAX_LINK_HOPS):
         st = await client.stat(path)
         if st.type != "symlink":
             return path, st
-        target = await client.meta.readlink(path)
+        target = await client.readlink(path)
         path = posixpath.normpath(target if target.startswith("/") else posixpath.join(posixpath.dirname(path),
                                                                                            target))
     raise InvalidArgumentError(f"{remote}: too many levels of symbolic links (more than {MAX_LINK_HOPS})")
@@ -355,6 +356,15 @@ async def cat(client: AsyncClient, remote: str, out: IO[bytes]) -> dict[str, Any
 async def ls(client: AsyncClient, path: str = "/") -> list[dict[str, Any]]:
     """A directory's entries (sorted by name), or the one entry of a file."""
     st = await client.stat(path)
+    if st.type == "symlink":
+        # a link to a directory lists the directory, as ls(1) does with a
+        # link named on its command line
+        try:
+            target_is_dir = (await client.stat(await client.resolve(path))).is_dir
+        except (NotFoundError, InvalidArgumentError):
+            target_is_dir = False  # dangling, or a loop: the link itself
+        if target_is_dir:
+            return [await _with_target(client, _stat_dict(e)) for e in await client.ls(path, detail=True)]
     if not st.is_dir:
         return [await _with_target(client, _stat_dict(st))]
     return [await _with_target(client, _stat_dict(e)) for e in await client.ls(path, detail=True)]
@@ -368,14 +378,17 @@ async def ls_one(client: AsyncClient, path: str) -> dict[str, Any]:
 async def _with_target(client: AsyncClient, d: dict[str, Any]) -> dict[str, Any]:
     """A symbolic link's entry gets its ``target`` (ls -l shows it)."""
     if d["type"] == "symlink":
-        d["target"] = await client.meta.readlink(d["path"])
+        d["target"] = await client.readlink(d["path"])
     return d
 
 
 async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
     """Attributes and layout of one file or directory."""
     st = await client.stat(path)
-    info = await client.meta.stat(posixpath.normpath(path))
+    try:
+        info = await client.meta.stat(posixpath.normpath(path))
+    except NotADirectoryError_:  # a link in the middle of the path
+        info = await client.meta.stat(await client.resolve(posixpath.normpath(path), last=False))
     lay = info.layout
     out = await _with_target(client, _stat_dict(st))
     out["layout"] = {

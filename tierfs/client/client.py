@@ -642,7 +642,8 @@ class AsyncClient:
         await self.meta.symlink(_norm(path), target)
 
     async def readlink(self, path: str) -> str:
-        return await self.meta.readlink(_norm(path))
+        """The target a link stores (links before it followed)."""
+        return await self._via_links(_norm(path), self.meta.readlink, last=False)
 
     async def truncate(self, path: str, size: int) -> None:
         async def trunc(p: str) -> None:
