@@ -142,6 +142,9 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
                 "AddMetaMember": user.add_member("127.0.0.1:1", "127.0.0.1:2"),
                 "AckGC": user.ack_gc([(1, 1)]), "FinishRebuild": user.finish_rebuild(1, 1),
                 "Heartbeat": user.heartbeat(1, []),
+                # every file's chunk keys, whatever its directory's mode, and the state's hash
+                "ListGC": user.list_gc([1]), "ListGroupChunks": user.list_group_chunks(1),
+                "Digest": user.digest(),
                 "RegisterNode": user.register_node("u", "h", "127.0.0.1:1", [("/x", 1)]),
             }
             assert ADMIN_RPCS - {"RemoveMetaMember"} | NODE_ONLY_RPCS - {"MarkFragments"} <= set(refused)
@@ -350,10 +353,17 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
     assert rc == 2 and "not a lifetime: '-1d' (a lifetime is not negative" in err, err  # not "expected one argument"
     rc, out, err = cli("user", "add", "hank", "--uid", "8001", "--gid", "8002", "--groups", "1,2", "--expires", "30d")
     assert rc == 0, err
-    token = out.splitlines()[0]
-    assert token.startswith("tfu1.hank.") and "shown once" in out
+    # the token alone on stdout (TIERFS_TOKEN=$(tierfs user add ...) took the note too), the note on stderr
+    token = out.strip()
+    assert token.startswith("tfu1.hank.") and out == token + "\n" and "shown once" in err, (out, err)
     rc, out, _ = cli("user", "ls")
     assert rc == 0 and "hank" in out and "8001" in out
+    # TIERFS_TOKEN holding more than the token: a clear error, not gRPC's "Illegal header value"
+    for bad in (token + "\n# token 1 of user hank", "tfu1.hank.\u00e9"):
+        rc, _, err = cli("whoami", env={"TIERFS_TOKEN": bad})
+        assert rc == 1 and "$TIERFS_TOKEN does not hold one token" in err and "Traceback" not in err, err
+    rc, out, err = cli("whoami", env={"TIERFS_TOKEN": f"  {token}\n"})  # surrounding whitespace is dropped
+    assert rc == 0 and out.startswith("hank (user)"), (out, err)
     f = write_private_file(tmp_path / "hank.token", token + "\n")
     rc, out, err = cli("whoami", "--token-file", str(f))
     assert rc == 0 and out.startswith("hank (user): uid 8001 gid 8002 groups 1,2"), (out, err)
@@ -375,6 +385,8 @@ def test_cli_user_commands_and_token_file(meta: MetaCluster, tmp_path: Path) -> 
     assert "security: on" in out
     rc, out, _ = cli("user", "revoke", "hank", "--all")
     assert rc == 0 and "revoked 1 token" in out
+    rc, out, _ = cli("user", "ls")
+    assert rc == 0 and "0/1" in out and "1:revoked" in out, out  # revoked tokens are shown as such
     rc, _, err = cli("whoami", "--token-file", str(f))
     assert rc == 1 and "revoked" in err
     rc, out, _ = cli("user", "rm", "hank")

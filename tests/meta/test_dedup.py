@@ -82,8 +82,40 @@ def test_per_client_cap_and_idle_expiry() -> None:
     for r in range(1, dedup.REQUESTS_PER_CLIENT + 11):
         t.remember("c", r, b"ok", clock=r)
     assert t.entries == dedup.REQUESTS_PER_CLIENT
-    assert t.lookup("c", 10) == (False, None) and t.lookup("c", 11) == (True, b"ok")
+    assert t.lookup("c", 10) == (False, None, None) and t.lookup("c", 11) == (True, b"ok", None)
     t.remember("d", 1, b"ok", clock=1000)
     assert t.expire_due(500)
     t.expire(500)
     assert "c" not in t and "d" in t and t.entries == 1 and not t.expire_due(500)
+
+
+def test_a_kept_reply_answers_only_the_op_kind_it_answered() -> None:
+    """Ops of format 4 on (DEDUP_BOUND_FORMAT) bind each kept reply to the
+    op's kind and caller: a repeat of the id for another kind is refused
+    and changes nothing; a true retry gets the first reply. The bindings
+    survive a snapshot, and entries of older leaders replay as they did."""
+    from tierfs.meta.state import DEDUP_BOUND_FORMAT
+
+    d = Driver()
+    d.min_format = 0  # an older leader's entries: no binding
+    first = _mkdir(d, "/old", "c", 1)
+    assert _apply_rmdir(d, "/old", "c", 1) == first  # answered, not applied (as before)
+    assert d.sm.requests.prints_to_json() == []
+    d.min_format = DEDUP_BOUND_FORMAT
+    made = _mkdir(d, "/new", "c", 2)
+    assert _mkdir(d, "/new", "c", 2) == made  # a retry
+    before = d.sm.digest()
+    res = pb.MetaResult.FromString(_apply_rmdir(d, "/new", "c", 2))
+    err = error_from_code(res.error.code, res.error.message)
+    assert "already used for another request" in err.message, err
+    assert d.sm.digest() == before  # clock included
+    replica = MetaStateMachine()
+    replica.restore(d.sm.snapshot())
+    assert replica.digest() == d.sm.digest()
+    assert replica.requests.prints_to_json() == d.sm.requests.prints_to_json() != []
+    # an older entry's reply (kept without a binding) still answers a repeat
+    assert pb.MetaResult.FromString(_apply_rmdir(d, "/old", "c", 1)).error.code == 0
+
+
+def _apply_rmdir(d: Driver, path: str, client: str, rid: int) -> bytes:
+    return d.raw("rmdir", pb.RmdirRequest(loc=pb.Loc(path=path)), client=client, rid=rid)

@@ -17,7 +17,8 @@ an unknown user, a revoked or expired token - is
 :func:`check_allowed` is the one table of who may call what: the node key
 only the storage-node RPCs (:data:`NODE_RPCS`), RegisterNode and Heartbeat
 only the node key or an admin, the storage daemons' bookkeeping mutations
-(:data:`NODE_ONLY_RPCS`) only the node key or an admin, and the admin
+and the reads of every file's chunk keys (:data:`NODE_ONLY_RPCS`) only
+the node key or an admin, and the admin
 operations (:data:`ADMIN_RPCS`) only an admin. Refusals are
 :class:`~tierfs.errors.PermissionDeniedError` naming the operation.
 
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierfs.errors import PermissionDeniedError, UnauthenticatedError
+from tierfs.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from tierfs.meta.users import UserRecord, identity_of
 from tierfs.security import (
     ADMIN_PREFIX,
@@ -83,7 +84,12 @@ NODE_RPCS = frozenset({
 })
 #: Storage-node calls that change state: the node key or an admin only (a
 #: user acking GC or finishing a rebuild could lose data).
-NODE_ONLY_RPCS = frozenset({"RegisterNode", "Heartbeat", "AckGC", "MarkFragments", "FinishRebuild"})
+NODE_ONLY_RPCS = frozenset({"RegisterNode", "Heartbeat", "AckGC", "MarkFragments", "FinishRebuild",
+                            # Reads of every file's chunk keys (inode,
+                            # generation) whatever its directory's mode,
+                            # and a hash of the whole state (forked and
+                            # hashed on each call): not a user's business.
+                            "ListGC", "ListGroupChunks", "Digest"})
 #: Admin operations.
 ADMIN_RPCS = frozenset({
     "DrainNode", "RemoveNode", "RemoveTarget", "LabelNode", "CreateKVPool", "RemoveKVPool", "AddMetaMember",
@@ -194,6 +200,21 @@ def default_token(token: str | None) -> Iterator[None]:
         _default.reset(reset)
 
 
+def _one_token(tok: str, where: str, *, strip: bool = True) -> str:
+    """``tok`` when it can be one (printable ASCII, no whitespace; a
+    variable's surrounding whitespace dropped), else ConfigError saying
+    so (gRPC would refuse the header with an internal error)."""
+    t = tok.strip() if strip else tok
+    if all(33 <= ord(c) < 127 for c in t):
+        return t
+    lines = len(t.splitlines())
+    why = (f"{lines} lines" if lines > 1 else
+           "whitespace" if any(c.isspace() for c in t) else "a character a token never has")
+    raise ConfigError(f"{where} does not hold one token (it has {why}); a token is one line like "
+                      "tfu1.NAME.SECRET: set it to the token alone (`tierfs user token NAME` prints only the "
+                      "token on stdout)", field="token")
+
+
 def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None,
                   data_dir: str | os.PathLike[str] | None = "./.tierfs",
                   env: Mapping[str, str] | None = None) -> str | None:
@@ -203,7 +224,7 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] |
     exists (a local cluster). Inside :func:`default_token` its token
     replaces the last three. None: no credential (fine with security off)."""
     if token is not None:
-        return token
+        return _one_token(token, "the token given", strip=False)
     if token_file:
         return load_token_file(token_file)
     chosen = _default.get()
@@ -211,7 +232,7 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] |
         return chosen[0]
     env = os.environ if env is None else env
     if TOKEN_ENV in env:
-        return env[TOKEN_ENV]
+        return _one_token(env[TOKEN_ENV], f"${TOKEN_ENV}")
     if env.get(TOKEN_FILE_ENV):
         return load_token_file(env[TOKEN_FILE_ENV])
     if data_dir:

@@ -18,6 +18,13 @@ Bounded three ways:
   of that request is answered with an error saying so (it was applied once).
 
 Clients idle for :data:`REQUEST_TTL_NS` are forgotten by the tick.
+
+Each result of an op of format :data:`~tierfs.meta.state.DEDUP_BOUND_FORMAT`
+or later is kept with a fingerprint of what it answered (the op's kind and
+the identity meta authenticated): a request id used again for another kind
+of request, or by another caller, is refused rather than answered with the
+first reply (a client id and a request id are chosen by the client, so
+neither proves a retry).
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ class _Client:
     # request id -> serialized MetaResult, or None: applied, result too large to keep
     results: dict[int, bytes | None] = field(default_factory=dict)
     size: int = 0
+    # request id -> fingerprint of the op that gave the result (absent for
+    # ops of older formats, which kept none)
+    prints: dict[int, str] = field(default_factory=dict)
 
 
 def _cost(out: bytes | None) -> int:
@@ -62,14 +72,15 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._clients)
 
-    def lookup(self, client: str, request_id: int) -> tuple[bool, bytes | None]:
-        """(found, result); result None: applied, but its result was not kept."""
+    def lookup(self, client: str, request_id: int) -> tuple[bool, bytes | None, str | None]:
+        """(found, result, fingerprint); result None: applied, but its result
+        was not kept; fingerprint None: kept by an op of an older format."""
         c = self._clients.get(client)
         if c is None or request_id not in c.results:
-            return False, None
-        return True, c.results[request_id]
+            return False, None, None
+        return True, c.results[request_id], c.prints.get(request_id)
 
-    def remember(self, client: str, request_id: int, out: bytes, clock: int) -> None:
+    def remember(self, client: str, request_id: int, out: bytes, clock: int, fingerprint: str | None = None) -> None:
         c = self._clients.pop(client, None)
         if c is None:
             c = _Client(last_seen=clock)
@@ -79,6 +90,8 @@ class RequestTable:
         if request_id in c.results:
             self._drop(c, request_id)
         c.results[request_id] = kept
+        if fingerprint is not None:
+            c.prints[request_id] = fingerprint
         c.size += _cost(kept)
         self.entries += 1
         self.bytes += _cost(kept)
@@ -90,6 +103,7 @@ class RequestTable:
 
     def _drop(self, c: _Client, request_id: int) -> None:
         out = c.results.pop(request_id)
+        c.prints.pop(request_id, None)
         c.size -= _cost(out)
         self.entries -= 1
         self.bytes -= _cost(out)
@@ -116,6 +130,22 @@ class RequestTable:
         return [[client, c.last_seen,
                  [[r, None if v is None else base64.b64encode(v).decode()] for r, v in sorted(c.results.items())]]
                 for client, c in self._clients.items()]
+
+    def prints_to_json(self) -> list[list[Any]]:
+        """The fingerprints, apart from :meth:`to_json` (a state that kept
+        none encodes as it did before they existed): [[client, [[request
+        id, fingerprint], ...]], ...] for the clients with any."""
+        return [[client, [[r, c.prints[r]] for r in sorted(c.prints)]]
+                for client, c in self._clients.items() if c.prints]
+
+    def load_prints(self, doc: list[list[Any]]) -> None:
+        for client, items in doc:
+            c = self._clients.get(client)
+            if c is None:
+                continue
+            for r, fp in items:
+                if r in c.results:
+                    c.prints[r] = fp
 
     @classmethod
     def from_json(cls, doc: list[list[Any]], *, ordered: bool = True) -> RequestTable:

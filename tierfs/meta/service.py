@@ -643,10 +643,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             info.capability = self._mint(capmod.KIND_FILE, capmod.OP_READ, a.inode, ident.uid, self.file_cap_ttl)
         return info
 
-    def _write_cap(self, inode: int) -> bytes:
+    def _write_cap(self, session_id: int) -> bytes:
+        """A write capability for write session ``session_id``'s inode, when
+        the session is live and the caller may write through it now (none
+        otherwise: a reply the retry table answered for a repeated request
+        id mints nothing by itself)."""
         if self._secret is None:
             return b""
-        return self._mint(capmod.KIND_FILE, capmod.OP_WRITE, inode, self.identity().uid, self.file_cap_ttl)
+        ident = self.identity()
+        inode = self.state.may_write_session(ident, session_id)
+        if inode is None:
+            return b""
+        return self._mint(capmod.KIND_FILE, capmod.OP_WRITE, inode, ident.uid, self.file_cap_ttl)
 
     def kv_capability(self, pool_name: str) -> pb.GetKVCapabilityReply:
         """A KV capability (read + write) for the caller's tenant of a pool."""
@@ -984,15 +992,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def OpenWrite(self, request: pb.OpenWriteRequest, context: Ctx) -> pb.OpenWriteReply:
         reply = await self._mutate(context, "open_write", request, pb.OpenWriteReply)
         self._with_read_cap(reply.file)
-        reply.write_capability = self._write_cap(reply.file.attr.inode)
+        reply.write_capability = self._write_cap(reply.session_id)
         return reply
 
     @grpc_errors
     async def RenewLease(self, request: pb.RenewLeaseRequest, context: Ctx) -> pb.RenewLeaseReply:
         reply = await self._mutate(context, "renew_lease", request, pb.RenewLeaseReply)
-        s = self.state.sessions.get(request.session_id)
-        if s is not None:
-            reply.write_capability = self._write_cap(s.inode)
+        reply.write_capability = self._write_cap(request.session_id)
         return reply
 
     @grpc_errors
@@ -1164,7 +1170,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def ListRepairs(self, request: pb.ListRepairsRequest, context: Ctx) -> pb.ListRepairsReply:
-        return (await self._read(request)).list_repairs(request.target_ids, request.limit)
+        reply = (await self._read(request)).list_repairs(request.target_ids, request.limit)
+        ident = self.identity()
+        if ident.kind != "node" and not ident.admin:
+            # A user sees how much is pending (tierfs status), not which
+            # files' chunks (their inodes and generations) need repair.
+            del reply.items[:]
+        return reply
 
     @grpc_errors
     async def MarkFragments(self, request: pb.MarkFragmentsRequest, context: Ctx) -> pb.MarkFragmentsReply:

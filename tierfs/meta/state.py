@@ -107,7 +107,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 3)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 4)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -120,6 +120,12 @@ KV_STAMPS_FORMAT = 2
 #: members in place, while a target is only down (docs/kv_pools.md,
 #: "Placement groups").
 KV_HELD_FORMAT = 3
+#: Entries of this format on bind the retry table's results to what they
+#: answered (the op's kind and the caller): a request id used again for
+#: another kind of request, or by another identity, is refused instead of
+#: answered with the first reply (tierfs.meta.dedup). Older entries replay
+#: as they did.
+DEDUP_BOUND_FORMAT = 4
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -216,6 +222,19 @@ class Session(Tracked):
     staged: dict[int, ChunkRecord] = field(default_factory=dict)
 
 
+
+
+def _fingerprint(msg: pb.MetaOp) -> str:
+    """What a retry of ``msg`` must repeat for the retry table to answer it
+    with the first reply: the op's kind and the identity the leader
+    authenticated (``caller``; absent with security off). Not the request's
+    fields: a leader stamps some of them itself (replacement plans, token
+    hashes), so a true retry may carry other values there."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(msg.WhichOneof("body")).encode())
+    h.update(b"\0")
+    h.update(msg.caller.SerializeToString(deterministic=True))
+    return h.hexdigest()
 
 
 def _result(reply: Message | None = None, err: TierFSError | None = None) -> bytes:
@@ -325,11 +344,17 @@ class MetaStateMachine(Tracked):
         # every mutation inside the transaction is undone if the op raises,
         # wherever it raises (tierfs/meta/undo.py).
         dedup = bool(msg.client_id and msg.request_id)
+        fingerprint = _fingerprint(msg) if dedup and msg.min_format >= DEDUP_BOUND_FORMAT else None
         try:
             with transaction():
                 self.clock = self._advance(msg.now_ns)
                 if dedup:
-                    found, first = self.requests.lookup(msg.client_id, msg.request_id)
+                    found, first, first_print = self.requests.lookup(msg.client_id, msg.request_id)
+                    if found and fingerprint is not None and first_print is not None and first_print != fingerprint:
+                        raise InvalidArgumentError(
+                            f"request id {msg.request_id} of client {msg.client_id!r} was already used for "
+                            f"another request (another kind of op, or another caller): a retry must repeat its "
+                            f"request; a new request needs a new id")
                     if found:
                         return first if first is not None else _result(err=InternalError(
                             f"request {msg.request_id} of client {msg.client_id} was already applied, but its "
@@ -364,7 +389,7 @@ class MetaStateMachine(Tracked):
         # after the op succeeded (it keeps an activity order of its own that
         # the undo log would not restore).
         if dedup:
-            self.requests.remember(msg.client_id, msg.request_id, out, self.clock)
+            self.requests.remember(msg.client_id, msg.request_id, out, self.clock, fingerprint)
         return out
 
     def _advance(self, now_ns: int) -> int:
@@ -520,6 +545,23 @@ class MetaStateMachine(Tracked):
         if self._unsearchable(ident, self._container(n)) is not None:
             return False
         return access_ok(ident, n.mode, n.uid, n.gid, want)
+
+    def may_write_session(self, ident: Identity, sid: int) -> int | None:
+        """The inode of write session ``sid`` when a write capability for it
+        may be minted to ``ident``: the session is live and ``ident`` may
+        renew it (:meth:`_session_writer`'s rule); None otherwise. Judged
+        after the op, on the state as it is now: a reply the retry table
+        gave (a repeated request id) grants nothing the caller may not do
+        now."""
+        s = self.sessions.get(sid)
+        if s is None or s.expiry < self.clock:
+            return None
+        f = self.inodes.get(s.inode)
+        if f is None:
+            return None
+        if not (is_root(ident) or ident.uid == f.uid or access_ok(ident, f.mode, f.uid, f.gid, W)):
+            return None
+        return f.id
 
     def may_read(self, ident: Identity, ino: int) -> bool:
         """Whether a read capability for ``ino`` may be minted to ``ident``."""
@@ -1990,6 +2032,9 @@ class MetaStateMachine(Tracked):
                          for _, s in sorted(self.sessions.items())],
             "gc": self.gc.to_json(),
             "dedup": self.requests.to_json(),
+            # Only when some result has a fingerprint (ops of format 4 on):
+            # a state that kept none encodes as before.
+            **({"dedup_prints": prints} if (prints := self.requests.prints_to_json()) else {}),
             "kv": {"next_pool": self.next_kv_pool, "default_done": self.kv_default_done,
                    "pools": [pool_to_json(self.kv_pools[p]) for p in sorted(self.kv_pools)]},
             # Only when there are users: a cluster without any keeps the
@@ -2047,6 +2092,7 @@ class MetaStateMachine(Tracked):
         self.gc = GCQueue.from_json(doc["gc"])
         if "dedup" in doc:
             self.requests = RequestTable.from_json(doc["dedup"])
+            self.requests.load_prints(doc.get("dedup_prints", []))
         else:
             self.requests = RequestTable.from_json(doc["requests"], ordered=False)
         # KV pools came later still: a snapshot without them has none.
