@@ -5,9 +5,11 @@ against needless log truncation, on a real journal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -53,6 +55,30 @@ def test_config_precedence_and_validation(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP (v4 and v6) addresses process ``pid`` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexip, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexip)
+            if width == 8:
+                ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            else:  # four little-endian 32-bit words
+                ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+            out.add((ip.removeprefix("::ffff:"), int(hexport, 16)))  # a v4-mapped address as v4
+    return out
+
+
 def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     raft, grpc_port, metrics = free_ports(3)
     env = dict(os.environ, PYTHONPATH=str(REPO), TIERFS_META_SNAPSHOT_MIN_ENTRIES="1000")
@@ -69,6 +95,9 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
             assert ready["event"] == "ready" and ready["grpc"] == f"127.0.0.1:{grpc_port}"
             assert ready["metrics"] == f"127.0.0.1:{metrics}"
             wait_for(lambda: replica_status(ready["grpc"], token=token).role == "leader", 20, "single-node leader")
+            # Every port listens where it was told: the Raft port listened
+            # on every interface (pysyncobj's default) until stop 46.
+            assert _listening(p.pid) == {("127.0.0.1", raft), ("127.0.0.1", grpc_port), ("127.0.0.1", metrics)}
             for i in range(5):
                 kv_put(ready["grpc"], f"k{i}", "v")
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:

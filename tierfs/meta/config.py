@@ -40,6 +40,12 @@ class MetaConfig(BaseConfig):
 
     node_id: str = field("", "Name of this replica in logs and metrics (default: its raft address).")
     raft_addr: str = field("127.0.0.1:7100", "host:port this replica's Raft transport binds and is known by.")
+    raft_bind_addr: str = field(
+        "",
+        "host:port the Raft transport listens on; default: raft_addr (its host resolved, so a replica "
+        "listens on that address only). Set it where raft_addr is not a local address (NAT, a proxy), "
+        "e.g. 0.0.0.0:7100 for every interface.",
+    )
     grpc_addr: str = field("127.0.0.1:7000", "host:port of this replica's gRPC server (port 0 picks a free port).")
     advertise_grpc_addr: str = field(
         "",
@@ -188,6 +194,8 @@ class MetaConfig(BaseConfig):
         TlsFiles.from_config(self, load=False)
         split_addr(self.raft_addr, "raft_addr")
         split_addr(self.grpc_addr, "grpc_addr")
+        if self.raft_bind_addr:
+            split_addr(self.raft_bind_addr, "raft_bind_addr")
         if self.advertise_grpc_addr:
             split_addr(self.advertise_grpc_addr, "advertise_grpc_addr")
         if self.metrics_addr:

@@ -192,6 +192,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     rep = RaftReplicator(
         sm,
         raft_addr=cfg.raft_addr,
+        raft_bind_addr=cfg.raft_bind_addr,
         grpc_addr=cfg.grpc_addr,
         peers=cfg.peer_map(),
         data_dir=cfg.data_dir,

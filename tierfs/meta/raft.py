@@ -29,6 +29,7 @@ and bridges it to asyncio:
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import collections
 import concurrent.futures
@@ -37,6 +38,7 @@ import gc
 import logging
 import os
 import random
+import socket
 import struct
 import threading
 import time
@@ -76,6 +78,12 @@ from tierfs.meta.journal import (
     read_snapshot,
     write_snapshot,
 )
+
+# pysyncobj.tcp_connection imports its win_inet_pton, which replaces
+# socket.inet_ntop on every platform with a Windows-only function
+# (SystemError/TypeError on Linux), in the whole process: psutil's
+# net_connections, among others, fails after it. Put the real one back.
+socket.inet_ntop = _socket.inet_ntop
 
 __all__ = ["KEEPALIVE", "FrameSealer", "RaftDetails", "RaftReplicator", "RaftTimings", "leader_lost_window"]
 
@@ -759,6 +767,7 @@ class RaftReplicator:
         raft_addr: str,
         grpc_addr: str,
         peers: dict[str, str],
+        raft_bind_addr: str = "",
         data_dir: str | os.PathLike[str],
         timings: RaftTimings | None = None,
         snapshot_min_entries: int = 10000,
@@ -777,6 +786,9 @@ class RaftReplicator:
         rotation under way)."""
         self._sm = sm
         self._raft_addr = raft_addr
+        # pysyncobj listens on every interface unless told: listen where
+        # the replica is known (or where the operator says).
+        self._raft_bind_addr = raft_bind_addr or raft_addr
         self._grpc_addr = grpc_addr
         self._peers = dict(peers)
         self._dir = Path(data_dir)
@@ -892,6 +904,7 @@ class RaftReplicator:
         conf = make_conf(
             self._timings,
             journalFile=self._journal,
+            bindAddress=self._raft_bind_addr,
             fullDumpFile=str(snap_path),
             serializer=self._serialize,
             serializeChecker=self._check_snapshot,
