@@ -335,3 +335,58 @@ def test_the_local_ca_and_certificates_survive_a_power_cut(tmp_path: Path) -> No
     finally:
         if fs.mounted:
             fs.unmount()
+
+
+@pytest.mark.timeout(30)
+def test_the_client_certificate_cannot_pose_as_a_daemon(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Every client is given DIR/tls/client.pem. Until stop 46 it was good
+    for a server too (serverAuth, SAN 127.0.0.1): whoever held it could
+    take a stopped daemon's port and be trusted by clients (and be sent
+    their tokens). A TLS server presenting it is now refused by a client;
+    one presenting a daemon's certificate (the control) is not."""
+    from tierfs.tls import _serves
+
+    d = cluster.tls_dir
+    client = cluster.client_tls()
+    assert client is not None
+    assert not _serves(Path(client.cert)) and _serves(d / f"{cluster.procs[0].name}.pem")
+
+    def handshake(cert: str, key: str) -> None:
+        server_ctx = TlsFiles(ca=client.ca, cert=cert, key=key).server_ssl_context()
+        client_ctx = client.client_ssl_context()
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen(1)
+            ls.settimeout(10)
+            with socket.create_connection(ls.getsockname(), timeout=10) as raw:
+                conn, _ = ls.accept()
+                with conn:
+                    import threading
+
+                    def serve() -> None:
+                        with contextlib.suppress(ssl.SSLError, OSError), \
+                                server_ctx.wrap_socket(conn, server_side=True):
+                            pass
+
+                    t = threading.Thread(target=serve, daemon=True)
+                    t.start()
+                    try:
+                        with client_ctx.wrap_socket(raw, server_hostname="127.0.0.1"):
+                            pass
+                    finally:
+                        t.join(10)
+
+    daemon = cluster.procs[0].name
+    handshake(str(d / f"{daemon}.pem"), str(d / f"{daemon}.key"))  # the control: a daemon is trusted
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(client.cert, client.key)
+    # A client certificate of before (good for a server too) is replaced
+    # by the next `tierfs up`; one of now is kept.
+    ca_dir = make_local_ca(tmp_path / "old").parent
+    old_cert, _ = issue(ca_dir, "client")
+    assert _serves(old_cert)
+    new_cert, _ = issue(ca_dir, "client", client_only=True)
+    assert new_cert == old_cert and not _serves(new_cert)
+    kept = new_cert.read_bytes()
+    issue(ca_dir, "client", client_only=True)
+    assert new_cert.read_bytes() == kept

@@ -316,7 +316,7 @@ class LocalCluster:
 
     def _make_certs(self) -> None:
         make_local_ca(self.tls_dir)
-        issue(self.tls_dir, CLIENT_NAME)
+        issue(self.tls_dir, CLIENT_NAME, client_only=True)
         for p in self.procs:
             issue(self.tls_dir, p.name, [p.addr.rpartition(":")[0]])
 

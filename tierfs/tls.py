@@ -481,12 +481,28 @@ def make_local_ca(tls_dir: str | os.PathLike[str], *, days: int = 3650) -> Path:
     return ca_pem
 
 
+def _serves(cert_path: Path) -> bool:
+    """Whether the certificate at ``cert_path`` is good for a server."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except (ValueError, x509.ExtensionNotFound):
+        return True  # unreadable, or no EKU (good for anything): not what client_only wants
+    return ExtendedKeyUsageOID.SERVER_AUTH in eku
+
+
 def issue(tls_dir: str | os.PathLike[str], name: str, hosts: Sequence[str] = (), *,
-          days: int = 825) -> tuple[Path, Path]:
+          days: int = 825, client_only: bool = False) -> tuple[Path, Path]:
     """Sign ``tls_dir/<name>.pem`` and ``<name>.key`` (0600) with the local
     CA, unless they exist. SAN: ``hosts`` plus 127.0.0.1, ::1 and localhost;
     usable both as a server and as a client certificate (a daemon is both).
-    Returns (cert, key)."""
+    ``client_only``: a client certificate, no more (client authentication
+    only, no addresses): whoever holds it cannot pose as a daemon to
+    clients. An existing one that is good for a server too (made before
+    stop 46) is replaced. Returns (cert, key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -494,33 +510,35 @@ def issue(tls_dir: str | os.PathLike[str], name: str, hosts: Sequence[str] = (),
 
     d = Path(tls_dir)
     cert_path, key_path = d / f"{name}.pem", d / f"{name}.key"
-    if cert_path.exists() and key_path.exists():
+    if cert_path.exists() and key_path.exists() and not (client_only and _serves(cert_path)):
         return cert_path, key_path
     ca_cert = x509.load_pem_x509_certificate((d / CA_FILE).read_bytes())
     ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ConfigError(f"{d / 'ca.key'} is not the EC key of a TierFS local CA", field="tls")
     sans: list[x509.GeneralName] = []
-    for h in dict.fromkeys([*hosts, "127.0.0.1", "::1", "localhost"]):
+    for h in dict.fromkeys([] if client_only else [*hosts, "127.0.0.1", "::1", "localhost"]):
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             sans.append(x509.DNSName(h))
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if client_only else [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                                      ExtendedKeyUsageOID.CLIENT_AUTH]
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
     )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     _write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
     _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))

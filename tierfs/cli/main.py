@@ -690,7 +690,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c in ("user", "whoami"):
         from tierfs.cli import users
 
-        code = users.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        code = users.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async, err)
         if code is not None:
             return code
     if c == "node" and ns.action == "label" and ns.rack is None:

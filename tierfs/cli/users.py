@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
+import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -75,6 +77,17 @@ def _when(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _token_state(t: dict[str, Any], now: int) -> str:
+    if t["revoked"]:
+        return "revoked"
+    return "expired" if t["expires_ns"] and t["expires_ns"] <= now else "live"
+
+
+def _token_cell(t: dict[str, Any], now: int) -> str:
+    st = _token_state(t, now)
+    return f"{t['id']}:{_when(t['expires_ns']) if st == 'live' else st}"
+
+
 def _user(u: pb.User) -> dict[str, Any]:
     return {"name": u.name, "uid": u.uid, "gid": u.gid, "groups": list(u.groups), "admin": u.admin,
             "created_ns": u.created_ns,
@@ -107,7 +120,7 @@ async def _run(ns: argparse.Namespace, meta: Sequence[str]) -> dict[str, Any]:
 
 
 def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],
-            run: Callable[[Any], Any]) -> int | None:
+            run: Callable[[Any], Any], err: TextIO | None = None) -> int | None:
     """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
     from tierfs.cli.main import _UsageError
     from tierfs.cli.util import table
@@ -129,18 +142,23 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
     r = run(_run(ns, meta))
     if ns.action == "ls":
         rows = []
+        now = time.time_ns()
         for u in r["users"]:
-            live = [t for t in u["tokens"] if not t["revoked"]]
+            live = [t for t in u["tokens"] if _token_state(t, now) == "live"]
             rows.append([u["name"], u["uid"], u["gid"], ",".join(map(str, u["groups"])) or "-",
                          "yes" if u["admin"] else "", f"{len(live)}/{len(u['tokens'])}",
-                         ", ".join(f"{t['id']}:{_when(t['expires_ns'])}" for t in live) or "-"])
-        emit(r, table(rows, ["USER", "UID", "GID", "GROUPS", "ADMIN", "TOKENS (live/all)", "EXPIRES (id:when)"])
+                         ", ".join(_token_cell(t, now) for t in u["tokens"]) or "-"])
+        emit(r, table(rows, ["USER", "UID", "GID", "GROUPS", "ADMIN", "TOKENS (live/all)",
+                             "TOKENS (id:expiry, or revoked/expired)"])
              if rows else "no users")
     elif ns.action in ("add", "token"):
         t = next(x for x in r["user"]["tokens"] if x["id"] == r["token_id"])
-        emit(r, f"{r['token']}\n"
-                f"# token {r['token_id']} of user {ns.name} (expires {_when(t['expires_ns'])}): shown once, keep it "
-                "in a 0600 file and pass it as TIERFS_TOKEN or --token-file")
+        # The token alone on stdout (`tierfs user token alice > alice.token`,
+        # `TIERFS_TOKEN=$(tierfs user token alice)`); the note on stderr.
+        emit(r, r["token"])
+        if not ns.json:
+            print(f"# token {r['token_id']} of user {ns.name} (expires {_when(t['expires_ns'])}): shown once, "
+                  "keep it in a 0600 file and pass it as TIERFS_TOKEN or --token-file", file=err or sys.stderr)
     elif ns.action == "rm":
         emit(r, f"user {ns.name} removed (its tokens no longer work)")
     else:
