@@ -543,3 +543,21 @@ def test_wrong_size_object_is_a_miss(servers: tuple[Server, Server], fresh_pool:
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_models_whose_names_differ_only_in_slashes_never_share_pages(servers: tuple[Server, Server],
+                                                                     fresh_pool: str, tierfs_meta: str) -> None:
+    """Until stop 46 the model's name went into the keys with its slashes
+    made dashes: a server of org-model/ft or org-model-ft (a fine-tune in a
+    local directory) read the pages a server of org/model-ft stored, as its
+    own (same geometry, same page hashes)."""
+    a, b = servers
+    a.call("backend", "hub", "page_first", extra(fresh_pool), model="org/model-ft")
+    keys = a.call("keys", "hub", tokens(3, seed=21))
+    assert a.call("set_v1", "hub", keys, a.call("fill", "hub", 3, 21)["indices"]) == [True] * 3
+    assert a.call("exists", "hub", keys) == 3  # the control: its own pages
+    for i, other in enumerate(("org-model/ft", "org-model-ft", "org_model-ft")):
+        b.call("backend", f"other{i}", "page_first", extra(fresh_pool, meta=tierfs_meta), model=other)
+        assert b.call("exists", f"other{i}", keys) == 0, other
+        got = b.call("get_v1", f"other{i}", keys, b.call("alloc", f"other{i}", 3))
+        assert got["ok"] == [False] * 3, other

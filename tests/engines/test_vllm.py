@@ -11,6 +11,7 @@ tier vLLM created; a subprocess is used where a new process is the point.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.engines.conftest import REPO, create_pool
+from tests.kv.pools import define_pool
 from tierfs.client import Client
 from tierfs.errors import ConfigError
 
@@ -397,6 +399,42 @@ def test_bad_cluster_and_pool_fail_at_start_up(engine_env: None, tierfs_meta: st
     fails_naming("'meta'", tier_config(meta="not-an-address"), "host:port")
     fails_naming("'colour'", tier_config(meta=tierfs_meta, colour="blue"), "unknown setting")
     fails_naming("'transport'", tier_config(meta=tierfs_meta, transport="carrier-pigeon"), "tcp, shm")
+    # a token: its own setting (until stop 46 vLLM refused it as unknown, and
+    # a refused credential was reported as an unreachable cluster)
+    fails_naming("'token'", tier_config(meta=tierfs_meta, token="tfu1.nobody." + "x" * 43), "refused this client's "
+                 "credential", "UnauthenticatedError")
+    start_manager(tier_config(meta=tierfs_meta, pool="default", token=os.environ["TIERFS_TOKEN"])).shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_pool_that_cannot_answer_yet_is_all_misses_until_it_can(engine_env: None, tierfs_meta: str,
+                                                                  tierfs_cluster: Any) -> None:
+    """A pool with no placement groups yet (ec:4+2 on this 3-node cluster,
+    as docs/kv_pools.md makes one): until stop 46 the engine died at start-up
+    with the UnavailableError of the manifest check. It now starts, every
+    lookup is a miss and nothing is stored until the manifest can be
+    checked (never a chunk stored under an unchecked manifest)."""
+    from tierfs.meta import MetaClient
+
+    name = f"wide-{uuid.uuid4().hex[:8]}"
+    define_pool(tierfs_cluster.meta_addrs, name, redundancy="ec:4+2", target_memory=16 << 20)
+    try:
+        manager = start_manager(tier_config(meta=tierfs_meta, pool=name))
+        try:
+            (tier,) = manager.secondary_tiers
+            assert not tier._manifest_ok
+            from vllm.v1.kv_offload.base import make_offload_key
+
+            tier._manifest_retry_at = 0.0  # due now: tried again, and still unanswerable
+            assert tier._contains([make_offload_key(bytes(range(32)), 0)]) == [False]
+            assert not tier._manifest_ok and tier._manifest_retry_at > 0
+        finally:
+            manager.shutdown()
+    finally:
+        async def drop() -> None:
+            async with MetaClient(tierfs_cluster.meta_addrs) as mc:
+                await mc.remove_kv_pool(name)
+        asyncio.run(drop())
 
 
 @pytest.mark.timeout(60)

@@ -5,13 +5,15 @@ message naming the setting, and never hangs."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tierfs.client import Client
-from tierfs.errors import ConfigError, TierFSError
+from tierfs.errors import ConfigError, PermissionDeniedError, TierFSError, UnauthenticatedError
 
 #: How long start-up waits for the cluster's map before calling it unreachable.
 CONNECT_TIMEOUT = 10.0
@@ -30,6 +32,8 @@ class Target:
     #: ``config[token_key]`` when given (None: the client's own lookup,
     #: TIERFS_TOKEN and the rest; docs/security.md)
     token: str | None = None
+    #: the setting the token came from, for messages
+    token_setting: str = "TIERFS_TOKEN"
 
 
 def resolve(config: Mapping[str, Any] | None, *, meta_key: str, pool_key: str,
@@ -70,7 +74,8 @@ def resolve(config: Mapping[str, Any] | None, *, meta_key: str, pool_key: str,
     token = cfg.get(token_key)
     if token is not None and not isinstance(token, str):
         raise ConfigError("must be a token string", field=f"{prefix}{token_key!r}")
-    return Target(meta, pool, meta_setting, pool_setting, token)
+    token_setting = f"{prefix}{token_key!r}" if token is not None else "TIERFS_TOKEN"
+    return Target(meta, pool, meta_setting, pool_setting, token, token_setting)
 
 
 def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any) -> Client:
@@ -83,10 +88,19 @@ def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any)
     client = Client(list(target.meta), kv_pool=target.pool, **options)
     try:
         pools = client._run(_pools(client, timeout))
+    except (UnauthenticatedError, PermissionDeniedError) as e:
+        # It answered: the credential is what is wrong, not the address.
+        client.close()
+        how = (f"set {target.token_setting}" if target.token_setting != "TIERFS_TOKEN"
+               else "set TIERFS_TOKEN or TIERFS_TOKEN_FILE")
+        raise ConfigError(f"the TierFS cluster at {','.join(target.meta)} refused this client's credential "
+                          f"({type(e).__name__}: {e}); {how} (or this engine's token setting) to a token of "
+                          "the cluster (docs/security.md, 'Client credentials')", field=target.token_setting) from e
     except (TierFSError, OSError, TimeoutError) as e:
         client.close()
+        why = str(e) or "no answer"
         raise ConfigError(f"cannot reach the TierFS cluster at {','.join(target.meta)} within {timeout:g} s "
-                          f"({type(e).__name__}: {e})", field=target.meta_setting) from e
+                          f"({type(e).__name__}: {why})", field=target.meta_setting) from e
     except BaseException:
         client.close()
         raise
@@ -102,3 +116,16 @@ async def _pools(client: Client, timeout: float) -> set[str]:
     router = ac._parts()[2]
     await asyncio.wait_for(router.refresh(force=True), timeout)
     return set(router.kv_pools)
+
+
+def key_component(s: str, limit: int = 96) -> str:
+    """``s`` as a key component: readable, bounded, and still unique (a
+    digest replaces the tail of a long or unusual name). Two different
+    names never give the same component: a name kept as it is has only
+    ``[A-Za-z0-9._-]``, and every other one ends in ``~`` and a digest of
+    the whole name."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "_"
+    if clean == s and len(s) <= limit:
+        return s
+    # The tail of a path names the model; the digest keeps the whole unique.
+    return f"{clean[-(limit - 13):]}~{hashlib.sha256(s.encode()).hexdigest()[:12]}"

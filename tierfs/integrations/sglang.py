@@ -22,7 +22,9 @@ backup is sent straight from it (no staging copy):
 - ``layer_first``: one object per layer (and per K/V for MHA), since a page
   is contiguous only within a layer there.
 
-Keys are ``sglang/<namespace>/<model>/<rank>/<format>/<page hash>/<piece>``:
+Keys are ``sglang/<namespace>/<model>/<rank>/<format>/<page hash>/<piece>``
+(``<model>``: the model's name made one key component, unique per name,
+``tierfs.integrations.common.key_component``):
 ``<rank>`` is the TP rank and size for MHA (each rank holds its own heads)
 and ``mla`` for MLA, whose KV every rank holds whole (only the storage writer
 rank stores it: ``HiCacheStorageConfig.is_storage_writer``); ``<format>``
@@ -57,7 +59,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from tierfs.errors import ConfigError, InvalidArgumentError, TierFSError
-from tierfs.integrations.common import CONNECT_TIMEOUT, Target, connect, resolve
+from tierfs.integrations.common import CONNECT_TIMEOUT, Target, connect, key_component, resolve
 
 __all__ = ["SUPPORTED_LAYOUTS", "TierFSHiCacheStorage"]
 
@@ -174,7 +176,10 @@ class TierFSHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._client = connect(self.target, timeout=connect_timeout, **options)
         self._kv = self._client.kv_pool(self.target.pool)
         cfg = storage_config
-        model = "-".join((cfg.model_name or "").split("/")) if cfg is not None else ""
+        # The model's name as one key component, unique: until stop 46 its
+        # slashes became dashes, so org/model-ft and org-model/ft (or a
+        # local directory org-model-ft) read each other's pages.
+        model = key_component(cfg.model_name) if cfg is not None and cfg.model_name else ""
         if cfg is None:
             rank, self.is_writer = "tp0-1", True
         else:

@@ -40,7 +40,7 @@ import hashlib
 import json
 import logging
 import queue
-import re
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -62,8 +62,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 
 from tierfs.client import Client
-from tierfs.errors import ConfigError
-from tierfs.integrations.common import CONNECT_TIMEOUT, connect, resolve
+from tierfs.errors import ConfigError, TierFSError
+from tierfs.integrations.common import CONNECT_TIMEOUT, connect, key_component, resolve
 
 __all__ = ["KEY_LAYOUTS", "TierFSSecondaryTier", "layout_of"]
 
@@ -74,25 +74,17 @@ log = logging.getLogger(__name__)
 KEY_LAYOUTS = ("v1",)
 
 _WHERE = "vLLM secondary_tiers[TierFSSecondaryTier]"
-_SETTINGS = ("meta", "pool", "namespace", "key_layout", "transport", "connect_timeout", "batch_bytes",
+_SETTINGS = ("meta", "pool", "token", "namespace", "key_layout", "transport", "connect_timeout", "batch_bytes",
              "batches_in_flight", "locality", "known_keys")
 _TRANSPORTS = ("tcp", "shm", "rdma", "auto")
+#: Seconds between tries of a manifest check the pool could not answer.
+MANIFEST_RETRY = 10.0
 
 # Metric names (Prometheus, through vLLM's OffloadPromMetrics), labelled by pool.
 LOAD_FAILED_CHUNKS = "vllm:kv_offload_tierfs_load_failed_chunks"
 STORE_FAILED_CHUNKS = "vllm:kv_offload_tierfs_store_failed_chunks"
 STORE_SKIPPED_CHUNKS = "vllm:kv_offload_tierfs_store_skipped_chunks"
 TOUCHED_CHUNKS = "vllm:kv_offload_tierfs_touched_chunks"
-
-
-def _safe(s: str, limit: int = 96) -> str:
-    """``s`` as a key component: readable, bounded, and still unique (a
-    digest replaces the tail of a long or unusual name)."""
-    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "_"
-    if clean == s and len(s) <= limit:
-        return s
-    # The tail of a path names the model; the digest keeps the whole unique.
-    return f"{clean[-(limit - 13):]}~{hashlib.sha256(s.encode()).hexdigest()[:12]}"
 
 
 def layout_of(spec: Any, block_size_bytes: int, key_layout: str, namespace: str | None) -> dict[str, Any]:
@@ -125,7 +117,7 @@ def layout_of(spec: Any, block_size_bytes: int, key_layout: str, namespace: str 
     # The readable part names what makes two engines' chunks different;
     # what else must agree is checked against the manifest at start-up.
     tpc = "+".join(str(t) for t in tokens_per_chunk)
-    layout["prefix"] = (f"vllm/{_safe(ns)}/{_safe(layout['dtype'], 32)}-{_safe(layout['kv_cache_layout'], 32)}"
+    layout["prefix"] = (f"vllm/{key_component(ns)}/{key_component(layout['dtype'], 32)}-{key_component(layout['kv_cache_layout'], 32)}"
                         f"-t{tpc}-tp{par.tp_size}pp{par.pp_size}"
                         f"{f'pcp{par.pcp_size}' if par.pcp_size > 1 else ''}"
                         f"{f'dcp{par.dcp_size}' if par.dcp_size > 1 else ''}r{par.rank}"
@@ -174,7 +166,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, meta: str | list[str] | None = None,
-                 pool: str | None = None, namespace: str | None = None, key_layout: str = "v1",
+                 pool: str | None = None, token: str | None = None, namespace: str | None = None,
+                 key_layout: str = "v1",
                  transport: str | None = None, connect_timeout: float = CONNECT_TIMEOUT,
                  batch_bytes: int = 32 << 20, batches_in_flight: int = 4, locality: str | None = None,
                  known_keys: int = 65536,
@@ -209,7 +202,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 self.locality = Locality(locality)
             except ValueError as e:
                 raise ConfigError(f"must be LOCAL or REMOTE, not {locality!r}", field=f"{_WHERE} 'locality'") from e
-        self._target = resolve({"meta": meta, "pool": pool}, meta_key="meta", pool_key="pool", where=_WHERE)
+        self._target = resolve({"meta": meta, "pool": pool, "token": token}, meta_key="meta", pool_key="pool",
+                               where=_WHERE)
         self.pool = self._target.pool
         self.layout = layout_of(offloading_spec, self.block_size_bytes, key_layout, namespace)
         self.prefix: str = self.layout["prefix"]
@@ -222,7 +216,14 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         try:
             self._loop, aclient = self._client._ensure()
             self._akv = self._client._run(_on_loop(lambda: aclient.kv_pool(self.pool)))
-            self._check_manifest()
+            # Until the manifest is checked nothing is looked up or stored:
+            # a pool that cannot answer now (no placement groups yet, its
+            # daemon down) is retried from the lookup thread, and meanwhile
+            # every lookup is a miss (until stop 46 the engine died here).
+            self._manifest_ok = False
+            self._manifest_retry_at = 0.0
+            self._manifest_lock = threading.Lock()
+            self._manifest_ready(startup=True)
         except BaseException:
             self._client.close()
             self._client = None
@@ -279,8 +280,40 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     # ---- lookups (vLLM's lookup thread) -------------------------------------------------------
 
+    def _manifest_ready(self, startup: bool = False) -> bool:
+        """Whether the manifest was checked and matches. At start-up a
+        mismatch raises (ConfigError); a pool that cannot answer does not:
+        the check is tried again at most every MANIFEST_RETRY seconds, on
+        the lookup thread. A mismatch found later is logged, and the tier
+        stays all misses (nothing stored) until the engine is restarted."""
+        if self._manifest_ok:
+            return True
+        now = time.monotonic()
+        if now < self._manifest_retry_at or not self._manifest_lock.acquire(blocking=False):
+            return False
+        try:
+            self._check_manifest()
+        except ConfigError as e:
+            if startup:
+                raise
+            log.error("TierFS pool %r: %s; every lookup is a miss and nothing is stored", self.pool, e)
+            self._manifest_retry_at = float("inf")
+            return False
+        except TierFSError as e:
+            log.warning("TierFS pool %r: cannot check the manifest %smanifest now (%s: %s): every lookup is a "
+                        "miss and nothing is stored until it can (tried again every %.0f s)", self.pool,
+                        self.prefix, type(e).__name__, e, MANIFEST_RETRY)
+            self._manifest_retry_at = now + MANIFEST_RETRY
+            return False
+        finally:
+            self._manifest_lock.release()
+        self._manifest_ok = True
+        if not startup:
+            log.info("TierFS pool %r: manifest checked; lookups and stores resume", self.pool)
+        return True
+
     def _contains(self, keys: Sequence[Any]) -> list[bool]:
-        if self._client is None:
+        if self._client is None or not self._manifest_ready():
             return [False] * len(keys)
         return self._kv.batch_contains([self.key_of(k) for k in keys])
 
@@ -312,7 +345,8 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_store(self, job_metadata: Any) -> None:
         keys = list(job_metadata.keys)
         tkeys = [self.key_of(k) for k in keys]
-        todo = [i for i, k in enumerate(tkeys) if k not in self._known]
+        # Nothing is stored before the manifest is checked (see _manifest_ready).
+        todo = [i for i, k in enumerate(tkeys) if k not in self._known] if self._manifest_ok else []
         if len(todo) < len(keys):
             self._stats.increase_counter(STORE_SKIPPED_CHUNKS, len(keys) - len(todo), self._label)
         chunk_ids = [job_metadata.chunk_ids[i] for i in todo]
