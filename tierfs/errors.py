@@ -327,8 +327,9 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], err: TierFSError) -
     raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
 
 
-def from_grpc(exc: grpc.RpcError) -> TierFSError:
-    """Turn a failed RPC (client side) into the matching TierFSError."""
+def from_grpc(exc: grpc.RpcError, service: str = "meta service") -> TierFSError:
+    """Turn a failed RPC (client side) into the matching TierFSError;
+    ``service`` names who did not answer, in an UNAVAILABLE's message."""
     code = exc.code() if hasattr(exc, "code") else None
     details = (exc.details() if hasattr(exc, "details") else None) or str(code)
     md: dict[str, str] = {}
@@ -339,7 +340,7 @@ def from_grpc(exc: grpc.RpcError) -> TierFSError:
     if _MD_CODE in md:
         return error_from_code(int(md[_MD_CODE]), details, leader=md.get(_MD_LEADER, ""))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return UnavailableError(f"meta service unavailable: {details}")
+        return UnavailableError(f"{service} unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError_(f"deadline exceeded: {details}")
     if code == grpc.StatusCode.UNIMPLEMENTED:

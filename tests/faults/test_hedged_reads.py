@@ -235,3 +235,37 @@ def test_writes_around_a_stalled_node_are_degraded_not_timed_out(fc: FaultCluste
         px.set("pass")
         ledger.verify(client)
     asyncio.run(fc.cl.wait_healthy(30))
+
+
+@pytest.mark.timeout(120)
+def test_a_chunk_past_its_tolerance_fails_after_one_timeout_per_hung_target(tmp_path: Path) -> None:
+    """Three of six nodes hung (accepting requests, never answering: a
+    SIGSTOPped daemon) under an ec:4+2 chunk: it cannot be read, and the
+    read must say so after each hung target let one request time out. Until
+    stop 46 every retry round, the map refresh's second attempt and the
+    last resort asked them again: a 1 MiB read took about 18 request
+    timeouts (3 minutes with the default 10 s) to fail, a hang to a user."""
+    from tierfs.errors import InsufficientTargetsError
+
+    hung = ["storage-0", "storage-2", SLOW]
+    fc = FaultCluster(tmp_path / "hung", proxied=hung)
+    try:
+        ledger = Ledger()
+        with fc.client() as client:
+            client.mkdir("/hung")
+            client.set_layout("/hung", chunk_size=MiB, redundancy="ec:4+2")
+            assert ledger.write(client, "/hung/one", random_bytes(MiB, seed=1234))
+        for name in hung:
+            fc.proxies[name].set("stall")
+        with fc.client(request_timeout=1.0) as client:
+            with pytest.raises(InsufficientTargetsError) as ei:
+                client.read_bytes("/hung/one")
+            met = client.aclient.timed_out_requests
+        print(f"\nthree of six nodes hung: {met} requests timed out before the read failed: {ei.value}")
+        assert 1 <= met <= len(hung), met  # each hung target is waited on once at most
+        for name in hung:
+            fc.proxies[name].set("pass")
+        with fc.client() as client:
+            ledger.verify(client)  # and once they answer, the bytes are all there
+    finally:
+        fc.close()

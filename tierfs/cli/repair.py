@@ -116,7 +116,9 @@ async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
             return await getattr(sg.StorageControlStub(ch), method)(req, timeout=timeout,  # type: ignore[no-untyped-call]
                                                                     metadata=md)
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc) from None
+            # Meta answers an admin check's refusal with its own code; an
+            # UNAVAILABLE here is the storage daemon (it said "meta").
+            raise from_grpc(exc, service=f"storage daemon at {addr}") from None
 
 
 #: Per-node scrub counts, in the order the table shows them.

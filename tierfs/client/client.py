@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import gc
@@ -83,6 +84,14 @@ _MODE_BITS = {pb.INODE_TYPE_FILE: _stat.S_IFREG, pb.INODE_TYPE_DIRECTORY: _stat.
               pb.INODE_TYPE_SYMLINK: _stat.S_IFLNK}
 #: A fragment failing with one of these will fail again: do not retry it.
 _PERMANENT = (NotFoundError, CorruptError, InvalidArgumentError, StaleVersionError)
+#: Targets that let a request time out during the chunk read under way (set
+#: by ``_read_chunk``): not asked again by that read. A hung target (a
+#: stopped process, a stalled disk) costs a read one request timeout, not
+#: one per retry round, map refresh and last resort: with more than M of a
+#: chunk's targets hung, a read took about 18 request timeouts (3 minutes
+#: with the defaults) to fail, until stop 46.
+_TIMED_OUT: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("tierfs_read_timed_out",
+                                                                            default=None)
 
 
 class _Hedged(TierFSError):
@@ -267,6 +276,8 @@ class AsyncClient:
         #: Chunks read only from positions the first attempt passed over
         #: (members being rebuilt, positions recorded missing).
         self.last_resort_reads = 0
+        #: Data-plane requests of reads that timed out (a hung or stalled target).
+        self.timed_out_requests = 0
         #: Partial reads whose STATs could not all be had (a target did not
         #: answer in time, was not usable, or holds no fragment there): the
         #: whole chunk (or copy) was read instead and checked against the
@@ -761,10 +772,20 @@ class AsyncClient:
 
     async def _read_chunk(self, view: FileView, idx: int, rec: ChunkRecord, a: int, b: int,
                           dest: memoryview) -> None:
-        _, _, router = self._parts()
+        self._parts()
         if not view.groups:
             raise StaleVersionError(f"{view.path} has no placement groups")
         gid = view.groups[idx % len(view.groups)]
+        token = _TIMED_OUT.set(set()) if _TIMED_OUT.get() is None else None
+        try:
+            await self._read_chunk_attempts(view, idx, rec, a, b, dest, gid)
+        finally:
+            if token is not None:
+                _TIMED_OUT.reset(token)
+
+    async def _read_chunk_attempts(self, view: FileView, idx: int, rec: ChunkRecord, a: int, b: int,
+                                   dest: memoryview, gid: int) -> None:
+        _, _, router = self._parts()
         for attempt in (0, 1):
             used = router.version
             members = await router.targets(gid)
@@ -820,11 +841,33 @@ class AsyncClient:
         else:
             await self._read_ec(view, idx, rec, targets, a, b, dest, skip)
 
+    @staticmethod
+    def _why_not_asked(router: Any, rec: ChunkRecord, targets: tuple[int, ...], j: int,
+                       skip: frozenset[int]) -> str:
+        """Why fragment ``j`` was passed over, in words that name the cause
+        (it used to say "offline, failed just now or being rebuilt" for all
+        of them, also for a fragment a reader had found corrupt)."""
+        t = targets[j]
+        if j in rec.missing:
+            return (f"fragment recorded as not stored on target {t} (a degraded write, or found missing or "
+                    f"corrupt by a reader or the scrub; the repair rebuilds it)")
+        if j in skip:
+            return f"target {t} is being rebuilt"
+        if router.down(t):
+            return f"target {t} is offline in the cluster map"
+        if router.failed_recently(t):
+            return f"a request to target {t} failed just now"
+        return f"target {t} answered slowly just now"
+
     def _note(self, target: int, exc: TierFSError) -> None:
         # A refused connection is cheap to try again; a target that let a
         # request time out (stalled, overloaded) is avoided for longer.
         if isinstance(exc, TimeoutError_):
+            self.timed_out_requests += 1
             self._parts()[2].mark_failed(target, factor=4.0)
+            hung = _TIMED_OUT.get()
+            if hung is not None:
+                hung.add(target)
         elif isinstance(exc, UnavailableError):
             self._parts()[2].mark_failed(target)
 
@@ -856,7 +899,7 @@ class AsyncClient:
         read_serials: dict[int, int] = {}  # position -> serial of the fragment file read
         if down:
             for j in down:
-                bad[j] = UnavailableError(f"target {targets[j]} is offline, failed just now or being rebuilt")
+                bad[j] = UnavailableError(self._why_not_asked(router, rec, targets, j, skip))
         else:
             keys = [FragmentKey(view.inode, idx, j, ver) for j, _, _ in pieces]
             items = [(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)]
@@ -1219,6 +1262,11 @@ class AsyncClient:
         perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)} | set(skip)
         for j in skip:
             errors.setdefault(j, UnavailableError(f"target {targets[j]} is being rebuilt"))
+        hung = _TIMED_OUT.get() or set()
+        for j in range(codec.width):
+            if targets[j] in hung and j not in perm and j not in whole:
+                errors.setdefault(j, TimeoutError_(f"target {targets[j]} let a request time out earlier in this read"))
+                perm.add(j)
         order = sorted(range(codec.width), key=lambda j: (j in bad, not router.usable(targets[j]), j))
         # A data fragment's place in dest, when the range covers all of it.
         place = {j: dest[j * f - a: j * f - a + f] for j in range(k) if a <= j * f and (j + 1) * f <= b}
@@ -1235,6 +1283,11 @@ class AsyncClient:
                     if rounds >= cfg.retries or len(left) < need:
                         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
                                            for j, e in sorted(errors.items()) if j not in have)
+                        unasked = [j for j in left if j not in errors]
+                        if unasked:
+                            detail += (f"; fragment{'s' if len(unasked) > 1 else ''} "
+                                       f"{', '.join(map(str, unasked))} not asked: with "
+                                       f"{'them' if len(unasked) > 1 else 'it'} too few remain to make {k}")
                         gone = any(isinstance(e, NotFoundError) for e in errors.values())
                         raise (GenerationGoneError if gone else InsufficientTargetsError)(
                             f"{view.path}: chunk {idx} (inode {view.inode}, version {ver}) is unreadable: "
@@ -1290,7 +1343,7 @@ class AsyncClient:
                     else:
                         errors[j] = r
                         self._note(targets[j], r)
-                        if isinstance(r, _PERMANENT):
+                        if isinstance(r, (*_PERMANENT, TimeoutError_)):
                             perm.add(j)
             rebuilt: dict[int, memoryview] = {}
             lost = [j for j in range(k) if j not in have]
@@ -1331,6 +1384,11 @@ class AsyncClient:
         errors: dict[int, TierFSError] = {j: UnavailableError(f"target {targets[j]} is being rebuilt")
                                           for j in skip}
         perm: set[int] = set(skip)
+        hung = _TIMED_OUT.get() or set()
+        for j in range(w):
+            if targets[j] in hung and j not in perm:
+                errors[j] = TimeoutError_(f"target {targets[j]} let a request time out earlier in this read")
+                perm.add(j)
         delay = cfg.backoff_initial
         loop = asyncio.get_running_loop()
         for rnd in range(cfg.retries):
@@ -1476,8 +1534,8 @@ class AsyncClient:
         when the error is permanent."""
         errors[j] = exc
         self._note(targets[j], exc)
-        if isinstance(exc, _PERMANENT):
-            perm.add(j)
+        if isinstance(exc, (*_PERMANENT, TimeoutError_)):
+            perm.add(j)  # a timeout: a hung target is not waited on twice in one read
 
     async def _reread_copy(self, view: FileView, idx: int, rec: ChunkRecord, targets: tuple[int, ...], j: int,
                            key: FragmentKey, a: int, dest: memoryview, errors: dict[int, TierFSError],

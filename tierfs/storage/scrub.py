@@ -72,7 +72,7 @@ PROBLEMS = ("corrupt", "missing", "orphans", "stale", "mismatched", "errors")
 class ScrubIssue:
     target_id: int
     key: FragmentKey
-    kind: str  # corrupt | missing | orphan | stale | mismatched
+    kind: str  # corrupt | missing | orphan | stale | mismatched | unchecked (its chunk could not be judged)
     action: str  # repaired | reported | deleted | kept | failed
     detail: str = ""
 
@@ -331,12 +331,14 @@ class Scrubber:
                                                                      if t in rebuilding])
         except TierFSError as exc:
             rep.errors += 1
-            rep.add(ScrubIssue(tid, key, "mismatched", "failed", f"whole-chunk check: {type(exc).__name__}: {exc}"))
+            rep.add(ScrubIssue(tid, key, "unchecked", "failed", f"whole-chunk check: {type(exc).__name__}: {exc}"))
             return
         await limiter.take(check.fetched)
         if check.error:
             rep.errors += 1
-            rep.add(ScrubIssue(tid, key, "mismatched", "failed", f"whole-chunk check: {check.error}"))
+            # Not judged (too few fragments could be read): nothing is known
+            # to be wrong with this one; until stop 46 it was called "mismatched".
+            rep.add(ScrubIssue(tid, key, "unchecked", "failed", f"whole-chunk check: {check.error}"))
             return
         rep.chunks_verified += 1
         if not check.bad:
