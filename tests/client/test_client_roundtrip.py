@@ -267,6 +267,18 @@ def test_uncommitted_writes_are_invisible(client: Client) -> None:
         g.seek(5 * MiB)
         g.write(b"tail")
     assert client.read_bytes("/visible.bin") == bytes(5 * MiB) + b"tail"
+    # A write that created its file and failed removes it again: the file
+    # is as if never made ("xb" can be tried again). Until stop 46 it stayed,
+    # empty, and a retried "xb" failed with AlreadyExistsError.
+    for mode in ("xb", "wb", "ab"):
+        with pytest.raises(RuntimeError), client.open(f"/made-{mode}.bin", mode) as g:
+            g.write(random_bytes(5 * MiB, seed=6))
+            g.flush()
+            raise RuntimeError("caller failed mid-write")
+        assert not client.exists(f"/made-{mode}.bin"), mode
+    with client.open("/made-xb.bin", "xb") as g:
+        g.write(b"second try")
+    assert client.read_bytes("/made-xb.bin") == b"second try"
 
 
 def test_symbolic_links_are_followed_as_the_kernel_follows_them(client: Client) -> None:

@@ -164,3 +164,35 @@ def test_renewals_stage_records_and_the_commit_publishes_them(d: Driver) -> None
     with pytest.raises(InvalidArgumentError, match="beyond the file size"):
         _commit(d, s, 4 * MiB, [])
     assert d.sm.digest() == digest
+
+
+def test_a_conditional_unlink_removes_only_the_empty_file_it_names(d: Driver) -> None:
+    """What a failed writer uses to remove the file it created (and nothing
+    made or written since): ``expect_inode`` and ``only_if_empty``. Each
+    refusal is BUSY and changes nothing."""
+    from tierfs.errors import BusyError, error_from_code
+
+    def unlink(path: str, **cond: object) -> pb.MetaResult:
+        return pb.MetaResult.FromString(d.raw("unlink", pb.UnlinkRequest(loc=pb.Loc(path=path), **cond)))
+
+    f = d.create("/c").attr.inode
+    other = d.create("/other").attr.inode
+    for cond in ({"expect_inode": other}, {"expect_inode": other, "only_if_empty": True}):
+        before = d.sm.digest()
+        res = unlink("/c", **cond)
+        assert isinstance(error_from_code(res.error.code, res.error.message), BusyError), res
+        assert d.sm.digest() == before
+    s = _open(d, "/c")  # a live writer: not "empty without a writer"
+    before = d.sm.digest()
+    assert unlink("/c", expect_inode=f, only_if_empty=True).error.code
+    assert d.sm.digest() == before
+    d.do("commit_write", pb.CommitWriteRequest(session_id=s.session_id, size=MiB, chunks=recs(s.data_version, [0])),
+         pb.FileInfo)
+    before = d.sm.digest()
+    assert unlink("/c", expect_inode=f, only_if_empty=True).error.code  # it has bytes now
+    assert d.sm.digest() == before
+    d.create("/e")
+    e = d.stat("/e").attr.inode
+    assert unlink("/e", expect_inode=e, only_if_empty=True).error.code == 0
+    assert not d.sm.inodes.get(e)
+    assert unlink("/c", expect_inode=f).error.code == 0  # the inode alone: bytes and all

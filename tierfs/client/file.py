@@ -102,13 +102,28 @@ class _Staging:
         self.idx, self.buf, self.fill = idx, buf, fill
 
 
+async def _remove_created(client: AsyncClient, path: str, inode: int) -> None:
+    """A write that created ``path`` failed or was aborted: remove the file
+    again, as if it had never been made, but only while the name still
+    refers to that inode and the file is empty with no writer (meta checks
+    both in the one op; BusyError leaves it). Best effort: a writer that
+    dies, or a meta it cannot reach, leaves the empty file (docs/client.md)."""
+    try:
+        await client.meta.unlink(path, expect_inode=inode, only_if_empty=True)
+    except TierFSError as exc:
+        log.debug("%s: the file this failed write created was left (%s)", path, exc)
+
+
 class AsyncFile:
     """Use :meth:`AsyncClient.open` to get one."""
 
     def __init__(self, client: AsyncClient, path: str, mode: str, info: pb.FileInfo, *,
                  readable: bool, writable: bool, append: bool, session: pb.OpenWriteReply | None,
-                 replace: bool = False) -> None:
+                 replace: bool = False, created: int = 0) -> None:
         self._client = client
+        #: The inode this open created (0: the file was there): an abort
+        #: removes it again, if it is still that inode and still empty.
+        self._created = created
         self.path = path
         self.mode = mode
         self._readable = readable
@@ -186,27 +201,36 @@ class AsyncFile:
             info = await meta.stat(path)
             FileView.of(path, info)  # a directory or symlink is refused here
             return cls(client, path, mode, info, readable=True, writable=False, append=False, session=None)
+        created = 0
         if base == "x":
-            await meta.create(path)
+            created = (await meta.create(path)).attr.inode
         elif base in ("w", "a"):
             try:
-                await meta.create(path)
+                created = (await meta.create(path)).attr.inode
             except AlreadyExistsError:
                 if base == "w":
                     FileView.of(path, await meta.stat(path))  # a directory or symlink is refused here
         cfg = client.config
-        reply = await meta.open_write(path, owner=f"tierfs-client pid {os.getpid()}", lease_ms=cfg.lease_ms)
+        try:
+            reply = await meta.open_write(path, owner=f"tierfs-client pid {os.getpid()}", lease_ms=cfg.lease_ms)
+        except BaseException:
+            if created:
+                await _remove_created(client, path, created)
+            raise
         try:
             placed = await client.placement_version()
             # "w": the old contents, if any, are replaced at close, not
             # truncated at open (see AsyncFile._replaced).
             f = cls(client, path, mode, reply.file, readable=plus, writable=True, append=base == "a",
-                    session=reply, replace=base == "w" and bool(reply.file.attr.size or len(reply.file.chunks)))
+                    session=reply, replace=base == "w" and bool(reply.file.attr.size or len(reply.file.chunks)),
+                    created=created)
             f.map_version = placed
             return f
         except BaseException:
             with contextlib.suppress(TierFSError):
                 await meta.abort_write(reply.session_id)
+                if created:
+                    await _remove_created(client, path, created)
             raise
 
     # ---- properties -----------------------------------------------------------
@@ -724,6 +748,8 @@ class AsyncFile:
             try:
                 ups, _ = await self._renew(keep=True, until=until)  # every upload to meta, so that all go to GC
                 await self._client.meta.abort_write(self._session.session_id, uploads=ups, deadline=_left(until))
+                if self._created:
+                    await _remove_created(self._client, self.path, self._created)
             except TierFSError as exc:
                 # Unreachable meta: say so (the file stays busy for other
                 # writers until the lease runs out). Anything else (the

@@ -516,8 +516,13 @@ class MetaClient:
     async def rename(self, src: str | tuple[int, str], dst: str | tuple[int, str]) -> None:
         await self._mutate("Rename", pb.RenameRequest(src=_loc(src), dst=_loc(dst)), pb.Empty)
 
-    async def unlink(self, where: str | tuple[int, str]) -> None:
-        await self._mutate("Unlink", pb.UnlinkRequest(loc=_loc(where)), pb.Empty)
+    async def unlink(self, where: str | tuple[int, str], *, expect_inode: int = 0,
+                     only_if_empty: bool = False) -> None:
+        """Remove a name. ``expect_inode``: only if it still names that
+        inode; ``only_if_empty``: only an empty regular file without a live
+        writer (BusyError otherwise, and nothing changes)."""
+        await self._mutate("Unlink", pb.UnlinkRequest(loc=_loc(where), expect_inode=expect_inode,
+                                                      only_if_empty=only_if_empty), pb.Empty)
 
     async def rmdir(self, where: str | tuple[int, str]) -> None:
         await self._mutate("Rmdir", pb.RmdirRequest(loc=_loc(where)), pb.Empty)

@@ -788,6 +788,12 @@ class MetaStateMachine(Tracked):
         self._sticky(ident, parent, n, "unlink", self._where(r.loc))
         if n.type == DIR:
             raise IsADirectoryError_(f"{self._where(r.loc)} is a directory (use rmdir)")
+        # Conditions (a failed writer removing the file it created; entries
+        # of older leaders never carry them).
+        if r.expect_inode and n.id != r.expect_inode:
+            raise BusyError(f"{self._where(r.loc)} is inode {n.id} now, not {r.expect_inode}: left as it is")
+        if r.only_if_empty and (n.type != FILE or n.size or n.chunks or self._live_session(n) is not None):
+            raise BusyError(f"{self._where(r.loc)} is not an empty regular file without a writer: left as it is")
         del parent.entries[name]
         self._touch(parent)
         n.nlink -= 1

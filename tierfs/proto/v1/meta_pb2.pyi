@@ -605,16 +605,29 @@ class UnlinkRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LOC_FIELD_NUMBER: _builtins.int
+    EXPECT_INODE_FIELD_NUMBER: _builtins.int
+    ONLY_IF_EMPTY_FIELD_NUMBER: _builtins.int
+    expect_inode: _builtins.int
+    """Non-zero: unlink only if the name still refers to this inode (BUSY
+    otherwise). A writer that created a file and then failed removes it
+    with this and only_if_empty, never a file made or written since.
+    """
+    only_if_empty: _builtins.bool
+    """Only a regular file with no bytes, no chunks and no live write session
+    (BUSY otherwise).
+    """
     @_builtins.property
     def loc(self) -> Global___Loc: ...
     def __init__(
         self,
         *,
         loc: Global___Loc | None = ...,
+        expect_inode: _builtins.int = ...,
+        only_if_empty: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["loc", b"loc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loc", b"loc"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expect_inode", b"expect_inode", "loc", b"loc", "only_if_empty", b"only_if_empty"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
