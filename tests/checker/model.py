@@ -82,6 +82,7 @@ class MHandle:
     first_version: int = 0  # readers: index into file.versions of the version at open
     failed: str = ""  # a writer whose session failed: nothing of it may become visible
     base: list[bytes] = field(default_factory=list)  # writers: the file's contents at open
+    created: bool = False  # writers: the open created the file (an end without a commit removes it)
 
     def size(self) -> int:
         return len(self.cands[0]) if self.writable else self.open_size

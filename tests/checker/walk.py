@@ -567,12 +567,15 @@ class Checker(ProcessFaults):
             self.client.write_bytes(self.p(path), data)
         except TierFSError as exc:
             self._write_failed(f"write_bytes({path}, {len(data)} bytes)", exc)
-            # "wb" truncates at open: what is left is the old contents or empty (docs/reliability.md).
+            # "wb" replaces at its commit (stop 45): what is left is the old
+            # contents, or the new ones where the commit was applied but its
+            # answer lost. A file the write created is removed again (stop
+            # 46), or stays, empty, where meta could not be reached.
             if f is None:
                 if self.client.exists(self.p(path)):
-                    self.model.new_file(path)
+                    self.model.new_file(path).commit([b"", data])
             else:
-                f.commit([*f.cands, b""])
+                f.commit([*f.cands, data])
             return
         if f is None:
             f = self.model.new_file(path)
@@ -669,9 +672,17 @@ class Checker(ProcessFaults):
             if f is None and self.client.exists(self.p(path)):
                 self.model.new_file(path)  # created, then the write session refused: an empty file
             return  # (a "w" open of an existing file changes nothing until its close)
+        created = f is None
         if f is None:
             f = self.model.new_file(path)
-        first = len(f.versions) - len(f.cands)
+        # A reader may read any version from the oldest the file may hold
+        # now on: the last commit of each candidate (a read may have pruned
+        # the candidates to one that is not among the newest versions, as
+        # after a failed write whose new contents a read ruled out; until
+        # stop 46 this took the newest len(cands) versions, and a reader
+        # opened then was judged against the ruled-out contents).
+        first = min((max(i for i, v in enumerate(f.versions) if v == c) for c in f.cands),
+                    default=len(f.versions))
         size = real.size
         if base == "w":
             # Written anew: the handle starts empty, while every reader sees
@@ -691,6 +702,7 @@ class Checker(ProcessFaults):
         if writable:
             h.cands = list(cands)
             h.base = list(f.cands)
+            h.created = created
             f.writer = h
         else:
             h.open_size = size
@@ -790,6 +802,25 @@ class Checker(ProcessFaults):
         h, real = self._h(hid)
         real.abort()
         self._drop(h)
+        self._created_gone(h)
+
+    def _created_gone(self, h: MHandle) -> None:
+        """A writer whose open created its file ended without a commit: the
+        client removes the file again (stop 46) when it is still that inode
+        and empty with no writer; it stays, empty, when meta could not be
+        reached. Which happened is read from the cluster; a removal of a
+        file the model says holds bytes is data lost."""
+        f = h.file
+        if not h.created or not f.linked:
+            return
+        path = _path_of(self.model, f)
+        if self.client.exists(self.p(path)):
+            return
+        if b"" not in f.cands:
+            self.violation("lost", f"{h.hid}: the file {path} it created was removed at its end, but it holds "
+                                   f"{sorted({len(c) for c in f.cands})} bytes committed")
+        self.model.unlink(path)
+        self.counts["created_removed"] = self.counts.get("created_removed", 0) + 1
 
     def _drop(self, h: MHandle) -> None:
         del self.model.handles[h.hid]
@@ -821,6 +852,7 @@ class Checker(ProcessFaults):
                 # The commit itself failed: it may have been applied or not.
                 f.commit([*f.cands, *h.cands])
                 self.counts["commit_ambiguous"] = self.counts.get("commit_ambiguous", 0) + 1
+            self._created_gone(h)
             return
         self._drop(h)
         if not f.linked:
@@ -982,6 +1014,23 @@ class Checker(ProcessFaults):
             return
         self.env.removed.add(tid)
         if not self.env.wait_rebuilt():
+            # Not TierFS's fault where this walk's own damage (corrupted or
+            # forged fragments no read or scrub had healed yet) left some
+            # chunk fewer than K valid fragments off the removed target: no
+            # system could rebuild it (seen: seed 17000, two fragments of a
+            # chunk corrupted, then the target of a third removed).
+            with contextlib.suppress(TierFSError):
+                truth = self._truth()
+                for ino, recs in truth.records.items():
+                    codec, _cs = truth.widths[ino]
+                    need = 1 if codec.replicated else codec.k
+                    for idx in recs:
+                        # (the truth ignores the removed target's disk)
+                        if len(self._good(truth, ino, idx)) >= need:
+                            continue
+                        self.counts["rebuild_past_injected_damage"] = (
+                            self.counts.get("rebuild_past_injected_damage", 0) + 1)
+                        return
             self.violation("rebuild", f"the groups of removed target {tid} still rebuild after 30 s")
 
     def op_grow(self) -> None:

@@ -332,3 +332,60 @@ def test_symlinks_are_shown_and_followed_by_cat_and_get(meta: str, tmp_path: Pat
     assert rc == 0 and "m.bin" in out, (out, err)  # a link to a directory lists it, as ls(1)
     rc, out, err = cli(meta, "stat", "/lnk/latest/m.bin")
     assert rc == 0 and "size: 9" in out.replace("  ", " "), (out, err)
+
+
+def test_destinations_that_are_links_are_followed_as_cp_and_mv_follow_them(meta: str, tmp_path: Path) -> None:
+    """put onto a link to a directory goes into the directory, onto a link
+    to a file writes through it (the link stays); mv onto a link to a
+    directory moves into it; put -r into a link to a directory copies there;
+    get -r of a link to a directory copies the tree. Until stop 46 put and
+    mv replaced the link with the file, put -r said "exists and is not a
+    directory", and get -r copied the link alone."""
+    from tierfs.client import Client
+
+    with Client(meta) as c:
+        c.mkdir("/ld/models", parents=True)
+        c.write_bytes("/ld/models/w.bin", b"weights")
+        c.write_bytes("/ld/real.txt", b"old")
+        c.symlink("/ld/dlink", "models")
+        c.symlink("/ld/flink", "real.txt")
+    f = tmp_path / "new.txt"
+    f.write_bytes(b"new")
+    assert cli(meta, "put", str(f), "/ld/dlink", "-q")[0] == 0
+    assert cli(meta, "put", str(f), "/ld/flink", "-q")[0] == 0
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "t.txt").write_bytes(b"tree")
+    rc, out, err = cli(meta, "put", "-r", str(tmp_path / "tree"), "/ld/dlink", "-q")
+    assert rc == 0, (out, err)
+    with Client(meta) as c:
+        assert c.stat("/ld/dlink").type == "symlink" and c.stat("/ld/flink").type == "symlink"
+        assert c.read_bytes("/ld/models/new.txt") == b"new"
+        assert c.read_bytes("/ld/real.txt") == b"new"
+        assert c.read_bytes("/ld/models/tree/t.txt") == b"tree"
+        c.write_bytes("/ld/moved.txt", b"moved")
+    assert cli(meta, "mv", "/ld/moved.txt", "/ld/dlink")[0] == 0
+    rc, _, err = cli(meta, "get", "-r", "/ld/dlink", str(tmp_path / "got"), "-q")
+    assert rc == 0, err
+    got = tmp_path / "got"
+    assert got.is_dir() and not got.is_symlink(), "get -r of a link to a directory copies the directory"
+    assert (got / "w.bin").read_bytes() == b"weights" and (got / "moved.txt").read_bytes() == b"moved"
+    # put -r -L of a tree with a link to itself: skipped as a loop, not a failure
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    (loop / "a.txt").write_bytes(b"a")
+    os.symlink("self", loop / "self")
+    rc, out, err = cli(meta, "put", "-r", "-L", str(loop), "/ld/loopL", "--json")
+    assert rc == 0, (out, err)
+    assert any("loop" in s["reason"] for s in json.loads(out)["skipped"]), out
+
+
+def test_set_layout_changes_only_the_fields_it_is_given(meta: str) -> None:
+    """Until stop 46 a second set-layout replaced the directory's whole
+    layout: --chunk-size after --redundancy replica:2 brought back the
+    parent's ec:4+2."""
+    assert cli(meta, "mkdir", "/lay")[0] == 0
+    assert cli(meta, "set-layout", "/lay", "--redundancy", "replica:2", "--chunk-size", "1MiB")[0] == 0
+    rc, out, err = cli(meta, "set-layout", "/lay", "--chunk-size", "2MiB")
+    assert rc == 0 and "replica:2" in out and "2.0 MiB" in out, (out, err)
+    rc, out, err = cli(meta, "set-layout", "/lay", "--stripe", "2")
+    assert rc == 0 and "replica:2" in out and "2.0 MiB" in out, (out, err)

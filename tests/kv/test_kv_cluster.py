@@ -1110,3 +1110,43 @@ def test_a_pool_removed_while_in_use_gives_misses_and_puts_say_so_by_name(cl: Lo
     pool_served(cl.meta_addrs, name)
     with Client(cl.meta_addrs) as c:
         assert c.kv_pool(name).put("k", b"again") and c.kv_pool(name).get("k") == b"again"
+
+
+def test_local_tiers_never_read_otherwise_than_the_cluster(cl: LocalCluster, client: Client, tmp_path: Path) -> None:
+    """A client's DRAM and SSD tiers hold only what the cluster holds for
+    the key. Each of these read, until stop 46, the value the cluster did
+    not take, while every other client read the cluster's:
+    a put that raised (the value can never fit the pool); a put without
+    overwrite that returned False (the key held another value); a pool
+    removed and made again under the same name (the old pool's object); and
+    a key near 512 bytes was refused with local tiers (the pool's name
+    counted against the limit)."""
+    from tierfs.errors import InvalidArgumentError
+
+    name = "localtruth"
+    create_pool(cl, name, redundancy="replica:1", target_memory=256 * KiB)
+    pool_served(cl.meta_addrs, name)
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB, kv_ssd_bytes=8 * MiB,
+                kv_ssd_path=str(tmp_path / "ssd")) as a, Client(cl.meta_addrs) as b:
+        ka, kb = a.kv_pool(name), b.kv_pool(name)
+        assert kb.put("k", b"O" * 1000)
+        with pytest.raises(InvalidArgumentError, match="can never fit"):
+            ka.put("k", b"N" * 300_000, overwrite=True)
+        assert ka.get("k") == kb.get("k") == b"O" * 1000
+        assert ka.put("k", b"X" * 1000) is False  # held already: a no-op
+        assert ka.get("k") == b"O" * 1000
+        long_key = "L" * 512
+        assert ka.put(long_key, b"long") and ka.get(long_key) == b"long" and kb.get(long_key) == b"long"
+
+        async def remake() -> None:
+            async with MetaClient(cl.meta_addrs) as mc:
+                await mc.remove_kv_pool(name)
+                await mc.create_kv_pool(name, redundancy="replica:1", target_memory=256 * KiB)
+
+        assert ka.get("k") == b"O" * 1000  # in a's local tiers now
+        asyncio.run(remake())
+        pool_served(cl.meta_addrs, name)
+        # once a's map has the new pool (a local hit asks nothing of the
+        # cluster, so a's map is refreshed here as any cluster call would)
+        a._run(a.aclient._parts()[2].refresh(force=True))
+        assert ka.get("k") is None and kb.get("k") is None

@@ -62,10 +62,25 @@ def _stat_dict(st: FileStat) -> dict[str, Any]:
 
 
 async def _is_dir(client: AsyncClient, path: str) -> bool:
+    """Whether ``path`` names a directory, a link to one included (as
+    cp(1) and mv(1) judge a destination; until stop 46 a link to a
+    directory was replaced by the file put or moved there)."""
     try:
-        return (await client.stat(path)).is_dir
+        return (await client.stat(await client.resolve(path))).is_dir
     except NotFoundError:
         return False
+
+
+async def _through_link(client: AsyncClient, path: str) -> str:
+    """``path``, or the file it links to when it is a link to an existing
+    file: a put writes through it (as cp(1)), the link stays."""
+    try:
+        real = await client.resolve(path)
+        if real != posixpath.normpath(path) and (await client.stat(real)).is_file:
+            return real
+    except NotFoundError:
+        pass
+    return path
 
 
 def _local_error(what: str, path: str, exc: OSError) -> LocalFileError:
@@ -111,6 +126,8 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
         if local == "-":
             raise InvalidArgumentError(f"{remote} is a directory: name the file to write from standard input")
         remote = posixpath.join(remote, os.path.basename(local))
+    if into_dir:
+        remote = await _through_link(client, remote)
     remote = posixpath.normpath(remote)
     parent, name = posixpath.split(remote)
     tmp = posixpath.join(parent, temp_name(name, f"put-{secrets.token_hex(4)}"))

@@ -18,6 +18,7 @@ sockets, devices) are skipped and listed in ``skipped``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import posixpath
 import stat as _stat
@@ -166,6 +167,9 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
             # The root named on the command line is followed (as cp -H does).
             st = os.stat(path) if follow or not rel else os.lstat(path)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link to itself (or a ring of links), followed with -L
+                copy.skipped.append({"path": path, "reason": "a symlink loop"})
+                return
             copy.fail(path, _describe(exc) if exc.filename else f"{path}: {exc.strerror}")
             return
         m = st.st_mode
@@ -201,8 +205,10 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
 
 
 async def _remote_kind(client: AsyncClient, path: str) -> str | None:
+    """What ``path`` names, a link followed (a destination that is a link
+    to a directory is a directory, as for cp -r)."""
     try:
-        return (await client.stat(path)).type
+        return (await client.stat(await client.resolve(path))).type
     except NotFoundError:
         return None
 
@@ -225,6 +231,9 @@ async def put_tree(client: AsyncClient, local: str, remote: str, *, jobs: int = 
         kind = await _remote_kind(client, remote)
     if _stat.S_ISDIR(lst.st_mode) and kind not in (None, "directory"):
         raise NotADirectoryError_(f"{remote} exists and is not a directory: cannot copy directory {local} there")
+    # Links before the last component followed once here (a destination
+    # that is a link to a directory): every call below names real paths.
+    remote = await client.resolve(remote, last=False)
     copy = _Copy()
     _scan_local(local, follow_symlinks, copy)
     files = [e for e in copy.entries if e.kind == "file"]
@@ -294,6 +303,10 @@ async def _put_link(client: AsyncClient, dst: str, target: str) -> None:
 
 
 async def _scan_remote(client: AsyncClient, root: str, copy: _Copy) -> None:
+    # The root named on the command line is followed (as put -r follows
+    # its local root): get -r of /ckpt/latest copies the checkpoint, not
+    # the link (until stop 46 it copied the link).
+    root = await client.resolve(root)
     st = await client.stat(root)
     if not st.is_dir:
         copy.entries.append(_Entry("", "file" if st.is_file else "link", size=st.size, mode=st.mode & 0o7777,

@@ -584,7 +584,8 @@ class AsyncClient:
             try:
                 await self.meta.mkdir(path, mode=mode)
             except AlreadyExistsError:
-                if not exist_ok or not (await self.stat(path)).is_dir:
+                # A link to a directory counts as one (as mkdir(1) -p takes it).
+                if not exist_ok or not (await self.stat(await self.resolve(path))).is_dir:
                     raise
             return
         cur = ""
@@ -602,6 +603,8 @@ class AsyncClient:
                 if st.type == "symlink" and i < len(parts) - 1:
                     # _via_links follows it (mkdir -p through a link to a directory)
                     raise NotADirectoryError_(f"{cur} is a symbolic link") from None
+                if st.type == "symlink" and exist_ok and (await self.stat(await self.resolve(cur))).is_dir:
+                    return  # the last component, a link to a directory: there already (mkdir -p)
                 if not st.is_dir:
                     raise NotADirectoryError_(f"{cur} exists and is not a directory") from None
                 if i == len(parts) - 1 and not exist_ok:
@@ -667,7 +670,7 @@ class AsyncClient:
         chmod(2): docs/security-authz.md)."""
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise InvalidArgumentError(f"chmod: mode {mode!r} is not a number from 0 to 0o7777")
-        await self.meta.setattr(_norm(path), mode=mode)
+        await self._via_links(_norm(path), lambda p: self.meta.setattr(p, mode=mode), last=False)
 
     async def chown(self, path: str, uid: int | None = None, gid: int | None = None) -> None:
         """Set the owner and/or group (None: unchanged; as chown(2): root
@@ -678,13 +681,13 @@ class AsyncClient:
                 raise InvalidArgumentError(f"chown: {what} {v!r} is not a number from 0 to {2**32 - 2}")
         if uid is None and gid is None:
             raise InvalidArgumentError("chown: give a uid, a gid or both")
-        await self.meta.setattr(_norm(path), uid=uid, gid=gid)
+        await self._via_links(_norm(path), lambda p: self.meta.setattr(p, uid=uid, gid=gid), last=False)
 
     async def set_layout(self, path: str, *, chunk_size: int = 0, redundancy: str = "",
                          stripe_width: int = 0) -> pb.Layout:
         """Layout for new files under directory ``path`` (inherited)."""
-        return await self.meta.set_layout(_norm(path), chunk_size=chunk_size, redundancy=redundancy,
-                                          stripe_width=stripe_width)
+        return await self._via_links(_norm(path), lambda p: self.meta.set_layout(
+            p, chunk_size=chunk_size, redundancy=redundancy, stripe_width=stripe_width), last=False)
 
     # ---- whole-file helpers --------------------------------------------------------
 

@@ -23,13 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierfs.errors import InvalidArgumentError, TierFSError
 from tierfs.kv.cluster import ClusterTier
-from tierfs.kv.keys import byte_view, is_cuda_tensor, itemsize_of, normalize_key, normalize_keys
+from tierfs.kv.keys import (
+    MAX_KEY_BYTES,
+    byte_view,
+    is_cuda_tensor,
+    itemsize_of,
+    normalize_key,
+    normalize_keys,
+)
 
 if TYPE_CHECKING:
     from tierfs.client.client import AsyncClient
@@ -92,7 +100,11 @@ class AsyncKV:
                                    verify_copies=client.config.kv_verify_copies,
                                    require_witness=client.config.kv_require_witness)
         self._local: LocalTiers | None = client._kv_local()
-        self._prefix = pool.encode() + b"\0"
+        self._router = router
+        # Local tier keys: the pool's name and id, then the key (an id, so
+        # that a pool removed and made again under the same name never
+        # serves the old one's objects from a client's DRAM or SSD tier).
+        self._prefixes: dict[int, bytes] = {}
         self._write_back = client.config.kv_write_back and self._local is not None
         self._wb_limit = client.config.kv_write_back_bytes
         self._wb_bytes = 0
@@ -112,7 +124,18 @@ class AsyncKV:
                          "prefetch_misses": 0}
 
     def _lk(self, key: bytes) -> bytes:
-        return self._prefix + key
+        route = self._router.kv_pools.get(self.pool)
+        pid = route.pool_id if route is not None else 0
+        prefix = self._prefixes.get(pid)
+        if prefix is None:
+            prefix = self._prefixes[pid] = self.pool.encode() + b"\0" + str(pid).encode()
+        lk = prefix + b"\0" + key
+        if len(lk) <= MAX_KEY_BYTES:
+            return lk
+        # A key near the limit: its digest (after \1, so never a key's own
+        # bytes after \0), as the local tiers take 512 bytes at most and
+        # the prefix must not make a valid key invalid there.
+        return prefix + b"\1" + hashlib.blake2b(key, digest_size=32).digest()
 
     # ---- single objects ----------------------------------------------------------
 
@@ -231,8 +254,24 @@ class AsyncKV:
             # issued: a late one could replace an overwrite (another stamp)
             # or outlive a TTL put's object
             await self._after_write_back(ks)
-        return await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
-                                            pin_ttl_ms=pin_ttl_ms)
+        try:
+            done = await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
+                                                pin_ttl_ms=pin_ttl_ms)
+        except BaseException:
+            # Nothing changes when a put fails: not this client's local
+            # tiers either (until stop 46 it went on reading the value the
+            # cluster refused, while every other client read the old one).
+            if self._local is not None:
+                for k in ks:
+                    await self._drop_local(k)
+            raise
+        if self._local is not None:
+            # False: the cluster kept what it had (a put without overwrite of
+            # a key it holds): that, not this value, is what the key reads.
+            for k, ok in zip(ks, done, strict=True):
+                if not ok:
+                    await self._drop_local(k)
+        return done
 
     async def batch_get_into(self, keys: Sequence[str | bytes], bufs: Sequence[Any], *,
                              misfit: str = "raise") -> list[int | None]:
@@ -479,10 +518,18 @@ class AsyncKV:
 
     async def _send_back(self, ks: list[bytes], copies: list[memoryview], need: int) -> None:
         try:
-            await self.cluster.batch_put(ks, copies)
+            done = await self.cluster.batch_put(ks, copies)
+            # The cluster kept another value for these (already there): the
+            # local copies would read otherwise than every other client.
+            for k, ok in zip(ks, done, strict=True):
+                if not ok and self._local is not None:
+                    await self._drop_local(k)
         except TierFSError as exc:
             self.counters["write_back_failed"] += len(ks)
             self._wb_errors.append(exc)
+            if self._local is not None:
+                for k in ks:  # never reached the cluster: not served from here either
+                    await self._drop_local(k)
         finally:
             async with self._wb_room:
                 self._wb_bytes -= need

@@ -391,7 +391,11 @@ class ClusterTier:
 
     def _failed(self, target: int, exc: TierFSError) -> None:
         self.counters.errors += 1
-        if not isinstance(exc, (InvalidArgumentError, NotFoundError)):
+        # A refusal is an answer from a healthy daemon (a bad request, no
+        # such pool, no room): not a reason to pass over the target. Until
+        # stop 46 a NoSpaceError (a full pin quota) made every get and
+        # contains of that target a miss for failed_target_ttl.
+        if not isinstance(exc, (InvalidArgumentError, NotFoundError, NoSpaceError)):
             self.router.mark_failed(target)
 
     # ---- put ---------------------------------------------------------------------

@@ -126,6 +126,11 @@ KV_HELD_FORMAT = 3
 #: answered with the first reply (tierfs.meta.dedup). Older entries replay
 #: as they did.
 DEDUP_BOUND_FORMAT = 4
+#: Entries of this format on update a directory's layout field by field: the
+#: fields a SetLayout leaves unset keep the directory's own values. Older
+#: entries replaced the whole spec (unset fields were inherited from the
+#: parent again, so a second set-layout lost the first's settings).
+LAYOUT_MERGE_FORMAT = 4
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -946,6 +951,10 @@ class MetaStateMachine(Tracked):
             raise not_permitted("set_layout", self._where(r.loc), ident,
                                 f"only the directory's owner (uid {d.uid}) or an admin may set its layout")
         spec = layout_from_pb(r.layout)
+        if op.min_format >= LAYOUT_MERGE_FORMAT and d.layout is not None:
+            # The fields the request leaves unset keep this directory's own
+            # values (set-layout --chunk-size 2MiB keeps its replica:2).
+            spec = spec.merged_over(d.layout)
         parent_eff = self._effective_layout(self.inodes[d.parent]) if d.id != ROOT_INODE else DEFAULT_LAYOUT
         eff = spec.merged_over(parent_eff)
         d.layout = spec if d.id != ROOT_INODE else eff
