@@ -540,6 +540,13 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                 err.write(f"started {n} daemon{'s' if n != 1 else ''} ({shape}) in {time.perf_counter() - t0:.1f} s; "
                           f"every daemon up (`tierfs status` checks targets and groups). "
                           f"Stop with: tierfs down --data {data_dir}\n")
+            if k["storage"] < 6:
+                # `tierfs status` calls such a cluster healthy while every put
+                # under the default layout fails: say so now.
+                n_rep = min(int(k["storage"]), 3)
+                err.write(f"note: new files default to ec:4+2, which needs 6 storage nodes; with "
+                          f"{k['storage']}, give them a layout that fits, e.g. tierfs set-layout / --redundancy "
+                          f"replica:{n_rep} --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
                       f"{r['cluster_secret']} (mode 0600; commands run here use the admin token)\n")
             if r["metrics"]:
