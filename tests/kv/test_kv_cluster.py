@@ -142,6 +142,8 @@ def test_bad_input_is_refused_and_writes_nothing(client: Client) -> None:
         kv.put("", b"x")
     with pytest.raises(InvalidArgumentError, match="exceeds the limit of 512"):
         kv.put(b"k" * 513, b"x")
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode"):  # UnicodeEncodeError until stop 46
+        kv.put("k\udcff", b"x")
     with pytest.raises(InvalidArgumentError, match="str or bytes"):
         kv.put(12, b"x")  # type: ignore[arg-type]
     kv.put("big", payload("big", 64 * KiB))

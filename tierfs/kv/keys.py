@@ -27,7 +27,11 @@ def normalize_key(key: str | bytes | bytearray | memoryview) -> bytes:
     if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
         return key  # the common case, first
     if isinstance(key, str):
-        b = key.encode("utf-8")
+        try:
+            b = key.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (a file name's undecodable byte, say)
+            raise InvalidArgumentError(f"KV key {key!r} is not valid Unicode ({exc.reason}): give such a "
+                                       f"key as bytes") from None
     elif isinstance(key, (bytes, bytearray, memoryview)):
         b = bytes(key)
     else:

@@ -84,7 +84,11 @@ EvictCallback = Callable[[bytes, memoryview, float], Awaitable[None]]
 def check_key(key: bytes | str) -> bytes:
     """``key`` as bytes (a str is encoded UTF-8); InvalidArgumentError unless 1..512 bytes."""
     if isinstance(key, str):
-        key = key.encode()
+        try:
+            key = key.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(f"KV key {key!r} is not valid Unicode ({exc.reason}): give such a "
+                                       f"key as bytes") from None
     elif not isinstance(key, bytes):
         raise InvalidArgumentError(f"a KV key is bytes or str, got {type(key).__name__}")
     if not key:
