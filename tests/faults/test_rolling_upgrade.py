@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "84d5a6218e8d19c78c78cfa6abf702123aa3a883"
+PREVIOUS = "f7c89c3dcc136b1e2a8362a07bf170808ac304ca"
 
 REPO = Path(__file__).resolve().parents[2]
 
