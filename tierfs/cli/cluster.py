@@ -263,6 +263,11 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             if out["id"] in progress:
                 out["rebuild"] = progress[out["id"]]
 
+    failures = None
+    if repairs:
+        from tierfs.cli.repair import repair_failures
+
+        failures = await repair_failures(cmap, timeout=min(timeout, 2.0))
     kv_pools = pool_summaries(kv_reply)
     for pool in kv_pools:
         # Groups reading around a member that is down (a redundant pool
@@ -299,6 +304,9 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         "storage": storage_out,
         "groups": groups_out,
         "repairs_pending": repairs,
+        # With repairs pending: what the nodes' repair queues could not
+        # rebuild last round ({"unrebuildable": [...], "errors": [...]}).
+        "repair_failures": failures,
         # Definitions and the usage storage nodes last reported (zeros where none).
         "kv_pools": kv_pools,
         # KV map leases as the leader sees them (None: no leases, or a leader

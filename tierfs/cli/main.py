@@ -193,6 +193,27 @@ def _meta_table(st: dict[str, Any]) -> str:
                   ["META", "ADDRESS", "ROLE", "STATE", *(["PID"] if pids else [])])
 
 
+def _repair_failure_lines(f: dict[str, Any] | None) -> list[str]:
+    """Under "fragments awaiting repair": the chunks no node could rebuild
+    (too few fragments readable) and the nodes' last repair errors."""
+    if not f:
+        return []
+    out = []
+    lost = f["unrebuildable"]
+    if lost:
+        out.append(f"DATA AT RISK: {len(lost)} chunk(s) cannot be rebuilt: too few of their fragments can be read "
+                   "(lost unless a node holding one comes back; `tierfs scrub --no-repair` lists them by inode):")
+        out += [f"  inode {u['inode']} chunk {u['chunk']} generation {u['generation']:#x}: {u['detail']}"
+                for u in lost[:10]]
+        if len(lost) > 10:
+            out.append(f"  ... and {len(lost) - 10} more (--json lists them)")
+    for e in f["errors"]:
+        if not lost or "InsufficientTargetsError" not in e["error"]:
+            out.append(f"repair failing on node {e['node']} ({e['errors']} failed attempts so far; retried): "
+                       f"{e['error']}")
+    return out
+
+
 def render_status(st: dict[str, Any]) -> str:
     """The ``tierfs status`` tables."""
     if st.get("no_leader"):
@@ -209,6 +230,7 @@ def render_status(st: dict[str, Any]) -> str:
     if st.get("repairs_pending"):
         out[-1:] = [f"fragments awaiting repair: {st['repairs_pending']} (missing since a degraded write or "
                     "found bad by scrub; the nodes holding their positions rebuild them)", ""]
+        out[-1:] = [*_repair_failure_lines(st.get("repair_failures")), ""]
     out.append(_meta_table(st))
     out.append("")
     # PIDs are known for a local cluster's daemons (--data) only: no column

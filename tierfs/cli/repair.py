@@ -21,6 +21,7 @@ __all__ = [
     "remove_node",
     "remove_target",
     "render_scrub",
+    "repair_failures",
     "scrub_cluster",
 ]
 
@@ -305,6 +306,37 @@ async def rebuild_progress(cmap: Any, timeout: float = 2.0) -> dict[int, dict[st
                 if p.error:
                     o["error"] = p.error
     return out
+
+
+async def repair_failures(cmap: Any, timeout: float = 2.0) -> dict[str, Any]:
+    """What the online nodes' repair-queue workers could not rebuild in their
+    last round: ``{"unrebuildable": [{"inode", "chunk", "generation",
+    "detail"}], "errors": [{"node", "errors", "error"}]}``. A chunk listed
+    unrebuildable had too few readable fragments: lost unless a node
+    holding one of them comes back."""
+    from tierfs.proto.v1 import meta_pb2 as pb
+    from tierfs.proto.v1 import storage_control_pb2 as spb
+
+    nodes = [n for n in cmap.nodes if n.control_addr and n.state == pb.NODE_STATE_ONLINE]
+
+    async def one(n: Any) -> Any:
+        try:
+            return await _control(n.control_addr, "RepairStatus", spb.RepairStatusRequest(), timeout)
+        except TierFSError:
+            return None
+
+    lost: dict[tuple[int, int, int], str] = {}
+    errors = []
+    for n, rep in zip(nodes, await asyncio.gather(*(one(n) for n in nodes)), strict=True):
+        if rep is None:
+            continue
+        for u in rep.unrebuildable:
+            lost.setdefault((u.inode, u.chunk, u.version), u.detail)
+        if rep.queue_error:
+            errors.append({"node": n.node_id, "errors": rep.queue_errors, "error": rep.queue_error})
+    return {"unrebuildable": [{"inode": i, "chunk": c, "generation": v, "detail": d}
+                              for (i, c, v), d in sorted(lost.items())],
+            "errors": errors}
 
 
 # ---- the command line ------------------------------------------------------------------

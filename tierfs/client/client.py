@@ -1264,7 +1264,7 @@ class AsyncClient:
         errors: dict[int, TierFSError] = dict(bad)
         perm = {j for j, e in bad.items() if isinstance(e, _PERMANENT)} | set(skip)
         for j in skip:
-            errors.setdefault(j, UnavailableError(f"target {targets[j]} is being rebuilt"))
+            errors.setdefault(j, UnavailableError(self._why_not_asked(router, rec, targets, j, skip)))
         hung = _TIMED_OUT.get() or set()
         for j in range(codec.width):
             if targets[j] in hung and j not in perm and j not in whole:
@@ -1384,7 +1384,7 @@ class AsyncClient:
         w = len(targets)
         # Spread reads over the copies; targets known to be down go last.
         order = sorted(range(w), key=lambda j: (not router.usable(targets[j]), (j - idx) % w))
-        errors: dict[int, TierFSError] = {j: UnavailableError(f"target {targets[j]} is being rebuilt")
+        errors: dict[int, TierFSError] = {j: UnavailableError(self._why_not_asked(router, rec, targets, j, skip))
                                           for j in skip}
         perm: set[int] = set(skip)
         hung = _TIMED_OUT.get() or set()

@@ -71,7 +71,9 @@ class _Servicer(spb_grpc.StorageControlServicer):
             fragments_rebuilt=r.counters["fragments_rebuilt"], bytes_rebuilt=r.counters["bytes_rebuilt"],
             fragments_copied=r.counters["fragments_copied"], queue_pending=r.queue_pending,
             queue_rebuilt=r.counters["queue_rebuilt"], queue_errors=r.counters["queue_errors"],
-            queue_error=r.queue_error)
+            queue_error=r.queue_error,
+            unrebuildable=[spb.UnrebuildableChunk(inode=i, chunk=c, version=v, detail=d)
+                           for (i, c, v), d in sorted(r.unrebuildable.items())])
 
 
 class ControlServer:

@@ -79,6 +79,8 @@ log = logging.getLogger("tierfs.storage.repair")
 
 #: Repair-queue items asked for per round (meta caps a page at 10,000).
 QUEUE_PAGE = 1000
+#: At most this many unrebuildable chunks are kept for RepairStatus.
+MAX_UNREBUILDABLE = 100
 
 
 class RateLimiter:
@@ -360,6 +362,10 @@ class Repairer:
         #: the last error of an item of ours ('' if the last round had none).
         self.queue_pending = 0
         self.queue_error = ""
+        #: (inode, chunk, generation) -> why: chunks of ours the last queue
+        #: round could not rebuild because too few fragments could be read
+        #: (``tierfs status`` lists them: lost unless a holder comes back).
+        self.unrebuildable: dict[tuple[int, int, int], str] = {}
         self._wake = asyncio.Event()
         self._rebuild_wake = asyncio.Event()
 
@@ -774,6 +780,7 @@ class Repairer:
         await self.load_files((int(it.inode) for it in reply.items), files)
         done: list[FragmentKey] = []
         failed: list[str] = []
+        lost: dict[tuple[int, int, int], str] = {}
 
         async def one(it: Any) -> None:
             eng = ours.get(int(it.target_id))
@@ -792,6 +799,8 @@ class Repairer:
                 except TierFSError as exc:
                     self.counters["queue_errors"] += 1
                     failed.append(f"{key} on target {eng.target_id}: {type(exc).__name__}: {exc}")
+                    if isinstance(exc, InsufficientTargetsError) and len(lost) < MAX_UNREBUILDABLE:
+                        lost[(key.inode, key.chunk, key.version)] = str(exc)
                     return
             done.append(key)
             self.counters["queue_rebuilt"] += 1
@@ -804,6 +813,7 @@ class Repairer:
             self.queue_pending = max(0, self.queue_pending - len(done))
             log.info("repair queue: rebuilt %d fragments", len(done))
         self.queue_error = failed[0] if failed else ""
+        self.unrebuildable = lost
         if failed:
             log.warning("repair queue: %d fragments failed (retried next round), e.g. %s", len(failed), failed[0])
         return len(done), len(failed)

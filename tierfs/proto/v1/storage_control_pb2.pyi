@@ -249,6 +249,7 @@ class RepairStatusReply(_message.Message):
     QUEUE_REBUILT_FIELD_NUMBER: _builtins.int
     QUEUE_ERRORS_FIELD_NUMBER: _builtins.int
     QUEUE_ERROR_FIELD_NUMBER: _builtins.int
+    UNREBUILDABLE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments_rebuilt: _builtins.int
     bytes_rebuilt: _builtins.int
@@ -264,6 +265,13 @@ class RepairStatusReply(_message.Message):
     queue_error: _builtins.str
     @_builtins.property
     def rebuilds(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupRebuild]: ...
+    @_builtins.property
+    def unrebuildable(self) -> _containers.RepeatedCompositeFieldContainer[Global___UnrebuildableChunk]:
+        """Chunks the last queue round could not rebuild because too few of their
+        fragments could be read (at most MAX_UNREBUILDABLE): lost unless a node
+        holding one of them comes back.
+        """
+
     def __init__(
         self,
         *,
@@ -276,11 +284,40 @@ class RepairStatusReply(_message.Message):
         queue_rebuilt: _builtins.int = ...,
         queue_errors: _builtins.int = ...,
         queue_error: _builtins.str = ...,
+        unrebuildable: _abc.Iterable[Global___UnrebuildableChunk] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_rebuilt", b"bytes_rebuilt", "fragments_copied", b"fragments_copied", "fragments_rebuilt", b"fragments_rebuilt", "node_id", b"node_id", "queue_error", b"queue_error", "queue_errors", b"queue_errors", "queue_pending", b"queue_pending", "queue_rebuilt", b"queue_rebuilt", "rebuilds", b"rebuilds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_rebuilt", b"bytes_rebuilt", "fragments_copied", b"fragments_copied", "fragments_rebuilt", b"fragments_rebuilt", "node_id", b"node_id", "queue_error", b"queue_error", "queue_errors", b"queue_errors", "queue_pending", b"queue_pending", "queue_rebuilt", b"queue_rebuilt", "rebuilds", b"rebuilds", "unrebuildable", b"unrebuildable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RepairStatusReply: _TypeAlias = RepairStatusReply  # noqa: Y015
+
+@_typing.final
+class UnrebuildableChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INODE_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    inode: _builtins.int
+    chunk: _builtins.int
+    version: _builtins.int
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        inode: _builtins.int = ...,
+        chunk: _builtins.int = ...,
+        version: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "detail", b"detail", "inode", b"inode", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnrebuildableChunk: _TypeAlias = UnrebuildableChunk  # noqa: Y015
