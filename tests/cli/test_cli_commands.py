@@ -267,7 +267,11 @@ def test_mkdir_and_rm_take_several_paths_and_go_on_past_a_failure(cli: Run) -> N
     rc, _, err = cli("set-layout", "/", "--redundancy", "ec:4")
     assert rc == 1 and "ec:K+M" in err and "Traceback" not in err
     rc, _, err = cli("set-layout", "/", "--chunk-size", "3MiB")
-    assert rc == 1 and "power of two" in err
+    assert rc == 2 and "power of two" in err
+    rc, _, err = cli("set-layout", "/", "--chunk-size", "4M")  # 4,000,000 bytes: the usage error says so
+    assert rc == 2 and "4,000,000 bytes" in err and "did you mean 4MiB?" in err, err
+    rc, _, err = cli("set-layout", "/", "--chunk-size", "128MiB")  # a power of two meta refuses
+    assert rc == 1 and "power of two between" in err, err
     rc, _, err = cli("rm", "-r", "/")
     assert rc == 1 and "root directory" in err
     rc, _, err = cli("frobnicate")

@@ -26,8 +26,8 @@ from tierfs.cli.util import (
     DEFAULT_DATA,
     human_rate,
     human_size,
+    parse_chunk_size_arg,
     parse_seconds,
-    parse_size_arg,
     resolve_meta,
     shown,
     terminal_safe,
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("set-layout", "layout of new files under a directory")
     p.add_argument("path")
     p.add_argument("--redundancy", default="", help="ec:K+M or replica:N (e.g. ec:4+2)")
-    p.add_argument("--chunk-size", type=parse_size_arg, default=None, help="power of two, e.g. 4MiB")
+    p.add_argument("--chunk-size", type=parse_chunk_size_arg, default=None, help="power of two, e.g. 4MiB")
     p.add_argument("--stripe", type=int, default=None, metavar="N", help="placement groups a file spreads over")
     from tierfs.cli import repair
 

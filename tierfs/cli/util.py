@@ -13,8 +13,19 @@ from typing import Any
 from tierfs.config import parse_size
 from tierfs.errors import ConfigError
 
-__all__ = ["DEFAULT_DATA", "human_rate", "human_size", "parse_seconds", "parse_seconds_or_zero", "parse_size_arg",
-           "resolve_meta", "shown", "table", "terminal_safe"]
+__all__ = [
+    "DEFAULT_DATA",
+    "human_rate",
+    "human_size",
+    "parse_chunk_size_arg",
+    "parse_seconds",
+    "parse_seconds_or_zero",
+    "parse_size_arg",
+    "resolve_meta",
+    "shown",
+    "table",
+    "terminal_safe",
+]
 
 #: Where ``tierfs up`` and ``make run`` keep a local cluster by default.
 DEFAULT_DATA = "./.tierfs"
@@ -66,6 +77,21 @@ def parse_size_arg(value: str) -> int:
         import argparse
 
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_chunk_size_arg(value: str) -> int:
+    """A chunk size (argparse type): a size whose decimal unit makes it no
+    power of two (``4M`` is 4,000,000 bytes) is refused with the binary one
+    it likely meant (``4MiB``), before meta sees it."""
+    import argparse
+
+    n = parse_size_arg(value)
+    if n > 0 and n & (n - 1):
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtpe])b?\s*$", value, re.IGNORECASE)
+        hint = f" (did you mean {m.group(1)}{m.group(2).upper()}iB?)" if m else ""
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is {n:,} bytes, not a power of two{hint}: chunk sizes are 64KiB, 128KiB, ... 64MiB")
+    return n
 
 
 def _seconds(value: str, *, zero: bool) -> float:
