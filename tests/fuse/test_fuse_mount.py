@@ -151,6 +151,15 @@ def test_python_open_modes(mnt: Path, client: Client) -> None:
     os.unlink(d / "sub" / "f")
     os.rmdir(d / "sub")
     assert sorted(os.listdir(d)) == ["x.bin"]
+    # `ls -a` lists "." and ".." with their inode numbers (they were absent
+    # until stop 47); os.listdir leaves them out itself.
+    out = subprocess.run(["ls", "-ai", str(d)], capture_output=True, text=True, timeout=30, check=True).stdout
+    ino = {line.split()[1]: int(line.split()[0]) for line in out.splitlines()}
+    assert sorted(ino) == [".", "..", "x.bin"], out
+    assert ino["."] == d.stat().st_ino and ino[".."] == d.parent.stat().st_ino, (out, d.stat().st_ino)
+    assert ino["x.bin"] == p.stat().st_ino
+    root = subprocess.run(["ls", "-ai", str(mnt)], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert {ln.split()[1] for ln in root.splitlines()} >= {".", "..", "t"}, root
 
 
 @pytest.mark.timeout(60)

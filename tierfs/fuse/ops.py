@@ -19,6 +19,7 @@ durable and visible to every client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -128,7 +129,7 @@ class TierFSOperations(pyfuse3.Operations):
         self.options = options or MountOptions()
         self._nodes: dict[int, _Node] = {}
         self._handles: dict[int, _Handle] = {}
-        self._dirs: dict[int, list[pb.DirEntry]] = {}
+        self._dirs: dict[int, list[tuple[str, pb.Attr]]] = {}
         self._next_fh = 1
         self._owner = f"tierfs-fuse pid {os.getpid()}"
 
@@ -300,7 +301,16 @@ class TierFSOperations(pyfuse3.Operations):
     async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
         # A snapshot at opendir: readdir offsets are indexes into it, stable
         # while entries are added or removed meanwhile.
-        entries = [e async for e in self.client.meta.iterdir(int(inode))]
+        # "." and ".." first, as POSIX readdir and `ls -a` expect (the
+        # kernel does not add them for a FUSE filesystem, and links no
+        # dentry for them from readdirplus: no lookup to count).
+        me = (await self.client.meta.stat(int(inode))).attr
+        up = me
+        if me.parent not in (0, me.inode):
+            with contextlib.suppress(TierFSError):  # gone meanwhile, or not ours to see: "." stands in
+                up = (await self.client.meta.stat(int(me.parent))).attr
+        entries: list[tuple[str, pb.Attr]] = [(".", me), ("..", up)]
+        entries += [(e.name, e.attr) async for e in self.client.meta.iterdir(int(inode))]
         fh = self._new_fh()
         self._dirs[fh] = entries
         return fh
@@ -309,9 +319,8 @@ class TierFSOperations(pyfuse3.Operations):
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         entries = self._dirs[int(fh)]
         for i in range(start_id, len(entries)):
-            e = entries[i]
-            if not pyfuse3.readdir_reply(token, os.fsencode(e.name),
-                                         self._entry(e.attr), i + 1):
+            name, attr = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(attr), i + 1):
                 return
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
