@@ -193,6 +193,51 @@ def test_close_and_fsync_make_data_durable(mnt: Path, client: Client) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_descriptor_reads_on_after_its_file_is_removed(mnt: Path, client: Client) -> None:
+    """An open descriptor goes on reading its snapshot after the file is
+    unlinked here or replaced by another client, also once the kernel's
+    cached attributes expired (attr_timeout, 1 s) and it asks getattr again
+    before each read: until stop 47 that getattr's ENOENT failed the reads
+    and fstat. Non-UTF-8 names: ENOENT for a lookup, EILSEQ for a create
+    (it was EIO and a logged traceback)."""
+    d = mnt / "t" / "gone"
+    d.mkdir()
+    data = random_bytes(5 * CHUNK + 17, 47)
+    for how in ("unlink", "replace"):
+        p = d / how
+        p.write_bytes(data)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 0) == data[:4096]
+            if how == "unlink":
+                os.unlink(p)
+            else:
+                client.write_bytes("/t/gone/new", b"new")  # another client renames a new file over it
+                client.rename("/t/gone/new", f"/t/gone/{how}")
+            # Across several attr_timeouts: every read must be served.
+            end = time.monotonic() + 3.5
+            while time.monotonic() < end:
+                for off in (4096, 3 * CHUNK + 5, len(data) - 100):
+                    assert os.pread(fd, 4096, off) == data[off:off + 4096], (how, off)
+                st = os.fstat(fd)
+                assert st.st_size == len(data), (how, st)
+            if how == "unlink":
+                assert os.fstat(fd).st_nlink == 0
+        finally:
+            os.close(fd)
+    assert sorted(os.listdir(d)) == ["replace"] and (d / "replace").read_bytes() == b"new"
+    bad = os.fsencode(str(d)) + b"/bad\xff\xfe"
+    with pytest.raises(FileNotFoundError):
+        os.stat(bad)
+    with pytest.raises(OSError) as ei:
+        os.open(bad, os.O_WRONLY | os.O_CREAT, 0o644)
+    assert ei.value.errno == errno.EILSEQ, ei.value
+    with pytest.raises(OSError) as ei:
+        os.mkdir(bad)
+    assert ei.value.errno == errno.EILSEQ, ei.value
+
+
+@pytest.mark.timeout(60)
 def test_fsx_random_operations(mnt: Path, client: Client) -> None:
     d = mnt / "t" / "fsx"
     d.mkdir()

@@ -88,7 +88,13 @@ def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corouti
 
 
 def _name(raw: bytes) -> str:
-    return os.fsdecode(raw)
+    """A file name as TierFS keeps it: UTF-8 (meta's names are protobuf
+    strings). Other bytes are EILSEQ, not the EIO and logged traceback of a
+    surrogate escape meta cannot carry."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise pyfuse3.FUSEError(errno.EILSEQ) from None
 
 
 @dataclass(eq=False)
@@ -101,6 +107,9 @@ class _Node:
     opens: int = 0
     #: Bumped at every commit and truncate: readers opened before re-open.
     version: int = 0
+    #: Its attributes as last seen, answered to getattr while it is open and
+    #: meta no longer has it (unlinked or replaced since it was opened).
+    attr: pb.Attr | None = None
 
 
 @dataclass(eq=False)
@@ -161,7 +170,10 @@ class TierFSOperations(pyfuse3.Operations):
     @_fuse_errors
     async def lookup(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        n = _name(name)
+        try:
+            n = _name(name)
+        except pyfuse3.FUSEError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None  # no such name can exist
         meta = self.client.meta
         if n == ".":
             info = await meta.stat(int(parent_inode))
@@ -184,7 +196,23 @@ class TierFSOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry((await self.client.meta.stat(int(inode))).attr)
+        ino = int(inode)
+        node = self._nodes.get(ino)
+        try:
+            attr = (await self.client.meta.stat(ino)).attr
+        except NotFoundError:
+            if node is None or node.attr is None:
+                raise
+            # Open here, gone from meta: the kernel asks before a read once
+            # attr_timeout passed, and an ENOENT would fail that read (and
+            # fstat) of a descriptor still reading its snapshot. Answered
+            # as a local file system does: its last attributes, no links.
+            e = self._entry(node.attr)
+            e.st_nlink = 0
+            return e
+        if node is not None:
+            node.attr = attr
+        return self._entry(attr)
 
     @_fuse_errors
     async def setattr(self, inode: pyfuse3.InodeT, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -338,6 +366,8 @@ class TierFSOperations(pyfuse3.Operations):
         if node is None:
             node = self._nodes[inode] = _Node(inode)
         node.opens += 1
+        if info is not None:
+            node.attr = info.attr
         fh = self._new_fh()
         self._handles[fh] = _Handle(node, writable=(flags & os.O_ACCMODE) != os.O_RDONLY,
                                     reader_version=node.version, info=info)
@@ -378,6 +408,7 @@ class TierFSOperations(pyfuse3.Operations):
             info = await self.client.meta.lookup(int(parent_inode), _name(name))
             return await self.open(info.attr.inode, flags, ctx), self._entry(info.attr)
         fi = self._open_handle(info.attr.inode, flags, None)
+        self._nodes[info.attr.inode].attr = info.attr
         return fi, self._entry(info.attr)
 
     async def _writer(self, node: _Node) -> AsyncFile:
@@ -419,6 +450,7 @@ class TierFSOperations(pyfuse3.Operations):
             h.info = None
             if info is None:
                 info = await self.client.meta.stat(node.inode)
+            node.attr = info.attr
             h.reader = AsyncFile(self.client, f"inode {node.inode}", "rb", info, readable=True, writable=False,
                                  append=False, session=None)
             h.reader_version = version
