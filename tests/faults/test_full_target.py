@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import subprocess
 import time
 from pathlib import Path
@@ -146,3 +147,55 @@ async def _cmap(meta: list[str]) -> pb.ClusterMap:
 async def _layout_groups(meta: list[str], path: str) -> list[int]:
     async with MetaClient(meta, deadline=10.0) as mc:
         return list((await mc.stat(path)).layout.groups)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_cluster_is_enospc(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every target on a 12 MiB tmpfs: a write that fills them fails with
+    NoSpaceError (errno ENOSPC), and once the targets report READ_ONLY a
+    new file is refused by meta with NoSpaceError naming the full targets.
+    Until stop 47 the first was UnavailableError (a FUSE close said "No
+    route to host") and the second "needs 6 online targets ... start or
+    register more storage nodes". What was written before still reads."""
+    from tierfs.errors import NoSpaceError
+
+    mnt: list[Path] = []
+
+    def hook(cl: LocalCluster) -> None:
+        for p in cl.procs:
+            if p.kind != "storage":
+                continue
+            target = Path(next(a.split("=", 1)[1] for a in p.argv if a.startswith("--target=")))
+            target.mkdir(parents=True, exist_ok=True)
+            try:
+                _mount(target, "12m")
+            except (PermissionError, OSError) as exc:
+                pytest.skip(f"tmpfs mount not permitted here: {exc}")
+            mnt.append(target)
+            p.argv += ["--reserved-bytes=0", "--min-free=2MiB"]
+
+    fc = None
+    try:
+        fc = FaultCluster(tmp_path_factory.mktemp("allfull"), plan_hook=hook,
+                          extra_storage_args=("--heartbeat-interval=0.3", "--scrub-rate=0"))
+        meta = fc.meta_addrs
+        small = random_bytes(2 * MiB, seed=9)
+        with fc.client(request_timeout=2.0, retries=2) as client:
+            client.mkdir("/f")
+            client.set_layout("/f", chunk_size=MiB, redundancy="ec:4+2")
+            client.write_bytes("/f/small", small)
+            with pytest.raises(NoSpaceError) as ei:
+                client.write_bytes("/f/big", random_bytes(80 * MiB, seed=10))
+            assert ei.value.errno == errno.ENOSPC and "its targets are full" in str(ei.value), ei.value
+            _wait(lambda: all(s == pb.TARGET_STATE_READ_ONLY for s in asyncio.run(_state(meta))[0].values()),
+                  "every target reported READ_ONLY", 10)
+            with pytest.raises(NoSpaceError) as ei:
+                client.write_bytes("/f/next", b"x" * 1000)
+            assert "the cluster is full" in str(ei.value), ei.value
+            assert client.read_bytes("/f/small") == small
+    finally:
+        if fc is not None:
+            fc.close()
+        for m in mnt:
+            with contextlib.suppress(Exception):
+                subprocess.run(["umount", str(m)], capture_output=True, timeout=10)

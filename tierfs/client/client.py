@@ -1704,8 +1704,13 @@ class AsyncClient:
             return [j for j in range(width) if j not in done], targets
         detail = "; ".join(f"fragment {j} on target {targets[j]}: {type(e).__name__}: {e}"
                            for j, e in sorted(errors.items()))
-        raise UnavailableError(f"{view.path}: chunk {idx} could not be stored on group {gid}: {len(done)} of "
-                               f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")
+        full = sum(isinstance(e, NoSpaceError) for j, e in errors.items() if j not in done)
+        # Full members alone left the chunk short: ENOSPC, not "unavailable"
+        # (a FUSE close said "No route to host" for a full cluster).
+        cls: type[TierFSError] = NoSpaceError if width - full < need else UnavailableError
+        raise cls(f"{view.path}: chunk {idx} could not be stored on group {gid}"
+                  f"{' (its targets are full)' if cls is NoSpaceError else ''}: {len(done)} of "
+                  f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")
 
     async def _write_batch_lagged(self, items: Sequence[tuple[int, FragmentKey, Any]],
                                   need: int) -> list[TierFSError | None]:

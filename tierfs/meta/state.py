@@ -44,6 +44,7 @@ from tierfs.errors import (
     InvalidArgumentError,
     InvalidRenameError,
     IsADirectoryError_,
+    NoSpaceError,
     NotADirectoryError_,
     NotFoundError,
     ProtocolError,
@@ -1174,6 +1175,20 @@ class MetaStateMachine(Tracked):
         if new:
             self.map_version += 1
 
+    def _refuse_if_full(self, red: str, w: int, need: int) -> None:
+        """No group can take a new file: when the targets that are full
+        (READ_ONLY: below their reserve) are what is missing, say so with
+        NoSpaceError (ENOSPC), not as if nodes were down."""
+        live = {t.node for t in self.targets.values()
+                if self._target_state(t) == ONLINE and not self.nodes[t.node].draining}
+        full = {t.node for t in self.targets.values()
+                if self._target_state(t) == pb.TARGET_STATE_READ_ONLY and not self.nodes[t.node].draining} - live
+        if full and len(live) < need <= len(live | full):
+            raise NoSpaceError(
+                f"layout {red}: the cluster is full: {len(full)} storage node(s) have only full targets (read-only: "
+                f"free space below their reserve) and {len(live)} have room, {w} needed for a new file: free "
+                f"space (delete files; GC returns it after gc_grace) or add storage")
+
     def _choose_groups(self, spec: LayoutSpec, ino: int, pending: list[list[int]]) -> list[int]:
         w = spec.width
         online = {g: sum(self._target_state(self.targets[t]) == ONLINE for t in self.groups[g])
@@ -1189,6 +1204,8 @@ class MetaStateMachine(Tracked):
             # catches up on when it returns (docs/repair.md).
             healthy = [g for g, n in online.items() if n >= need]
         red = spec.redundancy()
+        if not healthy:
+            self._refuse_if_full(red, w, need)
         if not healthy and online and distinct_nodes(self._eligible()) >= need:
             # Enough nodes are up, but every group of this width lacks too
             # many of its members (the groups were made when other nodes lived).
