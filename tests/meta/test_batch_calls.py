@@ -167,3 +167,59 @@ def test_batch_items_run_as_the_caller(meta_cluster: MetaCluster) -> None:
                 await root.stat("/theirs/x")
 
     asyncio.run(main())
+
+
+def test_a_full_batch_retried_is_answered_not_applied_again(meta_cluster: MetaCluster) -> None:
+    """A Batch of MAX_BATCH_ITEMS renames sent twice (its reply lost, the
+    client retries with the same request ids): every item of the second
+    call answers with its first result. Until stop 47 meta kept a client's
+    last 128 results, so the second call applied the first 128 renames
+    again ("no such file" for renames that had taken effect)."""
+    leader = meta_cluster.addresses[meta_cluster.wait_leader()]
+    n = MAX_BATCH_ITEMS
+    made = asyncio.run(_batch(leader, pb.BatchRequest(items=[_item(1, mkdir=pb.MkdirRequest(loc=pb.Loc(path="/full")))]
+                                                      + [_item(2 + i, mkdir=pb.MkdirRequest(
+                                                          loc=pb.Loc(path=f"/full/f{i}")))
+                                                         for i in range(n - 1)]), client="full-batch"))
+    assert all(isinstance(x, bytes) for x in made), [x for x in made if not isinstance(x, bytes)][:3]
+    req = pb.BatchRequest(items=[_item(1000 + i, rename=pb.RenameRequest(src=pb.Loc(path=f"/full/f{i}"),
+                                                                          dst=pb.Loc(path=f"/full/g{i}")))
+                                 for i in range(n - 1)])
+    first = asyncio.run(_batch(leader, req, client="full-batch"))
+    again = asyncio.run(_batch(leader, req, client="full-batch"))
+    assert all(isinstance(x, bytes) for x in first), [x for x in first if not isinstance(x, bytes)][:3]
+    bad = [(i, x) for i, x in enumerate(again) if x != first[i]]
+    assert not bad, f"{len(bad)} of {n - 1} retried items were not answered from the table, e.g. {bad[:2]}"
+
+
+def test_a_client_keeps_its_request_ids_in_flight_within_the_spread(meta_cluster: MetaCluster,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """MetaClient takes a new request id only within REQUEST_SPREAD of the
+    oldest still in flight (meta keeps twice as many results per client),
+    whether the mutation goes alone or in a Batch; all complete, none waits
+    for ever. The spread is made small here to see it bind."""
+    import tierfs.meta.client as client_mod
+
+    monkeypatch.setattr(client_mod, "REQUEST_SPREAD", 16)
+    widest = 0
+
+    async def main() -> None:
+        nonlocal widest
+        async with MetaClient(meta_cluster.addresses, deadline=30.0) as mc:
+            take = mc._new_rid
+
+            async def watched() -> int:
+                nonlocal widest
+                rid = await take()
+                widest = max(widest, rid - next(iter(mc._rids)))
+                return rid
+
+            mc._new_rid = watched  # type: ignore[method-assign]
+            await mc.mkdir("/spread")
+            out = await asyncio.wait_for(asyncio.gather(*(mc.mkdir(f"/spread/d{i}") for i in range(200))), 60)
+            assert len({x.attr.inode for x in out}) == 200
+            assert mc.batch_calls > 0
+            assert not mc._rids
+
+    asyncio.run(main())
+    assert 0 < widest < 16, widest

@@ -80,7 +80,7 @@ def test_bytes_are_bounded_and_an_oversized_result_is_not_kept(monkeypatch: pyte
 def test_per_client_cap_and_idle_expiry() -> None:
     t = RequestTable()
     for r in range(1, dedup.REQUESTS_PER_CLIENT + 11):
-        t.remember("c", r, b"ok", clock=r)
+        t.remember("c", r, b"ok", clock=min(r, 10))
     assert t.entries == dedup.REQUESTS_PER_CLIENT
     assert t.lookup("c", 10) == (False, None, None) and t.lookup("c", 11) == (True, b"ok", None)
     t.remember("d", 1, b"ok", clock=1000)
@@ -119,3 +119,21 @@ def test_a_kept_reply_answers_only_the_op_kind_it_answered() -> None:
 
 def _apply_rmdir(d: Driver, path: str, client: str, rid: int) -> bytes:
     return d.raw("rmdir", pb.RmdirRequest(loc=pb.Loc(path=path)), client=client, rid=rid)
+
+
+def test_the_window_is_wider_for_ops_of_the_window_format() -> None:
+    """Ops of format 5 on (DEDUP_WINDOW_FORMAT) keep a client's last 4096
+    results, more than a Batch call's items; entries of older leaders keep
+    the 128 they did (a replica replaying them must evict as they did)."""
+    from tierfs.meta.state import DEDUP_WINDOW_FORMAT
+
+    for fmt, kept in ((DEDUP_WINDOW_FORMAT - 1, dedup.REQUESTS_PER_CLIENT_OLD),
+                      (DEDUP_WINDOW_FORMAT, 300)):
+        d = Driver()
+        d.min_format = fmt
+        first = _mkdir(d, "/a0", "c", 1)
+        for i in range(1, 300):
+            _mkdir(d, f"/a{i}", "c", 1 + i)
+        assert d.sm.requests.entries == kept
+        again = _mkdir(d, "/a0", "c", 1)
+        assert (again == first) is (kept == 300), fmt

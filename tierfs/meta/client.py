@@ -27,7 +27,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -44,6 +44,7 @@ from tierfs.errors import (
     from_grpc,
 )
 from tierfs.meta.auth import bearer, resolve_token
+from tierfs.meta.dedup import REQUEST_SPREAD
 from tierfs.meta.ops import MAX_BATCH_ITEMS
 from tierfs.meta.wire import BATCH_RPCS, CLIENT_ID_KEY, LEADER_KEY, REQUEST_ID_KEY
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -198,6 +199,11 @@ class MetaClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Any] = {}
         self._req = itertools.count(1)
+        #: Request ids of mutations in flight (taken, not finished), oldest
+        #: first, and an event set when one finishes (see _new_rid).
+        self._rids: dict[int, None] = {}
+        self._rid_freed = asyncio.Event()
+        self._last_rid = 0
         self._closed = False
         #: Called with every data-plane capability a reply carries (FileInfo,
         #: OpenWriteReply, RenewLeaseReply): the data client keeps them.
@@ -264,6 +270,31 @@ class MetaClient:
             stub = self._stubs[addr] = meta_pb2_grpc.MetaServiceStub(ch)
         return stub
 
+    # ---- request ids --------------------------------------------------------------
+
+    async def _new_rid(self) -> int:
+        """A request id for a new mutation, once it is within REQUEST_SPREAD
+        of the oldest still in flight: meta keeps a client's last
+        REQUESTS_PER_CLIENT results for retries, so a request retried after
+        a lost reply finds its first result instead of being applied again
+        (a Batch call alone carries 256; until stop 47 meta kept 128 and
+        nothing held a client back)."""
+        while self._rids and self._last_rid + 1 - next(iter(self._rids)) >= REQUEST_SPREAD:
+            freed = self._rid_freed
+            await freed.wait()
+        rid = self._last_rid = next(self._req)
+        self._rids[rid] = None
+        return rid
+
+    def _untracked_rid(self) -> int:
+        rid = self._last_rid = next(self._req)
+        return rid
+
+    def _free_rid(self, rid: int) -> None:
+        if self._rids.pop(rid, 0) is None:
+            freed, self._rid_freed = self._rid_freed, asyncio.Event()
+            freed.set()
+
     # ---- the retry loop -------------------------------------------------------
 
     async def _call(self, method: str, req: Message, reply_cls: type[_R], *, mutating: bool = False,
@@ -275,9 +306,22 @@ class MetaClient:
         loop = asyncio.get_running_loop()
         end = loop.time() + (self.deadline if deadline is None else max(0.0, min(deadline, self.deadline)))
         md = bearer(self.token if token is None else token)
+        own = 0
         if mutating:
-            rid = next(self._req) if request_id is None else request_id
+            if request_id is None:
+                rid = own = await self._new_rid()
+            else:
+                rid = request_id
             md += ((CLIENT_ID_KEY, self.client_id), (REQUEST_ID_KEY, str(rid)))
+        try:
+            return cast(_R, await self._attempts(method, req, md, end, addr, attempt_timeout))
+        finally:
+            if own:
+                self._free_rid(own)
+
+    async def _attempts(self, method: str, req: Message, md: Any, end: float, addr: str | None,
+                        attempt_timeout: float | None) -> Any:
+        loop = asyncio.get_running_loop()
         target = addr or self._leader
         tried: list[str] = []
         last = ""
@@ -348,17 +392,23 @@ class MetaClient:
         ``mutations_in_flight`` are in flight, else queued for the next
         Batch call. Either way it keeps its request id across retries."""
         limit = self.mutations_in_flight
+        # The id first, before a batch slot is taken: waiting for it while
+        # holding one could wait on a queued mutation that needs that slot.
+        rid = await self._new_rid()
         if limit <= 0 or self._batch_unsupported or (self._mut_busy < limit and not self._mut_queue):
             self._mut_busy += 1
             try:
-                return await self._call(method, req, reply_cls, mutating=True)
+                return await self._call(method, req, reply_cls, mutating=True, request_id=rid)
             finally:
+                self._free_rid(rid)
                 self._mut_busy -= 1
                 self._schedule_batch()
         if self._closed:
+            self._free_rid(rid)
             raise UnavailableError("MetaClient is closed")
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._mut_queue.append(_Queued(method, req, reply_cls, next(self._req), fut))
+        fut.add_done_callback(lambda _f: self._free_rid(rid))
+        self._mut_queue.append(_Queued(method, req, reply_cls, rid, fut))
         self._schedule_batch()
         reply = await fut
         assert isinstance(reply, reply_cls)
@@ -393,8 +443,11 @@ class MetaClient:
                 await asyncio.gather(*(self._alone(q) for q in take))
                 return
             try:
+                # The call's own id is not one meta keeps (each item has
+                # its own): it is not held against the spread, so a batch
+                # never waits on its own items.
                 reply = await self._call("Batch", pb.BatchRequest(items=[q.item() for q in take]), pb.BatchReply,
-                                         mutating=True)
+                                         mutating=True, request_id=self._untracked_rid())
             except UnsupportedError:
                 self._batch_unsupported = True  # a leader without Batch: one call each
                 await asyncio.gather(*(self._alone(q) for q in take))

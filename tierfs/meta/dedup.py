@@ -9,7 +9,12 @@ on anything but the sequence of calls.
 
 Bounded three ways:
 
-* per client, the last :data:`REQUESTS_PER_CLIENT` request ids;
+* per client, the last :data:`REQUESTS_PER_CLIENT` request ids (ops of
+  format :data:`~tierfs.meta.state.DEDUP_WINDOW_FORMAT` on; older ones
+  :data:`REQUESTS_PER_CLIENT_OLD`, fewer than a Batch call's 256 items, so
+  a retried batch was applied again in part); a client keeps the request
+  ids it has in flight within :data:`REQUEST_SPREAD` of each other
+  (``MetaClient``), so none of them is dropped before its last retry;
 * in total, :data:`MAX_ENTRIES` results and :data:`MAX_BYTES` bytes of
   results: past either, the least recently active clients are forgotten,
   oldest first (clients are kept in the order of their latest request, so
@@ -33,10 +38,15 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_BYTES", "MAX_ENTRIES", "MAX_RESULT_BYTES", "REQUESTS_PER_CLIENT", "REQUEST_TTL_NS",
-           "RequestTable"]
+__all__ = ["MAX_BYTES", "MAX_ENTRIES", "MAX_RESULT_BYTES", "REQUESTS_PER_CLIENT", "REQUESTS_PER_CLIENT_OLD",
+           "REQUEST_SPREAD", "REQUEST_TTL_NS", "RequestTable"]
 
-REQUESTS_PER_CLIENT = 128
+REQUESTS_PER_CLIENT = 4096
+REQUESTS_PER_CLIENT_OLD = 128
+#: The most a client's request ids in flight may differ (MetaClient waits
+#: before taking a new id past it): half the window, so that the results of
+#: every request a client may still retry are among those kept.
+REQUEST_SPREAD = REQUESTS_PER_CLIENT // 2
 MAX_ENTRIES = 65_536
 MAX_BYTES = 32 << 20
 MAX_RESULT_BYTES = 64 << 10
@@ -80,7 +90,8 @@ class RequestTable:
             return False, None, None
         return True, c.results[request_id], c.prints.get(request_id)
 
-    def remember(self, client: str, request_id: int, out: bytes, clock: int, fingerprint: str | None = None) -> None:
+    def remember(self, client: str, request_id: int, out: bytes, clock: int, fingerprint: str | None = None,
+                 window: int = REQUESTS_PER_CLIENT) -> None:
         c = self._clients.pop(client, None)
         if c is None:
             c = _Client(last_seen=clock)
@@ -95,8 +106,11 @@ class RequestTable:
         c.size += _cost(kept)
         self.entries += 1
         self.bytes += _cost(kept)
-        if len(c.results) > REQUESTS_PER_CLIENT:
-            for old in sorted(c.results)[: len(c.results) - REQUESTS_PER_CLIENT]:
+        if len(c.results) > window:
+            extra = len(c.results) - window
+            # The lowest ids go first (min, not a sort per op: the window
+            # is thousands of ids, and it is over by one at a time).
+            for old in ([min(c.results)] if extra == 1 else sorted(c.results)[:extra]):
                 self._drop(c, old)
         while (self.entries > MAX_ENTRIES or self.bytes > MAX_BYTES) and len(self._clients) > 1:
             self._forget(next(iter(self._clients)))

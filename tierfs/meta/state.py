@@ -53,7 +53,12 @@ from tierfs.errors import (
     TierFSError,
 )
 from tierfs.meta import users as users_mod
-from tierfs.meta.dedup import REQUEST_TTL_NS, RequestTable
+from tierfs.meta.dedup import (
+    REQUEST_TTL_NS,
+    REQUESTS_PER_CLIENT,
+    REQUESTS_PER_CLIENT_OLD,
+    RequestTable,
+)
 from tierfs.meta.domains import domain, domain_line, rack_counts
 from tierfs.meta.gcqueue import GCEntry, GCQueue
 from tierfs.meta.interfaces import LegacyEntryError, ReplicaTooOldError
@@ -108,7 +113,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 4)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 5)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -132,6 +137,11 @@ DEDUP_BOUND_FORMAT = 4
 #: entries replaced the whole spec (unset fields were inherited from the
 #: parent again, so a second set-layout lost the first's settings).
 LAYOUT_MERGE_FORMAT = 4
+#: Entries of this format on keep a client's last REQUESTS_PER_CLIENT (4096)
+#: results for retries; older ones kept 128, fewer than one Batch call's
+#: items, so a batch retried after a lost reply was partly applied again
+#: (a rename moved twice, a mkdir answered "exists").
+DEDUP_WINDOW_FORMAT = 5
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -395,7 +405,9 @@ class MetaStateMachine(Tracked):
         # after the op succeeded (it keeps an activity order of its own that
         # the undo log would not restore).
         if dedup:
-            self.requests.remember(msg.client_id, msg.request_id, out, self.clock, fingerprint)
+            self.requests.remember(msg.client_id, msg.request_id, out, self.clock, fingerprint,
+                                   REQUESTS_PER_CLIENT if msg.min_format >= DEDUP_WINDOW_FORMAT
+                                   else REQUESTS_PER_CLIENT_OLD)
         return out
 
     def _advance(self, now_ns: int) -> int:
