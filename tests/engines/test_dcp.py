@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tests.engines.conftest import REPO
 from tierfs.client import Client
 from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError
 from tierfs.integrations.torch_dcp import TierFSStorageReader, TierFSStorageWriter, tierfs_path
-from tierfs.local import free_ports
+from tierfs.local import LocalCluster, free_ports
 
 WORLD = 4
 
@@ -234,3 +235,45 @@ def test_region_is_one_run_exactly_when_the_box_is_contiguous() -> None:
         else:
             assert run is None, box
     assert _region(_Stored(0, 60, torch.int64, (5, 12), (1, 5), 0), [0, 0], [5, 12]) is None  # transposed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_storage_failure_mid_save_is_the_error_dcp_reports(tmp_path: Path) -> None:
+    """A storage node SIGKILLed while a save writes its tensors (ec:2+1 on
+    three nodes: a chunk needs all three): the save fails with TierFS's
+    error, naming the file and the chunk. Until stop 47 torch.save's zip
+    writer went on to write its end records after the failed write and
+    raised "unexpected pos ...", the only error DCP showed."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from tests.faults.harness import FAST_META
+
+    cl = LocalCluster(tmp_path / "c", n_storage=3, extra_meta_args=list(FAST_META))
+    cl.up(timeout=120)
+    try:
+        victim = next(p.name for p in cl.procs if p.kind == "storage")
+
+        class KillAtSecondTensor(DefaultSavePlanner):
+            seen = 0
+
+            def resolve_data(self, write_item: Any) -> Any:
+                if write_item.type.name != "BYTE_IO":
+                    KillAtSecondTensor.seen += 1
+                    if KillAtSecondTensor.seen == 2:
+                        cl.kill(victim)
+                return super().resolve_data(write_item)
+
+        sd = {f"t{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each: 16 chunks
+        with Client(cl.meta_addrs, request_timeout=2.0, retries=2) as c:
+            c.mkdir("/ck")
+            c.set_layout("/ck", chunk_size=64 << 10, redundancy="ec:2+1")
+            with pytest.raises(CheckpointException) as ei:
+                dcp.save(sd, storage_writer=TierFSStorageWriter("/ck/a", client=c, thread_count=1),
+                         planner=KillAtSecondTensor(), no_dist=True)
+        text = str(ei.value)
+        assert KillAtSecondTensor.seen >= 2
+        assert "unexpected pos" not in text, text
+        assert "could not be stored" in text and ".distcp" in text, text
+    finally:
+        cl.stop()

@@ -164,6 +164,11 @@ class _Sink:
         self.f = f
         self.pos = int(f.tell())
         self.buf = bytearray()
+        #: The first error of a write to the file. torch.save's zip writer
+        #: goes on to write its end records after it and fails with its own
+        #: "unexpected pos" error, the only one DCP shows: :meth:`check`
+        #: raises this one instead.
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -174,16 +179,30 @@ class _Sink:
                 self.drain()
         else:
             self.drain()
-            self.f.write(view)
+            self._write(view)
         self.pos += n
         return n
+
+    def _write(self, data: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            self.f.write(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     def drain(self) -> None:
         if self.buf:
             # The file copies or encodes what it is given before write
             # returns, so the buffer is free again; a new one is simplest.
-            self.f.write(self.buf)
+            self._write(self.buf)
             self.buf = bytearray()
+
+    def check(self, exc: BaseException) -> None:
+        """Re-raise the file's own error if ``exc`` came after one."""
+        if self.error is not None and exc is not self.error:
+            raise self.error from exc
 
     def tell(self) -> int:
         return self.pos
@@ -341,7 +360,11 @@ class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
                     with lock:
                         self.copied_tensors += 1
                 off = sink.tell()
-                torch.save(t, sink)  # the storage goes to f.write as one memoryview of its memory
+                try:
+                    torch.save(t, sink)  # the storage goes to f.write as one memoryview of its memory
+                except Exception as exc:
+                    sink.check(exc)
+                    raise
                 length = sink.tell() - off
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, off, length)))
