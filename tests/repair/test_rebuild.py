@@ -342,3 +342,44 @@ def test_target_rm_refuses_to_drop_the_last_readable_copy_without_force(cluster:
     # The dead one may go: its copy is unreadable anyway.
     code, _, err = _cli(cluster, "target", "rm", str(a))
     assert code == 0, err
+
+
+@pytest.mark.timeout(90)
+def test_a_down_last_copy_is_held_not_replaced(cluster: LocalCluster) -> None:
+    """Found by a new operator: a replica:1 file's node down longer than
+    replace_after (2 s here) had its target swapped out of the group; the
+    new member "rebuilt" from nothing, and the file stayed unreadable after
+    the node came back with the fragments. Now a down member whose group's
+    other members cannot rebuild it is held in place (meta logs why), while
+    the same node's ec:4+2 groups are replaced and rebuilt as before; when
+    it returns, the file reads back."""
+    one = random_bytes(300 * 1024, 17)
+    files = asyncio.run(_write(cluster))
+
+    async def write_one() -> int:
+        async with AsyncClient(cluster.meta_addrs) as c:
+            await c.mkdir("/one")
+            await c.set_layout("/one", chunk_size=128 * 1024, redundancy="replica:1")
+            await c.write_bytes("/one/f", one)
+            return (await c.meta.stat("/one/f")).layout.groups[0]
+
+    gid = asyncio.run(write_one())
+    cmap = asyncio.run(map_now(cluster))
+    (tid,) = next(list(g.target_ids) for g in cmap.groups if g.group_id == gid)
+    node = next(t.node_id for t in cmap.targets if t.target_id == tid)
+    victim = next(p.name for p in cluster.procs
+                  if p.kind == "storage" and p.addr == next(n.data_addr for n in cmap.nodes if n.node_id == node))
+    assert any(tid in g.target_ids and len(g.target_ids) == 6 for g in cmap.groups)
+    cluster.kill(victim)
+    # Its EC groups are replaced and rebuilt; the replica:1 group keeps it.
+    done = asyncio.run(wait_map(cluster, lambda m: all(tid not in g.target_ids or g.group_id == gid
+                                                           for g in m.groups) and not any(g.rebuilding
+                                                                                          for g in m.groups),
+                                30, "the dead node's EC groups replaced and rebuilt"))
+    assert list(next(g for g in done.groups if g.group_id == gid).target_ids) == [tid]
+    asyncio.run(_check(cluster, files))
+    log = (cluster.dir / "logs" / "meta-0.log").read_text(errors="replace")
+    assert f"target {tid} in group {gid}" in log and "not replaced automatically" in log
+    cluster.start(names=[victim])
+    asyncio.run(cluster.wait_healthy(60))
+    asyncio.run(_check(cluster, {**files, "/one/f": one}))

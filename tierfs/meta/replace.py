@@ -46,16 +46,29 @@ class ReplaceInput:
     doms: dict[int, str]  # every target -> failure domain
     racks: dict[int, str]  # node -> rack label (for domain_cap)
     groups: dict[int, list[int]]
+    #: (group, target) pairs not to swap out: the target is down and the
+    #: group's other members cannot rebuild what it holds
+    #: (MetaStateMachine.rebuild_would_lose); only the tick's replacements.
+    held: frozenset[tuple[int, int]] = frozenset()
 
 
-def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterable[int] = ()) -> ReplaceInput:
+def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterable[int] = (),
+                  hold: bool = False) -> ReplaceInput:
     """A copy of what :func:`plan_replacements` needs (one pass over the
     groups, on the event loop). ``leaving``: targets the op itself makes
-    ineligible before it replaces (the removed target, the drained node's)."""
+    ineligible before it replaces (the removed target, the drained node's).
+    ``hold``: leave down targets in place where replacing them would lose
+    data (the tick's replacement of long-down targets; an operator's
+    ``target rm`` has its own check and ``--force``)."""
     out = set(leaving)
+    tids = list(tids)
     eligible = {t: n for t, n in sm.eligible_targets().items() if t not in out}
-    return ReplaceInput(list(tids), eligible, {t.id: t.node for t in sm.targets.values()}, sm.target_domains(),
-                        sm.node_racks(), {g: list(m) for g, m in sm.groups.items()})
+    held: set[tuple[int, int]] = set()
+    if hold:
+        want = set(tids)
+        held = {(g, t) for g, m in sm.groups.items() for t in want.intersection(m) if sm.rebuild_would_lose(g, t)}
+    return ReplaceInput(tids, eligible, {t.id: t.node for t in sm.targets.values()}, sm.target_domains(),
+                        sm.node_racks(), {g: list(m) for g, m in sm.groups.items()}, frozenset(held))
 
 
 def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple[list[Move], list[int]]:
@@ -76,7 +89,7 @@ def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple
     for tid in inp.tids:
         for gid in of.get(tid, ()):
             members = groups[gid]
-            if tid not in members:
+            if tid not in members or (gid, tid) in inp.held:
                 continue
             if len(moves) >= limit:
                 stuck.append(gid)

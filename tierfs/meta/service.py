@@ -267,6 +267,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         # (map version, targets down) of the last tick that found nothing to
         # replace: the next ticks skip planning until one of them changes.
         self._replace_idle: tuple[int, tuple[int, ...]] = (-1, ())
+        self._held_logged: frozenset[tuple[int, int]] = frozenset()
         self.gc_grace = gc_grace
         self.usage_interval = usage_interval
         self.kv_default_pool = kv_default_pool
@@ -704,7 +705,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             down = self.state.down_for(op.now_ns, req.replace_after_ms)
             key = (self.state.map_version, tuple(down))
             if down and key != self._replace_idle:
-                rep = await self._plan_replacements(down, [])
+                rep = await self._plan_replacements(down, [], hold=True)
                 if rep.moves:
                     op.tick.replaced.CopyFrom(rep)
                 else:
@@ -1129,11 +1130,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                         f"still serves. Copy it off first (`tierfs node drain {t.node}`), or remove it anyway "
                         f"with --force")
 
-    async def _plan_replacements(self, tids: list[int], leaving: list[int]) -> pb.Replacements:
+    async def _plan_replacements(self, tids: list[int], leaving: list[int], *,
+                                 hold: bool = False) -> pb.Replacements:
         """The replacements of ``tids`` (tierfs.meta.replace): inputs copied
         here on the event loop, planned in a worker thread; apply checks
-        them against the state it finds."""
-        inp = replace_input(self.state, tids, leaving=leaving)
+        them against the state it finds. ``hold``: not where it would lose
+        data (the tick's)."""
+        inp = replace_input(self.state, tids, leaving=leaving, hold=hold)
+        if inp.held and inp.held != self._held_logged:
+            self._held_logged = inp.held
+            log.warning("holding %d down target(s) in their groups (%s): the other members cannot rebuild what "
+                        "they hold (replica:1, or too few readable), so they are not replaced automatically; "
+                        "bring them back, or `tierfs target rm` one (its data is lost)", len(inp.held),
+                        ", ".join(f"target {t} in group {g}" for g, t in sorted(inp.held)[:5]))
         moves, stuck = await asyncio.to_thread(plan_replacements, inp)
         return replacements_pb(moves, stuck)
 

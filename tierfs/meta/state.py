@@ -1888,6 +1888,31 @@ class MetaStateMachine(Tracked):
         now, after = self._advance(now_ns), replace_after_ms * NS_PER_MS
         return sorted(t.id for t in self.targets.values() if t.down_since and now - t.down_since >= after)
 
+    def rebuild_would_lose(self, gid: int, tid: int) -> bool:
+        """Whether swapping down member ``tid`` of group ``gid`` out for a
+        new target would lose data rather than rebuild it: fewer of the
+        other members are readable than a chunk stored in the group needs
+        (K of ec:K+M, one copy of replica:N; the only member of a replica:1
+        group has none). Held in place instead, the target's fragments are
+        back when it is (until stop 47 a replica:1 file was unreadable for
+        good after its node was down for replace_after). O(1) when at most
+        this member is down; else O(files in the group) at worst."""
+        members = self.groups.get(gid)
+        if members is None or tid not in members or gid not in self.ginv:
+            return False  # holds no data
+        rb = self.rebuilding.get(gid, set())
+        readable = sum(1 for m in members if m != tid and m not in rb and m in self.targets
+                       and self._target_state(self.targets[m]) in (ONLINE, pb.TARGET_STATE_READ_ONLY))
+        if len(members) > 1 and readable >= len(members) - 1:
+            return False  # K <= width - 1 for every layout wider than one
+        if readable == 0:
+            return True
+        for ino in self.ginv[gid]:
+            lay = self.inodes[ino].layout if ino in self.inodes else None
+            if lay is not None and (1 if lay.kind == pb.REDUNDANCY_KIND_REPLICA else lay.k) > readable:
+                return True
+        return False
+
     def _replaceable(self, down: set[int]) -> bool:
         """Whether some group holding one of ``down`` has a candidate to
         replace it (a group with none would make every tick a no-op log
