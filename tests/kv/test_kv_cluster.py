@@ -1152,3 +1152,36 @@ def test_local_tiers_never_read_otherwise_than_the_cluster(cl: LocalCluster, cli
         # cluster, so a's map is refreshed here as any cluster call would)
         a._run(a.aclient._parts()[2].refresh(force=True))
         assert ka.get("k") is None and kb.get("k") is None
+
+
+def test_local_tiers_follow_this_clients_acknowledged_writes(cl: LocalCluster) -> None:
+    """Found by a new user (stop 47), each a value this client read after
+    its own acknowledged write said otherwise:
+    - a fresh client's first put cached under pool id 0 (no map yet), a
+      copy its later overwrite and delete never reached, read again once
+      the pool was removed;
+    - a put without overwrite of a key the cluster no longer held (another
+      client deleted it) stored the new value in the cluster, while this
+      client's DRAM tier kept serving the old one.
+    (A fill or demotion still being written when this client overwrites or
+    deletes the key: tests/kv/test_tiers.py,
+    test_ssd_write_in_flight_is_undone_by_a_delete_or_a_newer_put.)"""
+    name = "ownwrites"
+    create_pool(cl, name, redundancy="replica:1", target_memory=64 * MiB)
+    pool_served(cl.meta_addrs, name)
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB) as a, Client(cl.meta_addrs) as b:
+        ka, kb = a.kv_pool(name), b.kv_pool(name)
+        assert ka.put("first", b"1" * 100)  # this client's first call: no map before it
+        local = a.aclient._kv_local().tiers[0].keys()  # type: ignore[union-attr]
+        pid = a.aclient._parts()[2].kv_pools[name].pool_id
+        assert local and all(k.startswith(f"{name}\0{pid}\0".encode()) for k in local), (local, pid)
+        assert ka.put("first", b"2" * 100, overwrite=True) and ka.get("first") == b"2" * 100
+        assert ka.delete("first") and ka.get("first") is None
+
+        assert ka.put("k", b"O" * 1000)
+        assert kb.delete("k")
+        assert ka.put("k", b"N" * 1000)  # the cluster had none: it stores this one
+        assert kb.get("k") == b"N" * 1000
+        assert ka.get("k") == b"N" * 1000  # the old value until stop 47
+        assert ka.put("k", b"X" * 1000) is False  # the cluster keeps N: so does a
+        assert ka.get("k") == b"N" * 1000

@@ -255,6 +255,62 @@ class GatedBackend(PosixBackend):
         return await super()._pread(fd, buf, offset)
 
 
+class WriteGatedBackend(PosixBackend):
+    """The posix backend with writes held at a gate (the I/O itself is real)."""
+
+    def __init__(self, pool: BufferPool) -> None:
+        super().__init__(pool, threads=4)
+        self.gate = asyncio.Event()
+        self.waiting = 0
+
+    async def _pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        self.waiting += 1
+        await self.gate.wait()
+        return await super()._pwrite(fd, buf, offset)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("then", ["delete", "put"])
+def test_ssd_write_in_flight_is_undone_by_a_delete_or_a_newer_put(ssd_path: Path, then: str) -> None:
+    """A put still writing (a fill or a demotion of the old value) when the
+    key is deleted, or put again with other bytes (an overwrite): the write
+    in flight must not land afterwards. Until stop 47 the delete found
+    nothing (False), the newer put was refused, and the older value was
+    inserted when its write finished: served after an acknowledged
+    overwrite or delete (a new user's race on a client with an SSD tier)."""
+
+    async def main() -> None:
+        pool = BufferPool(16 * MiB)
+        be = WriteGatedBackend(pool)
+        t = SsdTier(ssd_path, 4 * MiB, backend=be, pool=pool)
+        size = 256 << 10
+        old, new = pattern(b"old", size), pattern(b"new", size)
+        first = asyncio.ensure_future(t.put(b"k", memoryview(old)))
+        while be.waiting < 1:
+            await asyncio.sleep(0)
+        if then == "delete":
+            assert await t.delete(b"k")  # the write in flight counts
+        else:
+            assert not await t.put(b"k", memoryview(new))  # not stored: neither value lands
+        be.gate.set()
+        assert await first is False
+        assert await t.get_into(b"k", memoryview(bytearray(size))) is None
+        assert t.stats().objects == 0
+        # The key can be stored again, and its extent came back.
+        assert await t.put(b"k", memoryview(new))
+        got = bytearray(size)
+        assert await t.get_into(b"k", memoryview(got)) == size and bytes(got) == new
+        for i in range(15):
+            k = f"f{i}".encode()
+            assert await t.put(k, memoryview(pattern(k, size)))
+        assert t.stats().objects == 16
+        await t.close()
+        await be.aclose()
+        pool.close()
+
+    run(main())
+
+
 @pytest.mark.timeout(60)
 def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
     """A get that is waiting for the disk while its object is deleted and the

@@ -123,6 +123,22 @@ class AsyncKV:
         self.counters = {"write_back_pending": 0, "write_back_failed": 0, "write_back_waits": 0, "prefetched": 0,
                          "prefetch_misses": 0}
 
+    async def _local_for(self) -> LocalTiers | None:
+        """The local tiers, once this pool's id is known (local keys carry
+        it); None without local tiers, or when the pool's route cannot be
+        had (meta unreachable with no map yet, or the pool removed): its
+        local copies are then not used. Until stop 47 such calls used pool
+        id 0, so a fresh client's first put stored a copy that its later
+        overwrite and delete (under the real id) never reached, and a get
+        after `kv pool rm` served it."""
+        if self._local is None or self._router.kv_pools.get(self.pool) is not None:
+            return self._local
+        try:
+            await self.cluster.route()
+        except TierFSError:
+            return None
+        return self._local if self._router.kv_pools.get(self.pool) is not None else None
+
     def _lk(self, key: bytes) -> bytes:
         route = self._router.kv_pools.get(self.pool)
         pid = route.pool_id if route is not None else 0
@@ -159,9 +175,10 @@ class AsyncKV:
             # common case, without batch_get_into's lists.
             k = normalize_key(key)
             view = byte_view(buf, writable=True)
-            if self._local is None:
+            local = await self._local_for()
+            if local is None:
                 return await self.cluster.get_into(k, view)
-            n = await self._local.stack.get_into(self._lk(k), view)
+            n = await local.stack.get_into(self._lk(k), view)
             if n is not None:
                 return n
             out: list[int | None] = [None]
@@ -174,7 +191,7 @@ class AsyncKV:
     async def get(self, key: str | bytes) -> bytes | None:
         """The object as ``bytes``, or None."""
         k = normalize_key(key)
-        if self._local is not None:
+        if await self._local_for() is not None:
             got = await self._local_get_bytes(k)
             if got is not None:
                 return got
@@ -233,19 +250,30 @@ class AsyncKV:
         if pin_kind < 0:
             raise InvalidArgumentError(f"pin is 'soft', 'hard' or None, not {pin!r}")
         pin_ttl_ms = _ttl_ms(pin_ttl, "pin_ttl")
-        if self._local is not None:
+        local = await self._local_for()
+        if local is not None:
             parent: bytes | None = None
             # the local copies expire no later than the cluster's, whose TTL
             # starts when the daemons have the object
             expires = time.monotonic() + ttl_ms / 1000 if ttl_ms else 0.0
             for k, v in zip(ks, views, strict=True):
+                lk = self._lk(k)
                 if overwrite:
                     # A local tier's put keeps what it holds (content
                     # addressing): the old value would go on being served
                     # here, to the client that overwrote it.
                     await self._drop_local(k)
-                await self._local.stack.put(self._lk(k), v, parent=parent, expires=expires)
-                parent = self._lk(k)
+                if not await local.stack.put(lk, v, parent=parent, expires=expires) \
+                        and (await local.stack.contains([lk]))[0]:
+                    # Held here already: maybe another value (a put without
+                    # overwrite of a key the cluster evicted or another
+                    # client deleted, which the cluster then stores). This
+                    # value goes in its place; if the cluster keeps another,
+                    # the copy is dropped below (until stop 47 the old one
+                    # went on being served to this client).
+                    await self._drop_local(k)
+                    await local.stack.put(lk, v, parent=parent, expires=expires)
+                parent = lk
         if self._write_back and not overwrite and not ttl_ms and not pin_kind:
             await self._queue_write_back(ks, views)
             return [True] * len(ks)
@@ -299,11 +327,12 @@ class AsyncKV:
         miss = misfit == "miss"
         out: list[int | None] = [None] * len(ks)
         todo = list(range(len(ks)))
-        if self._local is not None:
+        local = await self._local_for()
+        if local is not None:
             rest = []
             for i in todo:
                 try:
-                    n = await self._local.stack.get_into(self._lk(ks[i]), views[i])
+                    n = await local.stack.get_into(self._lk(ks[i]), views[i])
                 except InvalidArgumentError:
                     if not miss:
                         raise
@@ -348,8 +377,9 @@ class AsyncKV:
         ks = normalize_keys(keys)
         out = [False] * len(ks)
         todo = list(range(len(ks)))
-        if self._local is not None and ks:
-            local = await self._local.stack.contains([self._lk(k) for k in ks])
+        tiers = await self._local_for() if ks else None
+        if tiers is not None:
+            local = await tiers.stack.contains([self._lk(k) for k in ks])
             todo = [i for i in todo if not local[i]]
             for i, hit in enumerate(local):
                 out[i] = hit
@@ -381,8 +411,10 @@ class AsyncKV:
         return task
 
     async def _prefetch(self, ks: list[bytes]) -> None:
-        assert self._local is not None
-        local = await self._local.stack.contains([self._lk(k) for k in ks])
+        tiers = await self._local_for()
+        if tiers is None:
+            return
+        local = await tiers.stack.contains([self._lk(k) for k in ks])
         for k, hit in zip(ks, local, strict=True):
             if hit:
                 continue
@@ -507,6 +539,12 @@ class AsyncKV:
         if self._local is None or self._dropped.get(k, 0) > mark:
             return False
         await self._local.stack.put(self._lk(k), view, expires=expires)
+        if self._dropped.get(k, 0) > mark:
+            # Dropped while the fill was being written (an overwrite or a
+            # delete of this client's): what it wrote below the tier the
+            # drop found it in must not stay (until stop 47 it did).
+            await self._local.stack.delete(self._lk(k))
+            return False
         return True
 
     async def _drop_local(self, k: bytes) -> None:

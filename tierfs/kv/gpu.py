@@ -333,29 +333,7 @@ class GpuTier(_ExtentTier):
             size = src.nbytes
         key = check_key(key)
         # The same steps as _ExtentTier.put, for a source that may be a tensor.
-        if not self._may_put(key, expires):
-            return False
-        units = max(1, -(-size // self.unit))
-        if units > self._alloc.total or not self._policy.admit(key, size):
-            return False
-        self._writing.add(key)
-        try:
-            off = await self._allocate(units)
-            e = _Entry(key, off, units, size, self.unit)
-            self._held += units
-            try:
-                await self._store(e, src)
-            except BaseException:
-                self._held -= units
-                self._free(e)
-                raise
-            self._held -= units
-        finally:
-            self._writing.discard(key)
-        if self._closed:
-            return False
-        self._insert(e, expires, parent)
-        return True
+        return await self._put_checked(key, src, size, expires, parent)
 
     async def get_into(self, key: bytes, dest: Any) -> int | None:
         cuda = is_cuda_tensor(dest)

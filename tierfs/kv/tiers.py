@@ -367,7 +367,11 @@ class _ExtentTier(Tier):
         self._policy = make_policy(policy, capacity_bytes=capacity_bytes) if isinstance(policy, str) else policy
         self._on_access = self._policy.on_access
         self._index: dict[bytes, _Entry] = {}
-        self._writing: set[bytes] = set()
+        # Keys being written (put between its checks and its insert) ->
+        # whether a delete or a newer put of the key came meanwhile: then
+        # the write ends without inserting (it would bring back a value the
+        # caller has since dropped or replaced).
+        self._writing: dict[bytes, list[bool]] = {}
         self._used = 0
         self._held = 0  # extents out of the index but not yet free (zombies, in-flight writes)
         self._waiters: list[asyncio.Future[None]] = []
@@ -522,13 +526,26 @@ class _ExtentTier(Tier):
         src = source_view(buf)
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        if key in self._writing or ((key in self._index or expires) and not self._may_put(key, expires)):
+        return await self._put_checked(key, src, src.nbytes, expires, parent)
+
+    async def _put_checked(self, key: bytes, src: Any, size: int, expires: float, parent: bytes | None) -> bool:
+        """The steps of a put once ``key`` and ``src`` are valid (a subclass
+        whose sources may be other than memoryviews calls this too)."""
+        busy = self._writing.get(key)
+        if busy is not None:
+            # Another put of the key is being written: it may hold other
+            # bytes (an overwrite racing a fill or a demotion of the old
+            # value). Neither lands: the key is a miss here, never the
+            # older value (until stop 47 the older one landed and this one
+            # was refused).
+            busy[0] = True
             return False
-        size = src.nbytes
+        if (key in self._index or expires) and not self._may_put(key, expires):
+            return False
         units = max(1, -(-size // self.unit))
         if units > self._alloc.total or not self._policy.admit(key, size):
             return False
-        self._writing.add(key)
+        mine = self._writing[key] = [False]
         try:
             off = await self._allocate(units)
             e = _Entry(key, off, units, size, self.unit)
@@ -541,8 +558,11 @@ class _ExtentTier(Tier):
                 raise
             self._held -= units
         finally:
-            self._writing.discard(key)
-        if self._closed:
+            if self._writing.get(key) is mine:
+                del self._writing[key]
+        if self._closed or mine[0]:
+            if not self._closed:
+                self._free(e)
             return False
         self._insert(e, expires, parent)
         return True
@@ -566,6 +586,11 @@ class _ExtentTier(Tier):
 
     async def delete(self, key: bytes) -> bool:
         key, e = self._lookup(key)
+        busy = self._writing.get(key)
+        if busy is not None:
+            busy[0] = True  # being written: it will not be inserted
+            if e is None:
+                return True
         if e is None:
             return False
         del self._index[key]
