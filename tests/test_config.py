@@ -62,3 +62,25 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         load(_Cfg, tmp_path / "missing.toml", env={})
     with pytest.raises(ConfigError):
         load(_Cfg, env={}, overrides={"nope": 1})
+
+
+def test_a_misspelled_or_missing_role_table_is_an_error(tmp_path: Path) -> None:
+    """A daemon's file with [mata] for [meta] (or no table of its role at
+    all) was read as empty until stop 47: the daemon started on defaults
+    (a fresh one-replica meta cluster) without a word."""
+    from tierfs.meta.config import MetaConfig
+    from tierfs.storage.config import StorageConfig
+
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[mata]\nraft_addr = "127.0.0.1:7000"\n')
+    with pytest.raises(ConfigError, match=r"unknown table \[mata\]"):
+        load(MetaConfig, typo, env={})
+    other = tmp_path / "other.toml"
+    other.write_text('[storage]\ndata_dir = "/x"\n')
+    with pytest.raises(ConfigError, match=r"has no \[meta\] table \(only \[storage\]\)"):
+        load(MetaConfig, other, env={})
+    assert str(load(StorageConfig, other, env={}).data_dir) == "/x"
+    shared = tmp_path / "shared.toml"
+    shared.write_text('[meta]\ndata_dir = "/m"\n[storage]\ndata_dir = "/y"\n')
+    assert str(load(StorageConfig, shared, env={}).data_dir) == "/y"
+    load(MetaConfig, shared, env={})

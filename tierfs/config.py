@@ -143,6 +143,11 @@ def _convert(cls: type[BaseConfig], f: dataclasses.Field[Any], raw: Any) -> Any:
     return raw
 
 
+#: The tables a config file may hold (one per role; a client reads the
+#: top level).
+ROLE_TABLES = ("meta", "storage", "client")
+
+
 def load(
     cls: type[BaseConfig],
     path: str | os.PathLike[str] | None = None,
@@ -170,6 +175,17 @@ def load(
         table = doc.get(cls.SECTION, doc) if cls.SECTION else doc
         if not isinstance(table, dict):
             raise ConfigError(f"[{cls.SECTION}] must be a table", field="config")
+        tables = [k for k, v in doc.items() if isinstance(v, dict) and k not in fields]
+        odd = [k for k in tables if k not in ROLE_TABLES and k != cls.SECTION]
+        if odd:
+            # A misspelled [meta] made a daemon ignore its whole file and
+            # start on defaults (a fresh one-replica cluster, until stop 47).
+            raise ConfigError(f"{p}: unknown table [{odd[0]}] (a config file's tables are "
+                              f"{', '.join(f'[{t}]' for t in ROLE_TABLES)})", field="config")
+        if cls.SECTION and cls.SECTION not in doc and tables \
+                and not any(not isinstance(v, dict) or k in fields for k, v in doc.items()):
+            raise ConfigError(f"{p} has no [{cls.SECTION}] table (only {', '.join(f'[{t}]' for t in tables)})",
+                              field="config")
         for k, v in table.items():
             if isinstance(v, dict) and k != cls.SECTION and k not in fields:
                 continue  # another role's table in a shared file
