@@ -16,7 +16,7 @@ from pathlib import Path
 #: Overrides the kernel's boot id (tests: a simulated power cut is a reboot).
 BOOT_ID_ENV = "TIERFS_BOOT_ID"
 
-__all__ = ["boot_id", "fsync_dir", "makedirs_durable", "syncfs", "write_durable"]
+__all__ = ["boot_id", "fsync_dir", "lock_dir", "makedirs_durable", "syncfs", "write_durable"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -101,3 +101,27 @@ def syncfs(path: str | os.PathLike[str]) -> None:
             raise OSError(err, os.strerror(err), str(path))
     finally:
         os.close(fd)
+
+
+def lock_dir(path: str | os.PathLike[str], what: str) -> int:
+    """Take ``path/LOCK`` (flock, created with ``path`` if missing) for this
+    process, or raise ConfigError naming the process that holds it: one
+    daemon per data directory (a second storage daemon on a running node's
+    data_dir took its identity over, a second meta replica opened its
+    journal). Returns the descriptor; closing it (or exiting) releases it."""
+    import fcntl
+
+    from tierfs.errors import ConfigError
+
+    d = makedirs_durable(path)
+    fd = os.open(d / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"{d} is in use by {holder}: another {what} runs with this data_dir "
+                          f"(each needs its own)", field="data_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    return fd

@@ -100,6 +100,22 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
             assert _listening(p.pid) == {("127.0.0.1", raft), ("127.0.0.1", grpc_port), ("127.0.0.1", metrics)}
             for i in range(5):
                 kv_put(ready["grpc"], f"k{i}", "v")
+            # A second replica on its data_dir (other ports): refused, one
+            # line (until stop 47 it opened the same journal); on its gRPC
+            # port: refused without a traceback.
+            r2, g2 = free_ports(2)
+            again = [*cmd]
+            again[again.index("--raft-addr") + 1] = f"127.0.0.1:{r2}"
+            again[again.index("--grpc-addr") + 1] = f"127.0.0.1:{g2}"
+            res = subprocess.run(again, capture_output=True, text=True, env=env, cwd=REPO, timeout=30)
+            assert res.returncode == 2 and f"in use by pid {p.pid}" in res.stderr, res.stderr
+            assert "Traceback" not in res.stderr
+            same_port = [*cmd]
+            same_port[same_port.index("--raft-addr") + 1] = f"127.0.0.1:{r2}"
+            same_port[same_port.index("--data-dir") + 1] = str(tmp_path / "d2")
+            res = subprocess.run(same_port, capture_output=True, text=True, env=env, cwd=REPO, timeout=30)
+            assert res.returncode == 1 and "cannot bind gRPC address" in res.stderr, res.stderr
+            assert "Traceback" not in res.stderr
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
                 text = r.read().decode()
             assert 'tierfs_meta_ops_total{outcome="ok"} 5.0' in text

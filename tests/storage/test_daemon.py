@@ -137,6 +137,14 @@ def test_standalone_node_serves_and_survives_restart(tmp_path: Path, daemons: li
     assert ready["targets"] == {str(tmp_path / "t1"): 11, str(tmp_path / "t2"): 12}
     for (tid, key), data in blobs.items():
         assert asyncio.run(_client_read(ready["data_addr"], tid, key)) == data
+    # A second daemon on the running node's data_dir (its identity), with
+    # targets of its own: refused (until stop 47 it took the node's place).
+    res = subprocess.run(
+        [sys.executable, "-m", "tierfs.storage.daemon", "--no-meta", "--data-dir", str(tmp_path / "node"),
+         "--target", str(tmp_path / "t3"), "--reserved-bytes", "0"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=30)
+    assert res.returncode == 2 and f"in use by pid {d2.proc.pid}" in res.stderr, res.stderr  # type: ignore[union-attr]
+    assert "Traceback" not in res.stderr
     assert d2.stop() == 0  # SIGTERM: clean exit
 
 

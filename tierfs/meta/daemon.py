@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from tierfs.config import load
 from tierfs.errors import ErrorCode, TierFSError, error_from_code, grpc_errors
+from tierfs.fsutil import lock_dir
 from tierfs.meta.auth import Authenticator
 from tierfs.meta.config import MetaConfig, split_addr
 from tierfs.meta.interfaces import Replicator, StateMachine
@@ -188,6 +189,15 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
                     "(docs/security.md, 'Rotating the cluster secret')", len(accepted))
     if not cfg.auth:
         log.warning("authentication is OFF (--insecure-no-auth): every caller is anonymous root with admin rights")
+    # One replica per data_dir: a second one opened the same journal.
+    dir_lock = lock_dir(cfg.data_dir, "meta replica")
+    try:
+        await _serve_locked(cfg, stop, secret, accepted)
+    finally:
+        os.close(dir_lock)
+
+
+async def _serve_locked(cfg: MetaConfig, stop: asyncio.Event, secret: Any, accepted: Any) -> None:
     sm = _make_state_machine(cfg)
     rep = RaftReplicator(
         sm,
@@ -232,12 +242,16 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event | None = None) -> None:
     if isinstance(sm, KVStateMachine):
         kv_debug_pb2_grpc.add_KVDebugServicer_to_server(KVDebugServicer(rep, cfg.submit_timeout), server)
     host, _ = split_addr(cfg.grpc_addr, "grpc_addr")
-    if tls is None:
-        port = server.add_insecure_port(cfg.grpc_addr)
-    else:
-        port = server.add_secure_port(cfg.grpc_addr, tls.grpc_server_credentials())
+    try:
+        if tls is None:
+            port = server.add_insecure_port(cfg.grpc_addr)
+        else:
+            port = server.add_secure_port(cfg.grpc_addr, tls.grpc_server_credentials())
+    except RuntimeError:  # grpc's "Failed to bind to address ...": a traceback until stop 47
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC address {cfg.grpc_addr}")
+        raise OSError(f"cannot bind gRPC address {cfg.grpc_addr}: in use (is this replica running already?) "
+                      f"or not an address of this host")
     rep.grpc_addr = cfg.advertise_grpc_addr or f"{host}:{port}"
     await rep.start()
     await server.start()
@@ -287,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["json", "text"], help=docs["log_format"])
     p.add_argument("--insecure-no-cluster-secret", dest="insecure_no_cluster_secret", action="store_const",
                    const="true", help=docs["insecure_no_cluster_secret"])
-    p.add_argument("--insecure-no-auth", dest="auth", action="store_const", const="false", help=docs["auth"])
+    p.add_argument("--insecure-no-auth", dest="auth", action="store_const", const="false",
+                   help="authenticate no meta RPC: every caller is anonymous root with admin rights "
+                        "(for tests only; config: auth = false)")
     p.add_argument("--auth", dest="auth", action="store_const", const="true", help=argparse.SUPPRESS)
     for name, doc in docs.items():
         if name in ("peers", "fsync", "state_machine", "log_format", "insecure_no_cluster_secret", "auth"):
@@ -312,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         log.critical("tierfs-meta: %s", exc)
         return 1
+    except TierFSError as err:  # its data_dir in use by another replica
+        log.critical("tierfs-meta: %s", err)
+        return 2
     return 0
 
 

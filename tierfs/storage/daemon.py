@@ -48,7 +48,7 @@ from typing import Any
 from tierfs.buffers import BufferPool
 from tierfs.config import load
 from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
-from tierfs.fsutil import fsync_dir, makedirs_durable
+from tierfs.fsutil import fsync_dir, lock_dir, makedirs_durable
 from tierfs.kv.placement import KVPoolRoute, placement
 from tierfs.meta.ops import MAX_GC_ACKS
 from tierfs.storage.api import FragmentKey
@@ -217,7 +217,14 @@ class StorageNode:
     def __init__(self, cfg: StorageConfig, *, use_meta: bool = True, target_ids: Sequence[int] = ()) -> None:
         self.cfg = cfg
         self.use_meta = use_meta and bool(cfg.meta_addrs)
-        self.node_uuid = load_node_uuid(Path(cfg.data_dir))
+        # One daemon per data_dir: its node.uuid is the node's identity, and
+        # a second daemon with it took the running node's place in the map.
+        self._dir_lock: int | None = lock_dir(cfg.data_dir, "storage daemon")
+        try:
+            self.node_uuid = load_node_uuid(Path(cfg.data_dir))
+        except BaseException:
+            self._release_dir()
+            raise
         self.node_id = 0
         self.pool = BufferPool(cfg.buffer_pool_bytes, max_total_bytes=cfg.buffer_pool_max_bytes)
         self.backend: IOBackend | None = None
@@ -816,6 +823,11 @@ class StorageNode:
 
     # -- shutdown ---------------------------------------------------------------
 
+    def _release_dir(self) -> None:
+        if self._dir_lock is not None:
+            os.close(self._dir_lock)
+            self._dir_lock = None
+
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -840,6 +852,7 @@ class StorageNode:
             self._metrics.shutdown()
             self._metrics.server_close()
         self.pool.close()
+        self._release_dir()
 
 
 # --- process --------------------------------------------------------------------------
