@@ -340,7 +340,7 @@ def test_namespace(client: Client) -> None:
     client.mkdir("/ns", exist_ok=True)
     client.mkdir("/ns/a/b", parents=True)
     # A bad component makes nothing, not the parents before it (a new user's mkdir -p /x//y/./z).
-    with pytest.raises(InvalidArgumentError, match=r"/ns/x//y/\./z: '\.' is not allowed"):
+    with pytest.raises(InvalidArgumentError, match=r"/ns/x//y/\./z: empty name"):
         client.mkdir("/ns/x//y/./z", parents=True)
     assert not client.exists("/ns/x")
     client.write_bytes("/ns/a/f1", b"1")
@@ -399,6 +399,28 @@ def test_bad_arguments_get_clear_errors_and_change_nothing(client: Client) -> No
     with pytest.raises(InvalidArgumentError, match="mode -1 is out of range"):
         client.mkdir("/bad/m", mode=-1)
     assert client.ls("/bad") == ["sub"]
+    # Found by a new user (stop 47): each was an InternalError, a raw
+    # UnicodeEncodeError, a file made (or moved) under a name ending in '/'
+    # that the same path then could not reach, "the root directory always
+    # exists" for "/bad/..", or a "//" taken by mkdir -p.
+    from tierfs.errors import IsADirectoryError_, NotADirectoryError_
+
+    for mode in ("wb", "ab", "xb"):
+        with pytest.raises(IsADirectoryError_, match="root directory"):
+            client.open("/", mode)
+    for call in (lambda: client.mkdir("/bad/\udcff"), lambda: client.stat("/bad/\udcff"),
+                 lambda: client.write_bytes("/bad/\udcff", b"x")):
+        with pytest.raises(InvalidArgumentError, match="not valid Unicode"):
+            call()
+    with pytest.raises(IsADirectoryError_, match="ending in '/'"):
+        client.write_bytes("/bad/h/", b"x")
+    with pytest.raises(NotADirectoryError_):
+        client.rename("/bad/sub/f", "/bad/g/")
+    with pytest.raises(InvalidArgumentError, match="'..' is not allowed"):
+        client.mkdir("/bad/..", exist_ok=True)
+    with pytest.raises(InvalidArgumentError, match="empty name"):
+        client.mkdir("/bad//z", parents=True)
+    assert client.ls("/bad") == ["sub"] and client.read_bytes("/bad/sub/f") == b"kept"
 
 
 def _fragment_files(cluster: LocalCluster, inode: int, chunk: int, fragment: int) -> list[str]:

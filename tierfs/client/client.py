@@ -166,7 +166,21 @@ def _join(parent: str, name: str) -> str:
 def _norm(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        # A str from os.fsdecode of bytes that are not UTF-8: TierFS names
+        # are UTF-8 (a raw UnicodeEncodeError until stop 47).
+        raise InvalidArgumentError(f"path {path!r} is not valid Unicode (TierFS names are UTF-8)") from None
     return path
+
+
+def _no_trailing_slash(path: str, what: str) -> None:
+    """A path ending in '/' names a directory (POSIX): a file is not made or
+    moved under one (until stop 47 a write of "/d/h/" made a file "h" the
+    same path then could not reach)."""
+    if len(path) > 1 and path.endswith("/"):
+        raise IsADirectoryError_(f"{path}: a path ending in '/' names a directory; {what} is not one")
 
 
 _T = TypeVar("_T")
@@ -576,7 +590,11 @@ class AsyncClient:
         await self._via_links(_norm(path), make, last=False)
 
     async def _mkdir(self, path: str, *, parents: bool, exist_ok: bool, mode: int) -> None:
-        if posixpath.normpath(path) == "/" and not parents:
+        try:  # '..' and empty components are refused as meta refuses them
+            split_path(path)  # (mkdir of "/d/.." said "the root always exists", -p took "//", until stop 47)
+        except TierFSError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+        if path == "/" and not parents:
             if exist_ok:
                 return
             raise AlreadyExistsError("/: the root directory always exists")  # as mkdir(1): "File exists"
@@ -589,11 +607,7 @@ class AsyncClient:
                     raise
             return
         cur = ""
-        parts = [p for p in path.split("/") if p]
-        try:  # every component first: a bad one must leave no parent made
-            split_path("/" + "/".join(parts))
-        except TierFSError as exc:
-            raise type(exc)(f"{path}: {exc}") from None
+        parts = split_path(path)  # every component checked above: a bad one leaves no parent made
         for i, name in enumerate(parts):
             cur += "/" + name
             try:
@@ -642,6 +656,8 @@ class AsyncClient:
         """As rename(2): links before the last components are followed, the
         last ones are not (a link is renamed or replaced, not its target)."""
         src, dst = _norm(src), _norm(dst)
+        if (src.endswith("/") or dst.endswith("/")) and len(src) > 1 and not (await self.stat(src)).is_dir:
+            raise NotADirectoryError_(f"{src}: not a directory, and a path ending in '/' names one")
         try:
             await self.meta.rename(src, dst)
         except NotADirectoryError_:
@@ -653,7 +669,9 @@ class AsyncClient:
     async def symlink(self, path: str, target: str) -> None:
         """Make ``path`` a symbolic link to ``target`` (absolute, or relative
         to the link's directory; it need not exist)."""
-        await self.meta.symlink(_norm(path), target)
+        path = _norm(path)
+        _no_trailing_slash(path, "a symbolic link")
+        await self.meta.symlink(path, target)
 
     async def readlink(self, path: str) -> str:
         """The target a link stores (links before it followed)."""
@@ -723,7 +741,12 @@ class AsyncClient:
         async def opened(p: str) -> AsyncFile:
             return await AsyncFile.open(self, p, mode, links_refused=True)
 
-        return await self._via_links(_norm(path), opened)
+        path = _norm(path)
+        if path == "/":
+            raise IsADirectoryError_("/: is the root directory")  # an InternalError from meta until stop 47
+        if mode.strip("b") != "r":
+            _no_trailing_slash(path, "a file opened for writing")
+        return await self._via_links(path, opened)
 
     # ---- the read path ----------------------------------------------------------
 

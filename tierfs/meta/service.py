@@ -100,6 +100,7 @@ from tierfs.errors import (
     InvalidArgumentError,
     NotFoundError,
     NotLeaderError,
+    SessionExpiredError,
     TierFSError,
     TimeoutError_,
     UnauthenticatedError,
@@ -994,6 +995,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         reply = await self._mutate(context, "open_write", request, pb.OpenWriteReply)
         self._with_read_cap(reply.file)
         reply.write_capability = self._write_cap(reply.session_id)
+        if self._secret is not None and not reply.write_capability:
+            # The session ended between its op and this reply (the file was
+            # unlinked or replaced meanwhile): a reply without a capability
+            # made the writer's first fragment fail as UnauthenticatedError.
+            raise SessionExpiredError(f"write session {reply.session_id} ended as it was opened (the file was "
+                                      f"removed or replaced meanwhile): open the file again")
         return reply
 
     @grpc_errors

@@ -484,6 +484,8 @@ class MetaStateMachine(Tracked):
         permission on that directory and every one above it checked."""
         if loc.path:
             parts = split_path(loc.path)
+            if not parts:  # an IndexError inside apply until stop 47 (a create of "/")
+                raise IsADirectoryError_(f"{op or 'this op'}: '/' is the root directory, which has no name")
             parent = self._dir(self._resolve("/" + "/".join(parts[:-1]), ident, op), "/" + "/".join(parts[:-1]))
             if not is_root(ident):
                 self._need(ident, parent, X, op, loc.path)
