@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch as st
@@ -128,10 +129,13 @@ def test_safe_open_and_slices_match_library(client: Client, tmp_path: Path) -> N
         for name, key in [("big", slice(5, 17)), ("big", slice(290, None)), ("big", 3), ("big", -1),
                           ("big", (slice(1, 9, 3), slice(2, 6))), ("big", slice(10, 10)),
                           ("f16", (slice(None), 1)), ("bool", slice(2, 4)), ("bf16", slice(100, 200)),
-                          ("empty_2d", slice(1, 3)), ("i64", Ellipsis)]:
+                          ("empty_2d", slice(1, 3)), ("i64", Ellipsis),
+                          # numpy and torch integer scalars (refused until stop 47)
+                          ("big", np.int64(3)), ("big", (torch.tensor(2), slice(1, 4)))]:
             got, want = f.get_slice(name)[key], ref.get_slice(name)[key]
             assert_same({name: got}, {name: want})
         assert f.get_slice("scalar")[()].item() == 3.25
+        assert f.get_slice("scalar")[(Ellipsis,)].item() == ref.get_slice("scalar")[(Ellipsis,)].item() == 3.25
 
 
 def test_get_slice_reads_only_its_rows(client: Client) -> None:

@@ -461,6 +461,13 @@ def test_mv_rm_and_trees(tfs: TierFSFileSystem) -> None:
     assert len(tfs.find("/tree/moved/d1")) == 12 and not tfs.exists("/tree/d1")
     tfs.rename("/tree/moved", "/tree/again")
     assert tfs.isdir("/tree/again/d1/sub")
+    # Into its own subtree, through parents that do not exist: refused, and
+    # none of them made (they were, until stop 47).
+    from tierfs.errors import InvalidRenameError
+
+    with pytest.raises(InvalidRenameError, match="own subtree"):
+        tfs.mv("/tree/again", "/tree/again/d1/new/deeper/x")
+    assert not tfs.exists("/tree/again/d1/new") and tfs.isdir("/tree/again/d1/sub")
     tfs.rm("/tree/d0/sub/f0")
     tfs.rm(["/tree/d0/sub/f1", "/tree/d0/sub/f2"])
     assert len(tfs.ls("/tree/d0/sub")) == 9

@@ -41,6 +41,7 @@ from tierfs.errors import (
     AlreadyExistsError,
     ConfigError,
     InvalidArgumentError,
+    InvalidRenameError,
     NotADirectoryError_,
     NotFoundError,
 )
@@ -526,6 +527,10 @@ class TierFSFileSystem(AsyncFileSystem):  # type: ignore[misc]
                 await c.rename(src, target)
             except NotFoundError:
                 await c.stat(src)  # the source is missing: that error
+                if (target.rstrip("/") + "/").startswith(src.rstrip("/") + "/"):
+                    # Refused before auto_mkdir makes the missing parents
+                    # (inside src: they stayed, until stop 47).
+                    raise InvalidRenameError(f"cannot move {src} into its own subtree ({target})") from None
                 if not await self._ensure_parent(c, target):
                     raise
                 await c.rename(src, target)

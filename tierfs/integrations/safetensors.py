@@ -17,8 +17,10 @@ torch is imported on first use, so this module imports without it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import operator
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -286,7 +288,7 @@ class Slice:
         """(rows of dim 0 to read, the index to apply to them)."""
         info = self.info
         if not info.shape:
-            if key == () or key is Ellipsis:
+            if key == () or key is Ellipsis or (isinstance(key, tuple) and all(k is Ellipsis for k in key)):
                 return (0, 0), key  # a scalar: read whole (rows ignored)
             raise InvalidArgumentError(f"tensor {info.name!r} is a scalar; it has no dim 0 to slice")
         keys = key if isinstance(key, tuple) else (key,)
@@ -294,6 +296,11 @@ class Slice:
         if first is Ellipsis:
             return (0, info.shape[0]), key
         n = info.shape[0]
+        if not isinstance(first, (int, slice)) and hasattr(first, "__index__") and not isinstance(first, bool):
+            # numpy and torch integer scalars, as the safetensors library
+            # takes them (refused until stop 47)
+            with contextlib.suppress(TypeError):
+                first = operator.index(first)
         if isinstance(first, int) and not isinstance(first, bool):
             i = first + n if first < 0 else first
             if not 0 <= i < n:
