@@ -189,3 +189,42 @@ def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
     rc, out, err = cli(meta, "kv", "replay", str(trace), "--simulate", "--dram", "5", "--cluster", "5%",
                        "--policy", "dram=s3fifo", "--json")
     assert rc == 0 and json.loads(out)["tiers"]["cluster"]["policy"] == "lru", err
+    # --tokens-per-block counts in a simulation too (it used 512 whatever was given, until stop 47)
+    saved = []
+    for tpb in ("0", "16"):
+        rc, out, err = cli(meta, "kv", "replay", str(public_trace_path()), "--simulate", "--cluster", "10%", "--json",
+                           "--tokens-per-block", tpb, "--prefill-tokens-per-s", "1000", "--load-gbps", "10")
+        assert rc == 0, err
+        saved.append(json.loads(out)["prefill"]["prefill_saved_s"])
+    assert saved[0] == 0 and saved[1] > 0, saved
+
+
+@pytest.mark.timeout(120)
+def test_replay_stopped_by_sigterm_removes_its_pool(meta: str, tmp_path: Path) -> None:
+    """timeout(1) and job schedulers stop with SIGTERM: the live replay's
+    temporary pool is removed as after Ctrl-C (it was left behind until
+    stop 47)."""
+    import signal
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(public_trace_path().read_text())
+    env = dict(os.environ, TIERFS_META=meta, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "kv", "replay", str(trace), "--cluster", "20%",
+                          "--block-size", "8KiB"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 60
+        while not [x for x in json.loads(cli(meta, "kv", "pool", "ls", "--json")[1]) if x["name"].startswith("replay-")]:
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < end, "the replay's pool never appeared"
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and b"Traceback" not in err, err
+    left = [x["name"] for x in json.loads(cli(meta, "kv", "pool", "ls", "--json")[1]) if x["name"].startswith("replay-")]
+    assert not left, (left, err)

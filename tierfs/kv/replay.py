@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from tierfs.errors import CorruptError, InvalidArgumentError
 from tierfs.kv.trace import (
     BLOCK_TOKENS,
     Request,
+    hit_tokens_of,
     load_trace,
     prefill_accounting,
     resolve_capacity,
@@ -130,7 +132,7 @@ async def _run(kv: Any, trace: Sequence[Request], run: int, tag: str, block_size
     want = np.empty(words, dtype=np.uint64)
     prefix = f"replay:{tag}:".encode()
     served = {"dram": 0, "ssd": 0, "cluster": 0}
-    blocks = hit_blocks = 0
+    blocks = hit_blocks = hit_tokens = 0
     lat: list[float] = []
     bytes_loaded = 0
     lost_after_exists = 0
@@ -168,6 +170,7 @@ async def _run(kv: Any, trace: Sequence[Request], run: int, tag: str, block_size
                 served[name] += after.get(name, 0) - before.get(name, 0)
             hit = loaded
             hit_blocks += loaded
+            hit_tokens += hit_tokens_of(loaded, req.input_length, tokens_per_block)
             bytes_loaded += loaded * block_size
         if hit < len(keys):
             new = keys[hit:]
@@ -193,7 +196,7 @@ async def _run(kv: Any, trace: Sequence[Request], run: int, tag: str, block_size
         "lost_between_exists_and_get": lost_after_exists, "stats": kv.stats(),
     }
     if prefill_tokens_per_s > 0 and out["load_gbps"] > 0:
-        out["prefill"] = prefill_accounting(hit_blocks * tokens_per_block, bytes_loaded,
+        out["prefill"] = prefill_accounting(hit_tokens, bytes_loaded,
                                             prefill_tokens_per_s=prefill_tokens_per_s, load_gbps=out["load_gbps"])
     return out
 
@@ -208,15 +211,23 @@ def replay_cli(ns: argparse.Namespace, meta: Callable[[], Sequence[str]], run: C
     if ns.simulate:
         r = simulate(trace, {"dram": ns.dram, "ssd": ns.ssd, "cluster": ns.cluster}, policy,
                      block_bytes=parse_size_arg(ns.block_size),
-                     prefill_tokens_per_s=ns.prefill_tokens_per_s or None, load_gbps=ns.load_gbps or None)
+                     prefill_tokens_per_s=ns.prefill_tokens_per_s or None, load_gbps=ns.load_gbps or None,
+                     tokens_per_block=ns.tokens_per_block)
         r["mode"] = "simulate"
         return r
     unique = unique_blocks(trace)
     caps = {t: resolve_capacity(getattr(ns, t), unique) for t in ("dram", "ssd", "cluster")}
-    return run(live_replay(meta(), trace, dram=caps["dram"], ssd=caps["ssd"], cluster=caps["cluster"],  # type: ignore[no-any-return]
-                           policy=policy, block_size=parse_size_arg(ns.block_size), pool=ns.pool,
-                           ssd_path=ns.ssd_path, prefill_tokens_per_s=ns.prefill_tokens_per_s,
-                           tokens_per_block=ns.tokens_per_block))
+    # SIGTERM (timeout(1), a job scheduler) stops the replay as Ctrl-C does,
+    # so that its temporary pool and SSD file are removed (they were left
+    # behind until stop 47).
+    old = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        return run(live_replay(meta(), trace, dram=caps["dram"], ssd=caps["ssd"],  # type: ignore[no-any-return]
+                               cluster=caps["cluster"], policy=policy, block_size=parse_size_arg(ns.block_size),
+                               pool=ns.pool, ssd_path=ns.ssd_path, prefill_tokens_per_s=ns.prefill_tokens_per_s,
+                               tokens_per_block=ns.tokens_per_block))
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def render_replay(r: dict[str, Any]) -> str:

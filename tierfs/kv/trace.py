@@ -46,6 +46,7 @@ __all__ = [
     "SyntheticParams",
     "belady",
     "block_key",
+    "hit_tokens_of",
     "infinite_cache_hit_ratio",
     "load_trace",
     "parse_trace",
@@ -330,6 +331,15 @@ def _policy_per_tier(policy: str | Mapping[str, str], names: Sequence[str]) -> d
     return {n: policy.get(n, "lru") for n in names}
 
 
+def hit_tokens_of(hit_blocks: int, input_length: int, tokens_per_block: int) -> int:
+    """Prefill tokens a request's prefix hit of ``hit_blocks`` saves: its
+    blocks' tokens, at most the request's input (its last block is partial).
+    The simulated and the live replay both count this way (stop 47: the
+    live one took no cap, and the simulated one no --tokens-per-block)."""
+    n = hit_blocks * tokens_per_block
+    return min(n, input_length) if input_length else n
+
+
 def simulate(
     trace: Trace,
     capacities: Mapping[str, int | str],
@@ -338,6 +348,7 @@ def simulate(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     prefill_tokens_per_s: float | None = None,
     load_gbps: float | None = None,
+    tokens_per_block: int = BLOCK_TOKENS,
 ) -> dict[str, Any]:
     """Replay ``trace`` against a stack of tiers without I/O.
 
@@ -405,7 +416,7 @@ def simulate(
                     tiers[t].promotions += 1
             hit += 1
         req_hits.append(hit)
-        hit_tokens += min(hit * BLOCK_TOKENS, r.input_length) if r.input_length else hit * BLOCK_TOKENS
+        hit_tokens += hit_tokens_of(hit, r.input_length, tokens_per_block)
         for j, k in enumerate(keys):
             parent = keys[j - 1] if j else None
             for tier in tiers:
