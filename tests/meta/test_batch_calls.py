@@ -223,3 +223,19 @@ def test_a_client_keeps_its_request_ids_in_flight_within_the_spread(meta_cluster
 
     asyncio.run(main())
     assert 0 < widest < 16, widest
+
+
+def test_status_of_a_cluster_without_storage_is_not_healthy(meta_cluster: MetaCluster) -> None:
+    """Meta up, no storage node registered: nothing can be stored, and
+    `tierfs status` says so (it said "healthy" until stop 47)."""
+    from tests.cluster import meta_cluster_from_env
+    from tierfs.cli.cluster import cluster_status
+    from tierfs.cli.main import render_status
+
+    if meta_cluster_from_env() is not None:
+        pytest.skip("needs a meta cluster of its own (no storage registered)")
+    meta_cluster.wait_leader()
+    st = asyncio.run(cluster_status(meta_cluster.addresses))
+    assert st["storage"] == [] and not st["healthy"], st
+    text = render_status(st)
+    assert text.startswith("cluster: DEGRADED") and "no storage node has registered" in text, text

@@ -286,6 +286,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         kv_leases["online_nodes"] = sum(s["state"] == "online" for s in storage_out)
     healthy = (
         len(leaders) == 1
+        and bool(storage_out)  # no storage node: nothing can be stored ("healthy" until stop 47)
         and all(m["state"] == "up" for m in meta_out)
         and all(s["state"] == "online" for s in storage_out)
         and all(t["state"] == "online" for t in targets.values())

@@ -247,8 +247,12 @@ def render_status(st: dict[str, Any]) -> str:
                      human_size(t["capacity"]), t["path"]]
                     if t else [None] * 5)
             rows.append(head + tail)
-    out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", *(["PID"] if pids else []), "TARGET", "TSTATE", "USED",
-                             "CAPACITY", "PATH"]))
+    if rows:
+        out.append(_table(rows, ["NODE", "DATA ADDRESS", "STATE", *(["PID"] if pids else []), "TARGET", "TSTATE",
+                                 "USED", "CAPACITY", "PATH"]))
+    else:
+        out.append("storage: no storage node has registered: nothing can be stored until one does "
+                   "(start tierfs-storage with this cluster's meta addresses and node key)")
     if any(t and t.get("used_unreported") for s in st["storage"] for t in s["targets"]):
         out.append(UNREPORTED_NOTE)
     out.append("")
