@@ -218,10 +218,17 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         }
 
     targets: dict[int, dict[str, Any]] = {}
+    grouped = {m for g in cmap.groups for m in g.target_ids}
     for t in cmap.targets:
+        state = _state(pb.TargetState.Name(t.state), "TARGET_STATE_")
+        if state == "failed" and t.target_id not in grouped:
+            # Removed (`tierfs target rm`) or failed, and in no group any
+            # more: nothing waits on it. Until stop 47 the cluster stayed
+            # DEGRADED for good after a `target rm` on a live node.
+            state = "failed, out of use"
         targets[t.target_id] = {
             "id": t.target_id, "node_id": t.node_id, "path": t.path,
-            "state": _state(pb.TargetState.Name(t.state), "TARGET_STATE_"),
+            "state": state,
             "capacity": t.capacity, "used": t.used,
             # The last committed figure (a new leader not yet reported to).
             "used_unreported": t.used_unreported,
@@ -289,7 +296,7 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
         and bool(storage_out)  # no storage node: nothing can be stored ("healthy" until stop 47)
         and all(m["state"] == "up" for m in meta_out)
         and all(s["state"] == "online" for s in storage_out)
-        and all(t["state"] == "online" for t in targets.values())
+        and all(t["state"] in ("online", "failed, out of use") for t in targets.values())
         and all(g["state"] == "healthy" for g in groups_out)
         and repairs == 0
         and not (kv_leases and kv_leases["stalled"])
