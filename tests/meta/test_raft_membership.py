@@ -135,3 +135,59 @@ def test_replica_that_joins_after_the_leader_catches_up_by_an_older_snapshot(tmp
         c.wait_converged(40, members=[1, 2, three, five])
         assert "loaded snapshot" in c.log(five)
         assert c.get_many([f"k{i}" for i in range(45)], i=five, stale=True) == {f"k{i}": f"v{i}" for i in range(45)}
+
+
+@pytest.mark.timeout(150)
+def test_replace_a_lost_replica_with_the_cli(tmp_path: Path) -> None:
+    """The operator's procedure (docs/operations.md, "Replacing a meta
+    replica") with `tierfs meta-replica`: a replica is lost with its disk;
+    it is removed, a new one is started knowing the members and added; the
+    namespace is whole on it. Until stop 47 there was no command for it."""
+    import io
+    import json
+    import os
+
+    from tierfs.cli.main import run
+    from tierfs.meta import MetaClient
+
+    if meta_cluster_from_env() is not None:
+        pytest.skip("starts and stops replicas: needs a local cluster")
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        rc = run([*args, "--meta", ",".join(c.addresses[i] for i in c.live()), "--json"], stdout=out, stderr=err,
+                 env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=False)
+        return rc, out.getvalue(), err.getvalue()
+
+    async def names(addr: str) -> list[str]:
+        async with MetaClient([addr], deadline=20.0) as mc:
+            return sorted(e.name for e in (await mc.readdir("/")).entries)
+
+    import asyncio
+
+    with MetaCluster(tmp_path, n=3, state_machine="meta") as c:
+        c.wait_leader()
+
+        async def make() -> None:
+            async with MetaClient(c.addresses, deadline=20.0) as mc:
+                for i in range(20):
+                    await mc.mkdir(f"/d{i}")
+
+        asyncio.run(make())
+        leader = c.wait_leader()
+        lost = next(i for i in (0, 1, 2) if i != leader)
+        gone = c.replicas[lost]
+        c.kill(lost)
+        rc, out, err = cli("meta-replica", "rm", f"{gone.raft_addr}={gone.grpc_addr}")
+        assert rc == 0, err
+        assert gone.grpc_addr not in json.loads(out)["members"]
+        new = c.add_replica()  # started with the members left as peers, an empty data dir
+        r = c.replicas[new]
+        rc, out, err = cli("meta-replica", "add", f"{r.raft_addr}={r.grpc_addr}")
+        assert rc == 0, err
+        assert r.grpc_addr in json.loads(out)["members"] and len(json.loads(out)["members"]) == 3
+        rest = [i for i in (0, 1, 2) if i != lost] + [new]
+        c.wait_converged(40, members=rest)
+        assert asyncio.run(names(r.grpc_addr)) == sorted(f"d{i}" for i in range(20))
+        rc, _, err = cli("meta-replica", "add", "nonsense")
+        assert rc == 2 and "RAFT_HOST:PORT=GRPC_HOST:PORT" in err, err

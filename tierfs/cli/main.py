@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tierfs.cli import placement
 
     placement.add_commands(cmd)
+    from tierfs.cli import members
+
+    members.add_commands(cmd)
     return ap
 
 
@@ -749,6 +752,12 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         from tierfs.cli import repair
 
         code = repair.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        if code is not None:
+            return code
+    if c == "meta-replica":
+        from tierfs.cli import members
+
+        code = members.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
         if code is not None:
             return code
     raise _UsageError(build_parser().format_usage().rstrip())
