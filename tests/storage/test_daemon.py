@@ -314,6 +314,37 @@ def test_registers_heartbeats_and_collects_garbage(tmp_path: Path, daemons: list
                     await asyncio.sleep(0.1)
 
         asyncio.run(scenario())
+        # A copy of its data_dir (a cloned disk or image) on another host (a
+        # UTS namespace with another hostname): refused while the node
+        # heartbeats (until stop 47 it took the node's place in the map, and
+        # its groups rebuilt onto the copy's target).
+        clone = tmp_path / "clone"
+        clone.mkdir()
+        (clone / "node.uuid").write_bytes((tmp_path / "node" / "node.uuid").read_bytes())
+        log = tmp_path / "clone.log"
+        with open(log, "w") as out:
+            imp = subprocess.Popen(
+                ["unshare", "--uts", "sh", "-c", 'hostname clone-host && exec "$@"', "sh", sys.executable, "-m",
+                 "tierfs.storage.daemon", "--data-dir", str(clone), *args[2:]],
+                stdout=subprocess.DEVNULL, stderr=out, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=str(REPO))
+        try:
+            deadline = time.monotonic() + 30
+            while "two daemons with one data_dir" not in log.read_text(errors="replace"):
+                assert imp.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.1)
+        finally:
+            imp.kill()
+            imp.wait(10)
+
+        async def unchanged() -> None:
+            async with MetaClient([addr]) as mc:
+                cmap = await mc.get_cluster_map()
+                node = next(n for n in cmap.nodes if n.node_uuid == ready["node_uuid"])
+                assert node.data_addr == ready["data_addr"] and list(node.target_ids) == [tid]
+                assert next(t.state for t in cmap.targets if t.target_id == tid) == pb.TARGET_STATE_ONLINE
+
+        asyncio.run(unchanged())
         # the node keeps its id across a restart
         assert d.stop() == 0
         d2 = Daemon(tmp_path, args)

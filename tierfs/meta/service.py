@@ -1028,6 +1028,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_caps(request, "register_node")
         check_addr(request.data_addr, "register_node: data_addr")
         check_addr(request.control_addr, "register_node: control_addr", required=False)
+        self._refuse_identity_in_use(request)
         before = set(self.state.eligible_targets())
         reply = await self._mutate(context, "register_node", request, pb.RegisterNodeReply)
         # The version with the KV pools' groups committed after it (submit).
@@ -1038,6 +1039,31 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self.rebalancer.trigger()  # targets joined or came back: they get their share
         reply.cap_keys.extend(self.cap_keys())
         return reply
+
+    def _refuse_identity_in_use(self, request: pb.RegisterNodeRequest) -> None:
+        """``BusyError`` for a registration under the uuid of a node that is
+        online at another data address and heartbeated within
+        heartbeat_timeout from another host: a second daemon with a copy of
+        that node's data_dir (a cloned disk or image). Until stop 47 it took the node's
+        place in the map, its targets went offline and every group rebuilt
+        onto the copy's. A node that really moved registers once its old
+        registration has gone silent for heartbeat_timeout."""
+        if not self.heartbeat_timeout:
+            return
+        node = next((n for n in self.state.nodes.values() if n.uuid == request.node_uuid), None)
+        if node is None or node.state != pb.NODE_STATE_ONLINE or not node.data_addr \
+                or node.data_addr == request.data_addr or node.hostname == request.hostname:
+            # (One host: the daemon restarted on another port; a second one
+            # with the same data_dir there is refused by its LOCK.)
+            return
+        seen = self._hb_seen.get(node.id)
+        age = (self._mono() - seen) / 1e9 if seen is not None else None
+        if age is not None and age < self.heartbeat_timeout:
+            raise BusyError(
+                f"node uuid {request.node_uuid} is node {node.id}, online at {node.data_addr} (heard from "
+                f"{age:.1f} s ago), not at {request.data_addr}: two daemons with one data_dir (a copied disk "
+                f"or image?). Give this one its own data_dir (a new node.uuid), or stop the other; a node that "
+                f"moved is let in once the old address is silent for {self.heartbeat_timeout:g} s")
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatReply:
