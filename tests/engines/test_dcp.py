@@ -157,6 +157,13 @@ def test_incomplete_and_missing_checkpoints_are_clear_errors(tierfs_meta: str, r
         with pytest.raises(CheckpointException, match="does not exist"):
             dcp.load({"x": torch.zeros(2)}, storage_reader=TierFSStorageReader(f"{root}/nonexistent", client=c),
                      no_dist=True)
+        # A .metadata that is no pickle names the file (DCP's "metadata is None" until stop 47)
+        from tierfs.errors import CorruptError
+
+        for junk in (b"", b"garbage"):
+            c.write_bytes(f"{root}/partial/.metadata", junk)
+            with pytest.raises(CorruptError, match=rf"{root}/partial/\.metadata: not a checkpoint's metadata"):
+                TierFSStorageReader(f"{root}/partial", client=c).read_metadata()
 
 
 @pytest.mark.timeout(30)

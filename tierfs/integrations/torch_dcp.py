@@ -67,7 +67,13 @@ from torch.futures import Future  # type: ignore[import-not-found,unused-ignore]
 
 from tierfs.client import AsyncClient, Client
 from tierfs.client.client import FileView
-from tierfs.errors import ConfigError, InvalidArgumentError, NotFoundError, TierFSError
+from tierfs.errors import (
+    ConfigError,
+    CorruptError,
+    InvalidArgumentError,
+    NotFoundError,
+    TierFSError,
+)
 from tierfs.integrations.common import CONNECT_TIMEOUT, resolve
 from tierfs.integrations.safetensors import parse_header
 from tierfs.kv.keys import byte_view
@@ -662,7 +668,11 @@ class TierFSStorageReader(StorageReader):  # type: ignore[misc]
             raw = self.client.read_bytes(_join(self._dir, METADATA_NAME))
         except NotFoundError:
             raise self._why_missing() from None
-        md = pickle.loads(raw)
+        try:
+            md = pickle.loads(raw)
+        except Exception as exc:  # (an AssertionError of DCP's naming no file, until stop 47)
+            raise CorruptError(f"tierfs {_join(self._dir, METADATA_NAME)}: not a checkpoint's metadata "
+                               f"({len(raw)} bytes; {type(exc).__name__}: {exc})") from None
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
