@@ -1185,3 +1185,10 @@ def test_local_tiers_follow_this_clients_acknowledged_writes(cl: LocalCluster) -
         assert ka.get("k") == b"N" * 1000  # the old value until stop 47
         assert ka.put("k", b"X" * 1000) is False  # the cluster keeps N: so does a
         assert ka.get("k") == b"N" * 1000
+        # A local tier's error names the caller's key, not the local one (pool name and id before it)
+        from tierfs.errors import InvalidArgumentError
+
+        for call in (lambda: ka.get_into("k", bytearray(10)), lambda: ka.batch_get_into(["k"], [bytearray(10)])):
+            with pytest.raises(InvalidArgumentError) as ei:
+                call()
+            assert "b'k'" in str(ei.value) and "\\x00" not in str(ei.value), ei.value

@@ -139,6 +139,11 @@ class AsyncKV:
             return None
         return self._local if self._router.kv_pools.get(self.pool) is not None else None
 
+    def _users_key(self, exc: InvalidArgumentError, k: bytes) -> InvalidArgumentError:
+        """A local tier's error about ``k`` in the caller's words: its key,
+        not the local key (pool name and id before it)."""
+        return InvalidArgumentError(str(exc).replace(repr(self._lk(k)), repr(k)))
+
     def _lk(self, key: bytes) -> bytes:
         route = self._router.kv_pools.get(self.pool)
         pid = route.pool_id if route is not None else 0
@@ -178,7 +183,10 @@ class AsyncKV:
             local = await self._local_for()
             if local is None:
                 return await self.cluster.get_into(k, view)
-            n = await local.stack.get_into(self._lk(k), view)
+            try:
+                n = await local.stack.get_into(self._lk(k), view)
+            except InvalidArgumentError as exc:
+                raise self._users_key(exc, k) from None
             if n is not None:
                 return n
             out: list[int | None] = [None]
@@ -333,9 +341,9 @@ class AsyncKV:
             for i in todo:
                 try:
                     n = await local.stack.get_into(self._lk(ks[i]), views[i])
-                except InvalidArgumentError:
+                except InvalidArgumentError as exc:
                     if not miss:
-                        raise
+                        raise self._users_key(exc, ks[i]) from None
                     continue  # the cluster holds the same object: a miss
                 if n is None:
                     rest.append(i)
