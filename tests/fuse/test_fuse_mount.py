@@ -362,6 +362,11 @@ def test_mount_errors_are_clear(mnt: Path, cluster: LocalCluster, tmp_path: Path
     assert r.returncode == 1 and "unreachable" in r.stderr and "tierfs up" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
     assert find_mount(str(tmp_path / "m")) is None
+    # Over a directory that is not empty: said (its files are hidden while mounted; silent until stop 47).
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept.txt").write_text("x")
+    r = run_tierfs("mount", str(tmp_path / "full"), "--meta", dead, "--timeout", "1")
+    assert r.returncode == 1 and "is not empty (kept.txt, ...)" in r.stderr, r.stderr
     # A dead mount (its daemon SIGKILLed): said as such, with the way out
     # (it said "does not exist (create it first: mkdir -p ...)").
     dead_mnt = Mount(tmp_path / "dead", cluster.meta_addrs, tmp_path / "dead.log")

@@ -120,6 +120,14 @@ def _check_mountpoint(path: str) -> str:
         raise MountError("fusermount3 not found (install fuse3)")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse does not exist (load the fuse module, or give the container the device)")
+    try:
+        hidden = next(os.scandir(p), None)
+    except OSError:
+        hidden = None
+    if hidden is not None:
+        # As mount(8): allowed, but said (a mount over files hid them without a word until stop 47).
+        print(f"tierfs mount: warning: {p} is not empty ({hidden.name}, ...): its contents are hidden while "
+              f"TierFS is mounted there", file=sys.stderr)
     return p
 
 
