@@ -513,3 +513,31 @@ def test_chunk_retries_on_a_map_another_chunk_refreshed(cluster: LocalCluster) -
                 await dc.close()  # the black-holed connections, before the socket goes
 
     asyncio.run(scenario())
+
+
+def test_rm_recursive_goes_on_past_entries_removed_meanwhile(client: Client) -> None:
+    """Another client removes files of a tree while `rm(recursive=True)`
+    walks it: the walk takes an entry gone meanwhile as removed (as rm -rf
+    does); until stop 47 it failed with NotFoundError on the first one."""
+    import asyncio
+    import contextlib
+
+    names = [f"/rmrace/d/f{i}" for i in range(150)]
+    client.mkdir("/rmrace/d", parents=True)
+
+    async def make(ac: Any) -> None:
+        await asyncio.gather(*(ac.meta.create(n) for n in names))
+
+    async def race(ac: Any) -> list[Any]:
+        async def other() -> None:
+            for n in reversed(names):
+                with contextlib.suppress(NotFoundError):
+                    await ac.meta.unlink(n)
+                await asyncio.sleep(0)
+
+        return await asyncio.gather(ac.rm("/rmrace/d", recursive=True), other(), return_exceptions=True)
+
+    client._run(make(client.aclient))
+    out = client._run(race(client.aclient))
+    assert out[0] is None, out
+    assert not client.exists("/rmrace/d")

@@ -646,10 +646,13 @@ class AsyncClient:
             names = [(e.name, e.attr.type) async for e in self.meta.iterdir(path)]
             for name, typ in names:
                 child = _join(path, name)
-                if typ == pb.INODE_TYPE_DIRECTORY:
-                    await self._rm(child, recursive=True)
-                else:
-                    await self.meta.unlink(child)
+                # Gone meanwhile (another client removed it): as rm -rf, not
+                # an error (it failed the whole removal until stop 47).
+                with contextlib.suppress(NotFoundError):
+                    if typ == pb.INODE_TYPE_DIRECTORY:
+                        await self._rm(child, recursive=True)
+                    else:
+                        await self.meta.unlink(child)
         await self.meta.rmdir(path)
 
     async def rename(self, src: str, dst: str) -> None:
