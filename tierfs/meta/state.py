@@ -1272,7 +1272,8 @@ class MetaStateMachine(Tracked):
         if f.session:
             s = self.sessions.get(f.session)
             if s is not None and s.expiry >= self.clock:
-                raise BusyError(f"{self._where(r.loc)} is being written by {s.owner!r} (session {s.id})")
+                raise BusyError(f"{self._where(r.loc)} is being written by {s.owner!r} (session {s.id}; its lease "
+                                f"runs out in {(s.expiry - self.clock) / 1e9:.1f} s unless its writer renews it)")
         self._live_session(f)  # drops an expired session (its chunks go to GC)
         f.data_version += 1
         s = Session(id=self.next_session, inode=f.id, owner=r.owner,
