@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import grpc
 import pytest
@@ -239,3 +240,39 @@ def test_status_of_a_cluster_without_storage_is_not_healthy(meta_cluster: MetaCl
     assert st["storage"] == [] and not st["healthy"], st
     text = render_status(st)
     assert text.startswith("cluster: DEGRADED") and "no storage node has registered" in text, text
+
+
+def test_status_says_why_a_replica_did_not_answer(meta_cluster: MetaCluster, tmp_path: Path) -> None:
+    """A replica up with another cluster secret refuses our token: the META
+    table says `refused` and why, under it (it said `unreachable` alone
+    until stop 47, the cause only in a direct call)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.cluster import meta_cluster_from_env
+    from tierfs.cli.cluster import cluster_status
+    from tierfs.cli.main import render_status
+    from tierfs.local import free_ports
+    from tierfs.meta.secret import ensure_secret_file
+
+    if meta_cluster_from_env() is not None:
+        pytest.skip("starts a replica of its own")
+    raft, grpc_port = free_ports(2)
+    cmd = [sys.executable, "-m", "tierfs.meta.daemon", "--raft-addr", f"127.0.0.1:{raft}",
+           "--grpc-addr", f"127.0.0.1:{grpc_port}", "--data-dir", str(tmp_path / "odd"),
+           "--cluster-secret-file", str(ensure_secret_file(tmp_path / "other.secret"))]
+    repo = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=repo,
+                          env=dict(os.environ, PYTHONPATH=str(repo))) as p:
+        try:
+            assert p.stdout is not None
+            odd = json.loads(p.stdout.readline())["grpc"]
+            meta_cluster.wait_leader()
+            st = asyncio.run(cluster_status([*meta_cluster.addresses, odd]))
+            row = next(m for m in st["meta"] if m["addr"] == odd)
+            assert row["state"] == "refused" and "invalid admin token" in row["error"], row
+            text = render_status(st)
+            assert f"  {odd}: " in text and "invalid admin token" in text, text
+        finally:
+            p.kill()

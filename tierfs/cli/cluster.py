@@ -110,7 +110,8 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
         msg = str(exc)
         if msg.startswith("cluster unreachable: tried ") and "(last error: " in msg:
             msg = msg.split("(last error: ", 1)[1].rstrip(")")
-        return {"addr": addr, "id": None, "role": None, "state": "unreachable", "error": msg,
+        state = "refused" if isinstance(exc, (UnauthenticatedError, PermissionDeniedError)) else "unreachable"
+        return {"addr": addr, "id": None, "role": None, "state": state, "error": msg,
                 "leader": "", "members": [], "term": None, "exc": exc}
     return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
             "members": list(st.members), "term": st.term, "commit_index": st.commit_index,
@@ -180,6 +181,10 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
             # A replica that does not answer is named from the local plan, if any.
             "id": r["id"] or names.get(r["addr"]), "addr": r["addr"], "role": r["role"], "state": r["state"],
             "pid": pid or None, "term": r["term"], "applied_index": r.get("applied_index"),
+            # Why it did not answer (a refused credential, TLS, a timeout): the
+            # table said "unreachable" alone, also for a replica up with
+            # another cluster secret (stop 47).
+            **({"error": r["error"]} if r.get("error") and r["state"] != "down" else {}),
         })
 
     meta_out.sort(key=lambda m: (m["id"] is None, m["id"] or "", m["addr"]))
