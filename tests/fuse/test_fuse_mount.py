@@ -179,6 +179,19 @@ def test_close_and_fsync_make_data_durable(mnt: Path, client: Client) -> None:
         assert client.read_bytes("/t/durable/f") == data + b"more"
     finally:
         os.close(fd)
+    # While a write session is open, the mtime is the last write's, as on a
+    # local file (it stayed at the last commit's until close, until stop 47).
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        before = os.fstat(fd).st_mtime_ns
+        t0 = time.time_ns()
+        os.write(fd, b"x")
+        deadline = time.monotonic() + 10  # the kernel's cached attributes expire (attr_timeout)
+        while os.fstat(fd).st_mtime_ns < t0:
+            assert time.monotonic() < deadline, (before, os.fstat(fd).st_mtime_ns, t0)
+            time.sleep(0.05)
+    finally:
+        os.close(fd)
     # close: published by the close itself, not by the release of the last
     # descriptor (another one stays open here).
     keep = os.open(p, os.O_RDONLY)

@@ -110,6 +110,9 @@ class _Node:
     #: Its attributes as last seen, answered to getattr while it is open and
     #: meta no longer has it (unlinked or replaced since it was opened).
     attr: pb.Attr | None = None
+    #: When this mount last wrote to it (ns): its mtime while the write
+    #: session is open (meta sets the mtime at the commit).
+    wrote_ns: int = 0
 
 
 @dataclass(eq=False)
@@ -155,15 +158,17 @@ class TierFSOperations(pyfuse3.Operations):
         e.st_uid = attr.uid
         e.st_gid = attr.gid
         size = attr.size
+        mtime = attr.mtime_ns
         node = self._nodes.get(attr.inode)
         if node is not None and node.writer is not None:
             size = node.writer.size  # written through this mount, not committed yet
+            mtime = max(mtime, node.wrote_ns)  # as a local file's (it stayed put until close, until stop 47)
         e.st_size = size
         e.st_blksize = _BLKSIZE
         e.st_blocks = -(-size // 512)
         # No atime in TierFS: reads do not update metadata.
-        e.st_atime_ns = attr.mtime_ns
-        e.st_mtime_ns = attr.mtime_ns
+        e.st_atime_ns = mtime
+        e.st_mtime_ns = mtime
         e.st_ctime_ns = attr.ctime_ns
         return e
 
@@ -468,7 +473,9 @@ class TierFSOperations(pyfuse3.Operations):
         async with node.lock:
             w = await self._writer(node)
             w.seek(off)
-            return await w.write(buf)
+            n = await w.write(buf)
+            node.wrote_ns = time.time_ns()
+            return n
 
     @_fuse_errors
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
