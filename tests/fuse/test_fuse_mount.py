@@ -250,6 +250,77 @@ def test_a_descriptor_reads_on_after_its_file_is_removed(mnt: Path, client: Clie
     assert ei.value.errno == errno.EILSEQ, ei.value
 
 
+_APPENDER = """
+import os, sys
+path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for j in range(n):  # open, append one line, close: as many loggers do
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{tag} line {j:05d}\\n".encode())
+    os.close(fd)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_applications_other_processes_and_clients(mnt: Path, client: Client, tmp_path: Path) -> None:
+    """Found by a new user's applications (stop 47):
+    - two processes appending (open O_APPEND, write, close) to one log lost
+      lines: a getattr during a commit gave the kernel the size from before
+      it, and the next append went over the line just committed;
+    - a path replaced by another client's rename (write-then-rename)
+      failed an open with ENOENT: the kernel's dentry named the old inode
+      (now ESTALE, and the kernel looks the name up again);
+    - a new open read a file another client had rewritten larger only up to
+      the size the kernel last had (no error);
+    - statfs counted capacity minus use, not what the disks have free."""
+    d = mnt / "t" / "apps"
+    d.mkdir()
+    log = d / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", _APPENDER, str(log), tag, "60"]) for tag in ("a", "b", "c")]
+    assert [p.wait(90) for p in procs] == [0, 0, 0]
+    lines = log.read_bytes().splitlines()
+    assert sorted(lines) == sorted(f"{t} line {j:05d}".encode() for t in "abc" for j in range(60)), len(lines)
+
+    # write-then-rename by another client while this mount opens the path
+    client.write_bytes("/t/apps/cfg", b"v0" * 100)
+    assert (d / "cfg").read_bytes() == b"v0" * 100
+    errors = 0
+    for i in range(1, 25):
+        client.write_bytes("/t/apps/cfg.tmp", b"v%d" % i * 100)
+        client.rename("/t/apps/cfg.tmp", "/t/apps/cfg")
+        try:
+            got = (d / "cfg").read_bytes()
+        except FileNotFoundError:
+            errors += 1
+            continue
+        assert got == b"v%d" % i * 100, (i, got[:10])
+    assert errors == 0
+
+    # close-to-open: a new open reads what another client's close left
+    f = d / "grow"
+    for i in range(6):
+        f.stat() if i else None  # the kernel holds the size it was told
+        data = random_bytes(200_000 if i % 2 == 0 else 3000, 60 + i)
+        client.write_bytes("/t/apps/grow", data)
+        fd = os.open(f, os.O_RDONLY)
+        got = b""
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                got += chunk
+        finally:
+            os.close(fd)
+        assert got == data, (i, len(got), len(data))
+
+    # statfs: free space as `tierfs df` counts it
+    import asyncio
+
+    from tierfs.cli.usage import df
+
+    st = os.statvfs(mnt)
+    rep = asyncio.run(df(client.config.meta))
+    free = sum(t["free"] for t in rep["targets"])
+    assert abs(st.f_bavail * st.f_frsize - free) <= max(free // 20, 64 << 20), (st.f_bavail * st.f_frsize, free)
+
+
 @pytest.mark.timeout(60)
 def test_fsx_random_operations(mnt: Path, client: Client) -> None:
     d = mnt / "t" / "fsx"

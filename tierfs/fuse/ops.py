@@ -87,6 +87,14 @@ def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corouti
     return wrapper
 
 
+def _stale() -> pyfuse3.FUSEError:
+    """An inode meta no longer has (unlinked or replaced by another client):
+    ESTALE, on which the kernel walks the path again (LOOKUP_REVAL) and finds
+    what the name is now. ENOENT failed an open or stat of a path that had
+    just been replaced by a rename (until stop 47)."""
+    return pyfuse3.FUSEError(errno.ESTALE)
+
+
 def _name(raw: bytes) -> str:
     """A file name as TierFS keeps it: UTF-8 (meta's names are protobuf
     strings). Other bytes are EILSEQ, not the EIO and logged traceback of a
@@ -126,6 +134,9 @@ class _Handle:
     #: The kernel's read-ahead sends several reads of one handle at once; a
     #: client file (its chunk cache and read-ahead) serves one at a time.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Opened with O_APPEND: writes go to the end of the file as this mount
+    #: knows it (the write session's size), not to the kernel's offset.
+    append: bool = False
 
 
 class TierFSOperations(pyfuse3.Operations):
@@ -142,6 +153,9 @@ class TierFSOperations(pyfuse3.Operations):
         self._nodes: dict[int, _Node] = {}
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, list[tuple[str, pb.Attr]]] = {}
+        #: inode -> the size this mount last told the kernel (bounded: a
+        #: cleared entry costs one attribute invalidation at the next open)
+        self._told: dict[int, int] = {}
         self._next_fh = 1
         self._owner = f"tierfs-fuse pid {os.getpid()}"
 
@@ -164,6 +178,9 @@ class TierFSOperations(pyfuse3.Operations):
             size = node.writer.size  # written through this mount, not committed yet
             mtime = max(mtime, node.wrote_ns)  # as a local file's (it stayed put until close, until stop 47)
         e.st_size = size
+        if len(self._told) > 100_000:
+            self._told.clear()
+        self._told[attr.inode] = size
         e.st_blksize = _BLKSIZE
         e.st_blocks = -(-size // 512)
         # No atime in TierFS: reads do not update metadata.
@@ -207,7 +224,7 @@ class TierFSOperations(pyfuse3.Operations):
             attr = (await self.client.meta.stat(ino)).attr
         except NotFoundError:
             if node is None or node.attr is None:
-                raise
+                raise _stale() from None
             # Open here, gone from meta: the kernel asks before a read once
             # attr_timeout passed, and an ENOENT would fail that read (and
             # fstat) of a descriptor still reading its snapshot. Answered
@@ -254,12 +271,17 @@ class TierFSOperations(pyfuse3.Operations):
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         cmap = await self.client.meta.get_cluster_map()
         cap = sum(t.capacity for t in cmap.targets)
-        used = sum(t.used for t in cmap.targets)
+        # Free as `tierfs df` counts it: each target's free space on its file
+        # system (what it may still take), capped by capacity minus use. It
+        # was capacity minus use alone, 3.7x too much on a shared disk
+        # (stop 47).
+        free = sum(min(t.free, max(0, t.capacity - t.used)) if t.free else max(0, t.capacity - t.used)
+                   for t in cmap.targets)
         s = pyfuse3.StatvfsData()
         s.f_bsize = _BLKSIZE
         s.f_frsize = 4096
         s.f_blocks = cap // 4096
-        s.f_bfree = s.f_bavail = max(0, cap - used) // 4096
+        s.f_bfree = s.f_bavail = free // 4096
         # Meta puts no limit on inodes: all of a large constant free, so
         # that tools that check for free inodes go ahead (half of it free
         # read as "50% of inodes used" in df -i).
@@ -375,7 +397,7 @@ class TierFSOperations(pyfuse3.Operations):
             node.attr = info.attr
         fh = self._new_fh()
         self._handles[fh] = _Handle(node, writable=(flags & os.O_ACCMODE) != os.O_RDONLY,
-                                    reader_version=node.version, info=info)
+                                    reader_version=node.version, info=info, append=bool(flags & os.O_APPEND))
         # keep_cache=False: the kernel drops cached pages at open
         # (close-to-open consistency with other clients).
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
@@ -383,8 +405,17 @@ class TierFSOperations(pyfuse3.Operations):
     @_fuse_errors
     async def open(self, inode: pyfuse3.InodeT, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         ino = int(inode)
-        info = await self.client.meta.stat(ino)
+        try:
+            info = await self.client.meta.stat(ino)
+        except NotFoundError:
+            raise _stale() from None
         FileView.of(f"inode {ino}", info)  # EISDIR / EINVAL for what is not a regular file
+        if self._told.get(ino) != info.attr.size and (ino not in self._nodes or self._nodes[ino].writer is None):
+            # Close-to-open: the kernel would read up to the size it last
+            # heard of (another client's close since grew or shrank the file:
+            # a new open read a short file without an error until stop 47).
+            with contextlib.suppress(OSError):
+                pyfuse3.invalidate_inode(inode, attr_only=True)  # no writeback cache: it cannot block
         node = self._nodes.get(ino)
         dirty = node is not None and node.writer is not None
         if (flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -426,11 +457,18 @@ class TierFSOperations(pyfuse3.Operations):
         return node.writer
 
     async def _commit(self, node: _Node) -> None:
-        """Publish the inode's write session, if any (lock held)."""
-        w, node.writer = node.writer, None
+        """Publish the inode's write session, if any (lock held). The writer
+        stays the node's until its commit is done: getattr meanwhile answers
+        its size, not the committed size from before it (the kernel took
+        that for the file's size, and another process's O_APPEND write went
+        over what had just been written, until stop 47)."""
+        w = node.writer
         if w is not None:
             node.version += 1
-            await w.close()  # on failure it aborts: nothing of the session becomes visible
+            try:
+                await w.close()  # on failure it aborts: nothing of the session becomes visible
+            finally:
+                node.writer = None
 
     @_fuse_errors
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
@@ -469,10 +507,14 @@ class TierFSOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
-        node = self._handles[int(fh)].node
+        h = self._handles[int(fh)]
+        node = h.node
         async with node.lock:
             w = await self._writer(node)
-            w.seek(off)
+            # O_APPEND: at the end this mount knows (the session's size, which
+            # other processes' appends here moved), not the kernel's offset,
+            # which comes from a size it may have had from before them.
+            w.seek(w.size if h.append else off)
             n = await w.write(buf)
             node.wrote_ns = time.time_ns()
             return n
