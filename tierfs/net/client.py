@@ -138,6 +138,15 @@ def parse_address(addr: Address) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+#: Why a connection this client aborted itself for a request it gave up on.
+_ABANDONED = "a request was abandoned mid-transfer"
+
+
+class _Abandoned(UnavailableError):
+    """A request failed because its connection was dropped for another one
+    (not for anything of its own): :meth:`DataClient._call` sends it again."""
+
+
 class _Expired(Exception):
     """Internal: a request's timer fired before its answer came."""
 
@@ -210,9 +219,10 @@ class _ClientConnection(FrameProtocol):
 
     def _on_lost(self, exc: Exception | None) -> None:
         reason = f"{self.reason}: {exc}" if exc else self.reason
+        cls = _Abandoned if self.reason == _ABANDONED else UnavailableError
         for p in self.pending.values():
             if not p.fut.done():
-                p.fut.set_exception(UnavailableError(f"data-plane connection to {self.peer} lost ({reason})"))
+                p.fut.set_exception(cls(f"data-plane connection to {self.peer} lost ({reason})"))
         self.pending.clear()
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(None)
@@ -400,7 +410,7 @@ class _ClientConnection(FrameProtocol):
         # A write payload the transport still references, or a read answer
         # landing in the caller's buffer, must not outlive this call.
         if payload_busy or (p.op in _SENDS_PAYLOAD and self.transport.get_write_buffer_size()):
-            self.reason = "a request was abandoned mid-transfer"
+            self.reason = _ABANDONED
             self.abort()
 
     def begin_close(self) -> asyncio.Future[None] | None:
@@ -603,7 +613,14 @@ class DataClient:
                     **kw: Any) -> tuple[Header, memoryview | None]:
         cap = self._cap_for(op, key)
         try:
-            return await self._call1(target, op, key, timeout, cap=cap, **kw)
+            try:
+                return await self._call1(target, op, key, timeout, cap=cap, **kw)
+            except _Abandoned:
+                # This client dropped its connection for another request it
+                # gave up on mid-transfer: this one did nothing wrong and
+                # goes again, once, on a new connection (a KV delete failed
+                # as "did not reach target" on a healthy cluster, stop 47).
+                return await self._call1(target, op, key, timeout, cap=cap, **kw)
         except (CapabilityExpiredError, UnauthenticatedError) as exc:
             if not self._retry_cap(exc, cap):
                 raise
