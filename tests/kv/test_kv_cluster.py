@@ -1192,3 +1192,20 @@ def test_local_tiers_follow_this_clients_acknowledged_writes(cl: LocalCluster) -
             with pytest.raises(InvalidArgumentError) as ei:
                 call()
             assert "b'k'" in str(ei.value) and "\\x00" not in str(ei.value), ei.value
+
+        # An overwrite too big for a's 4 MiB DRAM tier, and a get of a's that
+        # reads the old value from the cluster while it runs: the old value
+        # must not be filled in after the overwrite is acknowledged.
+        async def race(i: int) -> tuple[Any, Any]:
+            kv = a.aclient.kv_pool(name)
+            key = f"ow{i}"
+            return key, await asyncio.gather(kv.put(key, b"N" * (5 << 20), overwrite=True), kv.get(key))
+
+        stale = 0
+        for i in range(8):
+            assert kb.put(f"ow{i}", b"O" * 4096)
+            key, (ok, during) = a._run(race(i))
+            assert ok and during in (None, b"O" * 4096, b"N" * (5 << 20))
+            after = ka.get(key)
+            stale += after is not None and after != b"N" * (5 << 20)
+        assert stale == 0, f"{stale} of 8 gets after an acknowledged overwrite read the old value"

@@ -312,6 +312,40 @@ def test_ssd_write_in_flight_is_undone_by_a_delete_or_a_newer_put(ssd_path: Path
 
 
 @pytest.mark.timeout(60)
+def test_a_promotion_of_a_key_deleted_during_its_read_is_skipped(ssd_path: Path) -> None:
+    """A get that found the key in the SSD tier, still reading it when the
+    key is deleted, must not promote it into DRAM afterwards: until stop 47
+    the deleted value was put back there and served by the next get."""
+    from tierfs.kv.stack import TierStack
+
+    async def main() -> None:
+        pool = BufferPool(16 * MiB)
+        be = GatedBackend(pool)
+        ssd = SsdTier(ssd_path, 4 * MiB, backend=be, pool=pool)
+        ssd.inline_max = 0  # every read through the backend, where it can wait
+        dram = DramTier(4 * MiB)
+        stack = TierStack([dram, ssd])
+        size = 256 << 10
+        be.gate.set()
+        assert await ssd.put(b"k", memoryview(pattern(b"k", size)))  # below only
+        be.gate.clear()
+        out = bytearray(size)
+        get = asyncio.ensure_future(stack.get_into(b"k", memoryview(out)))
+        while be.waiting < 1:
+            await asyncio.sleep(0)
+        assert await stack.delete(b"k")
+        be.gate.set()
+        assert await get == size and bytes(out) == pattern(b"k", size)  # it began before the delete
+        assert await stack.get_into(b"k", memoryview(bytearray(size))) is None
+        assert await dram.get_into(b"k", memoryview(bytearray(size))) is None
+        await stack.close()
+        await be.aclose()
+        pool.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
 def test_ssd_read_in_flight_keeps_its_extent(ssd_path: Path) -> None:
     """A get that is waiting for the disk while its object is deleted and the
     tier refilled must still return the object's own bytes."""

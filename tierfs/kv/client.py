@@ -259,20 +259,21 @@ class AsyncKV:
             raise InvalidArgumentError(f"pin is 'soft', 'hard' or None, not {pin!r}")
         pin_ttl_ms = _ttl_ms(pin_ttl, "pin_ttl")
         local = await self._local_for()
+        kept_local = [False] * len(ks)
         if local is not None:
             parent: bytes | None = None
             # the local copies expire no later than the cluster's, whose TTL
             # starts when the daemons have the object
             expires = time.monotonic() + ttl_ms / 1000 if ttl_ms else 0.0
-            for k, v in zip(ks, views, strict=True):
+            for i, (k, v) in enumerate(zip(ks, views, strict=True)):
                 lk = self._lk(k)
                 if overwrite:
                     # A local tier's put keeps what it holds (content
                     # addressing): the old value would go on being served
                     # here, to the client that overwrote it.
                     await self._drop_local(k)
-                if not await local.stack.put(lk, v, parent=parent, expires=expires) \
-                        and (await local.stack.contains([lk]))[0]:
+                kept_local[i] = await local.stack.put(lk, v, parent=parent, expires=expires)
+                if not kept_local[i] and (await local.stack.contains([lk]))[0]:
                     # Held here already: maybe another value (a put without
                     # overwrite of a key the cluster evicted or another
                     # client deleted, which the cluster then stores). This
@@ -280,7 +281,7 @@ class AsyncKV:
                     # the copy is dropped below (until stop 47 the old one
                     # went on being served to this client).
                     await self._drop_local(k)
-                    await local.stack.put(lk, v, parent=parent, expires=expires)
+                    kept_local[i] = await local.stack.put(lk, v, parent=parent, expires=expires)
                 parent = lk
         if self._write_back and not overwrite and not ttl_ms and not pin_kind:
             await self._queue_write_back(ks, views)
@@ -304,8 +305,12 @@ class AsyncKV:
         if self._local is not None:
             # False: the cluster kept what it had (a put without overwrite of
             # a key it holds): that, not this value, is what the key reads.
-            for k, ok in zip(ks, done, strict=True):
-                if not ok:
+            # True, with no local copy of this value (too big for the tiers,
+            # not admitted): a get of this client's that read the old value
+            # from the cluster while the put ran must not fill it in after
+            # (it did, until stop 47, for an overwrite).
+            for k, ok, kept in zip(ks, done, kept_local, strict=True):
+                if not ok or not kept:
                     await self._drop_local(k)
         return done
 

@@ -86,6 +86,13 @@ class TierStack:
         # key -> [write-backs queued, delete epoch]: a delete while a write-back is
         # queued must not be undone by it
         self._inflight: dict[bytes, list[int]] = {}
+        # Reads of lower tiers in flight, deletes so far, and each key's last
+        # delete while any such read runs: a promotion of what a read found
+        # is skipped if its key was deleted since the read began (it put a
+        # deleted value back into the upper tiers, until stop 47).
+        self._reading = 0
+        self._deletes = 0
+        self._deleted: dict[bytes, int] = {}
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(self.tiers[i + 1])
         # a memory top tier answers without a coroutine (DramTier.get_into_nowait)
@@ -141,13 +148,23 @@ class TierStack:
 
     async def _get_below(self, key: bytes, d: memoryview, start: int) -> int | None:
         tiers = self.tiers
-        for i in range(start, len(tiers)):
-            n = await tiers[i].get_into(key, d)
-            if n is not None:
-                if self.promote:
-                    await self._promote(key, d[:n], i, tiers[i].expiry_of(key))
-                return n
-        return None
+        mark = self._deletes
+        self._reading += 1
+        try:
+            for i in range(start, len(tiers)):
+                n = await tiers[i].get_into(key, d)
+                if n is not None:
+                    if self.promote and self._deleted.get(key, 0) <= mark:
+                        await self._promote(key, d[:n], i, tiers[i].expiry_of(key))
+                        if self._deleted.get(key, 0) > mark:  # deleted while promoting
+                            for t in tiers[:i]:
+                                await t.delete(key)
+                    return n
+            return None
+        finally:
+            self._reading -= 1
+            if not self._reading:
+                self._deleted.clear()
 
     async def _promote(self, key: bytes, view: memoryview, level: int, expires: float) -> None:
         # dest is the caller's and is not theirs again until get_into returns
@@ -177,6 +194,9 @@ class TierStack:
         state = self._inflight.get(k)
         if state is not None:
             state[1] += 1
+        self._deletes += 1
+        if self._reading:
+            self._deleted[k] = self._deletes
         found = False
         for t in self.tiers:
             if await t.delete(k):
