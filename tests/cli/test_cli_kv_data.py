@@ -197,6 +197,10 @@ def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
         assert rc == 0, err
         saved.append(json.loads(out)["prefill"]["prefill_saved_s"])
     assert saved[0] == 0 and saved[1] > 0, saved
+    # a pool of a few blocks: its budget is meta's smallest, not a refusal (until stop 47)
+    rc, out, err = cli(meta, "kv", "replay", str(trace), "--dram", "2", "--cluster", "10", "--block-size", "4KiB",
+                       "--limit", "5", "--json")
+    assert rc == 0 and json.loads(out)["requests"] == 5, err
 
 
 @pytest.mark.timeout(120)

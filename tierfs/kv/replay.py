@@ -39,6 +39,7 @@ from tierfs.kv.trace import (
     simulate,
     unique_blocks,
 )
+from tierfs.meta.ops import MIN_KV_BUDGET
 
 __all__ = ["live_replay", "parse_policy", "render_replay", "replay_cli"]
 
@@ -93,6 +94,9 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 n_targets = max(1, sum(1 for _ in cmap.targets))
                 # replica:1 spreads keys over every target; headroom for the watermark and the hash's spread
                 per_target = int(cluster * block_size / n_targets / 0.85) + block_size
+                # at least meta's smallest budget (a small --cluster was refused
+                # naming target_memory, a setting the user never gave, until stop 47)
+                per_target = max(per_target, MIN_KV_BUDGET)
                 name = f"replay-{tag}"
                 await mc.create_kv_pool(name, redundancy="replica:1", target_memory=per_target,
                                         target_disk=0, policy=pols.get("cluster", pol or "lru"))
