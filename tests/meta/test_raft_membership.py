@@ -178,6 +178,11 @@ def test_replace_a_lost_replica_with_the_cli(tmp_path: Path) -> None:
         lost = next(i for i in (0, 1, 2) if i != leader)
         gone = c.replicas[lost]
         c.kill(lost)
+        other = c.replicas[leader]
+        rc, _, err = cli("meta-replica", "rm", f"{gone.raft_addr}={other.grpc_addr}")  # another one's gRPC
+        assert rc == 1 and f"serves gRPC on {gone.grpc_addr}" in err, err
+        rc, _, err = cli("meta-replica", "add", "127.0.0.1:1=127.0.0.1:2")  # nothing runs there
+        assert rc == 1 and "no meta replica answers at 127.0.0.1:2" in err, err
         rc, out, err = cli("meta-replica", "rm", f"{gone.raft_addr}={gone.grpc_addr}")
         assert rc == 0, err
         assert gone.grpc_addr not in json.loads(out)["members"]
@@ -191,3 +196,11 @@ def test_replace_a_lost_replica_with_the_cli(tmp_path: Path) -> None:
         assert asyncio.run(names(r.grpc_addr)) == sorted(f"d{i}" for i in range(20))
         rc, _, err = cli("meta-replica", "add", "nonsense")
         assert rc == 2 and "RAFT_HOST:PORT=GRPC_HOST:PORT" in err, err
+        # One of the three stopped: removing another live one would leave
+        # two members of which one answers: refused.
+        lead = c.wait_leader()
+        down, live = [i for i in rest if i != lead][:2]
+        c.kill(down)
+        v = c.replicas[live]
+        rc, _, err = cli("meta-replica", "rm", f"{v.raft_addr}={v.grpc_addr}")
+        assert rc == 1 and "a leader needs 2" in err, err

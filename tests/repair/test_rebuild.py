@@ -382,6 +382,10 @@ def test_a_down_last_copy_is_held_not_replaced(cluster: LocalCluster) -> None:
     asyncio.run(_check(cluster, files))
     log = (cluster.dir / "logs" / "meta-0.log").read_text(errors="replace")
     assert f"target {tid} in group {gid}" in log and "not replaced automatically" in log
+    # By hand, too, removing it needs --force (a new operator's `target rm`
+    # of the down node's target gave the file up without a word).
+    code, _, err = _cli(cluster, "target", "rm", str(tid))
+    assert code != 0 and "down and the only source" in err and "--force" in err, err
     cluster.start(names=[victim])
     asyncio.run(cluster.wait_healthy(60))
     asyncio.run(_check(cluster, {**files, "/one/f": one}))

@@ -114,6 +114,7 @@ async def _replica_status(addr: str, timeout: float) -> dict[str, Any]:
         return {"addr": addr, "id": None, "role": None, "state": state, "error": msg,
                 "leader": "", "members": [], "term": None, "exc": exc}
     return {"addr": addr, "id": st.id, "role": st.role, "state": "up", "leader": st.leader,
+            "self": st.raft.grpc_addr if st.HasField("raft") else "",
             "members": list(st.members), "term": st.term, "commit_index": st.commit_index,
             "applied_index": st.applied_index, "auth": st.auth}
 
@@ -173,14 +174,23 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
 
     leaders = {r["leader"] for r in replicas if r["state"] == "up" and r["leader"]}
     meta_out = []
+    # The leader's member list: a replica outside it was removed
+    # (`tierfs meta-replica rm`); it no longer counts for the cluster's health.
+    lead = next((r for r in replicas if r["state"] == "up" and r["role"] == "leader"), None)
+    meta_members = set(lead["members"]) if lead is not None and lead["members"] else None
     for r in replicas:
         pid = pids.get(r["addr"]) if local else None
         if local and pid is not None and r["state"] != "up" and not procs[r["addr"]].alive():
             r["state"] = "down"
+        # Only a replica that answers can be told apart as removed (one that
+        # does not may be a member known by another address: it counts).
+        member = (meta_members is None or r["state"] != "up" or r["addr"] in meta_members
+                  or r.get("self") in meta_members)
         meta_out.append({
             # A replica that does not answer is named from the local plan, if any.
             "id": r["id"] or names.get(r["addr"]), "addr": r["addr"], "role": r["role"], "state": r["state"],
             "pid": pid or None, "term": r["term"], "applied_index": r.get("applied_index"),
+            "member": member,
             # Why it did not answer (a refused credential, TLS, a timeout): the
             # table said "unreachable" alone, also for a replica up with
             # another cluster secret (stop 47).
@@ -299,7 +309,10 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
     healthy = (
         len(leaders) == 1
         and bool(storage_out)  # no storage node: nothing can be stored ("healthy" until stop 47)
-        and all(m["state"] == "up" for m in meta_out)
+        # every member up as leader or follower (a candidate is not; a
+        # removed replica does not count: until stop 47 both said healthy
+        # or DEGRADED for good the other way round)
+        and all(m["state"] == "up" and m["role"] in ("leader", "follower") for m in meta_out if m["member"])
         and all(s["state"] == "online" for s in storage_out)
         and all(t["state"] in ("online", "failed, out of use") for t in targets.values())
         and all(g["state"] == "healthy" for g in groups_out)

@@ -192,7 +192,8 @@ def _meta_table(st: dict[str, Any]) -> str:
     """The META table; its PID column only where some pid is known (a local
     cluster's daemons, with --data)."""
     pids = any(m.get("pid") for m in st["meta"])
-    out = _table([[m["id"], m["addr"], m["role"], m["state"], *([m["pid"]] if pids else [])] for m in st["meta"]],
+    out = _table([[m["id"], m["addr"], m["role"], m["state"] + ("" if m.get("member", True) else ", not a member"),
+                   *([m["pid"]] if pids else [])] for m in st["meta"]],
                  ["META", "ADDRESS", "ROLE", "STATE", *(["PID"] if pids else [])])
     why = [f"  {m['addr']}: {m['error']}" for m in st["meta"] if m.get("error")]
     return out + ("\n" + "\n".join(why) if why else "")

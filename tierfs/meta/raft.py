@@ -1194,6 +1194,12 @@ class RaftReplicator:
             raise NotLeaderError(leader=self._leader_grpc())
         if not any(n.id == raft_addr for n in node.otherNodes):
             raise InvalidArgumentError(f"{raft_addr} is not a member")
+        known = self._addr_map.get(raft_addr)
+        if grpc_addr and known and known != grpc_addr:
+            # The operator is told to stop the replica at grpc_addr next: a
+            # mismatch would stop the wrong one (stop 47).
+            raise InvalidArgumentError(f"the member at raft {raft_addr} serves gRPC on {known}, not {grpc_addr}: "
+                                       f"give its own pair ({raft_addr}={known})")
         deadline = time.monotonic() + timeout
         await self._membership(lambda cb: node.removeNodeFromCluster(raft_addr, callback=cb), deadline)
         log.info("removed meta replica %s", raft_addr)

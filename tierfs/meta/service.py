@@ -1138,7 +1138,18 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         t = sm.targets[tid]
         readable = (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)
         if sm._target_state(t) not in readable:
-            return  # down already: its fragments are unreadable either way
+            # Down: unreadable now, but its node may come back with them.
+            # Where no other member can rebuild what it holds, removing it
+            # gives that up for good (it did without a word until stop 47).
+            lost = sorted(g for g, members in sm.groups.items()
+                          if tid in members and sm.rebuild_would_lose(g, tid))
+            if lost:
+                raise BusyError(
+                    f"target {tid} is down and the only source left for what it holds in {len(lost)} group(s) "
+                    f"({', '.join(map(str, lost[:5]))}{', ...' if len(lost) > 5 else ''}: replica:1 data, or too "
+                    f"few other members readable): removing it loses that data for good. Bring its node back if "
+                    f"it can come back; else remove it anyway with --force")
+            return
         alone: list[int] = []
         weak: list[int] = []
         for gid, members in sm.groups.items():
