@@ -512,9 +512,22 @@ class _Node(SyncObj):  # type: ignore[misc]
             # starts when it was planned, not on the next 50 ms tick - two
             # survivors woken by the same disconnect tick in step, and
             # their deadlines fell into the same tick (a split vote).
-            left = self._SyncObj__raftElectionDeadline - _raft_clock()
+            left = float(getattr(self, "_SyncObj__raftElectionDeadline", 0.0)) - _raft_clock()
             if 0 < left < timeToWait:
                 timeToWait = left + 0.001
+        if (self._SyncObj__raftState != 2 and self.tfs_owner._timings.pre_vote and self._SyncObj__otherNodes
+                and self.tfs_pre_vote_won != self._SyncObj__raftCurrentTerm + 1
+                and not self._SyncObj__transferInProgress):
+            # pysyncobj campaigns at the start of its tick when the deadline
+            # has passed by its clock: a deadline that passed between the
+            # pre-vote check above and that one (a preempted tick thread on a
+            # loaded host) raised the term with no pre-vote round. A new
+            # member did so once and sat as a candidate of a term the others
+            # never heard of, refusing the leader's older term (stop 47,
+            # docs/raft.md, "Pre-vote"). Only a won round (deadline 0, above)
+            # lets it campaign; otherwise the next tick's pre-vote check runs.
+            planned: float = getattr(self, "_SyncObj__raftElectionDeadline", 0.0)
+            self._SyncObj__raftElectionDeadline = max(planned, _raft_clock() + 0.005)
         super()._onTick(timeToWait)
         leader = self._getLeader()
         leader_id = leader.id if leader is not None else None
