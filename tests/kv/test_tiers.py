@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.kv.conformance import DemotingTierConformance, MiB, TierFactory, pattern, run
+from tests.kv.test_stack import WriteGate
 from tierfs.buffers import BufferPool
 from tierfs.errors import ConfigError, InvalidArgumentError
 from tierfs.kv.tiers import DramTier, ExtentAllocator, SsdTier, Tier
@@ -255,20 +256,6 @@ class GatedBackend(PosixBackend):
         return await super()._pread(fd, buf, offset)
 
 
-class WriteGatedBackend(PosixBackend):
-    """The posix backend with writes held at a gate (the I/O itself is real)."""
-
-    def __init__(self, pool: BufferPool) -> None:
-        super().__init__(pool, threads=4)
-        self.gate = asyncio.Event()
-        self.waiting = 0
-
-    async def _pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
-        self.waiting += 1
-        await self.gate.wait()
-        return await super()._pwrite(fd, buf, offset)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("then", ["delete", "put"])
 def test_ssd_write_in_flight_is_undone_by_a_delete_or_a_newer_put(ssd_path: Path, then: str) -> None:
@@ -281,7 +268,7 @@ def test_ssd_write_in_flight_is_undone_by_a_delete_or_a_newer_put(ssd_path: Path
 
     async def main() -> None:
         pool = BufferPool(16 * MiB)
-        be = WriteGatedBackend(pool)
+        be = WriteGate(pool)  # writes held at a gate (tests/kv/test_stack.py)
         t = SsdTier(ssd_path, 4 * MiB, backend=be, pool=pool)
         size = 256 << 10
         old, new = pattern(b"old", size), pattern(b"new", size)
