@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "f7c89c3dcc136b1e2a8362a07bf170808ac304ca"
+PREVIOUS = "10f4dffc9b8902ffbc6e1aa2cb138460d9c896f3"
 
 REPO = Path(__file__).resolve().parents[2]
 
