@@ -754,7 +754,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c in ("target", "node", "scrub"):
         from tierfs.cli import repair
 
-        code = repair.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async)
+        code = repair.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async, err)
         if code is not None:
             return code
     if c == "meta-replica":

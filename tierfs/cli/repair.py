@@ -10,8 +10,9 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from tierfs.cli.util import human_size
 from tierfs.errors import TierFSError, UnavailableError, from_grpc
 
 __all__ = [
@@ -39,13 +40,16 @@ async def remove_target(meta: Sequence[str], target_id: int, *, timeout: float =
 
 
 async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, timeout: float = 20.0,
-                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                     progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Move every fragment off a healthy node (its targets are replaced in
     every group, the new members copy from it). With ``wait``, return once
     no group is still rebuilding from it (or raise UnavailableError after
     ``timeout``): done, or with groups it still holds because no target
     could replace it there (``groups_stuck``; waiting would not move them:
-    until stop 44 ``--wait`` waited out its whole timeout for them)."""
+    until stop 44 ``--wait`` waited out its whole timeout for them).
+    ``progress`` gets, every poll while waiting, the groups copying, the
+    fragments and bytes the new members report, and the copy targets that
+    are down (such a copy waits for meta to replace its destination)."""
     from tierfs.meta import MetaClient
 
     async with MetaClient(list(meta), deadline=min(timeout, 20.0)) as mc:
@@ -53,7 +57,8 @@ async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, t
         out: dict[str, Any] = {"node": node_id, "groups_stuck": list(reply.groups_stuck), "done": False}
         cmap = await mc.get_cluster_map()
         mine = {t for n in cmap.nodes if n.node_id == node_id for t in n.target_ids}
-        end = time.monotonic() + timeout
+        start = time.monotonic()
+        end = start + timeout
         while True:
             held = [g.group_id for g in cmap.groups if mine.intersection(g.target_ids)]
             feeding = [g.group_id for g in cmap.groups if mine.intersection(g.rebuild_sources)]
@@ -65,12 +70,36 @@ async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, t
                 out["groups_stuck"] = sorted(set(out["groups_stuck"]) | set(held))
                 return out
             if progress is not None:
-                progress(len(feeding))
+                progress(await _drain_progress(cmap, feeding, time.monotonic() - start))
             if time.monotonic() > end:
                 raise UnavailableError(f"node {node_id} still feeds rebuilds of groups {feeding}"
                                        + (f" and holds {held}" if held else "") + f" after {timeout:.0f}s")
             await asyncio.sleep(0.5)
             cmap = await mc.get_cluster_map()
+
+
+async def _drain_progress(cmap: Any, feeding: list[int], seconds: float) -> dict[str, Any]:
+    """What ``drain_node`` reports while it waits: see there."""
+    from tierfs.proto.v1 import meta_pb2 as pb
+
+    state = {t.target_id: t.state for t in cmap.targets}
+    copying = set(feeding)
+    down = sorted({t for g in cmap.groups if g.group_id in copying for t in g.rebuilding
+                   if state.get(t) not in (pb.TARGET_STATE_ONLINE, pb.TARGET_STATE_READ_ONLY)})
+    rebuilds = await rebuild_progress(cmap, timeout=2.0)
+    mine = [p for g, p in rebuilds.items() if g in copying]
+    return {"groups_copying": len(feeding), "fragments_done": sum(p["done"] for p in mine),
+            "fragments_total": sum(p["total"] for p in mine), "bytes": sum(p["bytes"] for p in mine),
+            "destinations_down": down, "seconds": seconds}
+
+
+def drain_line(node_id: int, p: dict[str, Any]) -> str:
+    """One progress line of ``tierfs node drain --wait``."""
+    frags = (f", {p['fragments_done']:,}/{p['fragments_total']:,} fragments ({human_size(p['bytes'])}) copied"
+             if p["fragments_total"] else "")
+    down = (f"; copy target(s) {', '.join(map(str, p['destinations_down']))} down: meta replaces them after "
+            f"its replace_after, then the copy starts again" if p["destinations_down"] else "")
+    return f"draining node {node_id}: {p['groups_copying']} groups copying{frags}{down} ({p['seconds']:.0f} s)"
 
 
 async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0,
@@ -367,7 +396,7 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, str | None], None],
-            run: Callable[[Any], Any]) -> int | None:
+            run: Callable[[Any], Any], err: TextIO | None = None) -> int | None:
     """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
     if ns.cmd == "target":
         r = run(remove_target(meta, ns.id, timeout=ns.timeout, force=ns.force))
@@ -375,7 +404,19 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
              + (f" (no replacement for groups {r['groups_stuck']}: they stay degraded)" if r["groups_stuck"] else ""))
         return 0
     if ns.cmd == "node" and ns.action == "drain":
-        r = run(drain_node(meta, ns.id, wait=ns.wait, timeout=max(ns.timeout, 600.0) if ns.wait else ns.timeout))
+        shown: Callable[[dict[str, Any]], None] | None = None
+        if ns.wait and err is not None and not ns.json:
+            every = {"next": 0.0}
+
+            def shown(p: dict[str, Any]) -> None:
+                # a line every 5 s (and the first at once): for terminals and logs alike
+                if p["seconds"] >= every["next"]:
+                    every["next"] = p["seconds"] + 5.0
+                    err.write(drain_line(ns.id, p) + "\n")
+                    err.flush()
+
+        r = run(drain_node(meta, ns.id, wait=ns.wait, timeout=max(ns.timeout, 600.0) if ns.wait else ns.timeout,
+                           progress=shown))
         state = ("drained: stop its daemon, then `tierfs node rm` may remove it (a daemon still running "
                  "registers again as a new node)") if r["done"] else (
             f"draining: {len(r['groups_copying'])} groups copying from it")
