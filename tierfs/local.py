@@ -613,6 +613,10 @@ class LocalCluster:
                                    "targets": list(node.target_ids) if node else []})
         out["groups"] = len(cmap.groups)
         out["map_version"] = cmap.version
+        # Full targets (under their daemon's min_free): still read, no new writes.
+        out["read_only_targets"] = [{"id": t.target_id, "path": t.path, "free": t.free}
+                                    for t in cmap.targets if t.state == pb.TARGET_STATE_READ_ONLY]
+        out["targets"] = len(cmap.targets)
         return out
 
     async def wait_healthy(self, timeout: float = 30.0) -> dict[str, Any]:

@@ -335,6 +335,31 @@ def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
     assert rc == 0 and "stopped 2 daemons" in out, err
 
 
+@pytest.mark.timeout(120)
+def test_up_warns_when_the_targets_are_read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk too full for the targets' free-space floor: `up` said "every
+    daemon up" and exit 0 while every write would fail (until stop 48). The
+    daemons take min_free from the environment here (99% of the disk)."""
+    data = tmp_path / "full"
+    monkeypatch.setenv("TIERFS_STORAGE_MIN_FREE", "99%")
+    try:
+        rc, out, err = Run("")("up", "--data", str(data), "--meta", "1", "--storage", "2", cluster=False)
+        assert rc == 0, err
+        assert "warning: 2 of 2 storage targets are read-only" in err and "Every write will fail" in err, err
+        assert str(data / "storage-0" / "t0") in err, err
+        rc, out, err = Run("")("up", "--data", str(data), "--json", cluster=False)
+        assert rc == 0 and len(json.loads(out)["read_only_targets"]) == 2, (out, err)
+    finally:
+        rc, out, err = Run("")("down", "--data", str(data), cluster=False)
+    assert rc == 0, err
+    monkeypatch.delenv("TIERFS_STORAGE_MIN_FREE")
+    rc, out, err = Run("")("up", "--data", str(data), cluster=False)  # the same cluster, room enough now
+    try:
+        assert rc == 0 and "read-only" not in err, err
+    finally:
+        Run("")("down", "--data", str(data), cluster=False)
+
+
 def test_resolve_meta_precedence(tmp_path: Path) -> None:
     (tmp_path / "cluster.toml").write_text('[cluster]\nmeta = ["127.0.0.1:3"]\n')
     env = {"TIERFS_META": "127.0.0.1:2, 127.0.0.1:22"}

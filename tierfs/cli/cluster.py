@@ -54,7 +54,12 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
     # exit 0 for `--storage 3` on a cluster of 8)
     added = cl.grow(n_storage) if cl.reused and n_storage and n_storage != cl.counts["storage"] else []
     started = cl.up(timeout=timeout)
+    health = asyncio.run(cl.health(deadline=min(timeout, 10.0)))
     return {
+        # Up, yet a target whose disk is too full takes no writes (until stop
+        # 48 `up` said "every daemon up" with every target read-only).
+        "read_only_targets": health["read_only_targets"],
+        "targets": health["targets"],
         "data_dir": str(cl.dir),
         "meta": cl.meta_addrs,
         "started": started,

@@ -572,6 +572,16 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                 err.write(f"started {n} daemon{'s' if n != 1 else ''} ({shape}) in {time.perf_counter() - t0:.1f} s; "
                           f"every daemon up (`tierfs status` checks targets and groups). "
                           f"Stop with: tierfs down --data {data_dir}\n")
+            if r["read_only_targets"]:
+                ro = r["read_only_targets"]
+                where = ", ".join(human_size(t["free"]) + " free in " + t["path"] for t in ro[:3])
+                err.write(f"warning: {len(ro)} of {r['targets']} storage targets are read-only: their disk has "
+                          f"too little free space ({where}{', ...' if len(ro) > 3 else ''}; a target takes no "
+                          f"writes under reserved_bytes + "
+                          f"min_free, 320 MiB by default). "
+                          + ("Every write will fail with NoSpace until space is freed. "
+                             if len(ro) == r["targets"] else "")
+                          + "Free space there, or start the cluster on a bigger disk (--data DIR)\n")
             if k["storage"] < 6:
                 # `tierfs status` calls such a cluster healthy while every put
                 # under the default layout fails: say so now.
