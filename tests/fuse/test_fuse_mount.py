@@ -250,6 +250,58 @@ def test_a_descriptor_reads_on_after_its_file_is_removed(mnt: Path, client: Clie
     assert ei.value.errno == errno.EILSEQ, ei.value
 
 
+@pytest.mark.timeout(60)
+def test_a_file_unlinked_while_open_here_stays_usable(mnt: Path, client: Client) -> None:
+    """The temporary-file pattern: open, unlink, then write and read through
+    the descriptor (Python's ``tempfile.TemporaryFile`` falls back to it, as
+    FUSE has no O_TMPFILE). The mount renames such a file to a hidden name
+    and removes it at the last close; until stop 48 the first write failed
+    with ENOENT."""
+    import tempfile
+
+    from tierfs.fuse.ops import SILLY_PREFIX
+
+    d = mnt / "t" / "silly"
+    d.mkdir()
+    data = random_bytes(3 * CHUNK + 5, 48)
+    with tempfile.TemporaryFile(dir=d) as f:
+        f.write(data)
+        f.flush()
+        f.seek(0)
+        assert f.read() == data
+        names = os.listdir(d)
+        assert len(names) == 1 and names[0].startswith(SILLY_PREFIX), names
+        assert os.fstat(f.fileno()).st_nlink == 0
+        time.sleep(1.2)  # past attr_timeout: the kernel asks getattr again, and reads go on
+        f.seek(CHUNK)
+        f.write(b"middle")
+        f.seek(0)
+        want = data[:CHUNK] + b"middle" + data[CHUNK + 6:]
+        assert f.read() == want
+    _wait(lambda: os.listdir(d) == [], 10, "the hidden name to go at the last close")
+    # Written, unlinked, written again, read through a second descriptor of it.
+    p = d / "log"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"first ")
+        other = os.open(p, os.O_RDONLY)
+        os.unlink(p)
+        assert not p.exists()
+        os.write(fd, b"second")
+        os.fsync(fd)
+        assert os.pread(other, 100, 0) == b"first second"
+        os.close(other)
+        assert os.listdir(d)  # one descriptor still open: the hidden name stays
+    finally:
+        os.close(fd)
+    _wait(lambda: os.listdir(d) == [], 10, "the hidden name to go at the last close")
+    assert client.ls("/t/silly") == []
+    # A file not open here is unlinked at once, as before.
+    (d / "plain").write_bytes(b"x")
+    os.unlink(d / "plain")
+    assert os.listdir(d) == []
+
+
 _APPENDER = """
 import os, sys
 path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

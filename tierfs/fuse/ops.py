@@ -23,6 +23,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import stat as _stat
 import time
 from collections.abc import Callable, Coroutine
@@ -48,6 +49,8 @@ _TYPE_BITS = {pb.INODE_TYPE_FILE: _stat.S_IFREG, pb.INODE_TYPE_DIRECTORY: _stat.
               pb.INODE_TYPE_SYMLINK: _stat.S_IFLNK}
 _RENAME_NOREPLACE = 1
 _BLKSIZE = 1 << 20  # st_blksize: cp and friends size their buffers from it
+#: The hidden name a file unlinked while open here takes until its last close.
+SILLY_PREFIX = ".tierfs-unlinked-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,9 @@ class _Node:
     #: When this mount last wrote to it (ns): its mtime while the write
     #: session is open (meta sets the mtime at the commit).
     wrote_ns: int = 0
+    #: Unlinked here while open: the (directory inode, hidden name) it was
+    #: renamed to instead, removed at the last release (see ``unlink``).
+    silly: tuple[int, str] | None = None
 
 
 @dataclass(eq=False)
@@ -168,12 +174,12 @@ class TierFSOperations(pyfuse3.Operations):
         e.entry_timeout = self.options.entry_timeout
         e.attr_timeout = self.options.attr_timeout
         e.st_mode = _TYPE_BITS.get(attr.type, 0) | (attr.mode & 0o7777)
-        e.st_nlink = max(1, attr.nlink)
+        node = self._nodes.get(attr.inode)
+        e.st_nlink = 0 if node is not None and node.silly is not None else max(1, attr.nlink)
         e.st_uid = attr.uid
         e.st_gid = attr.gid
         size = attr.size
         mtime = attr.mtime_ns
-        node = self._nodes.get(attr.inode)
         if node is not None and node.writer is not None:
             size = node.writer.size  # written through this mount, not committed yet
             mtime = max(mtime, node.wrote_ns)  # as a local file's (it stayed put until close, until stop 47)
@@ -310,7 +316,33 @@ class TierFSOperations(pyfuse3.Operations):
     @_fuse_errors
     async def unlink(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
                      ctx: pyfuse3.RequestContext) -> None:
-        await self.client.meta.unlink((int(parent_inode), _name(name)))
+        """Unlink; a file open through this mount is renamed to a hidden name
+        in its directory instead, and removed when its last descriptor here
+        closes (NFS's "silly rename"), so that it stays readable and
+        writable meanwhile: the temporary-file pattern (open, unlink, use)
+        of Python's ``tempfile.TemporaryFile`` and others. Until stop 48
+        its first write failed with ENOENT."""
+        meta = self.client.meta
+        parent, n = int(parent_inode), _name(name)
+        if self._nodes:
+            try:
+                ino = (await meta.lookup(parent, n)).attr.inode
+            except NotFoundError:
+                ino = 0
+            node = self._nodes.get(ino)
+            if node is not None and node.opens > 0:
+                hidden = f"{SILLY_PREFIX}{ino:x}-{secrets.token_hex(4)}"
+                await meta.rename((parent, n), (parent, hidden))
+                node.silly = (parent, hidden)
+                return
+        await meta.unlink((parent, n))
+
+    async def _drop_silly(self, node: _Node) -> None:
+        """Remove the hidden name of a file unlinked while open (lock held)."""
+        if node.silly is not None:
+            where, node.silly = node.silly, None
+            with contextlib.suppress(NotFoundError):  # removed by hand meanwhile
+                await self.client.meta.unlink(where)
 
     @_fuse_errors
     async def rmdir(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
@@ -544,7 +576,10 @@ class TierFSOperations(pyfuse3.Operations):
                 async with node.lock:
                     # Normally committed at flush already; a failure here
                     # cannot reach the application (release has no caller).
-                    await self._commit(node)
+                    try:
+                        await self._commit(node)
+                    finally:
+                        await self._drop_silly(node)
         except Exception:
             log.exception("release of inode %d", node.inode)
         finally:
@@ -559,3 +594,7 @@ class TierFSOperations(pyfuse3.Operations):
                     await self._commit(node)
                 except Exception:
                     log.exception("commit of inode %d at unmount", node.inode)
+                try:
+                    await self._drop_silly(node)
+                except Exception:
+                    log.exception("removing %s at unmount", node.silly)
