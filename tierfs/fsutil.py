@@ -16,7 +16,7 @@ from pathlib import Path
 #: Overrides the kernel's boot id (tests: a simulated power cut is a reboot).
 BOOT_ID_ENV = "TIERFS_BOOT_ID"
 
-__all__ = ["boot_id", "fsync_dir", "lock_dir", "makedirs_durable", "syncfs", "write_durable"]
+__all__ = ["boot_id", "fsync_dir", "lock_dir", "make_private", "makedirs_durable", "syncfs", "write_durable"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -49,6 +49,16 @@ def makedirs_durable(path: str | os.PathLike[str], mode: int = 0o755) -> Path:
             continue  # created concurrently by someone else, who syncs it
         fsync_dir(d.parent)
     return p
+
+
+def make_private(path: str | os.PathLike[str]) -> None:
+    """Take group and other permissions off the directory ``path``: it holds
+    file data or meta's journal (fragments, KV objects, raft.log, snapshots),
+    which the files inside, made under the usual umask 022, would otherwise
+    show to every local account (docs/security.md, "Files on disk")."""
+    mode = os.stat(path).st_mode & 0o7777
+    if mode & 0o077:
+        os.chmod(path, mode & ~0o077)
 
 
 def write_durable(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:

@@ -69,7 +69,7 @@ from tierfs.errors import (
     TimeoutError_,
     UnavailableError,
 )
-from tierfs.fsutil import makedirs_durable
+from tierfs.fsutil import make_private, makedirs_durable
 from tierfs.meta.interfaces import ReplicaStatus, ReplicaTooOldError, StateMachine
 from tierfs.meta.journal import (
     DurableJournal,
@@ -896,6 +896,7 @@ class RaftReplicator:
             makedirs_durable(self._dir)
         else:
             self._dir.mkdir(parents=True, exist_ok=True)
+        make_private(self._dir)  # the journal and snapshots: the whole namespace
         snap_path = self._dir / SNAPSHOT_FILE
         anchor = None
         try:

@@ -72,7 +72,7 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
-from tierfs.fsutil import fsync_dir, makedirs_durable
+from tierfs.fsutil import fsync_dir, make_private, makedirs_durable
 from tierfs.storage.api import FragmentInfo, FragmentKey
 from tierfs.storage.io.base import IOBackend
 
@@ -386,7 +386,8 @@ class ChunkEngine:
                 )
         self._persist_identity()
         for sub in ("tmp", "frags", "quarantine"):
-            (self.root / sub).mkdir(exist_ok=True)
+            (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+            make_private(self.root / sub)  # also those an older version made 0755
         for name in os.listdir(self.root / "tmp"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.root / "tmp" / name)

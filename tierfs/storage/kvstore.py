@@ -62,7 +62,7 @@ from tierfs.errors import (
     TierFSError,
     UnavailableError,
 )
-from tierfs.fsutil import boot_id, fsync_dir, makedirs_durable, syncfs, write_durable
+from tierfs.fsutil import boot_id, fsync_dir, make_private, makedirs_durable, syncfs, write_durable
 from tierfs.kv.policy import EvictionPolicy, make_policy
 from tierfs.storage.io.base import IOBackend
 from tierfs.storage.io.posix import PosixBackend
@@ -442,6 +442,7 @@ class KVStore:
 
     def _scan(self) -> tuple[dict[int, _Loaded], int, list[str]]:
         makedirs_durable(self.kv_root)
+        make_private(self.kv_root)
         running = self.kv_root / RUNNING_FILE
         now_boot = boot_id()
         try:
