@@ -162,7 +162,7 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
             await mc.remove_user("dave")
         # removed: its token stops working at once
         async with _mc(meta, tok) as user:
-            with pytest.raises(UnauthenticatedError, match="unknown user"):
+            with pytest.raises(UnauthenticatedError, match="invalid token for user 'dave'"):
                 await user.stat("/")
 
     asyncio.run(go())

@@ -104,6 +104,22 @@ def test_authenticator() -> None:
     assert a.identify(node_key(secret), {}, lambda: 0).kind == "node"
     for bad, msg in [(tok, "expired"), (admin_token(b"t" * 32), "invalid admin token"),
                      (node_key(b"t" * 32), "invalid node key"), ("hello", "unrecognised"),
-                     (new_user_token("carol"), "invalid token for user"), (new_user_token("dan"), "unknown user")]:
+                     (new_user_token("carol"), "invalid token for user"), (new_user_token("dan"), "invalid token for user")]:
         with pytest.raises(UnauthenticatedError, match=msg):
             a.identify(bad, d.sm.users, lambda: now + 2 * SEC)
+
+
+def test_unknown_user_and_wrong_token_get_the_same_message() -> None:
+    """A caller without a credential cannot tell which user names exist: a
+    made-up token of a user that exists and of one that does not are
+    refused with the same message (the name aside). Until stop 47 the second
+    said "unknown user"."""
+    a = Authenticator(b"s" * 32)
+    d = Driver()
+    _add(d, "carol")
+    msgs = []
+    for name in ("carol", "nobody1"):
+        with pytest.raises(UnauthenticatedError) as ei:
+            a.identify(new_user_token(name), d.sm.users, lambda: d.now)
+        msgs.append(str(ei.value).replace(repr(name), "NAME"))
+    assert msgs[0] == msgs[1], msgs

@@ -12,7 +12,9 @@ an :class:`~tierfs.security.Identity`:
 
 Anything else - no token, a malformed header, a token of another cluster,
 an unknown user, a revoked or expired token - is
-:class:`~tierfs.errors.UnauthenticatedError` with a message that says which.
+:class:`~tierfs.errors.UnauthenticatedError` with a message that says which,
+except that an unknown user and a wrong token of a known one get the same
+message (a caller without a credential learns no user names).
 
 :func:`check_allowed` is the one table of who may call what: the node key
 only the storage-node RPCs (:data:`NODE_RPCS`), RegisterNode and Heartbeat
@@ -147,9 +149,14 @@ class Authenticator:
         name = parse_user_token(token)
         if name is None:
             raise UnauthenticatedError("malformed user token (expected tfu1.<user>.<43 characters>)")
+        # An unknown user gets the same answer as a wrong token of a known
+        # one: the message must not tell a caller without a credential which
+        # user names exist.
+        invalid = UnauthenticatedError(f"invalid token for user {name!r} (not one meta issued, or the user was "
+                                       "removed or never added)")
         u = users.get(name)
         if u is None:
-            raise UnauthenticatedError(f"unknown user {name!r} (removed, or never added)")
+            raise invalid
         h = hash_token(token)
         for t in u.tokens:
             if tokens_equal(t.hash, h):
@@ -160,7 +167,7 @@ class Authenticator:
                     raise UnauthenticatedError(f"token {t.id} of user {name!r} expired "
                                                f"{(now_ns - t.expires) / 1e9:.0f} s ago")
                 return identity_of(u)
-        raise UnauthenticatedError(f"invalid token for user {name!r} (not one meta issued)")
+        raise invalid
 
 
 def check_allowed(method: str, ident: Identity) -> None:
