@@ -130,6 +130,11 @@ def test_wrong_clients_are_refused(cluster: LocalCluster, tmp_path: Path) -> Non
         assert "CERTIFICATE_VERIFY_FAILED" in msg and f"client's CA ({other_ca})" in msg, msg
         msg = await refused(TlsFiles(ca=tls.ca))
         assert "give the client one (TIERFS_TLS_CERT" in msg, msg
+        # A client certificate of another CA: the server drops it too, and
+        # the message says so (until stop 47 it ended at "Socket closed").
+        pem, key = issue(tmp_path / "other", "client", client_only=True)
+        msg = await refused(TlsFiles(ca=tls.ca, cert=str(pem), key=str(key)))
+        assert f"did not accept the client's ({pem})" in msg, msg
         # The data plane likewise: the client checks the server against its CA.
         async with MetaClient(cluster.meta_addrs, deadline=5.0, tls=tls) as mc:
             cmap = await mc.get_cluster_map()

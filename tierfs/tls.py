@@ -397,7 +397,9 @@ def unreachable_hint(last_error: str, tls: TlsFiles | None) -> str:
     if not tls.cert:
         return ("; the server closed the connection at once: if the cluster requires client certificates, "
                 "give the client one (TIERFS_TLS_CERT, TIERFS_TLS_KEY)")
-    return ""
+    # A certificate the server did not accept: gRPC says only "Socket closed".
+    return (f"; the server closed the connection at once: if the cluster requires client certificates, it did "
+            f"not accept the client's ({tls.cert}): signed by a CA the cluster does not trust, or expired")
 
 
 def channel_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
