@@ -105,3 +105,23 @@ def test_scope_checks() -> None:
     assert cap.check_scope(node, cap.KIND_FILE, 999, cap.OP_READ, 5) is None
     assert cap.check_scope(node, cap.KIND_FILE, 999, cap.OP_WRITE, 5) is not None
     assert cap.check_scope(node, cap.KIND_KV, 1, cap.OP_READ) is not None
+
+
+def test_a_write_capability_names_its_session() -> None:
+    from tierfs.chunk import generation
+
+    key = b"k" * 32
+    w = cap.mint(key, kind=cap.KIND_FILE, ops=cap.OP_WRITE, epoch=1, scope=9,
+                    principal=cap.write_principal(1000, 5), expiry_ms=10**13)
+    assert w.session == 5 and "write session version 5" in w.describe()
+    assert cap.check_scope(w, cap.KIND_FILE, 9, cap.OP_WRITE, 0, generation(5, 7)) is None
+    err = cap.check_scope(w, cap.KIND_FILE, 9, cap.OP_WRITE, 0, generation(4, 0))
+    assert err is not None and "another write session" in str(err)
+    # Versions wrap at 2**32; the one that wraps to 0 reads as 1 on both sides.
+    wrap = cap.write_principal(1000, 1 << 32) >> cap.SESSION_SHIFT
+    assert wrap == 1 == cap.session_of_generation(generation(1 << 32, 0))
+    # One minted before stop 48 names none: any generation of its inode.
+    old = cap.mint(key, kind=cap.KIND_FILE, ops=cap.OP_WRITE, epoch=1, scope=9, principal=1000,
+                      expiry_ms=10**13)
+    assert old.session == 0
+    assert cap.check_scope(old, cap.KIND_FILE, 9, cap.OP_WRITE, 0, generation(4, 0)) is None

@@ -13,7 +13,10 @@ A capability is 64 bytes: a 48-byte body, then a 16-byte HMAC-SHA256 tag
       8   8  scope       inode (file), pool id (KV), node id (node)
      16   8  lo          first chunk covered (file); 0 otherwise
      24   8  hi          chunk bound, exclusive (file); ALL_CHUNKS = every chunk
-     32   8  principal   uid (file), tenant (KV: uid, or GROUP_TENANT | gid), node id
+     32   8  principal   uid (file), tenant (KV: uid, or GROUP_TENANT | gid), node id;
+                         a file write capability carries its write session's
+                         data_version (mod 2**32) in bits 32-63 (0: any, as
+                         minted before stop 48): see ``check_scope``
      40   8  expiry_ms   ms since the Unix epoch, meta's clock
      48  16  mac
 
@@ -33,6 +36,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from tierfs.chunk import GEN_SHIFT
 from tierfs.errors import (
     CapabilityExpiredError,
     PermissionDeniedError,
@@ -59,8 +63,10 @@ __all__ = [
     "epoch_key",
     "keys_around",
     "mint",
+    "session_of_generation",
     "tenant_of",
     "verify",
+    "write_principal",
 ]
 
 VERSION = 1
@@ -71,6 +77,10 @@ _OPS = OP_READ | OP_WRITE
 ALL_CHUNKS = (1 << 64) - 1
 #: set in a KV principal for a group tenant (the rest is the gid)
 GROUP_TENANT = 1 << 32
+#: A file write capability's principal: the uid in bits 0-31, its session's
+#: data_version (mod 2**32, never 0) in bits 32-63.
+SESSION_SHIFT = 32
+_SESSION_MASK = (1 << 32) - 1
 _BODY = struct.Struct("<BBBBIQQQQQ")
 BODY_SIZE = _BODY.size
 MAC_SIZE = 16
@@ -93,11 +103,32 @@ class Capability:
         return _BODY.pack(VERSION, self.kind, self.ops, 0, self.epoch, self.scope, self.lo, self.hi,
                           self.principal, self.expiry_ms)
 
+    @property
+    def session(self) -> int:
+        """The write session (its data_version mod 2**32) a file write
+        capability is for; 0: none named (any generation of the inode)."""
+        return self.principal >> SESSION_SHIFT if self.kind == KIND_FILE else 0
+
     def describe(self) -> str:
         what = {KIND_FILE: f"inode {self.scope}", KIND_KV: f"KV pool {self.scope}",
                 KIND_NODE: f"node {self.scope}"}.get(self.kind, f"scope {self.scope}")
+        if self.session:
+            what += f" (write session version {self.session})"
         ops = "+".join(n for b, n in ((OP_READ, "read"), (OP_WRITE, "write")) if self.ops & b) or "none"
         return f"{_KINDS.get(self.kind, '?')} capability ({ops}) for {what}"
+
+
+def write_principal(uid: int, data_version: int) -> int:
+    """The principal of a file write capability for the session of
+    ``data_version`` (see the layout above)."""
+    v = data_version & _SESSION_MASK
+    return (uid & _SESSION_MASK) | ((v or 1) << SESSION_SHIFT)
+
+
+def session_of_generation(generation: int) -> int:
+    """The session a fragment generation belongs to, as a write capability
+    names it (its data_version mod 2**32, 0 read as 1, as ``write_principal``)."""
+    return ((generation >> GEN_SHIFT) & _SESSION_MASK) or 1
 
 
 def epoch_key(secret: bytes, epoch: int) -> bytes:
@@ -197,10 +228,15 @@ def verify(keyring: Keyring, now_ms: int, cap: Capability | bytes | bytearray | 
     return c
 
 
-def check_scope(c: Capability, kind: int, scope: int, op: int, chunk: int = 0) -> TierFSError | None:
+def check_scope(c: Capability, kind: int, scope: int, op: int, chunk: int = 0,
+                generation: int = 0) -> TierFSError | None:
     """Whether a verified capability covers one request: None, or the
     PermissionDeniedError saying why not. Node capabilities cover every
-    inode (fragment ops only)."""
+    inode (fragment ops only). A file write capability that names its
+    session covers writes and deletes of that session's generations only:
+    not the file's committed fragments of other sessions, which its holder
+    could otherwise overwrite or delete until it expired, after the
+    session had ended and after a chmod (until stop 48)."""
     if c.kind == KIND_NODE and kind == KIND_FILE:
         pass
     elif c.kind != kind:
@@ -210,6 +246,10 @@ def check_scope(c: Capability, kind: int, scope: int, op: int, chunk: int = 0) -
                                      f"{'inode' if kind == KIND_FILE else 'KV pool'} {scope}")
     elif kind == KIND_FILE and not c.lo <= chunk < c.hi:
         return PermissionDeniedError(f"{c.describe()} covers chunks [{c.lo}, {c.hi}), not chunk {chunk}")
+    elif (kind == KIND_FILE and op == OP_WRITE and c.session
+          and session_of_generation(generation) != c.session):
+        return PermissionDeniedError(f"{c.describe()} does not cover generation {generation:#x} "
+                                     f"(another write session's fragments)")
     if not c.ops & op:
         return PermissionDeniedError(f"{c.describe()} does not allow {'write' if op == OP_WRITE else 'read'}")
     return None

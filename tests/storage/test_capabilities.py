@@ -261,6 +261,54 @@ def test_fragment_ops_refused_without_a_valid_capability(cluster: LocalCluster, 
     assert asyncio.run(whole()) == b"A" * 70000
 
 
+def test_a_write_capability_covers_its_own_session_only(cluster: LocalCluster, world: dict[str, object]) -> None:
+    """A write session's capability, after the session was aborted, against
+    the file's committed fragments: until stop 48 it overwrote and deleted
+    them (for file_cap_ttl, whatever chmod did meanwhile), and the file read
+    back CorruptError, then GenerationGone. Now it covers the generations of
+    its own session only; it lives for the session's lease and a minute."""
+    from tierfs.chunk import generation
+    from tierfs.meta.client import MetaClient
+
+    frags = world["frags"]
+    a = world["a"]
+    assert isinstance(frags, list) and isinstance(a, int)
+
+    async def session() -> tuple[bytes, int]:
+        async with MetaClient(cluster.meta_addrs) as mc:
+            ow = await mc.open_write("/caps/a")
+            await mc.abort_write(ow.session_id)
+            return ow.write_capability, ow.data_version
+
+    wcap, version = asyncio.run(session())
+    c = capmod.decode(wcap)
+    assert c.session == version and c.principal & 0xFFFFFFFF == 0 and c.ops == capmod.OP_WRITE
+    assert c.expiry_ms - time.time() * 1000 <= ROTATION * 1000  # file_cap_ttl is 3 s here, below lease + 60 s
+    before = _refusals(cluster)
+    for target, addr, key in frags:
+        raw = Raw(addr)
+        try:
+            assert raw.cap(1, wcap) == 0, raw.last
+            assert raw.cap(2, _cap(_secret(cluster), scope=a)) == 0, raw.last
+            _, want = raw.read(target, key, 2)
+            for op in FILE_WRITES:
+                hdr = _file_op(raw, op, target, key, 1)
+                assert hdr.status == DENIED, (Op(op).name, hdr.status)
+            again, got = raw.read(target, key, 2)
+            assert again.status == 0 and got == want
+            own = (a, 7, key[2], generation(version, 0))  # a fragment of its own session: allowed
+            assert _file_op(raw, Op.WRITE, target, own, 1).status == 0
+            assert _file_op(raw, Op.DELETE, target, own, 1).status == 0
+        finally:
+            raw.close()
+    _grew(before, _refusals(cluster), "scope", 2 * len(frags))
+
+    async def whole() -> bytes:
+        async with AsyncClient(cluster.meta_addrs, request_timeout=10.0) as c:
+            return await c.read_bytes("/caps/a")
+    assert asyncio.run(whole()) == b"A" * 70000
+
+
 KV_READS = (Op.KV_GET, Op.KV_EXISTS)
 KV_WRITES = (Op.KV_PUT, Op.KV_DELETE, Op.KV_PIN)
 

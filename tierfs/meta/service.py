@@ -150,6 +150,9 @@ log = logging.getLogger("tierfs.meta.service")
 _FORWARD_MD = ("authorization", CLIENT_ID_KEY, REQUEST_ID_KEY)
 #: Fragments of replaced chunk versions stay readable this long (seconds).
 DEFAULT_GC_GRACE = 300.0
+#: A write capability lives for its session's lease and this much more
+#: (seconds): room for the clocks of meta and the storage daemons to differ.
+WRITE_CAP_SLACK = 60.0
 #: A new leader waits this many heartbeat timeouts from its start for a node
 #: it has not heard from yet before calling it offline: every daemon must
 #: find the new leader first (a failed call's backoff, the channel's
@@ -653,10 +656,20 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         if self._secret is None:
             return b""
         ident = self.identity()
-        inode = self.state.may_write_session(ident, session_id)
+        sm = self.state
+        inode = sm.may_write_session(ident, session_id)
         if inode is None:
             return b""
-        return self._mint(capmod.KIND_FILE, capmod.OP_WRITE, inode, ident.uid, self.file_cap_ttl)
+        s = sm.sessions[session_id]
+        # For this session's fragments only, and for its lease and a minute
+        # more (a minute of clock difference between meta and the daemons),
+        # not file_cap_ttl: its holder writes nothing once the session has
+        # ended. The writer renews it with the lease. Until stop 48 it
+        # covered the whole inode for file_cap_ttl (600 s): its holder could
+        # overwrite or delete the committed fragments of other sessions after
+        # this one ended and after its write permission was taken away.
+        ttl = min(self.file_cap_ttl, max(0.0, (s.expiry - sm.clock) / 1e9) + WRITE_CAP_SLACK)
+        return self._mint(capmod.KIND_FILE, capmod.OP_WRITE, inode, capmod.write_principal(ident.uid, s.version), ttl)
 
     def kv_capability(self, pool_name: str) -> pb.GetKVCapabilityReply:
         """A KV capability (read + write) for the caller's tenant of a pool."""

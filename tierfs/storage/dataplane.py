@@ -36,6 +36,7 @@ from tierfs.capability import (
     Capability,
     Keyring,
     check_scope,
+    session_of_generation,
     verify,
 )
 from tierfs.errors import (
@@ -385,14 +386,16 @@ class _ServerConnection(FrameProtocol):
             return CapabilityExpiredError(f"{c.describe()} has expired; fetch a fresh one from meta"), 0
         kind, need = _NEEDS[op]
         if c.ops & need:
-            if c.kind == kind and c.scope == hdr.inode and (kind == KIND_KV or c.lo <= hdr.chunk < c.hi):
+            if c.kind == kind and c.scope == hdr.inode and (kind == KIND_KV or (
+                    c.lo <= hdr.chunk < c.hi and (need == OP_READ or not c.session
+                                                  or session_of_generation(hdr.fversion) == c.session))):
                 return None, c.principal
             if c.kind == KIND_NODE and kind == KIND_FILE:
                 return None, 0
-        err = check_scope(c, kind, hdr.inode, need, hdr.chunk)
+        err = check_scope(c, kind, hdr.inode, need, hdr.chunk, hdr.fversion)
         if err is None:  # pragma: no cover - the fast path above accepts all of these
             return None, c.principal
-        in_scope = check_scope(c, kind, hdr.inode, c.ops, hdr.chunk) is None
+        in_scope = check_scope(c, kind, hdr.inode, c.ops, hdr.chunk, hdr.fversion) is None
         counters["cap_refused_op" if in_scope else "cap_refused_scope"] += 1
         return err, 0
 
