@@ -24,6 +24,7 @@ import gc
 import logging
 import os
 import posixpath
+import re
 import stat as _stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -163,6 +164,9 @@ def _join(parent: str, name: str) -> str:
     return parent.rstrip("/") + "/" + name
 
 
+_SLASHES = re.compile("//+")
+
+
 def _norm(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgumentError(f"paths are absolute (start with '/'), got {path!r}")
@@ -172,6 +176,11 @@ def _norm(path: str) -> str:
         # A str from os.fsdecode of bytes that are not UTF-8: TierFS names
         # are UTF-8 (a raw UnicodeEncodeError until stop 47).
         raise InvalidArgumentError(f"path {path!r} is not valid Unicode (TierFS names are UTF-8)") from None
+    if "//" in path:
+        # Repeated slashes name what one does (POSIX), leading ones too:
+        # "//home" failed "empty name" until stop 48 (posixpath.normpath
+        # keeps exactly two leading slashes, and meta refuses an empty name).
+        path = _SLASHES.sub("/", path)
     return path
 
 
