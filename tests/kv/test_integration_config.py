@@ -5,14 +5,17 @@ default pool), and the start-up check that fails fast, naming the setting."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
+from tests.faults.harness import FAST_META
+from tests.kv.pools import pool_served
 from tierfs.errors import ConfigError
 from tierfs.integrations.common import connect, resolve
-from tierfs.local import free_ports
+from tierfs.local import LocalCluster, free_ports
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_config_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,3 +56,35 @@ def test_unreachable_cluster_fails_fast_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match=r"X extra_config 'm': cannot reach the TierFS cluster") :
         connect(t, timeout=1.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_adapter_client_has_no_local_tiers_whatever_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/engines.md: the adapters turn TierFS's client DRAM and SSD tiers
+    off (the engine's CPU buffer is the DRAM tier). A TIERFS_KV_DRAM_BYTES,
+    TIERFS_KV_SSD_* or TIERFS_KV_WRITE_BACK in the environment, meant for
+    other clients, gave the adapter's client a second DRAM copy, an SSD
+    file, and stores acknowledged before the cluster had them."""
+    c = LocalCluster(tmp_path / "c", n_meta=1, n_storage=1, extra_meta_args=list(FAST_META))
+    c.up(timeout=120)
+    try:
+        pool_served(c.meta_addrs, "default")
+        ssd = tmp_path / "ssd"
+        ssd.mkdir()
+        monkeypatch.setenv("TIERFS_KV_DRAM_BYTES", "16MiB")
+        monkeypatch.setenv("TIERFS_KV_SSD_PATH", str(ssd))
+        monkeypatch.setenv("TIERFS_KV_SSD_BYTES", "16MiB")
+        monkeypatch.setenv("TIERFS_KV_WRITE_BACK", "1")
+        client = connect(resolve({"m": ",".join(c.meta_addrs)}, meta_key="m", pool_key="p"), timeout=30)
+        try:
+            cfg = client.config
+            assert (cfg.kv_dram_bytes, cfg.kv_ssd_bytes, cfg.kv_ssd_path, cfg.kv_write_back) == (0, 0, "", False)
+            kv = client.kv_pool("default")
+            assert kv.put(b"k", b"v" * 5000)
+            assert kv.get(b"k") == b"v" * 5000
+            assert client.aclient._kv_local() is None
+            assert list(ssd.iterdir()) == []
+        finally:
+            client.close()
+    finally:
+        c.stop()

@@ -18,6 +18,14 @@ from tierfs.errors import ConfigError, PermissionDeniedError, TierFSError, Unaut
 #: How long start-up waits for the cluster's map before calling it unreachable.
 CONNECT_TIMEOUT = 10.0
 
+#: An adapter's client has no local tiers and no write-back, whatever the
+#: environment (TIERFS_KV_DRAM_BYTES, TIERFS_KV_SSD_*, TIERFS_KV_WRITE_BACK)
+#: or a config file set up for other clients says: the engine's own CPU
+#: buffer is the DRAM tier (docs/engines.md), and a store the engine is told
+#: is done must be in the cluster, where other instances find it.
+NO_LOCAL_TIERS: dict[str, Any] = {"kv_dram_bytes": 0, "kv_ssd_bytes": 0, "kv_ssd_path": "",
+                                  "kv_write_back": False}
+
 
 @dataclass(frozen=True)
 class Target:
@@ -83,6 +91,7 @@ def connect(target: Target, *, timeout: float = CONNECT_TIMEOUT, **options: Any)
     answers within ``timeout`` and the pool exists. Failures raise
     :class:`ConfigError` naming the setting; nothing is left open."""
     options.setdefault("meta_deadline", timeout)
+    options.update(NO_LOCAL_TIERS)
     if target.token is not None:
         options.setdefault("token", target.token)
     client = Client(list(target.meta), kv_pool=target.pool, **options)
