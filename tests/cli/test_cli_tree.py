@@ -389,3 +389,42 @@ def test_set_layout_changes_only_the_fields_it_is_given(meta: str) -> None:
     assert rc == 0 and "replica:2" in out and "2.0 MiB" in out, (out, err)
     rc, out, err = cli(meta, "set-layout", "/lay", "--stripe", "2")
     assert rc == 0 and "replica:2" in out and "2.0 MiB" in out, (out, err)
+
+
+@pytest.mark.timeout(240)
+def test_put_r_cancelled_removes_every_temporary_file(meta: str, tmp_path: Path) -> None:
+    """Ctrl-C (the main task cancelled, as asyncio's runner does on SIGINT)
+    in the middle of ``put -r``: every file in flight removes its temporary
+    ``.NAME.put-XXXXXXXX`` before the client closes. Until the workers were
+    awaited to the end, the first one to finish its cleanup let the client
+    close under the others, whose temporary files stayed."""
+    import asyncio
+
+    from tierfs.cli.tree import TreeProgress, put_tree
+    from tierfs.client import AsyncClient
+
+    src = tmp_path / "many"
+    src.mkdir()
+    for i in range(60):
+        (src / f"f{i:03d}").write_bytes(os.urandom(20_000 + i))
+
+    async def interrupted(dst: str, after: int) -> None:
+        async with AsyncClient(meta.split(",")) as client:
+            main = asyncio.current_task()
+            assert main is not None
+
+            def progress(p: TreeProgress) -> None:
+                if p.files_done >= after and not main.cancelling():
+                    main.cancel()
+
+            with pytest.raises(asyncio.CancelledError):
+                await put_tree(client, str(src), dst, jobs=4, progress=progress)
+
+    for round_, after in enumerate((3, 9, 17)):
+        dst = f"/intr{round_}"
+        asyncio.run(interrupted(dst, after))
+        rc, out, err = cli(meta, "ls", dst, "--json")
+        assert rc == 0, err
+        names = [e["path"].rsplit("/", 1)[-1] for e in json.loads(out)]
+        assert names and len(names) < 60, names  # interrupted midway
+        assert [n for n in names if ".put-" in n] == [], names

@@ -135,7 +135,16 @@ async def _run_files(copy: _Copy, files: list[_Entry], jobs: int, prog: TreeProg
             if progress is not None:
                 progress(prog)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(jobs, len(files))))))
+    # return_exceptions: a cancelled copy (Ctrl-C) waits for every worker to
+    # finish its cleanup (a put removing its temporary file) before the
+    # client closes under it; without it gather returned at the first worker
+    # done and the others' cleanup failed on the closed client, leaving
+    # `.NAME.put-XXXXXXXX` files behind.
+    results = await asyncio.gather(*(worker() for _ in range(max(1, min(jobs, len(files))))),
+                                   return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
     if stop:
         left = len(queue)
         raise UnavailableError(f"{stop[0]} (copy stopped; {prog.files_done} files copied, {left} not tried)")
