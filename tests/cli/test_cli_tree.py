@@ -428,3 +428,41 @@ def test_put_r_cancelled_removes_every_temporary_file(meta: str, tmp_path: Path)
         names = [e["path"].rsplit("/", 1)[-1] for e in json.loads(out)]
         assert names and len(names) < 60, names  # interrupted midway
         assert [n for n in names if ".put-" in n] == [], names
+
+
+
+@pytest.mark.timeout(90)
+def test_get_does_not_write_through_a_dangling_local_link(meta: str, tmp_path: Path) -> None:
+    """``get -r`` copies a remote link as a local link; when the remote
+    name later becomes a file, the next ``get -r`` into the same place must
+    not make a file wherever the old link pointed (outside the copy): as
+    cp(1), a dangling link is not written through. A link to an existing
+    file still is (documented; cp does the same)."""
+    from tierfs.client import Client
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "made-by-get"
+    with Client(meta) as c:
+        c.mkdir("/dangle", parents=True, exist_ok=True)
+        c.symlink("/dangle/x", str(victim))
+        c.write_bytes("/dangle/keep", b"kept\n")
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    rc, _, err = cli(meta, "get", "-r", "-q", "/dangle", str(sync))
+    assert rc == 0, err
+    assert os.readlink(sync / "dangle" / "x") == str(victim) and not victim.exists()
+    with Client(meta) as c:
+        c.rm("/dangle/x")
+        c.write_bytes("/dangle/x", b"from the cluster\n")
+    rc, _, err = cli(meta, "get", "-r", "-q", "/dangle", str(sync))  # again, into the same place
+    assert rc == 1 and "dangling symbolic link" in err, err
+    assert not victim.exists() and os.path.islink(sync / "dangle" / "x")
+    assert (sync / "dangle" / "keep").read_bytes() == b"kept\n"
+    rc, _, err = cli(meta, "get", "/dangle/x", str(sync / "dangle" / "x"))
+    assert rc == 1 and "dangling symbolic link" in err and not victim.exists(), err
+    # a link to an existing file is written through, the link stays
+    victim.write_bytes(b"old\n")
+    rc, _, err = cli(meta, "get", "-r", "-q", "/dangle", str(sync))
+    assert rc == 0, err
+    assert victim.read_bytes() == b"from the cluster\n" and os.path.islink(sync / "dangle" / "x")

@@ -264,7 +264,14 @@ def _local_dest(local: str) -> tuple[str, bool]:
     link is followed (its target is written, the link stays). An existing
     file that is not a regular file (a device such as /dev/null, a fifo) is
     written straight into (``direct``): it must not be replaced by a regular
-    file. Otherwise the path of a regular file, new or to be replaced."""
+    file. Otherwise the path of a regular file, new or to be replaced. A
+    dangling link is refused, as by cp(1)."""
+    if os.path.islink(local) and not os.path.exists(local):
+        # As cp(1): a dangling link is not written through (that would make
+        # a file wherever the link points, outside the destination: a
+        # `get -r` whose first run made the link from a remote one).
+        raise LocalFileError(f"cannot write local file {local}: not writing through a dangling symbolic link "
+                             f"(to {os.readlink(local)}; remove it first)")
     path = os.path.realpath(local) if os.path.islink(local) else local
     try:
         m = os.stat(path).st_mode
