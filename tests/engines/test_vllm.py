@@ -434,6 +434,25 @@ def test_bad_cluster_and_pool_fail_at_start_up(engine_env: None, tierfs_meta: st
     start_manager(tier_config(meta=tierfs_meta, pool="default", token=os.environ["TIERFS_TOKEN"])).shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_an_engine_that_fails_to_start_leaves_nothing_in_dev_shm(engine_env: None, tierfs_meta: str,
+                                                                 model_dir: str) -> None:
+    """A whole engine with a wrong pool: it fails naming the setting, and
+    the CPU offload region its worker had made in /dev/shm is gone (until
+    stop 48 each failed start left its cpu_bytes_to_use there: vLLM's
+    clean-up unlinks only the scheduler's side, which did not create it)."""
+    import glob
+
+    def regions() -> set[str]:
+        return set(glob.glob("/dev/shm/vllm_offload_*.mmap"))
+
+    before = regions()
+    with pytest.raises(Exception) as e:
+        make_llm(model_dir, tier_config(meta=tierfs_meta, pool="no-such-pool"))
+    assert "no-such-pool" in str(e.value) or "unknown KV pool" in repr(e.value), repr(e.value)
+    assert regions() - before == set(), regions() - before
+
+
 @pytest.mark.timeout(90)
 def test_a_pool_that_cannot_answer_yet_is_all_misses_until_it_can(engine_env: None, tierfs_meta: str,
                                                                   tierfs_cluster: Any) -> None:

@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -159,6 +160,20 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
         return self._tier._contains(keys)
 
 
+def _drop_offload_region(spec: Any) -> None:
+    """The engine fails to start when this tier does: remove the name of its
+    shared CPU offload region (``/dev/shm/vllm_offload_<engine>.mmap``).
+    The workers made it before the scheduler makes the tiers, and vLLM's
+    clean-up of a failed start unlinks only the scheduler's side, which did
+    not create it: each failed start (a wrong pool, token or address) left
+    its cpu_bytes_to_use of /dev/shm behind until stop 48. Mappings already
+    made stay valid; nothing joins the region after a failed start."""
+    engine = getattr(spec, "_engine_id", None)
+    if isinstance(engine, str) and engine and "/" not in engine:
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/vllm_offload_{engine}.mmap")
+
+
 class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """A TierFS KV pool as a vLLM secondary offloading tier (see the module doc)."""
 
@@ -173,6 +188,19 @@ class TierFSSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                  known_keys: int = 65536,
                  **unknown: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        try:
+            self._setup(offloading_spec, primary_kv_view, tier_type, meta=meta, pool=pool, token=token, namespace=namespace,
+                        key_layout=key_layout, transport=transport, connect_timeout=connect_timeout,
+                        batch_bytes=batch_bytes, batches_in_flight=batches_in_flight, locality=locality,
+                        known_keys=known_keys, unknown=unknown)
+        except BaseException:
+            _drop_offload_region(offloading_spec)
+            raise
+
+    def _setup(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *, meta: str | list[str] | None,
+               pool: str | None, token: str | None, namespace: str | None, key_layout: str,
+               transport: str | None, connect_timeout: float, batch_bytes: int, batches_in_flight: int,
+               locality: str | None, known_keys: int, unknown: dict[str, Any]) -> None:
         if unknown:
             raise ConfigError(f"unknown setting(s) {', '.join(sorted(unknown))} (known: {', '.join(_SETTINGS)})",
                               field=f"{_WHERE} {sorted(unknown)[0]!r}")
