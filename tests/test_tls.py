@@ -15,6 +15,8 @@ import os
 import socket
 import ssl
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,6 +137,15 @@ def test_wrong_clients_are_refused(cluster: LocalCluster, tmp_path: Path) -> Non
         pem, key = issue(tmp_path / "other", "client", client_only=True)
         msg = await refused(TlsFiles(ca=tls.ca, cert=str(pem), key=str(key)))
         assert f"did not accept the client's ({pem})" in msg, msg
+        # The CLI says it in its own words only: gRPC core logged each failed
+        # handshake at INFO on stderr, ten lines before them (until stop 48).
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TIERFS_", "GRPC_"))}
+        env.update(TIERFS_TLS_CA=other_ca, TIERFS_TOKEN_FILE=str(cluster.admin_token_file))
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tierfs.cli", "ls", "/", "--meta",
+                                                     cluster.meta_addrs[0], "--timeout", "3"],
+                                    capture_output=True, text=True, env=env, cwd="/", timeout=60)
+        assert r.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+        assert "Handshake failed" not in r.stderr and r.stderr.count("\n") <= 2, r.stderr
         # The data plane likewise: the client checks the server against its CA.
         async with MetaClient(cluster.meta_addrs, deadline=5.0, tls=tls) as mc:
             cmap = await mc.get_cluster_map()

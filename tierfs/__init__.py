@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING, Any
 # otherwise, read when grpc is first imported - by tierfs.errors below) made
 # that child crash with SIGSEGV while other threads were inside gRPC.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# gRPC core logs each failed TLS handshake at INFO on stderr ("I1206 ...
+# ssl_transport_security.cc ... Handshake failed", once per retry: ten lines
+# before the CLI's own one-line error, until stop 48). Its errors still show;
+# GRPC_VERBOSITY=INFO (or DEBUG) set by the user wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from tierfs.errors import (
     ConfigError,
