@@ -284,3 +284,83 @@ def test_a_storage_failure_mid_save_is_the_error_dcp_reports(tmp_path: Path) -> 
         assert "could not be stored" in text and ".distcp" in text, text
     finally:
         cl.stop()
+
+
+ASYNC_PROCESS_SAVE = r"""
+import datetime, os, sys
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from tierfs.integrations.torch_dcp import TierFSStorageReader, TierFSStorageWriter
+
+def main():
+    path, port = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    g = torch.Generator().manual_seed(3)
+    want = {"w": torch.randn(256, 512, generator=g), "h": torch.randn(64, 64, generator=g).half(), "step": 5}
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want.items()}
+    with TierFSStorageWriter(path) as w:
+        for step in (5, 6):  # the checkpoint process is reused by the second save
+            want["step"] = sd["step"] = step
+            fut = dcp.async_save(sd, storage_writer=w, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            sd["w"].fill_(0)  # training goes on: the save has its own copy
+            fut.result()
+            sd["w"].copy_(want["w"])
+    got = {"w": torch.zeros(256, 512), "h": torch.zeros(64, 64).half(), "step": 0}
+    with TierFSStorageReader(path) as r:
+        dcp.load(got, storage_reader=r)
+    for k in ("w", "h"):
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert got["step"] == 6, got["step"]
+    print("OK async process save", flush=True)
+    dist.destroy_process_group()
+    os._exit(0)  # the checkpoint process is torch's; do not wait on its teardown
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_async_save_in_a_checkpoint_process(tierfs_meta: str, root: str, tmp_path: Path) -> None:
+    """dcp.async_save with AsyncCheckpointerType.PROCESS pickles the writer
+    into torch's checkpoint process (torchtitan's async_with_pinned_mem
+    does this): two saves, then a load, bit-identical. Until stop 47 the
+    writer held its client and the save failed with "cannot pickle
+    '_thread.lock' object"."""
+    script = tmp_path / "async_process_save.py"
+    script.write_text(ASYNC_PROCESS_SAVE)
+    env = {**os.environ, "TIERFS_META": tierfs_meta, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        p = subprocess.Popen([sys.executable, str(script), f"{root}/async-process", str(free_ports(1)[0])],
+                             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=150)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    text = log.read_text()
+    assert p.returncode == 0 and "OK async process save" in text, text[-4000:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_writer_and_reader_pickle_with_a_client_of_their_own(tierfs_meta: str, root: str) -> None:
+    """A pickled writer or reader connects with its client's arguments; the
+    copy works after the original is closed, and copies share one client."""
+    import pickle
+
+    sd = {"w": torch.randn(64, 32), "step": 9}
+    with TierFSStorageWriter(f"{root}/pickled", meta=tierfs_meta) as w:
+        blob = pickle.dumps(w)
+    w2, w3 = pickle.loads(blob), pickle.loads(blob)
+    assert w2.client is w3.client and not w2.client._closed
+    dcp.save(sd, storage_writer=w2, no_dist=True)
+    with Client(tierfs_meta) as c:
+        r = TierFSStorageReader(f"{root}/pickled", client=c)
+        got = {"w": torch.zeros(64, 32), "step": 0}
+        dcp.load(got, storage_reader=pickle.loads(pickle.dumps(r)), no_dist=True)
+        assert c._closed is False  # the copy never closes the caller's client
+    assert bits_equal(got["w"], sd["w"]) and got["step"] == 9

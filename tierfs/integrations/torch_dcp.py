@@ -144,6 +144,52 @@ def _connect(client: Client | None, meta: Sequence[str] | str | None, who: str) 
     return c, True
 
 
+#: Clients of unpickled writers and readers, one per set of client
+#: arguments in a process (see :func:`_client_for`).
+_UNPICKLED: dict[bytes, Client] = {}
+_UNPICKLED_LOCK = threading.Lock()
+
+
+def _client_for(args: Any) -> Client:
+    """The client an unpickled writer or reader uses: one per process and
+    set of client arguments, made on first use and reused by every later
+    copy (DCP's process-based ``async_save`` sends the writer to its
+    checkpoint process once per save); closed at interpreter exit, as every
+    client is."""
+    key = pickle.dumps(args)
+    with _UNPICKLED_LOCK:
+        c = _UNPICKLED.get(key)
+        if c is None or c._closed:
+            meta, config, options = args
+            c = _UNPICKLED[key] = Client(meta, config=config, **options)
+        return c
+
+
+class _Picklable:
+    """Pickling for the writer and the reader: DCP's process-based
+    ``async_save`` (``AsyncCheckpointerType.PROCESS``) pickles the writer
+    into its checkpoint process. The client is not pickled (its loop
+    thread and channels cannot be); the copy connects with the same
+    arguments (:func:`_client_for`) and does not close that client."""
+
+    client: Client
+    _owns: bool
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["client"] = None
+        state["_owns"] = False
+        state["_client_args"] = self.client._args
+        if "_st_headers" in state:  # the reader's per-load futures
+            state["_st_headers"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        args = state.pop("_client_args")
+        self.__dict__.update(state)
+        self.client = _client_for(args)
+
+
 def _is_data_leftover(name: str) -> bool:
     """Files a save of this directory may leave: data files, and the
     metadata's temporary name."""
@@ -247,7 +293,7 @@ async def _rm_all(ac: AsyncClient, paths: list[str]) -> None:
     await asyncio.gather(*(rm(p) for p in paths))
 
 
-class TierFSStorageWriter(StorageWriter):  # type: ignore[misc]
+class TierFSStorageWriter(_Picklable, StorageWriter):  # type: ignore[misc]
     """A DCP ``StorageWriter`` saving into TierFS directory ``path`` (``/dir``
     or ``tierfs:///dir``). ``client``: a blocking :class:`Client` to use
     (not closed here); else one is made on ``meta`` (addresses, or
@@ -626,7 +672,7 @@ class _Snapshot:
         return buf
 
 
-class TierFSStorageReader(StorageReader):  # type: ignore[misc]
+class TierFSStorageReader(_Picklable, StorageReader):  # type: ignore[misc]
     """A DCP ``StorageReader`` loading the checkpoint in TierFS directory
     ``path``: one written by :class:`TierFSStorageWriter`, or by DCP's
     ``FileSystemWriter`` (``TORCH_SAVE`` or ``SAFETENSORS`` format) and
