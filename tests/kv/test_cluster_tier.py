@@ -184,3 +184,33 @@ def test_as_the_bottom_of_a_write_through_stack(cl: LocalCluster, pool: str) -> 
         await stack.close()
 
     run(main())
+
+
+def test_copies_that_disagree_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """Concurrent plain puts of other bytes make copies disagree at every
+    get: one WARNING per get flooded the log (until stop 48). Now one line
+    per interval, counting the others; the counter has every one."""
+    import logging
+    import types
+
+    from tierfs.kv.cluster import ClusterTier
+
+    tier = ClusterTier(None, None, "p", timeout=1.0)  # type: ignore[arg-type]
+
+    async def no_drop(*_: object) -> None:
+        return None
+
+    tier._drop_copies = no_drop  # type: ignore[method-assign]
+    route = types.SimpleNamespace(name="p", pool_id=1)
+
+    async def go() -> None:
+        for i in range(50):
+            await tier._disagree(route, b"k%d" % i, [1, 2], 1, 2)  # type: ignore[arg-type]
+        tier._disagree_quiet_until = 0.0  # the interval passed
+        await tier._disagree(route, b"last", [1, 2], 1, 2)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="tierfs"):
+        asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if "disagree" in r.getMessage() or "crc32c" in r.getMessage()]
+    assert tier.counters.disagreements == 51
+    assert len(lines) == 2 and "49 more since the last such line" in lines[1], lines

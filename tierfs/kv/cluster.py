@@ -93,6 +93,8 @@ _Tag = tuple[int, int, int]  # (format, value length, value CRC32C or 0)
 _R = TypeVar("_R")
 #: CRC32Cs of replica values a client remembers as vouched for (~100 bytes each).
 _KNOWN_MAX = 65_536
+#: Seconds between two WARNING lines about copies that disagree (the others are counted).
+DISAGREE_LOG_INTERVAL = 10.0
 
 
 def _ec_fragment(v: Any, j: int) -> tuple[_Tag, memoryview] | None:
@@ -313,6 +315,8 @@ class ClusterTier:
         self.min_bandwidth = min_bandwidth
         self.counters = ClusterStats()
         self.on_evict = None  # the cluster evicts on its own; nothing is demoted below it
+        self._disagree_quiet_until = 0.0
+        self._disagree_unlogged = 0
 
     async def route(self) -> KVPoolRoute:
         return await self.router.kv_pool(self.pool)
@@ -884,8 +888,20 @@ class ClusterTier:
     async def _disagree(self, route: KVPoolRoute, key: bytes, targets: list[int], crc: int, other: int) -> None:
         self.counters.disagreements += 1
         self._known.pop((route.pool_id, xxhash.xxh3_64_intdigest(key)), None)
-        log.warning("KV pool %s: key %r: the copy on target %d has crc32c %#010x, the one on target %d %#010x: "
-                    "a miss, and both copies dropped", route.name, key, targets[0], crc, targets[1], other)
+        # One line per DISAGREE_LOG_INTERVAL at most, with a count of the
+        # rest: concurrent plain puts of other bytes (docs/kv.md) flooded the
+        # log with one WARNING per get (until stop 48). The counter has all.
+        now = time.monotonic()
+        if now >= self._disagree_quiet_until:
+            more = (f" ({self._disagree_unlogged} more since the last such line)"
+                    if self._disagree_unlogged else "")
+            self._disagree_unlogged = 0
+            self._disagree_quiet_until = now + DISAGREE_LOG_INTERVAL
+            log.warning("KV pool %s: key %r: the copy on target %d has crc32c %#010x, the one on target %d %#010x: "
+                        "a miss, and both copies dropped%s", route.name, key, targets[0], crc, targets[1], other,
+                        more)
+        else:
+            self._disagree_unlogged += 1
         with contextlib.suppress(TierFSError):
             await self._drop_copies(route, key, targets)
 
