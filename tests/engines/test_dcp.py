@@ -286,6 +286,48 @@ def test_a_storage_failure_mid_save_is_the_error_dcp_reports(tmp_path: Path) -> 
         cl.stop()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_when_one_file_of_a_save_fails_the_others_stop(tmp_path: Path) -> None:
+    """thread_count files at once; one fails at its third tensor: the other
+    threads stop at their next tensor (until stop 48 they wrote every tensor
+    of their files, for a save already lost), and DCP reports the failure,
+    not the others' stopping. Nothing of the save is left."""
+    import threading
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    cl = LocalCluster(tmp_path / "c", n_meta=1, n_storage=1)
+    cl.up(timeout=120)
+    try:
+        state = {"resolved": 0, "failed_at": None}
+        guard = threading.Lock()
+
+        class FailOnce(DefaultSavePlanner):
+            def resolve_data(self, write_item: Any) -> Any:
+                with guard:
+                    state["resolved"] += 1
+                    if state["resolved"] == 3:
+                        state["failed_at"] = 3
+                        raise RuntimeError("the disk under tensor 3 is on fire")
+                return super().resolve_data(write_item)
+
+        sd = {f"t{i:02d}": torch.randn(64, 64) for i in range(40)}
+        with Client(cl.meta_addrs) as c:
+            c.mkdir("/ck")
+            c.set_layout("/ck", redundancy="replica:1")
+            with pytest.raises(CheckpointException) as ei:
+                dcp.save(sd, storage_writer=TierFSStorageWriter("/ck/a", client=c, thread_count=4),
+                         planner=FailOnce(), no_dist=True)
+            assert "on fire" in str(ei.value) and "another file" not in str(ei.value), str(ei.value)
+            # Each of the 3 others may finish the tensor it had begun (and one
+            # take the lock the failing one had just released): 40 before.
+            assert state["resolved"] - 3 <= 6, state
+            assert not [n for n in c.ls("/ck/a") if n.endswith(".distcp")], c.ls("/ck/a")
+    finally:
+        cl.stop()
+
+
 ASYNC_PROCESS_SAVE = r"""
 import datetime, os, sys
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp

@@ -43,7 +43,7 @@ import pickle
 import struct
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch  # type: ignore[import-not-found,unused-ignore]
@@ -201,6 +201,10 @@ class _Prefix:
     """A rank's data-file name prefix, set by the coordinator."""
 
     prefix: str
+
+
+class _Stopped(Exception):
+    """A data file's write stopped because another file of the save failed."""
 
 
 class _Sink:
@@ -373,54 +377,79 @@ class TierFSStorageWriter(_Picklable, StorageWriter):  # type: ignore[misc]
             for name, items in zip(names, buckets, strict=True):
                 results += self._write_file(name, items, planner, lock)
         else:
+            # When one file fails the others stop at their next item (until
+            # stop 48 they wrote on to the end, for a save already lost).
+            stop = threading.Event()
             with concurrent.futures.ThreadPoolExecutor(len(buckets), thread_name_prefix="tierfs-dcp") as ex:
-                futs = [ex.submit(self._write_file, name, items, planner, lock)
+                futs = [ex.submit(self._write_file, name, items, planner, lock, stop)
                         for name, items in zip(names, buckets, strict=True)]
-                for f in futs:
-                    results += f.result()
+                concurrent.futures.wait(futs)
+            errors = [f.exception() for f in futs]
+            first = next((e for e in errors if e is not None and not isinstance(e, _Stopped)), None)
+            if first is not None:
+                raise first
+            for f in futs:
+                results += f.result()
         fut: Any = Future()
         fut.set_result(results)
         return fut
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: Any, lock: threading.Lock) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: Any, lock: threading.Lock,
+                    stop: threading.Event | None = None) -> list[WriteResult]:
         out: list[WriteResult] = []
+
+        def go_on() -> None:
+            if stop is not None and stop.is_set():
+                raise _Stopped(f"{name}: another file of this rank's save failed")
+
         with self.client.open(_join(self.path, name), "wb") as f:  # an exception aborts the file
-            sink = _Sink(f)
-            for item in items:
-                if item.type != WriteItemType.BYTE_IO:
-                    continue
+            try:
+                return self._write_items(f, name, items, planner, lock, go_on, out)
+            except BaseException:
+                if stop is not None:
+                    stop.set()  # at once, not after this file's abort: the others stop at their next item
+                raise
+
+    def _write_items(self, f: Any, name: str, items: list[WriteItem], planner: Any, lock: threading.Lock,
+                     go_on: Callable[[], None], out: list[WriteResult]) -> list[WriteResult]:
+        sink = _Sink(f)
+        for item in items:
+            if item.type != WriteItemType.BYTE_IO:
+                continue
+            go_on()
+            with lock:
+                data = planner.resolve_data(item)
+            buf = data.getbuffer()
+            off = sink.tell()
+            sink.write(buf)
+            out.append(WriteResult(index=item.index, size_in_bytes=len(buf),
+                                   storage_data=_StorageInfo(name, off, len(buf))))
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            go_on()
+            with lock:
+                t = planner.resolve_data(item).detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
                 with lock:
-                    data = planner.resolve_data(item)
-                buf = data.getbuffer()
-                off = sink.tell()
-                sink.write(buf)
-                out.append(WriteResult(index=item.index, size_in_bytes=len(buf),
-                                       storage_data=_StorageInfo(name, off, len(buf))))
-            for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    continue
+                    self.copied_tensors += 1
+            elif t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                # torch.save writes a tensor's whole storage: a view
+                # into a larger one is packed first (as DCP does).
+                t = t.clone()
                 with lock:
-                    t = planner.resolve_data(item).detach()
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                    with lock:
-                        self.copied_tensors += 1
-                elif t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                    # torch.save writes a tensor's whole storage: a view
-                    # into a larger one is packed first (as DCP does).
-                    t = t.clone()
-                    with lock:
-                        self.copied_tensors += 1
-                off = sink.tell()
-                try:
-                    torch.save(t, sink)  # the storage goes to f.write as one memoryview of its memory
-                except Exception as exc:
-                    sink.check(exc)
-                    raise
-                length = sink.tell() - off
-                out.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(name, off, length)))
-            sink.drain()
+                    self.copied_tensors += 1
+            off = sink.tell()
+            try:
+                torch.save(t, sink)  # the storage goes to f.write as one memoryview of its memory
+            except Exception as exc:
+                sink.check(exc)
+                raise
+            length = sink.tell() - off
+            out.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(name, off, length)))
+        sink.drain()
         return out
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
