@@ -1209,3 +1209,34 @@ def test_local_tiers_follow_this_clients_acknowledged_writes(cl: LocalCluster) -
             after = ka.get(key)
             stale += after is not None and after != b"N" * (5 << 20)
         assert stale == 0, f"{stale} of 8 gets after an acknowledged overwrite read the old value"
+
+
+def test_an_overwrite_evicted_locally_before_it_is_acknowledged_is_not_undone_by_a_fill(cl: LocalCluster) -> None:
+    """Found by a new user (stop 48): an overwrite the DRAM tier took, and
+    evicted again (another put of the same client) while the cluster put
+    ran; a get of that client's meanwhile missed locally, read the old
+    value from the cluster and filled it in. Once the overwrite was
+    acknowledged that client went on reading the value it had replaced
+    (8 of 8 before the fix), while every other client read the new one."""
+    name = "ownevict"
+    create_pool(cl, name, redundancy="replica:1", target_memory=64 * MiB)
+    pool_served(cl.meta_addrs, name)
+    with Client(cl.meta_addrs, kv_dram_bytes=4 * MiB) as a, Client(cl.meta_addrs) as b:
+        ka, kb = a.kv_pool(name), b.kv_pool(name)
+        new, other = b"N" * (2 * MiB), b"F" * (3 * MiB)
+
+        async def race(i: int) -> list[Any]:
+            kv = a.aclient.kv_pool(name)
+            # the second put evicts the first's local copy (4 MiB of DRAM)
+            return await asyncio.gather(kv.put(f"ev{i}", new, overwrite=True),
+                                        kv.put(f"fill{i}", other, overwrite=True), kv.get(f"ev{i}"))
+
+        stale = 0
+        for i in range(8):
+            assert kb.put(f"ev{i}", b"O" * 4096, overwrite=True)
+            ok, ok2, during = a._run(race(i))
+            assert ok and ok2 and during in (None, b"O" * 4096, new)
+            assert kb.get(f"ev{i}") == new
+            after = ka.get(f"ev{i}")
+            stale += after is not None and after != new
+        assert stale == 0, f"{stale} of 8 gets after an acknowledged overwrite read the old value"

@@ -118,6 +118,10 @@ class AsyncKV:
         self._drops = 0
         self._dropped: dict[bytes, int] = {}
         self._filling = 0
+        # key -> this client's write-through puts of it in flight: a fill
+        # skips such a key (the cluster may still hold the value the put
+        # replaces), and a put's end counts as a drop for fills running.
+        self._putting: dict[bytes, int] = {}
         self._wb_errors: collections.deque[TierFSError] = collections.deque(maxlen=16)
         self._prefetches: set[asyncio.Task[None]] = set()
         self.counters = {"write_back_pending": 0, "write_back_failed": 0, "write_back_waits": 0, "prefetched": 0,
@@ -291,6 +295,8 @@ class AsyncKV:
             # issued: a late one could replace an overwrite (another stamp)
             # or outlive a TTL put's object
             await self._after_write_back(ks)
+        if self._local is not None:
+            self._put_start(ks)
         try:
             done = await self.cluster.batch_put(ks, views, overwrite=overwrite, ttl_ms=ttl_ms, pin=pin_kind,
                                                 pin_ttl_ms=pin_ttl_ms)
@@ -299,9 +305,12 @@ class AsyncKV:
             # tiers either (until stop 46 it went on reading the value the
             # cluster refused, while every other client read the old one).
             if self._local is not None:
+                self._put_end(ks)
                 for k in ks:
                     await self._drop_local(k)
             raise
+        if self._local is not None:
+            self._put_end(ks)
         if self._local is not None:
             # False: the cluster kept what it had (a put without overwrite of
             # a key it holds): that, not this value, is what the key reads.
@@ -548,8 +557,30 @@ class AsyncKV:
         if not self._filling:
             self._dropped.clear()
 
+    def _put_start(self, ks: Sequence[bytes]) -> None:
+        for k in ks:
+            self._putting[k] = self._putting.get(k, 0) + 1
+
+    def _put_end(self, ks: Sequence[bytes]) -> None:
+        """A put's cluster write is over: a fill that read the cluster
+        before (maybe the value it replaced) must not land after it. Until
+        stop 48 a fill of an overwritten key whose new local copy had been
+        evicted meanwhile stayed, and this client read the old value after
+        the overwrite was acknowledged."""
+        for k in ks:
+            n = self._putting.get(k, 0) - 1
+            if n > 0:
+                self._putting[k] = n
+            else:
+                self._putting.pop(k, None)
+            self._drops += 1
+            if self._filling:
+                self._dropped[k] = self._drops
+
     async def _fill_local(self, k: bytes, view: memoryview, expires: float, mark: int) -> bool:
-        if self._local is None or self._dropped.get(k, 0) > mark:
+        if self._local is None or self._dropped.get(k, 0) > mark or k in self._putting:
+            # dropped since the read started, or a put of it still on its
+            # way to the cluster (whose old value the read may have got)
             return False
         await self._local.stack.put(self._lk(k), view, expires=expires)
         if self._dropped.get(k, 0) > mark:
