@@ -522,6 +522,18 @@ def test_bad_configuration(servers: tuple[Server, Server], fresh_pool: str,
     assert time.monotonic() - t0 < 40
 
 
+def test_timeouts_that_are_not_finite_are_refused_at_start_up(servers: tuple[Server, Server],
+                                                              fresh_pool: str) -> None:
+    """NaN failed inside the client with a bare ValueError naming no setting,
+    and infinity was taken (a stalled daemon could then hold SGLang's
+    storage threads for ever); JSON's parser reads both (NaN, Infinity, 1e999)."""
+    a, _ = servers
+    for key in ("timeout", "connect_timeout"):
+        for value in (float("nan"), float("inf")):
+            e = _start_error(a, f"bad-{key}-{value}", "page_first", extra(fresh_pool, **{key: value}))
+            assert f"{WHERE} {key!r}" in e.message and "finite" in e.message, e.message
+
+
 def test_wrong_size_object_is_a_miss(servers: tuple[Server, Server], fresh_pool: str) -> None:
     """Bytes under a page's key that are not that page (a foreign writer, a
     bug): a miss, never partial bytes taken for the page."""

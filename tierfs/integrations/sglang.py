@@ -46,6 +46,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -76,8 +77,11 @@ _MAX_PREFIX = 300
 
 def _seconds(extra: dict[str, Any], key: str) -> float:
     v = extra[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise ConfigError(f"must be a number of seconds > 0, not {v!r}", field=f"{WHERE} {key!r}")
+    # Finite: NaN failed inside the client with a bare ValueError ("cannot
+    # convert float NaN to integer"), and infinity was taken, so a stalled
+    # daemon could hold SGLang's storage threads for ever.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+        raise ConfigError(f"must be a finite number of seconds > 0, not {v!r}", field=f"{WHERE} {key!r}")
     return float(v)
 
 
