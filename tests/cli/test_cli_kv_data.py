@@ -232,3 +232,28 @@ def test_replay_stopped_by_sigterm_removes_its_pool(meta: str, tmp_path: Path) -
     assert p.returncode != 0 and b"Traceback" not in err, err
     left = [x["name"] for x in json.loads(cli(meta, "kv", "pool", "ls", "--json")[1]) if x["name"].startswith("replay-")]
     assert not left, (left, err)
+
+
+@pytest.mark.timeout(120)
+def test_replay_simulate_needs_no_cluster(tmp_path: Path) -> None:
+    """`--simulate` runs the policies without I/O (docs/kv.md): with no
+    cluster set up at all (no --meta, no TIERFS_META, no ./.tierfs) it
+    reports, where it failed with "no meta address"."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(public_trace_path().read_text().splitlines()[:200]) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFS_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    p = subprocess.run([sys.executable, "-m", "tierfs.cli", "kv", "replay", str(trace), "--simulate",
+                        "--cluster", "10%", "--json"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["mode"] == "simulate" and r["requests"] == 200 and 0 <= r["hit_ratio"]["total"] <= 1
+    # a live replay still needs one, and says so
+    p = subprocess.run([sys.executable, "-m", "tierfs.cli", "kv", "replay", str(trace), "--cluster", "10%"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert p.returncode != 0 and "no meta address" in p.stderr, p.stderr
+

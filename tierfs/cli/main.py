@@ -727,7 +727,10 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     if c == "kv":
         from tierfs.cli import kv
 
-        code = kv.execute(ns, resolve_meta(ns.meta, ns.data, env), emit, _run_async, out=out)
+        # `kv replay --simulate` runs the policies without I/O: it needs no
+        # cluster (it failed with "no meta address" where none was set up).
+        simulate = getattr(ns, "kv_cmd", None) == "replay" and ns.simulate
+        code = kv.execute(ns, [] if simulate else resolve_meta(ns.meta, ns.data, env), emit, _run_async, out=out)
         if code is not None:
             return code
     if c in ("mount", "umount"):
