@@ -257,3 +257,18 @@ def test_replay_simulate_needs_no_cluster(tmp_path: Path) -> None:
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert p.returncode != 0 and "no meta address" in p.stderr, p.stderr
 
+
+@pytest.mark.parametrize("option,value", [("--tokens-per-block", "-3"), ("--tokens-per-block", "x"),
+                                          ("--load-gbps", "nan"), ("--load-gbps", "inf"), ("--load-gbps", "-2"),
+                                          ("--prefill-tokens-per-s", "nan"), ("--prefill-tokens-per-s", "inf")])
+def test_replay_refuses_rates_and_block_tokens_that_are_no_numbers(option: str, value: str) -> None:
+    """A negative --tokens-per-block reported negative hit tokens and prefill
+    time saved; NaN and infinity rates gave nan or 0 load times. Usage errors
+    naming the option now (parsed before any cluster is asked)."""
+    trace = str(public_trace_path())
+    out, err = io.StringIO(), io.StringIO()
+    args = ["kv", "replay", trace, "--simulate", "--cluster", "5%", "--limit", "50", "--meta", "127.0.0.1:1"]
+    extra = {"--tokens-per-block": ["--prefill-tokens-per-s", "100", "--load-gbps", "1"],
+             "--load-gbps": ["--prefill-tokens-per-s", "100"], "--prefill-tokens-per-s": ["--load-gbps", "1"]}[option]
+    rc = run([*args, *extra, option, value], stdout=out, stderr=err, env={}, tty=False)
+    assert rc == 2 and f"argument {option}" in err.getvalue(), (rc, out.getvalue(), err.getvalue())

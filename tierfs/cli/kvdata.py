@@ -53,11 +53,38 @@ def add_kv_data_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--pool", default="default", help="live replay: the pool to use when --cluster is 0")
     p.add_argument("--ssd-path", default="", help="live replay: file of the SSD tier (default: a temporary file)")
     p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N requests (0: all)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
+    p.add_argument("--prefill-tokens-per-s", type=_rate, default=0.0,
                    help="prefill throughput, to report the prefill time the hits saved")
-    p.add_argument("--load-gbps", type=float, default=0.0,
+    p.add_argument("--load-gbps", type=_rate, default=0.0,
                    help="load bandwidth (GB/s) to report the load time (simulate; live replay measures it)")
-    p.add_argument("--tokens-per-block", type=int, default=512)
+    p.add_argument("--tokens-per-block", type=_count, default=512,
+                   help="tokens a hit block saves (at most its request's input_length)")
+
+
+def _rate(value: str) -> float:
+    """A finite rate >= 0 (argparse type; 0: not given). NaN and infinity
+    made the report's load time and latencies nan or 0."""
+    import math
+
+    try:
+        v = float(value)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {value!r}")
+    return v
+
+
+def _count(value: str) -> int:
+    """A whole number >= 0 (argparse type): a negative --tokens-per-block
+    reported negative hit tokens and prefill time saved."""
+    try:
+        v = int(value)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, not {value!r}")
+    return v
 
 
 def _read_local(path: str, limit: int, pool: str) -> bytes:
