@@ -373,7 +373,8 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
     assert e.value.field.endswith(repr(setting))
 
 
-@pytest.mark.parametrize(("setting", "value"), [(TIMEOUT_KEY, "soon"), (META_KEY, "no-port"), (TRANSPORT_KEY, "udp"),
+@pytest.mark.parametrize(("setting", "value"), [(TIMEOUT_KEY, "soon"), (TIMEOUT_KEY, float("inf")),
+                                                (TIMEOUT_KEY, float("nan")), (META_KEY, "no-port"), (TRANSPORT_KEY, "udp"),
                                                 ("remote_serde", "cachegen"), ("use_layerwise", True)])
 def test_bad_setting_is_named(setting: str, value: Any, stored: Stored, tierfs_meta: str) -> None:
     extra = plugin_config(**{META_KEY: tierfs_meta})

@@ -39,6 +39,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,8 +77,8 @@ def _connect_timeout(extra: Any) -> float:
         timeout = float(raw)
     except (TypeError, ValueError):
         timeout = -1.0
-    if not timeout > 0:
-        raise ConfigError(f"must be a number of seconds > 0, not {raw!r}", field=f"{WHERE} {TIMEOUT_KEY!r}")
+    if not (timeout > 0 and math.isfinite(timeout)):  # infinity was taken until stop 48: a wait for ever
+        raise ConfigError(f"must be a finite number of seconds > 0, not {raw!r}", field=f"{WHERE} {TIMEOUT_KEY!r}")
     return timeout
 
 
