@@ -392,7 +392,13 @@ class LocalCluster:
             raise ConfigError(f"the cluster has {len(have)} storage daemons; --storage {n_storage} would remove "
                               f"some (drain them: `tierfs node drain ID`, then `tierfs node rm ID`)", field="storage")
         tpn = self.counts["targets_per_node"] or 1
-        first = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in have), default=-1)
+        # Past every name planned and every storage-<i> directory left on
+        # disk: `tierfs node rm` drops a node from the plan but keeps its
+        # directory, and a new daemon given that name would start with the
+        # removed node's identity (node.uuid) and its old fragment files.
+        left = (int(d.name.rsplit("-", 1)[1]) for d in self.dir.glob("storage-*")
+                if d.is_dir() and d.name.rsplit("-", 1)[1].isdigit())
+        first = 1 + max((*(int(p.name.rsplit("-", 1)[1]) for p in have), *left), default=-1)
         n_new = n_storage - len(have)
         ports = free_ports(2 * n_new)
         used = {p.addr for p in self.procs}
