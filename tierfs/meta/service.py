@@ -1166,8 +1166,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         alone: list[int] = []
         weak: list[int] = []
         for gid, members in sm.groups.items():
-            if tid not in members:
-                continue
+            if tid not in members or not sm.ginv.get(gid):
+                continue  # (a group that holds no file's chunks loses nothing: refused until stop 48)
             others = [m for m in members if m != tid]
             if not others:
                 alone.append(gid)
