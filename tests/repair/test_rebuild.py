@@ -309,6 +309,9 @@ def test_drain_wait_reports_progress_and_a_copy_target_that_went_down(cluster: L
         while not any(frozen[0] in p["destinations_down"] for p in seen):
             assert loop.time() < deadline and not task.done(), seen[-3:]
             await asyncio.sleep(0.1)
+        # status: its progress is unknown, not "0/0 chunks" (until stop 48)
+        prog = await rebuild_progress(await map_now(cluster), timeout=1.0)
+        assert any(frozen[0] in p.get("unreachable", []) for p in prog.values()), prog
         for pid in stopped.values():
             os.kill(pid, signal.SIGCONT)
         stopped.clear()

@@ -270,8 +270,14 @@ def render_status(st: dict[str, Any]) -> str:
     for g in st["groups"]:
         rb = g.get("rebuild")
         if rb:
+            dark = rb.get("unreachable")
+            if dark and len(dark) == len(rb["targets"]):
+                out.append(f"  group {g['id']}: rebuilding target(s) {rb['targets']}: progress unknown (their "
+                           f"node does not answer)")
+                continue
             out.append(f"  group {g['id']}: rebuilding target(s) {rb['targets']}: {rb['done']}/{rb['total']} chunks, "
-                       f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else ""))
+                       f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else "")
+                       + (f"; target(s) {dark}: node does not answer" if dark else ""))
     if st.get("rebalance"):
         from tierfs.cli.rebalance import rebalance_line
 

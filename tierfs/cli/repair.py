@@ -305,7 +305,9 @@ def render_scrub(r: dict[str, Any]) -> str:
 
 async def rebuild_progress(cmap: Any, timeout: float = 2.0) -> dict[int, dict[str, Any]]:
     """Per rebuilding group, the progress its rebuilding members' nodes
-    report: ``{group: {"done": n, "total": n, "bytes": n, "targets": [...]}}``."""
+    report: ``{group: {"done": n, "total": n, "bytes": n, "targets": [...]}}``,
+    with ``"unreachable": [targets]`` where a rebuilding target's node did
+    not answer (its progress is not known)."""
     from tierfs.proto.v1 import storage_control_pb2 as spb
 
     want: dict[int, set[int]] = {g.group_id: set(g.rebuilding) for g in cmap.groups if g.rebuilding}
@@ -314,17 +316,27 @@ async def rebuild_progress(cmap: Any, timeout: float = 2.0) -> dict[int, dict[st
     owner = {t: n for n in cmap.nodes for t in n.target_ids}
     nodes = list({owner[t].node_id: owner[t] for ts in want.values() for t in ts if t in owner}.values())
 
+    silent: set[int] = set()  # nodes that did not answer: their progress is not known
+
     async def one(n: Any) -> list[Any]:
         if not n.control_addr:
+            silent.add(n.node_id)
             return []
         try:
             return list((await _control(n.control_addr, "RepairStatus", spb.RepairStatusRequest(), timeout)).rebuilds)
         except TierFSError:
+            silent.add(n.node_id)
             return []
 
     found = await asyncio.gather(*(one(n) for n in nodes))
     out: dict[int, dict[str, Any]] = {g: {"done": 0, "total": 0, "bytes": 0, "targets": sorted(ts)}
                                       for g, ts in want.items()}
+    for g, ts in want.items():
+        # Until stop 48 such a target read "0/0 chunks, 0 B written", as a
+        # copy that had just begun.
+        dark = sorted(t for t in ts if t in owner and owner[t].node_id in silent)
+        if dark:
+            out[g]["unreachable"] = dark
     for reb in found:
         for p in reb:
             if p.group_id in want and p.target_id in want[p.group_id] and p.state != "finished":
