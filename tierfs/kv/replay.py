@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import tempfile
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tierfs.cli.util import parse_size_arg
-from tierfs.errors import CorruptError, InvalidArgumentError
+from tierfs.errors import CorruptError, InvalidArgumentError, NotFoundError
 from tierfs.kv.trace import (
     BLOCK_TOKENS,
     Request,
@@ -98,11 +99,13 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 # naming target_memory, a setting the user never gave, until stop 47)
                 per_target = max(per_target, MIN_KV_BUDGET)
                 name = f"replay-{tag}"
+                # Named before the call: a stop (SIGTERM, Ctrl-C) while the
+                # call was in flight left a pool meta had made (a flaky
+                # test, stop 48). Removing one that was refused (a bad
+                # policy) finds none, and the refusal's own reason stands.
+                created_pool = name
                 await mc.create_kv_pool(name, redundancy="replica:1", target_memory=per_target,
                                         target_disk=0, policy=pols.get("cluster", pol or "lru"))
-                # Only once made: removing a pool that was refused (a bad
-                # policy) raised "no KV pool" over the refusal's own reason.
-                created_pool = name
             pool = created_pool
         opts: dict[str, Any] = {"kv_pool": pool}
         if dram:
@@ -122,7 +125,8 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
     finally:
         if created_pool:
             async with MetaClient(list(meta)) as mc:
-                await mc.remove_kv_pool(created_pool)
+                with contextlib.suppress(NotFoundError):
+                    await mc.remove_kv_pool(created_pool)
         if tmp is not None:
             tmp.cleanup()
 
