@@ -548,10 +548,10 @@ def test_large_batch_deadline_grows_with_its_bytes(cl: LocalCluster, client: Cli
     pool_ready(client, "default")
     keys = [f"deadline-{i}" for i in range(4)]
     bufs = [payload(k, 16 * MiB) for k in keys]
+    for k in keys:  # with the usual deadline (a 10 ms one timed out under load)
+        client.kv.delete(k)
     with Client(cl.meta_addrs, kv_timeout=0.01, kv_min_bandwidth=0) as flat:
         flat.kv.exists("warm-up")  # the map and connections, outside the timed requests
-        for k in keys:
-            flat.kv.delete(k)
         with pytest.raises(UnavailableError, match="reached no target"):
             flat.kv.batch_put(keys, bufs)
     # Other keys from here: the daemons may still store the flat batch after
