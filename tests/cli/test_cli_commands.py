@@ -276,6 +276,8 @@ def test_mkdir_and_rm_take_several_paths_and_go_on_past_a_failure(cli: Run) -> N
     assert rc == 1 and "root directory" in err
     rc, _, err = cli("frobnicate")
     assert rc == 2 and "invalid choice" in err
+    rc, out, err = cli("chmod", "999", "/", "--json")  # under --json a usage error too is an error object
+    assert rc == 2 and json.loads(out)["error"]["code"] == "USAGE" and "999" in json.loads(out)["error"]["message"], out
     rc, _, err = cli("set-layout", "/")
     assert rc == 2 and "--redundancy" in err
     for opt in ("--chunk-size", "--stripe"):  # 0 read as "not given"

@@ -853,6 +853,8 @@ def run(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stde
             if scope is not None:
                 default_data_dir.reset(scope)
     except _UsageError as exc:
+        if want_json:  # as every other error under --json (nothing on stdout until stop 48)
+            out.write(json.dumps({"error": {"code": "USAGE", "message": str(exc).split("\n", 1)[0]}}) + "\n")
         err.write(f"{exc}\n")
         return EXIT_USAGE
     except TierFSError as exc:
