@@ -35,8 +35,10 @@ async def remove_target(meta: Sequence[str], target_id: int, *, timeout: float =
     from tierfs.meta import MetaClient
 
     async with MetaClient(list(meta), deadline=timeout) as mc:
+        cmap = await mc.get_cluster_map()
+        groups = sum(1 for g in cmap.groups if target_id in g.target_ids)
         reply = await mc.remove_target(target_id, force=force)
-    return {"target": target_id, "groups_stuck": list(reply.groups_stuck)}
+    return {"target": target_id, "groups": groups, "groups_stuck": list(reply.groups_stuck)}
 
 
 async def drain_node(meta: Sequence[str], node_id: int, *, wait: bool = False, timeout: float = 20.0,
@@ -93,13 +95,17 @@ async def _drain_progress(cmap: Any, feeding: list[int], seconds: float) -> dict
             "destinations_down": down, "seconds": seconds}
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def drain_line(node_id: int, p: dict[str, Any]) -> str:
     """One progress line of ``tierfs node drain --wait``."""
     frags = (f", {p['fragments_done']:,}/{p['fragments_total']:,} fragments ({human_size(p['bytes'])}) copied"
              if p["fragments_total"] else "")
     down = (f"; copy target(s) {', '.join(map(str, p['destinations_down']))} down: meta replaces them after "
             f"its replace_after, then the copy starts again" if p["destinations_down"] else "")
-    return f"draining node {node_id}: {p['groups_copying']} groups copying{frags}{down} ({p['seconds']:.0f} s)"
+    return f"draining node {node_id}: {_n(p['groups_copying'], 'group')} copying{frags}{down} ({p['seconds']:.0f} s)"
 
 
 async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0,
@@ -412,7 +418,8 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
     """Run ``ns`` if it is one of this module's commands; its exit code (None: not ours)."""
     if ns.cmd == "target":
         r = run(remove_target(meta, ns.id, timeout=ns.timeout, force=ns.force))
-        emit(r, f"target {ns.id} removed; its groups are rebuilding elsewhere"
+        emit(r, f"target {ns.id} removed; " + (f"its {_n(r['groups'], 'group')} are rebuilding elsewhere"
+                                                 if r["groups"] else "it was in no group: nothing to rebuild")
              + (f" (no replacement for groups {r['groups_stuck']}: they stay degraded)" if r["groups_stuck"] else ""))
         return 0
     if ns.cmd == "node" and ns.action == "drain":
@@ -431,7 +438,7 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
                            progress=shown))
         state = ("drained: stop its daemon, then `tierfs node rm` may remove it (a daemon still running "
                  "registers again as a new node)") if r["done"] else (
-            f"draining: {len(r['groups_copying'])} groups copying from it")
+            f"draining: {_n(len(r['groups_copying']), 'group')} copying from it")
         emit(r, f"node {ns.id} {state}"
              + (f"; no replacement for groups {r['groups_stuck']}" if r["groups_stuck"] else ""))
         return 0 if not r["groups_stuck"] else 1
