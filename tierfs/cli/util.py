@@ -128,8 +128,12 @@ def human_size(n: float) -> str:
 
 
 def human_rate(nbytes: int, seconds: float) -> str:
-    """Throughput in decimal MB/s (what disks and NICs are sold in)."""
-    return f"{nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s"
+    """Throughput in decimal MB/s (what disks and NICs are sold in); below
+    10 MB/s with one decimal, below 1 in kB/s (a 6-byte put read "0 MB/s")."""
+    rate = nbytes / max(seconds, 1e-9)
+    if rate < 1e6:
+        return f"{rate / 1e3:,.1f} kB/s"
+    return f"{rate / 1e6:,.1f} MB/s" if rate < 1e7 else f"{rate / 1e6:,.0f} MB/s"
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
