@@ -197,6 +197,22 @@ def test_tree_copy_errors_are_reported_and_the_rest_copied(meta: str, tmp_path: 
     # a local source that does not exist
     rc, _, err = cli(meta, "put", "-r", str(tmp_path / "missing"), "/e2")
     assert rc == 1 and "cannot read local directory" in err
+    # The copy's top directory cannot be made (a user without write
+    # permission there): one line saying so, not one per file (until stop 48).
+    rc, out, err = cli(meta, "user", "add", "treebob", "--uid", "7301", "--gid", "7301")
+    assert rc == 0, err
+    assert cli(meta, "mkdir", "/locked")[0] == 0
+    bob = io.StringIO()
+    rc = run(["put", "-r", str(src), "/locked", "-q", "--meta", meta], stdout=io.StringIO(), stderr=bob,
+             env={"TIERFS_TOKEN": out.strip()}, tty=False)
+    assert rc == 1 and bob.getvalue().count("\n") == 1, bob.getvalue()
+    assert "cannot make /locked/src" in bob.getvalue() and "ermission" in bob.getvalue(), bob.getvalue()
+    (tmp_path / "ro").mkdir()
+    if os.geteuid() != 0:  # get -r into a local directory that cannot be made: the same
+        os.chmod(tmp_path / "ro", 0o555)
+        rc, _, err = cli(meta, "get", "-r", "/e1/src/a", str(tmp_path / "ro" / "x"), "-q")
+        os.chmod(tmp_path / "ro", 0o755)
+        assert rc == 1 and err.count("\n") == 1 and "cannot make" in err, err
 
 
 @pytest.mark.timeout(60)

@@ -273,6 +273,10 @@ async def put_tree(client: AsyncClient, local: str, remote: str, *, jobs: int = 
         except UnavailableError:
             raise
         except TierFSError as exc:
+            if e.kind == "dir" and not e.rel:
+                # The copy's own top directory: nothing can be copied, one
+                # error says why (it was one line per file until stop 48).
+                raise type(exc)(f"cannot make {dst}: {exc}") from None
             copy.fail(dst, exc)
             if e.kind == "dir":
                 bad_dirs.append(e.rel)
@@ -387,6 +391,8 @@ async def get_tree(client: AsyncClient, remote: str, local: str, *, jobs: int = 
                     os.unlink(dst)
                 os.symlink(e.target, dst)
         except (OSError, LocalFileError) as exc:
+            if e.kind == "dir" and not e.rel:  # the top directory: one error, not one per file
+                raise LocalFileError(f"cannot make {dst}: {_describe(exc)}") from None
             copy.fail(dst, _describe(exc))
             if e.kind == "dir":
                 bad_dirs.append(e.rel)
