@@ -479,7 +479,13 @@ class AsyncFile:
                     st.buf[st.fill: off] = bytes(off - st.fill)
                 st.buf[off: off + n] = piece
                 st.fill = max(st.fill, off + n)
-                if st.fill == cs:
+                if st.fill == cs and off + n == cs:
+                    # Written up to the chunk's end (a sequential writer is
+                    # done with it): upload it now. A write inside a chunk
+                    # that was loaded whole leaves it staged, until a write
+                    # to another chunk, a flush or the commit (it was
+                    # uploaded again at every such write before: a
+                    # read and a rewrite of the whole chunk per 4 KiB page).
                     await self._stage_out()
             done += n
             self.pos += n
