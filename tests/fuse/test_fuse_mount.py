@@ -300,6 +300,23 @@ def test_a_file_unlinked_while_open_here_stays_usable(mnt: Path, client: Client)
     (d / "plain").write_bytes(b"x")
     os.unlink(d / "plain")
     assert os.listdir(d) == []
+    # rm -r of a directory holding one: its hidden name is busy (EBUSY, as
+    # NFS answers), not renamed again and again, and rm says which file.
+    sub = d / "sub"
+    sub.mkdir()
+    fd = os.open(sub / "held", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"held")
+        os.unlink(sub / "held")
+        (hidden,) = os.listdir(sub)
+        r = subprocess.run(["rm", "-rf", str(sub)], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and f"{hidden}': Device or resource busy" in r.stderr, r.stderr
+        assert os.listdir(sub) == [hidden]
+        assert os.pread(fd, 10, 0) == b"held"
+    finally:
+        os.close(fd)
+    _wait(lambda: os.listdir(sub) == [], 10, "the hidden name to go at the last close")
+    os.rmdir(sub)
 
 
 _APPENDER = """

@@ -330,6 +330,11 @@ class TierFSOperations(pyfuse3.Operations):
             except NotFoundError:
                 ino = 0
             node = self._nodes.get(ino)
+            if node is not None and node.opens > 0 and node.silly == (parent, n):
+                # Its hidden name, while still open here: busy, as NFS
+                # answers (renamed to yet another hidden name before, so
+                # `rm -r` of its directory ended in a puzzling ENOTEMPTY).
+                raise pyfuse3.FUSEError(errno.EBUSY)
             if node is not None and node.opens > 0:
                 hidden = f"{SILLY_PREFIX}{ino:x}-{secrets.token_hex(4)}"
                 await meta.rename((parent, n), (parent, hidden))
