@@ -613,3 +613,28 @@ def test_tierfs_umount_unmounts_daemon(cluster: LocalCluster, client: Client, tm
         assert "unmounted" in m.log_text()
     finally:
         m.close()
+
+
+def test_relative_log_path_is_taken_from_the_callers_directory(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`tierfs mount m --log mount.log` logs to ./mount.log, as every other
+    relative path means. The daemon changes to / before it opens its log,
+    so it used to write /mount.log instead (or fail to mount where / is not
+    writable)."""
+    name = f"tierfs-test-{os.getpid()}-{time.monotonic_ns()}.log"
+    (tmp_path / "rel").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TIERFS_META", None)
+    r = subprocess.run([sys.executable, "-m", "tierfs.cli", "mount", "rel", "--meta", ",".join(cluster.meta_addrs),
+                        "--log", name], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "mounted" in (tmp_path / name).read_text()
+        assert not Path("/", name).exists()
+    finally:
+        for log in (tmp_path / name, Path("/", name)):
+            m = re.search(r"mounted .* pid (\d+)", log.read_text()) if log.exists() else None
+            if m is not None:
+                run_tierfs("umount", str(tmp_path / "rel"), timeout=30)
+                wait_gone(int(m.group(1)))
+        subprocess.run(["fusermount3", "-uz", str(tmp_path / "rel")], capture_output=True, timeout=30)
+        Path("/", name).unlink(missing_ok=True)

@@ -251,8 +251,11 @@ def mount(cfg: MountConfig, *, foreground: bool) -> None:
     """Mount TierFS at ``cfg.mountpoint``. Foreground: serve until unmounted
     or signalled. Otherwise: return once a daemon has mounted it (raises with
     the daemon's message if it could not)."""
+    # The log file's path is made absolute before the daemon's chdir("/")
+    # (a relative --log went to /NAME, or failed where / is not writable).
     cfg = MountConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
-                         "mountpoint": _check_mountpoint(cfg.mountpoint)})
+                         "mountpoint": _check_mountpoint(cfg.mountpoint),
+                         "log_file": os.path.abspath(cfg.log_file) if cfg.log_file else cfg.log_file})
     if foreground:
         _setup_logging(cfg, foreground=True)
         _run(cfg, None)
