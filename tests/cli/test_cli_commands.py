@@ -157,6 +157,10 @@ def test_put_get_cat_ls_stat_round_trip(cli: Run, tmp_path: Path) -> None:
     st = json.loads(out)
     assert st["size"] == len(payload) and st["type"] == "file" and st["chunks"] == 3
     assert st["layout"]["redundancy"] == "ec:4+2" and st["layout"]["chunk_size"] == 4 << 20
+    for slashed in ("//rt//a/shard.bin", "///rt/a//shard.bin"):  # one slash, as POSIX reads them
+        rc, out, err = cli("stat", slashed, "--json")
+        assert rc == 0, err
+        assert json.loads(out)["inode"] == st["inode"] and json.loads(out)["chunks"] == 3
     dst = tmp_path / "back.bin"
     rc, out, err = cli("get", "/rt/a/shard.bin", str(dst))
     assert rc == 0, err

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 from tierfs.client import AsyncClient, FileStat
+from tierfs.client.client import _norm
 from tierfs.errors import (
     DirectoryNotEmptyError,
     InvalidArgumentError,
@@ -409,10 +410,14 @@ async def _with_target(client: AsyncClient, d: dict[str, Any]) -> dict[str, Any]
 async def stat(client: AsyncClient, path: str) -> dict[str, Any]:
     """Attributes and layout of one file or directory."""
     st = await client.stat(path)
+    # As the client reads the path: repeated slashes, leading ones too, are
+    # one (until stop 49 "tierfs stat //a" failed 'empty name': normpath
+    # keeps two leading slashes, and this call goes to meta directly).
+    norm = posixpath.normpath(_norm(path))
     try:
-        info = await client.meta.stat(posixpath.normpath(path))
+        info = await client.meta.stat(norm)
     except NotADirectoryError_:  # a link in the middle of the path
-        info = await client.meta.stat(await client.resolve(posixpath.normpath(path), last=False))
+        info = await client.meta.stat(await client.resolve(norm, last=False))
     lay = info.layout
     out = await _with_target(client, _stat_dict(st))
     out["layout"] = {
