@@ -146,6 +146,15 @@ def test_wrong_clients_are_refused(cluster: LocalCluster, tmp_path: Path) -> Non
                                     capture_output=True, text=True, env=env, cwd="/", timeout=60)
         assert r.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
         assert "Handshake failed" not in r.stderr and r.stderr.count("\n") <= 2, r.stderr
+        # A server that refused the handshake is running: no "is the cluster
+        # running?" after the TLS reason (until stop 49 every refusal had it).
+        assert "is the cluster running" not in r.stderr, r.stderr
+        env.update(TIERFS_TLS_CA=tls.ca, TIERFS_TLS_CERT=str(pem), TIERFS_TLS_KEY=str(key))
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tierfs.cli", "ls", "/", "--meta",
+                                                     cluster.meta_addrs[0], "--timeout", "3"],
+                                    capture_output=True, text=True, env=env, cwd="/", timeout=60)
+        assert r.returncode == 1 and f"did not accept the client's ({pem})" in r.stderr, r.stderr
+        assert "is the cluster running" not in r.stderr, r.stderr
         # The data plane likewise: the client checks the server against its CA.
         async with MetaClient(cluster.meta_addrs, deadline=5.0, tls=tls) as mc:
             cmap = await mc.get_cluster_map()

@@ -785,8 +785,15 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
     raise _UsageError(build_parser().format_usage().rstrip())
 
 
+#: What ``tierfs.tls.unreachable_hint`` adds where a server did answer, and
+#: refused the client's TLS: the cluster is running, so asking whether it
+#: is only misleads (until stop 49 every TLS refusal ended with it).
+_TLS_REFUSALS = ("; TLS handshake failed: ", "; the server closed the connection at once: ")
+
+
 def _hint(exc: TierFSError) -> str:
-    if isinstance(exc, UnavailableError) and "unreachable" in str(exc):
+    if (isinstance(exc, UnavailableError) and "unreachable" in str(exc)
+            and not any(m in str(exc) for m in _TLS_REFUSALS)):
         return ("\n  is the cluster running? `tierfs up` starts a local one; "
                 "check --meta / TIERFS_META and `tierfs status`")
     return ""
