@@ -462,3 +462,43 @@ def test_a_down_last_copy_is_held_not_replaced(cluster: LocalCluster) -> None:
     cluster.start(names=[victim])
     asyncio.run(cluster.wait_healthy(60))
     asyncio.run(_check(cluster, {**files, "/one/f": one}))
+
+
+@pytest.mark.timeout(120)
+def test_node_rm_of_a_running_local_daemon_does_not_register_it_again(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tierfs node rm ID --data DIR` with the node's daemon still running
+    (as `node drain` leaves it): meta forgot the node first and the daemon
+    was stopped after, so a heartbeat in between registered it again as a
+    new node, offline for ever (status degraded) until stop 49. The stop is
+    slowed here past a few heartbeats, so that window is always hit."""
+    import time
+
+    from tierfs.cli.repair import drain_node
+
+    cl = start(tmp_path / "c", n_storage=3)
+    try:
+        name = cl.grow(4)[0]
+        cl.start(names=[name])
+        addr = cl.proc(name).addr
+        cmap = asyncio.run(wait_map(cl, lambda m: any(n.data_addr == addr for n in m.nodes), 30, "the new node"))
+        node = _node_of(cmap, cl, name)
+        out = asyncio.run(drain_node(cl.meta_addrs, node.node_id, wait=True, timeout=60.0))
+        assert out["done"], out
+        real_stop = LocalCluster.stop
+
+        def slow_stop(self: LocalCluster, *args: Any, **kw: Any) -> list[str]:
+            time.sleep(1.5)  # heartbeats every 0.2 s
+            return real_stop(self, *args, **kw)
+
+        monkeypatch.setattr(LocalCluster, "stop", slow_stop)
+        code, out, err = _cli(cl, "node", "rm", str(node.node_id), "--data", str(cl.dir))
+        monkeypatch.undo()
+        assert code == 0 and out["local_daemon"] == name, (out, err)
+        assert not cl.proc(name).alive()
+        cmap = asyncio.run(map_now(cl))
+        assert [n.node_id for n in cmap.nodes if n.data_addr == addr] == [], cmap.nodes
+        st = asyncio.run(cluster_status(cl.meta_addrs))
+        assert st["healthy"], st["storage"]
+    finally:
+        cl.stop()

@@ -117,24 +117,39 @@ async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.
     node."""
     from tierfs.meta import MetaClient
 
+    out: dict[str, Any] = {"node": node_id, "removed": True, "local_daemon": None}
     async with MetaClient(list(meta), deadline=timeout) as mc:
         cmap = await mc.get_cluster_map()
         addr = next((n.data_addr for n in cmap.nodes if n.node_id == node_id), "")
-        await mc.remove_node(node_id)
-    out: dict[str, Any] = {"node": node_id, "removed": True, "local_daemon": None}
-    if data_dir and addr:
-        from tierfs.local import STATE_FILE, LocalCluster
+        cl = proc = None
+        if data_dir and addr:
+            from tierfs.local import STATE_FILE, LocalCluster
 
-        if (Path(data_dir) / STATE_FILE).exists():
-            cl = LocalCluster.open(data_dir)
-            # this cluster's plan only (a ./.tierfs of another one is left alone)
-            ours = bool(set(cl.meta_addrs) & set(meta))
-            proc = next((p for p in cl.procs if ours and p.kind == "storage" and p.addr == addr), None)
-            if proc is not None:
-                cl.stop(names=[proc.name])
-                cl.procs.remove(proc)
-                cl._save_state()
-                out["local_daemon"] = proc.name
+            if (Path(data_dir) / STATE_FILE).exists():
+                cl = LocalCluster.open(data_dir)
+                # this cluster's plan only (a ./.tierfs of another one is left alone)
+                ours = bool(set(cl.meta_addrs) & set(meta))
+                proc = next((p for p in cl.procs if ours and p.kind == "storage" and p.addr == addr), None)
+        mine = {t for n in cmap.nodes if n.node_id == node_id for t in n.target_ids}
+        needed = any(mine.intersection(g.target_ids) or mine.intersection(g.rebuild_sources) for g in cmap.groups)
+        # (a node a group still needs: meta refuses below, and its daemon runs on)
+        running = (not needed and cl is not None and proc is not None
+                   and proc.name in cl.stop(names=[proc.name]))
+        # The daemon is stopped before meta forgets the node: stopped after,
+        # a heartbeat in between found its node unknown and registered it
+        # again, as a new node that stayed offline (status degraded) until
+        # stop 49.
+        try:
+            await mc.remove_node(node_id)
+        except BaseException:
+            if running:  # refused (BUSY: a group still needs it): as it was
+                assert cl is not None and proc is not None
+                cl.start(names=[proc.name])
+            raise
+    if cl is not None and proc is not None:
+        cl.procs.remove(proc)
+        cl._save_state()
+        out["local_daemon"] = proc.name
     return out
 
 
