@@ -104,7 +104,8 @@ def drain_line(node_id: int, p: dict[str, Any]) -> str:
     frags = (f", {p['fragments_done']:,}/{p['fragments_total']:,} fragments ({human_size(p['bytes'])}) copied"
              if p["fragments_total"] else "")
     down = (f"; copy target(s) {', '.join(map(str, p['destinations_down']))} down: meta replaces them after "
-            f"its replace_after, then the copy starts again" if p["destinations_down"] else "")
+            f"its replace_after where another target can take their place (the copy then starts again), "
+            f"else the copy goes on when they are back" if p["destinations_down"] else "")
     return f"draining node {node_id}: {_n(p['groups_copying'], 'group')} copying{frags}{down} ({p['seconds']:.0f} s)"
 
 
