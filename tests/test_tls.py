@@ -111,6 +111,59 @@ def test_cli_finds_the_local_ca(cluster: LocalCluster, tmp_path: Path) -> None:
     assert rc != 0 and "unreachable" in err_io.getvalue()
 
 
+def _server_only_cert(ca_dir: Path, out: Path) -> tuple[Path, Path]:
+    """A certificate of the cluster's CA good for a server only (extended
+    key usage serverAuth, as some CAs issue by default)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "server-only")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem, key_path = out / "server-only.pem", out / "server-only.key"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return pem, key_path
+
+
+@pytest.mark.timeout(40)
+def test_a_certificate_without_client_auth_is_named(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A daemon's certificate from the operator's own CA with serverAuth
+    alone (no clientAuth) is refused by a mutual-TLS meta when the daemon
+    dials it: the error says that, not "another CA, or expired" (a storage
+    daemon set up by hand that way logged only that, and never registered)."""
+    tls = cluster.client_tls()
+    assert tls is not None
+    pem, key = _server_only_cert(cluster.dir / "tls", tmp_path)
+
+    async def go() -> str:
+        async with MetaClient(cluster.meta_addrs, deadline=2.0, attempt_timeout=1.0,
+                              tls=TlsFiles(ca=tls.ca, cert=str(pem), key=str(key))) as mc:
+            with pytest.raises(UnavailableError) as info:
+                await mc.get_cluster_map()
+        return str(info.value)
+
+    msg = asyncio.run(go())
+    assert f"did not accept the client's ({pem})" in msg and "lacks clientAuth" in msg, msg
+
+
 @pytest.mark.timeout(40)
 def test_wrong_clients_are_refused(cluster: LocalCluster, tmp_path: Path) -> None:
     tls = cluster.client_tls()

@@ -398,6 +398,10 @@ def unreachable_hint(last_error: str, tls: TlsFiles | None) -> str:
         return ("; the server closed the connection at once: if the cluster requires client certificates, "
                 "give the client one (TIERFS_TLS_CERT, TIERFS_TLS_KEY)")
     # A certificate the server did not accept: gRPC says only "Socket closed".
+    if not _authenticates_clients(Path(tls.cert)):
+        return (f"; the server closed the connection at once: if the cluster requires client certificates, it did "
+                f"not accept the client's ({tls.cert}): its extended key usage lacks clientAuth (a daemon's "
+                "certificate needs serverAuth and clientAuth: it presents it when it dials meta and other daemons)")
     return (f"; the server closed the connection at once: if the cluster requires client certificates, it did "
             f"not accept the client's ({tls.cert}): signed by a CA the cluster does not trust, or expired")
 
@@ -481,6 +485,21 @@ def make_local_ca(tls_dir: str | os.PathLike[str], *, days: int = 3650) -> Path:
                                              serialization.NoEncryption()))
     _write_public(ca_pem, cert.public_bytes(serialization.Encoding.PEM))
     return ca_pem
+
+
+def _authenticates_clients(cert_path: Path) -> bool:
+    """Whether the certificate at ``cert_path`` may be presented by a TLS
+    client (no extended key usage, or one with clientAuth; an unreadable
+    file counts as yes: nothing to say about it)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return True
+    return ExtendedKeyUsageOID.CLIENT_AUTH in eku
 
 
 def _serves(cert_path: Path) -> bool:
