@@ -236,10 +236,19 @@ def test_optional_transport_that_cannot_bind_is_skipped(caplog: pytest.LogCaptur
     async def body() -> None:
         first = await start_dataplane({1: MemoryFragmentStore(1)}, transports=("tcp", "shm"))
         try:
-            # A second server cannot take the first one's shm name: bind the
-            # same TCP port number on another loopback address.
-            second = await start_dataplane({1: MemoryFragmentStore(1)}, "127.0.0.2", first.port,
-                                           transports=("tcp", "shm"))
+            # A second server cannot take the first one's shm name (the
+            # port's): bind the same TCP port number on another loopback
+            # address, whose own shm name is held here.
+            import socket
+
+            from tierfs.net.shm import socket_name
+            squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            squat.bind(socket_name(first.port, "127.0.0.2"))
+            try:
+                second = await start_dataplane({1: MemoryFragmentStore(1)}, "127.0.0.2", first.port,
+                                               transports=("tcp", "shm"))
+            finally:
+                squat.close()
             try:
                 assert list(second.listeners) == ["tcp"]
                 async with DataClient(routes={1: second.address}) as c:

@@ -237,16 +237,22 @@ def test_client_does_not_hand_rings_to_a_socket_held_by_another_user() -> None:
     probe.close()
 
     def squat(out: BinaryIO) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(socket_name(port))
-        s.listen(8)
+        # Both names a server on 127.0.0.1:port binds: the port's and the address's.
+        socks = []
+        for name in (socket_name(port), socket_name(port, "127.0.0.1")):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(name)
+            s.listen(8)
+            socks.append(s)
         out.write(b"bound\n")
         conns = []
         while True:
-            c, _ = s.accept()
-            conns.append(c)  # kept open: the client must refuse, not time out
+            ready, _, _ = select.select(socks, [], [])
+            for s in ready:
+                c, _ = s.accept()
+                conns.append(c)  # kept open: the client must refuse, not time out
 
-    # Another user takes the abstract name before the server starts.
+    # Another user takes the abstract names before the server starts.
     squatter = _Nobody(squat)
     try:
         assert squatter.readline() == b"bound\n"
@@ -255,7 +261,7 @@ def test_client_does_not_hand_rings_to_a_socket_held_by_another_user() -> None:
             server = await start_dataplane({1: MemoryFragmentStore(1)}, "127.0.0.1", port,
                                            transports=("tcp", "shm"))
             try:
-                assert list(server.listeners) == ["tcp"]  # its shm name was taken
+                assert list(server.listeners) == ["tcp"]  # its shm names were taken
                 async with DataClient(transport="shm", routes={1: server.address},
                                       limits=Limits(shm_ring_bytes=SIZE)) as c:
                     with pytest.raises(ShmRefusedError, match=f"held by uid {NOBODY}"):
@@ -268,3 +274,26 @@ def test_client_does_not_hand_rings_to_a_socket_held_by_another_user() -> None:
         arun(body())
     finally:
         squatter.close(kill=True)
+
+
+@pytest.mark.timeout(60)
+def test_daemons_on_two_addresses_with_one_port_are_each_reached_over_shm(tmp_path: Path) -> None:
+    """Two data-plane servers on one host, on 127.0.0.1 and 127.0.0.2 with the
+    same port (hosts simulated on loopback addresses, or one daemon per NIC):
+    each is reached over shm at its own address. With the port's name alone
+    the second started without shm, and a client's shm connection to it
+    reached the first, which answered "target 2 is not served here"."""
+    with server_process("--memory-target", "1", "--host", "127.0.0.1", log=tmp_path / "a.log") as a:
+        routes = {1: f"127.0.0.1:{a.port}", 2: f"127.0.0.2:{a.port}"}
+
+        async def body() -> None:
+            async with DataClient(transport="shm", routes=routes, limits=Limits(shm_ring_bytes=SIZE)) as c:
+                for target in (1, 2):
+                    key = FragmentKey(7, 0, 0, target)
+                    await c.write(target, key, b"target %d" % target)
+                    assert await c.read(target, key) == b"target %d" % target
+
+        with server_process("--memory-target", "2", "--host", "127.0.0.2", "--port", str(a.port),
+                            log=tmp_path / "b.log") as b:
+            assert b.port == a.port
+            arun(body())

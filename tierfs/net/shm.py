@@ -67,8 +67,27 @@ _OFFLOAD_PIECE = 64 << 10
 _MAX_RING = 1 << 32
 
 
-def socket_name(port: int) -> str:
-    """Abstract unix socket name of the data-plane server on TCP ``port``."""
+#: Listen addresses that name no one address: the server's shm name is then its port's alone.
+_WILDCARD = frozenset({"", "0.0.0.0", "::", "[::]"})
+#: The longest abstract unix socket name (sun_path less its leading NUL).
+_MAX_NAME = 107
+
+
+def socket_name(port: int, host: str = "") -> str:
+    """Abstract unix socket name of the data-plane server on TCP ``port``.
+
+    With ``host`` (the address the server listens on, the one a client
+    dials), the name of that address's server: several daemons on one host,
+    each on its own address with the same port (one per NIC, or hosts
+    simulated on loopback addresses), have one each, where the port's name
+    alone belongs to whichever bound it first (a client's shm connection to
+    another of them reached that one, which did not serve its targets).
+    A wildcard host, or a name too long for a socket address, gives the
+    port's name."""
+    if host not in _WILDCARD:
+        name = f"\0tierfs-dp-{host}:{port}"
+        if len(name.encode()) <= _MAX_NAME + 1:
+            return name
     return f"\0tierfs-dp-{port}"
 
 
@@ -400,18 +419,19 @@ async def _read_reply(sock: socket.socket, port: int) -> None:
 
 
 class ShmListener(Listener):
-    def __init__(self, sock: socket.socket, port: int, factory: ProtocolFactory, limits: Limits) -> None:
-        self.sock = sock
-        self.address = socket_name(port)
+    def __init__(self, socks: list[tuple[socket.socket, str]], factory: ProtocolFactory, limits: Limits) -> None:
+        self.socks = [s for s, _ in socks]
+        self.address = socks[0][1][1:]
         self.factory = factory
         self.limits = limits
-        self._task = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._accept_loop(s)) for s in self.socks]
         self._handshakes: set[asyncio.Task[None]] = set()
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self.sock)
+            conn, _ = await loop.sock_accept(sock)
             task = loop.create_task(self._handshake(conn))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
@@ -463,11 +483,11 @@ class ShmListener(Listener):
         await _attach(conn, tx, rx, self.factory(), "shm-client")
 
     async def close(self) -> None:
-        self._task.cancel()
-        for t in list(self._handshakes):
+        for t in [*self._tasks, *self._handshakes]:
             t.cancel()
-        await asyncio.gather(self._task, *self._handshakes, return_exceptions=True)
-        self.sock.close()
+        await asyncio.gather(*self._tasks, *self._handshakes, return_exceptions=True)
+        for s in self.socks:
+            s.close()
 
 
 class ShmTransport(Transport):
@@ -482,16 +502,28 @@ class ShmTransport(Transport):
     ) -> FrameProtocol:
         loop = asyncio.get_running_loop()
         size = limits.shm_ring_bytes
+        # The server of this address first, then the port's (a server on a
+        # wildcard address, or of a release that had only the port's name).
+        names = list(dict.fromkeys([socket_name(port, host), socket_name(port)]))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
         maps: list[mmap.mmap] = []
         try:
             sock.setblocking(False)
             async with asyncio.timeout(timeout):
-                await loop.sock_connect(sock, socket_name(port))
+                for i, name in enumerate(names):
+                    try:
+                        await loop.sock_connect(sock, name)
+                        break
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        if i == len(names) - 1:
+                            raise
+                        sock.close()  # no server of that name: try the next on a fresh socket
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.setblocking(False)
                 uid = peer_uid(sock)
                 if not _uid_allowed(uid):
-                    raise ShmRefusedError(f"not handing shm rings to {socket_name(port)[1:]!r}: it is "
+                    raise ShmRefusedError(f"not handing shm rings to {name[1:]!r}: it is "
                                           f"held by uid {uid}, not by this user or root")
                 for _ in range(2):
                     fd = os.memfd_create("tierfs-dp-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -523,12 +555,31 @@ class ShmTransport(Transport):
     async def listen(self, host: str, port: int, factory: ProtocolFactory, *, limits: Limits) -> Listener:
         if not port:
             raise UnavailableError("the shm transport needs the server's TCP port")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The port's name (what a client dialling any address of this host
+        # finds) and, on a specific address, that address's own: a second
+        # daemon on another address with the same port finds the port's name
+        # taken and is still reached by the clients that dial its address.
+        bound: list[tuple[socket.socket, str]] = []
+        errors: list[tuple[str, OSError]] = []
         try:
-            sock.bind(socket_name(port))
-            sock.listen(256)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
+            for name in dict.fromkeys([socket_name(port, host), socket_name(port)]):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.bind(name)
+                    sock.listen(256)
+                    sock.setblocking(False)
+                except OSError as bind_error:
+                    sock.close()
+                    errors.append((name, bind_error))
+                    continue
+                bound.append((sock, name))
+        except BaseException:
+            for s, _ in bound:
+                s.close()
             raise
-        return ShmListener(sock, port, factory, limits)
+        if not bound:
+            raise errors[0][1]
+        for name, why in errors:
+            log.info("shm: %r is taken (%s; another daemon with port %d on this host?): serving shm as %s",
+                     name[1:], why, port, ", ".join(repr(n[1:]) for _, n in bound))
+        return ShmListener(bound, factory, limits)
