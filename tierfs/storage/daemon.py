@@ -47,7 +47,13 @@ from typing import Any
 
 from tierfs.buffers import BufferPool
 from tierfs.config import load
-from tierfs.errors import ConfigError, NotFoundError, TierFSError, UnavailableError
+from tierfs.errors import (
+    ConfigError,
+    NotFoundError,
+    TierFSError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from tierfs.fsutil import fsync_dir, lock_dir, makedirs_durable
 from tierfs.kv.placement import KVPoolRoute, placement
 from tierfs.meta.ops import MAX_GC_ACKS
@@ -403,7 +409,15 @@ class StorageNode:
                                                       rack=self.cfg.rack)
                 break
             except TierFSError as err:
-                log.warning("registering with meta failed (%s); retrying in %.1fs", err, delay)
+                why = str(err)
+                if isinstance(err, UnauthenticatedError) and not self.cfg.node_key_file:
+                    # meta's own words are for clients (TIERFS_TOKEN, --token-file), which a daemon ignores
+                    why = ("no credential: this daemon has no node key; give it the cluster's (--node-key-file, "
+                           "node_key_file in [storage] or TIERFS_STORAGE_NODE_KEY_FILE; `python -m "
+                           "tierfs.meta.auth SECRET_FILE DIR` derives it)")
+                elif isinstance(err, UnauthenticatedError):
+                    why = f"{err} (node key from {self.cfg.node_key_file})"
+                log.warning("registering with meta failed (%s); retrying in %.1fs", why, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self.node_id = int(reply.node_id)
