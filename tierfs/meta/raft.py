@@ -933,8 +933,11 @@ class RaftReplicator:
             log.warning("raft replica %s runs WITHOUT a cluster secret: anyone who reaches %s can run "
                         "code as this user (docs/raft.md)", self.node_id, self._raft_addr)
         self._node = _Node(self, self._raft_addr, others, conf, self._journal, self._sealer)
-        log.info("raft replica %s started (raft %s, grpc %s, peers %s)", self.node_id,
-                 self._raft_addr, self._grpc_addr, ", ".join(others) or "none")
+        # The configured peers are the members at first start only: a journal
+        # that recorded membership changes (meta-replica add/rm) replays them.
+        log.info("raft replica %s started (raft %s, grpc %s, configured peers %s; membership changes in the "
+                 "journal apply on top)", self.node_id, self._raft_addr, self._grpc_addr,
+                 ", ".join(others) or "none")
 
     def _move_aside(self, exc: CorruptError) -> Path:
         """Move the journal and snapshot into ``corrupt-<time>/`` in the data
