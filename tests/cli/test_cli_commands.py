@@ -135,6 +135,24 @@ def test_status_json_has_every_daemon_target_and_group(cluster: dict[str, Any]) 
     assert heads[0][-1] == "PID" and heads[1][4] == "PID", heads
 
 
+@pytest.mark.timeout(60)
+def test_status_names_each_replica_once_when_dialled_by_another_name(cluster: dict[str, Any]) -> None:
+    """The replicas named by other addresses than the ones they are members
+    by (Kubernetes: TIERFS_META of short names, members by their full DNS
+    names; here localhost for 127.0.0.1): each is listed once. Until stop 48
+    the members list added every replica again under its member address,
+    six rows for three replicas, and the majority the no-leader line asks
+    for counted them twice."""
+    aliases = [a.replace("127.0.0.1", "localhost") for a in cluster["meta"]]
+    assert aliases != cluster["meta"]
+    st = asyncio.run(cluster_status(aliases[:1]))
+    assert len(st["meta"]) == 3, st["meta"]
+    assert sorted(m["role"] for m in st["meta"]) == ["follower", "follower", "leader"]
+    assert st["healthy"] is True
+    st = asyncio.run(cluster_status(aliases))
+    assert sorted(m["addr"] for m in st["meta"]) == sorted(aliases), st["meta"]
+
+
 # ---- file commands ---------------------------------------------------------------
 
 

@@ -158,8 +158,12 @@ async def cluster_status(meta: Sequence[str], *, data_dir: str | None = None,
     addrs = list(dict.fromkeys([*meta, *(local.meta_addrs if local else [])]))
     per_replica = min(timeout, 2.0)
     replicas = list(await asyncio.gather(*(_replica_status(a, per_replica) for a in addrs)))
-    # Replicas the caller did not name but the cluster has (members are gRPC addresses).
-    extra = [m for r in replicas for m in r["members"] if m not in addrs]
+    # Replicas the caller did not name but the cluster has (members are gRPC
+    # addresses). A replica that answered says which member it is ("self"):
+    # named by another address (a short DNS name, localhost), it is not
+    # asked again under its member address, which listed it twice.
+    answered = {r["self"] for r in replicas if r.get("self")}
+    extra = [m for r in replicas for m in r["members"] if m not in addrs and m not in answered]
     extra = list(dict.fromkeys(extra))
     if extra:
         replicas += await asyncio.gather(*(_replica_status(a, per_replica) for a in extra))
