@@ -482,3 +482,31 @@ def test_get_does_not_write_through_a_dangling_local_link(meta: str, tmp_path: P
     rc, _, err = cli(meta, "get", "-r", "-q", "/dangle", str(sync))
     assert rc == 0, err
     assert victim.read_bytes() == b"from the cluster\n" and os.path.islink(sync / "dangle" / "x")
+
+
+@pytest.mark.timeout(60)
+def test_reading_another_users_0600_file_is_permission_denied(meta: str) -> None:
+    """Stat answers a user who may not read a file (as stat(2)) but carries
+    no read capability: the read is refused as permission denied, not
+    reported as an unreadable chunk (as if its data were lost) until now."""
+    from tierfs.client import Client
+    from tierfs.errors import PermissionDeniedError
+
+    toks = {}
+    for name, uid in (("rdalice", 7401), ("rdbob", 7402)):
+        rc, out, err = cli(meta, "user", "add", name, "--uid", str(uid), "--gid", str(uid))
+        assert rc == 0, err
+        toks[name] = out.strip()
+    assert cli(meta, "mkdir", "/rd")[0] == 0
+    assert cli(meta, "chmod", "1777", "/rd")[0] == 0
+    with Client(meta, token=toks["rdalice"]) as a:
+        a.write_bytes("/rd/secret", b"alice's secret")
+        a.chmod("/rd/secret", 0o600)
+    with Client(meta, token=toks["rdbob"]) as b, \
+            pytest.raises(PermissionDeniedError, match=r"permission denied: read /rd/secret"):
+        b.read_bytes("/rd/secret")
+    err = io.StringIO()
+    rc = run(["cat", "/rd/secret", "--meta", meta], stdout=io.StringIO(), stderr=err,
+             env={"TIERFS_TOKEN": toks["rdbob"]}, tty=False)
+    assert rc == 1 and "permission denied: read /rd/secret" in err.getvalue(), err.getvalue()
+    assert "unreadable" not in err.getvalue()

@@ -60,6 +60,7 @@ from tierfs.errors import (
     NoSpaceError,
     NotADirectoryError_,
     NotFoundError,
+    PermissionDeniedError,
     StaleVersionError,
     TierFSError,
     TimeoutError_,
@@ -805,8 +806,26 @@ class AsyncClient:
             jobs.append(functools.partial(self._read_chunk, view, idx, rec, a, min(b, valid), d[: min(b, valid) - a]))
         err = first_error(await ordered(jobs, self.config.read_concurrency))
         if err is not None:
-            raise err
+            raise self._read_refused(view, err) or err
         return end - offset
+
+    def _read_refused(self, view: FileView, err: BaseException) -> PermissionDeniedError | None:
+        """A PermissionDeniedError for a read the storage daemons refused for
+        want of a capability because meta minted none (the caller may not read
+        the file: Stat/Lookup answer anyway, as stat(2), but carry no read
+        capability). Until then ``cat`` of another user's 0600 file said the
+        chunk was unreadable, as if its data were lost."""
+        from tierfs.net.protocol import Op
+
+        if (not isinstance(err, InsufficientTargetsError) or "UnauthenticatedError" not in str(err)
+                or self._data is None
+                or self._data.caps.lookup(int(Op.READ), view.inode) is not None):
+            return None
+        exc = PermissionDeniedError(
+            f"permission denied: read {view.path}: meta granted no read capability for it (inode "
+            f"{view.inode}): the caller lacks read (r) permission on the file, or the capability expired")
+        exc.__cause__ = err
+        return exc
 
     async def _read_chunk(self, view: FileView, idx: int, rec: ChunkRecord, a: int, b: int,
                           dest: memoryview) -> None:
