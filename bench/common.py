@@ -55,12 +55,22 @@ MEASURED_PREFILL_SOURCE = (
     "SDPA, bf16) on one H200 took 121.0 ms, median of 5 (bench/results/gpu_kv.md, stop 32)")
 
 
+#: Set by ``python -m bench.run`` to the folder it writes to (its ``--out``),
+#: so that the files a benchmark writes itself land beside its JSON.
+RESULTS_ENV = "TIERFS_BENCH_RESULTS"
+
+
 def results_dir(quick: bool) -> Path:
-    """Where a benchmark writes its own extra files: bench/results, or
-    bench/results/quick for a ``--quick`` run (whose short figures must not
-    replace the committed full ones; bench.run writes there too)."""
-    d = Path(__file__).resolve().parent / "results"
-    d = d / "quick" if quick else d
+    """Where a benchmark writes its own extra files: bench.run's ``--out``
+    (``$TIERFS_BENCH_RESULTS``) when it runs the benchmark, else
+    bench/results, or bench/results/quick for a ``--quick`` run (whose short
+    figures must not replace the committed full ones; bench.run writes there
+    too)."""
+    if os.environ.get(RESULTS_ENV):
+        d = Path(os.environ[RESULTS_ENV])
+    else:
+        d = Path(__file__).resolve().parent / "results"
+        d = d / "quick" if quick else d
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -74,10 +74,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the results go (default: bench/results; bench/results/quick with --quick)")
     ns = ap.parse_args(argv)
     out = ns.out if ns.out is not None else (RESULTS / "quick" if ns.quick else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
     names = sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
-    if ns.only:
+    if ns.only is not None:
+        unknown = sorted(set(ns.only) - set(names))
+        if unknown or not ns.only:
+            ap.error(f"--only: no benchmark named {', '.join(unknown) or '(none given)'}; "
+                     f"the names are {', '.join(names)}")
         names = [n for n in names if n in ns.only]
+    out.mkdir(parents=True, exist_ok=True)
+    # The files a benchmark writes itself (bench/common.py's results_dir) go here too.
+    os.environ["TIERFS_BENCH_RESULTS"] = str(out.resolve())
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sections: list[str] = []
     failed = 0
