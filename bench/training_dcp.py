@@ -21,7 +21,7 @@ a few non-tensor items. Per round, each rank:
 Times are from a barrier before to a barrier after each step (the slowest
 rank); GB/s is the state dict's bytes over that. Rows: save and load GB/s,
 the local figures as baselines, and the ratio. Writes
-``bench/results/training_dcp.{json,md}``.
+``bench/results/training_dcp.{json,md}`` (``--quick``: ``bench/results/quick/``).
 
     python -m bench.training_dcp [--quick] [--mib 1024] [--reps 2] [--threads 4]
 """
@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import results_dir
+
 MiB = 1 << 20
 N_TENSORS = 16
 COLS = 4096
@@ -234,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python -m bench.training_dcp " + " ".join(argv if argv is not None else sys.argv[1:]),
            "notes": (f"cluster: 1 meta + 6 storage daemons on this machine, ec:4+2; {ns.threads} files per rank "
                      f"written at once by both writers; best of {ns.reps} round(s)")}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training_dcp.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "training_dcp.md").write_text(markdown(res))
+    out = results_dir(ns.quick)  # a --quick run's figures go to results/quick, not over the full ones
+    (out / "training_dcp.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "training_dcp.md").write_text(markdown(res))
     print(markdown(res))
     return 0
 
@@ -245,7 +246,7 @@ def run(quick: bool) -> dict[str, Any]:
     """The bench/run.py entry: runs the benchmark, returns its results."""
     if main(["--quick"] if quick else []) != 0:
         raise RuntimeError("bench.training_dcp failed")
-    result: dict[str, Any] = json.loads((RESULTS / "training_dcp.json").read_text())
+    result: dict[str, Any] = json.loads((results_dir(quick) / "training_dcp.json").read_text())
     return result
 
 

@@ -31,7 +31,8 @@ the JSON):
 
 The first run checks that both loads give the same keys, dtypes, shapes
 and bytes as the tensors saved (untimed). Writes
-``bench/results/training_safetensors.{json,md}``.
+``bench/results/training_safetensors.{json,md}`` (``--quick``:
+``bench/results/quick/``).
 
     python -m bench.training_safetensors [--quick] [--reps 3]
 """
@@ -56,12 +57,12 @@ import safetensors
 import safetensors.torch
 import torch
 
+from bench.common import results_dir
 from bench.run import to_markdown
 from tierfs.client import Client
 from tierfs.integrations.safetensors import load_file
 from tierfs.local import LocalCluster
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
 PAGE = 4096
 PIECE = 64 * MiB
@@ -260,11 +261,11 @@ def main() -> None:
         "bytes": size, "tensor_bytes": nbytes, "tensors": count, "dtypes": dtypes,
         "load_returned_cold_s": [round(x, 4) for x in runs["cold_returned"]],
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training_safetensors.json").write_text(json.dumps(res, indent=1) + "\n")
+    out = results_dir(ns.quick)  # a --quick run's figures go to results/quick, not over the full ones
+    (out / "training_safetensors.json").write_text(json.dumps(res, indent=1) + "\n")
     md = ("# safetensors: loading a ~1 GiB file (bench/training_safetensors.py)\n\n"
           f"`{res['command'].strip()}`, {res['when']}{' (quick)' if ns.quick else ''}\n\n" + to_markdown(res))
-    (RESULTS / "training_safetensors.md").write_text(md)
+    (out / "training_safetensors.md").write_text(md)
     print(md)
 
 
