@@ -60,3 +60,13 @@ def test_out_takes_the_files_a_benchmark_writes_itself(tmp_path: Path, monkeypat
         assert (out / "training.md").read_text() == "the benchmark's own table\n"
         assert json.loads((out / "training.json").read_text())["name"] == "training"
         assert (committed.read_text() if committed.exists() else None) == before
+
+
+def test_fuse_bench_notes_name_the_mount_defaults() -> None:
+    # The notes printed "read-ahead <member 'read_ahead_kib' of 'MountConfig' objects> KiB".
+    from bench.bench_fuse import _mount_defaults
+    from tierfs.fuse.mount import MountConfig
+
+    d = MountConfig("", [])
+    assert _mount_defaults() == f"attr timeout {d.attr_timeout:g} s, read-ahead {d.read_ahead_kib} KiB"
+    assert "member" not in _mount_defaults()
