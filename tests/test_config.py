@@ -84,3 +84,19 @@ def test_a_misspelled_or_missing_role_table_is_an_error(tmp_path: Path) -> None:
     shared.write_text('[meta]\ndata_dir = "/m"\n[storage]\ndata_dir = "/y"\n')
     assert str(load(StorageConfig, shared, env={}).data_dir) == "/y"
     load(MetaConfig, shared, env={})
+
+
+def test_a_client_takes_a_client_config_as_its_first_argument() -> None:
+    """``Client(ClientConfig(...))`` failed with "'ClientConfig' object is not
+    iterable" (until stop 48): the config is taken as ``config=``."""
+    from tierfs.client import Client, ClientConfig
+    from tierfs.errors import InvalidArgumentError
+
+    cfg = ClientConfig(meta=["127.0.0.1:1"], lease_ms=12345)
+    c = Client(cfg)  # no connection is made until the first call
+    try:
+        assert c.config.meta == ["127.0.0.1:1"] and c.config.lease_ms == 12345
+    finally:
+        c.close()
+    with pytest.raises(InvalidArgumentError, match="given twice"):
+        Client(cfg, config=cfg)  # type: ignore[arg-type]

@@ -253,6 +253,11 @@ class AsyncClient:
     def __init__(self, meta: Sequence[str] | str | None = None, *, config: ClientConfig | None = None,
                  **options: Any) -> None:
         meta_list: list[str] | None = None
+        if isinstance(meta, ClientConfig):
+            # Client(ClientConfig(...)): a TypeError "'ClientConfig' object is not iterable" until stop 48
+            if config is not None:
+                raise InvalidArgumentError("a ClientConfig given twice: as the first argument and as config=")
+            meta, config = None, meta
         if meta is not None:
             meta_list = [a.strip() for a in meta.split(",") if a.strip()] if isinstance(meta, str) else list(meta)
         explicit_config = config is not None
