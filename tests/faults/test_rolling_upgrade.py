@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "10f4dffc9b8902ffbc6e1aa2cb138460d9c896f3"
+PREVIOUS = "55dff7ab7898d9efdc06abca111ae7048b237b3c"
 
 REPO = Path(__file__).resolve().parents[2]
 
