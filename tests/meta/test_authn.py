@@ -132,7 +132,7 @@ def test_user_identity_is_stamped_and_admin_ops_refused(meta: MetaCluster) -> No
             assert (me.name, me.uid, me.gid, list(me.groups), me.admin, me.kind) == \
                 ("dave", 4001, 4002, [4003, 4004], False, "user")
             refused = {
-                "DrainNode": user.drain_node(1), "RemoveNode": user.remove_node(1),
+                "DrainNode": user.drain_node(1), "UndrainNode": user.undrain_node(1), "RemoveNode": user.remove_node(1),
                 "RemoveTarget": user.remove_target(1), "LabelNode": user.label_node(1, "r"),
                 "CreateKVPool": user.create_kv_pool("mine", target_memory=1 << 20),
                 "RemoveKVPool": user.remove_kv_pool("keep"), "AddUser": user.add_user("eve", 5, 5),

@@ -176,3 +176,30 @@ def test_read_only_target_is_readable_but_never_placed_nor_replaced() -> None:
         pb.TargetReport(target_id=full, state=pb.TARGET_STATE_ONLINE)]))
     assert full in d.sm._eligible()
     _same_after_restore(d)
+
+
+def test_undrain_lets_a_node_take_fragments_again_and_keeps_the_moves_made() -> None:
+    """`tierfs node undrain` (op format 6): the flag goes, the map moves on,
+    the groups the drain already moved keep their new members and their
+    copy sources (those copies finish), and new groups may use the node
+    again. Undrain of a node that is not draining changes nothing."""
+    d = Driver()
+    regs = d.register(7, 1)
+    node = regs[4].node_id
+    tid = regs[4].targets[0].target_id
+    d.do("drain_node", pb.DrainNodeRequest(node_id=node), pb.ReplaceReply)
+    moved = {g.group_id: g for g in d.sm.cluster_map().groups if g.rebuilding}
+    assert moved and tid not in d.sm._eligible()
+    v = d.sm.cluster_map().version
+    reply = d.do("undrain_node", pb.UndrainNodeRequest(node_id=node), pb.UndrainNodeReply)
+    assert reply.was_draining
+    cmap = d.sm.cluster_map()
+    assert cmap.version > v and not next(n for n in cmap.nodes if n.node_id == node).draining
+    assert {g.group_id: g for g in cmap.groups if g.rebuilding} == moved  # the drain's copies go on
+    assert tid in d.sm._eligible()
+    _same_after_restore(d)
+    v = cmap.version
+    assert not d.do("undrain_node", pb.UndrainNodeRequest(node_id=node), pb.UndrainNodeReply).was_draining
+    assert d.sm.cluster_map().version == v
+    with pytest.raises(NotFoundError):
+        d.do("undrain_node", pb.UndrainNodeRequest(node_id=999), pb.UndrainNodeReply)

@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 
-from tests.repair.util import digest, fragments, map_now, random_bytes, start, wait_map, write_files
+from tests.repair.util import (
+    META_FAST,
+    digest,
+    fragments,
+    map_now,
+    random_bytes,
+    start,
+    wait_map,
+    write_files,
+)
 from tierfs.cli.cluster import cluster_status
 from tierfs.cli.main import render_status, run
 from tierfs.client import AsyncClient
@@ -522,5 +531,38 @@ def test_node_rm_of_a_running_local_daemon_does_not_register_it_again(tmp_path: 
         assert [n.node_id for n in cmap.nodes if n.data_addr == addr] == [], cmap.nodes
         st = asyncio.run(cluster_status(cl.meta_addrs))
         assert st["healthy"], st["storage"]
+    finally:
+        cl.stop()
+
+
+@pytest.mark.timeout(120)
+def test_undrain_takes_a_drained_node_back(tmp_path: Path) -> None:
+    """`tierfs node undrain` after a drain (the wrong node, say): the node
+    is no longer draining, the rebalancer moves groups back onto it, and
+    every file reads back byte for byte. Until stop 49 a drain could not be
+    undone: the node stayed empty until removed."""
+    meta = (*(a for a in META_FAST if not a.startswith("--rebalance")), "--rebalance-interval=0.5")
+    cl = start(tmp_path / "c", n_storage=7, meta_args=meta)
+    try:
+        files = asyncio.run(_write(cl))
+        node = _node_of(asyncio.run(map_now(cl)), cl, "storage-2")
+        mine = set(node.target_ids)
+        code, out, err = _cli(cl, "node", "drain", str(node.node_id), "--wait")
+        assert code == 0 and out["done"], (out, err)
+        st = asyncio.run(cluster_status(cl.meta_addrs))
+        assert [s["draining"] for s in st["storage"] if s["id"] == node.node_id] == [True], st["storage"]
+        code, out, err = _cli(cl, "node", "undrain", str(node.node_id))
+        assert code == 0 and out["was_draining"], (out, err)
+        cmap = asyncio.run(wait_map(cl, lambda m: any(mine.intersection(g.target_ids) for g in m.groups)
+                                    and not any(g.rebuilding for g in m.groups), 60, "groups back on the node"))
+        assert not next(n for n in cmap.nodes if n.node_id == node.node_id).draining
+        asyncio.run(_check(cl, files))
+        st = asyncio.run(cluster_status(cl.meta_addrs))
+        assert [s["draining"] for s in st["storage"] if s["id"] == node.node_id] == [False], st["storage"]
+        code, out, err = _cli(cl, "node", "undrain", str(node.node_id))
+        assert code == 0 and not out["was_draining"], (out, err)
+        code, out, err = _cli(cl, "node", "undrain", "999")
+        assert code != 0 and "no storage node 999" in err, (out, err)
+        _kill_two_and_read(cl, {"storage-2"}, files)
     finally:
         cl.stop()

@@ -24,6 +24,7 @@ __all__ = [
     "render_scrub",
     "repair_failures",
     "scrub_cluster",
+    "undrain_node",
 ]
 
 
@@ -107,6 +108,21 @@ def drain_line(node_id: int, p: dict[str, Any]) -> str:
             f"its replace_after where another target can take their place (the copy then starts again), "
             f"else the copy goes on when they are back" if p["destinations_down"] else "")
     return f"draining node {node_id}: {_n(p['groups_copying'], 'group')} copying{frags}{down} ({p['seconds']:.0f} s)"
+
+
+async def undrain_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0) -> dict[str, Any]:
+    """Undo ``tierfs node drain``: the node's targets may take fragments
+    again. Groups the drain already moved keep their new members (their
+    copies finish: ``groups_copying`` counts them); the rebalancer then
+    spreads data onto the node again (docs/operations.md)."""
+    from tierfs.meta import MetaClient
+
+    async with MetaClient(list(meta), deadline=timeout) as mc:
+        was = await mc.undrain_node(node_id)
+        cmap = await mc.get_cluster_map()
+    mine = {t for n in cmap.nodes if n.node_id == node_id for t in n.target_ids}
+    copying = sorted(g.group_id for g in cmap.groups if mine.intersection(g.rebuild_sources))
+    return {"node": node_id, "was_draining": was, "groups_copying": copying}
 
 
 async def remove_node(meta: Sequence[str], node_id: int, *, timeout: float = 20.0,
@@ -415,9 +431,9 @@ def add_commands(cmd: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("id", type=int)
     p.add_argument("--force", action="store_true",
                    help="remove it even where it is online and the last readable copy of a group (that data is lost)")
-    p = cmd("node", "storage nodes: drain (move all fragments off), rm (forget a drained node) or label "
-                    "(--rack R: its failure domain)")
-    p.add_argument("action", choices=["drain", "rm", "label"])
+    p = cmd("node", "storage nodes: drain (move all fragments off), undrain (undo a drain: it takes fragments "
+                    "again), rm (forget a drained node) or label (--rack R: its failure domain)")
+    p.add_argument("action", choices=["drain", "undrain", "rm", "label"])
     p.add_argument("id", type=int)
     p.add_argument("--wait", action="store_true", help="drain: wait until every fragment has moved")
     p.add_argument("--rack", default=None, help="label: the node's rack ('' clears it)")
@@ -458,6 +474,15 @@ def execute(ns: argparse.Namespace, meta: Sequence[str], emit: Callable[[Any, st
         emit(r, f"node {ns.id} {state}"
              + (f"; no replacement for groups {r['groups_stuck']}" if r["groups_stuck"] else ""))
         return 0 if not r["groups_stuck"] else 1
+    if ns.cmd == "node" and ns.action == "undrain":
+        r = run(undrain_node(meta, ns.id, timeout=ns.timeout))
+        if not r["was_draining"]:
+            emit(r, f"node {ns.id} was not draining: nothing changed")
+        else:
+            emit(r, f"node {ns.id} takes fragments again; the rebalancer moves data back onto it"
+                 + (f" (the drain's copies of {_n(len(r['groups_copying']), 'group')} finish first)"
+                    if r["groups_copying"] else ""))
+        return 0
     if ns.cmd == "node" and ns.action == "rm":
         from tierfs.cli.util import DEFAULT_DATA
 

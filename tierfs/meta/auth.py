@@ -94,7 +94,7 @@ NODE_ONLY_RPCS = frozenset({"RegisterNode", "Heartbeat", "AckGC", "MarkFragments
                             "ListGC", "ListGroupChunks", "Digest"})
 #: Admin operations.
 ADMIN_RPCS = frozenset({
-    "DrainNode", "RemoveNode", "RemoveTarget", "LabelNode", "CreateKVPool", "RemoveKVPool", "AddMetaMember",
+    "DrainNode", "UndrainNode", "RemoveNode", "RemoveTarget", "LabelNode", "CreateKVPool", "RemoveKVPool", "AddMetaMember",
     "RemoveMetaMember", "ForceSnapshot", "AddUser", "ListUsers", "RemoveUser", "IssueToken", "RevokeToken",
 })
 _HOW = ("set TIERFS_TOKEN or TIERFS_TOKEN_FILE, pass --token-file (CLI) or ClientConfig(token=...); "

@@ -706,6 +706,13 @@ class MetaClient:
         """Move every fragment off a healthy node (its targets leave every group)."""
         return await self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id), pb.ReplaceReply, mutating=True)
 
+    async def undrain_node(self, node_id: int) -> bool:
+        """Undo a drain: the node may take new fragments again (groups
+        already moved stay moved). Whether it was draining."""
+        reply = await self._call("UndrainNode", pb.UndrainNodeRequest(node_id=node_id), pb.UndrainNodeReply,
+                                 mutating=True)
+        return bool(reply.was_draining)
+
     async def label_node(self, node_id: int, rack: str) -> None:
         """Set a node's failure domain ("" clears it); groups that then
         break the rack rule are moved by the rebalancer."""

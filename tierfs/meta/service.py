@@ -1140,6 +1140,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             req.replaced.CopyFrom(await self._plan_replacements(mine, mine))
         return await self._mutate(context, "drain_node", req, pb.ReplaceReply)
 
+    @grpc_errors
+    async def UndrainNode(self, request: pb.UndrainNodeRequest, context: Ctx) -> pb.UndrainNodeReply:
+        reply = await self._mutate(context, "undrain_node", pb.UndrainNodeRequest(node_id=request.node_id),
+                                   pb.UndrainNodeReply)
+        if reply.was_draining:
+            self.rebalancer.trigger()  # its targets may take fragments again
+        return reply
+
     def _refuse_losing_removal(self, tid: int) -> None:
         """``BusyError`` when removing target ``tid`` would lose data it still
         serves: it is readable (online or read-only) and some group of it has

@@ -113,7 +113,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 5)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 6)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -142,6 +142,9 @@ LAYOUT_MERGE_FORMAT = 4
 #: items, so a batch retried after a lost reply was partly applied again
 #: (a rename moved twice, a mkdir answered "exists").
 DEDUP_WINDOW_FORMAT = 5
+#: Entries of this format may be UndrainNode ops (``tierfs node undrain``),
+#: a kind that replicas of older formats do not know.
+UNDRAIN_FORMAT = 6
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -1664,6 +1667,19 @@ class MetaStateMachine(Tracked):
         else:
             stuck = self._replace_targets(sorted(node.targets), source=True)  # an entry of an older version
         return pb.ReplaceReply(groups_stuck=stuck)
+
+    def _op_undrain_node(self, op: pb.MetaOp, r: pb.UndrainNodeRequest) -> Message:
+        """Undo a drain: the node's targets may take new fragments again.
+        Groups already moved off it keep their new members (the copies
+        finish); groups the drain could not move keep it, as they did."""
+        node = self.nodes.get(r.node_id)
+        if node is None:
+            raise NotFoundError(f"no storage node {r.node_id}")
+        was = node.draining
+        if was:
+            node.draining = False
+            self.map_version += 1
+        return pb.UndrainNodeReply(was_draining=was)
 
     def _op_remove_node(self, op: pb.MetaOp, r: pb.RemoveNodeRequest) -> Message:
         """Forget a node and its targets, once no group needs them: none is a

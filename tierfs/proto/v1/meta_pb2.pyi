@@ -2380,6 +2380,50 @@ class ReplaceReply(_message.Message):
 Global___ReplaceReply: _TypeAlias = ReplaceReply  # noqa: Y015
 
 @_typing.final
+class UndrainNodeRequest(_message.Message):
+    """Undo a drain (`tierfs node undrain`): the node's targets may take new
+    fragments again. Groups already moved off it stay moved (their copies
+    finish); a rebalance spreads data onto it again. Op format 6 on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainNodeRequest: _TypeAlias = UndrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class UndrainNodeReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAS_DRAINING_FIELD_NUMBER: _builtins.int
+    was_draining: _builtins.bool
+    """false: the node was not draining (nothing changed)"""
+    def __init__(
+        self,
+        *,
+        was_draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["was_draining", b"was_draining"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainNodeReply: _TypeAlias = UndrainNodeReply  # noqa: Y015
+
+@_typing.final
 class RemoveNodeRequest(_message.Message):
     """Forget a node and its targets; refused (BUSY) while a group still uses one
     of them as a member or as the copy source of an unfinished rebuild.
@@ -3114,6 +3158,7 @@ class MetaOp(_message.Message):
     ADD_GROUPS_FIELD_NUMBER: _builtins.int
     REBALANCE_MOVES_FIELD_NUMBER: _builtins.int
     KV_GROUPS_FIELD_NUMBER: _builtins.int
+    UNDRAIN_NODE_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -3216,6 +3261,8 @@ class MetaOp(_message.Message):
     def rebalance_moves(self) -> Global___RebalanceMovesRequest: ...
     @_builtins.property
     def kv_groups(self) -> Global___KVGroupsRequest: ...
+    @_builtins.property
+    def undrain_node(self) -> Global___UndrainNodeRequest: ...
     def __init__(
         self,
         *,
@@ -3260,12 +3307,13 @@ class MetaOp(_message.Message):
         add_groups: Global___AddGroupsRequest | None = ...,
         rebalance_moves: Global___RebalanceMovesRequest | None = ...,
         kv_groups: Global___KVGroupsRequest | None = ...,
+        undrain_node: Global___UndrainNodeRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups", "undrain_node"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

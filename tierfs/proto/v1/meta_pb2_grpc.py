@@ -164,6 +164,11 @@ class MetaServiceStub:
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
                 response_deserializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
                 _registered_method=True)
+        self.UndrainNode = channel.unary_unary(
+                '/tierfs.v1.MetaService/UndrainNode',
+                request_serializer=tierfs_dot_v1_dot_meta__pb2.UndrainNodeRequest.SerializeToString,
+                response_deserializer=tierfs_dot_v1_dot_meta__pb2.UndrainNodeReply.FromString,
+                _registered_method=True)
         self.RemoveNode = channel.unary_unary(
                 '/tierfs.v1.MetaService/RemoveNode',
                 request_serializer=tierfs_dot_v1_dot_meta__pb2.RemoveNodeRequest.SerializeToString,
@@ -432,6 +437,12 @@ class MetaServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DrainNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -712,6 +723,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.DrainNode,
                     request_deserializer=tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.FromString,
                     response_serializer=tierfs_dot_v1_dot_meta__pb2.ReplaceReply.SerializeToString,
+            ),
+            'UndrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainNode,
+                    request_deserializer=tierfs_dot_v1_dot_meta__pb2.UndrainNodeRequest.FromString,
+                    response_serializer=tierfs_dot_v1_dot_meta__pb2.UndrainNodeReply.SerializeToString,
             ),
             'RemoveNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveNode,
@@ -1526,6 +1542,33 @@ class MetaService:
             '/tierfs.v1.MetaService/DrainNode',
             tierfs_dot_v1_dot_meta__pb2.DrainNodeRequest.SerializeToString,
             tierfs_dot_v1_dot_meta__pb2.ReplaceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierfs.v1.MetaService/UndrainNode',
+            tierfs_dot_v1_dot_meta__pb2.UndrainNodeRequest.SerializeToString,
+            tierfs_dot_v1_dot_meta__pb2.UndrainNodeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,6 +68,7 @@ class MetaServiceStub:
     RemoveTarget: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveTargetRequest, _meta_pb2.ReplaceReply]
     """Failure handling by operators (tierfs target rm, node drain, node rm)."""
     DrainNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]
+    UndrainNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.UndrainNodeRequest, _meta_pb2.UndrainNodeReply]
     RemoveNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]
     LabelNode: _grpc.UnaryUnaryMultiCallable[_meta_pb2.LabelNodeRequest, _meta_pb2.Empty]
     GetRebalanceStatus: _grpc.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.RebalanceStatus]
@@ -136,6 +137,7 @@ class MetaServiceAsyncStub(MetaServiceStub):
     RemoveTarget: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveTargetRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
     """Failure handling by operators (tierfs target rm, node drain, node rm)."""
     DrainNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.DrainNodeRequest, _meta_pb2.ReplaceReply]  # type: ignore[assignment]
+    UndrainNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.UndrainNodeRequest, _meta_pb2.UndrainNodeReply]  # type: ignore[assignment]
     RemoveNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.RemoveNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     LabelNode: _aio.UnaryUnaryMultiCallable[_meta_pb2.LabelNodeRequest, _meta_pb2.Empty]  # type: ignore[assignment]
     GetRebalanceStatus: _aio.UnaryUnaryMultiCallable[_meta_pb2.Empty, _meta_pb2.RebalanceStatus]  # type: ignore[assignment]
@@ -357,6 +359,13 @@ class MetaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _meta_pb2.DrainNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_meta_pb2.ReplaceReply, _abc.Awaitable[_meta_pb2.ReplaceReply]]: ...
+
+    @_abc_1.abstractmethod
+    def UndrainNode(
+        self,
+        request: _meta_pb2.UndrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_meta_pb2.UndrainNodeReply, _abc.Awaitable[_meta_pb2.UndrainNodeReply]]: ...
 
     @_abc_1.abstractmethod
     def RemoveNode(
