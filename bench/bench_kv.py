@@ -845,6 +845,13 @@ if __name__ == "__main__":
     ap.add_argument("--profile", default="", metavar="DIR", help="cProfile of each TierFS client phase into DIR")
     ap.add_argument("--rejudge", metavar="JSON", help="judge the cells of an earlier kv.json again (no run)")
     ns = ap.parse_args()
+    parts = ("limits", "redis", "mooncake", "tierfs")
+    bad = sorted(set(ns.only.split(",")) - set(parts))
+    if bad:
+        ap.error(f"--only: no part named {', '.join(map(repr, bad))}; parts: {', '.join(parts)}")
+    bad = sorted(set(ns.transports.split(",")) - {"tcp", "shm"})
+    if bad:
+        ap.error(f"--transports: no transport named {', '.join(map(repr, bad))}; transports: tcp, shm")
     if ns.rejudge:
         res = json.loads(Path(ns.rejudge).read_text())
         res["rows"], res["targets"] = judge(res["cells"], res["limits"], tuple(res["transports"]))

@@ -32,6 +32,17 @@ def test_only_with_an_unknown_name_fails_and_names_the_benchmarks(tmp_path: Path
         assert not out.exists()  # nothing was run, nothing written
 
 
+def test_bench_kv_refuses_a_part_or_transport_it_does_not_know() -> None:
+    """``python -m bench.bench_kv --only tierfs,redsi`` ran the TierFS part
+    and skipped the typo without a word (until stop 49)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args, want in ((["--only", "tierfs,redsi"], "no part named 'redsi'"),
+                       (["--transports", "tcp,rdma"], "no transport named 'rdma'")):
+        r = subprocess.run([sys.executable, "-m", "bench.bench_kv", "--quick", *args], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=100)
+        assert r.returncode == 2 and want in r.stderr, (args, r.returncode, r.stdout[-500:], r.stderr)
+
+
 def test_out_takes_the_files_a_benchmark_writes_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import bench.run
     from bench.common import results_dir
