@@ -340,6 +340,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="prefix length (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default=",".join(BACKENDS))
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the .json and .md go (default: bench/results)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # one backend, in this process
     ap.add_argument("--meta", default="", help=argparse.SUPPRESS)
     ap.add_argument("--pool", default="", help=argparse.SUPPRESS)
@@ -396,9 +397,9 @@ def main() -> None:
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engines_lmcache.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "engines_lmcache.md").write_text(markdown(res))
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "engines_lmcache.json").write_text(json.dumps(res, indent=1) + "\n")
+    (ns.out / "engines_lmcache.md").write_text(markdown(res))
     print(markdown(res))
 
 

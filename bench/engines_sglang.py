@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="tierfs,mooncake")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the .json and .md go (default: bench/results)")
     ap.add_argument("--segment", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.segment:
@@ -333,9 +334,9 @@ def main() -> None:
                ["python -m bench.engines_sglang", *sys.argv[1:]]), "tokens": args.tokens, "reps": args.reps,
            "layout": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "page": PAGE},
            "prefill_tok_s_assumed": list(PREFILL_TOK_S), "rows": rows, "notes": notes}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engines_sglang.json").write_text(json.dumps(res, indent=1) + "\n")
-    (RESULTS / "engines_sglang.md").write_text(write_md(res))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engines_sglang.json").write_text(json.dumps(res, indent=1) + "\n")
+    (args.out / "engines_sglang.md").write_text(write_md(res))
     print(write_md(res))
 
 
