@@ -71,6 +71,9 @@ class TierFSError(Exception):
     grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
     #: errno for the OSError-derived members (used by FUSE and str()).
     errno_value: ClassVar[int] = _errno.EIO
+    #: A batch put that raised: each key's outcome (True stored, False there
+    #: already, None not stored), as far as the client knows; None otherwise.
+    batch_results: list[bool | None] | None = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -19,7 +19,7 @@ import pytest
 from tests.faults.harness import FAST_META
 from tests.kv.pools import define_pool, pool_served, wait_for
 from tierfs.client import Client
-from tierfs.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from tierfs.errors import InvalidArgumentError, NoSpaceError, NotFoundError, UnavailableError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -532,6 +532,30 @@ def test_pins(cl: LocalCluster, client: Client) -> None:
     assert kv.get("keep") == payload("keep", 32 * KiB)
     assert kv.unpin("keep")
     assert not kv.pin("not-there")
+
+
+def test_a_batch_put_that_raises_says_which_keys_it_stored(cl: LocalCluster, client: Client) -> None:
+    """A batch put past the pin quota raises for one key, but the others
+    went out too: those stored stay (hard-pinned, on the quota). The error
+    says so and gives each key's outcome; before, it named the one key, and
+    the caller could not tell the batch from a put that changed nothing."""
+    for name, redundancy in (("pinq1", "replica:1"), ("pinq2", "replica:2")):
+        create_pool(cl, name, redundancy=redundancy, target_memory=1 * MiB, target_disk=0, pin_quota=64 * KiB)
+        pool_ready(client, name)
+        kv = client.kv_pool(name)
+        keys = [f"{name}-{i}" for i in range(16)]  # 16 x 24 KiB: more than 4 targets' quotas of 64 KiB
+        with pytest.raises(NoSpaceError) as err:
+            kv.batch_put(keys, [payload(k, 24 * KiB) for k in keys], pin="hard")
+        results = err.value.batch_results
+        assert results is not None and len(results) == 16
+        assert "batch of 16 keys" in str(err.value)
+        got = [kv.get(k) for k in keys]
+        for k, r, g in zip(keys, results, got, strict=True):
+            assert (r is True) == (g is not None), (k, r)
+            if g is not None:
+                assert g == payload(k, 24 * KiB)
+        assert 0 < sum(r is True for r in results) < 16
+        assert f"{sum(r is True for r in results)} stored" in str(err.value)
 
 
 def test_fresh_clients_see_each_others_objects(cl: LocalCluster, client: Client) -> None:

@@ -215,6 +215,28 @@ class ClusterStats:
         return d
 
 
+def _ec_results(out: Sequence[bool], moved: Sequence[int], n: int) -> list[bool | None]:
+    """The outcome of each key of an EC batch that stopped at key ``len(out)``:
+    those before it as put (a key a daemon placed elsewhere, None), the rest None."""
+    res: list[bool | None] = list(out) + [None] * (n - len(out))
+    for i in moved:
+        res[i] = None
+    return res
+
+
+def _batch_failure(exc: TierFSError, results: list[bool | None]) -> TierFSError:
+    """``exc`` (one key's failure in a batch put) again, with each key's
+    outcome in ``batch_results`` (True stored, False there already, None not
+    stored) and its message saying how the rest of the batch went."""
+    stored = sum(1 for r in results if r is True)
+    there = sum(1 for r in results if r is False)
+    failed = len(results) - stored - there
+    out = type(exc)(f"{exc.message} (batch of {len(results)} keys: {stored} stored, {there} there already, "
+                    f"{failed} not stored; the error's batch_results gives each key's outcome)")
+    out.batch_results = results
+    return out
+
+
 def _nbytes(buf: Any) -> int:
     n = getattr(buf, "nbytes", None)
     return int(n) if n is not None else len(buf)
@@ -464,9 +486,20 @@ class ClusterTier:
                 else:
                     res = await self._copies_put(route, sub_keys, sub_bufs, overwrite=overwrite, ttl_ms=ttl_ms,
                                                  pin=pin, pin_ttl_ms=pin_ttl_ms, moved=moved)
-            except (NotFoundError, UnavailableError) as exc:
-                await self._raise_if_removed(route, exc)
-                raise
+            except TierFSError as exc:
+                if isinstance(exc, (NotFoundError, UnavailableError)):
+                    await self._raise_if_removed(route, exc)
+                if exc.batch_results is None or len(keys) == 1:
+                    raise
+                # The other keys of the batch went out too, and some were
+                # stored (hard-pinned ones count against the pin quota):
+                # say which, rather than look as if nothing changed.
+                results: list[bool | None] = [out[i] for i in range(len(keys))]
+                for i in todo:
+                    results[i] = None
+                for j, i in enumerate(todo):
+                    results[i] = exc.batch_results[j]
+                raise _batch_failure(exc, results) from None
             for j, i in enumerate(todo):
                 out[i] = res[j]
             if not moved:
@@ -553,20 +586,28 @@ class ClusterTier:
             for i, targets in missed.items():
                 if i not in misplaced and reached[i] and not await self._drop_copies(route, keys[i], targets):
                     stuck.add(i)
+        results: list[bool | None] = [None] * len(keys)
+        failure: TierFSError | None = None
         for i, buf in enumerate(bufs):
             if i in misplaced:
                 continue
             if i in stuck:
                 self.counters.put_failures += 1
-                raise UnavailableError(
+                failure = failure or UnavailableError(
                     f"KV overwrite of {keys[i]!r} in pool {route.name!r} failed on target(s) {missed[i]}, and their "
                     f"copy of the previous value could not be deleted either: {first_error[i]}")
+                continue
             if not reached[i]:
                 self.counters.put_failures += 1
                 err = first_error[i]
-                if isinstance(err, (InvalidArgumentError, NotFoundError, NoSpaceError)):
-                    raise err
-                raise UnavailableError(f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: {err}")
+                if failure is None:
+                    if isinstance(err, (InvalidArgumentError, NotFoundError, NoSpaceError)):
+                        failure = type(err)(err.message)
+                    else:
+                        failure = UnavailableError(
+                            f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: {err}")
+                continue
+            results[i] = stored[i]
             if self.verify_copies and route.copies > 1:
                 self._vouch(route.pool_id, keys[i], value_crcs[i])  # our own value
             if stored[i]:
@@ -574,6 +615,9 @@ class ClusterTier:
                 self.counters.bytes_in += len(buf)
             else:
                 self.counters.put_skipped += 1
+        if failure is not None:
+            failure.batch_results = results
+            raise failure
         return stored
 
     async def _drop_copies(self, route: KVPoolRoute, key: bytes, targets: Sequence[int]) -> bool:
@@ -1291,13 +1335,17 @@ class ClusterTier:
                 lasting = (errs and isinstance(errs[0], (InvalidArgumentError, NoSpaceError))
                            and all(type(e) is type(errs[0]) for e in errs))
                 cls = type(errs[0]) if lasting else UnavailableError
-                raise cls(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments in pool "
+                exc = cls(f"KV put of {key!r} stored {len(ok)} of {route.k}+{route.m} fragments in pool "
                           f"{route.name!r}; at least {need} are needed" + (f" ({errs[0]})" if errs else ""))
+                exc.batch_results = _ec_results(out, moved, len(keys))
+                raise exc
             if overwrite and failed and not await self._drop_copies(route, key, failed):
                 # K fragments of the previous value could still agree there.
                 self.counters.put_failures += 1
-                raise UnavailableError(f"KV overwrite of {key!r} in pool {route.name!r} failed on target(s) "
+                exc = UnavailableError(f"KV overwrite of {key!r} in pool {route.name!r} failed on target(s) "
                                        f"{failed}, and their fragment of the previous value could not be deleted")
+                exc.batch_results = _ec_results(out, moved, len(keys))
+                raise exc
             stored = any(ok)
             out.append(stored)
             if stored:
