@@ -203,6 +203,30 @@ def test_replay_live_and_simulated(meta: str, tmp_path: Path) -> None:
     assert rc == 0 and json.loads(out)["requests"] == 5, err
 
 
+def test_replay_with_cluster_as_a_user_says_why_it_was_refused(meta: str, tmp_path: Path) -> None:
+    """--cluster makes a temporary pool, an admin operation. A user's run
+    was refused at the create, and then its clean-up's remove (refused too)
+    answered instead: "RemoveKVPool is an admin operation", for a pool the
+    user never asked to remove (until stop 48)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(public_trace_path().read_text().splitlines()[:5]) + "\n")
+    rc, out, err = cli(meta, "user", "add", "replayer", "--uid", "7401", "--gid", "7401")
+    assert rc == 0, err
+    token = out.split()[0]
+    assert token.startswith("tfu1.replayer."), out
+    out_io, err_io = io.StringIO(), io.StringIO()
+    rc = run(["kv", "replay", str(trace), "--cluster", "10", "--block-size", "4KiB", "--meta", meta],
+             stdout=out_io, stderr=err_io, env={"TIERFS_TOKEN": token}, tty=False)
+    err = err_io.getvalue()
+    assert rc == 1 and "CreateKVPool is an admin operation" in err, err
+    assert "RemoveKVPool" not in err and "needs an admin token" in err, err
+    # the same user replays into an existing pool
+    out_io, err_io = io.StringIO(), io.StringIO()
+    rc = run(["kv", "replay", str(trace), "--block-size", "4KiB", "--json", "--meta", meta],
+             stdout=out_io, stderr=err_io, env={"TIERFS_TOKEN": token}, tty=False)
+    assert rc == 0 and json.loads(out_io.getvalue())["requests"] == 5, err_io.getvalue()
+
+
 @pytest.mark.timeout(120)
 def test_replay_stopped_by_sigterm_removes_its_pool(meta: str, tmp_path: Path) -> None:
     """timeout(1) and job schedulers stop with SIGTERM: the live replay's

@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from tierfs.cli.util import parse_size_arg
-from tierfs.errors import CorruptError, InvalidArgumentError, NotFoundError
+from tierfs.errors import (
+    AlreadyExistsError,
+    CorruptError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from tierfs.kv.trace import (
     BLOCK_TOKENS,
     Request,
@@ -104,8 +111,20 @@ async def live_replay(meta: Sequence[str], trace: Sequence[Request], *, dram: in
                 # test, stop 48). Removing one that was refused (a bad
                 # policy) finds none, and the refusal's own reason stands.
                 created_pool = name
-                await mc.create_kv_pool(name, redundancy="replica:1", target_memory=per_target,
-                                        target_disk=0, policy=pols.get("cluster", pol or "lru"))
+                try:
+                    await mc.create_kv_pool(name, redundancy="replica:1", target_memory=per_target,
+                                            target_disk=0, policy=pols.get("cluster", pol or "lru"))
+                except PermissionDeniedError as exc:
+                    # Refused: meta made no pool. Trying to remove it would
+                    # answer for the refusal (a user's --cluster said
+                    # "RemoveKVPool is an admin operation" until stop 48).
+                    created_pool = ""
+                    raise PermissionDeniedError(
+                        f"{exc} (--cluster makes a temporary KV pool, which needs an admin token; without "
+                        f"--cluster the replay uses an existing pool, --pool)") from None
+                except (UnauthenticatedError, InvalidArgumentError, AlreadyExistsError):
+                    created_pool = ""
+                    raise
             pool = created_pool
         opts: dict[str, Any] = {"kv_pool": pool}
         if dram:
