@@ -138,6 +138,10 @@ def test_config_env_and_validation() -> None:
         ClientConfig(read_concurrency=0)
     with pytest.raises(ConfigError):
         ClientConfig(transport="carrier-pigeon")
+    # one string of addresses, as TIERFS_META and AsyncClient(meta=) take it
+    # (until stop 49: "not a host:port address: '1'", one character at a time)
+    assert ClientConfig(meta="127.0.0.1:1, 127.0.0.1:2").meta == ["127.0.0.1:1", "127.0.0.1:2"]  # type: ignore[arg-type]
+    assert ClientConfig(meta=("127.0.0.1:1",)).meta == ["127.0.0.1:1"]  # type: ignore[arg-type]
 
 
 def test_client_needs_meta_addresses(monkeypatch: pytest.MonkeyPatch) -> None:

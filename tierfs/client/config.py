@@ -129,6 +129,16 @@ class ClientConfig(BaseConfig):
         256 << 20, "Most bytes a write-back client holds not yet in the cluster; a put waits for room.",
         kind="size")
 
+    def __post_init__(self) -> None:
+        # "h1:p1,h2:p2" as the CLI, TIERFS_META and AsyncClient take it (a
+        # str was iterated one character at a time: "not a host:port
+        # address: '1'").
+        if isinstance(self.meta, str):
+            object.__setattr__(self, "meta", [a.strip() for a in self.meta.split(",") if a.strip()])
+        elif not isinstance(self.meta, list):
+            object.__setattr__(self, "meta", list(self.meta))
+        super().__post_init__()
+
     def validate(self) -> None:
         for addr in self.meta:
             host, sep, port = addr.rpartition(":")
