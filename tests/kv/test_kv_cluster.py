@@ -558,6 +558,41 @@ def test_a_batch_put_that_raises_says_which_keys_it_stored(cl: LocalCluster, cli
         assert f"{sum(r is True for r in results)} stored" in str(err.value)
 
 
+def test_a_put_no_copy_took_names_every_copys_answer(cl: LocalCluster, client: Client) -> None:
+    """replica:2, one copy's daemon just killed (meta does not know yet),
+    the other out of room: the put's error names both answers, whichever
+    was sent first. Until stop 49 it gave the first one only: "cannot
+    connect" (the real reason, no room, hidden), or NoSpace (the dead copy
+    hidden), by the order of the group's members."""
+    create_pool(cl, "r2full", redundancy="replica:2", target_memory=256 * KiB, target_disk=0,
+                pin_quota=200 * KiB)
+    pool_ready(client, "r2full")
+    kv = client.kv_pool("r2full")
+    for i in range(40):  # every target's pin quota filled: nothing there can be evicted
+        with contextlib.suppress(NoSpaceError):
+            kv.put(f"r2pin-{i}", payload(f"r2pin-{i}", 50 * KiB), pin="hard")
+    cl.kill("storage-3")
+    try:
+        with Client(cl.meta_addrs, kv_timeout=1.0, request_timeout=2.0) as c:
+            kv = c.kv_pool("r2full")
+            errs: list[Exception] = []
+            with pytest.raises(InvalidArgumentError, match="can never fit"):  # the request itself: that first
+                kv.put("r2full-huge", payload("r2full-huge", 1 * MiB))
+            for i in range(12):
+                try:
+                    kv.put(f"r2full-{i}", payload(f"r2full-{i}", 100 * KiB))
+                except (NoSpaceError, UnavailableError) as exc:
+                    errs.append(exc)
+            assert len(errs) == 12, errs  # 100 KiB fits in no target's unpinned room
+            mixed = [e for e in errs if isinstance(e, UnavailableError)]
+            assert mixed, errs  # some key has a copy on the dead daemon
+            for e in mixed:
+                text = str(e)
+                assert "target" in text and "room" in text.lower() and "connect" in text.lower(), text
+    finally:
+        restart(cl, "storage-3")
+
+
 def test_fresh_clients_see_each_others_objects(cl: LocalCluster, client: Client) -> None:
     client.kv.put("shared-prefix", b"system prompt")
     with Client(cl.meta_addrs) as other:

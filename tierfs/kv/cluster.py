@@ -566,6 +566,7 @@ class ClusterTier:
         reached = [False] * len(keys)
         first_error: list[TierFSError | None] = [None] * len(keys)
         missed: dict[int, list[int]] = {}
+        errors: dict[int, list[tuple[int, TierFSError]]] = {}  # each copy's refusal
         misplaced: set[int] = set()
         for it, i, r in zip(items, owner, res, strict=True):
             if isinstance(r, StaleVersionError):
@@ -576,6 +577,7 @@ class ClusterTier:
                 if first_error[i] is None:
                     first_error[i] = r
                 missed.setdefault(i, []).append(it[0])
+                errors.setdefault(i, []).append((it[0], r))
                 continue
             reached[i] = True
             stored[i] = stored[i] or r
@@ -599,13 +601,25 @@ class ClusterTier:
                 continue
             if not reached[i]:
                 self.counters.put_failures += 1
-                err = first_error[i]
-                if failure is None:
-                    if isinstance(err, (InvalidArgumentError, NotFoundError, NoSpaceError)):
-                        failure = type(err)(err.message)
+                answers = errors.get(i, [])
+                if failure is None and answers:
+                    first = answers[0][1]
+                    bad = next((e for _, e in answers if isinstance(e, InvalidArgumentError)), None)
+                    if bad is not None:  # the request itself: no copy could ever take it
+                        failure = InvalidArgumentError(bad.message)
+                    elif isinstance(first, (NotFoundError, NoSpaceError)) and all(
+                            type(e) is type(first) for _, e in answers):
+                        failure = type(first)(first.message)
                     else:
+                        # Every copy's answer, whatever the order they were
+                        # sent in: one copy down and the other out of space
+                        # said only "cannot connect" (the first sent) until
+                        # stop 49.
                         failure = UnavailableError(
-                            f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: {err}")
+                            f"KV put of {keys[i]!r} reached no target of pool {route.name!r}: "
+                            + "; ".join(f"target {t}: {e}" for t, e in answers))
+                elif failure is None:
+                    failure = UnavailableError(f"KV put of {keys[i]!r} reached no target of pool {route.name!r}")
                 continue
             results[i] = stored[i]
             if self.verify_copies and route.copies > 1:
