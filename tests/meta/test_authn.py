@@ -484,3 +484,22 @@ def test_cli_chmod_and_chown_give_a_user_a_directory(meta: MetaCluster, tmp_path
     assert (st["uid"], st["gid"], int(st["mode"], 8) & 0o7777) == (8101, 8102, 0o755)
     rc, _, err = cli("chmod", "755", "/nope", "/shared")  # each path on its own
     assert rc == 1 and "/nope" in err, err
+
+
+def test_a_lifetime_under_a_millisecond_is_not_never(meta: MetaCluster) -> None:
+    """``expires`` is seconds and 0 means never; a positive lifetime that is
+    under 1 ms once in ms (``--expires 0.0004``) is 1 ms, not 0 (until stop
+    48 such a token never expired)."""
+    async def go() -> None:
+        async with _mc(meta, ADMIN) as mc:
+            for step in range(2):
+                r = await (mc.add_user("tiny", 7001, 7001, expires=0.0004) if step == 0
+                           else mc.issue_token("tiny", expires=0.0001))
+                t = next(t for t in r.user.tokens if t.id == r.token_id)
+                assert t.expires_ns - t.created_ns == 1_000_000
+                async with _mc(meta, r.token) as c:
+                    with pytest.raises(UnauthenticatedError, match=f"token {r.token_id} of user 'tiny' expired"):
+                        await c.whoami()
+
+    asyncio.run(go())
+

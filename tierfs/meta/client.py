@@ -23,6 +23,7 @@ import collections
 import functools
 import inspect
 import itertools
+import math
 import random
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -99,6 +100,13 @@ def _harvest(reply: Message, sink: Callable[[bytes], None]) -> None:
                 sink(raw)
     elif isinstance(reply, pb.RenewLeaseReply) and reply.write_capability:
         sink(reply.write_capability)
+
+
+def _lifetime_ms(expires: float) -> int:
+    """A token lifetime in seconds as the ms the request carries, where 0
+    means "never": a positive lifetime under 1 ms is 1 ms, not 0 (until stop
+    48 ``--expires 0.0004`` made a token that never expired)."""
+    return math.ceil(expires * 1000) if expires > 0 else int(expires * 1000)
 
 
 def _loc(where: Where) -> pb.Loc:
@@ -808,7 +816,7 @@ class MetaClient:
         """Add a user with a first token (``expires``: seconds it lasts, 0 =
         never); the reply holds the token in clear, this once."""
         req = pb.AddUserRequest(name=name, uid=uid, gid=gid, groups=list(groups), admin=admin,
-                                expires_ms=int(expires * 1000))
+                                expires_ms=_lifetime_ms(expires))
         return await self._call("AddUser", req, pb.UserTokenReply, mutating=True)
 
     async def list_users(self) -> list[pb.User]:
@@ -820,7 +828,7 @@ class MetaClient:
 
     async def issue_token(self, name: str, *, expires: float = 0.0) -> pb.UserTokenReply:
         """Another token for ``name`` (shown in the reply, this once)."""
-        return await self._call("IssueToken", pb.IssueTokenRequest(name=name, expires_ms=int(expires * 1000)),
+        return await self._call("IssueToken", pb.IssueTokenRequest(name=name, expires_ms=_lifetime_ms(expires)),
                                 pb.UserTokenReply, mutating=True)
 
     async def revoke_token(self, name: str, token_id: int = 0, *, all: bool = False) -> int:
