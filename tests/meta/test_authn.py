@@ -503,3 +503,22 @@ def test_a_lifetime_under_a_millisecond_is_not_never(meta: MetaCluster) -> None:
 
     asyncio.run(go())
 
+
+def test_a_forgotten_dead_token_is_not_called_never_issued(meta: MetaCluster) -> None:
+    """A new token drops the user's expired and revoked ones from its record;
+    the dropped token's refusal still says it may have expired or been
+    revoked (until stop 48: "not one meta issued, or the user was removed
+    or never added", about a token meta had issued)."""
+    async def go() -> None:
+        async with _mc(meta, ADMIN) as mc:
+            old = await mc.add_user("forgot", 7101, 7101, expires=0.001)
+            async with _mc(meta, old.token) as c:
+                with pytest.raises(UnauthenticatedError, match="token 1 of user 'forgot' expired"):
+                    await c.whoami()
+            await mc.issue_token("forgot")
+            assert [t.id for t in next(u for u in await mc.list_users() if u.name == "forgot").tokens] == [2]
+            async with _mc(meta, old.token) as c:
+                with pytest.raises(UnauthenticatedError, match="expired or was revoked"):
+                    await c.whoami()
+
+    asyncio.run(go())

@@ -152,8 +152,12 @@ class Authenticator:
         # An unknown user gets the same answer as a wrong token of a known
         # one: the message must not tell a caller without a credential which
         # user names exist.
+        # Expired and revoked tokens are dropped when the user is issued
+        # another (users.py): such a token lands here too, and must not be
+        # told it was never issued (until stop 48 that was all it heard).
         invalid = UnauthenticatedError(f"invalid token for user {name!r} (not one meta issued, or the user was "
-                                       "removed or never added)")
+                                       "removed or never added, or it expired or was revoked and has been "
+                                       "forgotten since)")
         u = users.get(name)
         if u is None:
             raise invalid
