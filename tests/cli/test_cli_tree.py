@@ -510,3 +510,47 @@ def test_reading_another_users_0600_file_is_permission_denied(meta: str) -> None
              env={"TIERFS_TOKEN": toks["rdbob"]}, tty=False)
     assert rc == 1 and "permission denied: read /rd/secret" in err.getvalue(), err.getvalue()
     assert "unreadable" not in err.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_a_put_whose_token_expires_names_the_temporary_file_it_leaves(meta: str) -> None:
+    """``tierfs put -`` whose token expires mid-copy fails, nothing appears
+    under the destination name, and the temporary file it cannot remove
+    (its token is dead) is named in the error with how to remove it; until
+    stop 48 it stayed behind unmentioned."""
+    import subprocess
+    import sys
+    import time
+
+    rc, out, err = cli(meta, "user", "add", "expput", "--uid", "7501", "--gid", "7501", "--expires", "4s")
+    assert rc == 0, err
+    token = out.strip()
+    rc, listing, err = cli(meta, "user", "ls", "--json")
+    assert rc == 0, err
+    user = next(u for u in json.loads(listing)["users"] if u["name"] == "expput")
+    expires_ns = user["tokens"][0]["expires_ns"]
+    assert cli(meta, "mkdir", "/expput")[0] == 0
+    assert cli(meta, "chown", "7501:7501", "/expput")[0] == 0
+    env = {**os.environ, "TIERFS_TOKEN": token, "TIERFS_META": meta}
+    p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "put", "-", "/expput/f"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert p.stdin is not None
+        p.stdin.write(os.urandom(3 * MiB))
+        p.stdin.flush()
+        while time.time_ns() < expires_ns + 500_000_000:  # the token is dead from here on
+            time.sleep(0.1)
+        _, perr = p.communicate(os.urandom(MiB), timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    msg = perr.decode()
+    assert p.returncode == 1 and "expired" in msg, msg
+    rc, out, err = cli(meta, "ls", "/expput", "--json")
+    assert rc == 0, err
+    names = [e["path"].rsplit("/", 1)[-1] for e in json.loads(out)]
+    assert "f" not in names, names
+    left = [n for n in names if n.startswith(".f.put-")]
+    assert len(left) == 1 and f"/expput/{left[0]} is left behind" in msg and f"tierfs rm /expput/{left[0]}" in msg, \
+        (names, msg)

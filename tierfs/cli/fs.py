@@ -143,9 +143,11 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
     view = memoryview(buf)
     done = 0
     t0 = time.perf_counter()
+    made = False
     try:
         try:
             f = await client.open(tmp, "xb")
+            made = True
         except NotFoundError:
             if parent in ("", "/") or await client.exists(parent):
                 raise
@@ -174,9 +176,17 @@ async def put(client: AsyncClient, local: str, remote: str, *, progress: Progres
             # After close: the commit stamps the file's mtime.
             await client.meta.setattr(tmp, mode=lst.st_mode & 0o7777, mtime_ns=lst.st_mtime_ns)
         await client.rename(tmp, remote)
-    except BaseException:
-        with contextlib.suppress(TierFSError):
+    except BaseException as failure:
+        try:
             await client.rm(tmp)
+        except NotFoundError:
+            pass
+        except TierFSError as rm_exc:
+            # The cleanup failed too (an expired or revoked token fails both):
+            # say so, rather than leave a `.NAME.put-...` file unmentioned.
+            if made and isinstance(failure, TierFSError):
+                failure.message += (f" (its temporary file {tmp} is left behind: {rm_exc}; remove it with "
+                                f"`tierfs rm {tmp}`)")
         raise
     finally:
         view.release()
