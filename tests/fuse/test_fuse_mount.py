@@ -638,3 +638,54 @@ def test_relative_log_path_is_taken_from_the_callers_directory(cluster: LocalClu
                 wait_gone(int(m.group(1)))
         subprocess.run(["fusermount3", "-uz", str(tmp_path / "rel")], capture_output=True, timeout=30)
         Path("/", name).unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_revoked_token_fails_the_mount_clearly_and_keeps_what_was_committed(
+        cluster: LocalCluster, client: Client, tmp_path: Path) -> None:
+    """A mount whose token is revoked while a file is open: the next close
+    fails with EACCES (nothing of the session is published), what an fsync
+    made durable before stays and reads back, every later request is EACCES,
+    and the mount's log says why (until stop 48 it said nothing: the
+    application saw "Permission denied" on its own files with no reason
+    anywhere). An expired token takes the same path (UNAUTHENTICATED)."""
+    import asyncio
+
+    from tierfs.meta import MetaClient
+    from tierfs.security import write_private_file
+
+    async def add_user() -> str:
+        async with MetaClient(cluster.meta_addrs, deadline=10) as mc:
+            return (await mc.add_user("fuserev", 7601, 7601)).token
+
+    async def revoke() -> None:
+        async with MetaClient(cluster.meta_addrs, deadline=10) as mc:
+            assert await mc.revoke_token("fuserev", all=True) == 1
+
+    token = asyncio.run(add_user())
+    client.mkdir("/rev", exist_ok=True)
+    client.chown("/rev", 7601, 7601)
+    tok = write_private_file(tmp_path / "user.token", token + "\n")
+    m = Mount(tmp_path / "m", cluster.meta_addrs, tmp_path / "m.log", "--token-file", str(tok))
+    try:
+        f = m.path / "rev" / "f"
+        fd = os.open(f, os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, b"durable")
+            os.fsync(fd)
+            os.write(fd, b" and lost")
+            asyncio.run(revoke())
+            with pytest.raises(PermissionError):
+                os.close(fd)
+            fd = -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        with pytest.raises(PermissionError):
+            os.listdir(m.path / "rev")
+        assert client.read_bytes("/rev/f") == b"durable"
+        log = m.log_text()
+        assert "meta refuses this mount's credential: token 1 of user 'fuserev' was revoked" in log, log
+        assert "flush: the commit failed" in log and "EACCES" in log, log
+    finally:
+        m.close()

@@ -35,7 +35,7 @@ import pyfuse3
 
 from tierfs.client import AsyncClient, AsyncFile
 from tierfs.client.client import FileView
-from tierfs.errors import AlreadyExistsError, NotFoundError, TierFSError
+from tierfs.errors import AlreadyExistsError, NotFoundError, TierFSError, UnauthenticatedError
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["MountOptions", "TierFSOperations"]
@@ -62,6 +62,31 @@ class MountOptions:
     read_ahead_kib: int = 4096
 
 
+#: Seconds between two log lines saying that meta refuses the mount's token.
+CREDENTIAL_LOG_INTERVAL = 60.0
+_credential_logged = [-CREDENTIAL_LOG_INTERVAL]
+
+
+def _log_refusal(name: str, exc: TierFSError) -> None:
+    """What the log says of an error the application gets as an errno. A
+    refused credential (expired, revoked, user removed) answers every request
+    EACCES, which reads as an ordinary permission denial: the log says why
+    (once a minute). A failed commit (flush, fsync) loses what was written
+    since the last one: the log says so. Until stop 48 both went to the
+    debug log only, and a mount whose token had expired logged nothing."""
+    if isinstance(exc, UnauthenticatedError):
+        now = time.monotonic()
+        if now - _credential_logged[0] >= CREDENTIAL_LOG_INTERVAL:
+            _credential_logged[0] = now
+            log.warning("meta refuses this mount's credential: %s; every request fails with EACCES until "
+                        "the file system is mounted again with a valid token", exc)
+    if name in ("flush", "fsync"):
+        log.warning("%s: the commit failed (%s): what was written since the last commit is not published; "
+                    "the application got %s", name, exc, errno.errorcode.get(exc.errno_value, exc.errno_value))
+    else:
+        log.debug("%s: %r", name, exc)
+
+
 def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """TierFS errors become their errno (``TierFSError.errno_value``); anything
     else is logged and answered EIO (never a dead mount)."""
@@ -74,7 +99,7 @@ def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corouti
         except pyfuse3.FUSEError:
             raise
         except TierFSError as exc:
-            log.debug("%s: %r", fn.__name__, exc)
+            _log_refusal(fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno_value) from None
         except OSError as exc:
             log.debug("%s: %r", fn.__name__, exc)
