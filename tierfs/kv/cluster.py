@@ -768,7 +768,9 @@ class ClusterTier:
                     # so, and the call raises (below), as for one key.
                     self.counters.errors += 1
                     if too_small is None:
-                        too_small = InvalidArgumentError(f"KV object {keys[i]!r}: {r}")
+                        # "KV object b'k' of 20480 bytes does not fit ...", not "KV object b'k': KV object of"
+                        said = str(r.message).removeprefix("KV object")
+                        too_small = InvalidArgumentError(f"KV object {keys[i]!r}{said}")
                     continue
                 if isinstance(r, TierFSError):
                     self._failed(orders[i][attempt][0], r)
