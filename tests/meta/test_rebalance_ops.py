@@ -7,7 +7,7 @@ import pytest
 from google.protobuf.message import Message
 
 from tests.meta.meta_helpers import Driver, recs
-from tierfs.errors import InvalidArgumentError, StaleVersionError
+from tierfs.errors import InsufficientTargetsError, InvalidArgumentError, StaleVersionError
 from tierfs.meta.rebalance import plan_top_up, top_up_input
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -189,3 +189,56 @@ def test_failure_domain_line_speaks_of_the_groups_that_hold_data() -> None:
     d.create("/r/f")
     d.write("/r/f", 1 << 20, [0])
     assert d.sm.failure_domain() == "failure domain: rack (3 racks)"
+
+
+def test_top_up_plans_again_when_its_groups_go_stale() -> None:
+    """A Create of a new width races a map change (a `tierfs target rm`, a
+    label, a node coming back): the leader's top-up planned the width's
+    groups at version V, the map moved to V+1 before they were committed,
+    and apply refused them as stale. The top-up gave up after that one
+    round, so the create found no group of its width and failed with
+    "layout replica:2 needs 2 online targets ..., but only 5 node(s) have
+    an online target". It plans again now."""
+    import asyncio
+
+    from tierfs.meta.rebalance import Rebalancer
+
+    d = Driver()
+    d.leader = False
+    d.register(5, 1)
+    node = sorted(d.sm.nodes)[0]
+    raced = []
+
+    async def submit(kind: str, req: object, reply_cls: type) -> object:
+        assert isinstance(req, Message)
+        if kind == "add_groups" and len(raced) < 3:  # another commit lands first, three times
+            raced.append(req)
+            d.do("label_node", pb.LabelNodeRequest(node_id=node, rack=f"r{len(raced) % 2}"))
+        return d.do(kind, req, reply_cls)
+
+    rb = Rebalancer(lambda: d.sm, submit, lambda: True)
+    done = asyncio.run(rb.top_up(2))
+    assert len(raced) == 3 and done >= 1
+    assert sum(len(g) == 2 for g in d.sm.groups.values()) == 5
+    f = d.create("/f", kind=pb.REDUNDANCY_KIND_REPLICA, data_shards=1, parity_shards=1)
+    assert f.layout.groups
+
+
+def test_a_width_without_groups_is_not_blamed_on_missing_nodes() -> None:
+    """Applied without the leader's groups of a new width (a top-up that
+    never got them committed), a create said it "needs 2 online targets ...,
+    but only 5 node(s) have an online target": a contradiction. It says no
+    group of that width exists yet; too few nodes still reads as before."""
+    from tierfs.meta.state import OP_FORMAT
+
+    d = Driver()
+    d.leader = False
+    d.min_format = OP_FORMAT  # an entry of this release (older ones stop the replica: test_op_format)
+    d.register(5, 1)
+    with pytest.raises(InsufficientTargetsError) as ei:
+        d.create("/f", kind=pb.REDUNDANCY_KIND_REPLICA, data_shards=1, parity_shards=1)
+    msg = str(ei.value)
+    assert "needs 2 online targets" in msg and "no placement group of width 2 exists yet" in msg, msg
+    assert "but only 5" not in msg, msg
+    with pytest.raises(InsufficientTargetsError, match="needs 6 online targets on distinct storage nodes, but only 5"):
+        d.create("/g", kind=pb.REDUNDANCY_KIND_EC, data_shards=4, parity_shards=2)

@@ -52,6 +52,9 @@ log = logging.getLogger("tierfs.meta.rebalance")
 
 #: Groups one AddGroups op carries (its list cap, tierfs.meta.ops).
 GROUPS_PER_OP = MAX_GROUPS_PER_OP
+#: Rounds one top-up plans at most when its ops go stale (the map moved
+#: between planning and commit); the periodic round catches up after that.
+TOP_UP_ROUNDS = 8
 #: Moves one RebalanceMoves op carries.
 MOVES_PER_OP = 1024
 
@@ -186,26 +189,37 @@ class Rebalancer(BackgroundLoop):
 
     # ---- group top-up --------------------------------------------------------
 
-    async def top_up(self, extra_width: int = 0) -> int:
+    async def top_up(self, extra_width: int = 0, rounds: int = TOP_UP_ROUNDS) -> int:
         """Commit the groups every width (and ``extra_width``) lacks; returns
-        how many ops went in. A stale op (the map moved meanwhile) ends the
-        round; the next one plans again."""
+        how many ops went in. A stale op (the map moved meanwhile: a target
+        removed, a node labelled, a heartbeat) ends the round and the next
+        round plans again on the state it finds, up to ``rounds`` rounds.
+        (One round only, until stop 48: a ``Create`` of a new width racing
+        any map change then found no group of its width and failed with
+        "needs 2 online targets ..., but only 5 node(s) have one".)"""
+        done = 0
         async with self._lock:
-            sm = self._state()
-            if extra_width and extra_width in sm.widths and any(len(g) == extra_width for g in sm.groups.values()):
-                extra_width = 0
-            inp = top_up_input(sm, extra_width)
-            if not self._wants_groups(inp):
-                return 0
-            reqs = await asyncio.to_thread(plan_top_up, inp)
-            done = 0
-            for req in reqs:
-                try:
-                    await self._submit("add_groups", req, pb.Empty)
-                except StaleVersionError:
+            for _ in range(rounds):
+                sm = self._state()
+                if extra_width and extra_width in sm.widths and any(
+                        len(g) == extra_width for g in sm.groups.values()):
+                    extra_width = 0
+                inp = top_up_input(sm, extra_width)
+                if not self._wants_groups(inp):
                     break
-                done += 1
-            return done
+                reqs = await asyncio.to_thread(plan_top_up, inp)
+                stale = False
+                for req in reqs:
+                    try:
+                        await self._submit("add_groups", req, pb.Empty)
+                    except StaleVersionError:
+                        stale = True
+                        break
+                    done += 1
+                if not stale:
+                    break
+                log.debug("group top-up planned at map version %d went stale; planning again", inp.map_version)
+        return done
 
     @staticmethod
     def _wants_groups(inp: TopUpInput) -> bool:

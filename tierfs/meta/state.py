@@ -1230,6 +1230,17 @@ class MetaStateMachine(Tracked):
                 f"layout {red}: no placement group of width {w} has {need} or more members online (the most "
                 f"is {max(online.values())}: too many storage nodes are down for a new file to be written "
                 f"safely); bring nodes back, or replace the dead ones (`tierfs target rm`)")
+        if not healthy and not online and distinct_nodes(self._eligible()) >= w:
+            # Enough nodes, but no group of this width at all: the leader
+            # plans a new width's groups before its first create and did not
+            # get them committed (they went stale as the map moved, or a
+            # leader of another release wrote this entry). Until stop 48 this
+            # said "needs 2 online targets ..., but only 5 node(s) have one".
+            raise InsufficientTargetsError(
+                f"layout {red} needs {w} online targets on distinct storage nodes; "
+                f"{distinct_nodes(self._eligible())} node(s) have one, but no placement group of width {w} "
+                f"exists yet (the meta leader makes a new width's groups before its first file; the cluster map "
+                f"changed meanwhile): try again in a few seconds")
         if not healthy:
             nodes = distinct_nodes(self._eligible())
             raise InsufficientTargetsError(
