@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +27,7 @@ from tierfs.local import LocalCluster
 from tierfs.net import DataClient
 from tierfs.proto.v1 import meta_pb2 as pb
 from tierfs.storage.api import FragmentKey
+from tierfs.storage.engine import ChunkEngine, _prefix_crcs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,6 +169,70 @@ def test_a_verified_chunk_is_checked_again_once_a_fragment_file_is_replaced(six:
             assert await ac.read_into(path, part, at) == 3000
             assert part == data[at: at + 3000], "the planted fragment's bytes were returned"
             assert ac.corrupt_fragments == 1 and ac.whole_chunk_rereads == 0
+
+    asyncio.run(go())
+
+
+def _forge_on_disk(cl: LocalCluster, info: pb.FileInfo, chunk: int) -> int:
+    """Rewrite, in place and behind the daemons' backs, every fragment file
+    of the chunk's committed generation with other bytes under a header
+    that is right for them (its key, its own CRC32Cs): a file that passes
+    every check a fragment has of itself. Returns how many were rewritten."""
+    gen = next(r.generation for r in info.chunks if r.index == chunk)
+    ino = info.attr.inode
+    files = sorted(cl.dir.glob(f"storage-*/t*/frags/{ino & 0xFF:02x}/{ino:016x}/{chunk:x}.*.{gen:x}"))
+    for f in files:
+        raw = f.read_bytes()
+        hdr_len = int.from_bytes(raw[12:16], "little")
+        size = int.from_bytes(raw[48:56], "little")
+        ino_, chunk_, frag, ver = (int.from_bytes(raw[o:o + 8], "little") for o in (16, 24, 32, 40))
+        payload = bytes(b ^ 0x5A for b in raw[hdr_len:hdr_len + size])
+        prefix = _prefix_crcs(memoryview(payload))
+        hdr = bytearray(hdr_len)
+        ChunkEngine._fill_header(memoryview(hdr), FragmentKey(ino_, chunk_, frag, ver), size,
+                                 prefix[-1] if prefix else 0, prefix)
+        body = bytes(hdr) + payload
+        before = f.stat().st_ctime_ns
+        deadline = time.monotonic() + 10
+        # The same file (inode), rewritten; again until its ctime moves (the
+        # kernel's file times tick every few ms: a rewrite within the tick of
+        # the daemon's last look cannot be told from no rewrite at all).
+        while True:
+            with open(f, "r+b") as fh:
+                fh.write(body + bytes(-len(body) % 4096))
+            if f.stat().st_ctime_ns != before or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+    return len(files)
+
+
+@pytest.mark.parametrize("redundancy", sorted(PARTIAL))
+def test_a_fragment_file_forged_on_disk_after_a_verified_read_is_checked_again(six: LocalCluster,
+                                                                               redundancy: str) -> None:
+    """A long-lived client (a FUSE mount) verified a chunk, then its
+    fragment files were rewritten on disk, not through the daemon, with
+    other bytes and headers right for them. The daemon's serial for a file
+    changed only when it installed one itself, so the client's verdict
+    still covered the forged files and its partial reads returned their
+    bytes (seen through a mount: 6 of 40 ranged reads wrong). A file that
+    changed on disk now gets a new serial: the read is verified again and
+    fails rather than return them."""
+    data = random_bytes(2 * CS, 16)
+    path = f"/forged-on-disk-{redundancy.replace(':', '-')}/f"
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, path, redundancy, data)
+            part = bytearray(3000)
+            for at in (700, 9000, CS - 3000):
+                assert await ac.read_into(path, part, at) == 3000 and part == data[at: at + 3000]
+            assert _forge_on_disk(six, info, 0) == (6 if redundancy.startswith("ec") else 3)
+            for at in (700, 9000, CS - 3000, 20000):
+                try:
+                    n = await ac.read_into(path, part, at)
+                except CorruptError:
+                    continue
+                assert n == 3000 and part == data[at: at + 3000], f"forged bytes returned at {at}"
 
     asyncio.run(go())
 

@@ -174,6 +174,10 @@ class _Entry:
     #: READ and STAT answers carry it, so a client that verified this copy
     #: once knows whether later partial reads still read what it verified.
     serial: int = field(default_factory=lambda: next(_serials))
+    #: (inode, ctime, size) of the file as installed or found: a file changed on
+    #: disk behind the engine's back (rewritten in place, copied or renamed
+    #: over) gets a new serial, so no client's earlier verdict covers it.
+    ident: tuple[int, int, int] | None = None
 
 
 def _parse_header(buf: memoryview, key: FragmentKey, path: Path | str) -> _Header:
@@ -446,8 +450,9 @@ class ChunkEngine:
                     except ValueError:
                         log.warning("target %s: ignoring stray %s", self.target_id, f.path)
                         continue
-                    size = f.stat().st_size
-                    index[key] = _Entry(size)
+                    st = f.stat()
+                    size = st.st_size
+                    index[key] = _Entry(size, ident=(st.st_ino, st.st_ctime_ns, size))
                     used += size
         self._index = index
         self._used = used
@@ -570,6 +575,7 @@ class ChunkEngine:
             raise self._io_error("open", path, exc) from exc
         crc: int | None = None
         try:
+            self._observe(entry, os.fstat(fd))
             if offset == 0 and (length == -1 or (entry.size >= 0 and length >= entry.size)):
                 view, hdr = await self._read_whole(fd, path, key, entry)
                 crc = hdr.crc
@@ -613,8 +619,14 @@ class ChunkEngine:
         entry = self._index.get(key)
         if entry is None:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}")
+        path = self._fpath(key)
+        try:
+            self._observe(entry, os.stat(path))
+        except FileNotFoundError:
+            raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
+        except OSError as exc:
+            raise self._io_error("stat", path, exc) from exc
         if entry.size < 0:
-            path = self._fpath(key)
             try:
                 fd = await self.backend.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -683,6 +695,21 @@ class ChunkEngine:
         self.counters["quarantined"] += 1
         log.error("target %s: quarantined %s: %s", self.target_id, key, reason)
         return True
+
+    def _observe(self, entry: _Entry, st: os.stat_result) -> None:
+        """Note the identity of the file ``entry`` describes; a file that
+        changed since (not through this engine, which installs a new entry
+        for every file it writes) gets a new serial and is parsed again."""
+        ident = (st.st_ino, st.st_ctime_ns, st.st_size)
+        if entry.ident is None:
+            entry.ident = ident
+        elif entry.ident != ident:
+            log.warning("target %s: a fragment file changed on disk behind the engine (inode, ctime, size "
+                        "%s -> %s): served under a new serial", self.target_id, entry.ident, ident)
+            entry.ident = ident
+            if entry.serial:
+                entry.serial = next(_serials)
+            entry.size, entry.crc = -1, 0
 
     def _drop(self, key: FragmentKey) -> None:
         entry = self._index.pop(key, None)
@@ -841,6 +868,11 @@ class ChunkEngine:
             break
         else:
             raise InternalError(f"could not install {path}")
+        # What the file looks like as installed: the writer's client trusts
+        # these bytes under this entry's serial without reading them back.
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            entry.ident = (st.st_ino, st.st_ctime_ns, st.st_size)
         old = self._index.get(key)
         if old is not None:
             # Until the new entry is indexed, a read may open the new file
