@@ -109,3 +109,62 @@ def test_corrupt_replica_refuses_then_resyncs_from_peers(tmp_path: Path) -> None
         asyncio.run(_mkdirs(c.addresses, ["/c"]))
         assert c.wait_converged(timeout=60) != digest
         wait_for(lambda: c.status(victim).raft.ready, 30, "the recovered replica to be ready")
+
+
+async def _force_snapshot(addr: str) -> None:
+    async with MetaClient([addr], deadline=30.0) as mc:
+        await mc.force_snapshot(addr=addr)
+
+
+@pytest.mark.timeout(180)
+def test_a_compacted_journal_without_its_snapshot_refuses_then_resyncs(tmp_path: Path) -> None:
+    """A replica whose journal was compacted into a snapshot, and whose
+    snapshot.bin is then lost, must not start: its journal begins thousands
+    of entries in, so it replayed nothing, sat at the empty namespace with a
+    log that looked up to date (applied index 1 for ever, its digest apart
+    from the others', `tierfs status` healthy) and could be elected."""
+    with MetaCluster(tmp_path, 3, state_machine="meta") as c:
+        c.wait_leader()
+        asyncio.run(_mkdirs(c.addresses, [f"/a{i}" for i in range(20)]))
+        c.wait_converged()
+        victim = next(i for i in range(3) if i != c.leader())
+        asyncio.run(_force_snapshot(c.addresses[victim]))
+        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 30, "the victim's snapshot")
+        asyncio.run(_mkdirs(c.addresses, ["/after-snapshot"]))
+        c.wait_converged()
+        c.stop(victim)
+        snap = c.replicas[victim].data_dir / "snapshot.bin"
+        assert snap.exists()
+        snap.unlink()
+
+        with pytest.raises(AssertionError, match="exited"):
+            c.start(victim, timeout=30)
+        c.stop(victim)  # reap the exited process
+        log = c.log(victim)
+        assert "folded into a snapshot that is gone" in log and "--journal-recovery resync" in log, log[-2000:]
+
+        c.replicas[victim].extra_args = ["--journal-recovery", "resync"]
+        c.start(victim)
+        c.wait_converged(timeout=60)
+        aside = [p for p in c.replicas[victim].data_dir.iterdir() if p.name.startswith("corrupt-")]
+        assert len(aside) == 1 and (aside[0] / DurableJournal.FILE).exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_corrupt_snapshot_names_the_way_to_recover(tmp_path: Path) -> None:
+    with MetaCluster(tmp_path, 3, state_machine="meta") as c:
+        c.wait_leader()
+        asyncio.run(_mkdirs(c.addresses, [f"/a{i}" for i in range(5)]))
+        victim = next(i for i in range(3) if i != c.leader())
+        asyncio.run(_force_snapshot(c.addresses[victim]))
+        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 30, "the victim's snapshot")
+        c.stop(victim)
+        snap = c.replicas[victim].data_dir / "snapshot.bin"
+        data = bytearray(snap.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        snap.write_bytes(bytes(data))
+        with pytest.raises(AssertionError, match="exited"):
+            c.start(victim, timeout=30)
+        c.stop(victim)
+        log = c.log(victim)
+        assert "snapshot checksum mismatch" in log and "--journal-recovery resync" in log, log[-2000:]

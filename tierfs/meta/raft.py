@@ -901,8 +901,15 @@ class RaftReplicator:
         anchor = None
         try:
             if snap_path.exists():
-                anchor = read_snapshot(snap_path).anchor
+                try:
+                    anchor = read_snapshot(snap_path).anchor
+                except CorruptError as exc:
+                    raise CorruptError(
+                        f"{exc.message}. Refusing to start: the snapshot holds the state the journal was "
+                        f"compacted into. To rebuild this replica from its peers, start it once with "
+                        f"--journal-recovery resync (docs/raft.md, \"Journal corruption\").") from exc
             self._journal = DurableJournal(self._dir, fsync=self._fsync, anchor=anchor)
+            self._check_journal_start(snap_path, anchor)
         except CorruptError as exc:
             if self._journal_recovery != "resync":
                 raise
@@ -938,6 +945,30 @@ class RaftReplicator:
         log.info("raft replica %s started (raft %s, grpc %s, configured peers %s; membership changes in the "
                  "journal apply on top)", self.node_id, self._raft_addr, self._grpc_addr,
                  ", ".join(others) or "none")
+
+    def _check_journal_start(self, snap_path: Path, anchor: tuple[int, int, int, int] | None) -> None:
+        """A compacted journal starts where its snapshot ends (pysyncobj keeps
+        the snapshot's last two entries in the log). One that starts later
+        than the snapshot it needs (none: entry 1) misses every entry between:
+        replayed, it would leave the state at the empty namespace (or an old
+        snapshot's) while the log claims to be up to date, and this replica
+        would never apply another entry, nor be sent a snapshot."""
+        journal = self.journal
+        if not len(journal):
+            return
+        first = int(journal[0][1])
+        covered = anchor[2] + 1 if anchor is not None else 1
+        if first <= covered:
+            return
+        self._journal = None
+        journal.close()
+        what = (f"the snapshot {snap_path} ends at entry {anchor[2]}" if anchor is not None
+                else f"there is no snapshot ({snap_path} is missing)")
+        raise CorruptError(
+            f"raft journal {journal.path} starts at entry {first} but {what}: entries before {first} were "
+            f"folded into a snapshot that is gone. Refusing to start, since this replica would serve "
+            f"a namespace without them. To rebuild it from its peers, start it once with "
+            f"--journal-recovery resync (docs/raft.md, \"Journal corruption\").")
 
     def _move_aside(self, exc: CorruptError) -> Path:
         """Move the journal and snapshot into ``corrupt-<time>/`` in the data
