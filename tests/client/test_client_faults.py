@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.client.test_generations import _holder
+from tests.client.test_generations import _holder, _name
 from tests.client.util import digest, random_bytes, start_cluster
 from tierfs.client import AsyncClient, Client
 from tierfs.errors import BusyError, InsufficientTargetsError, TierFSError, UnavailableError
@@ -159,6 +159,34 @@ def test_stalled_storage_daemon_is_read_around(own_cluster: LocalCluster) -> Non
         finally:
             os.kill(pid, signal.SIGCONT)
         assert elapsed < 20, elapsed  # one timeout, not one per chunk
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_copy_is_hedged_when_every_copy_failed_just_now(own_cluster: LocalCluster) -> None:
+    """Every copy of a replica:3 chunk failed a request within failed_ttl
+    (the whole cluster stalled a moment ago), and the node of the copy read
+    first stalls again: the read hedges to another copy after the hedge
+    delay. Until stop 49 it hedged only to copies not failed just now, so
+    it waited the whole request timeout (10 s through a FUSE mount)."""
+    cl = own_cluster
+    data = random_bytes(MiB, seed=77)
+    with Client(cl.meta_addrs, request_timeout=10.0, connect_timeout=1.0, hedge_after=0.2) as client:
+        client.mkdir("/r3")
+        client.set_layout("/r3", redundancy="replica:3", chunk_size=MiB)
+        client.write_bytes("/r3/f", data)
+        assert digest(client.read_bytes("/r3/f")) == digest(data)  # connections open
+        victim = _name(cl, client._run(_holder(client.aclient, "/r3/f", 0, 0)))  # chunk 0 reads copy 0 first
+        router = client.aclient._parts()[2]
+        pid = cl.proc(victim).pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for t in list(router.state):
+                router.mark_failed(t, factor=10.0)
+            before = client.aclient.hedged
+            assert digest(client.read_bytes("/r3/f")) == digest(data)
+            assert client.aclient.hedged > before  # not the 10 s request timeout
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.timeout(150)

@@ -1461,7 +1461,14 @@ class AsyncClient:
                 if j in perm:
                     continue
                 key = FragmentKey(view.inode, idx, j, ver)
-                others = any(x not in perm and router.usable(targets[x]) for x in order[i + 1:])
+                # A copy left to hedge to: a usable one; or, when this copy
+                # is itself one that failed or lagged just now, any other
+                # not given up in this read (until stop 49, with every copy
+                # failed within failed_ttl, say after a stall of the whole
+                # cluster, no copy was hedged: a read waited the whole
+                # request timeout on a node that had stalled again).
+                mine = router.usable(targets[j])
+                others = any(x not in perm and (router.usable(targets[x]) or not mine) for x in order[i + 1:])
                 crcs: list[int] = []
                 # A partial read: the copy's stored length and CRC32C, asked
                 # alongside, stand in for the whole copy's, as for an EC
