@@ -852,20 +852,43 @@ class Repairer:
             after = reply.next_inode
 
     async def fill(self, group_id: int, target_id: int, prog: GroupProgress | None = None,
-                   chunks: Iterable[tuple[int, int, int]] | None = None) -> tuple[int, list[str]]:
+                   chunks: Iterable[tuple[int, int, int]] | None = None, *,
+                   recheck: bool = False) -> tuple[int, list[str]]:
         """Rebuild every committed chunk's fragment of ``group_id`` that
         ``target_id`` (ours) lacks, or holds at a position the chunk's record
         lists as missing (then reported done). Returns (fragments restored,
-        errors)."""
+        errors).
+
+        ``recheck``: a second pass over a group ``prog`` already counted
+        (see :meth:`_rebuild_group`): its chunks done so far stay done, so
+        the progress shown never goes back (until stop 49 it restarted at
+        0 of the total while keeping the bytes written: "0/34 chunks,
+        4.1 MiB written" for a copy nearly finished). Without it the
+        counts start at 0, the bytes too."""
         eng = self.engines.get(target_id)
         members = self.groups.get(group_id)
         if eng is None or members is None or target_id not in members:
             return 0, [f"target {target_id} is not ours or not in group {group_id}"]
         j = members.index(target_id)
         todo = list(chunks) if chunks is not None else await self.group_chunks(group_id)
+        base = 0
         if prog is not None:
-            prog.total = len(todo)
-            prog.done = 0
+            if recheck:
+                # Every chunk of this pass counted again from 0, shown as the
+                # larger of that and what the first pass finished: never back.
+                base = prog.done
+                prog.total = max(prog.total, len(todo))
+            else:  # a round's first pass (after a failed round too): counted afresh, bytes included
+                prog.total, prog.bytes = len(todo), 0
+            prog.done = base
+        counted = 0
+
+        def count(n: int = 0) -> None:
+            nonlocal counted
+            counted += 1
+            if prog is not None:
+                prog.done = max(base, counted)
+                prog.bytes += n
         files: dict[int, _File | None] = {}
         await self.load_files((c[0] for c in todo), files)
         errors: list[str] = []
@@ -882,8 +905,7 @@ class Repairer:
                 rec = f.committed(key) if f is not None else None
                 if f is None or rec is None or (key in eng and j not in rec.missing):
                     # Present, or deleted or overwritten since the listing.
-                    if prog is not None:
-                        prog.done += 1
+                    count()
                     return
                 try:
                     n, _ = await self.restore(eng, key, f, members, source=source if self.readable(source) else 0)
@@ -896,9 +918,7 @@ class Repairer:
                 restored += 1
                 self.counters["fragments_rebuilt"] += 1
                 self.counters["bytes_rebuilt"] += n
-                if prog is not None:
-                    prog.done += 1
-                    prog.bytes += n
+                count(n)
 
         await asyncio.gather(*(one(*c) for c in todo))
         if listed:
@@ -931,7 +951,7 @@ class Repairer:
                 # Once more: chunks committed while the first pass ran (a
                 # writer with an older map may have sent this position's
                 # fragment to the replaced member). Present ones cost one stat per file.
-                _, errors = await self.fill(gid, tid, prog)
+                _, errors = await self.fill(gid, tid, prog, recheck=True)
         except TierFSError as exc:
             errors = [f"listing: {exc}"]
         if errors:
