@@ -309,6 +309,26 @@ def test_mkdir_and_rm_take_several_paths_and_go_on_past_a_failure(cli: Run) -> N
     assert rc == 1 and "standard input" in err
 
 
+@pytest.mark.timeout(120)
+def test_a_cluster_without_a_meta_leader_says_so(tmp_path: Path) -> None:
+    """Two of three meta replicas down: `tierfs ls` says the one that
+    answers knows no leader. Until stop 49 it gave the last refused
+    connection and asked "is the cluster running?"."""
+    cl = LocalCluster(tmp_path / "c", n_meta=3, n_storage=1)
+    cl.up(timeout=90)
+    try:
+        survivor = cl.meta_addrs[0]
+        for name in ("meta-1", "meta-2"):
+            cl.kill(name)
+        r = _cli("ls", "/", "--meta", ",".join(cl.meta_addrs), "--token-file", str(cl.dir / "admin.token"),
+                 "--timeout", "4", cwd=tmp_path)
+        assert r.returncode == 1, r
+        assert f"no meta leader: {survivor} answers, but knows no leader that answers" in r.stderr, r.stderr
+        assert "is the cluster running" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        cl.stop()
+
+
 @pytest.mark.timeout(60)
 def test_unreachable_cluster_and_no_address(tmp_path: Path) -> None:
     import socket

@@ -793,7 +793,7 @@ _TLS_REFUSALS = ("; TLS handshake failed: ", "; the server closed the connection
 
 def _hint(exc: TierFSError) -> str:
     if (isinstance(exc, UnavailableError) and "unreachable" in str(exc)
-            and not any(m in str(exc) for m in _TLS_REFUSALS)):
+            and not any(m in str(exc) for m in _TLS_REFUSALS) and "no meta leader" not in str(exc)):
         return ("\n  is the cluster running? `tierfs up` starts a local one; "
                 "check --meta / TIERFS_META and `tierfs status`")
     return ""

@@ -332,12 +332,28 @@ class MetaClient:
         loop = asyncio.get_running_loop()
         target = addr or self._leader
         tried: list[str] = []
+        # Replicas that answered "not the leader" (with the leader they
+        # named), and those that did not answer, in this call: for its error.
+        not_leader: dict[str, str] = {}
+        down: set[str] = set()
         last = ""
         delay = self._backoff[0]
         hops = 0
         while True:
             remaining = end - loop.time()
             if remaining <= 0:
+                leaderless = [t for t, hint in not_leader.items()
+                              if not hint or hint in down or self._is_unreachable(hint)]
+                if leaderless:
+                    # A replica answered, but knows no leader: that is the
+                    # news, not the refused connection of the one asked last.
+                    raise UnavailableError(
+                        f"cluster unreachable: no meta leader: {', '.join(leaderless)} answer"
+                        f"{'s' if len(leaderless) == 1 else ''}, but know{'s' if len(leaderless) == 1 else ''} no "
+                        f"leader that answers (a leader needs a majority of the meta replicas up and in touch; `tierfs status` "
+                        f"shows which answer); tried {', '.join(tried)}"
+                        + (f" (last error: {last}{unreachable_hint(last, self.tls)})"
+                           if last and not last.startswith("not the leader") else ""))
                 raise UnavailableError(f"cluster unreachable: tried {', '.join(tried) or target}"
                                        + (f" (last error: {last}{unreachable_hint(last, self.tls)})"
                                           if last else ""))
@@ -358,6 +374,7 @@ class MetaClient:
                 err = from_grpc(exc)
             if isinstance(err, NotLeaderError) and addr is None:
                 last = str(err)
+                not_leader[target] = err.leader
                 if err.leader and err.leader != target and hops < 2 * len(self.addrs) + 2 \
                         and not self._is_unreachable(err.leader):
                     # Follow the hint at once; bounded so two replicas that
@@ -369,6 +386,12 @@ class MetaClient:
                     continue
                 target = self._next(target)
             elif isinstance(err, (UnavailableError, TimeoutError_)):
+                if isinstance(err, UnavailableError) or target not in not_leader:
+                    # (a replica that said "not the leader" and then held a
+                    # call past its attempt's time waits for a leader: it is
+                    # up, and its answer stands)
+                    down.add(target)
+                    not_leader.pop(target, None)
                 cut_short = isinstance(err, TimeoutError_) and remaining < full
                 if not (last and cut_short):
                     # An attempt that the call's own deadline cut short and
