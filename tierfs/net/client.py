@@ -377,6 +377,11 @@ class _ClientConnection(FrameProtocol):
                 if not p.fut.done():
                     self._abandon(rid, p)
                     p.fut.cancel()  # else a later connection loss sets an exception nobody retrieves
+                elif not p.fut.cancelled():
+                    # Failed as this caller was cancelled (the connection
+                    # lost in the same turn of the loop): retrieved here, or
+                    # asyncio reports "Future exception was never retrieved".
+                    p.fut.exception()
             raise
         results: list[Header | TierFSError] = []
         for rid, p in sent:
