@@ -396,6 +396,39 @@ def test_scrub_quarantines_what_reads_found_corrupt(
     _run(make_backend, pool, tmp_path, second)
 
 
+@pytest.mark.timeout(30)
+def test_a_directory_where_a_fragment_was_is_corrupt_and_quarantined(
+    make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path
+) -> None:
+    """Something other than a file where a fragment's file was (a new
+    user's `rm F && mkdir F`): reads and stats say corrupt, scrub moves it to
+    quarantine, and the key reads as missing (repair rebuilds it). Until stop
+    49 every read and every scrub was an InternalError ("Is a directory") and
+    the fragment was never rebuilt."""
+    key = FragmentKey(14, 0, 0, 1)
+    data = _data(20_000, 14)
+
+    async def body(eng: ChunkEngine) -> None:
+        await _put(eng, key, data)
+        path = fragment_path(tmp_path, key)
+        os.unlink(path)
+        os.mkdir(path)
+        with pytest.raises(CorruptError, match="not a regular file"):
+            await eng.read(key)
+        with pytest.raises(CorruptError, match="not a regular file"):
+            await eng.read(key, 100, 10)
+        with pytest.raises(CorruptError, match="not a regular file"):
+            await eng.stat(key)
+        await eng.scrub_one(key)
+        assert key not in eng and eng.counters["quarantined"] == 1 and not path.exists()
+        with pytest.raises(NotFoundError):
+            await eng.read(key)
+        await _put(eng, key, data)  # repair writes it back
+        assert await _get(eng, key) == data
+
+    _run(make_backend, pool, tmp_path, body)
+
+
 @pytest.mark.timeout(60)
 def test_multi_page_header_after_restart(
     make_backend: Callable[..., IOBackend], pool: BufferPool, tmp_path: Path

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -572,10 +573,17 @@ class ChunkEngine:
         except FileNotFoundError:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
         except OSError as exc:
+            try:
+                st: os.stat_result | None = os.stat(path)
+            except OSError:
+                st = None
+            if st is not None and not stat.S_ISREG(st.st_mode):  # a backend that cannot open it at all
+                self._suspects.add(key)
+                self._regular(st, key, path)
             raise self._io_error("open", path, exc) from exc
         crc: int | None = None
         try:
-            self._observe(entry, os.fstat(fd))
+            self._observe(entry, self._regular(os.fstat(fd), key, path))
             if offset == 0 and (length == -1 or (entry.size >= 0 and length >= entry.size)):
                 view, hdr = await self._read_whole(fd, path, key, entry)
                 crc = hdr.crc
@@ -621,11 +629,16 @@ class ChunkEngine:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}")
         path = self._fpath(key)
         try:
-            self._observe(entry, os.stat(path))
+            st = os.stat(path)
         except FileNotFoundError:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
         except OSError as exc:
             raise self._io_error("stat", path, exc) from exc
+        try:
+            self._observe(entry, self._regular(st, key, path))  # (CorruptError is an OSError: not above)
+        except CorruptError:
+            self._suspects.add(key)
+            raise
         if entry.size < 0:
             try:
                 fd = await self.backend.open(path, os.O_RDONLY)
@@ -695,6 +708,16 @@ class ChunkEngine:
         self.counters["quarantined"] += 1
         log.error("target %s: quarantined %s: %s", self.target_id, key, reason)
         return True
+
+    def _regular(self, st: os.stat_result, key: FragmentKey, path: Path | str) -> os.stat_result:
+        """``st``, when it is a regular file's; else CorruptError: something
+        else (a directory, a device) stands where the fragment's file was,
+        which scrub moves to quarantine and repair rebuilds (until stop 49 it
+        was an InternalError for ever: "Is a directory")."""
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptError(f"fragment {key} on target {self.target_id}: {path} is not a regular file "
+                               f"(mode {st.st_mode:#o})")
+        return st
 
     def _observe(self, entry: _Entry, st: os.stat_result) -> None:
         """Note the identity of the file ``entry`` describes; a file that
