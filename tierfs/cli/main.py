@@ -279,9 +279,9 @@ def render_status(st: dict[str, Any]) -> str:
                        f"{human_size(rb['bytes'])} written" + (f" ({rb['error']})" if rb.get("error") else "")
                        + (f"; target(s) {dark}: node does not answer" if dark else ""))
     if st.get("rebalance"):
-        from tierfs.cli.rebalance import rebalance_line
+        from tierfs.cli.rebalance import rebalance_line, stuck_lines
 
-        out += [rebalance_line(st["rebalance"]), st["rebalance"]["failure_domain"]]
+        out += [rebalance_line(st["rebalance"]), *stuck_lines(st["rebalance"]), st["rebalance"]["failure_domain"]]
     if st.get("kv_leases"):
         out.append(kv_lease_line(st["kv_leases"]))
     if "kv_pools" in st:

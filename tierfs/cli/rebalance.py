@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["add_commands", "execute", "label_node", "rebalance_line", "rebalance_status", "render_rebalance"]
+__all__ = ["add_commands", "execute", "label_node", "rebalance_line", "rebalance_status", "render_rebalance", "stuck_lines"]
 
 
 async def rebalance_status(meta: Sequence[str], *, timeout: float = 10.0) -> dict[str, Any]:
@@ -34,6 +34,9 @@ def status_dict(st: Any) -> dict[str, Any]:
         "failure_domain": st.failure_domain, "rule_violations": st.rule_violations,
         "done": st.moves_planned == 0 and st.moves_in_flight == 0,
         "last_error": st.last_error,
+        "stuck": [{"group": m.group_id, "old_target": m.old_target, "new_target": m.new_target,
+                   "new_node": m.new_node, "reason": m.reason}
+                  for m in st.stuck],
     }
 
 
@@ -44,10 +47,13 @@ def rebalance_line(r: dict[str, Any]) -> str:
     # "balanced" only inside the rebalancer's default band (±10% by bytes):
     # with nothing planned above it (few groups, too few nodes for the
     # rule, a drain since the last round) it said "balanced" at 1.28.
-    state = "off" if not r["enabled"] else "moving" if not r["done"] else (
+    stuck = r.get("stuck") or []
+    state = "off" if not r["enabled"] else (
+        "stuck" if stuck and len(stuck) >= r["moves_in_flight"] else "moving") if not r["done"] else (
         "balanced" if r["balance_max_over_mean"] <= BALANCED_MAX_OVER_MEAN else
         f"idle, not balanced (nothing planned; max/mean above {BALANCED_MAX_OVER_MEAN:.2f})")
-    return (f"rebalance: {state} ({r['moves_in_flight']} moving, {r['moves_planned']} planned, "
+    return (f"rebalance: {state} ({r['moves_in_flight']} moving"
+            + (f" of which {len(stuck)} cannot go on" if stuck else "") + f", {r['moves_planned']} planned, "
             f"{r['moves_done']} done; {human_size(r['bytes_moved'])} moved, {human_size(r['bytes_to_move'])} to "
             f"move; max/mean {_ratio(r['balance_max_over_mean'])} over {r['targets']} targets)")
 
@@ -58,8 +64,22 @@ def _ratio(x: float) -> str:
     return f"{x:.3f}" if abs(x - BALANCED_MAX_OVER_MEAN) < 0.005 else f"{x:.2f}"
 
 
+def stuck_lines(r: dict[str, Any]) -> list[str]:
+    """One line per move in flight that cannot go on (its new member is
+    full or down); the rebalance line alone said only "moving"."""
+    out = []
+    for m in r.get("stuck") or []:
+        drain = f"drain its node (`tierfs node drain {m['new_node']}`) to copy it elsewhere"
+        what = (f"free space on target {m['new_target']} (the copy resumes), or {drain}" if "full" in m["reason"]
+                else f"bring it back, or {drain}; once down for replace_after it is replaced and the copy goes on "
+                     f"to its replacement")
+        out.append(f"  move of group {m['group']} (target {m['old_target']} -> {m['new_target']}) cannot go on: "
+                   f"{m['reason']}; target {m['old_target']} still serves it. {what[0].upper()}{what[1:]}")
+    return out
+
+
 def render_rebalance(r: dict[str, Any]) -> str:
-    lines = [rebalance_line(r), r["failure_domain"]]
+    lines = [rebalance_line(r), *stuck_lines(r), r["failure_domain"]]
     if r["rule_violations"]:
         lines.append(f"groups breaking the rack rule: {r['rule_violations']} (being moved)")
     if r["last_error"]:

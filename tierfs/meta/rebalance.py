@@ -323,7 +323,9 @@ class Rebalancer(BackgroundLoop):
             moves_done=sm.moves_done, bytes_to_move=sum(gb.get(m.group, 0) for m in planned) + in_flight,
             bytes_moved=sm.bytes_moved, balance_max_over_mean=ratio, bytes_max=mx, bytes_mean=mean,
             targets=len(eligible), racks=sm.eligible_domains(), failure_domain=sm.failure_domain(),
-            last_error=self._p.last_error, rule_violations=sm.rule_violations())
+            last_error=self._p.last_error, rule_violations=sm.rule_violations(),
+            stuck=[pb.StuckMove(group_id=g, old_target=o, new_target=n, new_node=node, reason=why)
+                   for g, o, n, node, why in sm.stuck_moves()])
 
     def _export(self) -> None:
         st = self.status()

@@ -1172,6 +1172,32 @@ class MetaStateMachine(Tracked):
                 bad += 1
         return bad
 
+    def stuck_moves(self) -> list[tuple[int, int, int, int, str]]:
+        """Moves in flight whose copy cannot go on now, as (group, old
+        member, new member, its node, why): the new member is full (read-only: its
+        rebuild writes are refused) or down. The old member still serves
+        the position, so nothing is lost; the group stays ``rebuilding``
+        until the new member has room again (or is down long enough to be
+        replaced: the replacement inherits the copy). What
+        ``tierfs rebalance status`` and ``tierfs status`` name."""
+        out = []
+        for gid in sorted(self.moving):
+            new, old, _ = self.moving[gid]
+            t = self.targets.get(new)
+            if t is None:
+                continue
+            state = self._target_state(t)
+            if state == pb.TARGET_STATE_READ_ONLY:
+                why = f"destination target {new} is full (read-only)"
+            elif state == OFFLINE:
+                why = f"destination target {new} is down"
+            elif state == pb.TARGET_STATE_FAILED:
+                why = f"destination target {new} has failed"
+            else:
+                continue
+            out.append((gid, old, new, t.node, why))
+        return out
+
     def failure_domain(self) -> str:
         """The ``tierfs status`` sentence (tierfs.meta.domains.domain_line)."""
         eligible = self._eligible()

@@ -2309,6 +2309,7 @@ class RebalanceStatus(_message.Message):
     FAILURE_DOMAIN_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     RULE_VIOLATIONS_FIELD_NUMBER: _builtins.int
+    STUCK_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     moves_planned: _builtins.int
     """planned, not submitted yet"""
@@ -2331,6 +2332,12 @@ class RebalanceStatus(_message.Message):
     last_error: _builtins.str
     rule_violations: _builtins.int
     """groups with more members in one rack than the rule allows"""
+    @_builtins.property
+    def stuck(self) -> _containers.RepeatedCompositeFieldContainer[Global___StuckMove]:
+        """Moves in flight whose copy cannot go on now: the new member is full
+        (read-only) or down. The old member still serves the position.
+        """
+
     def __init__(
         self,
         *,
@@ -2348,14 +2355,48 @@ class RebalanceStatus(_message.Message):
         failure_domain: _builtins.str = ...,
         last_error: _builtins.str = ...,
         rule_violations: _builtins.int = ...,
+        stuck: _abc.Iterable[Global___StuckMove] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance_max_over_mean", b"balance_max_over_mean", "bytes_max", b"bytes_max", "bytes_mean", b"bytes_mean", "bytes_moved", b"bytes_moved", "bytes_to_move", b"bytes_to_move", "enabled", b"enabled", "failure_domain", b"failure_domain", "last_error", b"last_error", "moves_done", b"moves_done", "moves_in_flight", b"moves_in_flight", "moves_planned", b"moves_planned", "racks", b"racks", "rule_violations", b"rule_violations", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance_max_over_mean", b"balance_max_over_mean", "bytes_max", b"bytes_max", "bytes_mean", b"bytes_mean", "bytes_moved", b"bytes_moved", "bytes_to_move", b"bytes_to_move", "enabled", b"enabled", "failure_domain", b"failure_domain", "last_error", b"last_error", "moves_done", b"moves_done", "moves_in_flight", b"moves_in_flight", "moves_planned", b"moves_planned", "racks", b"racks", "rule_violations", b"rule_violations", "stuck", b"stuck", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RebalanceStatus: _TypeAlias = RebalanceStatus  # noqa: Y015
+
+@_typing.final
+class StuckMove(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    OLD_TARGET_FIELD_NUMBER: _builtins.int
+    NEW_TARGET_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    NEW_NODE_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.int
+    old_target: _builtins.int
+    new_target: _builtins.int
+    reason: _builtins.str
+    """"destination target 5 is full (read-only)" """
+    new_node: _builtins.int
+    """the storage node holding new_target"""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.int = ...,
+        old_target: _builtins.int = ...,
+        new_target: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        new_node: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "new_node", b"new_node", "new_target", b"new_target", "old_target", b"old_target", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StuckMove: _TypeAlias = StuckMove  # noqa: Y015
 
 @_typing.final
 class ReplaceReply(_message.Message):

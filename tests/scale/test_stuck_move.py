@@ -1,0 +1,133 @@
+"""A rebalance move whose new member fills up, on real daemons: 4 storage
+nodes with 9 MiB of ec:2+1 fragments grow to 5, the new node's only target
+on a 768 KiB tmpfs (no reserve, ``min_free`` 128 KiB: online when it
+starts); the rebalancer moves groups onto it (816 KiB of fragment files
+each), the copies run out of room, the target turns read-only, and no move
+can finish.
+
+What it proves: ``GetRebalanceStatus`` names each such move and why
+("destination target T is full (read-only)"), and ``tierfs rebalance
+status`` and ``tierfs status`` print it (before, both said only "moving (2
+moving, 0 planned, ...)" for ever, with no error). Draining the full node,
+the way out the message gives, moves the copies elsewhere: the moves
+finish and every file reads back byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import wait_for
+from tests.repair.util import random_bytes, start
+from tierfs.cli.main import run
+from tierfs.client import AsyncClient
+from tierfs.local import LocalCluster
+from tierfs.meta import MetaClient
+from tierfs.proto.v1 import meta_pb2 as pb
+
+KiB = 1024
+CHUNK = 128 * KiB
+META = ("--heartbeat-timeout=1.5", "--replace-after=30", "--tick-interval=0.2", "--rebalance=true",
+        "--rebalance-interval=0.5", "--rebalance-max-moving=4")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[LocalCluster, list[Path]]]:
+    cl = start(tmp_path / "c", n_storage=4, meta_args=META)
+    mounts: list[Path] = []
+    try:
+        yield cl, mounts
+    finally:
+        cl.stop()
+        for m in mounts:
+            subprocess.run(["umount", str(m)], capture_output=True, timeout=30)
+
+
+def cli(meta: list[str], *args: str, ok: tuple[int, ...] = (0,)) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    rc = run([*args, "--meta", ",".join(meta)], stdout=out, stderr=err,
+             env={"TIERFS_TOKEN": os.environ["TIERFS_TOKEN"]}, tty=False)
+    assert rc in ok, (rc, out.getvalue(), err.getvalue())
+    return out.getvalue()
+
+
+async def rebalance_status(meta: list[str]) -> pb.RebalanceStatus:
+    async with MetaClient(meta, deadline=10) as mc:
+        return await mc.rebalance_status()
+
+
+@pytest.mark.timeout(300)
+def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
+        cluster: tuple[LocalCluster, list[Path]]) -> None:
+    cl, mounts = cluster
+    meta = list(cl.meta_addrs)
+    files = {f"/d/f{i}": random_bytes(4 * CHUNK, i) for i in range(12)}
+
+    async def write() -> None:
+        async with AsyncClient(meta) as c:
+            await c.mkdir("/d", exist_ok=True)
+            await c.set_layout("/d", chunk_size=CHUNK, redundancy="ec:2+1")
+            for path, data in files.items():
+                await c.write_bytes(path, data)
+
+    asyncio.run(write())
+    (name,) = cl.grow(5)
+    p = cl.proc(name)
+    target = Path(next(a.split("=", 1)[1] for a in p.argv if a.startswith("--target=")))
+    target.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(target)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"tmpfs mount not permitted here: {r.stderr.strip()}")
+    mounts.append(target)
+    p.argv += ["--reserved-bytes=0", "--min-free=128KiB"]
+    cl.start(timeout=60)
+
+    last: list[pb.RebalanceStatus] = []
+
+    def stuck() -> pb.RebalanceStatus | None:
+        st = asyncio.run(rebalance_status(meta))
+        last[:] = [st]
+        return st if st.stuck and len(st.stuck) == st.moves_in_flight else None
+
+    try:
+        st = wait_for(stuck, timeout=120, what="a move onto the full target reported stuck", interval=0.5)
+    except TimeoutError:
+        print(last, cli(meta, "status", ok=(0, 3)), subprocess.run(["df", str(target)], capture_output=True,
+              text=True).stdout)
+        raise
+    full = {m.new_target for m in st.stuck}
+    assert len(full) == 1, st
+    (tid,) = full
+    for m in st.stuck:
+        assert m.reason == f"destination target {tid} is full (read-only)", st
+        assert m.old_target != tid and m.new_node, st
+    text = cli(meta, "rebalance", "status")
+    assert text.startswith("rebalance: stuck ("), text
+    assert f"cannot go on: destination target {tid} is full (read-only)" in text, text
+    node = st.stuck[0].new_node
+    assert f"tierfs node drain {node}" in text, text
+    assert f"destination target {tid} is full (read-only)" in cli(meta, "status", ok=(0, 3))  # 3: degraded
+
+    # The way out the message gives: drain the full node; its members are
+    # replaced and the copies go on to the replacements, from the old members.
+    cli(meta, "node", "drain", str(node))
+
+    def finished() -> bool:
+        s = asyncio.run(rebalance_status(meta))
+        return not s.moves_in_flight and not s.stuck
+
+    wait_for(finished, timeout=120, what="the moves finished after the drain", interval=0.5)
+
+    async def check() -> None:
+        async with AsyncClient(meta) as c:
+            for path, data in files.items():
+                assert await c.read_bytes(path) == data, path
+
+    asyncio.run(check())
