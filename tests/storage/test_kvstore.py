@@ -548,6 +548,57 @@ def test_bit_flip_is_a_miss(tmp_path: Path, pool: BufferPool, memory: int) -> No
     run(tmp_path, pool, [spec], second)
 
 
+@pytest.mark.timeout(60)
+def test_a_directory_where_an_object_was_is_corrupt_and_dropped(
+        tmp_path: Path, pool: BufferPool, make_backend: Callable[..., IOBackend]) -> None:
+    """Something other than a file where an object's file was (a new user's
+    `rm F && mkdir F`): a get is a miss that counts it corrupt and drops it
+    (the directory goes, with what it holds), like an object failing its
+    CRC; a fresh put of the key works again. Found at open, it is torn and
+    dropped, and the store opens. Before, every get was an InternalError
+    ("Is a directory") and the entry was never dropped; at open the unlink
+    failed and the store did not open at all."""
+    spec = disk_pool(2, memory=0)
+
+    async def first(s: KVStore) -> None:
+        for k in (b"victim", b"fine", b"later"):
+            assert await put(s, 2, k, pattern(k, 50_000))
+
+    def to_dir(key: bytes) -> Path:
+        f = next(f for f in object_files(tmp_path, 2) if key in f.read_bytes()[:HEADER_BYTES])
+        f.unlink()
+        f.mkdir()
+        (f / "inside").write_bytes(b"x")
+        return f
+
+    run(tmp_path, pool, [spec], first, backend=make_backend)
+
+    async def second(s: KVStore) -> None:
+        victim = to_dir(b"victim")
+        for _ in range(2):
+            assert await get(s, 2, b"victim") is None
+        u = usage(s, 2)
+        assert u.corrupt == 1 and u.objects == 2 and u.misses == 2, u
+        assert s.contains(2, [b"victim", b"fine"]) == [False, True]
+        assert await get(s, 2, b"fine") == pattern(b"fine", 50_000)
+        await wait_for(lambda: not victim.exists())
+        assert await put(s, 2, b"victim", pattern(b"victim", 50_000))
+        assert await get(s, 2, b"victim") == pattern(b"victim", 50_000)
+        to_dir(b"later")  # found by the next open
+
+    run(tmp_path, pool, [spec], second, backend=make_backend)
+
+    async def third(s: KVStore) -> None:
+        u = usage(s, 2)
+        assert u.torn_discarded == 1 and u.objects == 2, u
+        assert await get(s, 2, b"later") is None
+        for k in (b"victim", b"fine"):
+            assert await get(s, 2, k) == pattern(k, 50_000)
+        assert all(f.is_file() for f in object_files(tmp_path, 2))
+
+    run(tmp_path, pool, [spec], third, backend=make_backend)
+
+
 # -- races ------------------------------------------------------------------------------
 
 

@@ -45,6 +45,7 @@ import heapq
 import logging
 import os
 import shutil
+import stat
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -361,14 +362,29 @@ def _parse_header(buf: memoryview | bytes, path: str) -> tuple[int, _Obj]:
     return pool_id, _Obj(key, size, crc, gen, expiry, pin, pin_expiry, path, stamp=stamp)
 
 
+def _mode(path: str) -> int | None:
+    """``path``'s st_mode (not following a symlink), or None if it cannot be stat'ed."""
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return None
+
+
 def _obj_path(directory: Path, gen: int) -> str:
     return f"{directory}/{gen & 0xFF:02x}/{gen:016x}"
 
 
 def _unlink_all(paths: list[str]) -> None:
     for p in paths:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            # a directory where an object's file was (dropped as corrupt or
+            # torn): it goes too. Before, the unlink failed, the rest
+            # of the batch stayed, and at open the store did not open.
+            shutil.rmtree(p, ignore_errors=True)
 
 
 class KVStore:
@@ -1352,6 +1368,12 @@ class KVStore:
                     await self.backend.close(fd)
             except OSError as exc:
                 self.pool.put(buf)
+                if (mode := _mode(obj.path)) is not None and not stat.S_ISREG(mode):
+                    # Something else (a directory) stands where the object's
+                    # file was: corrupt, dropped, a miss. Before, every get
+                    # was an InternalError ("Is a directory"), never dropped.
+                    self._corrupt(p, obj, f"{obj.path} is not a regular file (mode {mode:#o})")
+                    return None
                 raise self._io_error("read", obj.path, exc) from exc
             why = self._check_read(p, obj, buf, n)
             if why is None:
