@@ -35,7 +35,15 @@ import pyfuse3
 
 from tierfs.client import AsyncClient, AsyncFile
 from tierfs.client.client import FileView
-from tierfs.errors import AlreadyExistsError, NotFoundError, TierFSError, UnauthenticatedError
+from tierfs.errors import (
+    AlreadyExistsError,
+    InsufficientTargetsError,
+    NotFoundError,
+    TierFSError,
+    TimeoutError_,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from tierfs.proto.v1 import meta_pb2 as pb
 
 __all__ = ["MountOptions", "TierFSOperations"]
@@ -51,6 +59,16 @@ _RENAME_NOREPLACE = 1
 _BLKSIZE = 1 << 20  # st_blksize: cp and friends size their buffers from it
 #: The hidden name a file unlinked while open here takes until its last close.
 SILLY_PREFIX = ".tierfs-unlinked-"
+#: A read of a chunk that a read of the same handle just failed to get from
+#: the storage nodes (every copy or too many fragments timed out or refused)
+#: fails the same way at once when it was asked before that failure ended or
+#: within this many seconds after it. The kernel sends one read(2) as several
+#: requests (its read-ahead, then the page again after the read-ahead
+#: failed); each waited out the client's retries on the stalled nodes in
+#: turn, so a read during a whole-cluster stall took about three times that
+#: (91 s against 30 s for a replica:3 file).
+_READ_FAILURE_SHARED_S = 1.0
+_UNREACHABLE = (InsufficientTargetsError, UnavailableError, TimeoutError_)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +186,12 @@ class _Handle:
     #: Opened with O_APPEND: writes go to the end of the file as this mount
     #: knows it (the write session's size), not to the kernel's offset.
     append: bool = False
+    #: The last read of this handle that the storage nodes failed: (first
+    #: chunk, last chunk, the error, when it ended; time.monotonic()). See
+    #: ``_READ_FAILURE_SHARED_S``.
+    failed: tuple[int, int, TierFSError, float] | None = None
+    #: The chunk size of the file its reader reads (0: no reader yet).
+    chunk_size: int = 0
 
 
 class TierFSOperations(pyfuse3.Operations):
@@ -541,8 +565,28 @@ class TierFSOperations(pyfuse3.Operations):
                 if node.writer is not None:
                     node.writer.seek(off)
                     return await node.writer.read(size)
+        asked = time.monotonic()
         async with h.lock:
-            return await self._read_handle(h, off, size)
+            cs = h.chunk_size
+            first, last = (off // cs, (off + max(size, 1) - 1) // cs) if cs else (0, -1)
+            if h.failed is not None and cs and h.reader_version == node.version:
+                f_first, f_last, exc, ended = h.failed
+                if first <= f_last and f_first <= last and ended >= asked - _READ_FAILURE_SHARED_S:
+                    # Asked while a read of the same chunk was failing, or
+                    # right after: that read's retries ran just now.
+                    log.debug("read of inode %d at %d (%d bytes): fails as the read of chunks %d-%d did %.3f s "
+                              "ago", node.inode, off, size, f_first, f_last, time.monotonic() - ended)
+                    raise exc
+            try:
+                return await self._read_handle(h, off, size)
+            except _UNREACHABLE as exc:
+                if h.chunk_size:
+                    cs = h.chunk_size
+                    h.failed = (off // cs, (off + max(size, 1) - 1) // cs, exc, time.monotonic())
+                log.warning("read of inode %d at %d (%d bytes) failed after %.1f s, the application gets %s: %s",
+                            node.inode, off, size, time.monotonic() - asked,
+                            errno.errorcode.get(exc.errno_value, exc.errno_value), exc)
+                raise
 
     async def _read_handle(self, h: _Handle, off: int, size: int) -> bytes:
         node = h.node
@@ -559,6 +603,7 @@ class TierFSOperations(pyfuse3.Operations):
             h.reader = AsyncFile(self.client, f"inode {node.inode}", "rb", info, readable=True, writable=False,
                                  append=False, session=None)
             h.reader_version = version
+            h.chunk_size = info.layout.chunk_size
         r = h.reader
         size = max(0, min(size, r.size - off))
         buf = bytearray(size)
