@@ -4,10 +4,13 @@ local cluster (1 meta replica, 6 storage daemons: ec:4+2 fits)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 
 from tierfs.cli import cluster_down, cluster_up, run
 from tierfs.cli.usage import stored_bytes
+from tierfs.client import AsyncClient
 
 MiB = 1 << 20
 
@@ -554,3 +558,49 @@ def test_a_put_whose_token_expires_names_the_temporary_file_it_leaves(meta: str)
     left = [n for n in names if n.startswith(".f.put-")]
     assert len(left) == 1 and f"/expput/{left[0]} is left behind" in msg and f"tierfs rm /expput/{left[0]}" in msg, \
         (names, msg)
+
+
+@contextlib.contextmanager
+def _recursion_headroom(frames: int) -> Iterator[None]:
+    """Python's recursion limit set to ``frames`` above the caller's depth:
+    a walk that recurses once per level fails on a tree deeper than that,
+    as one 1000 levels deep failed at the default limit."""
+    depth, f = 0, sys._getframe()
+    while f is not None:
+        depth, f = depth + 1, f.f_back  # type: ignore[assignment]
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + frames)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def test_trees_deeper_than_the_recursion_limit_are_copied_sized_walked_and_removed(meta: str,
+                                                                                   tmp_path: Path) -> None:
+    # TierFS takes paths up to 4096 bytes: about 2000 levels of one-letter
+    # names, past Python's default limit of 1000 frames. du, rm -r, put -r
+    # and walk recursed once per level and died with a RecursionError
+    # traceback (rm -r having removed nothing). Here the limit is lowered
+    # instead of making 1000 levels.
+    levels = 120
+    src = tmp_path / "deep"
+    leaf = src.joinpath(*(["d"] * levels))
+    leaf.mkdir(parents=True)
+    (leaf / "f").write_bytes(b"bottom")
+    with _recursion_headroom(100):
+        rc, _, err = cli(meta, "put", "-r", "-q", str(src), "/deep")
+        assert rc == 0, err[-2000:]
+        rc, out, err = cli(meta, "du", "-s", "--json", "/deep")
+        assert rc == 0, err[-2000:]
+        assert json.loads(out)["total"] == {"bytes": 6, "stored": 18, "files": 1, "dirs": levels, "unknown": 0}
+
+        async def walk() -> list[tuple[str, list[str], list[str]]]:
+            async with AsyncClient(meta.split(",")) as client:
+                return [x async for x in client.walk("/deep")]
+
+        seen = asyncio.run(walk())
+        assert len(seen) == levels + 1 and seen[-1] == ("/deep" + "/d" * levels, [], ["f"])
+        rc, _, err = cli(meta, "rm", "-r", "/deep")
+        assert rc == 0, err[-2000:]
+    assert cli(meta, "stat", "/deep")[0] != 0

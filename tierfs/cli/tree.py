@@ -170,6 +170,11 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
     """Every directory, file and link under ``root`` (top-down), as lstat
     (or stat, with ``follow``) sees it; unreadable directories are errors."""
     seen_dirs: set[tuple[int, int]] = set()
+    # An explicit stack, not recursion (a tree 1000 levels deep, as get -r
+    # makes of one in TierFS, died with a RecursionError): ("visit", path,
+    # rel) in the order the recursion took, ("leave", ...) where it returned
+    # from a directory.
+    todo: list[tuple[str, str, str, tuple[int, int]]] = [("visit", root, "", (0, 0))]
 
     def visit(path: str, rel: str) -> None:
         try:
@@ -199,10 +204,9 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
             except OSError as exc:
                 copy.fail(path, f"cannot list local directory: {exc.strerror}")
                 return
-            for n in names:
-                visit(os.path.join(path, n), f"{rel}/{n}" if rel else n)
-            if follow:
-                seen_dirs.discard((st.st_dev, st.st_ino))
+            todo.append(("leave", path, rel, (st.st_dev, st.st_ino)))
+            todo.extend(("visit", os.path.join(path, n), f"{rel}/{n}" if rel else n, (0, 0))
+                        for n in reversed(names))
         elif _stat.S_ISREG(m):
             copy.entries.append(_Entry(rel, "file", size=st.st_size, mode=m & 0o7777, mtime_ns=st.st_mtime_ns))
         elif _stat.S_ISLNK(m):
@@ -210,7 +214,12 @@ def _scan_local(root: str, follow: bool, copy: _Copy) -> None:
         else:
             copy.skipped.append({"path": path, "reason": "not a regular file, directory or symbolic link"})
 
-    visit(root, "")
+    while todo:
+        what, path, rel, key = todo.pop()
+        if what == "visit":
+            visit(path, rel)
+        elif follow:
+            seen_dirs.discard(key)
 
 
 async def _remote_kind(client: AsyncClient, path: str) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tierfs.chunk import parity_size
@@ -57,31 +57,46 @@ async def _file_stored(client: AsyncClient, st: FileStat) -> int | None:
 
 async def _du_tree(client: AsyncClient, path: str, rows: list[dict[str, Any]], errors: list[dict[str, str]],
                    *, all_dirs: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"path": path, "bytes": 0, "stored": 0, "files": 0, "dirs": 0, "unknown": 0}
-    try:
-        kids = await client.ls(path, detail=True)
-    except UnavailableError:
-        raise
-    except TierFSError as exc:
-        errors.append({"path": path, "error": str(exc)})
-        kids = []
-    for k in kids:
-        if k.is_dir:
-            sub = await _du_tree(client, k.path, rows, errors, all_dirs=all_dirs)
+    # An explicit stack, not recursion: a tree may be as deep as a 4096-byte
+    # path allows (about 2000 levels), past Python's recursion limit (du of
+    # a tree 1000 levels deep died with a RecursionError traceback).
+    async def frame(p: str) -> tuple[dict[str, Any], Iterator[FileStat]]:
+        row: dict[str, Any] = {"path": p, "bytes": 0, "stored": 0, "files": 0, "dirs": 0, "unknown": 0}
+        try:
+            kids = await client.ls(p, detail=True)
+        except UnavailableError:
+            raise
+        except TierFSError as exc:
+            errors.append({"path": p, "error": str(exc)})
+            kids = []
+        return row, iter(kids)
+
+    stack = [await frame(path)]
+    while True:
+        row, kids = stack[-1]
+        for k in kids:
+            if k.is_dir:
+                stack.append(await frame(k.path))
+                break
+            if k.is_file:
+                row["bytes"] += k.size
+                row["files"] += 1
+                s = await _file_stored(client, k)
+                if s is None:
+                    row["unknown"] += 1
+                else:
+                    row["stored"] += s
+        else:
+            # Every entry of this directory done: post-order, as du(1).
+            stack.pop()
+            if all_dirs:
+                rows.append(row)
+            if not stack:
+                return row
+            up = stack[-1][0]
             for f in ("bytes", "stored", "files", "dirs", "unknown"):
-                row[f] += sub[f]
-            row["dirs"] += 1
-        elif k.is_file:
-            row["bytes"] += k.size
-            row["files"] += 1
-            s = await _file_stored(client, k)
-            if s is None:
-                row["unknown"] += 1
-            else:
-                row["stored"] += s
-    if all_dirs:
-        rows.append(row)
-    return row
+                up[f] += row[f]
+            up["dirs"] += 1
 
 
 async def du(client: AsyncClient, paths: Sequence[str], *, summarize: bool = False) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import posixpath
 import re
 import stat as _stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -587,14 +587,18 @@ class AsyncClient:
 
     async def walk(self, path: str) -> AsyncIterator[tuple[str, list[str], list[str]]]:
         """Like ``os.walk`` (top-down)."""
-        dirs: list[str] = []
-        files: list[str] = []
-        async for e in self.meta.iterdir(_norm(path)):
-            (dirs if e.attr.type == pb.INODE_TYPE_DIRECTORY else files).append(e.name)
-        yield path, sorted(dirs), sorted(files)
-        for d in sorted(dirs):
-            async for x in self.walk(_join(path, d)):
-                yield x
+        # An explicit stack, not nested generators: a tree may be deeper than
+        # Python's recursion limit (about 2000 levels fit in a 4096-byte path).
+        stack = [path]
+        while stack:
+            top = stack.pop()
+            dirs: list[str] = []
+            files: list[str] = []
+            async for e in self.meta.iterdir(_norm(top)):
+                (dirs if e.attr.type == pb.INODE_TYPE_DIRECTORY else files).append(e.name)
+            dirs.sort()
+            yield top, list(dirs), sorted(files)
+            stack.extend(_join(top, d) for d in reversed(dirs))
 
     async def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, mode: int = 0o755) -> None:
         """As mkdir(2) (``parents``: mkdir -p); links before the last
@@ -657,18 +661,36 @@ class AsyncClient:
         if st.attr.type != pb.INODE_TYPE_DIRECTORY:
             await self.meta.unlink(path)
             return
-        if recursive:
-            names = [(e.name, e.attr.type) async for e in self.meta.iterdir(path)]
-            for name, typ in names:
-                child = _join(path, name)
+        if not recursive:
+            await self.meta.rmdir(path)
+            return
+
+        async def names(p: str) -> Iterator[tuple[str, int]]:
+            return iter([(e.name, e.attr.type) async for e in self.meta.iterdir(p)])
+
+        # Depth first with an explicit stack, not recursion: a tree may be as
+        # deep as a 4096-byte path allows (about 2000 levels), past Python's
+        # recursion limit (rm -r of a tree 1000 levels deep died with a
+        # RecursionError, having removed nothing).
+        stack = [(path, await names(path))]
+        while stack:
+            d, kids = stack[-1]
+            for name, typ in kids:
+                child = _join(d, name)
                 # Gone meanwhile (another client removed it): as rm -rf, not
                 # an error (it failed the whole removal until stop 47).
                 with contextlib.suppress(NotFoundError):
                     if typ == pb.INODE_TYPE_DIRECTORY:
-                        await self._rm(child, recursive=True)
-                    else:
-                        await self.meta.unlink(child)
-        await self.meta.rmdir(path)
+                        stack.append((child, await names(child)))
+                        break
+                    await self.meta.unlink(child)
+            else:
+                stack.pop()
+                if stack:
+                    with contextlib.suppress(NotFoundError):
+                        await self.meta.rmdir(d)
+                else:
+                    await self.meta.rmdir(d)
 
     async def rename(self, src: str, dst: str) -> None:
         """As rename(2): links before the last components are followed, the
