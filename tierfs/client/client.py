@@ -197,6 +197,8 @@ _T = TypeVar("_T")
 
 #: Symbolic links followed on the way to a path at most (Linux's MAXSYMLINKS).
 MAX_LINK_HOPS = 40
+#: Unlinks in flight in a recursive rm (they share Batch calls to meta).
+RM_JOBS = 32
 
 
 class _IsLink(TierFSError):
@@ -665,25 +667,41 @@ class AsyncClient:
             await self.meta.rmdir(path)
             return
 
-        async def names(p: str) -> Iterator[tuple[str, int]]:
-            return iter([(e.name, e.attr.type) async for e in self.meta.iterdir(p)])
+        async def enter(d: str) -> Iterator[str]:
+            """Unlink every non-directory entry of ``d``, RM_JOBS at a time
+            (concurrent unlinks share Batch calls: one at a time, rm -r of a
+            directory of 30,000 files took a quarter of an hour here);
+            returns its subdirectories."""
+            kids = [(e.name, e.attr.type) async for e in self.meta.iterdir(d)]
+            files = iter([n for n, t in kids if t != pb.INODE_TYPE_DIRECTORY])
+
+            async def worker() -> None:
+                for name in files:
+                    # Gone meanwhile (another client removed it): as rm -rf,
+                    # not an error (it failed the whole removal until stop 47).
+                    with contextlib.suppress(NotFoundError):
+                        await self.meta.unlink(_join(d, name))
+
+            tasks = [asyncio.ensure_future(worker()) for _ in range(RM_JOBS)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # a failure (or a cancel) stops the other workers too
+                for t in tasks:
+                    t.cancel()
+                await asyncio.wait(tasks)
+            return iter([n for n, t in kids if t == pb.INODE_TYPE_DIRECTORY])
 
         # Depth first with an explicit stack, not recursion: a tree may be as
         # deep as a 4096-byte path allows (about 2000 levels), past Python's
         # recursion limit (rm -r of a tree 1000 levels deep died with a
         # RecursionError, having removed nothing).
-        stack = [(path, await names(path))]
+        stack = [(path, await enter(path))]
         while stack:
-            d, kids = stack[-1]
-            for name, typ in kids:
-                child = _join(d, name)
-                # Gone meanwhile (another client removed it): as rm -rf, not
-                # an error (it failed the whole removal until stop 47).
+            d, subdirs = stack[-1]
+            for name in subdirs:
                 with contextlib.suppress(NotFoundError):
-                    if typ == pb.INODE_TYPE_DIRECTORY:
-                        stack.append((child, await names(child)))
-                        break
-                    await self.meta.unlink(child)
+                    stack.append((_join(d, name), await enter(_join(d, name))))
+                    break
             else:
                 stack.pop()
                 if stack:
