@@ -608,6 +608,10 @@ class LocalCluster:
                         role = "unreachable"
                 out["meta"].append({"name": p.name, "addr": p.addr, "role": role, "pid": p.pid})
             cmap = await mc.get_cluster_map()
+            try:  # what new files under / get (`tierfs up` warns when the cluster is too small for it)
+                out["root_layout"] = (await mc.get_layout("/")).redundancy
+            except TierFSError:
+                out["root_layout"] = ""
         by_addr = {n.data_addr: n for n in cmap.nodes}
         for p in self.procs:
             if p.kind != "storage":

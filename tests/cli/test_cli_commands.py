@@ -374,6 +374,12 @@ def test_up_with_other_counts_and_bad_counts(tmp_path: Path) -> None:
         assert info["counts"] == {"meta": 1, "storage": 1, "targets_per_node": 1} and len(info["started"]) == 2
         rc, out, err = Run("")("up", "--data", str(data), cluster=False)  # default counts: the plan wins
         assert rc == 0 and "reused as planned" in err and "already running" in err
+        assert "note: new files under / get ec:4+2, which needs 6 storage nodes; with 1" in err, err
+        # once / has a layout that fits, no note (until stop 49 it named ec:4+2 whatever / had)
+        rc, out, err = Run("")("set-layout", "/", "--redundancy", "replica:1", "--data", str(data), cluster=False)
+        assert rc == 0, err
+        rc, out, err = Run("")("up", "--data", str(data), cluster=False)
+        assert rc == 0 and "note: new files" not in err, err
     finally:
         rc, out, err = Run("")("down", "--data", str(data), cluster=False, env={"TIERFS_TOKEN_FILE": "/nonexistent"})
     assert rc == 0 and "stopped 2 daemons" in out, err

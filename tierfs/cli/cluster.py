@@ -59,6 +59,7 @@ def cluster_up(data_dir: str, *, n_meta: int = 3, n_storage: int | None = None, 
         # Up, yet a target whose disk is too full takes no writes (until stop
         # 48 `up` said "every daemon up" with every target read-only).
         "read_only_targets": health["read_only_targets"],
+        "root_layout": health.get("root_layout", ""),
         "targets": health["targets"],
         "data_dir": str(cl.dir),
         "meta": cl.meta_addrs,

@@ -588,11 +588,14 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
                           + ("Every write will fail with NoSpace until space is freed. "
                              if len(ro) == r["targets"] else "")
                           + "Free space there, or start the cluster on a bigger disk (--data DIR)\n")
-            if k["storage"] < 6:
+            root = r.get("root_layout") or "ec:4+2"
+            width = _layout_width(root)
+            if width and int(k["storage"]) < width:
                 # `tierfs status` calls such a cluster healthy while every put
-                # under the default layout fails: say so now.
+                # under the root's layout fails: say so now (until stop 49
+                # this said ec:4+2 whatever the root's layout had been set to).
                 n_rep = min(int(k["storage"]), 3)
-                err.write(f"note: new files default to ec:4+2, which needs 6 storage nodes; with "
+                err.write(f"note: new files under / get {root}, which needs {width} storage nodes; with "
                           f"{k['storage']}, give them a layout that fits, e.g. tierfs set-layout / --redundancy "
                           f"replica:{n_rep} --data {data_dir}\n")
             err.write(f"security on: admin token {r['admin_token']}, node key {r['node_key']}, cluster secret "
@@ -789,6 +792,20 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
 #: refused the client's TLS: the cluster is running, so asking whether it
 #: is only misleads (until stop 49 every TLS refusal ended with it).
 _TLS_REFUSALS = ("; TLS handshake failed: ", "; the server closed the connection at once: ")
+
+
+def _layout_width(redundancy: str) -> int:
+    """Targets a layout's groups need: K+M for "ec:K+M", N for "replica:N" (0: unknown)."""
+    kind, _, rest = redundancy.partition(":")
+    try:
+        if kind == "ec":
+            k, _, m = rest.partition("+")
+            return int(k) + int(m)
+        if kind == "replica":
+            return int(rest)
+    except ValueError:
+        pass
+    return 0
 
 
 def _hint(exc: TierFSError) -> str:
