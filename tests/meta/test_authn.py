@@ -8,6 +8,7 @@ or the state the refused call would have changed."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import os
@@ -210,14 +211,22 @@ def _storage(tmp: Path, c: MetaCluster, key_file: str | None) -> subprocess.Pope
             "--meta", c.addresses[0], "--heartbeat-interval", "0.2", "--reserved-bytes", "0"]
     if key_file is not None:
         args += ["--node-key-file", key_file]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp))
+    # stderr to a file: a test waits on what the daemon has logged so far
+    # (a pipe is read only at its exit), and a long log never blocks it
+    with open(tmp / "stderr.log", "w") as log:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=str(tmp))
+
+
+def _log(tmp: Path) -> str:
+    return (tmp / "stderr.log").read_text()
 
 
 def test_rogue_storage_daemon_cannot_register(meta: MetaCluster, tmp_path: Path) -> None:
     """Without the node key, or with another cluster's, a storage daemon
     never registers (and so never heartbeats); with it, it does."""
     wrong = write_private_file(tmp_path / "wrong.key", node_key(b"y" * 32) + "\n")
-    procs = [_storage(tmp_path / "nokey", meta, None), _storage(tmp_path / "wrong", meta, str(wrong))]
+    rogues = [tmp_path / "nokey", tmp_path / "wrong"]
+    procs = [_storage(rogues[0], meta, None), _storage(rogues[1], meta, str(wrong))]
     good: subprocess.Popen[str] | None = None
     try:
         def nodes() -> list[str]:
@@ -232,14 +241,21 @@ def test_rogue_storage_daemon_cannot_register(meta: MetaCluster, tmp_path: Path)
         ready = json.loads(good.stdout.readline())
         assert ready["node_id"]
         wait_for(lambda: len(nodes()) == len(before) + 1, 20, "the good daemon to register")
+        # Each rogue has been refused at least once (on a loaded machine it may
+        # still be starting when the good one registers: wait for its refusal,
+        # never for a fixed time), and keeps trying without registering.
+        def refused(tmp: Path) -> bool:
+            return "registering with meta failed" in _log(tmp)
+
+        for tmp in rogues:
+            wait_for(functools.partial(refused, tmp), 60, f"{tmp.name}'s refusal")
         for p in procs:
             assert p.poll() is None  # still trying, refused
         assert len(nodes()) == len(before) + 1
-        errs = []
         for p in procs:
             p.terminate()
-            errs.append(p.communicate(timeout=20)[1])
-        nokey, wrong_key = errs
+            p.communicate(timeout=20)
+        nokey, wrong_key = (_log(tmp) for tmp in rogues)
         # What to do, in the daemon's terms (until stop 48 the daemon without
         # a key repeated meta's advice to clients: TIERFS_TOKEN, --token-file).
         assert "registering with meta failed (no credential: this daemon has no node key" in nokey, nokey
