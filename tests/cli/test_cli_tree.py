@@ -516,32 +516,64 @@ def test_reading_another_users_0600_file_is_permission_denied(meta: str) -> None
     assert "unreadable" not in err.getvalue()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_put_whose_token_expires_names_the_temporary_file_it_leaves(meta: str) -> None:
     """``tierfs put -`` whose token expires mid-copy fails, nothing appears
     under the destination name, and the temporary file it cannot remove
     (its token is dead) is named in the error with how to remove it; until
     stop 48 it stayed behind unmentioned."""
+    # The token must outlive the put's start (a new process: seconds on a
+    # loaded machine) and expire mid-copy. A put that its token outlived
+    # not even to its temporary file tested nothing: again, with a longer
+    # expiry (until then the test failed, a BrokenPipeError on its stdin).
+    for i, expires in enumerate((4, 16, 48)):
+        got = _put_until_the_token_expires(meta, f"expput{i}", 7501 + i, expires)
+        if got is not None:
+            break
+    assert got is not None, "the put never made its temporary file before its token expired"
+    d, returncode, msg, names = got
+    assert returncode == 1 and "expired" in msg, msg
+    assert "f" not in names, names
+    left = [n for n in names if n.startswith(".f.put-")]
+    assert len(left) == 1 and f"{d}/{left[0]} is left behind" in msg and f"tierfs rm {d}/{left[0]}" in msg, \
+        (names, msg)
+
+
+def _put_until_the_token_expires(meta: str, name: str, uid: int,
+                                 expires: int) -> tuple[str, int | None, str, list[str]] | None:
+    """``tierfs put - DIR/f`` as a user whose token expires after
+    ``expires`` seconds: (DIR, its exit status, its stderr, DIR's names), or
+    None where the token expired before the put made its temporary file."""
     import subprocess
     import sys
     import time
 
-    rc, out, err = cli(meta, "user", "add", "expput", "--uid", "7501", "--gid", "7501", "--expires", "4s")
+    rc, out, err = cli(meta, "user", "add", name, "--uid", str(uid), "--gid", str(uid), "--expires", f"{expires}s")
     assert rc == 0, err
     token = out.strip()
     rc, listing, err = cli(meta, "user", "ls", "--json")
     assert rc == 0, err
-    user = next(u for u in json.loads(listing)["users"] if u["name"] == "expput")
+    user = next(u for u in json.loads(listing)["users"] if u["name"] == name)
     expires_ns = user["tokens"][0]["expires_ns"]
-    assert cli(meta, "mkdir", "/expput")[0] == 0
-    assert cli(meta, "chown", "7501:7501", "/expput")[0] == 0
+    d = f"/{name}"
+    assert cli(meta, "mkdir", d)[0] == 0
+    assert cli(meta, "chown", f"{uid}:{uid}", d)[0] == 0
+
+    def names() -> list[str]:
+        rc, out, err = cli(meta, "ls", d, "--json")
+        assert rc == 0, err
+        return [e["path"].rsplit("/", 1)[-1] for e in json.loads(out)]
+
     env = {**os.environ, "TIERFS_TOKEN": token, "TIERFS_META": meta}
-    p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "put", "-", "/expput/f"], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "tierfs.cli", "put", "-", f"{d}/f"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         assert p.stdin is not None
-        p.stdin.write(os.urandom(3 * MiB))
-        p.stdin.flush()
+        try:
+            p.stdin.write(os.urandom(3 * MiB))
+            p.stdin.flush()
+        except BrokenPipeError:  # it has failed already: its token expired before it read this
+            pass
         while time.time_ns() < expires_ns + 500_000_000:  # the token is dead from here on
             time.sleep(0.1)
         _, perr = p.communicate(os.urandom(MiB), timeout=60)
@@ -549,15 +581,10 @@ def test_a_put_whose_token_expires_names_the_temporary_file_it_leaves(meta: str)
         if p.poll() is None:
             p.kill()
             p.wait()
-    msg = perr.decode()
-    assert p.returncode == 1 and "expired" in msg, msg
-    rc, out, err = cli(meta, "ls", "/expput", "--json")
-    assert rc == 0, err
-    names = [e["path"].rsplit("/", 1)[-1] for e in json.loads(out)]
-    assert "f" not in names, names
-    left = [n for n in names if n.startswith(".f.put-")]
-    assert len(left) == 1 and f"/expput/{left[0]} is left behind" in msg and f"tierfs rm /expput/{left[0]}" in msg, \
-        (names, msg)
+    left = names()
+    if p.returncode == 1 and not any(n.startswith(".f.put-") for n in left) and "f" not in left:
+        return None
+    return d, p.returncode, perr.decode(), left
 
 
 @contextlib.contextmanager
