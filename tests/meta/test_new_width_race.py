@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ from tierfs.meta.client import MetaClient
 #: between two label changes: ~20 map changes a second, far more than a
 #: cluster sees (a busier map starves the top-up: every round goes stale)
 PAUSE = 0.05
+#: ... or this many times as long as the last label change took, if longer:
+#: the map moves at a pace relative to meta's own. On a loaded machine (CI:
+#: 2 cores, 2 workers) every commit and top-up round takes several times as
+#: long while a fixed PAUSE does not, so the map was relatively as busy as
+#: the one that starves the top-up, and a create failed.
+PAUSE_PER_COMMIT = 2
 WIDTHS = ["replica:2", "replica:4", "ec:3+2", "replica:1"]
 
 
@@ -30,8 +37,9 @@ async def _race(addrs: list[str]) -> dict[str, str]:
             nonlocal labels
             while not stop.is_set():
                 labels += 1
+                t0 = time.monotonic()
                 await labeller.label_node(nodes[0], f"r{labels % 2}")
-                await asyncio.sleep(PAUSE)
+                await asyncio.sleep(max(PAUSE, PAUSE_PER_COMMIT * (time.monotonic() - t0)))
 
         task = asyncio.create_task(relabel())
         out: dict[str, str] = {}
