@@ -649,3 +649,37 @@ def test_rm_r_unlinks_a_directorys_files_concurrently_in_batches(meta: str) -> N
 
     batched, calls = asyncio.run(go())
     assert batched > 0 and calls > 0
+
+
+def test_rm_r_says_how_far_it_got(meta: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A removal of tens of thousands of files takes minutes, and rm -r said
+    # nothing meanwhile (until stop 49). It writes a line every
+    # RM_PROGRESS_EVERY seconds (every removal here), none with --json; the
+    # SDK's progress callback counts every entry removed, directories too.
+    import importlib
+
+    climain = importlib.import_module("tierfs.cli.main")  # (tierfs.cli.main is also the package's function)
+
+    async def make(root: str) -> None:
+        async with AsyncClient(meta.split(",")) as client:
+            await client.mkdir(f"{root}/sub", parents=True)
+            await asyncio.gather(*(client.meta.create(f"{root}/{d}f{i}") for d in ("", "sub/") for i in range(20)))
+
+    asyncio.run(make("/rmprog"))
+    monkeypatch.setattr(climain, "RM_PROGRESS_EVERY", 0.0)
+    rc, _, err = cli(meta, "rm", "-r", "/rmprog")
+    assert rc == 0, err
+    counts = [int(ln.split()[2].replace(",", "")) for ln in err.splitlines() if ln.startswith("rm -r: ")]
+    assert counts == list(range(1, 43)), err  # 40 files, then sub/ and /rmprog
+    asyncio.run(make("/rmprog2"))
+    rc, out, err = cli(meta, "rm", "-r", "/rmprog2", "--json")
+    assert rc == 0 and "rm -r:" not in err and json.loads(out)["removed"], (out, err)
+    asyncio.run(make("/rmprog3"))
+    seen: list[int] = []
+
+    async def sdk() -> None:
+        async with AsyncClient(meta.split(",")) as client:
+            await client.rm("/rmprog3", recursive=True, progress=seen.append)
+
+    asyncio.run(sdk())
+    assert seen == list(range(1, 43))

@@ -484,13 +484,15 @@ async def each(client: AsyncClient, fn: Callable[..., Awaitable[dict[str, Any]]]
     return {"results": results, "errors": errors}
 
 
-async def rm(client: AsyncClient, path: str, *, recursive: bool = False) -> dict[str, Any]:
+async def rm(client: AsyncClient, path: str, *, recursive: bool = False,
+             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Remove a file or an empty directory (a whole tree with ``recursive``).
-    Fragments are freed in the background by garbage collection."""
+    Fragments are freed in the background by garbage collection.
+    ``progress``: as for ``AsyncClient.rm``."""
     if posixpath.normpath("/" + path.lstrip("/")) == "/":
         raise InvalidArgumentError("refusing to remove the root directory")
     try:
-        await client.rm(path, recursive=recursive)
+        await client.rm(path, recursive=recursive, progress=progress)
     except DirectoryNotEmptyError as exc:
         raise DirectoryNotEmptyError(f"{exc} (rm -r removes it with its contents)") from None
     return {"path": path, "removed": True}

@@ -682,7 +682,9 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
         return EXIT_OK
     if c in ("mkdir", "rm"):
         one: Callable[..., Coroutine[Any, Any, dict[str, Any]]] = fs.mkdir if c == "mkdir" else fs.rm
-        kw = {"parents": ns.parents} if c == "mkdir" else {"recursive": ns.recursive}
+        kw: dict[str, Any] = {"parents": ns.parents} if c == "mkdir" else {"recursive": ns.recursive}
+        if c == "rm" and ns.recursive and not ns.json:
+            kw["progress"] = _rm_progress(err)
         if len(ns.path) == 1:
             emit(_client_call(ns, env, one, ns.path[0], **kw), None)
             return EXIT_OK
@@ -792,6 +794,27 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO, env: Any, tty: bo
 #: refused the client's TLS: the cluster is running, so asking whether it
 #: is only misleads (until stop 49 every TLS refusal ended with it).
 _TLS_REFUSALS = ("; TLS handshake failed: ", "; the server closed the connection at once: ")
+
+
+#: How often ``tierfs rm -r`` says how far it got (a line on stderr; none
+#: for a removal that takes less, and none with --json).
+RM_PROGRESS_EVERY = 5.0
+
+
+def _rm_progress(err: TextIO) -> Callable[[int], None]:
+    """``tierfs rm -r``'s progress: a line every RM_PROGRESS_EVERY seconds
+    (a tree of tens of thousands of files takes minutes; it said nothing)."""
+    start = time.monotonic()
+    last = {"at": start}
+
+    def shown(n: int) -> None:
+        now = time.monotonic()
+        if now - last["at"] >= RM_PROGRESS_EVERY:
+            last["at"] = now
+            err.write(f"rm -r: {n:,} entries removed ({now - start:.0f} s)\n")
+            err.flush()
+
+    return shown
 
 
 def _layout_width(redundancy: str) -> int:

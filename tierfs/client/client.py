@@ -645,17 +645,21 @@ class AsyncClient:
                 if i == len(parts) - 1 and not exist_ok:
                     raise
 
-    async def rm(self, path: str, *, recursive: bool = False) -> None:
+    async def rm(self, path: str, *, recursive: bool = False,
+                 progress: Callable[[int], None] | None = None) -> None:
         """Remove a file, a symlink, or a directory (its contents too with
         ``recursive``; an empty one without). The root directory is
         refused (InvalidArgumentError), with nothing removed. Links before
-        the last component are followed; a link there is removed itself."""
+        the last component are followed; a link there is removed itself.
+        ``progress``: called with the number of entries (files, links and
+        directories) removed so far, after each removal of a recursive one."""
         async def remove(p: str) -> None:
-            await self._rm(p, recursive=recursive)
+            await self._rm(p, recursive=recursive, progress=progress)
 
         await self._via_links(_norm(path), remove, last=False)
 
-    async def _rm(self, path: str, *, recursive: bool = False) -> None:
+    async def _rm(self, path: str, *, recursive: bool = False,
+                  progress: Callable[[int], None] | None = None) -> None:
         path = _norm(path)
         if posixpath.normpath("/" + path.lstrip("/")) == "/":
             raise InvalidArgumentError("refusing to remove the root directory (remove what is in it instead)")
@@ -666,6 +670,14 @@ class AsyncClient:
         if not recursive:
             await self.meta.rmdir(path)
             return
+
+        count = 0
+
+        def removed() -> None:
+            nonlocal count
+            count += 1
+            if progress is not None:
+                progress(count)
 
         async def enter(d: str) -> Iterator[str]:
             """Unlink every non-directory entry of ``d``, RM_JOBS at a time
@@ -681,6 +693,7 @@ class AsyncClient:
                     # not an error (it failed the whole removal until stop 47).
                     with contextlib.suppress(NotFoundError):
                         await self.meta.unlink(_join(d, name))
+                        removed()
 
             tasks = [asyncio.ensure_future(worker()) for _ in range(RM_JOBS)]
             try:
@@ -707,8 +720,10 @@ class AsyncClient:
                 if stack:
                     with contextlib.suppress(NotFoundError):
                         await self.meta.rmdir(d)
+                        removed()
                 else:
                     await self.meta.rmdir(d)
+                    removed()
 
     async def rename(self, src: str, dst: str) -> None:
         """As rename(2): links before the last components are followed, the

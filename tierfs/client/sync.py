@@ -14,7 +14,7 @@ import asyncio
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
@@ -174,8 +174,8 @@ class Client:
     def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, mode: int = 0o755) -> None:
         self._run(self.aclient.mkdir(path, parents=parents, exist_ok=exist_ok, mode=mode))
 
-    def rm(self, path: str, *, recursive: bool = False) -> None:
-        self._run(self.aclient.rm(path, recursive=recursive))
+    def rm(self, path: str, *, recursive: bool = False, progress: Callable[[int], None] | None = None) -> None:
+        self._run(self.aclient.rm(path, recursive=recursive, progress=progress))
 
     def rename(self, src: str, dst: str) -> None:
         self._run(self.aclient.rename(src, dst))
