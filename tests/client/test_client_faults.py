@@ -19,6 +19,7 @@ from tests.client.util import digest, random_bytes, start_cluster
 from tierfs.client import AsyncClient, Client
 from tierfs.errors import BusyError, InsufficientTargetsError, TierFSError, UnavailableError
 from tierfs.local import LocalCluster
+from tierfs.proto.v1 import meta_pb2 as pb
 
 MiB = 1 << 20
 
@@ -187,6 +188,40 @@ def test_a_stalled_copy_is_hedged_when_every_copy_failed_just_now(own_cluster: L
             assert client.aclient.hedged > before  # not the 10 s request timeout
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(150)
+def test_a_write_stops_asking_a_stalled_member_once_the_map_shows_it_offline(own_cluster: LocalCluster) -> None:
+    """ec:2+1 needs all three fragments (K+1). With a member stalled
+    (SIGSTOP) and marked offline by meta, a write asked it once, then was
+    retried against it twice more (retries x request_timeout per chunk,
+    30 s by default through a FUSE close) until stop 49; now, once the map
+    shows the member that just failed offline, the write fails after that
+    attempt, with the same error."""
+    cl = own_cluster
+    with Client(cl.meta_addrs, request_timeout=2.0, connect_timeout=1.0, retries=3) as client:
+        client.mkdir("/e21")
+        client.set_layout("/e21", redundancy="ec:2+1", chunk_size=MiB)
+        client.write_bytes("/e21/a", random_bytes(MiB, seed=5))
+        victim = _name(cl, client._run(_holder(client.aclient, "/e21/a", 0, 0)))
+        addr = cl.proc(victim).addr
+        pid = cl.proc(victim).pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            async def offline() -> bool:
+                cmap = await client.aclient.meta.get_cluster_map()
+                return any(n.data_addr == addr and n.state != pb.NODE_STATE_ONLINE for n in cmap.nodes)
+
+            deadline = time.monotonic() + 90
+            while not client._run(offline()):
+                assert time.monotonic() < deadline, "meta never marked the stalled node offline"
+                time.sleep(0.2)
+            with pytest.raises(UnavailableError) as ei:
+                client.write_bytes("/e21/a", random_bytes(MiB, seed=6))
+            assert "2 of 3 fragments durable, 3 needed, after 1 attempt:" in str(ei.value), str(ei.value)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert digest(client.read_bytes("/e21/a")) == digest(random_bytes(MiB, seed=5))  # the old bytes stand
 
 
 @pytest.mark.timeout(150)

@@ -1749,6 +1749,8 @@ class AsyncClient:
         errors: dict[int, TierFSError] = {}
         done: set[int] = set()
 
+        lost: set[int] = set()  # positions whose target failed or timed out in this write
+
         def plan(cands: Sequence[int]) -> list[int]:
             # Targets the map shows down or full are skipped: no retry storm
             # while a node is known to be away. (Not those that merely failed
@@ -1757,7 +1759,12 @@ class AsyncClient:
             why = {j: router.write_skip(targets[j]) for j in cands}
             up = [j for j in cands if not why[j]]
             if len(done) + len(up) < need:
-                return list(cands)  # the map may be stale: try them all rather than fail unasked
+                # The map may be stale: try them all rather than fail
+                # unasked; but not again one that failed in this write and
+                # that the map shows down (a stalled member of an ec:2+1
+                # group cost every commit retries x request_timeout, 30 s,
+                # after meta had marked it offline, until stop 49).
+                return [j for j in cands if not (j in lost and router.down(targets[j]))]
             for j in cands:
                 if j not in up:
                     errors.setdefault(j, UnavailableError(f"target {targets[j]} is {why[j]}"))
@@ -1765,7 +1772,9 @@ class AsyncClient:
 
         pending = plan(range(width))
         delay = cfg.backoff_initial
+        attempts = 0
         for attempt in range(cfg.retries):
+            attempts = attempt + 1
             items = [(targets[j], FragmentKey(view.inode, idx, j, version), frags[j]) for j in pending]
             res: list[TierFSError | None]
             if cfg.hedged_writes and len(done) + len(pending) > need:
@@ -1794,6 +1803,7 @@ class AsyncClient:
                 if not isinstance(r, UnavailableError | TimeoutError_ | CorruptError):
                     raise type(r)(f"{view.path}: chunk {idx}: fragment {j} on target {targets[j]}: {r}")
                 failed.append(j)
+                lost.add(j)
             if len(done) == width or (not failed and len(done) >= need):
                 break
             if attempt == cfg.retries - 1:
@@ -1816,6 +1826,8 @@ class AsyncClient:
                 again |= moved
                 targets = fresh
             pending = plan(sorted(again))
+            if len(done) + len(pending) < need:
+                break  # what is left to ask cannot make the chunk durable: fail now
         if len(done) >= need:
             if len(done) < width:
                 self.degraded_writes += 1
@@ -1831,7 +1843,8 @@ class AsyncClient:
         cls: type[TierFSError] = NoSpaceError if width - full < need else UnavailableError
         raise cls(f"{view.path}: chunk {idx} could not be stored on group {gid}"
                   f"{' (its targets are full)' if cls is NoSpaceError else ''}: {len(done)} of "
-                  f"{width} fragments durable, {need} needed, after {cfg.retries} attempts: {detail}")
+                  f"{width} fragments durable, {need} needed, after {attempts} attempt"
+                  f"{'' if attempts == 1 else 's'}: {detail}")
 
     async def _write_batch_lagged(self, items: Sequence[tuple[int, FragmentKey, Any]],
                                   need: int) -> list[TierFSError | None]:
