@@ -129,7 +129,7 @@ def test_a_compacted_journal_without_its_snapshot_refuses_then_resyncs(tmp_path:
         c.wait_converged()
         victim = next(i for i in range(3) if i != c.leader())
         asyncio.run(_force_snapshot(c.addresses[victim]))
-        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 30, "the victim's snapshot")
+        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 90, "the victim's snapshot")
         asyncio.run(_mkdirs(c.addresses, ["/after-snapshot"]))
         c.wait_converged()
         c.stop(victim)
@@ -157,7 +157,7 @@ def test_a_corrupt_snapshot_names_the_way_to_recover(tmp_path: Path) -> None:
         asyncio.run(_mkdirs(c.addresses, [f"/a{i}" for i in range(5)]))
         victim = next(i for i in range(3) if i != c.leader())
         asyncio.run(_force_snapshot(c.addresses[victim]))
-        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 30, "the victim's snapshot")
+        wait_for(lambda: c.status(victim).raft.snapshots >= 1, 90, "the victim's snapshot")
         c.stop(victim)
         snap = c.replicas[victim].data_dir / "snapshot.bin"
         data = bytearray(snap.read_bytes())

@@ -134,7 +134,7 @@ def test_daemon_ready_line_metrics_and_clean_sigterm(tmp_path: Path) -> None:
     j.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_kv_replica_serves_typed_admin_rpcs(tmp_path: Path) -> None:
     with MetaCluster(tmp_path, n=1, extra_args=["--snapshot-min-entries", "1000"]) as c:
         c.wait_leader()
@@ -163,7 +163,7 @@ def test_kv_replica_serves_typed_admin_rpcs(tmp_path: Path) -> None:
         assert c.meta_stub_call(0, lambda s: s.Digest(pb.Empty(), timeout=5)).ops_applied == 2
 
         c.force_snapshot(0)
-        wait_for(lambda: c.status(0).raft.snapshots == 1, 20, "the forced snapshot")
+        wait_for(lambda: c.status(0).raft.snapshots == 1, 90, "the forced snapshot")
         assert (r.data_dir / SNAPSHOT_FILE).exists()
 
 

@@ -20,7 +20,7 @@ def test_add_replica_catches_up_by_snapshot_then_remove_follower_and_leader(tmp_
         leader = c.wait_leader()
         for i in range(120):
             c.put(f"k{i}", f"v{i}")
-        wait_for(lambda: c.status(leader).raft.snapshots >= 1, 20, "leader snapshot")
+        wait_for(lambda: c.status(leader).raft.snapshots >= 1, 90, "leader snapshot")
 
         new = c.add_replica()  # started with the current members as peers
         r = c.replicas[new]

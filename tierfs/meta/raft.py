@@ -34,10 +34,12 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import logging
 import os
 import random
+import signal
 import socket
 import struct
 import threading
@@ -854,6 +856,9 @@ class RaftReplicator:
         self._snap_pid = 0
         self._fork_failures = 0
         self._snap_started: tuple[float, float, int] = (0.0, 0.0, 0)
+        #: the file the running snapshot child writes (its own name each time)
+        self._snap_tmp: Path | None = None
+        self._snap_seq = 0
         #: tick thread: the leader whose snapshot is being installed, while
         #: its last piece is delivered (_on_message, _deserialize)
         self._install_from: str | None = None
@@ -898,6 +903,7 @@ class RaftReplicator:
             self._dir.mkdir(parents=True, exist_ok=True)
         make_private(self._dir)  # the journal and snapshots: the whole namespace
         snap_path = self._dir / SNAPSHOT_FILE
+        self._remove_stale_snapshot_files()
         anchor = None
         try:
             if snap_path.exists():
@@ -945,6 +951,15 @@ class RaftReplicator:
         log.info("raft replica %s started (raft %s, grpc %s, configured peers %s; membership changes in the "
                  "journal apply on top)", self.node_id, self._raft_addr, self._grpc_addr,
                  ", ".join(others) or "none")
+
+    def _remove_stale_snapshot_files(self) -> None:
+        """Snapshot files a child of an earlier run of this replica left half
+        written (it died, or was killed with its parent). Never renamed into
+        place, so never counted on; removed so they do not pile up."""
+        for p in self._dir.glob(SNAPSHOT_FILE + ".new*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+                log.info("raft %s: removed %s, a snapshot an earlier run did not finish", self.node_id, p.name)
 
     def _check_journal_start(self, snap_path: Path, anchor: tuple[int, int, int, int] | None) -> None:
         """A compacted journal starts where its snapshot ends (pysyncobj keeps
@@ -1569,7 +1584,15 @@ class RaftReplicator:
             last=tuple(last), prev=tuple(prev),  # type: ignore[arg-type]
             members=sorted(n.id for n in cluster), addr_map=dict(self._registered), state=b"",
         )
-        path = str(self._dir / (SNAPSHOT_FILE + ".new"))
+        # Each child writes a file of its own: a child orphaned by a replica
+        # killed mid-snapshot (it dies with its parent now, but the kernel
+        # takes a moment) must never write into the file a later child's
+        # checker renames into place - an old state under a new snapshot's
+        # index, sent to followers as the state at that index.
+        self._snap_seq += 1
+        tmp = self._dir / f"{SNAPSHOT_FILE}.new.{os.getpid()}.{self._snap_seq}"
+        self._snap_tmp = tmp
+        path = str(tmp)
         t0 = time.monotonic()
         self._snap_started = (t0, 0.0, int(last[1]))
         if self._fork_failures >= 2:
@@ -1642,13 +1665,16 @@ class RaftReplicator:
             return _SER_BUSY
         self._snap_pid = 0
         t0, fork_s, index = self._snap_started
+        new = self._snap_tmp if self._snap_tmp is not None else self._dir / (SNAPSHOT_FILE + ".new")
+        self._snap_tmp = None
         if status != 0:
             self._fork_failures += 1
             log.error("raft %s: snapshot child for index %d failed (wait status %d)", self.node_id, index, status)
+            with contextlib.suppress(OSError):
+                new.unlink()
             return _SER_FAILED
         if pid != -1:
             self._fork_failures = 0
-        new = self._dir / (SNAPSHOT_FILE + ".new")
         # The directory is fsynced by the journal rewrite that follows, before
         # the journal drops the entries folded into this snapshot.
         try:
@@ -1721,6 +1747,7 @@ def _fork_child(work: Callable[[], object], keep_fd: int = -1) -> int:
     # cycles; young garbage is collected first.
     gc.collect(1)
     gc.freeze()
+    parent = os.getpid()
     with warnings.catch_warnings():
         # The child only computes, writes and exits (no threads, no locks of
         # the parent's other threads are needed): fork is safe here.
@@ -1729,6 +1756,10 @@ def _fork_child(work: Callable[[], object], keep_fd: int = -1) -> int:
     if pid == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
+            # Die with the parent: a replica killed (SIGKILL, OOM) while this
+            # child works must not leave it writing on - at nice 19 on a busy
+            # host it can outlive the restart that follows.
+            _die_with_parent(parent)
             # Nothing may run that touches the parent's other threads'
             # objects: a garbage collection would finalize gRPC objects whose
             # threads do not exist here (seen: SIGSEGV).
@@ -1751,6 +1782,32 @@ def _fork_child(work: Callable[[], object], keep_fd: int = -1) -> int:
         finally:
             os._exit(code)
     return pid
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up in the parent: dlopen in a child forked from
+    a threaded process could wait for ever on a loader lock another thread
+    held at the fork."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None  # not Linux: a child finishes on its own
+
+
+_prctl = _load_prctl()
+
+
+def _die_with_parent(parent: int) -> None:  # pragma: no cover - runs in the child
+    """Child: ask the kernel for SIGKILL when the parent (the thread that
+    forked, here the event loop's, which lives as long as the process) dies;
+    exit at once if it is already gone."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
