@@ -190,6 +190,55 @@ def test_a_stalled_copy_is_hedged_when_every_copy_failed_just_now(own_cluster: L
             os.kill(pid, signal.SIGCONT)
 
 
+async def _group_targets(ac: AsyncClient, path: str, chunk: int) -> list[int]:
+    """The target ids of ``chunk``'s group, by position."""
+    info = await ac.meta.stat(path)
+    cmap = await ac.meta.get_cluster_map()
+    gid = info.layout.groups[chunk % len(info.layout.groups)]
+    return list(next(g.target_ids for g in cmap.groups if g.group_id == gid))
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_member_is_hedged_while_the_others_are_only_marked_slow(own_cluster: LocalCluster) -> None:
+    """A stalled node (SIGSTOP) whose slow mark has lapsed (slow_target_ttl,
+    2 s) while the other members are marked slow (a busy host hedges healthy
+    nodes too): the read hedges from it to the members that were only slow.
+    Until stop 50 a replica read counted only usable copies as ones to hedge
+    to, and an EC decode only fragments not yet asked: the read awaited the
+    stalled node for the whole request timeout (10 s by default: one random
+    read in a few hundred with a node stalled; here 120 s, past this test's
+    timeout)."""
+    cl = own_cluster
+    data = random_bytes(4 * MiB, seed=78)
+    with Client(cl.meta_addrs, request_timeout=120.0, connect_timeout=1.0, hedge_after=0.2,
+                read_cache_bytes=0) as client:
+        client.mkdir("/r3")
+        client.set_layout("/r3", redundancy="replica:3", chunk_size=MiB)
+        client.write_bytes("/r3/f", data)
+        client.mkdir("/ec")
+        client.set_layout("/ec", redundancy="ec:4+2", chunk_size=4 * MiB)  # 1 MiB fragments
+        client.write_bytes("/ec/f", data)
+        router = client.aclient._parts()[2]
+        # Replica: chunk 0 reads copy 0 first; copies 1 and 2 only slow.
+        # EC: the range lies in data fragments 0 and 1, only slow; the
+        # decode asks fragments 2..5, fragment 2's node stalled.
+        for path, stalled, slow, (a, b) in (("/r3/f", 0, (1, 2), (1000, 300_000)),
+                                             ("/ec/f", 2, (0, 1), (1000, MiB + 5000))):
+            assert digest(client.read_bytes(path)) == digest(data)  # connections open
+            targets = client._run(_group_targets(client.aclient, path, 0))
+            pid = cl.proc(_name(cl, client._run(_holder(client.aclient, path, 0, stalled)))).pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                for j in slow:
+                    router.mark_slow(targets[j], 600.0)
+                with client.open(path, "rb") as f:
+                    f.seek(a)
+                    assert f.read(b - a) == data[a:b], path
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                router._slow.clear()
+
+
 @pytest.mark.timeout(150)
 def test_a_write_stops_asking_a_stalled_member_once_the_map_shows_it_offline(own_cluster: LocalCluster) -> None:
     """ec:2+1 needs all three fragments (K+1). With a member stalled

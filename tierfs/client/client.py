@@ -101,6 +101,12 @@ class _Hedged(TierFSError):
     failure of the target (``_note`` ignores it); it is marked slow instead."""
 
 
+class _PassedOver(UnavailableError):
+    """A data fragment not asked because its target answered slowly just now
+    (marked slow, not failed): it may still answer, so a decode counts it
+    among the fragments to hedge to."""
+
+
 class _Latencies:
     """Recent data-fragment fetch latencies (seconds, from the chunk's first
     request to the answer) and the adaptive hedge delay they give: twice
@@ -1016,7 +1022,9 @@ class AsyncClient:
         read_serials: dict[int, int] = {}  # position -> serial of the fragment file read
         if down:
             for j in down:
-                bad[j] = UnavailableError(self._why_not_asked(router, rec, targets, j, skip))
+                why = self._why_not_asked(router, rec, targets, j, skip)
+                slow = j not in skip and j not in rec.missing and router.only_slow(targets[j])
+                bad[j] = _PassedOver(why) if slow else UnavailableError(why)
         else:
             keys = [FragmentKey(view.inode, idx, j, ver) for j, _, _ in pieces]
             items = [(targets[j], k, d, o) for (j, o, d), k in zip(pieces, keys, strict=True)]
@@ -1431,9 +1439,14 @@ class AsyncClient:
                 # failed in this read or whose target failed just now (giving
                 # up a slow but sound fetch for those lost whole chunks whose
                 # surviving fragments take longer than the hedge delay: a
-                # 64 MiB ec:1+1 chunk with its data target down).
+                # 64 MiB ec:1+1 chunk with its data target down). One passed
+                # over only because its target was slow just now does count:
+                # until stop 50, with M of them so, the K fetched were not
+                # hedged, and one on a stalled node whose slow mark had lapsed
+                # held the read for the whole request timeout.
                 spare = sum(1 for j in order if j not in have and j not in perm and j not in tried
-                            and isinstance(errors.get(j), _Hedged | None) and not router.down(targets[j])
+                            and isinstance(errors.get(j), _Hedged | _PassedOver | None)
+                            and not router.down(targets[j])
                             and not router.failed_recently(targets[j]))
                 hedge = self._hedge_delay() if spare else None
                 got_serials: list[int] = []
@@ -1516,14 +1529,17 @@ class AsyncClient:
                 if j in perm:
                     continue
                 key = FragmentKey(view.inode, idx, j, ver)
-                # A copy left to hedge to: a usable one; or, when this copy
-                # is itself one that failed or lagged just now, any other
-                # not given up in this read (until stop 49, with every copy
-                # failed within failed_ttl, say after a stall of the whole
-                # cluster, no copy was hedged: a read waited the whole
-                # request timeout on a node that had stalled again).
+                # A copy left to hedge to: a usable one, or one only found
+                # slow just now; or, when this copy is itself one that failed
+                # or lagged just now, any other not given up in this read
+                # (until stop 49, with every copy failed within failed_ttl,
+                # say after a stall of the whole cluster, no copy was hedged:
+                # a read waited the whole request timeout on a node that had
+                # stalled again; until stop 50 so too with the other copies
+                # only slow and this one stalled, its slow mark lapsed).
                 mine = router.usable(targets[j])
-                others = any(x not in perm and (router.usable(targets[x]) or not mine) for x in order[i + 1:])
+                others = any(x not in perm and (router.usable(targets[x]) or router.only_slow(targets[x]) or not mine)
+                             for x in order[i + 1:])
                 crcs: list[int] = []
                 # A partial read: the copy's stored length and CRC32C, asked
                 # alongside, stand in for the whole copy's, as for an EC

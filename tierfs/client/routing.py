@@ -160,6 +160,13 @@ class Router:
             return False
         return not self.failed_recently(target) and not self._within(self._slow, target)
 
+    def only_slow(self, target: int) -> bool:
+        """Not usable only because it was found slow just now (readable in
+        the map, not failed): it may well answer, so a read that gives up a
+        stalled target may hedge to it."""
+        return (self.state.get(target) in _READABLE and not self.failed_recently(target)
+                and self._within(self._slow, target))
+
     def failed_recently(self, target: int) -> bool:
         """A request to it failed within ``failed_ttl`` (slowness aside)."""
         return self._within(self._failed, target)
