@@ -156,6 +156,15 @@ def _judge_more(tag: _Tag | None, fetched: int, width: int) -> bool:
     return tag is not None and tag[0] == 2 and fetched < width
 
 
+def _ec_could_agree(have: int, left: int, k: int) -> bool:
+    """Whether an EC get is to ask on: no K fragments of one value yet
+    (``have``: the most of any one), and the ``left`` positions not asked
+    could still make K. Once they cannot (the key is absent from K of the
+    positions asked, say), asking them only waits on them, a stalled
+    daemon's whole deadline: the get is a miss at once."""
+    return have < k and left > 0 and have + left >= k
+
+
 def _fewest_left_out(have: Sequence[int], k: int) -> Iterator[tuple[int, ...]]:
     """The K-subsets of the positions ``have`` to decode from once they all
     together decoded wrong (a wrong fragment whose trailer agrees): those
@@ -414,6 +423,16 @@ class ClusterTier:
         up = [t for t in targets if self.router.usable(t)]
         return up + [t for t in targets if t not in up and not self.router.failed_recently(t)
                      and not self.router.down(t)]
+
+    def _ec_order(self, targets: tuple[int, ...]) -> list[int]:
+        """An EC get's fragment positions in read order, by the rule of
+        :meth:`_read_order`: usable first, then those the map has no verdict
+        on; a target that failed within ``failed_ttl`` or that the map calls
+        down is not asked. Before, every position was in the order (those
+        last), and a get that found fewer than K fragments on the
+        others (an absent key: the common case in a cache) asked a stalled
+        one and waited out its whole ``kv_timeout``, key after key."""
+        return [targets.index(t) for t in self._read_order(targets)]
 
     def _failed(self, target: int, exc: TierFSError) -> None:
         self.counters.errors += 1
@@ -1166,7 +1185,7 @@ class ClusterTier:
 
     async def _ec_get_bytes(self, route: KVPoolRoute, key: bytes, ttls: list[int]) -> bytes | None:
         targets, stamps = placement(route, key)
-        order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+        order = self._ec_order(targets)
         frag_ttl: dict[int, int] = {}
 
         async def one(j: int) -> tuple[int, bytes | None]:
@@ -1183,7 +1202,7 @@ class ClusterTier:
         got: dict[int, tuple[_Tag, memoryview]] = {}
         pos = 0
         have, tag = 0, None
-        while tag is None and pos < len(order):
+        while tag is None and _ec_could_agree(have, len(order) - pos, route.k):
             want = order[pos:pos + route.k - have]
             pos += len(want)
             for j, v in await asyncio.gather(*(one(j) for j in want)):
@@ -1395,12 +1414,12 @@ class ClusterTier:
         targets, stamps = placement(route, key)
         cap = -(-len(dest) // route.k) + _TRAILER.size
         bufs = [memoryview(bytearray(cap)) for _ in targets]
-        order = sorted(range(len(targets)), key=lambda j: (not self.router.usable(targets[j]), j))
+        order = self._ec_order(targets)
         got: dict[int, tuple[_Tag, memoryview]] = {}
         pos = 0
         too_small = False
         have, tag = 0, None
-        while tag is None and pos < len(order):
+        while tag is None and _ec_could_agree(have, len(order) - pos, route.k):
             # Fragments of different values of the key (an overwrite
             # that skipped a holder, a put that failed half-way) do not
             # count together: ask on until K of one value answered.
