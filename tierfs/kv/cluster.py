@@ -434,6 +434,18 @@ class ClusterTier:
         one and waited out its whole ``kv_timeout``, key after key."""
         return [targets.index(t) for t in self._read_order(targets)]
 
+    def _next_copy(self, order: list[tuple[int, int]], attempt: int) -> bool:
+        """Whether a key of a batch read (or lookup) that missed at
+        ``attempt`` has a copy left to ask; the copies after it on targets
+        that failed since its order was made (a request of this very call
+        timed out there) are dropped from ``order`` first. Before, the order
+        made at the start held: a key that missed on a live copy asked next
+        the stalled daemon other keys had just waited out, and the call
+        waited a second whole ``kv_timeout`` on it."""
+        order[attempt + 1:] = [p for p in order[attempt + 1:]
+                               if not self.router.failed_recently(p[0]) and not self.router.down(p[0])]
+        return attempt + 1 < len(order)
+
     def _failed(self, target: int, exc: TierFSError) -> None:
         self.counters.errors += 1
         # A refusal is an answer from a healthy daemon (a bad request, no
@@ -806,7 +818,8 @@ class ClusterTier:
                     continue
                 if attempt + 1 < len(orders[i]):
                     again.append(i)
-            todo = again
+            # After the loop: every failure of this round marked first.
+            todo = [i for i in again if self._next_copy(orders[i], attempt)]
             attempt += 1
         self.counters.misses += sum(1 for r in out if r is None)
         if too_small is not None and not misfit_miss:
@@ -1012,7 +1025,7 @@ class ClusterTier:
                 for i, hit in zip(by_target[t], got, strict=True):
                     if hit:
                         out[i] = True
-                    elif attempt + 1 < len(orders[i]):
+                    elif self._next_copy(orders[i], attempt):
                         again.append(i)
             todo = sorted(again)
             attempt += 1
