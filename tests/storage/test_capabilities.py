@@ -389,7 +389,8 @@ def test_key_rotation_reaches_daemons(cluster: LocalCluster, world: dict[str, ob
     assert isinstance(frags, list) and isinstance(a, int)
     target, addr, key = frags[0]
     e0 = _epoch()
-    old = _cap(secret, scope=a, epoch=e0, ttl_ms=30_000)
+    # far from its own expiry however slowly a loaded machine runs the waits below
+    old = _cap(secret, scope=a, epoch=e0, ttl_ms=300_000)
     # keys of an epoch two ahead are not handed out yet
     raw = Raw(addr)
     try:
@@ -398,13 +399,13 @@ def test_key_rotation_reaches_daemons(cluster: LocalCluster, world: dict[str, ob
         wait_for(lambda: _epoch() >= e0 + 2 or None, 3 * ROTATION, "two key epochs to pass")
 
         def new_key_known() -> bool | None:
-            return raw.cap(3, _cap(secret, scope=a)) == 0 or None
+            return raw.cap(3, _cap(secret, scope=a, ttl_ms=60_000)) == 0 or None
 
-        wait_for(new_key_known, 5.0, "the daemon to learn the new epoch's key from a heartbeat", interval=0.2)
+        wait_for(new_key_known, 30, "the daemon to learn the new epoch's key from a heartbeat", interval=0.2)
         assert raw.read(target, key, 3)[0].status == 0
         # once the daemon's keys are e0+1..e0+3, e0 is retired: its capability
         # (far from its own expiry) is refused as expired
-        wait_for(lambda: raw.cap(4, old) == EXPIRED or None, 5.0, "epoch e0 to be retired", interval=0.2)
+        wait_for(lambda: raw.cap(4, old) == EXPIRED or None, 30, "epoch e0 to be retired", interval=0.2)
         assert raw.read(target, key, 4)[0].status == EXPIRED
         assert raw.read(target, key, 2)[0].status == 0  # verified once, when it came: good until its expiry
     finally:
