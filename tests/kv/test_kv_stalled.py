@@ -163,3 +163,83 @@ def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
             assert asked == ["exists"], asked
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+def _spy_stalled(client: Client, stalled: int) -> list[str]:
+    """The requests ``client`` sends to target ``stalled`` from now on: "get"
+    per key of a batch get, "exists" per KV_EXISTS, "crcs" per KV_EXISTS
+    with CRCs (a witness, or a ``kv_require_witness`` lookup)."""
+    data = client.aclient._parts()[1]
+    asked: list[str] = []
+    get_batch, exists, crcs = data.kv_get_batch, data.kv_exists, data.kv_crcs
+
+    async def spy_get_batch(items: list[tuple[Any, ...]], *a: Any, **kw: Any) -> Any:
+        asked.extend("get" for it in items if it[0] == stalled)
+        return await get_batch(items, *a, **kw)
+
+    async def spy_exists(target: int, *a: Any, **kw: Any) -> Any:
+        if target == stalled:
+            asked.append("exists")
+        return await exists(target, *a, **kw)
+
+    async def spy_crcs(target: int, *a: Any, **kw: Any) -> Any:
+        if target == stalled:
+            asked.append("crcs")
+        return await crcs(target, *a, **kw)
+
+    data.kv_get_batch, data.kv_exists, data.kv_crcs = spy_get_batch, spy_exists, spy_crcs  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_target_is_asked_one_part_of_a_large_batch(cl: LocalCluster) -> None:
+    """``replica:2``, one daemon stalled, batches of more keys on it than
+    one KV_EXISTS carries (MAX_KV_EXISTS_KEYS). A batch get whose first
+    round waits out the stalled daemon (keys with their first copy on it)
+    also asks it, as witness, of thousands of keys whose second copy it
+    holds; a lookup asks it of thousands of keys whose first copy it holds
+    (with ``kv_require_witness``, every copy's CRC32C). Each must send it
+    one part and, when that times out, not the next: until this change the
+    parts went one after another, each with a whole ``kv_timeout`` (the
+    witness wait after a round that had waited one out is another whole
+    ``kv_timeout``), and a batch get or lookup of 4,200 such keys took two
+    ``kv_timeout``s instead of the documented one."""
+    from tierfs.net.protocol import MAX_KV_EXISTS_KEYS
+
+    create_pool(cl, "r2big", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
+    victim = "storage-1"
+    stalled = _target_ids(cl, victim)[0]
+    names = [f"r2big-{i}" for i in range(16000)]
+    groups = _groups_of(cl, "r2big", names)
+    first = [k for k in names if groups[k][0] == stalled]
+    second = [k for k in names if groups[k][1] == stalled]
+    live = [k for k in names if stalled not in groups[k]]
+    n = MAX_KV_EXISTS_KEYS + 100
+    assert len(first) >= n + 6 and len(second) >= n and live, (len(first), len(second))
+    present = {k: payload(k, 16 * KiB + i) for i, k in enumerate(first[:6] + live[:1])}
+    with Client(cl.meta_addrs, request_timeout=2.0) as writer:
+        pool_ready(writer, "r2big")
+        assert writer.kv_pool("r2big").batch_put(list(present), list(present.values())) == [True] * 7
+    with Client(cl.meta_addrs, kv_timeout=3.0, request_timeout=2.0) as client, \
+            Client(cl.meta_addrs, kv_timeout=3.0, request_timeout=2.0, kv_require_witness=True) as strict:
+        for c in (client, strict):  # maps fetched, connections open
+            assert c.kv_pool("r2big").batch_contains(list(present)) == [True] * 7
+        asked, asked_strict = _spy_stalled(client, stalled), _spy_stalled(strict, stalled)
+        router = client.aclient._parts()[2]
+        kv = client.kv_pool("r2big")
+        pid = cl.kill(victim, signal.SIGSTOP)
+        try:
+            keys = list(present) + second[:n]
+            bufs = [bytearray(32 * KiB) for _ in keys]
+            got = kv.batch_get_into(keys, bufs)
+            assert got == [len(v) for v in present.values()] + [None] * n
+            assert all(bytes(b[:g]) == v for b, g, v in zip(bufs, got, present.values(), strict=False))
+            assert asked.count("get") == 6 and asked.count("crcs") == 1, (asked.count("get"), asked.count("crcs"))
+            router.mark_ok(stalled)  # forgotten: a lookup meets it afresh
+            asked.clear()
+            assert kv.batch_contains(first[6:6 + n]) == [False] * n
+            assert asked == ["exists"], asked
+            assert strict.kv_pool("r2big").batch_contains(first[6:6 + n]) == [False] * n
+            assert asked_strict == ["crcs"], asked_strict
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -866,7 +866,10 @@ class ClusterTier:
                     got = await self.data.kv_crcs(where[0], route.pool_id, [keys[i] for i in part],
                                                   timeout=self.timeout, since=where[1])
                 except TierFSError:
-                    continue
+                    # The rest go unwitnessed: a stalled witness costs one
+                    # deadline, not one per MAX_KV_EXISTS_KEYS keys (a round
+                    # that had itself waited one out then waited another).
+                    break
                 if got is not None:
                     out.update(zip(part, got, strict=True))
             return out
@@ -1074,9 +1077,9 @@ class ClusterTier:
                 got = await self.data.kv_crcs(t, pool_id, part, timeout=self.timeout, since=stamp)
             except TierFSError as exc:
                 self._failed(t, exc)
-                got = None
+                break  # the rest are not known either: one deadline per target, not one per part
             out += got if got is not None else [None] * len(part)
-        return out
+        return out + [None] * (len(keys) - len(out))
 
     async def _exists_on(self, where: tuple[int, int], pool_id: int, keys: list[bytes]) -> list[bool]:
         t, stamp = where
@@ -1086,9 +1089,11 @@ class ClusterTier:
             try:
                 out += await self.data.kv_exists(t, pool_id, part, timeout=self.timeout, since=stamp)
             except TierFSError as exc:
+                # The rest are absent too, unasked: a stalled target costs
+                # one deadline, not one per MAX_KV_EXISTS_KEYS keys.
                 self._failed(t, exc)
-                out += [False] * len(part)
-        return out
+                break
+        return out + [False] * (len(keys) - len(out))
 
     async def delete(self, key: bytes) -> bool:
         """Delete every copy (or fragment) a get could still be served;
