@@ -1809,6 +1809,7 @@ class AsyncClient:
                     # left missing, not retried (a stalled node would cost
                     # another timeout per attempt); reads go around it too.
                     router.mark_slow(targets[j], cfg.slow_target_ttl)
+                    router.mark_write_lagged(targets[j], cfg.slow_target_ttl)
                     continue
                 if isinstance(r, NoSpaceError):
                     # Full: like an offline member, the position is left
@@ -1877,14 +1878,18 @@ class AsyncClient:
         timeout = self.config.request_timeout
         t0 = loop.time()
         last = 0.0
-        # A target given up for lagging just now (marked slow: a stalled
-        # node, by the write of the chunk before), or that failed or timed
-        # out just now, or that the map shows down, is given only three
-        # times its peers' time (at least hedge_min), not a quarter of the
-        # request timeout again: until stop 51 a node stalled before meta
-        # marked it offline cost every round of write_concurrency chunks
-        # 2.5 s (a 320 MiB DCP save 13 s instead of 2 s).
-        slow = {i for i, it in enumerate(items) if not router.usable(it[0])}
+        # A target a write gave up for lagging just now (a stalled node,
+        # waited out by the write of the chunk before), or that failed or
+        # timed out just now, or that the map shows down, is given only
+        # three times its peers' time (at least hedge_min), not a quarter of
+        # the request timeout again: until stop 50 a node stalled before
+        # meta marked it offline cost every round of write_concurrency
+        # chunks 2.5 s (a 320 MiB DCP save 13 s instead of 2 s). One only
+        # hedged by a read (marked slow: tens of milliseconds behind on a
+        # busy host) still gets the quarter: it is most likely just busy,
+        # and a write left without it is a degraded chunk to repair.
+        slow = {i for i, it in enumerate(items)
+                if router.write_lagged(it[0]) or router.failed_recently(it[0]) or router.down(it[0])}
 
         async def one(item: tuple[int, FragmentKey, Any]) -> TierFSError | None:
             nonlocal last

@@ -44,6 +44,9 @@ class Router:
         self.state: dict[int, int] = {}
         self._failed: dict[int, float] = {}
         self._slow: dict[int, float] = {}
+        #: targets a write gave up for lagging (after a quarter of the
+        #: request timeout): see :meth:`write_lagged`
+        self._write_lagged: dict[int, float] = {}
         self._full: dict[int, float] = {}
         # group id -> {member still being rebuilt: the member it replaced
         # when that one is still readable, else 0}
@@ -191,6 +194,18 @@ class Router:
         Writes still go to it."""
         if ttl > 0:
             self._slow[target] = time.monotonic() + ttl
+
+    def mark_write_lagged(self, target: int, ttl: float) -> None:
+        """A write gave up on ``target`` after waiting it out (a stalled
+        node, most likely): later writes give it only their peers' time."""
+        if ttl > 0:
+            self._write_lagged[target] = time.monotonic() + ttl
+
+    def write_lagged(self, target: int) -> bool:
+        """A write gave up on it within the mark's ttl. Unlike
+        :meth:`usable`, a read hedge (tens of milliseconds behind on a busy
+        host) does not set it: a write still waits for a merely busy node."""
+        return self._within(self._write_lagged, target)
 
     def down(self, target: int) -> bool:
         """Offline (or failed) in the cluster map: a write skips it."""
