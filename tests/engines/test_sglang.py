@@ -573,3 +573,43 @@ def test_models_whose_names_differ_only_in_slashes_never_share_pages(servers: tu
         assert b.call("exists", f"other{i}", keys) == 0, other
         got = b.call("get_v1", f"other{i}", keys, b.call("alloc", f"other{i}", 3))
         assert got["ok"] == [False] * 3, other
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_backup_with_a_daemon_stalled_retries_one_page_not_each(
+        servers: tuple[Server, Server], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``ec:2+1`` on three daemons, one stalled (SIGSTOP) and never called
+    down (meta's heartbeat timeout is longer than the test): every put waits
+    on it for the whole ``kv_timeout``. A backup batch fails; the pages it did
+    not store are retried one by one only up to the first that fails, since
+    SGLang's controller takes a batch as done only when all its pages are and
+    reads pages as a prefix. Until this change every page was retried, each
+    a whole ``kv_timeout`` (a 128-page batch: 129 of them, SGLang's backup
+    thread held all along). Counted, not timed: one page retry fails."""
+    import signal
+
+    from tests.engines.conftest import create_pool
+    from tierfs.local import LocalCluster
+
+    a, _ = servers
+    cl = LocalCluster(tmp_path_factory.mktemp("sglang-stall"), n_meta=1, n_storage=3,
+                      extra_meta_args=["--heartbeat-timeout=600"])
+    cl.up(timeout=120)
+    try:
+        meta = ",".join(cl.meta_addrs)
+        create_pool(cl.meta_addrs, "stall", redundancy="ec:2+1", target_memory=16 << 20, target_disk=0)
+        a.call("backend", "st", "page_first", extra("stall", meta=meta, timeout=1.0))
+        toks = tokens(8, seed=23)
+        keys = a.call("keys", "st", toks)[:8]
+        filled = a.call("fill", "st", 8, 29)
+        pid = cl.kill("storage-1", signal.SIGSTOP)
+        try:
+            got = a.call("set_v1", "st", keys, filled["indices"], timeout=200)
+            counters = a.call("stats", "st")["counters"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert got == [False] * 8  # every page has a fragment on the stalled daemon
+        assert counters["errors"] == 1, counters  # one page retried; before: 8
+        assert counters["pages_failed"] == 8, counters
+    finally:
+        cl.stop()

@@ -458,15 +458,37 @@ class TierFSHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             try:
                 self._kv.batch_put([okeys[j] for j in todo], [bufs[j] for j in todo])
             except TierFSError as e:
+                # The batch says which keys it stored (an EC batch stops at
+                # the key that failed: the rest were not tried, None too).
+                # The other pages are put again one by one, in order, up to
+                # the first that fails: SGLang takes a backup batch as done
+                # only when every page is (all() in its controller) and
+                # reads pages as a prefix, so pages after a failed one are
+                # of no use, and each retry can wait a whole kv_timeout on
+                # a stalled daemon. Until this change every page was retried:
+                # a 128-page batch with a daemon stalled held SGLang's backup
+                # thread for 129 kv_timeouts (puts wait on a stalled target
+                # until the map calls it down).
+                results = e.batch_results
+                done = {j for n, j in enumerate(todo) if results is not None and n < len(results)
+                        and results[n] is not None}
                 log.warning("TierFS HiCache storage: batch put failed (%s); retrying page by page", e)
+                failed = False
                 for i in sorted({owner[j] for j in todo}):
-                    mine = [j for j in todo if owner[j] == i]
+                    mine = [j for j in todo if owner[j] == i and j not in done]
+                    if not mine:
+                        continue
+                    if failed:
+                        ok[i] = False
+                        continue
                     try:
                         self._kv.batch_put([okeys[j] for j in mine], [bufs[j] for j in mine])
                     except TierFSError as e2:
                         self.counters["errors"] += 1
-                        log.warning("TierFS HiCache storage: page %s not stored: %s", keys[i], e2)
+                        log.warning("TierFS HiCache storage: page %s not stored (%s); the later pages of "
+                                    "this batch not stored yet are not tried", keys[i], e2)
                         ok[i] = False
+                        failed = True
         stored_pages = {owner[j] for j in todo}
         first: dict[int, str] = {}
         for j, i in enumerate(owner):
