@@ -137,8 +137,12 @@ def test_a_partial_read_checks_the_stored_crcs_once_per_chunk_generation(six: Lo
             # A fragment cut short is caught by its stored length.
             await _plant(six, info, {short: os.urandom(short_size)})
             ac._verified.clear()
+            rereads = ac.whole_chunk_rereads
             assert await ac.read_into(path, part, short_at) == 3000 and part == data[short_at: short_at + 3000]
-            assert ac.corrupt_fragments == 2
+            # Caught by its stored length; or, where the STAT answer lagged
+            # the read (on a loaded host: more than three times the read's
+            # time), by reading the whole chunk instead (CI saw that once).
+            assert ac.corrupt_fragments == 2 or ac.whole_chunk_rereads > rereads
 
     asyncio.run(go())
 
