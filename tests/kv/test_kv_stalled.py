@@ -9,6 +9,7 @@ when the other copies or fragments could answer fails the test by timeout
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tests.kv.test_kv_cluster import (
     pool_ready,
 )
 from tierfs.client import Client
+from tierfs.errors import UnavailableError
 from tierfs.kv.client import KV
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
@@ -243,3 +245,79 @@ def test_a_stalled_target_is_asked_one_part_of_a_large_batch(cl: LocalCluster) -
             assert asked_strict == ["crcs"], asked_strict
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(240)
+def test_plain_puts_skip_a_copy_that_just_stalled(cl: LocalCluster) -> None:
+    """``replica:2``, one daemon stalled, and a client whose map does not
+    call it down (the map takes a heartbeat timeout and its age to). The
+    first plain put into a group with the stalled copy waits out one
+    ``kv_timeout`` and marks it failed; later plain puts of unpinned values
+    skip it (the reached copy gets the group stamp; the skipped one lacks
+    the key, like an evicted copy), are acknowledged, and read back right,
+    stalled and after it resumes. Until this change each of them waited a
+    whole ``kv_timeout`` on it, put after put. An overwrite and a pinned put
+    still ask it: the stamp fencing of a skipped copy needs the map's word."""
+    asyncio.run(cl.wait_healthy(120))
+    create_pool(cl, "r2put", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
+    victim = "storage-1"
+    stalled = _target_ids(cl, victim)[0]
+    names = [f"r2put-{i}" for i in range(300)]
+    groups = _groups_of(cl, "r2put", names)
+    with_stalled = [k for k in names if stalled in groups[k]]
+    assert len(with_stalled) >= 10, groups
+    values = {k: payload(k, 32 * KiB + i) for i, k in enumerate(with_stalled[:10])}
+    keys = list(values)
+    with Client(cl.meta_addrs, kv_timeout=3.0, request_timeout=2.0, map_max_age=600.0,
+                failed_target_ttl=120.0) as client:
+        pool_ready(client, "r2put")
+        kv = client.kv_pool("r2put")
+        assert kv.batch_contains(keys) == [False] * len(keys)  # map fetched, connections open
+        data = client.aclient._parts()[1]
+        asked: list[str] = []
+        put_batch, put_one = data.kv_put_batch, data.kv_put
+
+        async def spy_put_batch(items: list[tuple[Any, ...]], *a: Any, **kw: Any) -> Any:
+            asked.extend("put" for it in items if it[0] == stalled)
+            return await put_batch(items, *a, **kw)
+
+        async def spy_put_one(target: int, *a: Any, **kw: Any) -> Any:
+            if target == stalled:
+                asked.append("put")
+            return await put_one(target, *a, **kw)
+
+        data.kv_put_batch, data.kv_put = spy_put_batch, spy_put_one  # type: ignore[method-assign]
+        router = client.aclient._parts()[2]
+        pid = cl.kill(victim, signal.SIGSTOP)
+        try:
+            assert kv.put(keys[0], values[keys[0]]) is True  # waits out the stalled copy once
+            assert asked == ["put"] and router.failed_recently(stalled), asked
+            assert not router.down(stalled)
+            asked.clear()
+            for k in keys[1:6]:
+                assert kv.put(k, values[k]) is True, k
+            assert kv.batch_put(keys[6:8], [values[k] for k in keys[6:8]]) == [True, True]
+            assert asked == [], asked  # the stalled copy was asked nothing more
+            assert not router.down(stalled)  # skipped as failed, not as down
+            for k in keys[:8]:
+                assert kv.get(k) == values[k], k
+            # An overwrite and a pinned put still ask it (their semantics
+            # are unchanged: a skipped copy is fenced only by the map).
+            # (It raises: its copy could not be deleted either, so it is not acknowledged.)
+            with contextlib.suppress(UnavailableError):
+                kv.put(keys[8], values[keys[8]], overwrite=True)
+            assert asked.count("put") >= 1, asked
+            asked.clear()
+            assert kv.put(keys[9], values[keys[9]], pin="soft", pin_ttl=60.0) is True
+            assert asked.count("put") >= 1, asked
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        asyncio.run(cl.wait_healthy(120))
+    with Client(cl.meta_addrs, kv_timeout=3.0, request_timeout=2.0) as reader:
+        kv = reader.kv_pool("r2put")
+        for k in keys[:8]:
+            assert kv.get(k) == values[k], k
+        bufs = [bytearray(64 * KiB) for _ in keys[:8]]
+        got = kv.batch_get_into(keys[:8], bufs)
+        assert got == [len(values[k]) for k in keys[:8]]
+        assert all(bytes(b[:n]) == values[k] for b, n, k in zip(bufs, got, keys, strict=False))

@@ -348,6 +348,9 @@ class ClusterTier:
         self.on_evict = None  # the cluster evicts on its own; nothing is demoted below it
         self._disagree_quiet_until = 0.0
         self._disagree_unlogged = 0
+        #: Each target's last failure here (it marked the target failed):
+        #: what a put that skipped it and failed on the others says of it.
+        self._last_failure: dict[int, TierFSError] = {}
 
     async def route(self) -> KVPoolRoute:
         return await self.router.kv_pool(self.pool)
@@ -454,6 +457,7 @@ class ClusterTier:
         # contains of that target a miss for failed_target_ttl.
         if not isinstance(exc, (InvalidArgumentError, NotFoundError, NoSpaceError)):
             self.router.mark_failed(target)
+            self._last_failure[target] = exc
 
     # ---- put ---------------------------------------------------------------------
 
@@ -573,6 +577,14 @@ class ClusterTier:
         owner: list[int] = []
         from tierfs.net.protocol import crc32c
 
+        # A plain put of an unpinned value skips a copy that failed a
+        # request within failed_target_ttl too, as reads do: that copy then
+        # lacks the key, like an evicted one (a get misses there and asks
+        # the next). Not an overwrite, pin or delete: a copy they skip would
+        # keep the previous value or pin, and only the map's word (down,
+        # then the group stamp) fences it (docs/kv.md, "Deadlines").
+        skip_failed = not overwrite and pin == 0 and pin_ttl_ms == 0
+        skipped: dict[int, list[int]] = {}  # key index -> copies skipped as failed
         value_crcs: list[int] = []
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             crc = crc32c(buf)  # once per object, not once per copy
@@ -583,10 +595,16 @@ class ClusterTier:
                 # group stamp, so that a daemon whose map has that copy back
                 # (or replaced) refuses (docs/kv.md, "Writers that skip a copy").
                 grouped = flags | KV_GROUP | max(stamps) << KV_STAMP_SHIFT
-                for t in members:
-                    if not self.router.down(t):
-                        items.append((t, route.pool_id, key, buf, crc, grouped, ttl_ms))
-                        owner.append(i)
+                ask = [t for t in members if not self.router.down(t)]
+                if skip_failed:
+                    # Every copy failed just now: ask them all, as before.
+                    fresh = [t for t in ask if not self.router.failed_recently(t)]
+                    if fresh and len(fresh) < len(ask):
+                        skipped[i] = [t for t in ask if t not in fresh]
+                        ask = fresh
+                for t in ask:
+                    items.append((t, route.pool_id, key, buf, crc, grouped, ttl_ms))
+                    owner.append(i)
                 continue
             for t, stamp in zip(members, stamps, strict=True):
                 items.append((t, route.pool_id, key, buf, crc, flags | stamp << KV_STAMP_SHIFT, ttl_ms))
@@ -633,6 +651,13 @@ class ClusterTier:
             if not reached[i]:
                 self.counters.put_failures += 1
                 answers = errors.get(i, [])
+                if answers:
+                    # A copy skipped as failed is one answer too (it may
+                    # be the copy with room): named, with why it failed.
+                    answers = answers + [
+                        (t, UnavailableError("not asked: it failed a request within failed_target_ttl"
+                                             + (f" ({self._last_failure[t]})" if t in self._last_failure else "")))
+                        for t in skipped.get(i, [])]
                 if failure is None and answers:
                     first = answers[0][1]
                     bad = next((e for _, e in answers if isinstance(e, InvalidArgumentError)), None)
