@@ -88,6 +88,13 @@ __all__ = [
     "header_length",
 ]
 
+
+#: How fragment files are opened to read. O_NONBLOCK changes nothing for a
+#: regular file; a FIFO where a fragment's file was (mkfifo in the data
+#: dir) then opens at once and fails the regular-file check, where a plain
+#: open waited for a writer for ever, on the event loop: the whole daemon hung.
+_OPEN_READ = os.O_RDONLY | os.O_NONBLOCK
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"TFSFRAG1"
@@ -569,7 +576,7 @@ class ChunkEngine:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}")
         path = self._fpath(key)
         try:
-            fd = await self.backend.open(path, os.O_RDONLY)
+            fd = await self.backend.open(path, _OPEN_READ)
         except FileNotFoundError:
             raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
         except OSError as exc:
@@ -641,7 +648,7 @@ class ChunkEngine:
             raise
         if entry.size < 0:
             try:
-                fd = await self.backend.open(path, os.O_RDONLY)
+                fd = await self.backend.open(path, _OPEN_READ)
             except FileNotFoundError:
                 raise NotFoundError(f"fragment {key} not on target {self.target_id}") from None
             try:

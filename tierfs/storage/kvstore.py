@@ -362,6 +362,13 @@ def _parse_header(buf: memoryview | bytes, path: str) -> tuple[int, _Obj]:
     return pool_id, _Obj(key, size, crc, gen, expiry, pin, pin_expiry, path, stamp=stamp)
 
 
+# Object files are opened with O_NONBLOCK: it changes nothing for a regular
+# file, and a FIFO where an object's file was (mkfifo in the data dir) then
+# fails at once (a read: ESPIPE; a write with no reader: ENXIO) and is
+# dropped as corrupt, where a plain open waited for ever - at the store's
+# open, and on the event loop at a get: the whole daemon hung.
+
+
 def _mode(path: str) -> int | None:
     """``path``'s st_mode (not following a symlink), or None if it cannot be stat'ed."""
     try:
@@ -530,7 +537,7 @@ class KVStore:
 
     def _load_header(self, path: str, pool_id: int, gen: int) -> _Obj | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None
         try:
@@ -1353,7 +1360,7 @@ class KVStore:
             buf = self.pool.get(length)
             try:
                 try:
-                    fd = await self.backend.open(obj.path, os.O_RDONLY)
+                    fd = await self.backend.open(obj.path, os.O_RDONLY | os.O_NONBLOCK)
                 except FileNotFoundError:
                     self.pool.put(buf)
                     # a file leaves only after its index entry, so if the entry is
@@ -1470,7 +1477,7 @@ class KVStore:
             hdr = self.pool.get(HEADER_BYTES)
             try:
                 _pack_header(hdr, p.spec.pool_id, obj)
-                fd = await self.backend.open(obj.path, os.O_WRONLY)
+                fd = await self.backend.open(obj.path, os.O_WRONLY | os.O_NONBLOCK)
                 try:
                     await self.backend.write_at(fd, hdr, 0)
                     if p.spec.fsync:
