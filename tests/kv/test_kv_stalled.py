@@ -136,20 +136,7 @@ def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
     with Client(cl.meta_addrs, kv_timeout=3.0, request_timeout=2.0) as client:
         kv = client.kv_pool("r2st")
         assert kv.batch_contains(first + second) == [True] * 6 + [False] * 6  # connections open
-        data = client.aclient._parts()[1]
-        asked: list[str] = []
-        get_batch, exists = data.kv_get_batch, data.kv_exists
-
-        async def spy_get_batch(items: list[tuple[Any, ...]], *a: Any, **kw: Any) -> Any:
-            asked.extend("get" for it in items if it[0] == stalled)
-            return await get_batch(items, *a, **kw)
-
-        async def spy_exists(target: int, *a: Any, **kw: Any) -> Any:
-            if target == stalled:
-                asked.append("exists")
-            return await exists(target, *a, **kw)
-
-        data.kv_get_batch, data.kv_exists = spy_get_batch, spy_exists  # type: ignore[method-assign]
+        asked = _spy_stalled(client, stalled, ("get", "exists"))
         router = client.aclient._parts()[2]
         pid = cl.kill(victim, signal.SIGSTOP)
         try:
@@ -167,29 +154,39 @@ def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
-def _spy_stalled(client: Client, stalled: int) -> list[str]:
-    """The requests ``client`` sends to target ``stalled`` from now on: "get"
-    per key of a batch get, "exists" per KV_EXISTS, "crcs" per KV_EXISTS
-    with CRCs (a witness, or a ``kv_require_witness`` lookup)."""
+#: label -> the data client's methods it counts (name, whether its first
+#: argument is a batch of items whose first field is the target)
+_SPIED = {
+    "get": (("kv_get_batch", True),),
+    "exists": (("kv_exists", False),),
+    "crcs": (("kv_crcs", False),),
+    "put": (("kv_put_batch", True), ("kv_put", False)),
+}
+
+
+def _spy_stalled(client: Client, stalled: int, what: tuple[str, ...] = ("get", "exists", "crcs")) -> list[str]:
+    """The requests ``client`` sends to target ``stalled`` from now on, of
+    the kinds ``what`` names: "get" per key of a batch get, "exists" per
+    KV_EXISTS, "crcs" per KV_EXISTS with CRCs (a witness, or a
+    ``kv_require_witness`` lookup), "put" per copy put."""
     data = client.aclient._parts()[1]
     asked: list[str] = []
-    get_batch, exists, crcs = data.kv_get_batch, data.kv_exists, data.kv_crcs
 
-    async def spy_get_batch(items: list[tuple[Any, ...]], *a: Any, **kw: Any) -> Any:
-        asked.extend("get" for it in items if it[0] == stalled)
-        return await get_batch(items, *a, **kw)
+    def spy(label: str, name: str, batch: bool) -> None:
+        real = getattr(data, name)
 
-    async def spy_exists(target: int, *a: Any, **kw: Any) -> Any:
-        if target == stalled:
-            asked.append("exists")
-        return await exists(target, *a, **kw)
+        async def counted(first: Any, *a: Any, **kw: Any) -> Any:
+            if batch:
+                asked.extend(label for it in first if it[0] == stalled)
+            elif first == stalled:
+                asked.append(label)
+            return await real(first, *a, **kw)
 
-    async def spy_crcs(target: int, *a: Any, **kw: Any) -> Any:
-        if target == stalled:
-            asked.append("crcs")
-        return await crcs(target, *a, **kw)
+        setattr(data, name, counted)
 
-    data.kv_get_batch, data.kv_exists, data.kv_crcs = spy_get_batch, spy_exists, spy_crcs  # type: ignore[method-assign]
+    for label in what:
+        for name, batch in _SPIED[label]:
+            spy(label, name, batch)
     return asked
 
 
@@ -273,20 +270,7 @@ def test_plain_puts_skip_a_copy_that_just_stalled(cl: LocalCluster) -> None:
         pool_ready(client, "r2put")
         kv = client.kv_pool("r2put")
         assert kv.batch_contains(keys) == [False] * len(keys)  # map fetched, connections open
-        data = client.aclient._parts()[1]
-        asked: list[str] = []
-        put_batch, put_one = data.kv_put_batch, data.kv_put
-
-        async def spy_put_batch(items: list[tuple[Any, ...]], *a: Any, **kw: Any) -> Any:
-            asked.extend("put" for it in items if it[0] == stalled)
-            return await put_batch(items, *a, **kw)
-
-        async def spy_put_one(target: int, *a: Any, **kw: Any) -> Any:
-            if target == stalled:
-                asked.append("put")
-            return await put_one(target, *a, **kw)
-
-        data.kv_put_batch, data.kv_put = spy_put_batch, spy_put_one  # type: ignore[method-assign]
+        asked = _spy_stalled(client, stalled, ("put",))
         router = client.aclient._parts()[2]
         pid = cl.kill(victim, signal.SIGSTOP)
         try:
