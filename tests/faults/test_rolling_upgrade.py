@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "55dff7ab7898d9efdc06abca111ae7048b237b3c"
+PREVIOUS = "2d545ce9b584cabf88f061e641aa90f0807c2c48"
 
 REPO = Path(__file__).resolve().parents[2]
 
