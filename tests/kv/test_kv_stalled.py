@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,6 +159,7 @@ def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
 #: argument is a batch of items whose first field is the target)
 _SPIED = {
     "get": (("kv_get_batch", True),),
+    "get1": (("kv_get_into", False), ("kv_get", False)),
     "exists": (("kv_exists", False),),
     "crcs": (("kv_crcs", False),),
     "put": (("kv_put_batch", True), ("kv_put", False)),
@@ -168,7 +170,8 @@ def _spy_stalled(client: Client, stalled: int, what: tuple[str, ...] = ("get", "
     """The requests ``client`` sends to target ``stalled`` from now on, of
     the kinds ``what`` names: "get" per key of a batch get, "exists" per
     KV_EXISTS, "crcs" per KV_EXISTS with CRCs (a witness, or a
-    ``kv_require_witness`` lookup), "put" per copy put."""
+    ``kv_require_witness`` lookup), "put" per copy put, "get1" per
+    single-key get."""
     data = client.aclient._parts()[1]
     asked: list[str] = []
 
@@ -305,3 +308,48 @@ def test_plain_puts_skip_a_copy_that_just_stalled(cl: LocalCluster) -> None:
         got = kv.batch_get_into(keys[:8], bufs)
         assert got == [len(values[k]) for k in keys[:8]]
         assert all(bytes(b[:n]) == values[k] for b, n, k in zip(bufs, got, keys, strict=False))
+
+
+@pytest.mark.timeout(240)
+def test_a_timed_out_copy_is_passed_over_until_the_map_can_call_it_down(cl: LocalCluster) -> None:
+    """``replica:2``, one daemon stalled, a client with a short
+    ``failed_target_ttl`` and a map it does not refresh. A get whose first
+    copy is on the stalled daemon waits out one ``kv_timeout``; the target
+    is then passed over four times ``failed_target_ttl`` (as the file
+    client does after a timeout), not once: with the plain ttl (5 s by
+    default) a get a few seconds later waited out a second ``kv_timeout``
+    before meta's heartbeat timeout (10 s) called the daemon down."""
+    asyncio.run(cl.wait_healthy(120))
+    create_pool(cl, "r2ttl", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
+    victim = "storage-2"
+    stalled = _target_ids(cl, victim)[0]
+    names = [f"r2ttl-{i}" for i in range(300)]
+    groups = _groups_of(cl, "r2ttl", names)
+    first = [k for k in names if groups[k][0] == stalled]
+    assert len(first) >= 4, groups
+    values = {k: payload(k, 16 * KiB + i) for i, k in enumerate(first[:4])}
+    with Client(cl.meta_addrs, request_timeout=2.0) as writer:
+        pool_ready(writer, "r2ttl")
+        assert writer.kv_pool("r2ttl").batch_put(list(values), list(values.values())) == [True] * 4
+    ttl = 3.0
+    with Client(cl.meta_addrs, kv_timeout=2.0, request_timeout=2.0, map_max_age=600.0,
+                failed_target_ttl=ttl) as client:
+        kv = client.kv_pool("r2ttl")
+        assert kv.batch_contains(list(values)) == [True] * 4  # map fetched, connections open
+        router = client.aclient._parts()[2]
+        asked = _spy_stalled(client, stalled, ("get", "get1"))
+        pid = cl.kill(victim, signal.SIGSTOP)
+        try:
+            k0 = first[0]
+            assert kv.get(k0) == values[k0]  # waits out the stalled first copy once
+            assert asked == ["get1"], asked
+            assert router.failed_recently(stalled)
+            time.sleep(ttl + 1.0)  # past the plain ttl, well inside four times it
+            assert router.failed_recently(stalled)
+            asked.clear()
+            for k in first[1:4]:
+                assert kv.get(k) == values[k], k
+            assert asked == [], asked
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        asyncio.run(cl.wait_healthy(120))

@@ -455,8 +455,13 @@ class ClusterTier:
         # such pool, no room): not a reason to pass over the target. Until
         # stop 46 a NoSpaceError (a full pin quota) made every get and
         # contains of that target a miss for failed_target_ttl.
+        # A target that let a request time out (stalled, overloaded) is
+        # passed over four times as long, as the file client does: meta
+        # calls a stalled daemon down only after its heartbeat timeout (10 s
+        # by default), and with the plain ttl (5 s) a second kv_timeout was
+        # waited out on it before that.
         if not isinstance(exc, (InvalidArgumentError, NotFoundError, NoSpaceError)):
-            self.router.mark_failed(target)
+            self.router.mark_failed(target, factor=4.0 if isinstance(exc, TimeoutError_) else 1.0)
             self._last_failure[target] = exc
 
     # ---- put ---------------------------------------------------------------------
