@@ -120,7 +120,7 @@ def _w_controller(name: str, layout: str, extra: dict[str, Any], page_size: int 
     return {"backend": f"{type(be).__module__}.{type(be).__name__}",
             "registered": type(be.mem_pool_host).__name__, "layout": host.layout,
             "page_get": ctl.page_get_func.__name__, "page_set": ctl.page_set_func.__name__,
-            "pieces": len(be.pages.names), "zero_copy": be.zero_copy}
+            "pieces": len(be.pages.names), "zero_copy": be.zero_copy, "unknown": be.unknown_settings}
 
 
 def _w_backend(name: str, layout: str, extra: dict[str, Any], mla: bool = False, tp_rank: int = 0,
@@ -368,8 +368,15 @@ def test_factory_dynamic_config(servers: tuple[Server, Server], fresh_pool: str,
     # interface_v1 defaulted on: SGLang chose its zero-copy page functions.
     assert (info["page_get"], info["page_set"]) == ("_page_get_zero_copy", "_page_set_zero_copy")
     assert info["pieces"] == 2 and info["zero_copy"]
+    assert info["unknown"] == []
     info = b.call("controller", "fb", "layer_first", extra(fresh_pool, meta=tierfs_meta))
     assert info["pieces"] == 2 * GEOMETRY["layers"] and info["layout"] == "layer_first"
+    # A misspelt setting starts (SGLang's own keys share the dict, and a
+    # later SGLang may read keys TierFS does not know) but is named in a
+    # warning; SGLang's own keys are not.
+    info = a.call("controller", "fc", "page_first",
+                  extra(fresh_pool, timout=3, prefetch_threshold=128, enable_metadata_cache=True))
+    assert info["unknown"] == ["timout"]
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])

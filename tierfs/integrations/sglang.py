@@ -68,6 +68,15 @@ log = logging.getLogger(__name__)
 
 #: Where SGLang's extra config is named in messages.
 WHERE = "--hicache-storage-backend-extra-config"
+#: The settings of the extra config this backend reads.
+SETTINGS = ("meta", "pool", "token", "namespace", "timeout", "connect_timeout", "transport", "interface_v1")
+#: Those SGLang itself reads from the same dict (0.5.x: the backend factory,
+#: the cache controllers, the file backend's metadata cache). A key in
+#: neither is logged as unknown, not refused: a later SGLang may read
+#: keys this list does not know.
+SGLANG_SETTINGS = ("backend_name", "module_path", "class_name", "tp_lcm_size", "prefetch_threshold",
+                   "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "enable_metadata_cache",
+                   "metadata_ttl", "file_storage_path")
 #: Host pool layouts whose pages this backend reads and writes in place.
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -164,6 +173,12 @@ class TierFSHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             # right after creating us, so default it on.
             extra.setdefault("interface_v1", 1)
         self.storage_config = storage_config
+        #: Keys of the extra config that neither this backend nor SGLang
+        #: reads (a misspelt "timout" would otherwise pass unnoticed).
+        self.unknown_settings = sorted(str(k) for k in set(extra) - set(SETTINGS) - set(SGLANG_SETTINGS))
+        if self.unknown_settings:
+            log.warning("%s: unknown setting(s) %s, ignored (TierFS reads %s)", WHERE,
+                        ", ".join(map(repr, self.unknown_settings)), ", ".join(SETTINGS))
         self.zero_copy = bool(extra.get("interface_v1", 1))
         self.target: Target = resolve(extra, meta_key="meta", pool_key="pool", where=WHERE)
         namespace = extra.get("namespace", "default")
