@@ -375,7 +375,8 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
 
 @pytest.mark.parametrize(("setting", "value"), [(TIMEOUT_KEY, "soon"), (TIMEOUT_KEY, float("inf")),
                                                 (TIMEOUT_KEY, float("nan")), (META_KEY, "no-port"), (TRANSPORT_KEY, "udp"),
-                                                ("remote_serde", "cachegen"), ("use_layerwise", True)])
+                                                ("remote_serde", "cachegen"), ("use_layerwise", True),
+                                                ("remote_storage_plugin.tierfs.conect_timeout", 3)])
 def test_bad_setting_is_named(setting: str, value: Any, stored: Stored, tierfs_meta: str) -> None:
     extra = plugin_config(**{META_KEY: tierfs_meta})
     top: dict[str, Any] = {}

@@ -62,6 +62,10 @@ TIMEOUT_KEY = "remote_storage_plugin.tierfs.connect_timeout"
 TRANSPORT_KEY = "remote_storage_plugin.tierfs.transport"
 _TRANSPORTS = ("tcp", "shm", "rdma", "auto")
 WHERE = "LMCache extra_config"
+_PREFIX = "remote_storage_plugin.tierfs."
+#: The keys under ``_PREFIX``: LMCache's loader reads the first two, the
+#: connector the rest (``token``: :func:`tierfs.integrations.common.resolve`).
+SETTINGS = ("module_path", "class_name", "meta", "pool", "token", "transport", "connect_timeout")
 
 #: TierFS keys are at most 512 bytes; longer ones (a very long model name) are hashed.
 _MAX_KEY = 400
@@ -80,6 +84,17 @@ def _connect_timeout(extra: Any) -> float:
     if not (timeout > 0 and math.isfinite(timeout)):  # infinity was taken until stop 48: a wait for ever
         raise ConfigError(f"must be a finite number of seconds > 0, not {raw!r}", field=f"{WHERE} {TIMEOUT_KEY!r}")
     return timeout
+
+
+def _check_settings(extra: Any) -> None:
+    """Keys under ``remote_storage_plugin.tierfs.`` are this connector's
+    alone: one it does not know (a misspelt ``conect_timeout``) fails
+    start-up, naming it, rather than pass unnoticed."""
+    unknown = sorted(str(k) for k in (extra or {}) if str(k).startswith(_PREFIX)
+                     and str(k)[len(_PREFIX):] not in SETTINGS)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(map(repr, unknown))} (known: "
+                          f"{', '.join(_PREFIX + k for k in SETTINGS)})", field=f"{WHERE} {unknown[0]!r}")
 
 
 def _client_options(extra: Any) -> dict[str, Any]:
@@ -133,6 +148,7 @@ class TierFSConnector(RemoteConnector):  # type: ignore[misc]  # LMCache has no 
             raise ConfigError(f"the TierFS connector stores raw KV; {serde!r} is not supported "
                               "(use 'naive')", field="remote_serde")
         super().__init__(local_cpu_backend.config, metadata)
+        _check_settings(cfg.extra_config)
         target = resolve(cfg.extra_config, meta_key=META_KEY, pool_key=POOL_KEY, where=WHERE)
         self._client = connect(target, timeout=_connect_timeout(cfg.extra_config),
                                **_client_options(cfg.extra_config))
