@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -443,5 +444,37 @@ def test_a_write_whose_old_bytes_cannot_be_read_aborts_its_session(six: LocalClu
             assert [(r.index, r.generation) for r in after.chunks] == [(r.index, r.generation) for r in info.chunks]
             first = bytearray(CS)
             assert await ac.read_into("/rmw/f", first, 0) == CS and first == data[:CS]
+
+    asyncio.run(go())
+
+
+def test_a_stalled_target_costs_a_wrong_fragment_s_heal_a_hedge_not_a_timeout(six: LocalCluster) -> None:
+    """ec:4+2, one chunk: data fragment 1 wrong but self-consistent, and the
+    daemon of parity position 5 stalled (SIGSTOP). The whole-chunk read finds
+    the data fragments' CRCs do not combine to the record's and fetches every
+    fragment to tell which one is wrong. Until stop 51 that fetch waited for
+    every fragment with the whole request timeout (here far longer than the
+    test's own timeout); now, hedged, it goes on once K + 1 have answered
+    and returns the chunk decoded without the wrong one."""
+    data = random_bytes(CS, 23)
+
+    async def go() -> None:
+        async with AsyncClient(six.meta_addrs, **OPTS) as ac:
+            info = await _file(ac, "/stall/f", "ec:4+2", data)
+            await _plant(six, info, {(0, 1): os.urandom(16 * KiB)})
+            members = await _members(six, info)
+        cmap = await map_now(six)
+        node = next(t.node_id for t in cmap.targets if t.target_id == members[5])
+        addr = next(n.data_addr for n in cmap.nodes if n.node_id == node)
+        victim = next(p.name for p in six.procs if p.kind == "storage" and p.addr == addr)
+        async with AsyncClient(six.meta_addrs, request_timeout=600.0, hedged_reads=True) as ac:
+            await ac.meta.stat("/stall/f")
+            pid = six.kill(victim, signal.SIGSTOP)
+            try:
+                assert await ac.read_bytes("/stall/f") == data
+                assert ac.corrupt_fragments == 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        await six.wait_healthy(60)
 
     asyncio.run(go())

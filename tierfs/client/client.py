@@ -1206,23 +1206,36 @@ class AsyncClient:
             skip = skip | {j for j in range(width) if not router.usable(targets[j])}
             ask = [j for j in ask if j not in skip]
         bufs = {j: memoryview(bytearray(sizes[j])) for j in ask}
-        res = await data.read_batch([(targets[j], FragmentKey(view.inode, idx, j, ver), bufs[j], 0) for j in ask],
-                                    timeout=self.config.request_timeout)
+        items = [(targets[j], FragmentKey(view.inode, idx, j, ver), bufs[j], 0) for j in ask]
+        hedge = self._hedge_delay()
+        if hedge is not None and len(ask) > k + 1:
+            # Hedged like any read: once K + 1 have answered, enough to tell
+            # one wrong fragment from the rest, a lagging one is not waited
+            # for; it is asked again below, with the whole timeout, only if
+            # those do not tell. Until stop 51 a stalled target here cost
+            # the whole request timeout (10 s) on every such read.
+            res = await self._hedged_batch(items, hedge, len(ask) - (k + 1), peers_first=True)
+        else:
+            res = await data.read_batch(items, timeout=self.config.request_timeout)
         have: dict[int, bytes] = {j: b"" for j in range(width) if j not in skip and not sizes[j]}
         errors: list[str] = []
         short: dict[int, str] = {}  # wrong stored lengths: bad, whatever the rest decode to
+        hedged: set[int] = set()
         for j, r in zip(ask, res, strict=True):
             if isinstance(r, int) and r == sizes[j]:
                 have[j] = bytes(bufs[j])
             elif isinstance(r, int):
                 short[j] = f"{r} bytes, its chunk record gives it {sizes[j]}"
+            elif isinstance(r, _Hedged):
+                hedged.add(j)
+                router.mark_slow(targets[j], self.config.slow_target_ttl)
             else:
                 errors.append(f"fragment {j} on target {targets[j]}: "
                               f"{f'{r} bytes' if isinstance(r, int) else f'{type(r).__name__}: {r}'}")
         f = _File(kind=pb.REDUNDANCY_KIND_EC, k=k, m=codec.m, chunk_size=cs, size=rec.length, groups=[],
                   chunks={idx: rec}, writing=False, data_version=0)
         verdict = await asyncio.to_thread(find_bad_fragments, f, rec, have) if len(have) >= k else None
-        asked = set(ask)
+        asked = set(ask) - hedged
         late = [j for j in range(width) if j not in asked and j not in have]
         if verdict is None and late:
             # As a last resort, as ``_read_chunk`` does: the positions passed
