@@ -113,6 +113,16 @@ def _groups_of(cl: LocalCluster, pool: str, keys: list[str]) -> dict[str, list[i
     return asyncio.run(get())
 
 
+def _replica2_pool(cl: LocalCluster, pool: str, victim: str) -> tuple[int, dict[str, list[int]]]:
+    """A fresh ``replica:2`` pool on a healthy cluster: the target of daemon
+    ``victim`` (to be stalled) and the group members of 300 keys
+    ``<pool>-<i>``."""
+    asyncio.run(cl.wait_healthy(120))
+    create_pool(cl, pool, redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
+    names = [f"{pool}-{i}" for i in range(300)]
+    return _target_ids(cl, victim)[0], _groups_of(cl, pool, names)
+
+
 @pytest.mark.timeout(180)
 def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
     """``replica:2``, one daemon stalled and not yet known to the client: a
@@ -258,13 +268,9 @@ def test_plain_puts_skip_a_copy_that_just_stalled(cl: LocalCluster) -> None:
     stalled and after it resumes. Until this change each of them waited a
     whole ``kv_timeout`` on it, put after put. An overwrite and a pinned put
     still ask it: the stamp fencing of a skipped copy needs the map's word."""
-    asyncio.run(cl.wait_healthy(120))
-    create_pool(cl, "r2put", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
     victim = "storage-1"
-    stalled = _target_ids(cl, victim)[0]
-    names = [f"r2put-{i}" for i in range(300)]
-    groups = _groups_of(cl, "r2put", names)
-    with_stalled = [k for k in names if stalled in groups[k]]
+    stalled, groups = _replica2_pool(cl, "r2put", victim)
+    with_stalled = [k for k in groups if stalled in groups[k]]
     assert len(with_stalled) >= 10, groups
     values = {k: payload(k, 32 * KiB + i) for i, k in enumerate(with_stalled[:10])}
     keys = list(values)
@@ -319,13 +325,9 @@ def test_a_timed_out_copy_is_passed_over_until_the_map_can_call_it_down(cl: Loca
     client does after a timeout), not once: with the plain ttl (5 s by
     default) a get a few seconds later waited out a second ``kv_timeout``
     before meta's heartbeat timeout (10 s) called the daemon down."""
-    asyncio.run(cl.wait_healthy(120))
-    create_pool(cl, "r2ttl", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
     victim = "storage-2"
-    stalled = _target_ids(cl, victim)[0]
-    names = [f"r2ttl-{i}" for i in range(300)]
-    groups = _groups_of(cl, "r2ttl", names)
-    first = [k for k in names if groups[k][0] == stalled]
+    stalled, groups = _replica2_pool(cl, "r2ttl", victim)
+    first = [k for k in groups if groups[k][0] == stalled]
     assert len(first) >= 4, groups
     values = {k: payload(k, 16 * KiB + i) for i, k in enumerate(first[:4])}
     with Client(cl.meta_addrs, request_timeout=2.0) as writer:
