@@ -132,6 +132,7 @@ def test_a_batch_read_asks_a_stalled_copy_once(cl: LocalCluster) -> None:
     cost); the absent keys, missed on their live copy, must not ask it
     again in the next round. Until this change the order made at the start
     held, and the call waited a second ``kv_timeout`` on the same daemon."""
+    asyncio.run(cl.wait_healthy(120))  # a daemon stalled by the test before may be coming back
     create_pool(cl, "r2st", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
     with Client(cl.meta_addrs, request_timeout=2.0) as writer:
         pool_ready(writer, "r2st")
@@ -218,6 +219,9 @@ def test_a_stalled_target_is_asked_one_part_of_a_large_batch(cl: LocalCluster) -
     ``kv_timeout``s instead of the documented one."""
     from tierfs.net.protocol import MAX_KV_EXISTS_KEYS
 
+    # The daemon the test before stalled may be coming back: a pool planned
+    # meanwhile can be re-planned under the test, and each key's copies with it.
+    asyncio.run(cl.wait_healthy(120))
     create_pool(cl, "r2big", redundancy="replica:2", target_memory=16 * MiB, target_disk=32 * MiB)
     victim = "storage-1"
     stalled = _target_ids(cl, victim)[0]
