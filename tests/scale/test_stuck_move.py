@@ -131,3 +131,63 @@ def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
                 assert await c.read_bytes(path) == data, path
 
     asyncio.run(check())
+
+
+@pytest.mark.timeout(300)
+def test_a_target_full_when_its_node_registers_gets_no_moves(cluster: tuple[LocalCluster, list[Path]]) -> None:
+    """The same cluster grows to 5 with the new node's only target on a 768
+    KiB tmpfs below its ``min_free`` (1 MiB): read-only from its first
+    heartbeat on. A registration carries no target state, so until this
+    change the rebalancer, woken by the registration, saw the target online
+    and empty and moved groups onto it before that heartbeat came: moves that
+    could never finish (named stuck, above). Now the targets of a node that
+    has not heartbeated since it registered are left out of the plan."""
+    cl, mounts = cluster
+    meta = list(cl.meta_addrs)
+    files = {f"/e/f{i}": random_bytes(4 * CHUNK, 100 + i) for i in range(12)}
+
+    async def write() -> None:
+        async with AsyncClient(meta) as c:
+            await c.mkdir("/e", exist_ok=True)
+            await c.set_layout("/e", chunk_size=CHUNK, redundancy="ec:2+1")
+            for path, data in files.items():
+                await c.write_bytes(path, data)
+
+    asyncio.run(write())
+    (name,) = cl.grow(5)
+    p = cl.proc(name)
+    target = Path(next(a.split("=", 1)[1] for a in p.argv if a.startswith("--target=")))
+    target.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(target)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"tmpfs mount not permitted here: {r.stderr.strip()}")
+    mounts.append(target)
+    p.argv += ["--reserved-bytes=0", "--min-free=1MiB"]
+    cl.start(timeout=60)
+
+    async def new_target_state() -> tuple[int, int] | None:
+        async with MetaClient(meta, deadline=10) as mc:
+            cmap = await mc.get_cluster_map()
+        node = next((n for n in cmap.nodes if n.data_addr == p.addr), None)
+        if node is None or not node.target_ids:
+            return None
+        (tid,) = node.target_ids
+        return tid, next(t.state for t in cmap.targets if t.target_id == tid)
+
+    def read_only() -> int | None:
+        got = asyncio.run(new_target_state())
+        return got[0] if got is not None and got[1] == pb.TARGET_STATE_READ_ONLY else None
+
+    tid = wait_for(read_only, timeout=60, what="the new target reported read-only", interval=0.2)
+    st = asyncio.run(rebalance_status(meta))
+    assert not st.stuck, st
+    assert st.moves_done == 0 and st.moves_in_flight == 0, st
+    assert f"target {tid} is full" not in cli(meta, "status", ok=(0, 3))
+
+    async def check() -> None:
+        async with AsyncClient(meta) as c:
+            for path, data in files.items():
+                assert await c.read_bytes(path) == data, path
+
+    asyncio.run(check())

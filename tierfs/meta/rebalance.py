@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import Gauge
 
@@ -171,8 +171,13 @@ class Rebalancer(BackgroundLoop):
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
                  tolerance: float = 0.10, write_defer: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 unreported: Callable[[MetaStateMachine], set[int]] | None = None) -> None:
         self._state = state
+        #: targets to leave out of a round's plan: their node has not
+        #: heartbeated to this leader since it registered, so their state
+        #: (full: read-only) is not known yet
+        self._unreported = unreported
         self._submit = submit
         self._leading = leading
         self.enabled = enabled
@@ -255,9 +260,18 @@ class Rebalancer(BackgroundLoop):
                 return 0
             room = min(self.max_moving - len(sm.moving), MAX_REPLACEMENTS)  # one op's cap
             inp = move_input(sm)
+            # A target whose node registered and has not heartbeated since
+            # is neither a source nor a destination this round: a
+            # registration carries no target state, so a target already full
+            # there (read-only from its first heartbeat on) looked online
+            # and empty, and got moves that could never finish. Its first
+            # heartbeat (within a second) brings it in, or keeps it out.
+            skipped = (self._unreported(sm) if self._unreported is not None else set()) & set(inp.eligible)
+            if skipped:
+                inp = replace(inp, eligible={t: n for t, n in inp.eligible.items() if t not in skipped})
             moves = await asyncio.to_thread(plan_moves, inp, self.tolerance)
             self._p.planned, self._p.plan_version = moves, inp.map_version
-            if not moves and not sm.moving:
+            if not moves and not sm.moving and not skipped:
                 self._active = False  # balanced (or as close as the rule allows)
             held = self._hold(sm, moves)
             if room <= 0 or not moves:

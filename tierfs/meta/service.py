@@ -324,7 +324,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._map_notified = -1
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
-                                     max_moving=rebalance_max_moving, write_defer=rebalance_write_defer)
+                                     max_moving=rebalance_max_moving, write_defer=rebalance_write_defer,
+                                     unreported=self._unreported_targets)
         self.kv_planner = KVPlanner(lambda: self.state, self._background_op, self._leadership,
                                     interval=rebalance_interval, replace_after=replace_after)
 
@@ -779,6 +780,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         reply.cap_keys.extend(self.cap_keys())
         return reply
 
+    def _unreported_targets(self, sm: MetaStateMachine) -> set[int]:
+        """Targets whose node has not heartbeated to this leader since it
+        registered (or since this leader took over): their state is not
+        known yet (for the rebalancer)."""
+        return {t.id for t in sm.targets.values() if t.node not in self._hb_used}
+
     def kv_published(self, sm: MetaStateMachine) -> int:
         """The latest map version no storage node can still act against on
         an older map (docs/kv.md, "Map leases"): the current one, or, while
@@ -1047,6 +1054,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         # The version with the KV pools' groups committed after it (submit).
         reply.map_version = max(reply.map_version, self.state.map_version)
         self._hb_seen[reply.node_id] = self._mono()  # a registration is a heartbeat
+        # ... but it carries no target state or usage: until the node's
+        # first heartbeat the rebalancer leaves its targets out (a target
+        # full already would otherwise get moves), and status marks their
+        # usage as the committed figure.
+        self._hb_used.pop(reply.node_id, None)
+        self._hb_free.pop(reply.node_id, None)
         await self.rebalancer.top_up()  # the node's targets get groups before it is answered
         if set(self.state.eligible_targets()) - before:
             self.rebalancer.trigger()  # targets joined or came back: they get their share
