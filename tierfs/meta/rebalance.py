@@ -191,6 +191,7 @@ class Rebalancer(BackgroundLoop):
         self._wake = asyncio.Event()
         self._p = _Progress()
         self._active = False
+        self._led = False  # leading at the last round
 
     # ---- group top-up --------------------------------------------------------
 
@@ -313,7 +314,16 @@ class Rebalancer(BackgroundLoop):
             self._wake.clear()
             if not self._leading():
                 self._p = _Progress()
+                self._led = False
                 continue
+            if not self._led:
+                # A new leader cannot know whether the one before was part
+                # way through rebalancing (planned moves are the leader's
+                # own, and a round that left out a just-registered node's
+                # targets until its first heartbeat was active only there):
+                # it plans rounds until balanced, as after a trigger.
+                self._led = True
+                self._active = True
             try:
                 await self.step()
                 self._p.last_error = ""
