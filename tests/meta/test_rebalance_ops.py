@@ -306,3 +306,33 @@ def test_a_round_leaves_out_targets_not_heard_from_and_a_new_leader_resumes() ->
             await rb.stop()
 
     asyncio.run(new_leader())
+
+
+@pytest.mark.timeout(60)
+def test_a_node_s_first_heartbeat_wakes_the_rebalancer_and_registration_forgets_its_usage() -> None:
+    """Over a real gRPC service: a node's targets are left out of the
+    rebalancer's rounds from its registration to its first heartbeat
+    (``_unreported_targets``), and that heartbeat wakes the rebalancer at
+    once rather than at its next interval; later heartbeats do not. A node
+    that registers again (a restart) is left out again until it heartbeats."""
+    import asyncio
+
+    from tests.meta.meta_helpers import meta_server, register_async
+
+    async def main() -> None:
+        async with meta_server() as (mc, svc, _):
+            regs = await register_async(mc, nodes=3, targets=1)
+            rb = svc.rebalancer
+            n0, t0 = regs[0].node_id, regs[0].targets[0].target_id
+            assert svc._unreported_targets(svc.state) == {t.target_id for r in regs for t in r.targets}
+            rb._wake.clear()
+            await mc.heartbeat(n0, [pb.TargetReport(target_id=t0, used=1, capacity=1 << 40)])
+            assert rb._wake.is_set()
+            assert t0 not in svc._unreported_targets(svc.state)
+            rb._wake.clear()
+            await mc.heartbeat(n0, [pb.TargetReport(target_id=t0, used=1, capacity=1 << 40)])
+            assert not rb._wake.is_set()
+            await mc.register_node("node-0", "node0", "127.0.0.1:9000", [("/data/t0", 1 << 40)])
+            assert t0 in svc._unreported_targets(svc.state)
+
+    asyncio.run(main())

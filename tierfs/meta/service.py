@@ -774,8 +774,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         reply.kv_published = self.kv_published(sm)
         KV_MAP_VERSION.set(sm.map_version)
         KV_PUBLISHED.set(reply.kv_published)
+        first = req.node_id not in self._hb_used
         self._hb_used[req.node_id] = {t.target_id: t.used for t in req.targets}
         self._hb_free[req.node_id] = {t.target_id: t.free for t in req.targets if t.free}
+        if first and node is not None and set(node.targets) & set(sm.eligible_targets()):
+            # Its targets were left out of the rebalancer's rounds until now
+            # (_unreported_targets): a round at once, not at the next interval.
+            self.rebalancer.wake()
         self._remember_kv_usage(sm, req)
         reply.cap_keys.extend(self.cap_keys())
         return reply
