@@ -1,6 +1,7 @@
 """Replay a checker op log on a fresh cluster::
 
     PYTHONPATH=. .venv/bin/python -m tests.checker.replay LOG.json [--layout ec|rep] [--dir DIR] [--meta N]
+        [--storage N]
 
 ``LOG.json`` is what a failing run saved (``{"root", "seed", "ops",
 "violations"}``: what it found is printed first), or
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=64 << 10)
     ap.add_argument("--meta", type=int, default=None,
                     help="meta replicas (default: 3 when the log kills meta replicas, else 1)")
+    ap.add_argument("--storage", type=int, default=7,
+                    help="storage daemons at the start (a soak's later walks start with those the "
+                         "earlier ones added: 7 + walks before, with TIERFS_CHECKER_GROW)")
     a = ap.parse_args(argv)
     doc = json.loads(Path(a.log).read_text())
     ops = _ops(doc)
@@ -47,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     # /rep..., /ec... (tests), /soak-rep-SEED, /soak-ec-SEED (the soak)
     kind = a.layout or ("rep" if root.lstrip("/").removeprefix("soak-").startswith("rep") else "ec")
     n_meta = a.meta or (3 if any(str(op[0]).startswith("meta_") for op in ops) else 1)
-    env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")), n_meta=n_meta)
+    env = CheckerCluster(Path(a.dir or tempfile.mkdtemp(prefix="tierfs-replay-")), n_storage=a.storage,
+                         n_meta=n_meta)
     try:
         env.cl.export_token()  # security is on: this process's clients and CLI calls use the admin token
         client = env.client()
