@@ -27,7 +27,7 @@ from tests.cluster import wait_for
 from tests.repair.util import random_bytes, start
 from tierfs.cli.main import run
 from tierfs.client import AsyncClient
-from tierfs.local import LocalCluster
+from tierfs.local import LocalCluster, ProcInfo
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -62,17 +62,18 @@ async def rebalance_status(meta: list[str]) -> pb.RebalanceStatus:
         return await mc.rebalance_status()
 
 
-@pytest.mark.timeout(300)
-def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
-        cluster: tuple[LocalCluster, list[Path]]) -> None:
-    cl, mounts = cluster
+def _grow_onto_tmpfs(cl: LocalCluster, mounts: list[Path], d: str, *, seed: int,
+                     min_free: str) -> tuple[dict[str, bytes], ProcInfo]:
+    """12 files of ec:2+1 in ``d``, then a fifth node whose only target is a
+    768 KiB tmpfs (no reserve, ``min_free`` as given), started. The files
+    written and the new daemon (skips the test where tmpfs cannot be mounted)."""
     meta = list(cl.meta_addrs)
-    files = {f"/d/f{i}": random_bytes(4 * CHUNK, i) for i in range(12)}
+    files = {f"{d}/f{i}": random_bytes(4 * CHUNK, seed + i) for i in range(12)}
 
     async def write() -> None:
         async with AsyncClient(meta) as c:
-            await c.mkdir("/d", exist_ok=True)
-            await c.set_layout("/d", chunk_size=CHUNK, redundancy="ec:2+1")
+            await c.mkdir(d, exist_ok=True)
+            await c.set_layout(d, chunk_size=CHUNK, redundancy="ec:2+1")
             for path, data in files.items():
                 await c.write_bytes(path, data)
 
@@ -86,8 +87,27 @@ def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
     if r.returncode != 0:
         pytest.skip(f"tmpfs mount not permitted here: {r.stderr.strip()}")
     mounts.append(target)
-    p.argv += ["--reserved-bytes=0", "--min-free=128KiB"]
+    p.argv += ["--reserved-bytes=0", f"--min-free={min_free}"]
     cl.start(timeout=60)
+    return files, p
+
+
+def _read_back(meta: list[str], files: dict[str, bytes]) -> None:
+    """Every file reads back byte for byte."""
+    async def check() -> None:
+        async with AsyncClient(meta) as c:
+            for path, data in files.items():
+                assert await c.read_bytes(path) == data, path
+
+    asyncio.run(check())
+
+
+@pytest.mark.timeout(300)
+def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
+        cluster: tuple[LocalCluster, list[Path]]) -> None:
+    cl, mounts = cluster
+    meta = list(cl.meta_addrs)
+    files, _ = _grow_onto_tmpfs(cl, mounts, "/d", seed=0, min_free="128KiB")
 
     last: list[pb.RebalanceStatus] = []
 
@@ -99,7 +119,7 @@ def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
     try:
         st = wait_for(stuck, timeout=120, what="a move onto the full target reported stuck", interval=0.5)
     except TimeoutError:
-        print(last, cli(meta, "status", ok=(0, 3)), subprocess.run(["df", str(target)], capture_output=True,
+        print(last, cli(meta, "status", ok=(0, 3)), subprocess.run(["df", str(mounts[-1])], capture_output=True,
               text=True).stdout)
         raise
     full = {m.new_target for m in st.stuck}
@@ -125,12 +145,7 @@ def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
 
     wait_for(finished, timeout=120, what="the moves finished after the drain", interval=0.5)
 
-    async def check() -> None:
-        async with AsyncClient(meta) as c:
-            for path, data in files.items():
-                assert await c.read_bytes(path) == data, path
-
-    asyncio.run(check())
+    _read_back(meta, files)
 
 
 @pytest.mark.timeout(300)
@@ -144,27 +159,7 @@ def test_a_target_full_when_its_node_registers_gets_no_moves(cluster: tuple[Loca
     has not heartbeated since it registered are left out of the plan."""
     cl, mounts = cluster
     meta = list(cl.meta_addrs)
-    files = {f"/e/f{i}": random_bytes(4 * CHUNK, 100 + i) for i in range(12)}
-
-    async def write() -> None:
-        async with AsyncClient(meta) as c:
-            await c.mkdir("/e", exist_ok=True)
-            await c.set_layout("/e", chunk_size=CHUNK, redundancy="ec:2+1")
-            for path, data in files.items():
-                await c.write_bytes(path, data)
-
-    asyncio.run(write())
-    (name,) = cl.grow(5)
-    p = cl.proc(name)
-    target = Path(next(a.split("=", 1)[1] for a in p.argv if a.startswith("--target=")))
-    target.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(target)],
-                       capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"tmpfs mount not permitted here: {r.stderr.strip()}")
-    mounts.append(target)
-    p.argv += ["--reserved-bytes=0", "--min-free=1MiB"]
-    cl.start(timeout=60)
+    files, p = _grow_onto_tmpfs(cl, mounts, "/e", seed=100, min_free="1MiB")
 
     async def new_target_state() -> tuple[int, int] | None:
         async with MetaClient(meta, deadline=10) as mc:
@@ -185,9 +180,4 @@ def test_a_target_full_when_its_node_registers_gets_no_moves(cluster: tuple[Loca
     assert st.moves_done == 0 and st.moves_in_flight == 0, st
     assert f"target {tid} is full" not in cli(meta, "status", ok=(0, 3))
 
-    async def check() -> None:
-        async with AsyncClient(meta) as c:
-            for path, data in files.items():
-                assert await c.read_bytes(path) == data, path
-
-    asyncio.run(check())
+    _read_back(meta, files)
