@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "2d545ce9b584cabf88f061e641aa90f0807c2c48"
+PREVIOUS = "869ff5730520fbec3554f465a8bbb2671c6653c7"
 
 REPO = Path(__file__).resolve().parents[2]
 
