@@ -197,3 +197,42 @@ def test_ack_request_through_the_state_machine() -> None:
     acked = d.do("ack_gc", pb.AckGCRequest(acks=[pb.GCAck(id=r.id, target_id=r.target_id) for r in rows]),
                  pb.AckGCReply)
     assert acked.acked == len(rows) == 6 and len(d.sm.gc) == 0
+
+
+def test_a_move_lists_the_generations_its_source_holds_while_their_grace_runs() -> None:
+    """ListGroupChunks with gc_holder: the generations of one group that
+    wait for GC and are still pending on that member, with its fragment
+    index, paged by GC item id; ready ones (their grace over) and other
+    groups' are left out (what a move copies, docs/rebalance.md)."""
+    d = Driver()
+    d.register()
+    d.create("/f")
+    d.write("/f", 256 * MiB, list(range(64)))
+    d.gc_grace_ms = 30_000
+    t0 = d.now
+    d.write("/f", 256 * MiB, list(range(64)))
+    rows = d.sm.list_gc([], now_ns=t0 + 30 * SEC)
+    by_group: dict[int, set[tuple[int, int, int]]] = {}
+    for r in rows:
+        by_group.setdefault(r.group_id, set()).add((r.chunk, r.target_id, r.fragment))
+    gid = next(g for g, s in sorted(by_group.items()) if len({c for c, _, _ in s}) >= 2)
+    holder, frag = next((t, j) for c, t, j in sorted(by_group[gid]))
+    want = sorted((r.chunk, r.id) for r in rows if r.group_id == gid and r.target_id == holder)
+    assert len(want) >= 2
+    reply = d.sm.list_group_chunks(gid, gc_holder=holder)
+    assert sorted((c.chunk, c.gc_id) for c in reply.chunks) == want and reply.next_gc_id == 0
+    assert {(c.inode, c.version, c.fragment) for c in reply.chunks} == {(rows[0].inode, gen0(1), frag)}
+    # paging: one item a page
+    got, after = [], 0
+    while True:
+        page = d.sm.list_group_chunks(gid, limit=1, gc_holder=holder, after_gc_id=after)
+        got += [(c.chunk, c.gc_id) for c in page.chunks]
+        if not page.next_gc_id:
+            break
+        after = page.next_gc_id
+    assert sorted(got) == want
+    # a target in no entry of the group, and the grace over: nothing
+    assert not d.sm.list_group_chunks(gid, gc_holder=10_000).chunks
+    assert not d.sm.list_group_chunks(gid, gc_holder=holder, now_ns=t0 + 30 * SEC).chunks
+    # without gc_holder: the committed chunks, as before
+    assert all(c.gc_id == 0 and c.version != gen0(1) for c in d.sm.list_group_chunks(gid).chunks)

@@ -713,12 +713,16 @@ class MetaClient:
         return await self._call("GetClusterMap", req, pb.ClusterMap,
                                 attempt_timeout=(wait_ms / 1000 + self.attempt_timeout) if wait_ms else None)
 
-    async def list_group_chunks(self, group_id: int, after_inode: int = 0,
-                                limit: int = 0) -> pb.ListGroupChunksReply:
+    async def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0, *,
+                                gc_holder: int = 0, after_gc_id: int = 0) -> pb.ListGroupChunksReply:
         """Committed chunks stored in a placement group (for the repair
-        worker); page with ``reply.next_inode`` (0 = last page)."""
+        worker); page with ``reply.next_inode`` (0 = last page).
+        ``gc_holder``: instead, the group's generations waiting for GC that
+        this member still holds; page with ``reply.next_gc_id`` (a meta older
+        than stop 52 ignores ``gc_holder``: its chunks have ``gc_id`` 0)."""
         return await self._call("ListGroupChunks", pb.ListGroupChunksRequest(
-            group_id=group_id, after_inode=after_inode, limit=limit), pb.ListGroupChunksReply)
+            group_id=group_id, after_inode=after_inode, limit=limit, gc_holder=gc_holder,
+            after_gc_id=after_gc_id), pb.ListGroupChunksReply)
 
     async def finish_rebuild(self, group_id: int, target_id: int) -> None:
         """Declare ``target_id`` rebuilt in ``group_id`` (clears it from the

@@ -269,6 +269,24 @@ class GCQueue:
             last = item_id
         return rows
 
+    def waiting(self, target_id: int, group: int, after_id: int, limit: int, now: int) -> list[GCEntry]:
+        """Items of ``group`` still pending on ``target_id`` and not ready at
+        ``now`` (their GC grace runs: readers may still read them), id above
+        ``after_id``, in id order, at most ``limit``. Ready times never fall
+        as ids rise, so the ready ones are skipped from the front."""
+        ids = self._by_target.get(target_id)
+        if ids is None:
+            return []
+        out: list[GCEntry] = []
+        for item_id in ids.after(after_id):
+            item = self._items[item_id]
+            if item.ready <= now or item.group != group:
+                continue
+            out.append(item)
+            if len(out) >= limit:
+                break
+        return out
+
     # ---- snapshot encoding -----------------------------------------------------------
 
     def to_json(self) -> list[list[Any]]:

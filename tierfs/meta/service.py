@@ -1131,7 +1131,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def ListGroupChunks(self, request: pb.ListGroupChunksRequest, context: Ctx) -> pb.ListGroupChunksReply:
-        return (await self._read(request)).list_group_chunks(request.group_id, request.after_inode, request.limit)
+        return (await self._read(request)).list_group_chunks(request.group_id, request.after_inode, request.limit,
+                                                             gc_holder=request.gc_holder,
+                                                             after_gc_id=request.after_gc_id, now_ns=self.now_ns())
 
     @grpc_errors
     async def FinishRebuild(self, request: pb.FinishRebuildRequest, context: Ctx) -> pb.Empty:

@@ -2062,13 +2062,27 @@ class MetaStateMachine(Tracked):
         out.kv_pools.extend(self.kv_pool_list())
         return out
 
-    def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0) -> pb.ListGroupChunksReply:
+    def list_group_chunks(self, group_id: int, after_inode: int = 0, limit: int = 0, *, gc_holder: int = 0,
+                          after_gc_id: int = 0, now_ns: int = 0) -> pb.ListGroupChunksReply:
         """Committed chunks stored in ``group_id`` (what a rebuild must
-        restore), file by file in inode order."""
+        restore), file by file in inode order.
+
+        ``gc_holder``: instead, the generations of the group's chunks waiting
+        for GC (not ready at ``now_ns``, the leader's clock) whose fragment
+        ``gc_holder`` still holds, by GC item id: a move copies them from its
+        source too (a reader may hold one for up to gc_grace)."""
         if group_id not in self.groups:
             raise NotFoundError(f"no placement group {group_id}")
         limit = limit or 10_000
         reply = pb.ListGroupChunksReply()
+        if gc_holder:
+            items = self.gc.waiting(gc_holder, group_id, after_gc_id, limit, max(self.clock, now_ns))
+            reply.chunks.extend(pb.GroupChunk(inode=e.inode, chunk=e.chunk, version=e.version, gc_id=e.id,
+                                              fragment=e.pending[gc_holder])
+                                for e in items)
+            if len(items) >= limit:
+                reply.next_gc_id = items[-1].id
+            return reply
         # The inventory names the files with chunks in the group: no scan
         # of the namespace.
         for ino in sorted(i for i in self.ginv.get(group_id, {}) if i > after_inode):

@@ -357,7 +357,7 @@ class Repairer:
         self.counters: dict[str, int] = dict.fromkeys(
             ("fragments_rebuilt", "fragments_copied", "bytes_rebuilt", "bytes_fetched", "rebuild_errors",
              "groups_finished", "fetch_us", "decode_us", "write_us", "crc_mismatches", "queue_rounds",
-             "queue_rebuilt", "queue_errors", "wrong_sources"), 0)
+             "queue_rebuilt", "queue_errors", "wrong_sources", "gc_waiting_copied"), 0)
         #: The repair queue as last seen: positions pending cluster-wide, and
         #: the last error of an item of ours ('' if the last round had none).
         self.queue_pending = 0
@@ -928,6 +928,73 @@ class Repairer:
                 errors.append(f"reporting {len(listed)} rebuilt fragments to meta: {exc}")
         return restored, errors
 
+    async def waiting_chunks(self, group_id: int, holder: int) -> list[tuple[int, int, int, int]]:
+        """(inode, chunk, generation, fragment index) of the generations of
+        ``group_id`` waiting for GC whose fragment ``holder`` still holds.
+        Empty from a meta older than stop 52 (it lists committed chunks,
+        with no GC item id, instead)."""
+        out: list[tuple[int, int, int, int]] = []
+        after = 0
+        while True:
+            reply = await self.meta.list_group_chunks(group_id, gc_holder=holder, after_gc_id=after)
+            if any(not c.gc_id for c in reply.chunks):
+                return []
+            out.extend((c.inode, c.chunk, c.version, c.fragment) for c in reply.chunks)
+            if not reply.next_gc_id:
+                return out
+            after = reply.next_gc_id
+
+    async def copy_waiting(self, group_id: int, target_id: int, source: int) -> tuple[int, list[str]]:
+        """Copy onto ``target_id`` (ours, a move's new member) from ``source``
+        (the member it replaces) the fragments of the group's generations
+        that wait for GC: replaced, truncated away or removed less than
+        gc_grace ago. A reader that still holds one (a handle open on a file
+        since overwritten, or removed) reads it from the group's members;
+        without this copy it found none once the move finished
+        (GenerationGoneError; the soak's find at stop 51). No decode: these
+        generations have no chunk record left to check one against, so a
+        plain copy, whose bytes the data plane checked against the source's
+        stored CRC32C. A fragment the source does not have (never stored
+        there, deleted meanwhile) is skipped; other errors are returned (the
+        move waits and tries again next round, or until GC lets the
+        generation go). The copy is deleted as a stale fragment or orphan by
+        scrub, after ``orphan_grace`` (its GC item names the old members
+        only). Returns (fragments copied, errors)."""
+        eng = self.engines.get(target_id)
+        members = self.groups.get(group_id)
+        if eng is None or members is None or target_id not in members:
+            return 0, [f"target {target_id} is not ours or not in group {group_id}"]
+        j = members.index(target_id)
+        todo = [(ino, c, v) for ino, c, v, frag in await self.waiting_chunks(group_id, source) if frag == j]
+        errors: list[str] = []
+        copied = 0
+
+        async def one(inode: int, chunk: int, version: int) -> None:
+            nonlocal copied
+            key = FragmentKey(inode, chunk, j, version)
+            if key in eng:
+                return
+            async with self._sem:
+                try:
+                    data = await self.data.read(source, key, timeout=self.request_timeout)
+                except NotFoundError:
+                    return
+                except TierFSError as exc:
+                    errors.append(f"{key} waiting for GC, from target {source}: {exc}")
+                    return
+                await self.limiter.take(len(data))
+                self.counters["bytes_fetched"] += len(data)
+                try:
+                    await eng.write(key, memoryview(data), await asyncio.to_thread(crc32c, data))
+                except TierFSError as exc:
+                    errors.append(f"{key} waiting for GC: {exc}")
+                    return
+                copied += 1
+                self.counters["gc_waiting_copied"] += 1
+
+        await asyncio.gather(*(one(*t) for t in todo))
+        return copied, errors
+
     async def rebuild_once(self) -> int:
         """One round: rebuild every group where one of our targets is listed
         as rebuilding, and tell meta about those finished. Returns the
@@ -952,6 +1019,11 @@ class Repairer:
                 # writer with an older map may have sent this position's
                 # fragment to the replaced member). Present ones cost one stat per file.
                 _, errors = await self.fill(gid, tid, prog, recheck=True)
+            source = self.sources.get((gid, tid), 0)
+            if not errors and source and self.readable(source):
+                # A move (the member it replaces still answers): the
+                # generations readers may still hold come along too.
+                _, errors = await self.copy_waiting(gid, tid, source)
         except TierFSError as exc:
             errors = [f"listing: {exc}"]
         if errors:

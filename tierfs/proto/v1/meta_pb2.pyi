@@ -2494,21 +2494,34 @@ class ListGroupChunksRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _builtins.int
     AFTER_INODE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    GC_HOLDER_FIELD_NUMBER: _builtins.int
+    AFTER_GC_ID_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     after_inode: _builtins.int
     """paging: files with inode > after_inode"""
     limit: _builtins.int
     """0 = 10000 chunks (whole files: may exceed it)"""
+    gc_holder: _builtins.int
+    """Non-zero: list instead the generations of the group's chunks that wait
+    for GC (replaced, truncated away or removed less than gc_grace ago:
+    open readers may still read them) whose fragment is still on this
+    member of the group, paged by GC item id (after_gc_id; limit: items).
+    A move copies them from its source too, so that a reader holding one
+    finds it on the new member once the move is done.
+    """
+    after_gc_id: _builtins.int
     def __init__(
         self,
         *,
         group_id: _builtins.int = ...,
         after_inode: _builtins.int = ...,
         limit: _builtins.int = ...,
+        gc_holder: _builtins.int = ...,
+        after_gc_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_inode", b"after_inode", "group_id", b"group_id", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_gc_id", b"after_gc_id", "after_inode", b"after_inode", "gc_holder", b"gc_holder", "group_id", b"group_id", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2521,20 +2534,28 @@ class GroupChunk(_message.Message):
     INODE_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    GC_ID_FIELD_NUMBER: _builtins.int
+    FRAGMENT_FIELD_NUMBER: _builtins.int
     inode: _builtins.int
     chunk: _builtins.int
     version: _builtins.int
-    """the committed generation"""
+    """the committed generation (gc_holder: the one waiting for GC)"""
+    gc_id: _builtins.int
+    """gc_holder listings: the GC item (never 0 there)"""
+    fragment: _builtins.int
+    """gc_holder listings: the holder's fragment index"""
     def __init__(
         self,
         *,
         inode: _builtins.int = ...,
         chunk: _builtins.int = ...,
         version: _builtins.int = ...,
+        gc_id: _builtins.int = ...,
+        fragment: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "inode", b"inode", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "fragment", b"fragment", "gc_id", b"gc_id", "inode", b"inode", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2546,8 +2567,11 @@ class ListGroupChunksReply(_message.Message):
 
     CHUNKS_FIELD_NUMBER: _builtins.int
     NEXT_INODE_FIELD_NUMBER: _builtins.int
+    NEXT_GC_ID_FIELD_NUMBER: _builtins.int
     next_inode: _builtins.int
     """Pass as after_inode for the next page; 0 when this was the last page."""
+    next_gc_id: _builtins.int
+    """gc_holder listings: pass as after_gc_id for the next page; 0 when last."""
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupChunk]: ...
     def __init__(
@@ -2555,10 +2579,11 @@ class ListGroupChunksReply(_message.Message):
         *,
         chunks: _abc.Iterable[Global___GroupChunk] | None = ...,
         next_inode: _builtins.int = ...,
+        next_gc_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "next_inode", b"next_inode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "next_gc_id", b"next_gc_id", "next_inode", b"next_inode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
