@@ -140,6 +140,7 @@ class Truth:
     mismatched: list[str] = field(default_factory=list)  # fragments that disagree with each other or the record
     stale: list[str] = field(default_factory=list)  # fragments no committed chunk needs
     in_flight: int = 0  # fragments of open write sessions (not counted against cleanliness)
+    waiting_gc: int = 0  # fragments of generations whose GC grace runs (readers may hold them; not stale)
     chunks: int = 0
     fragments: int = 0
     #: (inode, chunk) -> positions holding a valid committed fragment, and on which node each.
@@ -194,6 +195,17 @@ async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessi
                 infos[ino] = await mc.stat(ino)
             except NotFoundError:
                 infos[ino] = None
+        # Asked after the records: a generation they show replaced or gone
+        # has its GC item by then (the same op queued it).
+        waiting: set[tuple[int, int, int, int, int]] = set()
+        for tid in sorted(targets):
+            after = 0
+            while True:
+                page = await mc.list_group_chunks(0, gc_holder=tid, after_gc_id=after)
+                waiting.update((c.inode, c.chunk, c.fragment, c.version, tid) for c in page.chunks)
+                if not page.next_gc_id:
+                    break
+                after = page.next_gc_id
     by_key: dict[tuple[int, int, int, int], list[Fragment]] = {}
     for f in frags:
         by_key.setdefault((f.inode, f.chunk, f.fragment, f.version), []).append(f)
@@ -204,12 +216,18 @@ async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessi
         if f.payload is None and rec is not None and rec.generation == f.version:
             t.corrupt.append(f"{where}: {f.problem}")
             continue
+        gc_wait = (f.inode, f.chunk, f.fragment, f.version, f.target) in waiting
         if info is None:
-            t.stale.append(f"{where}: the file is gone")
+            if gc_wait:
+                t.waiting_gc += 1
+            else:
+                t.stale.append(f"{where}: the file is gone")
             continue
         if rec is None or rec.generation != f.version:
             if f.inode in sessions and in_session(f.version, sessions[f.inode]):
                 t.in_flight += 1
+            elif gc_wait:
+                t.waiting_gc += 1
             elif rec is None:
                 t.stale.append(f"{where}: the file has no committed chunk {f.chunk}")
             else:

@@ -609,6 +609,10 @@ def test_a_drain_moves_the_generations_open_readers_still_hold(tmp_path: Path) -
                 code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(node.node_id), "--wait")
                 assert code == 0 and out["done"] and out["groups_stuck"] == [], (out, err)
                 await asyncio.to_thread(cl.stop, names=[name])  # nothing is read from the old member now
+                # A scrub keeps the copies (stale fragments or orphans by
+                # the chunk records; their GC grace runs).
+                _, out, err = await asyncio.to_thread(_cli, cl, "scrub")
+                assert out["total"]["waiting_gc"] > 0, (out, err)
                 # Removed: its generations are the only bytes there are.
                 assert digest(await hb.read()) == digest(old["/m/b"])
                 # Overwritten: without the old generation the handle would

@@ -382,3 +382,48 @@ def test_old_generation_outlives_the_gc_grace_for_open_readers(tmp_path: Path) -
         asyncio.run(main())
     finally:
         cl.stop()
+
+
+@pytest.mark.timeout(120)
+def test_scrub_keeps_the_generations_open_readers_still_hold(tmp_path: Path) -> None:
+    """A reader holds a file since overwritten, another one a file since
+    removed: their fragments are stale fragments or orphans by the chunk
+    records, but their GC grace runs. A repairing scrub (orphan grace 0
+    here; by default 1 h, which a file that old passes at once) keeps them
+    and counts them as waiting for GC, and both readers read the bytes they
+    opened. Until stop 52 scrub deleted them: the reader of the removed file
+    got GenerationGoneError, the other one silently read the new version."""
+    cl = start(tmp_path / "c", n_storage=6, gc_grace=300)
+    old = {"/s/a": random_bytes(700 * 1024, 1), "/s/b": random_bytes(500 * 1024 + 3, 2)}
+    new = random_bytes(200 * 1024, 3)
+
+    async def main() -> None:
+        async with AsyncClient(cl.meta_addrs) as c:
+            await c.mkdir("/s")
+            await c.set_layout("/s", chunk_size=128 * 1024, redundancy="ec:4+2")
+            for path, data in old.items():
+                await c.write_bytes(path, data)
+            ha, hb = await c.open("/s/a", "rb"), await c.open("/s/b", "rb")
+            try:
+                assert await ha.read(1) == old["/s/a"][:1] and await hb.read(1) == old["/s/b"][:1]
+                ha.seek(0)
+                hb.seek(0)
+                await c.write_bytes("/s/a", new)
+                await c.rm("/s/b")
+                held = set(fragments(cl))
+                doc = await asyncio.to_thread(_scrub, cl)
+                t = doc["total"]
+                assert t["waiting_gc"] == 6 * 6 + 4 * 6 and t["stale"] == t["orphans"] == 0, t
+                assert doc["clean"], doc
+                assert set(fragments(cl)) == held
+                assert digest(await hb.read()) == digest(old["/s/b"])
+                assert digest(await ha.read()) == digest(old["/s/a"])
+                assert digest(await c.read_bytes("/s/a")) == digest(new)
+            finally:
+                await ha.close()
+                await hb.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cl.stop()

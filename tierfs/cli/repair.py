@@ -191,7 +191,7 @@ async def _control(addr: str, method: str, req: Any, timeout: float) -> Any:
 
 #: Per-node scrub counts, in the order the table shows them.
 SCRUB_FIELDS = ("fragments", "bytes", "chunks_verified", "corrupt", "missing", "mismatched", "repaired", "stale",
-                "stale_deleted", "orphans", "orphans_deleted", "errors", "kept_young")
+                "stale_deleted", "orphans", "orphans_deleted", "errors", "kept_young", "waiting_gc")
 #: Counts that say the cluster is not whole (tierfs.storage.scrub.PROBLEMS).
 _PROBLEMS = ("corrupt", "missing", "mismatched", "stale", "orphans", "errors")
 
@@ -319,6 +319,10 @@ def render_scrub(r: dict[str, Any]) -> str:
     young = t.get("kept_young", 0)
     kept = (f"; {young} stale fragment(s) or orphan(s) younger than the orphan grace kept (uploads in flight, "
             f"or copies a rebalance or repair moved away from lately; a later scrub deletes them)") if young else ""
+    waiting = t.get("waiting_gc", 0)
+    if waiting:
+        kept += (f"; {waiting} fragment(s) of generations waiting for GC kept (replaced or removed less than "
+                 f"gc_grace ago: open readers may still read them; GC deletes them)")
     took = f"in {r['seconds']:.2f} s"
     if r["clean"]:
         lines.append(f"scrub clean {took}{kept}")

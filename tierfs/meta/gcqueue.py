@@ -287,6 +287,15 @@ class GCQueue:
                 break
         return out
 
+    def not_ready(self, after_id: int, now: int) -> Iterator[GCEntry]:
+        """Every item with id above ``after_id`` not ready at ``now``, in id
+        order (ready times never fall as ids rise: the ready ones are a
+        prefix, skipped)."""
+        for item_id in self._all.after(after_id):
+            item = self._items[item_id]
+            if item.ready > now:
+                yield item
+
     # ---- snapshot encoding -----------------------------------------------------------
 
     def to_json(self) -> list[list[Any]]:

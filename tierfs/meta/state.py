@@ -2070,11 +2070,29 @@ class MetaStateMachine(Tracked):
         ``gc_holder``: instead, the generations of the group's chunks waiting
         for GC (not ready at ``now_ns``, the leader's clock) whose fragment
         ``gc_holder`` still holds, by GC item id: a move copies them from its
-        source too (a reader may hold one for up to gc_grace)."""
-        if group_id not in self.groups:
-            raise NotFoundError(f"no placement group {group_id}")
+        source too (a reader may hold one for up to gc_grace). With
+        ``group_id`` 0, those of every group whose fragment ``gc_holder``
+        holds or now serves (its position in the group: a move's copy), what
+        scrub must not delete as stale (O(items waiting) a page)."""
         limit = limit or 10_000
         reply = pb.ListGroupChunksReply()
+        if gc_holder and not group_id:
+            now = max(self.clock, now_ns)
+            for e in self.gc.not_ready(after_gc_id, now):
+                j = e.pending.get(gc_holder)
+                if j is None:
+                    members = self.groups.get(e.group, ())
+                    if gc_holder not in members:
+                        continue
+                    j = members.index(gc_holder)
+                reply.chunks.append(pb.GroupChunk(inode=e.inode, chunk=e.chunk, version=e.version, gc_id=e.id,
+                                                  fragment=j))
+                if len(reply.chunks) >= limit:
+                    reply.next_gc_id = e.id
+                    break
+            return reply
+        if group_id not in self.groups:
+            raise NotFoundError(f"no placement group {group_id}")
         if gc_holder:
             items = self.gc.waiting(gc_holder, group_id, after_gc_id, limit, max(self.clock, now_ns))
             reply.chunks.extend(pb.GroupChunk(inode=e.inode, chunk=e.chunk, version=e.version, gc_id=e.id,

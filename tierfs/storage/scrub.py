@@ -33,7 +33,10 @@ One pass (:meth:`Scrubber.scrub`) over every target of the node:
    target no longer holds that position of the chunk's group (it was
    replaced while away) and that position is not being rebuilt from us.
    Both are deleted once their file is older than ``orphan_grace`` (younger
-   ones may belong to a write that meta has not seen yet).
+   ones may belong to a write that meta has not seen yet). Fragments of
+   generations still waiting for GC (replaced or removed less than
+   gc_grace ago: a reader may hold them) are neither: kept, counted as
+   ``waiting_gc``; GC deletes them.
 
 The background loop runs a pass every ``scrub_interval`` at ``scrub_rate``
 and, in between, deals within a second with fragments a read found corrupt
@@ -96,6 +99,9 @@ class ScrubReport:
     mismatched: int = 0
     #: stale fragments and orphans kept because younger than orphan_grace
     kept_young: int = 0
+    #: fragments of generations waiting for GC (an open reader may hold
+    #: one): kept for GC, neither stale nor orphans
+    waiting_gc: int = 0
     #: fragments found corrupt or missing by their own check this pass: the
     #: group listing that follows does not count them missing again (with
     #: repair off they stay quarantined, out of the index)
@@ -121,7 +127,7 @@ class ScrubReport:
             missing=self.missing, repaired=self.repaired, orphans=self.orphans,
             orphans_deleted=self.orphans_deleted, errors=self.errors, seconds=self.seconds,
             stale=self.stale, stale_deleted=self.stale_deleted, chunks_verified=self.chunks_verified,
-            mismatched=self.mismatched, kept_young=self.kept_young,
+            mismatched=self.mismatched, kept_young=self.kept_young, waiting_gc=self.waiting_gc,
             issues=[spb.ScrubIssue(target_id=i.target_id, inode=i.key.inode, chunk=i.key.chunk,
                                    fragment=i.key.fragment, version=i.key.version, kind=i.kind,
                                    action=i.action, detail=i.detail) for i in self.issues])
@@ -137,6 +143,7 @@ class Scrubber:
         self.counters: dict[str, int] = dict.fromkeys(
             ("passes", "verified", "verified_bytes", "corrupt", "missing", "repaired", "orphans",
              "orphans_deleted", "stale", "stale_deleted", "chunks_verified", "mismatched", "errors", "kept_young",
+             "waiting_gc",
              "catch_ups"), 0)
 
     @property
@@ -161,7 +168,7 @@ class Scrubber:
             await self._orphans(tid, eng, rep, {}, delete_orphans)
         rep.seconds = time.monotonic() - t0
         for k in ("corrupt", "missing", "repaired", "orphans", "orphans_deleted", "stale", "stale_deleted",
-                  "chunks_verified", "mismatched", "errors", "kept_young"):
+                  "chunks_verified", "mismatched", "errors", "kept_young", "waiting_gc"):
             self.counters[k] += getattr(rep, k)
         self.counters["verified"] += rep.fragments
         self.counters["verified_bytes"] += rep.bytes
@@ -393,10 +400,30 @@ class Scrubber:
             return "orphan", f"position {key.fragment} of group {gid} is now target {members[key.fragment]}"
         return "", ""
 
+    async def _waiting(self, tid: int) -> set[FragmentKey] | None:
+        """The fragments of generations waiting for GC that ``tid`` holds or
+        now serves (meta's ``ListGroupChunks`` with ``gc_holder``, every
+        group); empty from a meta older than stop 52; None when meta could
+        not say (nothing is deleted then)."""
+        out: set[FragmentKey] = set()
+        after = 0
+        try:
+            while True:
+                reply = await self.repairer.meta.list_group_chunks(0, gc_holder=tid, after_gc_id=after)
+                out.update(FragmentKey(c.inode, c.chunk, c.fragment, c.version) for c in reply.chunks)
+                if not reply.next_gc_id:
+                    return out
+                after = reply.next_gc_id
+        except NotFoundError:
+            return set()  # "no placement group 0": a meta before stop 52
+        except TierFSError as exc:
+            log.warning("scrub: listing the generations waiting for GC on target %d failed: %s", tid, exc)
+            return None
+
     async def _orphans(self, tid: int, eng: ChunkEngine, rep: ScrubReport, files: dict[int, _File | None],
                        delete: bool) -> None:
         r = self.repairer
-        now = time.time()
+        found: list[tuple[FragmentKey, str, str]] = []
         for key in list(eng.keys()):
             try:
                 f = await r.file(key.inode, files)
@@ -405,7 +432,25 @@ class Scrubber:
                 log.warning("scrub: stat of inode %d failed: %s", key.inode, exc)
                 continue
             kind, why = self._classify(tid, key, f)
-            if not kind:
+            if kind:
+                found.append((key, kind, why))
+        if not found:
+            return
+        # Asked after the records above were read: a generation they show
+        # replaced (or a file they show gone) was queued for GC by the same
+        # op, so its item is listed here while its grace runs. Until stop 52
+        # scrub deleted those as stale or orphans once older than the orphan
+        # grace: a reader still holding one (a handle on a file since
+        # removed or overwritten) lost it.
+        waiting = await self._waiting(tid)
+        off = "deletion off"
+        if waiting is None:
+            rep.errors += 1
+            delete, off = False, "not deleted: meta did not list the generations waiting for GC"
+        now = time.time()
+        for key, kind, why in found:
+            if waiting and key in waiting:
+                rep.waiting_gc += 1
                 continue
             if kind == "stale":
                 rep.stale += 1
@@ -421,7 +466,7 @@ class Scrubber:
                                    f"{why}; {age:.0f}s old, younger than the orphan grace ({self.orphan_grace:.0f}s)"))
                 continue
             if not delete:
-                rep.add(ScrubIssue(tid, key, kind, "kept", f"{why}; {age:.0f}s old; deletion off"))
+                rep.add(ScrubIssue(tid, key, kind, "kept", f"{why}; {age:.0f}s old; {off}"))
                 continue
             try:
                 await eng.delete(key)

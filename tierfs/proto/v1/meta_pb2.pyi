@@ -2507,7 +2507,9 @@ class ListGroupChunksRequest(_message.Message):
     open readers may still read them) whose fragment is still on this
     member of the group, paged by GC item id (after_gc_id; limit: items).
     A move copies them from its source too, so that a reader holding one
-    finds it on the new member once the move is done.
+    finds it on the new member once the move is done. With group_id 0:
+    those of every group whose fragment gc_holder holds, or now serves (a
+    move's copy): what scrub keeps (a meta before stop 52: NotFound).
     """
     after_gc_id: _builtins.int
     def __init__(

@@ -120,6 +120,7 @@ class ScrubReport(_message.Message):
     MISMATCHED_FIELD_NUMBER: _builtins.int
     STALE_DELETED_FIELD_NUMBER: _builtins.int
     KEPT_YOUNG_FIELD_NUMBER: _builtins.int
+    WAITING_GC_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     fragments: _builtins.int
     """fragments verified"""
@@ -148,6 +149,12 @@ class ScrubReport(_message.Message):
     than the orphan grace (an upload in flight, a reader of the replaced
     generation): expected, not problems. Daemons before stop 44 send 0.
     """
+    waiting_gc: _builtins.int
+    """Fragments of generations waiting for GC (replaced or removed less than
+    gc_grace ago: an open reader may hold one): kept, not stale fragments
+    or orphans; GC deletes them. Daemons before stop 52 send 0 (and delete
+    them as stale once older than the orphan grace).
+    """
     @_builtins.property
     def issues(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScrubIssue]:
         """at most 1000"""
@@ -171,10 +178,11 @@ class ScrubReport(_message.Message):
         mismatched: _builtins.int = ...,
         stale_deleted: _builtins.int = ...,
         kept_young: _builtins.int = ...,
+        waiting_gc: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "kept_young", b"kept_young", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale", "stale_deleted", b"stale_deleted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks_verified", b"chunks_verified", "corrupt", b"corrupt", "errors", b"errors", "fragments", b"fragments", "issues", b"issues", "kept_young", b"kept_young", "mismatched", b"mismatched", "missing", b"missing", "node_id", b"node_id", "orphans", b"orphans", "orphans_deleted", b"orphans_deleted", "repaired", b"repaired", "seconds", b"seconds", "stale", b"stale", "stale_deleted", b"stale_deleted", "waiting_gc", b"waiting_gc"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
