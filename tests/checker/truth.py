@@ -196,7 +196,8 @@ async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessi
             except NotFoundError:
                 infos[ino] = None
         # Asked after the records: a generation they show replaced or gone
-        # has its GC item by then (the same op queued it).
+        # has its GC item by then (the same op queued it). Fragments GC
+        # accounts for: kept while the grace runs, then GC deletes them.
         waiting: set[tuple[int, int, int, int, int]] = set()
         for tid in sorted(targets):
             after = 0

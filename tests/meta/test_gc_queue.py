@@ -236,14 +236,22 @@ def test_a_move_lists_the_generations_its_source_holds_while_their_grace_runs() 
     assert not d.sm.list_group_chunks(gid, gc_holder=holder, now_ns=t0 + 30 * SEC).chunks
     # group 0: every group's, for scrub; a member now serving the position
     # (a move's new member) is listed too, at its own position
+    mine = sorted((r.id, r.fragment) for r in rows if r.target_id == holder)
     every = d.sm.list_group_chunks(0, gc_holder=holder)
-    assert sorted((c.gc_id, c.fragment) for c in every.chunks) == sorted(
-        (r.id, r.fragment) for r in rows if r.target_id == holder)
+    assert sorted((c.gc_id, c.fragment) for c in every.chunks) == mine
+    assert not any(c.gc_ready for c in every.chunks)
+    # ... and once the grace is over, still (GC deletes them), marked ready
+    later = d.sm.list_group_chunks(0, gc_holder=holder, now_ns=t0 + 30 * SEC)
+    assert sorted((c.gc_id, c.fragment) for c in later.chunks) == mine and all(c.gc_ready for c in later.chunks)
     members = d.sm.groups[gid]
     pos = members.index(holder)
     members[pos] = 10_000  # (a move's end, by hand)
     moved = d.sm.list_group_chunks(0, gc_holder=10_000)
     assert sorted((c.gc_id, c.fragment) for c in moved.chunks) == [(i, pos) for _, i in want]
+    # no item names the new member: once ready, scrub deletes its copy
+    late = d.sm.list_group_chunks(0, gc_holder=10_000, now_ns=t0 + 30 * SEC)
+    assert sorted((c.gc_id, c.fragment) for c in late.chunks) == [(i, pos) for _, i in want]
+    assert all(c.gc_ready for c in late.chunks)
     members[pos] = holder
     # without gc_holder: the committed chunks, as before
     assert all(c.gc_id == 0 and c.version != gen0(1) for c in d.sm.list_group_chunks(gid).chunks)

@@ -9,6 +9,7 @@ import pytest
 from tests.meta.meta_helpers import Driver
 from tierfs.errors import BusyError, InvalidArgumentError, NotFoundError
 from tierfs.meta import MetaStateMachine
+from tierfs.meta.state import GC_COPIES_FORMAT, OP_FORMAT
 from tierfs.proto.v1 import meta_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
@@ -203,3 +204,44 @@ def test_undrain_lets_a_node_take_fragments_again_and_keeps_the_moves_made() -> 
     assert d.sm.cluster_map().version == v
     with pytest.raises(NotFoundError):
         d.do("undrain_node", pb.UndrainNodeRequest(node_id=999), pb.UndrainNodeReply)
+
+
+@pytest.mark.parametrize("fmt", [OP_FORMAT, GC_COPIES_FORMAT - 1])
+def test_a_finished_move_names_its_new_member_in_the_gc_items_of_its_source(fmt: int) -> None:
+    """A move copies the generations waiting for GC from its source
+    (tierfs.storage.repair.Repairer.copy_waiting); from op format 7 its
+    FinishRebuild names the new member in those GC items, at the source's
+    position, so that GC deletes the copies too (they outlived their items
+    before, and scrub found them as orphans). Entries of an older leader
+    leave the items as they were."""
+    d = Driver()
+    d.min_format = fmt
+    regs = d.register(7, 1)
+    d.create("/f", stripe_width=7)
+    d.write("/f", 7 * (4 << 20), list(range(7)))
+    d.gc_grace_ms = 300_000
+    d.do("unlink", pb.UnlinkRequest(loc=pb.Loc(path="/f")))
+    node, tid = regs[4].node_id, regs[4].targets[0].target_id
+    mine = {e.id: e.pending[tid] for e in d.sm.gc.values() if tid in e.pending}
+    assert mine
+    d.do("drain_node", pb.DrainNodeRequest(node_id=node), pb.ReplaceReply)
+    for g in _groups(d).values():
+        if g.rebuilding:
+            d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=g.group_id, target_id=g.rebuilding[0]))
+    groups = _groups(d)
+    for item_id, j in mine.items():
+        e = d.sm.gc.get(item_id)
+        assert e is not None
+        new = groups[e.group].target_ids[j]
+        assert new != tid
+        assert (e.pending.get(new) == j) == (fmt >= GC_COPIES_FORMAT), (e, new)
+        assert e.pending[tid] == j  # the source deletes its own copy still
+    _same_after_restore(d)
+    # The drained node goes: what it owed GC is dropped, the new members'
+    # part stays.
+    d.do("remove_node", pb.RemoveNodeRequest(node_id=node))
+    for item_id, j in mine.items():
+        e = d.sm.gc.get(item_id)
+        assert e is not None and tid not in e.pending
+        assert (groups[e.group].target_ids[j] in e.pending) == (fmt >= GC_COPIES_FORMAT)
+    _same_after_restore(d)

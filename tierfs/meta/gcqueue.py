@@ -182,6 +182,28 @@ class GCQueue:
             self._remove(item_id)
         return True
 
+    def add_copies(self, source: int, group: int, target: int, fragment: int) -> int:
+        """``target`` now holds, at position ``fragment`` of ``group``, what
+        ``source`` held there (a move's copy): name it in every item of the
+        group still pending on ``source`` at that position. Returns how many
+        items. O(items pending on ``source``)."""
+        ids = self._by_target.get(source)
+        if ids is None:
+            return 0
+        n = 0
+        for item_id in list(ids.after(0)):
+            item = self._items[item_id]
+            if item.group != group or item.pending.get(source) != fragment or target in item.pending:
+                continue
+            self._undo_point(item_id)
+            item.pending[target] = fragment
+            mine = self._by_target.get(target)
+            if mine is None:
+                mine = self._by_target[target] = _Ids()
+            mine.insert(item_id)
+            n += 1
+        return n
+
     def drop_targets(self, target_ids: Iterable[int]) -> None:
         """Forget what ``target_ids`` still had to delete (they are gone)."""
         for t in sorted(set(target_ids)):
@@ -287,14 +309,10 @@ class GCQueue:
                 break
         return out
 
-    def not_ready(self, after_id: int, now: int) -> Iterator[GCEntry]:
-        """Every item with id above ``after_id`` not ready at ``now``, in id
-        order (ready times never fall as ids rise: the ready ones are a
-        prefix, skipped)."""
+    def after(self, after_id: int) -> Iterator[GCEntry]:
+        """Every item with id above ``after_id``, in id order."""
         for item_id in self._all.after(after_id):
-            item = self._items[item_id]
-            if item.ready > now:
-                yield item
+            yield self._items[item_id]
 
     # ---- snapshot encoding -----------------------------------------------------------
 

@@ -113,7 +113,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 6)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 7)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -145,6 +145,12 @@ DEDUP_WINDOW_FORMAT = 5
 #: Entries of this format may be UndrainNode ops (``tierfs node undrain``),
 #: a kind that replicas of older formats do not know.
 UNDRAIN_FORMAT = 6
+#: Entries of this format on: the FinishRebuild of a move also names its
+#: new member in the GC items its copy source still has to delete in that
+#: group, at the same position. A move copies those generations (readers
+#: may still hold them, stop 52), and GC then deletes the copies with the
+#: rest; before, they outlived their item and scrub found them as orphans.
+GC_COPIES_FORMAT = 7
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -1656,10 +1662,17 @@ class MetaStateMachine(Tracked):
         if not rb:
             del self.rebuilding[r.group_id]
         srcs = self.rebuild_sources.get(r.group_id)
+        src = 0
         if srcs is not None:
-            srcs.pop(r.target_id, None)
+            src = srcs.pop(r.target_id, 0)
             if not srcs:
                 del self.rebuild_sources[r.group_id]
+        members = self.groups[r.group_id]
+        if src and op.min_format >= GC_COPIES_FORMAT and r.target_id in members:
+            # The move copied its source's generations waiting for GC
+            # (tierfs.storage.repair.Repairer.copy_waiting): GC deletes
+            # those copies too.
+            self.gc.add_copies(src, r.group_id, r.target_id, members.index(r.target_id))
         mv = self.moving.get(r.group_id)
         if mv is not None and mv[0] == r.target_id:
             del self.moving[r.group_id]
@@ -2071,22 +2084,24 @@ class MetaStateMachine(Tracked):
         for GC (not ready at ``now_ns``, the leader's clock) whose fragment
         ``gc_holder`` still holds, by GC item id: a move copies them from its
         source too (a reader may hold one for up to gc_grace). With
-        ``group_id`` 0, those of every group whose fragment ``gc_holder``
-        holds or now serves (its position in the group: a move's copy), what
-        scrub must not delete as stale (O(items waiting) a page)."""
+        ``group_id`` 0, for scrub: every GC item, of any group, whose
+        fragment ``gc_holder`` still has to delete or whose position it now
+        serves (a move's copy, which no item names), with ``gc_ready``
+        (O(items) a page)."""
         limit = limit or 10_000
         reply = pb.ListGroupChunksReply()
         if gc_holder and not group_id:
             now = max(self.clock, now_ns)
-            for e in self.gc.not_ready(after_gc_id, now):
+            for e in self.gc.after(after_gc_id):
                 j = e.pending.get(gc_holder)
+                ready = e.ready <= now
                 if j is None:
                     members = self.groups.get(e.group, ())
                     if gc_holder not in members:
                         continue
                     j = members.index(gc_holder)
                 reply.chunks.append(pb.GroupChunk(inode=e.inode, chunk=e.chunk, version=e.version, gc_id=e.id,
-                                                  fragment=j))
+                                                  fragment=j, gc_ready=ready))
                 if len(reply.chunks) >= limit:
                     reply.next_gc_id = e.id
                     break

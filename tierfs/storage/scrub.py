@@ -400,22 +400,25 @@ class Scrubber:
             return "orphan", f"position {key.fragment} of group {gid} is now target {members[key.fragment]}"
         return "", ""
 
-    async def _waiting(self, tid: int) -> set[FragmentKey] | None:
-        """The fragments of generations waiting for GC that ``tid`` holds or
-        now serves (meta's ``ListGroupChunks`` with ``gc_holder``, every
-        group); empty from a meta older than stop 52; None when meta could
+    async def _waiting(self, tid: int) -> dict[FragmentKey, bool] | None:
+        """Fragments of ``tid`` that meta's GC items account for (its
+        ``ListGroupChunks`` with ``gc_holder``, every group), each with
+        whether the item's grace is over: those GC still has to delete here,
+        and those of items whose position ``tid`` now serves (a move's
+        copy). Empty from a meta older than stop 52; None when meta could
         not say (nothing is deleted then)."""
-        out: set[FragmentKey] = set()
+        out: dict[FragmentKey, bool] = {}
         after = 0
         try:
             while True:
                 reply = await self.repairer.meta.list_group_chunks(0, gc_holder=tid, after_gc_id=after)
-                out.update(FragmentKey(c.inode, c.chunk, c.fragment, c.version) for c in reply.chunks)
+                for c in reply.chunks:
+                    out[FragmentKey(c.inode, c.chunk, c.fragment, c.version)] = c.gc_ready
                 if not reply.next_gc_id:
                     return out
                 after = reply.next_gc_id
         except NotFoundError:
-            return set()  # "no placement group 0": a meta before stop 52
+            return {}  # "no placement group 0": a meta before stop 52
         except TierFSError as exc:
             log.warning("scrub: listing the generations waiting for GC on target %d failed: %s", tid, exc)
             return None
@@ -449,17 +452,26 @@ class Scrubber:
             delete, off = False, "not deleted: meta did not list the generations waiting for GC"
         now = time.time()
         for key, kind, why in found:
-            if waiting and key in waiting:
+            ready = waiting.get(key) if waiting else None
+            if ready is False:  # its grace runs: kept (GC's), not a finding
                 rep.waiting_gc += 1
                 continue
+            if ready:
+                # Garbage meta knows of, not a finding: GC deletes it where
+                # its item names this target; a move's copy no item names
+                # is deleted here (GC would find it gone: done all the same).
+                if delete:
+                    with contextlib.suppress(TierFSError):
+                        await eng.delete(key)
+                continue
+            try:
+                age = now - os.stat(fragment_path(eng.root, key)).st_mtime
+            except FileNotFoundError:
+                continue  # deleted meanwhile (by GC): nothing left to find
             if kind == "stale":
                 rep.stale += 1
             else:
                 rep.orphans += 1
-            try:
-                age = now - os.stat(fragment_path(eng.root, key)).st_mtime
-            except FileNotFoundError:
-                continue
             if age < self.orphan_grace:
                 rep.kept_young += 1
                 rep.add(ScrubIssue(tid, key, kind, "kept",

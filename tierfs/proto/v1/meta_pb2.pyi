@@ -2507,9 +2507,10 @@ class ListGroupChunksRequest(_message.Message):
     open readers may still read them) whose fragment is still on this
     member of the group, paged by GC item id (after_gc_id; limit: items).
     A move copies them from its source too, so that a reader holding one
-    finds it on the new member once the move is done. With group_id 0:
-    those of every group whose fragment gc_holder holds, or now serves (a
-    move's copy): what scrub keeps (a meta before stop 52: NotFound).
+    finds it on the new member once the move is done. With group_id 0 (for
+    scrub): every GC item of any group whose fragment gc_holder still has to
+    delete, or whose position it now serves (a move's copy, which no item
+    names), ready or not (gc_ready). A meta before stop 52: NotFound.
     """
     after_gc_id: _builtins.int
     def __init__(
@@ -2538,6 +2539,7 @@ class GroupChunk(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     GC_ID_FIELD_NUMBER: _builtins.int
     FRAGMENT_FIELD_NUMBER: _builtins.int
+    GC_READY_FIELD_NUMBER: _builtins.int
     inode: _builtins.int
     chunk: _builtins.int
     version: _builtins.int
@@ -2546,6 +2548,8 @@ class GroupChunk(_message.Message):
     """gc_holder listings: the GC item (never 0 there)"""
     fragment: _builtins.int
     """gc_holder listings: the holder's fragment index"""
+    gc_ready: _builtins.bool
+    """group 0 listings: the item's grace is over (GC deletes it)"""
     def __init__(
         self,
         *,
@@ -2554,10 +2558,11 @@ class GroupChunk(_message.Message):
         version: _builtins.int = ...,
         gc_id: _builtins.int = ...,
         fragment: _builtins.int = ...,
+        gc_ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "fragment", b"fragment", "gc_id", b"gc_id", "inode", b"inode", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "fragment", b"fragment", "gc_id", b"gc_id", "gc_ready", b"gc_ready", "inode", b"inode", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
