@@ -176,7 +176,7 @@ def _targets_on_disk(cluster_dir: Path) -> dict[int, tuple[Path, str]]:
 
 
 async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessions: dict[int, int],
-                skip: set[int]) -> Truth:
+                skip: set[int], gc_before: set[GCKey]) -> Truth:
     t = Truth()
     targets = {tid: v for tid, v in _targets_on_disk(cluster_dir).items() if tid not in skip}
     frags: list[Fragment] = []
@@ -198,15 +198,7 @@ async def _scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int], sessi
         # Asked after the records: a generation they show replaced or gone
         # has its GC item by then (the same op queued it). Fragments GC
         # accounts for: kept while the grace runs, then GC deletes them.
-        waiting: set[tuple[int, int, int, int, int]] = set()
-        for tid in sorted(targets):
-            after = 0
-            while True:
-                page = await mc.list_group_chunks(0, gc_holder=tid, after_gc_id=after)
-                waiting.update((c.inode, c.chunk, c.fragment, c.version, tid) for c in page.chunks)
-                if not page.next_gc_id:
-                    break
-                after = page.next_gc_id
+        waiting = await _gc_known(mc, targets) | gc_before
     by_key: dict[tuple[int, int, int, int], list[Fragment]] = {}
     for f in frags:
         by_key.setdefault((f.inode, f.chunk, f.fragment, f.version), []).append(f)
@@ -327,10 +319,42 @@ def _consistency(codec: Codec, cs: int, rec: Rec, have: dict[int, bytes]) -> str
     return ""
 
 
+GCKey = tuple[int, int, int, int, int]  # inode, chunk, fragment, version, target
+
+
+async def _gc_known(mc: MetaClient, targets: Iterable[int]) -> set[GCKey]:
+    """Fragments meta's GC items account for, on ``targets``: those still
+    pending there, and those of items whose position the target now serves
+    (a move's copy), ready or not (what scrub leaves to GC)."""
+    out: set[GCKey] = set()
+    for tid in sorted(targets):
+        after = 0
+        while True:
+            page = await mc.list_group_chunks(0, gc_holder=tid, after_gc_id=after)
+            out.update((c.inode, c.chunk, c.fragment, c.version, tid) for c in page.chunks)
+            if not page.next_gc_id:
+                break
+            after = page.next_gc_id
+    return out
+
+
+def gc_known(meta: list[str], cluster_dir: Path) -> set[GCKey]:
+    """:func:`_gc_known` for every target on disk, now: taken before a
+    scrub, the fragments it left to GC (a grace that ends between the
+    scrub and the scan lets GC remove the item before every copy is gone:
+    the next scrub deletes such a copy as an orphan)."""
+    async def run() -> set[GCKey]:
+        async with MetaClient(meta, deadline=20) as mc:
+            return await _gc_known(mc, _targets_on_disk(cluster_dir))
+    return asyncio.run(run())
+
+
 def scan(meta: list[str], cluster_dir: Path, inodes: Iterable[int] = (), sessions: dict[int, int] | None = None,
-         removed: Iterable[int] = ()) -> Truth:
+         removed: Iterable[int] = (), gc_before: set[GCKey] | None = None) -> Truth:
     """The truth now. ``inodes``: files to check even if no fragment of them
     is on disk; ``sessions``: inode -> data_version of write sessions still
     open (their uploads are in flight, not stale); ``removed``: targets
-    declared dead (``target rm``), whose disks are ignored."""
-    return asyncio.run(_scan(meta, cluster_dir, inodes, sessions or {}, set(removed)))
+    declared dead (``target rm``), whose disks are ignored; ``gc_before``:
+    fragments GC items accounted for when the scrub looked
+    (:func:`gc_known`), not stale either."""
+    return asyncio.run(_scan(meta, cluster_dir, inodes, sessions or {}, set(removed), gc_before or set()))

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from tests.checker.model import MFile, MHandle, Model, apply_write, resized
-from tests.checker.truth import Truth, chunk_table, scan
+from tests.checker.truth import Truth, chunk_table, gc_known, scan
 from tests.checker.truth import _stored as _stored_len
 from tierfs.cli.main import run as cli
 from tierfs.cli.repair import scrub_cluster
@@ -534,7 +534,7 @@ class Checker(ProcessFaults):
         return {j: n for j, n in truth.valid.get((inode, idx), {}).items()
                 if self.forged.get((inode, idx, j, gen)) != truth.payload_crc.get((inode, idx, j))}
 
-    def _truth(self) -> Truth:
+    def _truth(self, gc_before: set[Any] | None = None) -> Truth:
         sessions = {}
         inodes = []
         for hid, h in self.model.handles.items():
@@ -544,7 +544,7 @@ class Checker(ProcessFaults):
         for path in self.model.files:
             with contextlib.suppress(TierFSError):
                 inodes.append(self.client.stat(self.p(path)).inode)
-        return scan(self.env.meta, self.env.cl.dir, inodes, sessions, self.env.removed)
+        return scan(self.env.meta, self.env.cl.dir, inodes, sessions, self.env.removed, gc_before)
 
     # ---- namespace and whole-file operations --------------------------------------------
 
@@ -1057,8 +1057,9 @@ class Checker(ProcessFaults):
         on disk, computed after the pass."""
         self.env.heal()
         rebuilt = self.env.wait_rebuilt(5.0 if self.counts.get("violation:rebuild") else 30.0)
+        gc_before = gc_known(self.env.meta, self.env.cl.dir)
         rep = asyncio.run(scrub_cluster(self.env.meta, repair=repair, delete_orphans=repair, timeout=120))
-        truth = self._truth()
+        truth = self._truth(gc_before)
         tot = dict(rep["total"])
         for k in ("stale", "mismatched", "chunks_verified"):
             tot[k] = sum(int(n.get(k, 0)) for n in rep["nodes"] if "error" not in n)
