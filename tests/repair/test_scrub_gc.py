@@ -24,6 +24,7 @@ from tests.repair.util import (
     fragments,
     generations,
     grant_all,
+    held_readers,
     map_now,
     random_bytes,
     start,
@@ -401,27 +402,15 @@ def test_scrub_keeps_the_generations_open_readers_still_hold(tmp_path: Path) -> 
         async with AsyncClient(cl.meta_addrs) as c:
             await c.mkdir("/s")
             await c.set_layout("/s", chunk_size=128 * 1024, redundancy="ec:4+2")
-            for path, data in old.items():
-                await c.write_bytes(path, data)
-            ha, hb = await c.open("/s/a", "rb"), await c.open("/s/b", "rb")
-            try:
-                assert await ha.read(1) == old["/s/a"][:1] and await hb.read(1) == old["/s/b"][:1]
-                ha.seek(0)
-                hb.seek(0)
-                await c.write_bytes("/s/a", new)
-                await c.rm("/s/b")
-                held = set(fragments(cl))
+            async with held_readers(c, old, new) as held:
+                await held.replace()
+                on_disk = set(fragments(cl))
                 doc = await asyncio.to_thread(_scrub, cl)
                 t = doc["total"]
                 assert t["waiting_gc"] == 6 * 6 + 4 * 6 and t["stale"] == t["orphans"] == 0, t
                 assert doc["clean"], doc
-                assert set(fragments(cl)) == held
-                assert digest(await hb.read()) == digest(old["/s/b"])
-                assert digest(await ha.read()) == digest(old["/s/a"])
-                assert digest(await c.read_bytes("/s/a")) == digest(new)
-            finally:
-                await ha.close()
-                await hb.close()
+                assert set(fragments(cl)) == on_disk
+                await held.check()
 
     try:
         asyncio.run(main())

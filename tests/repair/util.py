@@ -6,9 +6,10 @@ access to fragment files on disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +26,12 @@ if TYPE_CHECKING:
 __all__ = [
     "META_FAST",
     "STORAGE_FAST",
+    "HeldReaders",
     "digest",
     "fragments",
     "generations",
     "grant_all",
+    "held_readers",
     "map_now",
     "random_bytes",
     "start",
@@ -125,3 +128,46 @@ def grant_all(dc: DataClient, cl: LocalCluster, rotation: float = 3600.0) -> Dat
                       expiry_ms=now + 600_000)
     dc.caps.add(capmod.encode(cap))
     return dc
+
+
+class HeldReaders:
+    """Two files, each with a handle open that has read a byte: then the
+    first is overwritten and the second removed (:meth:`replace`), so their
+    generations wait for GC while the handles still read them."""
+
+    def __init__(self, c: AsyncClient, old: dict[str, bytes], new: bytes, handles: list[Any]) -> None:
+        self.c, self.old, self.new, self.handles = c, old, new, handles
+        (self.overwritten, self.removed) = old
+
+    async def replace(self) -> None:
+        await self.c.write_bytes(self.overwritten, self.new)
+        await self.c.rm(self.removed)
+
+    async def check(self) -> None:
+        """Each handle reads whole the bytes it opened; a fresh read of the
+        overwritten file, the new ones."""
+        ha, hb = self.handles
+        # Removed: its generations are the only bytes there are.
+        assert digest(await hb.read()) == digest(self.old[self.removed])
+        # Overwritten: without its old generation the handle would read the
+        # new one (a re-read after GenerationGoneError), as if the overwrite
+        # had been seen; its view is still there.
+        assert digest(await ha.read()) == digest(self.old[self.overwritten])
+        assert digest(await self.c.read_bytes(self.overwritten)) == digest(self.new)
+
+
+@contextlib.asynccontextmanager
+async def held_readers(c: AsyncClient, old: dict[str, bytes], new: bytes) -> AsyncIterator[HeldReaders]:
+    """Write the two files of ``old`` and open a handle on each
+    (:class:`HeldReaders`); the handles are closed on exit."""
+    for path, data in old.items():
+        await c.write_bytes(path, data)
+    handles = [await c.open(path, "rb") for path in old]
+    try:
+        for h, data in zip(handles, old.values(), strict=True):
+            assert await h.read(1) == data[:1]
+            h.seek(0)
+        yield HeldReaders(c, old, new, handles)
+    finally:
+        for h in handles:
+            await h.close()
