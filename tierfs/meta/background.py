@@ -5,7 +5,8 @@ service: the pattern of :class:`tierfs.meta.kvplan.KVPlanner` and
 from __future__ import annotations
 
 import asyncio
-import contextlib
+
+from tierfs.aio import cancel_and_wait
 
 
 class BackgroundLoop:
@@ -26,6 +27,4 @@ class BackgroundLoop:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])  # cancelled again until done (tierfs.aio)

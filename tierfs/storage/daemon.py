@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierfs.aio import cancel_and_wait
 from tierfs.buffers import BufferPool
 from tierfs.config import load
 from tierfs.errors import (
@@ -843,11 +844,7 @@ class StorageNode:
             self._dir_lock = None
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks, swallow=True)  # cancelled again until done (tierfs.aio)
         if self.control is not None:
             await self.control.close()
         if self.repairer is not None:
