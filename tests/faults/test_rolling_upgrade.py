@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "869ff5730520fbec3554f465a8bbb2671c6653c7"
+PREVIOUS = "7bdc4cf9b47eebc37fadb3e179d61750a0a6c339"
 
 REPO = Path(__file__).resolve().parents[2]
 
