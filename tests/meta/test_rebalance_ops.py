@@ -336,3 +336,122 @@ def test_a_node_s_first_heartbeat_wakes_the_rebalancer_and_registration_forgets_
             assert t0 in svc._unreported_targets(svc.state)
 
     asyncio.run(main())
+
+
+def _full(d: Driver, tid: int, state: int = pb.TARGET_STATE_READ_ONLY) -> None:
+    node = d.sm.targets[tid].node
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=node, targets=[pb.TargetReport(target_id=tid, state=state)]))
+
+
+@pytest.mark.parametrize("state", [pb.TARGET_STATE_READ_ONLY, pb.TARGET_STATE_FAILED])
+def test_a_move_onto_a_full_member_is_redirected_and_keeps_its_copy_source(state: int) -> None:
+    """redirect_moves swaps a move's new member, full (read-only) or
+    failed, for another target: the newcomer inherits the move's copy
+    source and the move (its bytes count once it finishes). Refused, the
+    group unchanged: a member that is not a move's new member, one that is
+    online again, a target that is a member already."""
+    d = Driver()
+    d.register(8, 1)
+    d.create("/f", stripe_width=1)  # ec:4+2
+    d.write("/f", 4 << 20, [0])
+    gid = d.stat("/f").layout.groups[0]
+    members = list(d.sm.groups[gid])
+    spare, other = [t for t in sorted(d.sm.targets) if t not in members]
+    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=1, old_target=members[1], new_target=spare, bytes=7)]), pb.RebalanceMovesReply)
+
+    def redirect(old: int, new: int, position: int = 1) -> pb.RebalanceMovesReply:
+        return d.do("redirect_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+            group_id=gid, position=position, old_target=old, new_target=new)]), pb.RebalanceMovesReply)
+
+    assert d.sm.redirectable_moves() == []
+    r = redirect(spare, other)  # the new member is online: its copy goes on
+    assert r.applied == 0 and list(r.skipped) == [gid] and d.sm.groups[gid][1] == spare
+    _full(d, spare, state)
+    assert d.sm.redirectable_moves() == [(gid, 1, spare)]
+    v = d.sm.map_version
+    assert list(redirect(members[2], other, 2).skipped) == [gid]  # not the move's member
+    assert list(redirect(spare, members[3]).skipped) == [gid]  # a member already
+    assert d.sm.map_version == v and d.sm.groups[gid][1] == spare
+    r = redirect(spare, other)
+    assert r.applied == 1 and not r.skipped
+    assert d.sm.groups[gid][1] == other and d.sm.map_version == v + 1
+    assert d.sm.moving[gid] == (other, members[1], 7)
+    assert d.sm.rebuilding[gid] == {other} and d.sm.rebuild_sources[gid] == {other: members[1]}
+    assert d.sm.redirectable_moves() == [] and d.sm.stuck_moves() == []
+    d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=gid, target_id=other))
+    assert d.sm.moves_done == 1 and d.sm.bytes_moved == 7 and not d.sm.moving
+
+
+def test_a_redirect_that_would_leave_too_few_members_is_not_made() -> None:
+    """A move of a replica:2 group whose other member is down: the full new
+    member may hold the only copy of what was written during the move, so
+    the move is neither offered for redirect nor redirected."""
+    d = Driver()
+    d.register(5, 1)
+    d.create("/r", kind=pb.REDUNDANCY_KIND_REPLICA, data_shards=1, parity_shards=1, stripe_width=1)
+    d.write("/r", 1 << 20, [0])
+    gid = d.stat("/r").layout.groups[0]
+    a, b = d.sm.groups[gid]
+    spare, other, *_ = [t for t in sorted(d.sm.targets) if t not in (a, b)]
+    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=0, old_target=a, new_target=spare)]), pb.RebalanceMovesReply)
+    _full(d, spare)
+    _full(d, b, pb.TARGET_STATE_FAILED)
+    assert d.sm.redirect_would_lose(gid, spare) and d.sm.redirectable_moves() == []
+    r = d.do("redirect_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=0, old_target=spare, new_target=other)]), pb.RebalanceMovesReply)
+    assert r.applied == 0 and d.sm.groups[gid][0] == spare
+    _full(d, b, pb.TARGET_STATE_ONLINE)
+    assert d.sm.redirectable_moves() == [(gid, 0, spare)]
+
+
+@pytest.mark.timeout(60)
+def test_the_rebalancer_redirects_a_move_stuck_on_a_full_member_after_redirect_after() -> None:
+    """The leader's rounds: a move whose new member turned full is named
+    with the seconds left, and once ``redirect_after`` is over the next
+    round sends it on to another target; 0 turns that off."""
+    import asyncio
+
+    from tierfs.cli.rebalance import render_rebalance, status_dict
+    from tierfs.meta.rebalance import Rebalancer
+
+    d = Driver()
+    d.register(8, 1)
+    d.create("/f", stripe_width=1)
+    d.write("/f", 4 << 20, [0])
+    gid = d.stat("/f").layout.groups[0]
+    members = list(d.sm.groups[gid])
+    spare = min(t for t in d.sm.targets if t not in members)
+    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=0, old_target=members[0], new_target=spare)]), pb.RebalanceMovesReply)
+    _full(d, spare)
+    clock = [100.0]
+
+    async def submit(kind: str, req: object, reply_cls: type) -> object:
+        assert isinstance(req, Message)
+        return d.do(kind, req, reply_cls)
+
+    async def rounds() -> None:
+        off = Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=0, clock=lambda: clock[0])
+        await off.step()
+        (m,) = off.status().stuck
+        assert not m.redirects
+        rb = Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=30, clock=lambda: clock[0])
+        await rb.step()
+        assert d.sm.moving[gid][0] == spare
+        clock[0] += 20
+        (m,) = rb.status().stuck
+        assert m.redirects and m.redirect_in_s == pytest.approx(10)
+        text = render_rebalance(status_dict(rb.status()))
+        assert "The leader sends it on to another target in 10 s; or free space on target" in text, text
+        await rb.step()
+        assert d.sm.moving[gid][0] == spare
+        clock[0] += 10
+        await rb.step()
+        new = d.sm.moving[gid][0]
+        assert new not in (spare, *members) and d.sm.groups[gid][0] == new
+        assert d.sm.rebuild_sources[gid] == {new: members[0]}
+        assert not rb.status().stuck
+
+    asyncio.run(rounds())

@@ -10,7 +10,8 @@ What it proves: ``GetRebalanceStatus`` names each such move and why
 status`` and ``tierfs status`` print it (before, both said only "moving (2
 moving, 0 planned, ...)" for ever, with no error). Draining the full node,
 the way out the message gives, moves the copies elsewhere: the moves
-finish and every file reads back byte for byte."""
+finish and every file reads back byte for byte. So does the leader, by
+itself, once such a move has waited ``rebalance_redirect_after``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.cluster import wait_for
 from tests.repair.util import random_bytes, start
 from tierfs.cli.main import run
 from tierfs.client import AsyncClient
+from tierfs.errors import NoSpaceError
 from tierfs.local import LocalCluster, ProcInfo
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -34,12 +36,13 @@ from tierfs.proto.v1 import meta_pb2 as pb
 KiB = 1024
 CHUNK = 128 * KiB
 META = ("--heartbeat-timeout=1.5", "--replace-after=30", "--tick-interval=0.2", "--rebalance=true",
-        "--rebalance-interval=0.5", "--rebalance-max-moving=4")
+        "--rebalance-interval=0.5", "--rebalance-max-moving=4", "--rebalance-redirect-after=0")
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[LocalCluster, list[Path]]]:
-    cl = start(tmp_path / "c", n_storage=4, meta_args=META)
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[LocalCluster, list[Path]]]:
+    redirect = getattr(request, "param", 0)
+    cl = start(tmp_path / "c", n_storage=4, meta_args=(*META[:-1], f"--rebalance-redirect-after={redirect}"))
     mounts: list[Path] = []
     try:
         yield cl, mounts
@@ -180,4 +183,72 @@ def test_a_target_full_when_its_node_registers_gets_no_moves(cluster: tuple[Loca
     assert st.moves_done == 0 and st.moves_in_flight == 0, st
     assert f"target {tid} is full" not in cli(meta, "status", ok=(0, 3))
 
+    _read_back(meta, files)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_the_leader_redirects_moves_stuck_on_a_full_target(cluster: tuple[LocalCluster, list[Path]]) -> None:
+    """The same growth onto a 768 KiB tmpfs, with ``rebalance_redirect_after``
+    2 s and more files written while the moves run (their fragments at a
+    moving position go to the new member until it fills; then, for want of
+    room, the writes of those chunks fail until the redirect). No operator
+    steps in: the leader sends each move stuck on the full target on to
+    another one, the moves finish, and every file reads back byte for byte,
+    also with the full target's node stopped (nothing depends on the copies
+    left there)."""
+    cl, mounts = cluster
+    meta = list(cl.meta_addrs)
+    files, p = _grow_onto_tmpfs(cl, mounts, "/d", seed=200, min_free="128KiB")
+    more = {f"/d/g{i}": random_bytes(4 * CHUNK, 300 + i) for i in range(8)}
+
+    async def write_more() -> int:
+        """Writes whose chunk lands on a group moving onto the full target
+        get ENOSPC (ec:2+1 stores all 3 fragments of a chunk or fails)
+        until the leader redirects the move; each file is written again
+        until it is stored (without the redirect: never)."""
+        refused = 0
+        async with AsyncClient(meta) as c:
+            for path, data in more.items():
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 60
+                while True:
+                    try:
+                        await c.write_bytes(path, data)
+                        break
+                    except NoSpaceError:
+                        refused += 1
+                        if loop.time() > end:
+                            raise
+                        await asyncio.sleep(0.5)
+        return refused
+
+    refused = asyncio.run(write_more())
+    print(f"writes refused for want of space before the redirect: {refused}")
+    files.update(more)
+    seen: list[pb.RebalanceStatus] = []
+
+    def finished() -> bool:
+        s = asyncio.run(rebalance_status(meta))
+        seen.append(s)
+        return s.moves_done > 0 and not s.moves_in_flight and not s.stuck and not s.moves_planned
+
+    try:
+        wait_for(finished, timeout=180, what="the moves finished with no operator", interval=0.5)
+    except TimeoutError:
+        print(seen[-1], cli(meta, "status", ok=(0, 3)))
+        raise
+
+    async def full_target_state() -> int:
+        async with MetaClient(meta, deadline=10) as mc:
+            cmap = await mc.get_cluster_map()
+        node = next(n for n in cmap.nodes if n.data_addr == p.addr)
+        (tid,) = node.target_ids
+        return next(t.state for t in cmap.targets if t.target_id == tid)
+
+    # Still full: the moves did not finish there (without the redirect they
+    # wait for ever, as in the first test).
+    assert asyncio.run(full_target_state()) == pb.TARGET_STATE_READ_ONLY
+    _read_back(meta, files)
+    cl.kill(p.name)
     _read_back(meta, files)

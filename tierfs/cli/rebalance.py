@@ -35,7 +35,8 @@ def status_dict(st: Any) -> dict[str, Any]:
         "done": st.moves_planned == 0 and st.moves_in_flight == 0,
         "last_error": st.last_error,
         "stuck": [{"group": m.group_id, "old_target": m.old_target, "new_target": m.new_target,
-                   "new_node": m.new_node, "reason": m.reason}
+                   "new_node": m.new_node, "reason": m.reason,
+                   "redirect_in_s": round(m.redirect_in_s, 1) if m.redirects else None}
                   for m in st.stuck],
     }
 
@@ -73,6 +74,10 @@ def stuck_lines(r: dict[str, Any]) -> list[str]:
         what = (f"free space on target {m['new_target']} (the copy resumes), or {drain}" if "full" in m["reason"]
                 else f"bring it back, or {drain}; once down for replace_after it is replaced and the copy goes on "
                      f"to its replacement")
+        left = m.get("redirect_in_s")
+        if left is not None:
+            when = f"in {left:.0f} s" if left >= 1 else "as soon as a target can take it"
+            what = f"the leader sends it on to another target {when}; or {what}"
         out.append(f"  move of group {m['group']} (target {m['old_target']} -> {m['new_target']}) cannot go on: "
                    f"{m['reason']}; target {m['old_target']} still serves it. {what[0].upper()}{what[1:]}")
     return out

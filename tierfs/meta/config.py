@@ -144,6 +144,10 @@ class MetaConfig(BaseConfig):
         30.0, "How long a move of a placement group waits while an open write session has uploads in it (its "
         "writer would re-send those fragments to the new member at close); the group moves after that even if "
         "it is still being written. 0: moves never wait.", kind="duration")
+    rebalance_redirect_after: float = field(
+        10.0, "How long a move may wait on a new member that is full (read-only) or failed before the leader "
+        "sends it on to another target (the copy source keeps serving meanwhile). 0: such moves wait until the "
+        "member has room again or its node is drained.", kind="duration")
 
     kv_default_pool: bool = field(
         True,
@@ -218,6 +222,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be > 0", field="rebalance_interval")
         if self.rebalance_write_defer < 0:
             raise ConfigError("must be >= 0", field="rebalance_write_defer")
+        if self.rebalance_redirect_after < 0:
+            raise ConfigError("must be >= 0", field="rebalance_redirect_after")
         if self.heartbeat_interval <= 0:
             raise ConfigError("must be > 0", field="heartbeat_interval")
         if not 0 <= self.kv_lease <= 60:

@@ -231,6 +231,7 @@ async def _serve_locked(cfg: MetaConfig, stop: asyncio.Event, secret: Any, accep
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,
         rebalance=cfg.rebalance, rebalance_interval=cfg.rebalance_interval,
         rebalance_max_moving=cfg.rebalance_max_moving, rebalance_write_defer=cfg.rebalance_write_defer,
+        rebalance_redirect_after=cfg.rebalance_redirect_after,
         kv_default_pool=cfg.kv_default_pool_request() if cfg.kv_default_pool else None,
         clock=_wall_clock(), monotonic=time.monotonic_ns,
         auth=Authenticator(secret, accepted) if cfg.auth and secret is not None else None,

@@ -21,7 +21,13 @@ owns one :class:`Rebalancer`, which
   uploads in waits up to ``write_defer`` seconds for the session to end
   (:func:`groups_being_written`): its writer would otherwise have to send
   those fragments again to the new member before it commits. Never
-  longer, so a group that is always being written still moves.
+  longer, so a group that is always being written still moves;
+* redirects moves that cannot go on: a move whose new member has been full
+  (read-only) or failed for ``redirect_after`` seconds goes on to another
+  target (``RedirectMoves``, planned like a drain's replacements,
+  :mod:`tierfs.meta.replace`), which inherits the copy source. Before, such
+  a move held its group (degraded for writes at that position) and one of
+  the ``max_moving`` slots until an operator drained the full node.
 
 Progress (:meth:`Rebalancer.status`) is the ``GetRebalanceStatus`` reply
 and the ``tierfs_rebalance_*`` gauges of the process's default Prometheus
@@ -43,6 +49,7 @@ from tierfs.errors import StaleVersionError, TierFSError
 from tierfs.meta.background import BackgroundLoop
 from tierfs.meta.ops import MAX_GROUPS_PER_OP, MAX_REPLACEMENTS
 from tierfs.meta.placement import Move, plan_groups, plan_rebalance
+from tierfs.meta.replace import plan_replacements, replace_input
 from tierfs.meta.state import MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
 
@@ -170,7 +177,7 @@ class Rebalancer(BackgroundLoop):
 
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
-                 tolerance: float = 0.10, write_defer: float = 30.0,
+                 tolerance: float = 0.10, write_defer: float = 30.0, redirect_after: float = 10.0,
                  clock: Callable[[], float] = time.monotonic,
                  unreported: Callable[[MetaStateMachine], set[int]] | None = None) -> None:
         self._state = state
@@ -185,6 +192,8 @@ class Rebalancer(BackgroundLoop):
         self.max_moving = max(1, max_moving)
         self.tolerance = tolerance
         self.write_defer = write_defer
+        self.redirect_after = redirect_after
+        self._stuck_since: dict[tuple[int, int], float] = {}  # (group, new member) -> since when redirectable
         self._clock = clock
         self._held: dict[int, float] = {}  # group -> since when its moves wait for a write session
         self._lock = asyncio.Lock()
@@ -259,6 +268,8 @@ class Rebalancer(BackgroundLoop):
             if not (self._active or sm.moving or sm.rule_violations()):
                 self._p.planned = []
                 return 0
+            if await self._redirect(sm):
+                sm = self._state()
             room = min(self.max_moving - len(sm.moving), MAX_REPLACEMENTS)  # one op's cap
             inp = move_input(sm)
             # A target whose node registered and has not heartbeated since
@@ -291,6 +302,39 @@ class Rebalancer(BackgroundLoop):
                 log.info("rebalance: %d move(s) submitted, %d skipped, %d planned", reply.applied,
                          len(reply.skipped), len(self._p.planned))
             return int(reply.applied)
+
+    def _redirect_due(self, sm: MetaStateMachine) -> dict[tuple[int, int], float]:
+        """(group, member) -> seconds left before the move onto that
+        member is redirected (0 or less: due), for every move that may be;
+        keeps the since-when of each."""
+        if self.redirect_after <= 0:
+            self._stuck_since.clear()
+            return {}
+        now = self._clock()
+        pairs = {(g, t) for g, _, t in sm.redirectable_moves()}
+        self._stuck_since = {p: self._stuck_since.get(p, now) for p in pairs}
+        return {p: self.redirect_after - (now - since) for p, since in self._stuck_since.items()}
+
+    async def _redirect(self, sm: MetaStateMachine) -> int:
+        """Send on the moves stuck on a full or failed new member for
+        ``redirect_after``; returns how many went."""
+        due = sorted(p for p, left in self._redirect_due(sm).items() if left <= 0)
+        if not due:
+            return 0
+        inp = replace_input(sm, sorted({t for _, t in due}), only=due)
+        moves, _ = await asyncio.to_thread(plan_replacements, inp)
+        if not moves:
+            return 0  # no target can take them now: the next round tries again
+        req = pb.RebalanceMovesRequest(map_version=sm.map_version, moves=[
+            pb.RebalanceMove(group_id=m.group, position=m.position, old_target=m.old, new_target=m.new)
+            for m in moves])
+        reply = await self._submit("redirect_moves", req, pb.RebalanceMovesReply)
+        assert isinstance(reply, pb.RebalanceMovesReply)
+        if reply.applied:
+            log.warning("rebalance: %d move(s) redirected off full or failed targets (%s)", reply.applied,
+                        ", ".join(f"group {m.group}: {m.old} -> {m.new}" for m in moves
+                                  if m.group not in set(reply.skipped)))
+        return int(reply.applied)
 
     def _hold(self, sm: MetaStateMachine, moves: list[Move]) -> set[int]:
         """Groups whose moves wait this round: an open write session has
@@ -342,13 +386,15 @@ class Rebalancer(BackgroundLoop):
         planned = [m for m in self._p.planned if m.group not in sm.moving]
         gb = sm.gbytes
         in_flight = sum(mv[2] for mv in sm.moving.values())
+        due = self._redirect_due(sm) if self._leading() else {}
         return pb.RebalanceStatus(
             enabled=self.enabled, moves_planned=len(planned), moves_in_flight=len(sm.moving),
             moves_done=sm.moves_done, bytes_to_move=sum(gb.get(m.group, 0) for m in planned) + in_flight,
             bytes_moved=sm.bytes_moved, balance_max_over_mean=ratio, bytes_max=mx, bytes_mean=mean,
             targets=len(eligible), racks=sm.eligible_domains(), failure_domain=sm.failure_domain(),
             last_error=self._p.last_error, rule_violations=sm.rule_violations(),
-            stuck=[pb.StuckMove(group_id=g, old_target=o, new_target=n, new_node=node, reason=why)
+            stuck=[pb.StuckMove(group_id=g, old_target=o, new_target=n, new_node=node, reason=why,
+                                redirects=(g, n) in due, redirect_in_s=max(0.0, due.get((g, n), 0.0)))
                    for g, o, n, node, why in sm.stuck_moves()])
 
     def _export(self) -> None:

@@ -50,16 +50,21 @@ class ReplaceInput:
     #: group's other members cannot rebuild what it holds
     #: (MetaStateMachine.rebuild_would_lose); only the tick's replacements.
     held: frozenset[tuple[int, int]] = frozenset()
+    #: when set, only these (group, target) pairs are swapped out (a
+    #: rebalance move redirected off its full new member), not every group
+    #: of ``tids``
+    only: frozenset[tuple[int, int]] | None = None
 
 
 def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterable[int] = (),
-                  hold: bool = False) -> ReplaceInput:
+                  hold: bool = False, only: Iterable[tuple[int, int]] | None = None) -> ReplaceInput:
     """A copy of what :func:`plan_replacements` needs (one pass over the
     groups, on the event loop). ``leaving``: targets the op itself makes
     ineligible before it replaces (the removed target, the drained node's).
     ``hold``: leave down targets in place where replacing them would lose
     data (the tick's replacement of long-down targets; an operator's
-    ``target rm`` has its own check and ``--force``)."""
+    ``target rm`` has its own check and ``--force``). ``only``: swap out
+    just these (group, target) pairs."""
     out = set(leaving)
     tids = list(tids)
     eligible = {t: n for t, n in sm.eligible_targets().items() if t not in out}
@@ -68,7 +73,8 @@ def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterabl
         want = set(tids)
         held = {(g, t) for g, m in sm.groups.items() for t in want.intersection(m) if sm.rebuild_would_lose(g, t)}
     return ReplaceInput(tids, eligible, {t.id: t.node for t in sm.targets.values()}, sm.target_domains(),
-                        sm.node_racks(), {g: list(m) for g, m in sm.groups.items()}, frozenset(held))
+                        sm.node_racks(), {g: list(m) for g, m in sm.groups.items()}, frozenset(held),
+                        None if only is None else frozenset(only))
 
 
 def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple[list[Move], list[int]]:
@@ -89,7 +95,7 @@ def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple
     for tid in inp.tids:
         for gid in of.get(tid, ()):
             members = groups[gid]
-            if tid not in members or (gid, tid) in inp.held:
+            if tid not in members or (gid, tid) in inp.held or (inp.only is not None and (gid, tid) not in inp.only):
                 continue
             if len(moves) >= limit:
                 stuck.append(gid)

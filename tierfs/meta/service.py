@@ -230,6 +230,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         rebalance_interval: float = 5.0,
         rebalance_max_moving: int = 4,
         rebalance_write_defer: float = 30.0,
+        rebalance_redirect_after: float = 10.0,
         accepted_secrets: Sequence[bytes] = (),
         kv_lease: float = 5.0,
     ) -> None:
@@ -325,6 +326,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self.rebalancer = Rebalancer(lambda: self.state, self._background_op, self._leadership,
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer,
+                                     redirect_after=rebalance_redirect_after,
                                      unreported=self._unreported_targets)
         self.kv_planner = KVPlanner(lambda: self.state, self._background_op, self._leadership,
                                     interval=rebalance_interval, replace_after=replace_after)

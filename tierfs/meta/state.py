@@ -113,7 +113,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 7)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 8)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -151,6 +151,10 @@ UNDRAIN_FORMAT = 6
 #: may still hold them, stop 52), and GC then deletes the copies with the
 #: rest; before, they outlived their item and scrub found them as orphans.
 GC_COPIES_FORMAT = 7
+#: Entries of this format may be RedirectMoves ops: the leader sends a move
+#: whose new member stayed full (read-only) or failed on to another target
+#: (tierfs.meta.rebalance), a kind that replicas of older formats do not know.
+REDIRECT_FORMAT = 8
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -1156,6 +1160,73 @@ class MetaStateMachine(Tracked):
         if reply.applied:
             self.map_version += 1
         return reply
+
+    def _op_redirect_moves(self, op: pb.MetaOp, r: pb.RebalanceMovesRequest) -> Message:
+        """Moves the leader sends on to another target: their new member
+        (``old_target`` here) is full (read-only) or has failed, so their
+        copy cannot go on there. Each one still valid (the group is moving
+        onto that member at that position, the member is still full or
+        failed, the group is wider than one and its other members can
+        rebuild what the member got while it served the position, the new
+        target is eligible, on a node and in a rack the rule allows) is
+        applied as a drain's replacement is: the new target inherits the
+        move's copy source, which keeps serving the position until
+        FinishRebuild; chunks written to the full member meanwhile are
+        rebuilt from the group. The others are skipped."""
+        reply = pb.RebalanceMovesReply()
+        valid = pb.Replacements(planned=True)
+        seen: set[int] = set()
+        for mv in r.moves:
+            t = self.targets.get(mv.old_target)
+            moving = self.moving.get(mv.group_id)
+            ok = (t is not None and moving is not None and moving[0] == mv.old_target
+                  and mv.group_id not in seen and len(self.groups.get(mv.group_id, ())) > 1
+                  and self._target_state(t) in (pb.TARGET_STATE_READ_ONLY, pb.TARGET_STATE_FAILED)
+                  and not self.redirect_would_lose(mv.group_id, mv.old_target))
+            if ok:
+                seen.add(mv.group_id)
+                valid.moves.append(mv)
+            else:
+                reply.skipped.append(mv.group_id)
+        stuck = self._apply_replacements(valid, lambda tid: True)
+        reply.skipped.extend(stuck)
+        reply.applied = len(valid.moves) - len(stuck)
+        return reply
+
+    def redirectable_moves(self) -> list[tuple[int, int, int]]:
+        """Moves in flight whose new member is full (read-only) or has
+        failed, in a group wider than one whose other members can rebuild
+        what that member holds, as (group, position, member): what a
+        RedirectMoves op may send on to another target."""
+        out = []
+        for gid in sorted(self.moving):
+            new = self.moving[gid][0]
+            t = self.targets.get(new)
+            members = self.groups.get(gid, [])
+            if (t is None or new not in members or len(members) < 2
+                    or self._target_state(t) not in (pb.TARGET_STATE_READ_ONLY, pb.TARGET_STATE_FAILED)
+                    or self.redirect_would_lose(gid, new)):
+                continue
+            out.append((gid, members.index(new), new))
+        return out
+
+    def redirect_would_lose(self, gid: int, tid: int) -> bool:
+        """Whether the other members of group ``gid`` (``tid``, a move's new
+        member, left out) are too few to rebuild a chunk of it: fewer
+        readable, not rebuilding, than a file stored there needs."""
+        members = self.groups.get(gid, [])
+        if gid not in self.ginv:
+            return False
+        rb = self.rebuilding.get(gid, set())
+        readable = sum(1 for m in members if m != tid and m not in rb and m in self.targets
+                       and self._target_state(self.targets[m]) in (ONLINE, pb.TARGET_STATE_READ_ONLY))
+        if readable >= len(members) - 1:
+            return False  # K <= width - 1 for every layout wider than one
+        for ino in self.ginv[gid]:
+            lay = self.inodes[ino].layout if ino in self.inodes else None
+            if lay is not None and (1 if lay.kind == pb.REDUNDANCY_KIND_REPLICA else lay.k) > readable:
+                return True
+        return False
 
     def target_bytes(self) -> dict[int, int]:
         """Bytes each target holds by the inventory (every group member

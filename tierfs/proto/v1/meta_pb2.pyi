@@ -2374,6 +2374,8 @@ class StuckMove(_message.Message):
     NEW_TARGET_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     NEW_NODE_FIELD_NUMBER: _builtins.int
+    REDIRECTS_FIELD_NUMBER: _builtins.int
+    REDIRECT_IN_S_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     old_target: _builtins.int
     new_target: _builtins.int
@@ -2381,6 +2383,14 @@ class StuckMove(_message.Message):
     """"destination target 5 is full (read-only)" """
     new_node: _builtins.int
     """the storage node holding new_target"""
+    redirects: _builtins.bool
+    """The leader sends the move on to another target once its new member
+    has been full or failed for rebalance_redirect_after (op format 8 on):
+    whether it will (redirect on, the member full or failed, the group's
+    other members able to rebuild it) and in how many seconds (0: due, it
+    goes as soon as a target can take it).
+    """
+    redirect_in_s: _builtins.float
     def __init__(
         self,
         *,
@@ -2389,10 +2399,12 @@ class StuckMove(_message.Message):
         new_target: _builtins.int = ...,
         reason: _builtins.str = ...,
         new_node: _builtins.int = ...,
+        redirects: _builtins.bool = ...,
+        redirect_in_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "new_node", b"new_node", "new_target", b"new_target", "old_target", b"old_target", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "new_node", b"new_node", "new_target", b"new_target", "old_target", b"old_target", "reason", b"reason", "redirect_in_s", b"redirect_in_s", "redirects", b"redirects"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3232,6 +3244,7 @@ class MetaOp(_message.Message):
     REBALANCE_MOVES_FIELD_NUMBER: _builtins.int
     KV_GROUPS_FIELD_NUMBER: _builtins.int
     UNDRAIN_NODE_FIELD_NUMBER: _builtins.int
+    REDIRECT_MOVES_FIELD_NUMBER: _builtins.int
     now_ns: _builtins.int
     """leader's time for the op (MetaServicer.now_ns: continues the state clock)"""
     client_id: _builtins.str
@@ -3336,6 +3349,13 @@ class MetaOp(_message.Message):
     def kv_groups(self) -> Global___KVGroupsRequest: ...
     @_builtins.property
     def undrain_node(self) -> Global___UndrainNodeRequest: ...
+    @_builtins.property
+    def redirect_moves(self) -> Global___RebalanceMovesRequest:
+        """A move whose new member is full (read-only) or has failed goes on to
+        another target (old_target: that member; docs/rebalance.md). Op
+        format 8 on.
+        """
+
     def __init__(
         self,
         *,
@@ -3381,12 +3401,13 @@ class MetaOp(_message.Message):
         rebalance_moves: Global___RebalanceMovesRequest | None = ...,
         kv_groups: Global___KVGroupsRequest | None = ...,
         undrain_node: Global___UndrainNodeRequest | None = ...,
+        redirect_moves: Global___RebalanceMovesRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "redirect_moves", b"redirect_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "redirect_moves", b"redirect_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups", "undrain_node"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups", "undrain_node", "redirect_moves"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
