@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# Every meta state machine in the suite, in this process and in the daemons
+# it starts, checks its per-map-version placement cache against a fresh
+# computation on each create (tierfs.meta.state._groups_online).
+os.environ.setdefault("TIERFS_TEST_CHECK_PLACEMENT_CACHE", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
