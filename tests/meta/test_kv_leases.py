@@ -92,6 +92,34 @@ def test_a_node_that_does_not_apply_the_map_it_was_told_loses_its_lease() -> Non
     run(main())
 
 
+def test_a_node_back_on_an_older_map_holds_the_change_back_again() -> None:
+    """Once every node has the current map the leader answers it without
+    looking at every node again (kv_published is kept), but a node that
+    then reports an older map (a daemon restarted from an older map file)
+    holds publication back to that map at once, as before the memo."""
+    async def main() -> None:
+        clock = Clock()
+        async with meta_server(clock=clock, heartbeat_timeout=10.0, kv_lease=5.0) as (mc, svc, _):
+            regs = await register_async(mc, nodes=3, targets=1)
+            clock.now += _lapse(5.0)
+            v1 = (await mc.get_cluster_map()).version
+            await mc.create_kv_pool("p", target_memory=1 << 20)
+            v2 = (await mc.get_cluster_map()).version
+            for _ in range(3):
+                for r in regs:
+                    hb = await mc.heartbeat(r.node_id, [], kv_map_version=v2)
+                    assert hb.kv_published == v2
+            assert svc._kv_pub_memo is not None and svc._kv_pub_memo[1] == v2
+            hb = await mc.heartbeat(regs[1].node_id, [], kv_map_version=v1)
+            assert hb.kv_published == v1  # its lease granted on v2 still runs
+            hb = await mc.heartbeat(regs[0].node_id, [], kv_map_version=v2)
+            assert hb.kv_published == v1
+            hb = await mc.heartbeat(regs[1].node_id, [], kv_map_version=v2)
+            assert hb.kv_published == v2
+
+    run(main())
+
+
 def test_the_lease_is_no_longer_than_heartbeat_timeout_and_zero_turns_it_off() -> None:
     async def main() -> None:
         clock = Clock()

@@ -319,6 +319,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._kv_granted: dict[int, int] = {}
         self._kv_applied: dict[int, int] = {}
         self._kv_told: dict[int, int] = {}  # node id -> map version of this leader's last answer
+        # kv_published, kept while nothing can lower it: (key, value) where
+        # the key is (map version, _lead_since, nodes, _kv_lagging), and
+        # _kv_lagging counts heartbeats that reported a map older than the
+        # current one (only those can lower it; time only raises it).
+        self._kv_pub_memo: tuple[tuple[int, int, int, int], int] | None = None
+        self._kv_lagging = 0
         # GetClusterMap calls waiting for a change (wait_ms): set, and
         # replaced, when a commit here moves the map past _map_notified.
         self._map_event = asyncio.Event()
@@ -764,6 +770,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply = pb.HeartbeatReply(map_version=sm.map_version, state=node.state)  # type: ignore[arg-type]
         self._hb_seen[req.node_id] = mono
         if req.kv_leases and self.kv_lease and sm.nodes.get(req.node_id) is not None:
+            if req.kv_map_version < sm.map_version:
+                self._kv_lagging += 1  # may lower kv_published: computed again
             self._kv_applied[req.node_id] = req.kv_map_version
             if req.kv_map_version >= self._kv_told.get(req.node_id, 0):
                 # A lease only to a node that applied the map this leader's
@@ -804,6 +812,15 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         v = sm.map_version
         if not self.kv_lease or not self._leadership():
             return v if not self.kv_lease else 0
+        # O(nodes) below, and every heartbeat asks: at 1,000 nodes beating
+        # once a second that was a fifth of the leader's loop. Once every
+        # node has applied the current map the answer is that map until the
+        # map moves, a node joins or leaves, leadership changes or a node
+        # reports an older map (the key); the lease clock only raises it.
+        key = (v, self._lead_since, len(sm.nodes), self._kv_lagging)
+        memo = self._kv_pub_memo
+        if memo is not None and memo[0] == key and memo[1] == v:
+            return v
         now = self._mono()
         span = int(self.kv_lease * 1e9 * (1 + LEASE_DRIFT)) + LEASE_MARGIN_NS
         pub = v
@@ -814,6 +831,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             if now >= max(self._kv_granted.get(nid, 0), self._lead_since) + span:
                 continue  # its lease has run out
             pub = min(pub, applied if applied is not None else 0)
+        self._kv_pub_memo = (key, pub)
         return pub
 
     def _remember_kv_usage(self, sm: MetaStateMachine, req: pb.HeartbeatRequest) -> None:
