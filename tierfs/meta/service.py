@@ -165,6 +165,10 @@ NEW_LEADER_GRACE = 2
 LEASE_DRIFT = 0.01
 #: The longest a GetClusterMap call may wait for a change (``wait_ms``).
 MAX_MAP_WAIT_MS = 5000
+#: How long a whole cluster map built for a map version is answered again
+#: (MetaServicer.cluster_map): its usage figures and heartbeat times are at
+#: most this old.
+MAP_MEMO_S = 1.0
 #: The longest KV map lease, as a share of ``heartbeat_timeout``.
 KV_LEASE_OF_TIMEOUT = 1.0
 LEASE_MARGIN_NS = 100_000_000
@@ -324,6 +328,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         # _kv_lagging counts heartbeats that reported a map older than the
         # current one (only those can lower it; time only raises it).
         self._kv_pub_memo: tuple[tuple[int, int, int, int], int] | None = None
+        # cluster_map: ((state, map version, leading), monotonic s, map)
+        self._map_memo: tuple[tuple[int, int, bool], float, pb.ClusterMap] | None = None
         self._kv_lagging = 0
         # GetClusterMap calls waiting for a change (wait_ms): set, and
         # replaced, when a commit here moves the map past _map_notified.
@@ -898,9 +904,36 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     def cluster_map(self, known_version: int = 0) -> pb.ClusterMap:
         """The state's cluster map, with the leader's fresher heartbeat
-        memory (last heartbeat time, reported usage) laid over it."""
-        cmap = self.state.cluster_map(known_version)
-        if cmap.unchanged or not self._leadership():
+        memory (last heartbeat time, reported usage) laid over it.
+
+        For callers that hold a map (``known_version`` set: storage
+        daemons' map watches, clients' and repair's refreshes) a whole map
+        is built at most once per map version and ``MAP_MEMO_S``: a map
+        change sends every daemon's watch, and every client's next refresh,
+        here at once, and each build is O(nodes + targets + groups) (9 ms
+        at 1,000 targets, 75 ms at 10,000: 9 s of the leader's loop per
+        change with 1,000 daemons). Everything placement reads bumps the
+        map version; what may be up to ``MAP_MEMO_S`` old in a kept map is
+        usage and heartbeat times. A caller without a map (the CLI's
+        ``status``, ``df``) gets them fresh."""
+        sm = self.state
+        if known_version and known_version == sm.map_version:
+            return pb.ClusterMap(version=sm.map_version, unchanged=True)
+        leading = self._leadership()
+        if not known_version:
+            return self._build_map(sm, leading)
+        key = (id(sm), sm.map_version, leading)
+        now_mono = time.monotonic()
+        memo = self._map_memo
+        if memo is not None and memo[0] == key and now_mono - memo[1] < MAP_MEMO_S:
+            return memo[2]
+        cmap = self._build_map(sm, leading)
+        self._map_memo = (key, now_mono, cmap)
+        return cmap
+
+    def _build_map(self, sm: MetaStateMachine, leading: bool) -> pb.ClusterMap:
+        cmap = sm.cluster_map()
+        if not leading:
             return cmap
         now, mono = self.now_ns(), self._mono()
         for n in cmap.nodes:
