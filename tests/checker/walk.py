@@ -133,6 +133,9 @@ class CheckerCluster:
         self.down: dict[str, str] = {}  # storage-<i> -> "killed" | "stopped"
         self.meta_down: set[str] = set()  # meta-<i> SIGKILLed (with n_meta 3)
         self.removed: set[int] = set()  # target ids removed with `target rm`
+        #: storage-<i> restarted with a reserve that leaves its target full
+        #: (read-only), -> its argv before (:meth:`squeeze`)
+        self.squeezed: dict[str, list[str]] = {}
         #: The meta nemesis (:meth:`start_meta_nemesis`): every change of the
         #: meta replicas' processes holds this lock; it acts only while
         #: ``_nemesis_pauses`` is 0.
@@ -173,6 +176,28 @@ class CheckerCluster:
     def restart(self, name: str) -> None:
         self.cl.start(names=[name], timeout=60)
         self.down.pop(name, None)
+        self.wait_online([name])
+
+    def squeeze(self, name: str) -> None:
+        """Restart ``name`` with a reserve that leaves its target 128 KiB
+        short of the file system's free space: full (read-only) from its
+        first heartbeat on, and fuller as the others write. Writes go
+        around it, placement and moves stop choosing it, and a move in
+        flight onto it is sent on to another target by the leader."""
+        p = self.cl.proc(name)
+        self.cl.kill(name)
+        self.squeezed[name] = list(p.argv)
+        st = os.statvfs(self.cl.dir)
+        reserve = max(0, st.f_bavail * st.f_frsize - 128 * KiB)
+        p.argv = [*p.argv, f"--reserved-bytes={reserve}"]
+        self.cl.start(names=[name], timeout=60)
+        self.wait_online([name])
+
+    def unsqueeze(self, name: str) -> None:
+        p = self.cl.proc(name)
+        self.cl.kill(name)
+        p.argv = self.squeezed.pop(name)
+        self.cl.start(names=[name], timeout=60)
         self.wait_online([name])
 
     def metas(self) -> list[str]:
@@ -284,6 +309,8 @@ class CheckerCluster:
         if killed:
             self.cl.start(names=killed, timeout=60)
         self.down.clear()
+        for name in sorted(self.squeezed):
+            self.unsqueeze(name)
         self.wait_online(self.storage())
 
     def wait_online(self, names: Sequence[str], timeout: float = 60.0) -> None:
@@ -1037,6 +1064,13 @@ class Checker(ProcessFaults):
                         return
             self.violation("rebuild", f"the groups of removed target {tid} still rebuild after 30 s")
 
+    def op_squeeze(self, node: str) -> None:
+        self.env.squeeze(node)
+        self.counts["squeezed"] = self.counts.get("squeezed", 0) + 1
+
+    def op_unsqueeze(self, node: str) -> None:
+        self.env.unsqueeze(node)
+
     def op_grow(self) -> None:
         """One more storage daemon joins while the walk goes on: group
         members move onto it (copied under the storage daemons'
@@ -1195,7 +1229,7 @@ def meta_fault(env: CheckerCluster, rng: random.Random, p: float = 0.05) -> Op |
 
 
 def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * KiB, max_down: int = 2,
-               n_files: int = 4, target_rm: bool = True, grow: int = 0) -> Iterator[Op]:
+               n_files: int = 4, target_rm: bool = True, grow: int = 0, squeeze: bool = False) -> Iterator[Op]:
     """``steps`` operations drawn from ``rng``, each looking at the model
     (which handles are open, which files exist) and at the faults active.
     At most ``max_down`` storage nodes are down or stopped at once. With
@@ -1203,7 +1237,11 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
     and then and restarted later: every call must go on through the
     failover. ``grow``: storage daemons the walk may add (``("grow",)``,
     while no node is down), each starting rebalance moves that run on
-    through the steps after it; 0 leaves a seed's walk as it always was."""
+    through the steps after it; 0 leaves a seed's walk as it always was.
+    ``squeeze``: now and then one storage daemon (a grown one first: the
+    destination of moves in flight) is restarted with its target full, and
+    later back to normal (``("squeeze", node)``, ``("unsqueeze", node)``);
+    off leaves a seed's walk as it was."""
     names = [f"f{i}" for i in range(n_files)]
     env = ck.env
     removed_once = False
@@ -1244,6 +1282,11 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
         elif grow and r < 0.15 and grown < grow and not env.down:
             grown += 1
             yield ("grow",)
+        elif squeeze and r < 0.153 and not env.down and not env.squeezed:
+            grown_up = [n for n in ck.grown if n in up]
+            yield ("squeeze", rng.choice(grown_up or up))
+        elif squeeze and r < 0.156 and env.squeezed and not env.down:
+            yield ("unsqueeze", sorted(env.squeezed)[0])
         elif r < 0.16 and ck.model.files:
             path = rng.choice(sorted(ck.model.files))
             size = max((len(c) for c in ck.model.files[path].cands), default=0)

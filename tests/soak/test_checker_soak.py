@@ -38,6 +38,9 @@ META = int(os.environ.get("TIERFS_CHECKER_META", "1"))
 NEMESIS = os.environ.get("TIERFS_CHECKER_META_NEMESIS", "") == "1"
 #: N: walks add storage daemons (one a walk at most) until there are N.
 GROW = int(os.environ.get("TIERFS_CHECKER_GROW", "0"))
+#: 1: walks also restart a storage daemon with its target full now and then
+#: (a grown one first, the destination of moves in flight), and back.
+SQUEEZE = os.environ.get("TIERFS_CHECKER_SQUEEZE", "") == "1"
 CS = 64 << 10
 LAYOUTS = (("ec", "ec:4+2"), ("rep", "replica:3"))
 
@@ -77,7 +80,8 @@ def test_checker_soak(tmp_path: Path) -> None:
                 env.start_meta_nemesis(seed)
             try:
                 grow = 1 if len(env.storage()) < GROW else 0
-                ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0, grow=grow))
+                ck.run(random_ops(ck, random.Random(seed), STEPS, cs=CS, target_rm=i == 0, grow=grow,
+                                    squeeze=SQUEEZE))
             except CheckFailed as exc:
                 events = [f"{at - t0:.1f}s {what}" for at, what in env.nemesis_log[kills:]]
                 failures.append(str(exc) + (f"\nmeta nemesis (seconds into the walk): {events}" if NEMESIS else ""))
@@ -102,7 +106,8 @@ def test_checker_soak(tmp_path: Path) -> None:
                          + (f", {ck.counts.get('meta_kill', 0)} meta kills" if META > 1 else "")
                          + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the nemesis"
                             if NEMESIS else "")
-                         + (f", {len(ck.grown)} storage daemons added, {moved}" if GROW else ""))
+                         + (f", {len(ck.grown)} storage daemons added, {moved}" if GROW else "")
+                         + (f", {ck.counts.get('squeezed', 0)} targets squeezed full" if SQUEEZE else ""))
             print(walks[-1], flush=True)
             if moved == "meta unanswering":
                 break
