@@ -1065,6 +1065,18 @@ class Checker(ProcessFaults):
             self.violation("rebuild", f"the groups of removed target {tid} still rebuild after 30 s")
 
     def op_squeeze(self, node: str) -> None:
+        """``node`` "moving": the node of a rebalance move's destination in
+        flight, if any (its copy then cannot go on: the leader redirects
+        it after ``rebalance_redirect_after``), else the last one grown."""
+        if node == "moving":
+            dests = sorted(t for g in self.env.cmap().groups
+                           for t, src in zip(g.rebuilding, g.rebuild_sources, strict=False) if src)
+            names = [self.env.node_of_target(t) for t in dests]
+            names = [n for n in names if n not in self.env.down and n not in self.env.squeezed]
+            node = names[0] if names else (self.grown[-1] if self.grown else "")
+            if not node or node in self.env.down or node in self.env.squeezed:
+                return
+            self.counts["squeezed_moving"] = self.counts.get("squeezed_moving", 0) + int(bool(names))
         self.env.squeeze(node)
         self.counts["squeezed"] = self.counts.get("squeezed", 0) + 1
 
@@ -1282,6 +1294,8 @@ def random_ops(ck: Checker, rng: random.Random, steps: int, *, cs: int = 64 * Ki
         elif grow and r < 0.15 and grown < grow and not env.down:
             grown += 1
             yield ("grow",)
+            if squeeze and not env.squeezed and rng.random() < 0.5:
+                yield ("squeeze", "moving")  # a destination of the moves the growth starts
         elif squeeze and r < 0.153 and not env.down and not env.squeezed:
             grown_up = [n for n in ck.grown if n in up]
             yield ("squeeze", rng.choice(grown_up or up))
