@@ -107,7 +107,8 @@ def test_checker_soak(tmp_path: Path) -> None:
                          + (f", {sum(1 for _, w in env.nemesis_log[kills:] if w.startswith('kill'))} by the nemesis"
                             if NEMESIS else "")
                          + (f", {len(ck.grown)} storage daemons added, {moved}" if GROW else "")
-                         + (f", {ck.counts.get('squeezed', 0)} targets squeezed full" if SQUEEZE else ""))
+                         + (f", {ck.counts.get('squeezed', 0)} targets squeezed full "
+                            f"({ck.counts.get('squeezed_moving', 0)} of a move in flight)" if SQUEEZE else ""))
             print(walks[-1], flush=True)
             if moved == "meta unanswering":
                 break
