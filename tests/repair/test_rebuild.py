@@ -33,6 +33,7 @@ from tests.repair.util import (
 from tierfs.cli.cluster import cluster_status
 from tierfs.cli.main import render_status, run
 from tierfs.client import AsyncClient
+from tierfs.errors import TierFSError
 from tierfs.local import LocalCluster
 from tierfs.meta import MetaClient
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -607,6 +608,53 @@ def test_a_drain_moves_the_generations_open_readers_still_hold(tmp_path: Path) -
                 _, out, err = await asyncio.to_thread(_cli, cl, "scrub")
                 assert out["total"]["waiting_gc"] > 0, (out, err)
                 await held.check()
+
+    try:
+        asyncio.run(go())
+    finally:
+        cl.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_drain_skips_a_waiting_generation_whose_source_copy_is_corrupt(tmp_path: Path) -> None:
+    """The same drain, with one fragment of the removed file's generation
+    (waiting for GC) corrupted on the drained node. The move copies the
+    others and finishes; the reader of the overwritten file still reads
+    what it opened, and the reader of the removed one gets an error for
+    the damaged chunk, never bytes. Until this change the move retried the
+    damaged fragment every round and waited until GC let it go, gc_grace
+    (300 s) later: the file checker soak saw a move wait 40 s on one."""
+    cl = start(tmp_path / "c", n_storage=3, gc_grace=300)
+    old = {"/m/a": random_bytes(640 * KiB + 17, 1), "/m/b": random_bytes(512 * KiB, 2)}
+    new = random_bytes(300 * KiB, 3)
+
+    async def go() -> None:
+        async with AsyncClient(cl.meta_addrs) as c:
+            await c.mkdir("/m")
+            await c.set_layout("/m", chunk_size=64 * KiB, redundancy="replica:1")
+            async with held_readers(c, old, new) as held:
+                async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+                    info = await mc.stat(held.removed)
+                await held.replace()
+                cmap = await map_now(cl)
+                where = {t.target_id: t.node_id for t in cmap.targets}
+                holder = where[next(g for g in cmap.groups if g.group_id == info.layout.groups[0]).target_ids[0]]
+                name = next(p.name for p in cl.procs
+                            if p.kind == "storage" and _node_of(cmap, cl, p.name).node_id == holder)
+                frags = sorted(Path(cl.dir, name).rglob(f"{info.attr.inode:016x}/*"))
+                assert frags, f"no fragment of inode {info.attr.inode} under {name}"
+                raw = bytearray(frags[0].read_bytes())
+                hdr_len = int.from_bytes(raw[12:16], "little")
+                raw[hdr_len + 5] ^= 0x5A
+                frags[0].write_bytes(bytes(raw))
+                code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(holder), "--wait",
+                                                         "--timeout", "60")
+                assert code == 0 and out["done"] and out["groups_stuck"] == [], (code, out, err)
+                await asyncio.to_thread(cl.stop, names=[name])
+                ha, hb = held.handles
+                assert digest(await ha.read()) == digest(old[held.overwritten])
+                with pytest.raises(TierFSError):
+                    await hb.read()
 
     try:
         asyncio.run(go())

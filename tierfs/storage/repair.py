@@ -357,7 +357,8 @@ class Repairer:
         self.counters: dict[str, int] = dict.fromkeys(
             ("fragments_rebuilt", "fragments_copied", "bytes_rebuilt", "bytes_fetched", "rebuild_errors",
              "groups_finished", "fetch_us", "decode_us", "write_us", "crc_mismatches", "queue_rounds",
-             "queue_rebuilt", "queue_errors", "wrong_sources", "gc_waiting_copied"), 0)
+             "queue_rebuilt", "queue_errors", "wrong_sources", "gc_waiting_copied",
+             "gc_waiting_corrupt"), 0)
         #: The repair queue as last seen: positions pending cluster-wide, and
         #: the last error of an item of ours ('' if the last round had none).
         self.queue_pending = 0
@@ -955,9 +956,9 @@ class Repairer:
         generations have no chunk record left to check one against, so a
         plain copy, whose bytes the data plane checked against the source's
         stored CRC32C. A fragment the source does not have (never stored
-        there, deleted meanwhile) is skipped; other errors are returned (the
-        move waits and tries again next round, or until GC lets the
-        generation go). The copy is deleted as a stale fragment or orphan by
+        there, deleted meanwhile) or holds corrupt is skipped; other
+        errors are returned (the move waits and tries again next round, or
+        until GC lets the generation go). The copy is deleted as a stale fragment or orphan by
         scrub, after ``orphan_grace`` (its GC item names the old members
         only). Returns (fragments copied, errors)."""
         eng = self.engines.get(target_id)
@@ -978,6 +979,15 @@ class Repairer:
                 try:
                     data = await self.data.read(source, key, timeout=self.request_timeout)
                 except NotFoundError:
+                    return
+                except CorruptError as exc:
+                    # The source's copy is damaged: there is nothing to copy
+                    # (a reader decodes around it, or fails, as it would
+                    # have there). Retrying held the move until GC let the
+                    # generation go, gc_grace later (the soak at stop 53).
+                    self.counters["gc_waiting_corrupt"] += 1
+                    log.warning("move of group %d onto target %d: %s waiting for GC is corrupt on target %d, "
+                                "not copied: %s", group_id, target_id, key, source, exc)
                     return
                 except TierFSError as exc:
                     errors.append(f"{key} waiting for GC, from target {source}: {exc}")
