@@ -9,10 +9,11 @@ That only holds if the rebuilt fragments really are on disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 
 from tests.repair.util import (
     META_FAST,
+    HeldReaders,
     KiB,
     digest,
     fragments,
@@ -572,6 +574,18 @@ def test_undrain_takes_a_drained_node_back(tmp_path: Path) -> None:
         cl.stop()
 
 
+@contextlib.asynccontextmanager
+async def _held_on_one_copy(cl: LocalCluster) -> AsyncIterator[HeldReaders]:
+    """:func:`held_readers` on two ``replica:1`` files of 64 KiB chunks
+    under /m (one copy: no other member to read a moved chunk from)."""
+    old = {"/m/a": random_bytes(640 * KiB + 17, 1), "/m/b": random_bytes(512 * KiB, 2)}
+    async with AsyncClient(cl.meta_addrs) as c:
+        await c.mkdir("/m")
+        await c.set_layout("/m", chunk_size=64 * KiB, redundancy="replica:1")
+        async with held_readers(c, old, random_bytes(300 * KiB, 3)) as held:
+            yield held
+
+
 @pytest.mark.timeout(120)
 def test_a_drain_moves_the_generations_open_readers_still_hold(tmp_path: Path) -> None:
     """A reader holds a file that is then overwritten, another one a file
@@ -582,32 +596,27 @@ def test_a_drain_moves_the_generations_open_readers_still_hold(tmp_path: Path) -
     chunks only, and such a reader got GenerationGoneError (docs/rebalance.md;
     the file checker soak found it with 33 rebalance moves)."""
     cl = start(tmp_path / "c", n_storage=3, gc_grace=300)
-    old = {"/m/a": random_bytes(640 * KiB + 17, 1), "/m/b": random_bytes(512 * KiB, 2)}
-    new = random_bytes(300 * KiB, 3)
 
     async def go() -> None:
-        async with AsyncClient(cl.meta_addrs) as c:
-            await c.mkdir("/m")
-            # One copy: no other member to read a moved chunk from.
-            await c.set_layout("/m", chunk_size=64 * KiB, redundancy="replica:1")
-            async with held_readers(c, old, new) as held:
-                async with MetaClient(cl.meta_addrs, deadline=10) as mc:
-                    groups = {g for p in old for g in (await mc.stat(p)).layout.groups}
-                await held.replace()
-                cmap = await map_now(cl)
-                where = {t.target_id: t.node_id for t in cmap.targets}
-                used = {where[t] for g in cmap.groups if g.group_id in groups for t in g.target_ids}
-                name = next(p.name for p in cl.procs
-                            if p.kind == "storage" and _node_of(cmap, cl, p.name).node_id in used)
-                node = _node_of(cmap, cl, name)
-                code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(node.node_id), "--wait")
-                assert code == 0 and out["done"] and out["groups_stuck"] == [], (out, err)
-                await asyncio.to_thread(cl.stop, names=[name])  # nothing is read from the old member now
-                # A scrub keeps the copies (stale fragments or orphans by
-                # the chunk records; their GC grace runs).
-                _, out, err = await asyncio.to_thread(_cli, cl, "scrub")
-                assert out["total"]["waiting_gc"] > 0, (out, err)
-                await held.check()
+        async with _held_on_one_copy(cl) as held:
+            old = held.old
+            async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+                groups = {g for p in old for g in (await mc.stat(p)).layout.groups}
+            await held.replace()
+            cmap = await map_now(cl)
+            where = {t.target_id: t.node_id for t in cmap.targets}
+            used = {where[t] for g in cmap.groups if g.group_id in groups for t in g.target_ids}
+            name = next(p.name for p in cl.procs
+                        if p.kind == "storage" and _node_of(cmap, cl, p.name).node_id in used)
+            node = _node_of(cmap, cl, name)
+            code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(node.node_id), "--wait")
+            assert code == 0 and out["done"] and out["groups_stuck"] == [], (out, err)
+            await asyncio.to_thread(cl.stop, names=[name])  # nothing is read from the old member now
+            # A scrub keeps the copies (stale fragments or orphans by
+            # the chunk records; their GC grace runs).
+            _, out, err = await asyncio.to_thread(_cli, cl, "scrub")
+            assert out["total"]["waiting_gc"] > 0, (out, err)
+            await held.check()
 
     try:
         asyncio.run(go())
@@ -625,36 +634,32 @@ def test_a_drain_skips_a_waiting_generation_whose_source_copy_is_corrupt(tmp_pat
     damaged fragment every round and waited until GC let it go, gc_grace
     (300 s) later: the file checker soak saw a move wait 40 s on one."""
     cl = start(tmp_path / "c", n_storage=3, gc_grace=300)
-    old = {"/m/a": random_bytes(640 * KiB + 17, 1), "/m/b": random_bytes(512 * KiB, 2)}
-    new = random_bytes(300 * KiB, 3)
 
     async def go() -> None:
-        async with AsyncClient(cl.meta_addrs) as c:
-            await c.mkdir("/m")
-            await c.set_layout("/m", chunk_size=64 * KiB, redundancy="replica:1")
-            async with held_readers(c, old, new) as held:
-                async with MetaClient(cl.meta_addrs, deadline=10) as mc:
-                    info = await mc.stat(held.removed)
-                await held.replace()
-                cmap = await map_now(cl)
-                where = {t.target_id: t.node_id for t in cmap.targets}
-                holder = where[next(g for g in cmap.groups if g.group_id == info.layout.groups[0]).target_ids[0]]
-                name = next(p.name for p in cl.procs
-                            if p.kind == "storage" and _node_of(cmap, cl, p.name).node_id == holder)
-                frags = sorted(Path(cl.dir, name).rglob(f"{info.attr.inode:016x}/*"))
-                assert frags, f"no fragment of inode {info.attr.inode} under {name}"
-                raw = bytearray(frags[0].read_bytes())
-                hdr_len = int.from_bytes(raw[12:16], "little")
-                raw[hdr_len + 5] ^= 0x5A
-                frags[0].write_bytes(bytes(raw))
-                code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(holder), "--wait",
-                                                         "--timeout", "60")
-                assert code == 0 and out["done"] and out["groups_stuck"] == [], (code, out, err)
-                await asyncio.to_thread(cl.stop, names=[name])
-                ha, hb = held.handles
-                assert digest(await ha.read()) == digest(old[held.overwritten])
-                with pytest.raises(TierFSError):
-                    await hb.read()
+        async with _held_on_one_copy(cl) as held:
+            old = held.old
+            async with MetaClient(cl.meta_addrs, deadline=10) as mc:
+                info = await mc.stat(held.removed)
+            await held.replace()
+            cmap = await map_now(cl)
+            where = {t.target_id: t.node_id for t in cmap.targets}
+            holder = where[next(g for g in cmap.groups if g.group_id == info.layout.groups[0]).target_ids[0]]
+            name = next(p.name for p in cl.procs
+                        if p.kind == "storage" and _node_of(cmap, cl, p.name).node_id == holder)
+            frags = sorted(Path(cl.dir, name).rglob(f"{info.attr.inode:016x}/*"))
+            assert frags, f"no fragment of inode {info.attr.inode} under {name}"
+            raw = bytearray(frags[0].read_bytes())
+            hdr_len = int.from_bytes(raw[12:16], "little")
+            raw[hdr_len + 5] ^= 0x5A
+            frags[0].write_bytes(bytes(raw))
+            code, out, err = await asyncio.to_thread(_cli, cl, "node", "drain", str(holder), "--wait",
+                                                     "--timeout", "60")
+            assert code == 0 and out["done"] and out["groups_stuck"] == [], (code, out, err)
+            await asyncio.to_thread(cl.stop, names=[name])
+            ha, hb = held.handles
+            assert digest(await ha.read()) == digest(old[held.overwritten])
+            with pytest.raises(TierFSError):
+                await hb.read()
 
     try:
         asyncio.run(go())
