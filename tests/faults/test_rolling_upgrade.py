@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The last landed stop's commit: the release a deployment runs when this
 #: code reaches it. Move it forward when a stop lands (docs/operations.md).
-PREVIOUS = "7bdc4cf9b47eebc37fadb3e179d61750a0a6c339"
+PREVIOUS = "4c40f6c4c6b15ac207fcdac38e8a09c2ac7f09ba"
 
 REPO = Path(__file__).resolve().parents[2]
 
