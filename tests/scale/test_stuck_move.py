@@ -1,9 +1,10 @@
 """A rebalance move whose new member fills up, on real daemons: 4 storage
 nodes with 9 MiB of ec:2+1 fragments grow to 5, the new node's only target
-on a 768 KiB tmpfs (no reserve, ``min_free`` 128 KiB: online when it
-starts); the rebalancer moves groups onto it (816 KiB of fragment files
-each), the copies run out of room, the target turns read-only, and no move
-can finish.
+on a 4 MiB tmpfs (no reserve, ``min_free`` 128 KiB: online when it starts)
+that copies slowly; the rebalancer moves groups onto it (816 KiB of
+fragment files each, as many as its free space takes), then other data
+fills the file system, the copies run out of room, the target turns
+read-only, and no move can finish.
 
 What it proves: ``GetRebalanceStatus`` names each such move and why
 ("destination target T is full (read-only)"), and ``tierfs rebalance
@@ -19,10 +20,12 @@ import asyncio
 import io
 import os
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster import wait_for
 from tests.repair.util import random_bytes, start
@@ -65,10 +68,10 @@ async def rebalance_status(meta: list[str]) -> pb.RebalanceStatus:
         return await mc.rebalance_status()
 
 
-def _grow_onto_tmpfs(cl: LocalCluster, mounts: list[Path], d: str, *, seed: int,
-                     min_free: str) -> tuple[dict[str, bytes], ProcInfo]:
+def _grow_onto_tmpfs(cl: LocalCluster, mounts: list[Path], d: str, *, seed: int, min_free: str,
+                     size: str = "768k", storage_args: tuple[str, ...] = ()) -> tuple[dict[str, bytes], ProcInfo]:
     """12 files of ec:2+1 in ``d``, then a fifth node whose only target is a
-    768 KiB tmpfs (no reserve, ``min_free`` as given), started. The files
+    tmpfs of ``size`` (no reserve, ``min_free`` as given), started. The files
     written and the new daemon (skips the test where tmpfs cannot be mounted)."""
     meta = list(cl.meta_addrs)
     files = {f"{d}/f{i}": random_bytes(4 * CHUNK, seed + i) for i in range(12)}
@@ -85,14 +88,49 @@ def _grow_onto_tmpfs(cl: LocalCluster, mounts: list[Path], d: str, *, seed: int,
     p = cl.proc(name)
     target = Path(next(a.split("=", 1)[1] for a in p.argv if a.startswith("--target=")))
     target.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(target)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
                        capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
         pytest.skip(f"tmpfs mount not permitted here: {r.stderr.strip()}")
     mounts.append(target)
-    p.argv += ["--reserved-bytes=0", f"--min-free={min_free}"]
+    p.argv += ["--reserved-bytes=0", f"--min-free={min_free}", *storage_args]
     cl.start(timeout=60)
     return files, p
+
+
+#: The new node copies at 256 KiB/s: a move onto it takes seconds, time to
+#: fill its file system under the copies.
+SLOW_COPY = ("--rebuild-rate=256KiB",)
+
+
+async def _target_of(meta: list[str], p: ProcInfo) -> tuple[int, pb.ClusterMap] | None:
+    async with MetaClient(meta, deadline=10) as mc:
+        cmap = await mc.get_cluster_map()
+    node = next((n for n in cmap.nodes if n.data_addr == p.addr), None)
+    if node is None or not node.target_ids:
+        return None
+    return node.target_ids[0], cmap
+
+
+def _fill_once_moving(meta: list[str], p: ProcInfo, mount: Path) -> int:
+    """Wait for a move onto the new node's target and its first copies,
+    then fill its file system with other data (below ``min_free``): the
+    copies in flight run out of room. Returns the target id."""
+    def moving() -> int | None:
+        got = asyncio.run(_target_of(meta, p))
+        if got is None:
+            return None
+        tid, cmap = got
+        return tid if any(tid in g.rebuilding for g in cmap.groups) else None
+
+    tid = wait_for(moving, timeout=90, what="a move onto the new target", interval=0.1)
+    # Some copies landed (nothing else is written there before the fill).
+    wait_for(lambda: len(list((mount / "frags").glob("*/*/*"))) >= 2, timeout=60, interval=0.05,
+             what="the first copies onto the new target")
+    st = os.statvfs(mount)
+    with open(mount / "other-data", "wb") as f:
+        f.write(bytes(max(0, st.f_bavail * st.f_frsize - 64 * KiB)))
+    return int(tid)
 
 
 def _read_back(meta: list[str], files: dict[str, bytes]) -> None:
@@ -110,7 +148,8 @@ def test_move_onto_a_full_target_is_named_and_drain_moves_it_elsewhere(
         cluster: tuple[LocalCluster, list[Path]]) -> None:
     cl, mounts = cluster
     meta = list(cl.meta_addrs)
-    files, _ = _grow_onto_tmpfs(cl, mounts, "/d", seed=0, min_free="128KiB")
+    files, p = _grow_onto_tmpfs(cl, mounts, "/d", seed=0, min_free="128KiB", size="4m", storage_args=SLOW_COPY)
+    _fill_once_moving(meta, p, mounts[-1])
 
     last: list[pb.RebalanceStatus] = []
 
@@ -196,10 +235,13 @@ def test_the_leader_redirects_moves_stuck_on_a_full_target(cluster: tuple[LocalC
     steps in: the leader sends each move stuck on the full target on to
     another one, the moves finish, and every file reads back byte for byte,
     also with the full target's node stopped (nothing depends on the copies
-    left there)."""
+    left there). Those copies are deleted by the full target's node soon
+    after the redirect (group purges, gc_grace 0.5 s here), not left for a
+    scrub pass an hour later."""
     cl, mounts = cluster
     meta = list(cl.meta_addrs)
-    files, p = _grow_onto_tmpfs(cl, mounts, "/d", seed=200, min_free="128KiB")
+    files, p = _grow_onto_tmpfs(cl, mounts, "/d", seed=200, min_free="128KiB", size="4m", storage_args=SLOW_COPY)
+    tid = _fill_once_moving(meta, p, mounts[-1])
     more = {f"/d/g{i}": random_bytes(4 * CHUNK, 300 + i) for i in range(8)}
 
     async def write_more() -> int:
@@ -239,16 +281,22 @@ def test_the_leader_redirects_moves_stuck_on_a_full_target(cluster: tuple[LocalC
         print(seen[-1], cli(meta, "status", ok=(0, 3)))
         raise
 
-    async def full_target_state() -> int:
-        async with MetaClient(meta, deadline=10) as mc:
-            cmap = await mc.get_cluster_map()
-        node = next(n for n in cmap.nodes if n.data_addr == p.addr)
-        (tid,) = node.target_ids
-        return next(t.state for t in cmap.targets if t.target_id == tid)
-
-    # Still full: the moves did not finish there (without the redirect they
-    # wait for ever, as in the first test).
-    assert asyncio.run(full_target_state()) == pb.TARGET_STATE_READ_ONLY
+    # The partial copies the redirected moves left on the full target: its
+    # node deleted them (before, a scrub pass found them an hour later; this
+    # cluster runs no background scrub), and meta has no purge left.
+    addr = next(a.split("=", 1)[1] for a in p.argv if a.startswith("--metrics-addr="))
+    wait_for(lambda: _node_event(addr, "purge_deleted") > 0, timeout=30, interval=0.3,
+             what=f"the node of target {tid} to delete the copies the redirected moves left there")
+    wait_for(lambda: asyncio.run(rebalance_status(meta)).purges_pending == 0, timeout=30, interval=0.3,
+             what="every group purge acknowledged")
     _read_back(meta, files)
     cl.kill(p.name)
     _read_back(meta, files)
+
+
+def _node_event(addr: str, event: str) -> float:
+    """A storage node's ``tierfs_storage_node_events`` counter, scraped."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name.startswith("tierfs_storage_node_events") and smp.labels.get("event") == event)

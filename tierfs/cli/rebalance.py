@@ -33,7 +33,7 @@ def status_dict(st: Any) -> dict[str, Any]:
         "bytes_mean": st.bytes_mean, "targets": st.targets, "racks": st.racks,
         "failure_domain": st.failure_domain, "rule_violations": st.rule_violations,
         "done": st.moves_planned == 0 and st.moves_in_flight == 0,
-        "last_error": st.last_error,
+        "last_error": st.last_error, "purges_pending": st.purges_pending,
         "stuck": [{"group": m.group_id, "old_target": m.old_target, "new_target": m.new_target,
                    "new_node": m.new_node, "reason": m.reason,
                    "redirect_in_s": round(m.redirect_in_s, 1) if m.redirects else None}
@@ -87,6 +87,10 @@ def render_rebalance(r: dict[str, Any]) -> str:
     lines = [rebalance_line(r), *stuck_lines(r), r["failure_domain"]]
     if r["rule_violations"]:
         lines.append(f"groups breaking the rack rule: {r['rule_violations']} (being moved)")
+    if r.get("purges_pending"):
+        n = r["purges_pending"]
+        lines.append(f"old copies to delete: {n} group position(s) that targets no longer hold; their nodes delete "
+                     f"them once gc_grace is over")
     if r["last_error"]:
         lines.append(f"last round failed: {r['last_error']}")
     return "\n".join(lines)

@@ -806,6 +806,21 @@ class MetaClient:
         req = pb.MarkFragmentsRequest(items=list(items), done=done)
         return (await self._call("MarkFragments", req, pb.MarkFragmentsReply, mutating=True)).changed
 
+    async def list_gc_and_purges(self, target_ids: Iterable[int], limit: int = 0,
+                                 ) -> tuple[list[pb.GCItem], list[pb.GroupPurge]]:
+        """The first page of :meth:`list_gc`, and the group purges ready for
+        ``target_ids``: copies of positions these targets no longer hold, to
+        delete (none from a meta older than stop 54). One call, one read
+        barrier."""
+        reply = await self._call("ListGC", pb.ListGCRequest(target_ids=list(target_ids), limit=limit, purges=True),
+                                 pb.ListGCReply)
+        return list(reply.items), list(reply.purges)
+
+    async def ack_purges(self, purged: Iterable[pb.GroupPurge]) -> int:
+        """Acknowledge group purges done; how many meta still had."""
+        req = pb.AckGCRequest(purged=list(purged))
+        return (await self._call("AckGC", req, pb.AckGCReply, mutating=True)).purges_acked
+
     async def ack_gc(self, acks: Iterable[tuple[int, int]]) -> int:
         """Acknowledge deleted fragments: ``(gc item id, target id)`` pairs."""
         req = pb.AckGCRequest(acks=[pb.GCAck(id=i, target_id=t) for i, t in acks])

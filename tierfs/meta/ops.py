@@ -124,6 +124,8 @@ MAX_GC_PAGE = 10_000
 MAX_GC_ACKS = 10_000
 #: Targets one ListGC may name (a storage node names its own).
 MAX_GC_TARGETS = 1024
+#: Group purges in one ListGC(purges) answer, and in one AckGC.
+MAX_PURGES_PAGE = 256
 MAX_GROUP_CHUNKS_PAGE = 100_000
 #: Any string field without its own entry in STRING_CAPS.
 MAX_STRING_BYTES = 4096
@@ -167,6 +169,7 @@ LIST_CAPS: dict[tuple[str, str], int] = {
     ("RegisterNodeRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("HeartbeatRequest", "targets"): MAX_TARGETS_PER_NODE,
     ("AckGCRequest", "acks"): MAX_GC_ACKS,
+    ("AckGCRequest", "purged"): MAX_PURGES_PAGE,
     ("ListGCRequest", "target_ids"): MAX_GC_TARGETS,
     ("Layout", "groups"): MAX_STRIPE_WIDTH,  # refused when set anyway: meta picks groups
     ("HeartbeatRequest", "kv_usage"): MAX_KV_USAGE,

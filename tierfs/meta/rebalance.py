@@ -120,17 +120,21 @@ class MoveInput:
     group_bytes: dict[int, int]
     racks: dict[int, str]
     busy: frozenset[int]  # groups rebuilding or moving: not moved again now
+    #: (group, target) pairs where the target still has to purge an old
+    #: copy (MetaStateMachine.purging_in): no move onto it in that group yet
+    barred: frozenset[tuple[int, int]] = frozenset()
 
 
 def move_input(sm: MetaStateMachine) -> MoveInput:
     return MoveInput(sm.map_version, dict(sm.eligible_targets()), {g: list(m) for g, m in sm.groups.items()},
-                     dict(sm.gbytes), sm.node_racks(), frozenset(sm.rebuilding) | frozenset(sm.moving))
+                     dict(sm.gbytes), sm.node_racks(), frozenset(sm.rebuilding) | frozenset(sm.moving),
+                     sm.barred())
 
 
 def plan_moves(inp: MoveInput, tolerance: float = 0.10) -> list[Move]:
     """Every move placement wants now, groups busy rebuilding left out. Pure."""
     moves = plan_rebalance(inp.eligible, inp.groups, inp.group_bytes, racks=inp.racks, tolerance=tolerance)
-    return [m for m in moves if m.group not in inp.busy]
+    return [m for m in moves if m.group not in inp.busy and (m.group, m.new) not in inp.barred]
 
 
 def groups_being_written(sm: MetaStateMachine) -> set[int]:
@@ -393,6 +397,7 @@ class Rebalancer(BackgroundLoop):
             bytes_moved=sm.bytes_moved, balance_max_over_mean=ratio, bytes_max=mx, bytes_mean=mean,
             targets=len(eligible), racks=sm.eligible_domains(), failure_domain=sm.failure_domain(),
             last_error=self._p.last_error, rule_violations=sm.rule_violations(),
+            purges_pending=sm.purges_pending(),
             stuck=[pb.StuckMove(group_id=g, old_target=o, new_target=n, new_node=node, reason=why,
                                 redirects=(g, n) in due, redirect_in_s=max(0.0, due.get((g, n), 0.0)))
                    for g, o, n, node, why in sm.stuck_moves()])

@@ -54,6 +54,9 @@ class ReplaceInput:
     #: rebalance move redirected off its full new member), not every group
     #: of ``tids``
     only: frozenset[tuple[int, int]] | None = None
+    #: (group, target) pairs where the target may not join the group yet:
+    #: it still has to purge an old copy there (MetaStateMachine.purging_in)
+    barred: frozenset[tuple[int, int]] = frozenset()
 
 
 def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterable[int] = (),
@@ -74,7 +77,7 @@ def replace_input(sm: MetaStateMachine, tids: Iterable[int], *, leaving: Iterabl
         held = {(g, t) for g, m in sm.groups.items() for t in want.intersection(m) if sm.rebuild_would_lose(g, t)}
     return ReplaceInput(tids, eligible, {t.id: t.node for t in sm.targets.values()}, sm.target_domains(),
                         sm.node_racks(), {g: list(m) for g, m in sm.groups.items()}, frozenset(held),
-                        None if only is None else frozenset(only))
+                        None if only is None else frozenset(only), sm.barred())
 
 
 def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple[list[Move], list[int]]:
@@ -113,7 +116,8 @@ def plan_replacements(inp: ReplaceInput, limit: int = MAX_REPLACEMENTS) -> tuple
                 if usage.get(c, 0) != u:
                     continue  # stale entry: c's usage grew, a newer one is in the heap
                 popped.append((u, c))
-                if eligible[c] not in used and c not in members and in_rack[doms[c]] < caps[w]:
+                if (eligible[c] not in used and c not in members and in_rack[doms[c]] < caps[w]
+                        and (gid, c) not in inp.barred):
                     new = c
                     break
             for e in popped:

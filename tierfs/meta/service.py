@@ -1305,9 +1305,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpc_errors
     async def ListGC(self, request: pb.ListGCRequest, context: Ctx) -> pb.ListGCReply:
-        items = (await self._read(request)).list_gc(request.target_ids, request.after_id, request.limit,
-                                                    now_ns=self.now_ns())
-        return pb.ListGCReply(items=items)
+        state = await self._read(request)
+        now = self.now_ns()
+        items = state.list_gc(request.target_ids, request.after_id, request.limit, now_ns=now)
+        return pb.ListGCReply(items=items, purges=state.list_purges(request.target_ids, now_ns=now)
+                              if request.purges else ())
 
     @grpc_errors
     async def AckGC(self, request: pb.AckGCRequest, context: Ctx) -> pb.AckGCReply:

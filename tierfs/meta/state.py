@@ -74,6 +74,7 @@ from tierfs.meta.kvpools import (
 from tierfs.meta.ops import (
     DEFAULT_LAYOUT,
     MAX_GC_PAGE,
+    MAX_PURGES_PAGE,
     MAX_READDIR_LIMIT,
     MAX_REPAIR_PAGE,
     LayoutSpec,
@@ -113,7 +114,7 @@ from tierfs.security import ANONYMOUS, ROOT, Identity
 #: does with an op or to the fields it reads (docs/operations.md,
 #: "Upgrading meta replicas"). TIERFS_TEST_OP_FORMAT overrides it, only to
 #: play a newer or older version in tests.
-OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 8)
+OP_FORMAT = int(os.environ.get("TIERFS_TEST_OP_FORMAT", "") or 9)
 #: Entries of this format on keep KV placement stamps (docs/kv.md,
 #: "Overwrites and map changes"): pool members' since, the group count
 #: history, targets' up_since. Entries of older leaders leave them empty,
@@ -155,6 +156,15 @@ GC_COPIES_FORMAT = 7
 #: whose new member stayed full (read-only) or failed on to another target
 #: (tierfs.meta.rebalance), a kind that replicas of older formats do not know.
 REDIRECT_FORMAT = 8
+#: Entries of this format on record a *group purge* whenever a member leaves
+#: a position for good (replaced, or the move or drain that copied from it
+#: finished): its node deletes its copy of that position once the op's GC
+#: grace is over, and acknowledges (docs/repair.md, "Purging a former
+#: member's copy"); the target may not rejoin the group meanwhile. Before,
+#: the copy stayed until a scrub pass reached it and found it older than
+#: orphan_grace: a full target stayed full, an old member of a move kept
+#: twice its share, for an hour or more.
+PURGE_FORMAT = 9
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -292,6 +302,8 @@ class MetaStateMachine(Tracked):
         self.ops_applied = 0
         #: GC grace of the op being applied (MetaOp.gc_grace_ms); not state.
         self._gc_grace_ns = 0
+        #: Whether the op being applied records group purges (PURGE_FORMAT); not state.
+        self._purging = False
         #: tests only (TIERFS_TEST_APPLY_FAIL_MARKER): an op whose bytes
         #: contain the marker raises after it mutated the state, on every
         #: replica - the undo log must put everything back.
@@ -348,6 +360,12 @@ class MetaStateMachine(Tracked):
         # Rebalance moves not finished: group id -> (new member, old member
         # it copies from, bytes), and the totals of the finished ones.
         self.moving: dict[int, tuple[int, int, int]] = {}
+        # Group purges (PURGE_FORMAT): target id -> {(group, position):
+        # (purge id, ready at (state clock, ns), map version from which the
+        # target no longer holds the position)}. A target with a purge in a
+        # group is not made a member of it until the purge is acknowledged.
+        self.purges: dict[int, dict[tuple[int, int], tuple[int, int, int]]] = {}
+        self.next_purge = 1
         self.moves_done = 0
         self.bytes_moved = 0
         # group id -> {position: the map version that announced its current
@@ -408,6 +426,7 @@ class MetaStateMachine(Tracked):
                 check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
                 version = self._op_version = self.map_version
                 self._stamping = msg.min_format >= KV_STAMPS_FORMAT
+                self._purging = msg.min_format >= PURGE_FORMAT
                 reply = getattr(self, f"_op_{kind}")(msg, getattr(msg, str(kind)))
                 if self.map_version != version and not msg.kv_planned and kind != "kv_groups":
                     # Every change of which targets are usable bumps the
@@ -1154,7 +1173,8 @@ class MetaStateMachine(Tracked):
             members = self.groups.get(mv.group_id)
             ok = (members is not None and mv.group_id not in seen and mv.group_id not in self.rebuilding
                   and mv.position < len(members) and members[mv.position] == mv.old_target
-                  and mv.new_target in eligible and mv.new_target not in members)
+                  and mv.new_target in eligible and mv.new_target not in members
+                  and not self.purging_in(mv.group_id, mv.new_target))
             if ok:
                 assert members is not None
                 others = [m for j, m in enumerate(members) if j != mv.position]
@@ -1681,7 +1701,8 @@ class MetaStateMachine(Tracked):
             members = self.groups.get(mv.group_id)
             old, new = mv.old_target, mv.new_target
             ok = (members is not None and mv.position < len(members) and members[mv.position] == old
-                  and replaceable(old) and new in eligible and new not in members)
+                  and replaceable(old) and new in eligible and new not in members
+                  and not self.purging_in(mv.group_id, new))
             if ok:
                 assert members is not None
                 others = [m for j, m in enumerate(members) if j != mv.position]
@@ -1714,6 +1735,11 @@ class MetaStateMachine(Tracked):
         src = inherited or (tid if source else 0)
         if src:
             self.rebuild_sources.setdefault(gid, {})[new] = src
+        if src != tid:
+            # tid serves nothing of this position any more (a dead or full
+            # member, or one replaced before its own copy finished); a copy
+            # source is purged when the copy finishes (FinishRebuild).
+            self._purge_later(tid, gid, j)
         mv = self.moving.get(gid)
         if mv is not None and mv[0] == tid:
             self.moving[gid] = (new, mv[1], mv[2])  # the move's copy goes on to the replacement
@@ -1783,6 +1809,11 @@ class MetaStateMachine(Tracked):
             # (tierfs.storage.repair.Repairer.copy_waiting): GC deletes
             # those copies too.
             self.gc.add_copies(src, r.group_id, r.target_id, members.index(r.target_id))
+        if src and r.target_id in members and src not in members:
+            # The copy is done: the source's copy of the position goes
+            # (unless the source holds a position of the group again: a
+            # move redirected back onto its own source).
+            self._purge_later(src, r.group_id, members.index(r.target_id))
         mv = self.moving.get(r.group_id)
         if mv is not None and mv[0] == r.target_id:
             del self.moving[r.group_id]
@@ -2001,10 +2032,64 @@ class MetaStateMachine(Tracked):
 
     def _drop_gc_for(self, tids: set[int]) -> None:
         self.gc.drop_targets(tids)
+        for t in sorted(tids):
+            self.purges.pop(t, None)  # it will never acknowledge
 
     def _op_ack_gc(self, op: pb.MetaOp, r: pb.AckGCRequest) -> Message:
         acked = sum(self.gc.ack(a.id, a.target_id) for a in r.acks)
-        return pb.AckGCReply(acked=acked)
+        done = 0
+        for p in r.purged:
+            mine = self.purges.get(p.target_id)
+            key = (p.group_id, p.position)
+            if mine is not None and key in mine and mine[key][0] == p.id:
+                del mine[key]
+                if not mine:
+                    del self.purges[p.target_id]
+                done += 1
+        return pb.AckGCReply(acked=acked, purges_acked=done)
+
+    # ---- group purges ----------------------------------------------------------
+
+    def _purge_later(self, tid: int, gid: int, j: int) -> None:
+        """Record that target ``tid`` no longer holds position ``j`` of
+        group ``gid`` (an entry of PURGE_FORMAT on): its node deletes that
+        copy once the op's GC grace is over (readers holding the map before
+        may still read it meanwhile). Not for a target removed (it will
+        never come back to delete anything)."""
+        t = self.targets.get(tid)
+        if not self._purging or t is None or t.removed:
+            return
+        self.purges.setdefault(tid, {})[(gid, j)] = (self.next_purge, self.clock + self._gc_grace_ns,
+                                                      self.map_version + 1)
+        self.next_purge += 1
+
+    def purging_in(self, gid: int, tid: int) -> bool:
+        """Whether target ``tid`` still has to purge a copy of a position of
+        group ``gid``: it may not become a member of that group until then
+        (its node could delete what a new copy wrote). O(width)."""
+        mine = self.purges.get(tid)
+        if not mine:
+            return False
+        return any((gid, j) in mine for j in range(max(len(self.groups.get(gid, ())), 1)))
+
+    def barred(self) -> frozenset[tuple[int, int]]:
+        """Every (group, target) pair :meth:`purging_in` refuses."""
+        return frozenset((g, t) for t, mine in self.purges.items() for g, _ in mine)
+
+    def purges_pending(self) -> int:
+        return sum(len(m) for m in self.purges.values())
+
+    def list_purges(self, target_ids: Iterable[int], now_ns: int = 0,
+                    limit: int = MAX_PURGES_PAGE) -> list[pb.GroupPurge]:
+        """The group purges of ``target_ids`` whose grace is over at
+        ``now_ns`` (the leader's clock, never taken below the state
+        clock), oldest first, at most ``limit``."""
+        now = max(self.clock, now_ns)
+        rows = [(pid, t, g, j, mv) for t in target_ids for (g, j), (pid, ready, mv)
+                in self.purges.get(t, {}).items() if ready <= now]
+        rows.sort()
+        return [pb.GroupPurge(id=pid, target_id=t, group_id=g, position=j, map_version=mv)
+                for pid, t, g, j, mv in rows[:limit]]
 
     def _op_tick(self, op: pb.MetaOp, r: pb.TickRequest) -> Message:
         if r.heartbeat_timeout_ms:
@@ -2331,6 +2416,10 @@ class MetaStateMachine(Tracked):
                if self.moving or self.moves_done else {}),
             **({"pos_epoch": [[g, sorted([j, v] for j, v in self.pos_epoch[g].items())]
                               for g in sorted(self.pos_epoch)]} if self.pos_epoch else {}),
+            # Group purges, once the cluster ever had one (the next id is state).
+            **({"purges": {"next": self.next_purge,
+                           "rows": sorted([t, g, j, *v] for t, m in self.purges.items() for (g, j), v in m.items())}}
+               if self.next_purge > 1 else {}),
         }
 
     def _from_json(self, doc: dict[str, Any]) -> None:
@@ -2390,6 +2479,11 @@ class MetaStateMachine(Tracked):
         self.moves_done = reb.get("done", 0)
         self.bytes_moved = reb.get("bytes", 0)
         self.pos_epoch = {g: {j: v for j, v in rows} for g, rows in doc.get("pos_epoch", [])}
+        pur = doc.get("purges", {})
+        self.next_purge = pur.get("next", 1)
+        self.purges = {}
+        for t, g, j, pid, ready, mv in pur.get("rows", []):
+            self.purges.setdefault(t, {})[(g, j)] = (pid, ready, mv)
         # The per-group inventory is derived from the chunk records.
         for ino in sorted(self.inodes):
             f = self.inodes[ino]

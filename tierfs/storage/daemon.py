@@ -267,7 +267,8 @@ class StorageNode:
         self._catchup: asyncio.Task[Any] | None = None
         self._hb_wake = asyncio.Event()
         self.counters: dict[str, int] = dict.fromkeys(
-            ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "scrub_passes",
+            ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "purge_deleted",
+             "purges_done", "scrub_passes",
              "scrub_bytes", "catch_ups", "kv_lease_waits", "kv_lease_refusals"), 0
         )
 
@@ -767,12 +768,19 @@ class StorageNode:
             await asyncio.sleep(self.cfg.gc_interval)
 
     async def gc_once(self) -> int:
-        """Delete every fragment meta's GC queue lists for our targets; ack them."""
+        """Delete every fragment meta's GC queue lists for our targets; ack
+        them. Then the group purges the first page brought (:meth:`purge`)."""
         engines = {e.target_id: e for e in self.engines if e.target_id}
+        items, purges = await self.meta.list_gc_and_purges(list(engines), limit=self.cfg.gc_batch)
+        done = await self._gc_pages(engines, items)
+        if purges:
+            await self.purge(purges)
+        return done
+
+    async def _gc_pages(self, engines: dict[int, ChunkEngine], items: list[Any]) -> int:
         after = 0
         done = 0
         while True:
-            items = await self.meta.list_gc(list(engines), after_id=after, limit=self.cfg.gc_batch)
             if not items:
                 return done
             acks: list[tuple[int, int]] = []
@@ -797,6 +805,54 @@ class StorageNode:
                 self.counters["gc_acked"] += len(part)
             if len(items) < self.cfg.gc_batch:
                 return done
+            items = await self.meta.list_gc(list(engines), after_id=after, limit=self.cfg.gc_batch)
+
+    async def purge(self, purges: list[Any]) -> int:
+        """Delete the copies of group positions our targets no longer hold
+        (meta's group purges, as ListGC listed them: a move or drain off
+        them finished, or they were replaced), then acknowledge them.
+        Returns the purges done.
+
+        A purge names the map version from which the target left the
+        position; while our map is older it waits (the next round). Meta
+        makes no target a member of a group it still has to purge in, so
+        nothing copied onto it afterwards can be deleted here; a map that
+        shows the target holding the position again all the same keeps the
+        copy (and says so)."""
+        engines = {e.target_id: e for e in self.engines if e.target_id}
+        if not engines or self.repairer is None:
+            return 0
+        await self.repairer.refresh_map()
+        cmap = self.repairer.cmap
+        done: list[Any] = []
+        for p in purges:
+            eng = engines.get(int(p.target_id))
+            if eng is None or cmap is None or int(cmap.version) < int(p.map_version):
+                continue
+            members = self.repairer.groups.get(int(p.group_id), [])
+            if int(p.position) < len(members) and members[int(p.position)] == eng.target_id:
+                log.warning("purge of group %d position %d on target %d: the map shows the target holding it "
+                            "again; the copy is kept", p.group_id, p.position, eng.target_id)
+                done.append(p)
+                continue
+            deleted = 0
+            for ino, chunk, gen in await self.repairer.group_chunks(int(p.group_id)):
+                try:
+                    if await eng.delete(FragmentKey(ino, chunk, int(p.position), gen)):
+                        deleted += 1
+                except TierFSError as err:
+                    log.warning("purge of group %d on target %d: delete failed: %s", p.group_id, eng.target_id, err)
+                    break
+            else:
+                done.append(p)
+            self.counters["purge_deleted"] += deleted
+            if deleted:
+                log.info("purged %d fragment(s) of group %d position %d from target %d (it no longer holds "
+                         "the position)", deleted, p.group_id, p.position, eng.target_id)
+        if done:
+            await self.meta.ack_purges(done)
+            self.counters["purges_done"] += len(done)
+        return len(done)
 
     # -- scrub --------------------------------------------------------------------
 

@@ -2310,6 +2310,7 @@ class RebalanceStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     RULE_VIOLATIONS_FIELD_NUMBER: _builtins.int
     STUCK_FIELD_NUMBER: _builtins.int
+    PURGES_PENDING_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     moves_planned: _builtins.int
     """planned, not submitted yet"""
@@ -2332,6 +2333,10 @@ class RebalanceStatus(_message.Message):
     last_error: _builtins.str
     rule_violations: _builtins.int
     """groups with more members in one rack than the rule allows"""
+    purges_pending: _builtins.int
+    """Positions of groups that targets no longer hold and whose copies their
+    nodes have not deleted yet (group purges, op format 9 on).
+    """
     @_builtins.property
     def stuck(self) -> _containers.RepeatedCompositeFieldContainer[Global___StuckMove]:
         """Moves in flight whose copy cannot go on now: the new member is full
@@ -2356,10 +2361,11 @@ class RebalanceStatus(_message.Message):
         last_error: _builtins.str = ...,
         rule_violations: _builtins.int = ...,
         stuck: _abc.Iterable[Global___StuckMove] | None = ...,
+        purges_pending: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance_max_over_mean", b"balance_max_over_mean", "bytes_max", b"bytes_max", "bytes_mean", b"bytes_mean", "bytes_moved", b"bytes_moved", "bytes_to_move", b"bytes_to_move", "enabled", b"enabled", "failure_domain", b"failure_domain", "last_error", b"last_error", "moves_done", b"moves_done", "moves_in_flight", b"moves_in_flight", "moves_planned", b"moves_planned", "racks", b"racks", "rule_violations", b"rule_violations", "stuck", b"stuck", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance_max_over_mean", b"balance_max_over_mean", "bytes_max", b"bytes_max", "bytes_mean", b"bytes_mean", "bytes_moved", b"bytes_moved", "bytes_to_move", b"bytes_to_move", "enabled", b"enabled", "failure_domain", b"failure_domain", "last_error", b"last_error", "moves_done", b"moves_done", "moves_in_flight", b"moves_in_flight", "moves_planned", b"moves_planned", "purges_pending", b"purges_pending", "racks", b"racks", "rule_violations", b"rule_violations", "stuck", b"stuck", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2656,10 +2662,16 @@ class ListGCRequest(_message.Message):
     TARGET_IDS_FIELD_NUMBER: _builtins.int
     AFTER_ID_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    PURGES_FIELD_NUMBER: _builtins.int
     after_id: _builtins.int
     """paging: items with id > after_id"""
     limit: _builtins.int
     """0 = 1000"""
+    purges: _builtins.bool
+    """Also list the group purges ready for these targets (reply.purges; at
+    most MAX_PURGES_PAGE, whatever after_id). A meta older than stop 54
+    ignores it: no purges.
+    """
     @_builtins.property
     def target_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -2668,30 +2680,74 @@ class ListGCRequest(_message.Message):
         target_ids: _abc.Iterable[_builtins.int] | None = ...,
         after_id: _builtins.int = ...,
         limit: _builtins.int = ...,
+        purges: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_id", b"after_id", "limit", b"limit", "target_ids", b"target_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_id", b"after_id", "limit", b"limit", "purges", b"purges", "target_ids", b"target_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListGCRequest: _TypeAlias = ListGCRequest  # noqa: Y015
 
 @_typing.final
+class GroupPurge(_message.Message):
+    """A former member's copy of one position of a placement group, to delete
+    now that the group no longer needs it (the member was replaced, or a
+    move off it finished; docs/repair.md, "Purging a former member's copy").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TARGET_ID_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    target_id: _builtins.int
+    group_id: _builtins.int
+    position: _builtins.int
+    map_version: _builtins.int
+    """The map version from which the target no longer holds the position: a
+    node whose map is older waits for it before deleting anything.
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        target_id: _builtins.int = ...,
+        group_id: _builtins.int = ...,
+        position: _builtins.int = ...,
+        map_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "id", b"id", "map_version", b"map_version", "position", b"position", "target_id", b"target_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupPurge: _TypeAlias = GroupPurge  # noqa: Y015
+
+@_typing.final
 class ListGCReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ITEMS_FIELD_NUMBER: _builtins.int
+    PURGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___GCItem]: ...
+    @_builtins.property
+    def purges(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupPurge]: ...
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___GCItem] | None = ...,
+        purges: _abc.Iterable[Global___GroupPurge] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "purges", b"purges"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2724,16 +2780,22 @@ class AckGCRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ACKS_FIELD_NUMBER: _builtins.int
+    PURGED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GCAck]: ...
+    @_builtins.property
+    def purged(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupPurge]:
+        """Group purges done (id, target, group, position as listed)."""
+
     def __init__(
         self,
         *,
         acks: _abc.Iterable[Global___GCAck] | None = ...,
+        purged: _abc.Iterable[Global___GroupPurge] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "purged", b"purged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2744,15 +2806,18 @@ class AckGCReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ACKED_FIELD_NUMBER: _builtins.int
+    PURGES_ACKED_FIELD_NUMBER: _builtins.int
     acked: _builtins.int
+    purges_acked: _builtins.int
     def __init__(
         self,
         *,
         acked: _builtins.int = ...,
+        purges_acked: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "purges_acked", b"purges_acked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
