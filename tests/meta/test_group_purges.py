@@ -5,8 +5,13 @@ meanwhile (docs/repair.md, "Purging a former member's copy")."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+from google.protobuf.message import Message
+
 from tests.meta.meta_helpers import Driver
-from tierfs.meta.rebalance import move_input, plan_moves
+from tierfs.meta.rebalance import Rebalancer, move_input, plan_moves
 from tierfs.meta.replace import plan_replacements, replace_input
 from tierfs.meta.state import PURGE_FORMAT, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -162,3 +167,41 @@ def test_a_move_redirected_back_onto_its_source_purges_only_the_full_member() ->
     assert set(d.sm.purges) == {full}
 
 
+
+@pytest.mark.timeout(60)
+def test_the_rebalancer_plans_only_moves_that_fit_the_new_member_s_free_space() -> None:
+    """Placement balances bytes, not bytes over capacity: a new target with
+    less free space than a group holds would get the move, fill up, have it
+    redirected and purged, have room again, and be chosen again, without
+    end. The rebalancer keeps only the moves that fit what the target's node
+    last reported free, counting the moves in flight onto it."""
+    d = Driver()
+    d.register(6, 1)
+    d.create("/f", stripe_width=6)
+    d.write("/f", 24 << 20, list(range(6)))
+    d.register(1, 1, prefix="late")  # a new, empty target: the rebalancer wants to move groups onto it
+    new = max(d.sm.targets)
+    free: dict[int, int] = {}
+
+    async def submit(kind: str, req: object, reply_cls: type) -> object:
+        assert isinstance(req, Message)
+        return d.do(kind, req, reply_cls)
+
+    async def rounds() -> None:
+        rb = Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=0, free=lambda: free)
+        rb.trigger()
+        held = max(d.sm.gbytes.values())
+        free[new] = held - 1  # less than a group holds
+        await rb.step()
+        assert all(mv[0] != new for mv in d.sm.moving.values())
+        free[new] = 2 * held + 1  # room for two of them
+        rb.trigger()  # nothing planned went idle; a join or a return starts it again
+        await rb.step()
+        onto = [g for g, mv in d.sm.moving.items() if mv[0] == new]
+        assert len(onto) == 2, d.sm.moving
+        free[new] = 3 * held  # the two in flight count: still room for one more
+        rb.trigger()
+        await rb.step()
+        assert len([g for g, mv in d.sm.moving.items() if mv[0] == new]) == 3, d.sm.moving
+
+    asyncio.run(rounds())

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -183,8 +184,12 @@ class Rebalancer(BackgroundLoop):
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
                  tolerance: float = 0.10, write_defer: float = 30.0, redirect_after: float = 10.0,
                  clock: Callable[[], float] = time.monotonic,
-                 unreported: Callable[[MetaStateMachine], set[int]] | None = None) -> None:
+                 unreported: Callable[[MetaStateMachine], set[int]] | None = None,
+                 free: Callable[[], dict[int, int]] | None = None) -> None:
         self._state = state
+        #: bytes each target's file system has free for TierFS, as its node
+        #: last reported them (leader memory; targets missing: not known)
+        self._free = free
         #: targets to leave out of a round's plan: their node has not
         #: heartbeated to this leader since it registered, so their state
         #: (full: read-only) is not known yet
@@ -285,7 +290,7 @@ class Rebalancer(BackgroundLoop):
             skipped = (self._unreported(sm) if self._unreported is not None else set()) & set(inp.eligible)
             if skipped:
                 inp = replace(inp, eligible={t: n for t, n in inp.eligible.items() if t not in skipped})
-            moves = await asyncio.to_thread(plan_moves, inp, self.tolerance)
+            moves = self._fit(sm, await asyncio.to_thread(plan_moves, inp, self.tolerance), inp.group_bytes)
             self._p.planned, self._p.plan_version = moves, inp.map_version
             if not moves and not sm.moving and not skipped:
                 self._active = False  # balanced (or as close as the rule allows)
@@ -306,6 +311,31 @@ class Rebalancer(BackgroundLoop):
                 log.info("rebalance: %d move(s) submitted, %d skipped, %d planned", reply.applied,
                          len(reply.skipped), len(self._p.planned))
             return int(reply.applied)
+
+    def _fit(self, sm: MetaStateMachine, moves: list[Move], group_bytes: Mapping[int, int]) -> list[Move]:
+        """The moves whose new member has room for the group's bytes, on top
+        of what the moves in flight onto it and those before in the list
+        still bring. Placement balances bytes, not bytes over capacity: a
+        target smaller than the others would otherwise get moves it cannot
+        hold, fill up, have them redirected, get its copies purged, have
+        room again, and be chosen again, for ever."""
+        free = self._free() if self._free is not None else {}
+        if not free or not moves:
+            return moves
+        owed: Counter[int] = Counter()
+        for new, _old, b in sm.moving.values():
+            owed[new] += b
+        out = []
+        for m in moves:
+            need = group_bytes.get(m.group, 0)
+            room = free.get(m.new)
+            if room is not None and owed[m.new] + need > room:
+                log.debug("rebalance: no move of group %d onto target %d: %d bytes free, %d needed", m.group,
+                          m.new, room, owed[m.new] + need)
+                continue
+            owed[m.new] += need
+            out.append(m)
+        return out
 
     def _redirect_due(self, sm: MetaStateMachine) -> dict[tuple[int, int], float]:
         """(group, member) -> seconds left before the move onto that

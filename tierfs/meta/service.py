@@ -339,7 +339,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      enabled=rebalance, interval=rebalance_interval,
                                      max_moving=rebalance_max_moving, write_defer=rebalance_write_defer,
                                      redirect_after=rebalance_redirect_after,
-                                     unreported=self._unreported_targets)
+                                     unreported=self._unreported_targets, free=self._targets_free)
         self.kv_planner = KVPlanner(lambda: self.state, self._background_op, self._leadership,
                                     interval=rebalance_interval, replace_after=replace_after)
 
@@ -800,6 +800,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._remember_kv_usage(sm, req)
         reply.cap_keys.extend(self.cap_keys())
         return reply
+
+    def _targets_free(self) -> dict[int, int]:
+        """Free bytes per target as the nodes last reported (for the rebalancer)."""
+        return {t: free for per_node in self._hb_free.values() for t, free in per_node.items()}
 
     def _unreported_targets(self, sm: MetaStateMachine) -> set[int]:
         """Targets whose node has not heartbeated to this leader since it
