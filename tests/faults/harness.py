@@ -55,9 +55,29 @@ FAST_META = ("--heartbeat-timeout=3",)
 FAST_GC_GRACE = 1.0
 
 
-def _free_port(host: str) -> int:
+def _plan_ports(cl: LocalCluster) -> set[int]:
+    """Every port the cluster's plan names (addresses and ``host:port`` or
+    ``--*port=N`` arguments): free now, but promised to a daemon that has
+    not bound it yet."""
+    out: set[int] = set()
+    for p in cl.procs:
+        for word in (p.addr, *p.argv, *p.extra.values()):
+            tail = str(word).rpartition("=")[2].rpartition(":")[2]
+            if tail.isdigit():
+                out.add(int(tail))
+    return out
+
+
+def _free_port(host: str, taken: set[int] | None = None) -> int:
     if host in ("127.0.0.1", "localhost"):
-        return free_ports(1)[0]  # below the ephemeral range: see free_ports
+        # Below the ephemeral range (see free_ports), and none the plan
+        # promised to another daemon (a storage daemon's metrics port was
+        # drawn again here once: EADDRINUSE at the start of the second).
+        for _ in range(100):
+            port = free_ports(1)[0]
+            if port not in (taken or set()):
+                return port
+        raise RuntimeError("no free loopback port outside the cluster's plan")
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -106,7 +126,7 @@ class FaultCluster:
                 self.proxies[name] = FaultProxy((PROXY_HOST, int(port)), (host, int(port)))
                 # The control service (scrub, repair status) is advertised on the
                 # same host: a fixed port with a plain pass-through proxy.
-                cport = _free_port(host)
+                cport = _free_port(host, _plan_ports(self.cl))
                 p.argv.append(f"--control-port={cport}")
                 self.control_proxies[name] = FaultProxy((PROXY_HOST, cport), (host, cport))
             self.cl.start(timeout=120)
