@@ -455,3 +455,57 @@ def test_the_rebalancer_redirects_a_move_stuck_on_a_full_member_after_redirect_a
         assert not rb.status().stuck
 
     asyncio.run(rounds())
+
+
+@pytest.mark.timeout(60)
+def test_a_new_leader_goes_on_counting_the_redirect_from_the_state() -> None:
+    """The member's node reported it full at a state-clock time the
+    replicas keep (``full_since``, op format 9): a leader that takes over
+    25 s later redirects 5 s after, not 30 (before, every new leader
+    started again, and under a leader killed every few seconds no move was
+    ever redirected)."""
+    import asyncio
+
+    from tierfs.meta.rebalance import Rebalancer
+    from tierfs.meta.state import FULL_SINCE_FORMAT
+
+    d = Driver()
+    d.min_format = FULL_SINCE_FORMAT
+    d.register(8, 1)
+    d.create("/f", stripe_width=1)
+    d.write("/f", 4 << 20, [0])
+    gid = d.stat("/f").layout.groups[0]
+    members = list(d.sm.groups[gid])
+    spare = min(t for t in d.sm.targets if t not in members)
+    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=0, old_target=members[0], new_target=spare)]), pb.RebalanceMovesReply)
+    d.advance(3)
+    _full(d, spare)
+    full_at = d.sm.targets[spare].full_since
+    assert full_at == d.sm.clock
+    d.advance(1)
+    _full(d, spare, pb.TARGET_STATE_FAILED)  # still out of use: the stamp stays
+    assert d.sm.targets[spare].full_since == full_at
+    wall = [full_at + 25 * 10**9]
+
+    async def submit(kind: str, req: object, reply_cls: type) -> object:
+        assert isinstance(req, Message)
+        return d.do(kind, req, reply_cls)
+
+    def leader() -> Rebalancer:
+        return Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=30, clock=lambda: 500.0,
+                          wall_ns=lambda: wall[0])
+
+    async def rounds() -> None:
+        (m,) = leader().status().stuck
+        assert m.redirects and m.redirect_in_s == pytest.approx(5)
+        wall[0] += 6 * 10**9
+        await leader().step()  # another new leader: due already
+        assert d.sm.moving[gid][0] not in (spare, *members)
+
+    asyncio.run(rounds())
+    copy = type(d.sm)()
+    copy.restore(d.sm.snapshot())
+    assert copy.targets[spare].full_since == full_at
+    _full(d, spare, pb.TARGET_STATE_ONLINE)
+    assert d.sm.targets[spare].full_since == 0

@@ -183,7 +183,7 @@ class Rebalancer(BackgroundLoop):
     def __init__(self, state: Callable[[], MetaStateMachine], submit: Submit, leading: Callable[[], bool], *,
                  enabled: bool = True, interval: float = 5.0, max_moving: int = 4,
                  tolerance: float = 0.10, write_defer: float = 30.0, redirect_after: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns,
                  unreported: Callable[[MetaStateMachine], set[int]] | None = None,
                  free: Callable[[], dict[int, int]] | None = None) -> None:
         self._state = state
@@ -204,6 +204,7 @@ class Rebalancer(BackgroundLoop):
         self.redirect_after = redirect_after
         self._stuck_since: dict[tuple[int, int], float] = {}  # (group, new member) -> since when redirectable
         self._clock = clock
+        self._wall_ns = wall_ns  # the clock the leader stamps ops with (the state clock's source)
         self._held: dict[int, float] = {}  # group -> since when its moves wait for a write session
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -340,13 +341,23 @@ class Rebalancer(BackgroundLoop):
     def _redirect_due(self, sm: MetaStateMachine) -> dict[tuple[int, int], float]:
         """(group, member) -> seconds left before the move onto that
         member is redirected (0 or less: due), for every move that may be;
-        keeps the since-when of each."""
+        keeps the since-when of each. It counts from when the member's node
+        first reported it full or failed (``Target.full_since``, in the
+        replicated state: a new leader goes on counting), else from when
+        this leader first saw the move stuck."""
         if self.redirect_after <= 0:
             self._stuck_since.clear()
             return {}
         now = self._clock()
-        pairs = {(g, t) for g, _, t in sm.redirectable_moves()}
-        self._stuck_since = {p: self._stuck_since.get(p, now) for p in pairs}
+        wall = self._wall_ns()
+        since: dict[tuple[int, int], float] = {}
+        for g, _, tid in sm.redirectable_moves():
+            first = self._stuck_since.get((g, tid), now)
+            t = sm.targets.get(tid)
+            if t is not None and t.full_since:
+                first = min(first, now - max(0.0, (wall - t.full_since) / 1e9))
+            since[(g, tid)] = first
+        self._stuck_since = since
         return {p: self.redirect_after - (now - since) for p, since in self._stuck_since.items()}
 
     async def _redirect(self, sm: MetaStateMachine) -> int:

@@ -165,6 +165,12 @@ REDIRECT_FORMAT = 8
 #: orphan_grace: a full target stayed full, an old member of a move kept
 #: twice its share, for an hour or more.
 PURGE_FORMAT = 9
+#: Entries of this format on stamp a target's ``full_since`` (the state
+#: clock when its node reported it full or failed): the leader's redirect of
+#: a move stuck on it counts from there, so a new leader goes on counting
+#: instead of starting again (under a leader killed every few seconds no
+#: move was ever redirected).
+FULL_SINCE_FORMAT = 9
 
 __all__ = ["ROOT_INODE", "MetaStateMachine"]
 
@@ -252,6 +258,9 @@ class Target(Tracked):
     # it holds from before are not served: docs/kv.md); 0 = since it joined
     up_since: int = 0
     removed: bool = False  # declared dead (`tierfs target rm`): never used again
+    # state clock since when its node has reported it full (read-only) or
+    # failed; 0 otherwise (FULL_SINCE_FORMAT)
+    full_since: int = 0
 
 
 @dataclass(slots=True)
@@ -1623,6 +1632,8 @@ class MetaStateMachine(Tracked):
                 node.targets.append(t.id)
                 changed = True
             t.capacity, t.present, t.reported = spec.capacity, True, ONLINE
+            if t.full_since:
+                t.full_since = 0
             offered.add(t.id)
             reply.targets.append(pb.RegisteredTarget(path=spec.path, target_id=t.id))
         for tid in node.targets:
@@ -1652,10 +1663,16 @@ class MetaStateMachine(Tracked):
                 raise InvalidArgumentError(f"target {rep.target_id} does not belong to node {node.id}")
         before = {t: self._target_state(self.targets[t]) for t in node.targets}
         node.state, node.last_hb = NODE_ONLINE, self.clock
+        stamp = op.min_format >= FULL_SINCE_FORMAT
         for rep in r.targets:
             t = self.targets[rep.target_id]
             t.used, t.capacity = rep.used, rep.capacity
             t.reported = rep.state or ONLINE
+            if stamp and t.reported == ONLINE:
+                if t.full_since:  # assigned only on a change: each assignment is an undo record
+                    t.full_since = 0
+            elif stamp and not t.full_since:
+                t.full_since = self.clock
         if any(self._target_state(self.targets[t]) != s for t, s in before.items()):
             self.map_version += 1
         self._refresh_down()
@@ -2384,7 +2401,7 @@ class MetaStateMachine(Tracked):
             "nodes": [[n.id, n.uuid, n.hostname, n.data_addr, n.control_addr, n.state, n.last_hb, n.targets]
                       for _, n in sorted(self.nodes.items())],
             "targets": [[t.id, t.node, t.path, t.capacity, t.used, t.reported, t.present, t.down_since,
-                         *([t.up_since] if t.up_since else [])]
+                         *([t.up_since, t.full_since] if t.full_since else [t.up_since] if t.up_since else [])]
                         for _, t in sorted(self.targets.items())],
             "groups": [[g, self.groups[g]] for g in sorted(self.groups)],
             "rebuilding": [[g, sorted(self.rebuilding[g])] for g in sorted(self.rebuilding)],
@@ -2439,7 +2456,8 @@ class MetaStateMachine(Tracked):
         self.nodes = {n[0]: Node(id=n[0], uuid=n[1], hostname=n[2], data_addr=n[3], control_addr=n[4],
                                  state=n[5], last_hb=n[6], targets=list(n[7])) for n in doc["nodes"]}
         self.targets = {t[0]: Target(id=t[0], node=t[1], path=t[2], capacity=t[3], used=t[4], reported=t[5],
-                                     present=t[6], down_since=t[7], up_since=t[8] if len(t) > 8 else 0)
+                                     present=t[6], down_since=t[7], up_since=t[8] if len(t) > 8 else 0,
+                                     full_since=t[9] if len(t) > 9 else 0)
                         for t in doc["targets"]}
         self.groups = {g: list(m) for g, m in doc["groups"]}
         self.rebuilding = {g: set(m) for g, m in doc["rebuilding"]}
