@@ -266,9 +266,10 @@ class StorageNode:
         self.control: Any = None
         self._catchup: asyncio.Task[Any] | None = None
         self._hb_wake = asyncio.Event()
+        self._purge_warned: set[int] = set()  # purge ids whose failed delete was logged
         self.counters: dict[str, int] = dict.fromkeys(
             ("heartbeats", "heartbeat_errors", "gc_deleted", "gc_acked", "gc_errors", "purge_deleted",
-             "purges_done", "scrub_passes",
+             "purges_done", "purge_errors", "scrub_passes",
              "scrub_bytes", "catch_ups", "kv_lease_waits", "kv_lease_refusals"), 0
         )
 
@@ -841,7 +842,13 @@ class StorageNode:
                     if await eng.delete(FragmentKey(ino, chunk, int(p.position), gen)):
                         deleted += 1
                 except TierFSError as err:
-                    log.warning("purge of group %d on target %d: delete failed: %s", p.group_id, eng.target_id, err)
+                    # Retried every round (a failed disk: until the target
+                    # is removed); said once per purge.
+                    if int(p.id) not in self._purge_warned:
+                        self._purge_warned.add(int(p.id))
+                        log.warning("purge of group %d on target %d: delete failed (retried every gc_interval): %s",
+                                    p.group_id, eng.target_id, err)
+                    self.counters["purge_errors"] += 1
                     break
             else:
                 done.append(p)
