@@ -93,8 +93,10 @@ log = logging.getLogger(__name__)
 KiB = 1024
 
 #: One meta replica (CPU is scarce); a node missing heartbeats for 1.5 s is
-#: offline; targets are never replaced on their own (``target_rm`` does it).
-META_ARGS = ("--heartbeat-timeout=1.5", "--replace-after=0", "--tick-interval=0.2")
+#: offline; targets are never replaced on their own (``target_rm`` does it);
+#: former members delete their copies 1 s after they leave (group purges:
+#: the walk reads through them, where the default 30 s would outlast it).
+META_ARGS = ("--heartbeat-timeout=1.5", "--replace-after=0", "--tick-interval=0.2", "--purge-grace=1")
 #: Fast heartbeats, GC and rebuild polls; no background scrub (the checker
 #: scrubs and compares); orphans deletable at once (scrubs run only while no
 #: writer is open, so no upload in flight can be taken for one).

@@ -40,6 +40,8 @@ class Driver:
         self.log: list[bytes] = []
         #: stamped into every op, as the service stamps its gc_grace
         self.gc_grace_ms = 0
+        #: likewise its purge_grace (group purges)
+        self.purge_grace_ms = 0
         #: act as the leader's service does: top up placement groups after
         #: every op (False: only the ops a test applies)
         self.leader = True
@@ -74,7 +76,7 @@ class Driver:
 
     def _apply(self, kind: str, req: Message, *, client: str = "", rid: int = 0, lease_ms: int = 0) -> bytes:
         op = pb.MetaOp(now_ns=self.now, client_id=client, request_id=rid, lease_ms=lease_ms,
-                       gc_grace_ms=self.gc_grace_ms)
+                       gc_grace_ms=self.gc_grace_ms, purge_grace_ms=self.purge_grace_ms)
         getattr(op, kind).CopyFrom(req)
         op.kv_planned = self.kv_planned
         op.min_format = self.min_format

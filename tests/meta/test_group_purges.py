@@ -22,7 +22,8 @@ GRACE_MS = 5000
 def _driver(targets: int = 8) -> Driver:
     d = Driver()
     d.min_format = PURGE_FORMAT
-    d.gc_grace_ms = GRACE_MS
+    d.gc_grace_ms = 10 * GRACE_MS  # purges wait for their own grace, not GC's
+    d.purge_grace_ms = GRACE_MS
     d.register(targets, 1)
     d.create("/f", stripe_width=1)  # ec:4+2
     d.write("/f", 4 << 20, [0])
@@ -205,3 +206,16 @@ def test_the_rebalancer_plans_only_moves_that_fit_the_new_member_s_free_space() 
         assert len([g for g, mv in d.sm.moving.items() if mv[0] == new]) == 3, d.sm.moving
 
     asyncio.run(rounds())
+
+
+@pytest.mark.parametrize(("purge", "gc", "stamped"), [(30.0, 300.0, 30_000), (30.0, 0.5, 500), (0.0, 300.0, 0)])
+def test_the_leader_stamps_the_purge_grace_never_above_the_gc_grace(purge: float, gc: float, stamped: int) -> None:
+    """Every op carries the leader's purge grace (so every replica computes
+    the same ready times), never longer than its GC grace: a test cluster
+    with a short GC grace purges as fast."""
+    from tierfs.meta.interfaces import LocalReplicator
+    from tierfs.meta.service import MetaServicer
+
+    svc = MetaServicer(LocalReplicator(MetaStateMachine()), gc_grace=gc, purge_grace=purge)
+    op = svc._op("mkdir", pb.MkdirRequest(loc=pb.Loc(path="/x")))
+    assert op.purge_grace_ms == stamped and op.gc_grace_ms == int(gc * 1000)

@@ -90,7 +90,7 @@ def render_rebalance(r: dict[str, Any]) -> str:
     if r.get("purges_pending"):
         n = r["purges_pending"]
         lines.append(f"old copies to delete: {n} group position(s) that targets no longer hold; their nodes delete "
-                     f"them once gc_grace is over")
+                     f"them once purge_grace is over")
     if r["last_error"]:
         lines.append(f"last round failed: {r['last_error']}")
     return "\n".join(lines)

@@ -129,6 +129,13 @@ class MetaConfig(BaseConfig):
         "so readers that opened the file before it can finish (0 = at once).",
         kind="duration",
     )
+    purge_grace: float = field(
+        30.0,
+        "A target's copy of a group position it no longer holds (a move or drain off it finished, or it was "
+        "replaced) is deleted by its node this long after the change (at most gc_grace): readers holding the map "
+        "from before may still read it meanwhile (0 = at once).",
+        kind="duration",
+    )
 
     rebalance: bool = field(
         True,
@@ -248,6 +255,8 @@ class MetaConfig(BaseConfig):
             raise ConfigError("must be >= 0 (0 = never)", field="replace_after")
         if not 0 <= self.gc_grace <= MAX_GC_GRACE:
             raise ConfigError(f"must be between 0 and {MAX_GC_GRACE:.0f} seconds", field="gc_grace")
+        if not 0 <= self.purge_grace <= MAX_GC_GRACE:
+            raise ConfigError(f"must be between 0 and {MAX_GC_GRACE:.0f} seconds", field="purge_grace")
         if self.submit_timeout <= 0:
             raise ConfigError("must be > 0", field="submit_timeout")
         if self.kv_default_pool:

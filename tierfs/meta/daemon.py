@@ -227,7 +227,7 @@ async def _serve_locked(cfg: MetaConfig, stop: asyncio.Event, secret: Any, accep
         server, rep, heartbeat_timeout=cfg.heartbeat_timeout, lease_duration=cfg.lease_duration,
         kv_lease=cfg.kv_lease,
         tick_interval=cfg.tick_interval, submit_timeout=cfg.submit_timeout, replace_after=cfg.replace_after,
-        gc_grace=cfg.gc_grace, root_squash=cfg.root_squash, cluster_secret=secret, accepted_secrets=accepted,
+        gc_grace=cfg.gc_grace, purge_grace=cfg.purge_grace, root_squash=cfg.root_squash, cluster_secret=secret, accepted_secrets=accepted,
         cap_key_rotation=cfg.cap_key_rotation, file_cap_ttl=cfg.file_cap_ttl, kv_cap_ttl=cfg.kv_cap_ttl,
         rebalance=cfg.rebalance, rebalance_interval=cfg.rebalance_interval,
         rebalance_max_moving=cfg.rebalance_max_moving, rebalance_write_defer=cfg.rebalance_write_defer,

@@ -216,6 +216,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         submit_timeout: float = 5.0,
         replace_after: float = 0.0,
         gc_grace: float = DEFAULT_GC_GRACE,
+        purge_grace: float = 30.0,
         usage_interval: float = 30.0,
         kv_default_pool: pb.CreateKVPoolRequest | None = DEFAULT_POOL_REQUEST,
         root_squash: bool = True,
@@ -278,6 +279,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         self._replace_idle: tuple[int, tuple[int, ...]] = (-1, ())
         self._held_logged: frozenset[tuple[int, int]] = frozenset()
         self.gc_grace = gc_grace
+        # Group purges wait this long, never longer than GC would.
+        self.purge_grace = max(0.0, min(purge_grace, gc_grace))
         self.usage_interval = usage_interval
         self.kv_default_pool = kv_default_pool
         self.root_squash = root_squash
@@ -443,7 +446,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         check_caps(req, kind)
         check_op_size(req.ByteSize(), kind)
         op = pb.MetaOp(now_ns=self.now_ns(), client_id=client, request_id=request_id,
-                       lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000))
+                       lease_ms=int(self.lease_duration * 1000), gc_grace_ms=int(self.gc_grace * 1000),
+                       purge_grace_ms=int(self.purge_grace * 1000))
         getattr(op, kind).CopyFrom(req)
         # Who the leader authenticated (set by the auth layer for this call),
         # root-squashed, never the request. Absent = root: security off (and
@@ -1573,7 +1577,7 @@ class _Guarded:
 
 def add_meta_service(server: grpc.aio.Server, replicator: Replicator, **opts: Any) -> MetaServicer:
     """Create a :class:`MetaServicer` (``opts``: heartbeat_timeout,
-    lease_duration, tick_interval, submit_timeout, replace_after, gc_grace,
+    lease_duration, tick_interval, submit_timeout, replace_after, gc_grace, purge_grace,
     usage_interval, kv_default_pool, root_squash, clock, monotonic, cluster_secret,
     cap_key_rotation, file_cap_ttl, kv_cap_ttl, cap_clock, auth) and register it
     on ``server``, every method behind the auth layer. Call ``await servicer.start()`` once the server runs, to

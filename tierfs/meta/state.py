@@ -311,6 +311,8 @@ class MetaStateMachine(Tracked):
         self.ops_applied = 0
         #: GC grace of the op being applied (MetaOp.gc_grace_ms); not state.
         self._gc_grace_ns = 0
+        #: Purge grace of the op being applied (MetaOp.purge_grace_ms); not state.
+        self._purge_grace_ns = 0
         #: Whether the op being applied records group purges (PURGE_FORMAT); not state.
         self._purging = False
         #: tests only (TIERFS_TEST_APPLY_FAIL_MARKER): an op whose bytes
@@ -430,6 +432,7 @@ class MetaStateMachine(Tracked):
                             f"request {msg.request_id} of client {msg.client_id} was already applied, but its "
                             f"reply was too large to keep for retries: read the state again instead"))
                 self._gc_grace_ns = msg.gc_grace_ms * NS_PER_MS
+                self._purge_grace_ns = msg.purge_grace_ms * NS_PER_MS
                 validate_op(msg)
                 kind = msg.WhichOneof("body")
                 check_op_size(len(op), str(kind))  # the service refuses these; the log is not trusted either
@@ -2070,13 +2073,13 @@ class MetaStateMachine(Tracked):
     def _purge_later(self, tid: int, gid: int, j: int) -> None:
         """Record that target ``tid`` no longer holds position ``j`` of
         group ``gid`` (an entry of PURGE_FORMAT on): its node deletes that
-        copy once the op's GC grace is over (readers holding the map before
-        may still read it meanwhile). Not for a target removed (it will
+        copy once the op's purge grace is over (readers holding the map
+        before may still read it meanwhile). Not for a target removed (it will
         never come back to delete anything)."""
         t = self.targets.get(tid)
         if not self._purging or t is None or t.removed:
             return
-        self.purges.setdefault(tid, {})[(gid, j)] = (self.next_purge, self.clock + self._gc_grace_ns,
+        self.purges.setdefault(tid, {})[(gid, j)] = (self.next_purge, self.clock + self._purge_grace_ns,
                                                       self.map_version + 1)
         self.next_purge += 1
 

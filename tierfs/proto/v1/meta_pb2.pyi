@@ -3276,6 +3276,7 @@ class MetaOp(_message.Message):
     KV_DEFAULT_POOL_FIELD_NUMBER: _builtins.int
     KV_PLANNED_FIELD_NUMBER: _builtins.int
     MIN_FORMAT_FIELD_NUMBER: _builtins.int
+    PURGE_GRACE_MS_FIELD_NUMBER: _builtins.int
     MKDIR_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
     RENAME_FIELD_NUMBER: _builtins.int
@@ -3334,6 +3335,10 @@ class MetaOp(_message.Message):
     OP_FORMAT). A replica whose code applies an older format stops instead
     of applying the entry its own way (docs/operations.md, "Upgrading meta
     replicas"). 0: entries of versions before this field.
+    """
+    purge_grace_ms: _builtins.int
+    """Group purges this op records are listed this long after it (meta's
+    purge_grace, at most gc_grace). Stamped like gc_grace_ms.
     """
     @_builtins.property
     def caller(self) -> Global___Caller: ...
@@ -3433,6 +3438,7 @@ class MetaOp(_message.Message):
         kv_default_pool: Global___CreateKVPoolRequest | None = ...,
         kv_planned: _builtins.bool = ...,
         min_format: _builtins.int = ...,
+        purge_grace_ms: _builtins.int = ...,
         mkdir: Global___MkdirRequest | None = ...,
         create: Global___CreateRequest | None = ...,
         rename: Global___RenameRequest | None = ...,
@@ -3470,7 +3476,7 @@ class MetaOp(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "label_node", b"label_node", "mark_fragments", b"mark_fragments", "mkdir", b"mkdir", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "redirect_moves", b"redirect_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "rebalance_moves", b"rebalance_moves", "redirect_moves", b"redirect_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_write", b"abort_write", "ack_gc", b"ack_gc", "add_groups", b"add_groups", "add_user", b"add_user", "body", b"body", "caller", b"caller", "client_id", b"client_id", "commit_write", b"commit_write", "create", b"create", "create_kv_pool", b"create_kv_pool", "drain_node", b"drain_node", "finish_rebuild", b"finish_rebuild", "gc_grace_ms", b"gc_grace_ms", "heartbeat", b"heartbeat", "issue_token", b"issue_token", "kv_default_pool", b"kv_default_pool", "kv_groups", b"kv_groups", "kv_planned", b"kv_planned", "label_node", b"label_node", "lease_ms", b"lease_ms", "mark_fragments", b"mark_fragments", "min_format", b"min_format", "mkdir", b"mkdir", "now_ns", b"now_ns", "open_write", b"open_write", "purge_grace_ms", b"purge_grace_ms", "rebalance_moves", b"rebalance_moves", "redirect_moves", b"redirect_moves", "register_node", b"register_node", "remove_kv_pool", b"remove_kv_pool", "remove_node", b"remove_node", "remove_target", b"remove_target", "remove_user", b"remove_user", "rename", b"rename", "renew_lease", b"renew_lease", "request_id", b"request_id", "revoke_token", b"revoke_token", "rmdir", b"rmdir", "set_layout", b"set_layout", "setattr", b"setattr", "symlink", b"symlink", "tick", b"tick", "truncate", b"truncate", "undrain_node", b"undrain_node", "unlink", b"unlink"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["mkdir", "create", "rename", "unlink", "rmdir", "symlink", "setattr", "truncate", "set_layout", "open_write", "renew_lease", "commit_write", "abort_write", "register_node", "heartbeat", "ack_gc", "tick", "finish_rebuild", "remove_target", "drain_node", "remove_node", "mark_fragments", "create_kv_pool", "remove_kv_pool", "add_user", "remove_user", "issue_token", "revoke_token", "label_node", "add_groups", "rebalance_moves", "kv_groups", "undrain_node", "redirect_moves"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
