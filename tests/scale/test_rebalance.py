@@ -106,7 +106,8 @@ async def grow_and_rebalance(cl: Any, grow: Callable[[int], None], disk: Callabl
         # (group purges), with no scrub: the bytes on disk are balanced
         # before any scrub runs (until stop 54 the old copies stayed until
         # a scrub pass, an hour apart by default, found them as orphans).
-        purge_end = time.monotonic() + 30
+        purge_start = time.monotonic()
+        purge_end = purge_start + 30
         while True:
             pending = (await rebalance_status(meta)).purges_pending
             on_disk = disk(after)
@@ -115,6 +116,7 @@ async def grow_and_rebalance(cl: Any, grow: Callable[[int], None], disk: Callabl
                 break
             assert time.monotonic() < purge_end, f"old copies not deleted: {pending} purges pending, {on_disk}"
             await asyncio.sleep(0.3)
+        old_copies_gone = time.monotonic() - purge_start
         await scrub_cluster(meta, timeout=120)  # what else is left (the checker's aborted writes)
         again = await scrub_cluster(meta, timeout=120)
         assert again["total"]["orphans"] == 0 and again["clean"], again["total"]
@@ -131,7 +133,7 @@ async def grow_and_rebalance(cl: Any, grow: Callable[[int], None], disk: Callabl
         minimum = stored * len(new_targets) / len(on_disk)
         return {"seconds": seconds, "grow_seconds": grown, "bytes_moved": st.bytes_moved, "moves": st.moves_done, "stored": stored,
                 "minimum": minimum, "moved_over_minimum": st.bytes_moved / minimum, "spread": spread,
-                "checker_reads": ck.reads, "checker_writes": ck.writes}
+                "checker_reads": ck.reads, "checker_writes": ck.writes, "old_copies_gone_s": old_copies_gone}
 
 
 @pytest.mark.timeout(180)
