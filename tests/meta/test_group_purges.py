@@ -35,6 +35,16 @@ def _move(d: Driver, gid: int, position: int, old: int, new: int) -> pb.Rebalanc
         group_id=gid, position=position, old_target=old, new_target=new)]), pb.RebalanceMovesReply)
 
 
+def _fill_and_redirect(d: Driver, gid: int, full: int, new: int) -> pb.RebalanceMovesReply:
+    """``full``'s node reports it full; the move of position 1 onto it is
+    redirected to ``new``."""
+    node = d.sm.targets[full].node
+    d.do("heartbeat", pb.HeartbeatRequest(node_id=node, targets=[pb.TargetReport(
+        target_id=full, state=pb.TARGET_STATE_READ_ONLY)]))
+    return d.do("redirect_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=1, old_target=full, new_target=new)]), pb.RebalanceMovesReply)
+
+
 def _ack(d: Driver, purges: list[pb.GroupPurge]) -> int:
     return d.do("ack_gc", pb.AckGCRequest(purged=purges), pb.AckGCReply).purges_acked
 
@@ -85,12 +95,7 @@ def test_a_redirect_purges_the_full_member_at_once_and_the_source_when_the_copy_
     src = members[1]
     full, other, *_ = [t for t in sorted(d.sm.targets) if t not in members]
     _move(d, gid, 1, src, full)
-    node = d.sm.targets[full].node
-    d.do("heartbeat", pb.HeartbeatRequest(node_id=node, targets=[pb.TargetReport(
-        target_id=full, state=pb.TARGET_STATE_READ_ONLY)]))
-    r = d.do("redirect_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
-        group_id=gid, position=1, old_target=full, new_target=other)]), pb.RebalanceMovesReply)
-    assert r.applied == 1
+    assert _fill_and_redirect(d, gid, full, other).applied == 1
     # The full member's partial copy goes; the source keeps serving.
     assert set(d.sm.purges) == {full} and set(d.sm.purges[full]) == {(gid, 1)}
     d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=gid, target_id=other))
@@ -158,12 +163,7 @@ def test_a_move_redirected_back_onto_its_source_purges_only_the_full_member() ->
     src = members[1]
     full = next(t for t in sorted(d.sm.targets) if t not in members)
     _move(d, gid, 1, src, full)
-    node = d.sm.targets[full].node
-    d.do("heartbeat", pb.HeartbeatRequest(node_id=node, targets=[pb.TargetReport(
-        target_id=full, state=pb.TARGET_STATE_READ_ONLY)]))
-    r = d.do("redirect_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
-        group_id=gid, position=1, old_target=full, new_target=src)]), pb.RebalanceMovesReply)
-    assert r.applied == 1 and d.sm.groups[gid][1] == src
+    assert _fill_and_redirect(d, gid, full, src).applied == 1 and d.sm.groups[gid][1] == src
     d.do("finish_rebuild", pb.FinishRebuildRequest(group_id=gid, target_id=src))
     assert set(d.sm.purges) == {full}
 

@@ -406,6 +406,20 @@ def test_a_redirect_that_would_leave_too_few_members_is_not_made() -> None:
     assert d.sm.redirectable_moves() == [(gid, 0, spare)]
 
 
+def _moving_onto_a_spare(d: Driver) -> tuple[int, list[int], int]:
+    """8 targets, a 4 MiB ec:4+2 file, and its group's position 0 moving
+    onto the lowest spare target: (group, members before, spare)."""
+    d.register(8, 1)
+    d.create("/f", stripe_width=1)
+    d.write("/f", 4 << 20, [0])
+    gid = d.stat("/f").layout.groups[0]
+    members = list(d.sm.groups[gid])
+    spare = min(t for t in d.sm.targets if t not in members)
+    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
+        group_id=gid, position=0, old_target=members[0], new_target=spare)]), pb.RebalanceMovesReply)
+    return gid, members, spare
+
+
 @pytest.mark.timeout(60)
 def test_the_rebalancer_redirects_a_move_stuck_on_a_full_member_after_redirect_after() -> None:
     """The leader's rounds: a move whose new member turned full is named
@@ -417,14 +431,7 @@ def test_the_rebalancer_redirects_a_move_stuck_on_a_full_member_after_redirect_a
     from tierfs.meta.rebalance import Rebalancer
 
     d = Driver()
-    d.register(8, 1)
-    d.create("/f", stripe_width=1)
-    d.write("/f", 4 << 20, [0])
-    gid = d.stat("/f").layout.groups[0]
-    members = list(d.sm.groups[gid])
-    spare = min(t for t in d.sm.targets if t not in members)
-    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
-        group_id=gid, position=0, old_target=members[0], new_target=spare)]), pb.RebalanceMovesReply)
+    gid, members, spare = _moving_onto_a_spare(d)
     _full(d, spare)
     clock = [100.0]
 
@@ -471,14 +478,7 @@ def test_a_new_leader_goes_on_counting_the_redirect_from_the_state() -> None:
 
     d = Driver()
     d.min_format = FULL_SINCE_FORMAT
-    d.register(8, 1)
-    d.create("/f", stripe_width=1)
-    d.write("/f", 4 << 20, [0])
-    gid = d.stat("/f").layout.groups[0]
-    members = list(d.sm.groups[gid])
-    spare = min(t for t in d.sm.targets if t not in members)
-    d.do("rebalance_moves", pb.RebalanceMovesRequest(moves=[pb.RebalanceMove(
-        group_id=gid, position=0, old_target=members[0], new_target=spare)]), pb.RebalanceMovesReply)
+    gid, members, spare = _moving_onto_a_spare(d)
     d.advance(3)
     _full(d, spare)
     full_at = d.sm.targets[spare].full_since
