@@ -11,7 +11,7 @@ import pytest
 from google.protobuf.message import Message
 
 from tests.meta.meta_helpers import Driver
-from tierfs.meta.rebalance import Rebalancer, move_input, plan_moves
+from tierfs.meta.rebalance import NO_ROOM_RECHECK, Rebalancer, move_input, plan_moves
 from tierfs.meta.replace import plan_replacements, replace_input
 from tierfs.meta.state import PURGE_FORMAT, MetaStateMachine
 from tierfs.proto.v1 import meta_pb2 as pb
@@ -175,7 +175,8 @@ def test_the_rebalancer_plans_only_moves_that_fit_the_new_member_s_free_space() 
     less free space than a group holds would get the move, fill up, have it
     redirected and purged, have room again, and be chosen again, without
     end. The rebalancer keeps only the moves that fit what the target's node
-    last reported free, counting the moves in flight onto it."""
+    last reported free, counting the moves in flight onto it; a round that
+    kept none plans again NO_ROOM_RECHECK later."""
     d = Driver()
     d.register(6, 1)
     d.create("/f", stripe_width=6)
@@ -189,14 +190,18 @@ def test_the_rebalancer_plans_only_moves_that_fit_the_new_member_s_free_space() 
         return d.do(kind, req, reply_cls)
 
     async def rounds() -> None:
-        rb = Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=0, free=lambda: free)
+        now = [1000.0]
+        rb = Rebalancer(lambda: d.sm, submit, lambda: True, redirect_after=0, free=lambda: free,
+                        clock=lambda: now[0])
         rb.trigger()
         held = max(d.sm.gbytes.values())
         free[new] = held - 1  # less than a group holds
         await rb.step()
         assert all(mv[0] != new for mv in d.sm.moving.values())
         free[new] = 2 * held + 1  # room for two of them
-        rb.trigger()  # nothing planned went idle; a join or a return starts it again
+        await rb.step()
+        assert all(mv[0] != new for mv in d.sm.moving.values())  # idle until the recheck
+        now[0] += NO_ROOM_RECHECK
         await rb.step()
         onto = [g for g, mv in d.sm.moving.items() if mv[0] == new]
         assert len(onto) == 2, d.sm.moving

@@ -58,6 +58,10 @@ __all__ = ["Rebalancer", "balance", "groups_being_written", "plan_moves", "plan_
 
 log = logging.getLogger("tierfs.meta.rebalance")
 
+#: Seconds before a round that left out every move for want of room on its
+#: new member plans again (no join or return need start it).
+NO_ROOM_RECHECK = 60.0
+
 #: Groups one AddGroups op carries (its list cap, tierfs.meta.ops).
 GROUPS_PER_OP = MAX_GROUPS_PER_OP
 #: Rounds one top-up plans at most when its ops go stale (the map moved
@@ -210,6 +214,7 @@ class Rebalancer(BackgroundLoop):
         self._wake = asyncio.Event()
         self._p = _Progress()
         self._active = False
+        self._recheck_at: float | None = None  # when to plan again after moves that did not fit
         self._led = False  # leading at the last round
 
     # ---- group top-up --------------------------------------------------------
@@ -275,6 +280,9 @@ class Rebalancer(BackgroundLoop):
             sm = self._state()
             # A new leader picks up moves in flight; groups breaking the
             # rack rule (labels, racks that appeared) are always fixed.
+            if not self._active and self._recheck_at is not None and self._clock() >= self._recheck_at:
+                self._active = True  # moves left out for want of room: is there room now?
+                self._recheck_at = None
             if not (self._active or sm.moving or sm.rule_violations()):
                 self._p.planned = []
                 return 0
@@ -291,10 +299,14 @@ class Rebalancer(BackgroundLoop):
             skipped = (self._unreported(sm) if self._unreported is not None else set()) & set(inp.eligible)
             if skipped:
                 inp = replace(inp, eligible={t: n for t, n in inp.eligible.items() if t not in skipped})
-            moves = self._fit(sm, await asyncio.to_thread(plan_moves, inp, self.tolerance), inp.group_bytes)
+            wanted = await asyncio.to_thread(plan_moves, inp, self.tolerance)
+            moves = self._fit(sm, wanted, inp.group_bytes)
             self._p.planned, self._p.plan_version = moves, inp.map_version
             if not moves and not sm.moving and not skipped:
                 self._active = False  # balanced (or as close as the rule allows)
+                # Moves left out for want of room on their new member:
+                # plan again later (that target may have room by then).
+                self._recheck_at = self._clock() + NO_ROOM_RECHECK if wanted else None
             held = self._hold(sm, moves)
             if room <= 0 or not moves:
                 return 0
