@@ -224,3 +224,16 @@ def test_the_leader_stamps_the_purge_grace_never_above_the_gc_grace(purge: float
     svc = MetaServicer(LocalReplicator(MetaStateMachine()), gc_grace=gc, purge_grace=purge)
     op = svc._op("mkdir", pb.MkdirRequest(loc=pb.Loc(path="/x")))
     assert op.purge_grace_ms == stamped and op.gc_grace_ms == int(gc * 1000)
+
+
+def test_rebalance_status_names_the_old_copies_still_to_delete() -> None:
+    """`tierfs rebalance status` says how many purges wait (and --json
+    gives purges_pending); nothing when there are none."""
+    from tierfs.cli.rebalance import render_rebalance, status_dict
+
+    st = pb.RebalanceStatus(enabled=True, targets=6, balance_max_over_mean=1.0, purges_pending=3)
+    r = status_dict(st)
+    assert r["purges_pending"] == 3
+    assert "old copies to delete: 3 group position(s)" in render_rebalance(r)
+    st.purges_pending = 0
+    assert "old copies" not in render_rebalance(status_dict(st))

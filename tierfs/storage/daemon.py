@@ -766,6 +766,9 @@ class StorageNode:
             except TierFSError as err:
                 self.counters["gc_errors"] += 1
                 log.warning("gc round failed: %s", err)
+            except Exception:  # a bug must not stop GC and purges on this node for good
+                self.counters["gc_errors"] += 1
+                log.exception("gc round failed")
             await asyncio.sleep(self.cfg.gc_interval)
 
     async def gc_once(self) -> int:
